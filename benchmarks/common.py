@@ -1,0 +1,102 @@
+"""Shared helpers for the benchmark suites: machine record, timing, tables, JSON.
+
+Every suite returns a dict ``{"suite": name, "rows": [...], "notes": [...]}``; ``save``
+adds the machine record and writes ``<out>/<suite>.json`` and ``<out>/<suite>.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def machine_record() -> dict:
+    """What ran the benchmark: CPU, cores, GPU if any, and package versions."""
+    rec = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": _cpu_name(),
+        "cores": os.cpu_count(),
+        "versions": {},
+    }
+    for mod in ("numpy", "numba", "torch", "zstandard", "transformers", "cupy", "constriction", "zipnn"):
+        try:
+            rec["versions"][mod] = __import__(mod).__version__
+        except Exception:  # a peer that is not installed is simply not recorded
+            pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            rec["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return rec
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def best_time(fn, *, repeat: int = 5, min_time: float = 0.0) -> float:
+    """Best wall time of ``repeat`` calls (seconds); one untimed warm-up call first (JIT)."""
+    fn()
+    best = float("inf")
+    t_end = time.perf_counter() + min_time
+    n = 0
+    while n < repeat or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        n += 1
+    return best
+
+
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    if not rows:
+        return "(no rows)\n"
+    columns = columns or list(rows[0].keys())
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(out) + "\n"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        if abs(v) >= 100:
+            return f"{v:.1f}"
+        if abs(v) >= 1:
+            return f"{v:.3f}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def save(result: dict, out_dir: str | os.PathLike, columns: list[str] | None = None) -> Path:
+    """Write ``<suite>.json`` (rows + machine) and ``<suite>.md``; print the table. Returns the JSON path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = dict(result)
+    result.setdefault("machine", machine_record())
+    result.setdefault("notes", [])
+    name = result["suite"]
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2, default=float))
+    table = markdown_table(result["rows"], columns)
+    md = f"## {name}\n\n{table}\n" + "".join(f"- {n}\n" for n in result["notes"])
+    (out / f"{name}.md").write_text(md)
+    print(md)
+    return path

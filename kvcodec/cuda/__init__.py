@@ -1,0 +1,1 @@
+"""kvcodec.cuda"""
