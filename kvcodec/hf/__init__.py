@@ -1,1 +1,22 @@
-"""kvcodec.hf"""
+"""kvcodec.hf: a Hugging Face ``transformers`` cache that holds compressed K/V and attends on it.
+
+    from kvcodec.hf import CompressedCache
+    cache = CompressedCache(model, method="turboquant", key_bits=4, value_bits=3)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    cache.nbytes(), cache.memory_report(), cache.save("prefix.kvc")
+"""
+
+from kvcodec.hf.attention import NAME, compressed_attention, disable, enable, register
+from kvcodec.hf.cache import CompressedCache, CompressedLayer
+from kvcodec.hf.methods import METHODS
+
+__all__ = [
+    "CompressedCache",
+    "CompressedLayer",
+    "METHODS",
+    "NAME",
+    "compressed_attention",
+    "disable",
+    "enable",
+    "register",
+]

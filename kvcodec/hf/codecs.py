@@ -1,0 +1,147 @@
+"""Per-layer token codecs: how one block of keys or values [B, H, T, D] is held compressed.
+
+Every codec answers the same few questions about a block it encoded, so the cache and the
+attention function never look inside a block:
+
+* ``encode(x)`` -> block, ``decode(block)`` -> float32 [B, H, T, D];
+* ``scores(block, q)`` -> q @ k^T [B, H, Q, T] and ``weighted_sum(block, w)`` -> w @ v
+  [B, H, Q, D], both float32 and computed from the compressed form where the codec can;
+* ``nbytes(block)``, ``length(block)``, ``truncate(block, n)`` (keep the first n tokens, for
+  ``crop``), ``select(block, idx)`` (batch rows, for beam search and batch filtering);
+* ``state(block)`` / ``restore(meta, tensors)`` for saving a cache (persist.py).
+
+``decoded_attention`` tells the attention function to attend over decoded K/V with SDPA instead
+(lossless and full-precision codecs: their decode is exact, so this reproduces DynamicCache
+bit for bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcodec.errors import CorruptStreamError
+
+
+class ExactCodec:
+    """Keeps blocks uncompressed in the model dtype: the reference the others are measured against."""
+
+    name = "none"
+    decoded_attention = True
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous()
+
+    def decode(self, block: torch.Tensor) -> torch.Tensor:
+        return block
+
+    def scores(self, block: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return q @ block.float().transpose(-1, -2)
+
+    def weighted_sum(self, block: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w @ block.float()
+
+    def nbytes(self, block: torch.Tensor) -> int:
+        return block.numel() * block.element_size()
+
+    def length(self, block: torch.Tensor) -> int:
+        return block.shape[-2]
+
+    def truncate(self, block: torch.Tensor, n: int) -> torch.Tensor:
+        return block[..., :n, :].contiguous()
+
+    def select(self, block: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return block.index_select(0, idx.to(block.device))
+
+    def side_nbytes(self) -> int:
+        return 0
+
+    def state(self, block: torch.Tensor) -> tuple[dict, dict]:
+        return {}, {"x": block}
+
+    def restore(self, meta: dict, tensors: dict) -> torch.Tensor:
+        return _require(tensors, "x")
+
+
+@dataclass
+class LosslessBlock:
+    """One bit-exact compressed blob per batch row (so beam reorders only permute blobs)."""
+
+    blobs: list
+    length: int
+    device: torch.device
+
+
+class LosslessCodec:
+    """Bit-exact blocks through ``kvcodec.lossless.api`` (entropy-coded bf16/fp16 KV)."""
+
+    name = "lossless"
+    decoded_attention = True
+
+    def __init__(self):
+        from kvcodec.lossless import api  # imported here: the lossless package is optional at import time
+
+        self._api = api
+
+    def encode(self, x: torch.Tensor) -> LosslessBlock:
+        cpu = x.detach().to("cpu").contiguous()
+        blobs = [self._api.compress(cpu[b : b + 1].contiguous(), layout="kv") for b in range(cpu.shape[0])]
+        return LosslessBlock(blobs, x.shape[-2], x.device)
+
+    def decode(self, block: LosslessBlock) -> torch.Tensor:
+        rows = [self._api.decompress(blob) for blob in block.blobs]
+        return torch.cat([torch.as_tensor(r) for r in rows], dim=0).to(block.device)
+
+    def scores(self, block: LosslessBlock, q: torch.Tensor) -> torch.Tensor:
+        return q @ self.decode(block).float().transpose(-1, -2)
+
+    def weighted_sum(self, block: LosslessBlock, w: torch.Tensor) -> torch.Tensor:
+        return w @ self.decode(block).float()
+
+    def nbytes(self, block: LosslessBlock) -> int:
+        return sum(len(b) for b in block.blobs)
+
+    def length(self, block: LosslessBlock) -> int:
+        return block.length
+
+    def truncate(self, block: LosslessBlock, n: int) -> LosslessBlock:
+        return self.encode(self.decode(block)[..., :n, :])
+
+    def select(self, block: LosslessBlock, idx: torch.Tensor) -> LosslessBlock:
+        order = [int(i) for i in idx.tolist()]
+        return LosslessBlock([block.blobs[i] for i in order], block.length, block.device)
+
+    def side_nbytes(self) -> int:
+        return 0
+
+    def state(self, block: LosslessBlock) -> tuple[dict, dict]:
+        tensors = {f"row{i}": b for i, b in enumerate(block.blobs)}
+        return {"rows": len(block.blobs), "length": block.length}, tensors
+
+    def restore(self, meta: dict, tensors: dict) -> LosslessBlock:
+        rows = _int(meta, "rows")
+        blobs = [bytes(_require(tensors, f"row{i}")) for i in range(rows)]
+        block = LosslessBlock(blobs, _int(meta, "length"), torch.device("cpu"))
+        try:
+            x = self.decode(block)
+        except CorruptStreamError:
+            raise
+        except Exception as exc:  # a blob the lossless codec cannot parse is a corrupt cache file
+            raise CorruptStreamError(f"lossless KV block does not decode: {exc}") from exc
+        if x.ndim != 4 or x.shape[-2] != block.length:
+            raise CorruptStreamError("lossless KV block has the wrong shape")
+        return block
+
+
+def _require(tensors: dict, name: str):
+    if name not in tensors:
+        raise CorruptStreamError(f"saved KV block lacks section {name!r}")
+    return tensors[name]
+
+
+def _int(meta: dict, name: str) -> int:
+    value = meta.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CorruptStreamError(f"saved KV block has a bad {name!r}: {value!r}")
+    return value

@@ -1,0 +1,115 @@
+"""Cache configuration: validate the user's choices once, at construction, and build per-layer codecs.
+
+Every bad argument (unknown method, bits out of range, head_dim a quantizer cannot take,
+sliding-window layers) raises ``ValueError`` here, before any token is seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcodec.hf.codecs import ExactCodec, LosslessCodec
+
+QUANT_METHODS = ("turboquant", "qjl", "kivi")
+METHODS = QUANT_METHODS + ("lossless", "none")
+KEY_MODES = ("mse", "prod")
+MIN_BITS, MAX_BITS = 1, 8
+
+
+@dataclass
+class CacheSpec:
+    """Everything needed to rebuild a cache's codecs (saved alongside a persisted cache)."""
+
+    method: str
+    key_bits: int
+    value_bits: int
+    key_mode: str
+    residual: int
+    block_size: int
+    sink: int
+    outliers: int
+    seed: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    extra: dict = field(default_factory=dict)
+
+    def options(self) -> dict:
+        """The constructor arguments that reproduce this spec (for save/load)."""
+        return {
+            "method": self.method,
+            "key_bits": self.key_bits,
+            "value_bits": self.value_bits,
+            "key_mode": self.key_mode,
+            "residual": self.residual,
+            "block_size": self.block_size,
+            "sink": self.sink,
+            "outliers": self.outliers,
+            "seed": self.seed,
+        }
+
+    def make_codecs(self, layer_idx: int):
+        """(key codec, value codec) for one layer; quantizers get a per-layer seed."""
+        if self.method == "none":
+            return ExactCodec(), ExactCodec()
+        if self.method == "lossless":
+            return LosslessCodec(), LosslessCodec()
+        from kvcodec.hf.quant_codecs import make_quant_codecs
+
+        return make_quant_codecs(self, layer_idx)
+
+
+def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ValueError(f"{name} must be {rng}, got {value}")
+    return value
+
+
+def model_shape(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a decoder config; ValueError for unsupported layouts."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    try:
+        n_layers = int(config.num_hidden_layers)
+        n_heads = int(config.num_attention_heads)
+        n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    except AttributeError as exc:
+        raise ValueError(f"config does not describe a decoder-only attention model: {exc}") from exc
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise ValueError(f"CompressedCache supports full-attention layers only; this model also has {other}")
+    if n_heads % n_kv:
+        raise ValueError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+    return n_layers, n_kv, int(head_dim)
+
+
+def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed) -> CacheSpec:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if key_mode not in KEY_MODES:
+        raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+    value_bits = key_bits if value_bits is None else value_bits
+    key_bits = _int_arg("key_bits", key_bits, MIN_BITS, MAX_BITS)
+    value_bits = _int_arg("value_bits", value_bits, MIN_BITS, MAX_BITS)
+    residual = _int_arg("residual", residual, 0)
+    sink = _int_arg("sink", sink, 0)
+    outliers = _int_arg("outliers", outliers, 0)
+    seed = _int_arg("seed", seed, 0)
+    if block_size is None:
+        block_size = residual if residual > 0 else 64
+    block_size = _int_arg("block_size", block_size, 1)
+    n_layers, n_kv, head_dim = model_shape(config)
+    if outliers >= head_dim:
+        raise ValueError(f"outliers must be < head_dim ({head_dim}), got {outliers}")
+    spec = CacheSpec(method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed,
+                     n_layers, n_kv, head_dim)
+    if method in QUANT_METHODS:
+        spec.make_codecs(0)  # surfaces the quantizer's own ValueError (e.g. head_dim it cannot rotate) now
+    elif method == "lossless":
+        spec.make_codecs(0)  # fails now if the lossless codec is not importable
+    return spec
