@@ -1,0 +1,200 @@
+"""Bit-exact integer CDF of the quantized Gaussian/Laplace(+uniform) models.
+
+Encoder and decoder (the pure-Python reference and the numba coder alike) call these
+same functions, so the frequencies that decide the bits are integers computed the same
+way on every machine. Everything is int64 arithmetic; bounds are noted where a product
+could grow (no intermediate exceeds 2**62).
+
+Fixed-point grid (the "quantize on entry" of the model classes):
+  * mean in 1/256 symbol units (``mean_q``),
+  * scale on a log grid: ``sidx = round(32*log2(scale))``, scale = 2**(sidx/32),
+    sidx in [SIDX_MIN, SIDX_MAX] (scale 2**-8 .. 2**24),
+  * probabilities in Q31 (``ONE = 2**31``), coded frequencies in Q16 (``PRECISION``).
+
+Coding layout of one symbol x in [lo, hi] (see docs/range_coder.md):
+  * buckets of 2**j symbols, j = max(0, floor(log2 scale) - 3), so a bucket is at most
+    1/8 of the scale and the in-bucket distribution is nearly flat;
+  * a window of buckets around the mean (K scales each side) is coded directly, one
+    token per bucket, every token frequency >= 1; the rest of the alphabet is one escape
+    token followed by the index among the outside symbols in raw bits;
+  * then the offset inside the bucket in j raw bits.
+So the alphabet can be 2**30 symbols while no table is alphabet-sized and a token search
+touches at most ~390 tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import _tables
+
+PRECISION = 16  # token frequencies sum to 2**16
+ONE = 1 << _tables.ONE_BITS  # Q31 probability one
+MEAN_FRAC_BITS = 8
+SIDX_MIN = -8 * _tables.SCALE_STEPS
+SIDX_MAX = 24 * _tables.SCALE_STEPS
+Z_BITS = 16  # standardized distance |x - mean| / scale in Q16
+MAX_ABS_D = 1 << 41  # |x - mean| in 1/256 units is clamped here (z would be off the tables anyway)
+WEIGHT_ONE = 1 << 16  # mixture weight of the uniform component in Q16
+MAX_ALPHABET = 1 << 30
+
+GAUSSIAN = 0
+LAPLACE = 1
+WINDOW_SCALES = (8, 12)  # window half-width in scales: Gaussian tail 6e-16, Laplace 3e-6
+
+_GAUSS = np.array(_tables.GAUSS_TAIL, dtype=np.int64)
+_LAPLACE = np.array(_tables.LAPLACE_TAIL, dtype=np.int64)
+_INV_MANT = np.array(_tables.INV_MANTISSA, dtype=np.int64)
+_INTERP_BITS = Z_BITS - _tables.STEP_BITS
+_INTERP_MASK = (1 << _INTERP_BITS) - 1
+_GAUSS_K, _LAPLACE_K = WINDOW_SCALES
+
+
+@njit(cache=True)
+def tail_q31(fam, zq):
+    """Upper-tail mass P(Z > z) in Q31 for z = zq / 2**16 >= 0, by integer interpolation."""
+    tab = _GAUSS if fam == GAUSSIAN else _LAPLACE
+    i = zq >> _INTERP_BITS
+    if i >= tab.shape[0] - 1:
+        return 0
+    a = tab[i]
+    return a - (((a - tab[i + 1]) * (zq & _INTERP_MASK)) >> _INTERP_BITS)
+
+
+@njit(cache=True)
+def cdf_q31(d, sidx, fam):
+    """P(X < mean + d/256) in Q31: non-decreasing in d, exactly symmetric about the mean."""
+    e = sidx >> 5
+    ad = -d if d < 0 else d
+    if ad > MAX_ABS_D:
+        ad = MAX_ABS_D
+    zq = (ad * _INV_MANT[sidx & 31]) >> (MEAN_FRAC_BITS + e)  # e >= -8: shift >= 0; product < 2**58
+    t = tail_q31(fam, zq)
+    return t if d < 0 else ONE - t
+
+
+@njit(cache=True)
+def bucket_mass(b, lo, j, nsym, nb, mean_q, sidx, wq, fam):
+    """Model mass (Q31) of all symbols below bucket b; tails beyond [lo, hi] fold into the end buckets."""
+    if b <= 0:
+        return 0
+    if b >= nb:
+        return ONE
+    cnt = b << j  # symbols below bucket b (< nsym <= 2**30)
+    g = cdf_q31(((lo + cnt) << MEAN_FRAC_BITS) - (1 << (MEAN_FRAC_BITS - 1)) - mean_q, sidx, fam)
+    if wq != 0:
+        u = (cnt * ONE) // nsym  # uniform component, < 2**61
+        g = ((WEIGHT_ONE - wq) * g + wq * u) >> 16
+    return g
+
+
+@njit(cache=True)
+def symbol_frame(lo, hi, mean_q, sidx, wq, fam):
+    """Per-symbol layout: (j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass)."""
+    nsym = hi - lo + 1
+    e = sidx >> 5
+    j = e - 3 if e > 3 else 0
+    nb = ((nsym - 1) >> j) + 1
+    c = (mean_q + (1 << (MEAN_FRAC_BITS - 1))) >> MEAN_FRAC_BITS
+    if c < lo:
+        c = lo
+    elif c > hi:
+        c = hi
+    cb = (c - lo) >> j
+    sh = e + 1
+    if sh < 0:
+        sh = 0
+    elif sh > 4:
+        sh = 4
+    h = ((_GAUSS_K if fam == GAUSSIAN else _LAPLACE_K) << sh) + 1
+    wl = cb - h if cb > h else 0
+    wh = cb + h if cb + h < nb - 1 else nb - 1
+    esc = 1 if (wl > 0 or wh < nb - 1) else 0
+    ntok = esc + wh - wl + 1
+    mfree = (1 << PRECISION) - ntok
+    g_wl = bucket_mass(wl, lo, j, nsym, nb, mean_q, sidx, wq, fam)
+    esc_mass = 0
+    if esc:
+        esc_mass = g_wl + ONE - bucket_mass(wh + 1, lo, j, nsym, nb, mean_q, sidx, wq, fam)
+    return (j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass)
+
+
+@njit(cache=True)
+def token_cum(t, fr, lo, mean_q, sidx, wq, fam):
+    """Cumulative frequency (Q16) below token t in [0, ntok]; every token gets >= 1."""
+    j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass = fr
+    if esc:
+        if t == 0:
+            return 0
+        a = esc_mass + bucket_mass(wl + t - 1, lo, j, nsym, nb, mean_q, sidx, wq, fam) - g_wl
+    else:
+        a = bucket_mass(wl + t, lo, j, nsym, nb, mean_q, sidx, wq, fam) - g_wl
+    return t + ((a * mfree) >> _tables.ONE_BITS)
+
+
+@njit(cache=True)
+def bit_length(v):
+    n = 0
+    while v > 0:
+        v >>= 1
+        n += 1
+    return n
+
+
+@njit(cache=True)
+def split_symbol(x, fr, lo):
+    """x -> (token, raw value, raw bit count)."""
+    j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass = fr
+    off = x - lo
+    b = off >> j
+    if b >= wl and b <= wh:
+        return esc + b - wl, off & ((1 << j) - 1), j
+    top = (wh + 1) << j
+    if top > nsym:
+        top = nsym
+    n_out = (wl << j) + nsym - top
+    idx = off if b < wl else (wl << j) + off - top
+    return 0, idx, bit_length(n_out - 1)
+
+
+@njit(cache=True)
+def escape_bits(fr):
+    """(number of symbols outside the window, raw bits for the escape index)."""
+    j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass = fr
+    top = (wh + 1) << j
+    if top > nsym:
+        top = nsym
+    n_out = (wl << j) + nsym - top
+    return n_out, bit_length(n_out - 1)
+
+
+@njit(cache=True)
+def join_symbol(t, raw, fr, lo):
+    """(token, raw value) -> x, or lo - 1 when the pair lies outside the model's support."""
+    j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass = fr
+    if esc and t == 0:
+        n_out, nbits = escape_bits(fr)
+        if raw >= n_out:
+            return lo - 1
+        if raw < (wl << j):
+            return lo + raw
+        return lo + ((wh + 1) << j) + raw - (wl << j)
+    off = ((wl + t - esc) << j) + raw
+    if off >= nsym:
+        return lo - 1
+    return lo + off
+
+
+@njit(cache=True)
+def find_token(v, fr, lo, mean_q, sidx, wq, fam):
+    """Largest token t with token_cum(t) <= v (v < 2**16): binary search, ~9 CDF points."""
+    ntok = fr[6]
+    a, b = 0, ntok  # token_cum(a) <= v < token_cum(b)
+    while b - a > 1:
+        m = (a + b) >> 1
+        if token_cum(m, fr, lo, mean_q, sidx, wq, fam) <= v:
+            a = m
+        else:
+            b = m
+    return a

@@ -1,0 +1,193 @@
+"""Quantized Gaussian and Laplace models with per-symbol mean and scale, plus a uniform mixture.
+
+P(k) is the model mass of [k - 1/2, k + 1/2); the tails beyond [lo, hi] fold into the end
+symbols. Parameters are quantized on entry (mean to 1/256, scale to a 32-steps-per-octave
+log grid) by exact float operations (rint, frexp, comparisons), so the same float inputs
+give the same integer model on any machine; from there everything is integer
+(``_qmath``). Callers that want bit-exactness across devices whose float predictions
+may differ should store ``mean_q``/``scale_idx``/``weight_q`` and rebuild with
+``QuantizedModel.from_quantized``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from . import _qmath as q
+from . import _tables
+from .base import Model, decode_raw, raw_steps
+
+_THRESHOLDS = np.array(_tables.SCALE_THRESHOLDS, dtype=np.float64)
+_FAMILY_NAMES = {q.GAUSSIAN: "Gaussian", q.LAPLACE: "Laplace"}
+
+
+def _as_1d(x, name: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim > 1:
+        raise ValueError(f"{name} must be a scalar or a 1-D array, got shape {a.shape}")
+    return a.reshape(-1)
+
+
+def quantize_mean(mean, lo: int, hi: int) -> np.ndarray:
+    """Mean in 1/256 symbol units (int64), clamped to 2**31 symbols outside [lo, hi]."""
+    m = _as_1d(mean, "mean").astype(np.float64)
+    if not np.all(np.isfinite(m)):
+        raise ValueError("mean must be finite")
+    m = np.clip(m, lo - 2.0**31, hi + 2.0**31)
+    return np.rint(m * (1 << q.MEAN_FRAC_BITS)).astype(np.int64)
+
+
+def quantize_scale(scale) -> np.ndarray:
+    """round(32*log2(scale)) computed exactly (frexp + comparisons), clamped to [2**-8, 2**24]."""
+    s = _as_1d(scale, "scale").astype(np.float64)
+    if not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise ValueError("scale must be finite and > 0")
+    mant, expo = np.frexp(s)  # s = mant * 2**expo, mant in [0.5, 1)
+    k = np.searchsorted(_THRESHOLDS, 2.0 * mant, side="right")
+    sidx = (expo.astype(np.int64) - 1) * _tables.SCALE_STEPS + k
+    return np.clip(sidx, q.SIDX_MIN, q.SIDX_MAX).astype(np.int32)
+
+
+def quantize_weight(weight) -> np.ndarray:
+    """Uniform-component weight in Q16; any weight > 0 keeps at least 2**-16."""
+    w = _as_1d(weight, "wide_weight").astype(np.float64)
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or np.any(w > 1):
+        raise ValueError("wide_weight must be in [0, 1]")
+    wq = np.rint(w * q.WEIGHT_ONE).astype(np.int64)
+    wq[(w > 0) & (wq == 0)] = 1
+    return wq.astype(np.int32)
+
+
+def _broadcast_size(*arrays: np.ndarray) -> int | None:
+    sizes = {a.shape[0] for a in arrays if a.shape[0] != 1}
+    if len(sizes) > 1:
+        raise ValueError(f"per-symbol parameter arrays differ in length: {sorted(sizes)}")
+    return sizes.pop() if sizes else None
+
+
+class QuantizedModel(Model):
+    """Per-symbol quantized Gaussian/Laplace over the integers [lo, hi], optional uniform mixture."""
+
+    def __init__(self, family: int, mean, scale, lo: int, hi: int, wide_weight=0.0):
+        self._set_bounds(lo, hi)
+        self._set(family, quantize_mean(mean, self.lo, self.hi), quantize_scale(scale), quantize_weight(wide_weight))
+
+    @classmethod
+    def from_quantized(cls, family: int, mean_q, scale_idx, lo: int, hi: int, weight_q=0) -> "QuantizedModel":
+        """Rebuild from stored integer parameters (mean in 1/256, scale index, weight in Q16)."""
+        self = cls.__new__(cls)
+        self._set_bounds(lo, hi)
+        mean_q = _as_1d(mean_q, "mean_q").astype(np.int64)
+        sidx = _as_1d(scale_idx, "scale_idx").astype(np.int64)
+        wq = _as_1d(weight_q, "weight_q").astype(np.int64)
+        if np.any(np.abs(mean_q) > (1 << 40)):
+            raise ValueError("mean_q out of range")
+        if np.any(sidx < q.SIDX_MIN) or np.any(sidx > q.SIDX_MAX):
+            raise ValueError(f"scale_idx must be in [{q.SIDX_MIN}, {q.SIDX_MAX}]")
+        if np.any(wq < 0) or np.any(wq > q.WEIGHT_ONE):
+            raise ValueError("weight_q must be in [0, 65536]")
+        self._set(family, mean_q, sidx.astype(np.int32), wq.astype(np.int32))
+        return self
+
+    def _set_bounds(self, lo: int, hi: int) -> None:
+        lo, hi = int(lo), int(hi)
+        if hi < lo:
+            raise ValueError(f"need lo <= hi, got [{lo}, {hi}]")
+        if hi - lo + 1 > q.MAX_ALPHABET or lo < -(2**31) or hi >= 2**31:
+            raise ValueError(f"alphabet [{lo}, {hi}] too large (at most 2**30 symbols within int32)")
+        self.lo, self.hi = lo, hi
+        self.dtype = np.dtype(np.int32)
+
+    def _set(self, family: int, mean_q: np.ndarray, sidx: np.ndarray, wq: np.ndarray) -> None:
+        if family not in _FAMILY_NAMES:
+            raise ValueError(f"unknown family {family}")
+        self.family = family
+        self.mean_q, self.scale_idx, self.weight_q = mean_q, sidx, wq
+        self.size = _broadcast_size(mean_q, sidx, wq)
+
+    @property
+    def precision(self) -> int:
+        return q.PRECISION
+
+    def __repr__(self) -> str:
+        mix = f", wide_weight_q={self.weight_q[:4]}" if np.any(self.weight_q) else ""
+        return f"{_FAMILY_NAMES[self.family]}(size={self.size}, lo={self.lo}, hi={self.hi}{mix})"
+
+    def _params(self, i: int) -> tuple[int, int, int]:
+        def pick(a):
+            return int(a[i if a.shape[0] > 1 else 0])
+
+        return pick(self.mean_q), pick(self.scale_idx), pick(self.weight_q)
+
+    def steps(self, i, x):
+        x = int(x)
+        if not self.lo <= x <= self.hi:
+            raise ValueError(f"symbol {x} at position {i} outside [{self.lo}, {self.hi}]")
+        m, s, w = self._params(i)
+        fr = q.symbol_frame(self.lo, self.hi, m, s, w, self.family)
+        t, raw, nraw = q.split_symbol(x, fr, self.lo)
+        c0 = q.token_cum(t, fr, self.lo, m, s, w, self.family)
+        c1 = q.token_cum(t + 1, fr, self.lo, m, s, w, self.family)
+        return [(c0, c1 - c0, q.PRECISION)] + raw_steps(raw, nraw)
+
+    def decode_symbol(self, i, dec):
+        m, s, w = self._params(i)
+        fr = q.symbol_frame(self.lo, self.hi, m, s, w, self.family)
+        v = dec.target(q.PRECISION)
+        t = q.find_token(v, fr, self.lo, m, s, w, self.family)
+        c0 = q.token_cum(t, fr, self.lo, m, s, w, self.family)
+        c1 = q.token_cum(t + 1, fr, self.lo, m, s, w, self.family)
+        dec.consume(c0, c1 - c0, q.PRECISION)
+        nraw = q.escape_bits(fr)[1] if (fr[5] and t == 0) else fr[0]
+        x = q.join_symbol(t, decode_raw(dec, nraw), fr, self.lo)
+        if x < self.lo:
+            dec.corrupt(f"symbol {i} decodes outside the model's support")
+        return x
+
+    def symbol_bits(self, symbols):
+        sym = np.asarray(symbols).reshape(-1).astype(np.int64)
+        self.check_count(sym.shape[0])
+        if sym.size and (sym.min() < self.lo or sym.max() > self.hi):
+            raise ValueError(f"symbols outside [{self.lo}, {self.hi}]")
+        out = np.empty(sym.shape[0], dtype=np.float64)
+        _symbol_bits(sym, self.mean_q, self.scale_idx, self.weight_q, self.lo, self.hi, self.family, out)
+        return out
+
+
+@njit(cache=True)
+def _symbol_bits(sym, mean_q, sidx, wq, lo, hi, fam, out):
+    for i in range(sym.shape[0]):
+        m = mean_q[i if mean_q.shape[0] > 1 else 0]
+        s = sidx[i if sidx.shape[0] > 1 else 0]
+        w = wq[i if wq.shape[0] > 1 else 0]
+        fr = q.symbol_frame(lo, hi, m, s, w, fam)
+        t, raw, nraw = q.split_symbol(sym[i], fr, lo)
+        f = q.token_cum(t + 1, fr, lo, m, s, w, fam) - q.token_cum(t, fr, lo, m, s, w, fam)
+        out[i] = q.PRECISION - math.log2(f) + nraw
+
+
+class Gaussian(QuantizedModel):
+    """Gaussian(mean, scale=std) quantized to the integers [lo, hi]; mean/scale scalars or per-symbol arrays."""
+
+    def __init__(self, mean, scale, lo: int, hi: int):
+        super().__init__(q.GAUSSIAN, mean, scale, lo, hi)
+
+
+class Laplace(QuantizedModel):
+    """Laplace(mean, scale=b) (density exp(-|x-mean|/b)/2b) quantized to the integers [lo, hi]."""
+
+    def __init__(self, mean, scale, lo: int, hi: int):
+        super().__init__(q.LAPLACE, mean, scale, lo, hi)
+
+
+class Mixture(QuantizedModel):
+    """(1 - w) * base + w * Uniform[lo, hi]: keeps outliers cheap (about log2(N) - log2(w) bits)."""
+
+    def __init__(self, base: QuantizedModel, wide_weight=1e-3):
+        if not isinstance(base, QuantizedModel):
+            raise ValueError("Mixture needs a Gaussian or Laplace base model")
+        self._set_bounds(base.lo, base.hi)
+        self._set(base.family, base.mean_q, base.scale_idx, quantize_weight(wide_weight))
