@@ -57,11 +57,20 @@ class ExactCodec:
     def side_nbytes(self) -> int:
         return 0
 
+    def side_state(self) -> tuple[dict, dict]:
+        return {}, {}
+
+    def load_side_state(self, meta: dict, tensors: dict) -> None:
+        pass
+
     def state(self, block: torch.Tensor) -> tuple[dict, dict]:
         return {}, {"x": block}
 
     def restore(self, meta: dict, tensors: dict) -> torch.Tensor:
-        return _require(tensors, "x")
+        x = _require(tensors, "x")
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or not x.is_floating_point():
+            raise CorruptStreamError("saved exact KV block must be a 4-D floating-point tensor")
+        return x
 
 
 @dataclass
@@ -114,6 +123,12 @@ class LosslessCodec:
 
     def side_nbytes(self) -> int:
         return 0
+
+    def side_state(self) -> tuple[dict, dict]:
+        return {}, {}
+
+    def load_side_state(self, meta: dict, tensors: dict) -> None:
+        pass
 
     def state(self, block: LosslessBlock) -> tuple[dict, dict]:
         tensors = {f"row{i}": b for i, b in enumerate(block.blobs)}
