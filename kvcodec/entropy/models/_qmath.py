@@ -90,8 +90,13 @@ def bucket_mass(b, lo, j, nsym, nb, mean_q, sidx, wq, fam):
 
 
 @njit(cache=True)
-def symbol_frame(lo, hi, mean_q, sidx, wq, fam):
-    """Per-symbol layout: (j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass)."""
+def symbol_frame(lo, hi, mean_q, sidx, fam):
+    """Per-symbol layout (j, nsym, nb, wl, wh, el, er, ntok): integer only, no CDF evaluation.
+
+    Buckets of 2**j symbols; window buckets [wl, wh] around the mean; el/er = 1 when a left/
+    right escape token exists (symbols below/above the window). Tokens in order: left escape,
+    window buckets, right escape.
+    """
     nsym = hi - lo + 1
     e = sidx >> 5
     j = e - 3 if e > 3 else 0
@@ -110,27 +115,24 @@ def symbol_frame(lo, hi, mean_q, sidx, wq, fam):
     h = ((_GAUSS_K if fam == GAUSSIAN else _LAPLACE_K) << sh) + 1
     wl = cb - h if cb > h else 0
     wh = cb + h if cb + h < nb - 1 else nb - 1
-    esc = 1 if (wl > 0 or wh < nb - 1) else 0
-    ntok = esc + wh - wl + 1
-    mfree = (1 << PRECISION) - ntok
-    g_wl = bucket_mass(wl, lo, j, nsym, nb, mean_q, sidx, wq, fam)
-    esc_mass = 0
-    if esc:
-        esc_mass = g_wl + ONE - bucket_mass(wh + 1, lo, j, nsym, nb, mean_q, sidx, wq, fam)
-    return (j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass)
+    el = 1 if wl > 0 else 0
+    er = 1 if wh < nb - 1 else 0
+    return (j, nsym, nb, wl, wh, el, er, el + wh - wl + 1 + er)
 
 
 @njit(cache=True)
 def token_cum(t, fr, lo, mean_q, sidx, wq, fam):
-    """Cumulative frequency (Q16) below token t in [0, ntok]; every token gets >= 1."""
-    j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass = fr
-    if esc:
-        if t == 0:
-            return 0
-        a = esc_mass + bucket_mass(wl + t - 1, lo, j, nsym, nb, mean_q, sidx, wq, fam) - g_wl
-    else:
-        a = bucket_mass(wl + t, lo, j, nsym, nb, mean_q, sidx, wq, fam) - g_wl
-    return t + ((a * mfree) >> _tables.ONE_BITS)
+    """Cumulative frequency (Q16) below token t in [0, ntok]; every token gets >= 1.
+
+    cum(t) = t + floor(A(t) * (2**16 - ntok) / 2**31) with A(t) the model mass below token t.
+    """
+    j, nsym, nb, wl, wh, el, er, ntok = fr
+    if t <= 0:
+        return 0
+    if t >= ntok:
+        return 1 << PRECISION
+    a = bucket_mass(wl + t - el, lo, j, nsym, nb, mean_q, sidx, wq, fam)
+    return t + ((a * ((1 << PRECISION) - ntok)) >> _tables.ONE_BITS)
 
 
 @njit(cache=True)
@@ -143,54 +145,47 @@ def bit_length(v):
 
 
 @njit(cache=True)
-def split_symbol(x, fr, lo):
-    """x -> (token, raw value, raw bit count)."""
-    j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass = fr
-    off = x - lo
-    b = off >> j
-    if b >= wl and b <= wh:
-        return esc + b - wl, off & ((1 << j) - 1), j
-    top = (wh + 1) << j
-    if top > nsym:
-        top = nsym
-    n_out = (wl << j) + nsym - top
-    idx = off if b < wl else (wl << j) + off - top
-    return 0, idx, bit_length(n_out - 1)
+def raw_bits(t, fr):
+    """Raw bits that follow token t: the escape index width, or j for a window bucket."""
+    j, nsym, nb, wl, wh, el, er, ntok = fr
+    if el and t == 0:
+        return bit_length((wl << j) - 1)
+    if er and t == ntok - 1:
+        return bit_length(nsym - ((wh + 1) << j) - 1)
+    return j
 
 
 @njit(cache=True)
-def escape_bits(fr):
-    """(number of symbols outside the window, raw bits for the escape index)."""
-    j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass = fr
-    top = (wh + 1) << j
-    if top > nsym:
-        top = nsym
-    n_out = (wl << j) + nsym - top
-    return n_out, bit_length(n_out - 1)
+def split_symbol(x, fr, lo):
+    """x -> (token, raw value, raw bit count)."""
+    j, nsym, nb, wl, wh, el, er, ntok = fr
+    off = x - lo
+    b = off >> j
+    if b < wl:
+        return 0, off, bit_length((wl << j) - 1)
+    if b > wh:
+        top = (wh + 1) << j
+        return ntok - 1, off - top, bit_length(nsym - top - 1)
+    return el + b - wl, off & ((1 << j) - 1), j
 
 
 @njit(cache=True)
 def join_symbol(t, raw, fr, lo):
     """(token, raw value) -> x, or lo - 1 when the pair lies outside the model's support."""
-    j, nsym, nb, wl, wh, esc, ntok, mfree, g_wl, esc_mass = fr
-    if esc and t == 0:
-        n_out, nbits = escape_bits(fr)
-        if raw >= n_out:
-            return lo - 1
-        if raw < (wl << j):
-            return lo + raw
-        return lo + ((wh + 1) << j) + raw - (wl << j)
-    off = ((wl + t - esc) << j) + raw
-    if off >= nsym:
-        return lo - 1
-    return lo + off
+    j, nsym, nb, wl, wh, el, er, ntok = fr
+    if el and t == 0:
+        return lo + raw if raw < (wl << j) else lo - 1
+    if er and t == ntok - 1:
+        top = (wh + 1) << j
+        return lo + top + raw if raw < nsym - top else lo - 1
+    off = ((wl + t - el) << j) + raw
+    return lo + off if off < nsym else lo - 1
 
 
 @njit(cache=True)
 def find_token(v, fr, lo, mean_q, sidx, wq, fam):
-    """Largest token t with token_cum(t) <= v (v < 2**16): binary search, ~9 CDF points."""
-    ntok = fr[6]
-    a, b = 0, ntok  # token_cum(a) <= v < token_cum(b)
+    """Largest token t with token_cum(t) <= v (v < 2**16): the reference binary search."""
+    a, b = 0, fr[7]  # token_cum(a) <= v < token_cum(b)
     while b - a > 1:
         m = (a + b) >> 1
         if token_cum(m, fr, lo, mean_q, sidx, wq, fam) <= v:

@@ -127,7 +127,7 @@ class QuantizedModel(Model):
         if not self.lo <= x <= self.hi:
             raise ValueError(f"symbol {x} at position {i} outside [{self.lo}, {self.hi}]")
         m, s, w = self._params(i)
-        fr = q.symbol_frame(self.lo, self.hi, m, s, w, self.family)
+        fr = q.symbol_frame(self.lo, self.hi, m, s, self.family)
         t, raw, nraw = q.split_symbol(x, fr, self.lo)
         c0 = q.token_cum(t, fr, self.lo, m, s, w, self.family)
         c1 = q.token_cum(t + 1, fr, self.lo, m, s, w, self.family)
@@ -135,14 +135,13 @@ class QuantizedModel(Model):
 
     def decode_symbol(self, i, dec):
         m, s, w = self._params(i)
-        fr = q.symbol_frame(self.lo, self.hi, m, s, w, self.family)
+        fr = q.symbol_frame(self.lo, self.hi, m, s, self.family)
         v = dec.target(q.PRECISION)
         t = q.find_token(v, fr, self.lo, m, s, w, self.family)
         c0 = q.token_cum(t, fr, self.lo, m, s, w, self.family)
         c1 = q.token_cum(t + 1, fr, self.lo, m, s, w, self.family)
         dec.consume(c0, c1 - c0, q.PRECISION)
-        nraw = q.escape_bits(fr)[1] if (fr[5] and t == 0) else fr[0]
-        x = q.join_symbol(t, decode_raw(dec, nraw), fr, self.lo)
+        x = q.join_symbol(t, decode_raw(dec, q.raw_bits(t, fr)), fr, self.lo)
         if x < self.lo:
             dec.corrupt(f"symbol {i} decodes outside the model's support")
         return x
@@ -163,7 +162,7 @@ def _symbol_bits(sym, mean_q, sidx, wq, lo, hi, fam, out):
         m = mean_q[i if mean_q.shape[0] > 1 else 0]
         s = sidx[i if sidx.shape[0] > 1 else 0]
         w = wq[i if wq.shape[0] > 1 else 0]
-        fr = q.symbol_frame(lo, hi, m, s, w, fam)
+        fr = q.symbol_frame(lo, hi, m, s, fam)
         t, raw, nraw = q.split_symbol(sym[i], fr, lo)
         f = q.token_cum(t + 1, fr, lo, m, s, w, fam) - q.token_cum(t, fr, lo, m, s, w, fam)
         out[i] = q.PRECISION - math.log2(f) + nraw

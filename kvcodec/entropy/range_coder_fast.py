@@ -1,0 +1,399 @@
+"""Range coder, numba: the same bytes as the reference ``range_coder`` at compiled speed.
+
+The coder arithmetic mirrors ``range_coder.RangeEncoder``/``RangeDecoder`` line for line;
+the models' integer functions (``models._qmath``) are the very ones the reference calls.
+numba has no bounds checks, so every input is validated in Python before a kernel runs,
+the output buffer is sized from a proven bound (each step of ``bits`` bits shrinks the
+range by less than ``2**(bits+1)``), and the decoder reads past the payload's end as zero
+bytes. Kernels report corruption with a status code that becomes ``CorruptStreamError``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..errors import CorruptStreamError
+from .models import _qmath as q
+from .models.base import Model
+from .models.categorical import Categorical, symbol_dtype
+from .models.quantized import QuantizedModel
+from .range_coder import static_model
+
+TOP = 1 << 24
+MASK32 = (1 << 32) - 1
+OK, BAD_TARGET, BAD_SYMBOL = 0, 1, 2
+_WHY = {BAD_TARGET: "target beyond the total frequency", BAD_SYMBOL: "a symbol decodes outside the model's support"}
+
+
+# ---------------------------------------------------------------- coder primitives
+@njit(inline="always")
+def _shift_low(low, cache, pending, out, pos):
+    if low < 0xFF000000 or low > MASK32:
+        carry = low >> 32
+        out[pos] = (cache + carry) & 0xFF
+        pos += 1
+        fill = (0xFF + carry) & 0xFF
+        while pending > 0:
+            out[pos] = fill
+            pos += 1
+            pending -= 1
+        cache = (low >> 24) & 0xFF
+    else:
+        pending += 1
+    return (low & 0x00FFFFFF) << 8, cache, pending, pos
+
+
+@njit(inline="always")
+def _enc_step(low, rng, cache, pending, out, pos, cum, freq, bits):
+    r = rng >> bits
+    low += r * cum
+    rng = r * freq
+    while rng < TOP:
+        rng <<= 8
+        low, cache, pending, pos = _shift_low(low, cache, pending, out, pos)
+    return low, rng, cache, pending, pos
+
+
+@njit(inline="always")
+def _enc_raw(low, rng, cache, pending, out, pos, value, nbits):
+    while nbits > 16:
+        nbits -= 16
+        low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, (value >> nbits) & 0xFFFF, 1, 16)
+    if nbits > 0:
+        low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, value & ((1 << nbits) - 1), 1, nbits)
+    return low, rng, cache, pending, pos
+
+
+@njit(inline="always")
+def _enc_finish(low, rng, cache, pending, out, pos):
+    hi = low + rng - 1
+    for k in range(32, -1, -1):
+        v = ((low + (1 << k) - 1) >> k) << k
+        if v <= hi:
+            low = v
+            break
+    for _ in range(5):
+        low, cache, pending, pos = _shift_low(low, cache, pending, out, pos)
+    while pos > 1 and out[pos - 1] == 0:
+        pos -= 1
+    return pos  # out[0] is LZMA's always-zero first byte: the payload is out[1:pos]
+
+
+@njit(inline="always")
+def _read(buf, pos):
+    return (np.int64(buf[pos]) if pos < buf.shape[0] else np.int64(0)), pos + 1
+
+
+@njit(inline="always")
+def _dec_init(buf):
+    code, pos = np.int64(0), 0
+    for _ in range(4):
+        b, pos = _read(buf, pos)
+        code = (code << 8) | b
+    return code, np.int64(MASK32), pos
+
+
+@njit(inline="always")
+def _dec_consume(buf, pos, code, rng, cum, freq, bits):
+    r = rng >> bits
+    code -= r * cum
+    rng = r * freq
+    while rng < TOP:
+        rng <<= 8
+        b, pos = _read(buf, pos)
+        code = (code << 8) | b
+    return code, rng, pos
+
+
+@njit(inline="always")
+def _dec_raw(buf, pos, code, rng, nbits):
+    """Raw bits, high chunk first; returns value -1 on a target beyond its total."""
+    value = np.int64(0)
+    while nbits > 0:
+        take = 16 if nbits > 16 else nbits
+        nbits -= take
+        v = code // (rng >> take)
+        if v >= (1 << take):
+            return np.int64(-1), code, rng, pos
+        code, rng, pos = _dec_consume(buf, pos, code, rng, v, 1, take)
+        value = (value << take) | v
+    return value, code, rng, pos
+
+
+# ---------------------------------------------------------------- categorical / static
+@njit(cache=True)
+def _encode_cum(sym, cum, bits, out):
+    low, rng, cache, pending, pos = np.int64(0), np.int64(MASK32), np.int64(0), np.int64(0), 0
+    shared = cum.shape[0] == 1
+    for i in range(sym.shape[0]):
+        row = 0 if shared else i
+        x = sym[i]
+        c = np.int64(cum[row, x])
+        low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, c, np.int64(cum[row, x + 1]) - c, bits)
+    return _enc_finish(low, rng, cache, pending, out, pos)
+
+
+@njit(cache=True)
+def _decode_cum(buf, cum, bits, out):
+    code, rng, pos = _dec_init(buf)
+    total = np.int64(1) << bits
+    alpha = cum.shape[1] - 1
+    for i in range(out.shape[0]):
+        v = code // (rng >> bits)
+        if v >= total:
+            return BAD_TARGET, pos
+        a, b = 0, alpha  # cum[a] <= v < cum[b]
+        while b - a > 1:
+            m = (a + b) >> 1
+            if cum[i, m] <= v:
+                a = m
+            else:
+                b = m
+        c = np.int64(cum[i, a])
+        code, rng, pos = _dec_consume(buf, pos, code, rng, c, np.int64(cum[i, a + 1]) - c, bits)
+        out[i] = a
+    return OK, pos
+
+
+@njit(cache=True)
+def _decode_lut(buf, cum, lut, bits, out):
+    """Shared table: the symbol of target v is lut[v] (one 2**bits table for all symbols)."""
+    code, rng, pos = _dec_init(buf)
+    total = np.int64(1) << bits
+    for i in range(out.shape[0]):
+        r = rng >> bits
+        v = code // r
+        if v >= total:
+            return BAD_TARGET, pos
+        x = lut[v]
+        c = np.int64(cum[x])
+        code -= r * c
+        rng = r * (np.int64(cum[x + 1]) - c)
+        while rng < TOP:
+            rng <<= 8
+            b, pos = _read(buf, pos)
+            code = (code << 8) | b
+        out[i] = x
+    return OK, pos
+
+
+# ---------------------------------------------------------------- quantized Gaussian / Laplace
+def _inverse_tail_tables(n: int = 1024) -> np.ndarray:
+    """u(g) with P(Z > u) = g for g = k/(2n), k = 0..n, per family: only a search hint (floats are fine)."""
+    out = np.empty((2, n + 1))
+    for fam, tab in ((q.GAUSSIAN, q._GAUSS), (q.LAPLACE, q._LAPLACE)):
+        u = np.arange(tab.shape[0]) / float(1 << (q.Z_BITS - q._INTERP_BITS))
+        g = np.arange(n + 1) / (2.0 * n) * q.ONE
+        out[fam] = np.interp(g, tab[::-1].astype(np.float64), u[::-1])
+    return out
+
+
+_INV_TAIL = _inverse_tail_tables()
+_INV_N = _INV_TAIL.shape[1] - 1
+_SCALE_F = 2.0 ** (np.arange(q.SIDX_MIN, q.SIDX_MAX + 1) / 32.0)
+
+
+@njit(inline="always")
+def _guess_token(v, fr, lo, mean_q, sidx, fam):
+    """Token whose mass holds target v, by the inverse CDF: exactness comes from the search after."""
+    j, nsym, nb, wl, wh, el, er, ntok = fr
+    a = (v - 0.5 * ntok) / ((1 << q.PRECISION) - ntok)
+    neg = a < 0.5
+    g = (a if neg else 1.0 - a) * (2 * _INV_N)
+    if g < 0.0:
+        g = 0.0
+    k = int(g)
+    if k >= _INV_N:
+        u = _INV_TAIL[fam, _INV_N]
+    else:
+        u = _INV_TAIL[fam, k] + (g - k) * (_INV_TAIL[fam, k + 1] - _INV_TAIL[fam, k])
+    x = mean_q * (1.0 / (1 << q.MEAN_FRAC_BITS)) + (-u if neg else u) * _SCALE_F[sidx - q.SIDX_MIN]
+    b = (x + 0.5 - lo) / (1 << j)
+    if b < wl:
+        return 0
+    if b >= wh + 1:
+        return ntok - 1
+    return el + int(b) - wl
+
+
+@njit(inline="always")
+def _find_token_guided(v, fr, lo, mean_q, sidx, wq, fam):
+    """(t, cum(t), cum(t+1)) with cum(t) <= v < cum(t+1): guess, gallop, then bisect."""
+    ntok = fr[7]
+    t = _guess_token(v, fr, lo, mean_q, sidx, fam)
+    c = q.token_cum(t, fr, lo, mean_q, sidx, wq, fam)
+    if c <= v:
+        a, ca = t, c
+        step = 1
+        while True:  # find b > a with cum(b) > v
+            b = a + step
+            if b >= ntok:
+                b, cb = ntok, np.int64(1) << q.PRECISION
+                break
+            cb = q.token_cum(b, fr, lo, mean_q, sidx, wq, fam)
+            if cb > v:
+                break
+            a, ca = b, cb
+            step <<= 1
+    else:
+        b, cb = t, c
+        step = 1
+        while True:  # find a < b with cum(a) <= v
+            a = b - step
+            if a <= 0:
+                a, ca = 0, np.int64(0)
+                break
+            ca = q.token_cum(a, fr, lo, mean_q, sidx, wq, fam)
+            if ca <= v:
+                break
+            b, cb = a, ca
+            step <<= 1
+    while b - a > 1:
+        m = (a + b) >> 1
+        cm = q.token_cum(m, fr, lo, mean_q, sidx, wq, fam)
+        if cm <= v:
+            a, ca = m, cm
+        else:
+            b, cb = m, cm
+    return a, ca, cb
+
+
+@njit(cache=True)
+def _encode_quant(sym, mean_q, sidx, wq, lo, hi, fam, out):
+    low, rng, cache, pending, pos = np.int64(0), np.int64(MASK32), np.int64(0), np.int64(0), 0
+    for i in range(sym.shape[0]):
+        m = np.int64(mean_q[i if mean_q.shape[0] > 1 else 0])
+        s = np.int64(sidx[i if sidx.shape[0] > 1 else 0])
+        w = np.int64(wq[i if wq.shape[0] > 1 else 0])
+        fr = q.symbol_frame(lo, hi, m, s, fam)
+        t, raw, nraw = q.split_symbol(np.int64(sym[i]), fr, lo)
+        c0 = q.token_cum(t, fr, lo, m, s, w, fam)
+        c1 = q.token_cum(t + 1, fr, lo, m, s, w, fam)
+        low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, c0, c1 - c0, q.PRECISION)
+        low, rng, cache, pending, pos = _enc_raw(low, rng, cache, pending, out, pos, raw, nraw)
+    return _enc_finish(low, rng, cache, pending, out, pos)
+
+
+@njit(cache=True)
+def _decode_quant(buf, mean_q, sidx, wq, lo, hi, fam, out):
+    code, rng, pos = _dec_init(buf)
+    total = np.int64(1) << q.PRECISION
+    for i in range(out.shape[0]):
+        m = np.int64(mean_q[i if mean_q.shape[0] > 1 else 0])
+        s = np.int64(sidx[i if sidx.shape[0] > 1 else 0])
+        w = np.int64(wq[i if wq.shape[0] > 1 else 0])
+        fr = q.symbol_frame(lo, hi, m, s, fam)
+        v = code // (rng >> q.PRECISION)
+        if v >= total:
+            return BAD_TARGET, pos
+        t, c0, c1 = _find_token_guided(v, fr, lo, m, s, w, fam)
+        code, rng, pos = _dec_consume(buf, pos, code, rng, c0, c1 - c0, q.PRECISION)
+        raw, code, rng, pos = _dec_raw(buf, pos, code, rng, q.raw_bits(t, fr))
+        if raw < 0:
+            return BAD_TARGET, pos
+        x = q.join_symbol(t, raw, fr, lo)
+        if x < lo:
+            return BAD_SYMBOL, pos
+        out[i] = x
+    return OK, pos
+
+
+# ---------------------------------------------------------------- Python entry points
+def _payload_array(payload) -> np.ndarray:
+    if isinstance(payload, np.ndarray):
+        return np.ascontiguousarray(payload.reshape(-1).view(np.uint8))
+    return np.frombuffer(bytes(payload) if not isinstance(payload, (bytes, bytearray, memoryview)) else payload, dtype=np.uint8)
+
+
+def _finish_decode(status: int, pos: int, nbytes: int) -> None:
+    if status != OK:
+        raise CorruptStreamError(f"range coder payload is corrupt: {_WHY[status]}")
+    if pos < nbytes:
+        raise CorruptStreamError(f"range coder payload is corrupt: {nbytes - pos} bytes left after the last symbol")
+
+
+def _capacity(n: int, bits_per_symbol: int) -> int:
+    return (n * bits_per_symbol + 7) // 8 + 16
+
+
+def _check_symbols(sym: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    if not np.issubdtype(sym.dtype, np.integer):
+        raise ValueError(f"symbols must be integers, got {sym.dtype}")
+    if sym.size and (int(sym.min()) < lo or int(sym.max()) > hi):
+        raise ValueError(f"symbols must lie in [{lo}, {hi}]")
+    return sym
+
+
+def _encode_categorical(sym: np.ndarray, model: Categorical) -> bytes:
+    _check_symbols(sym, 0, model.alphabet - 1)
+    rows = model.freqs[0, sym] if model.freqs.shape[0] == 1 else model.freqs[np.arange(sym.shape[0]), sym]
+    if sym.size and rows.min() == 0:
+        raise ValueError("a symbol has zero probability under the model")
+    out = np.empty(_capacity(sym.shape[0], model.precision + 1), dtype=np.uint8)
+    pos = _encode_cum(sym, model.cum, model.precision, out)
+    return out[1:pos].tobytes()
+
+
+def _decode_categorical(buf: np.ndarray, model: Categorical, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=model.dtype)
+    if model.freqs.shape[0] == 1:
+        lut = np.repeat(np.arange(model.alphabet, dtype=np.int32), model.freqs[0]).astype(model.dtype)
+        status, pos = _decode_lut(buf, model.cum[0], lut, model.precision, out)
+    else:
+        status, pos = _decode_cum(buf, model.cum, model.precision, out)
+    _finish_decode(status, pos, buf.shape[0])
+    return out
+
+
+def _quant_args(model: QuantizedModel):
+    return model.mean_q, model.scale_idx, model.weight_q, model.lo, model.hi, model.family
+
+
+def _encode_quantized(sym: np.ndarray, model: QuantizedModel) -> bytes:
+    _check_symbols(sym, model.lo, model.hi)
+    raw_max = max(q.SIDX_MAX // 32 - 3, int(model.hi - model.lo).bit_length())
+    out = np.empty(_capacity(sym.shape[0], q.PRECISION + 1 + raw_max + 2), dtype=np.uint8)
+    pos = _encode_quant(sym, *_quant_args(model), out)
+    return out[1:pos].tobytes()
+
+
+def _decode_quantized(buf: np.ndarray, model: QuantizedModel, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=model.dtype)
+    status, pos = _decode_quant(buf, *_quant_args(model), out)
+    _finish_decode(status, pos, buf.shape[0])
+    return out
+
+
+def encode(symbols, model: Model) -> bytes:
+    """Code ``symbols`` (1-D integers), symbol i under the model's distribution i. Same bytes as range_coder.encode."""
+    sym = np.ascontiguousarray(np.asarray(symbols).reshape(-1))
+    model.check_count(sym.shape[0])
+    if isinstance(model, QuantizedModel):
+        return _encode_quantized(sym, model)
+    if isinstance(model, Categorical):
+        return _encode_categorical(sym, model)
+    raise ValueError(f"no fast coder for {type(model).__name__}; use kvcodec.entropy.range_coder")
+
+
+def decode(payload, model: Model, n: int) -> np.ndarray:
+    """Decode ``n`` symbols; CorruptStreamError if the payload cannot come from ``encode``."""
+    model.check_count(n)
+    buf = _payload_array(payload)
+    if isinstance(model, QuantizedModel):
+        return _decode_quantized(buf, model, n)
+    if isinstance(model, Categorical):
+        return _decode_categorical(buf, model, n)
+    raise ValueError(f"no fast coder for {type(model).__name__}; use kvcodec.entropy.range_coder")
+
+
+def encode_static(symbols, freqs, precision_bits: int) -> bytes:
+    """Code all symbols with one shared frequency table (the front door's coder="arith")."""
+    return encode(symbols, static_model(freqs, precision_bits))
+
+
+def decode_static(payload, freqs, precision_bits: int, n: int) -> np.ndarray:
+    """Inverse of encode_static; uint8 output for alphabets <= 256, else uint16."""
+    model = static_model(freqs, precision_bits)
+    out = decode(payload, model, n)
+    return out.astype(symbol_dtype(model.alphabet), copy=False)
