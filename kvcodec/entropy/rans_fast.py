@@ -1,0 +1,325 @@
+"""Static interleaved rANS, numba fast path: the same bytes as ``rans`` (the spec), fast.
+
+Low-level building blocks with no header and no per-symbol Python: other codecs call these
+directly. All functions take frequency tables that sum to ``2**precision`` (1 <= precision <=
+16), and N = ``n_streams`` interleaved states (1..32); the payload layout is documented in
+``kvcodec.entropy.rans``.
+
+Decoding is safe on corrupt payloads: every read is bounds-checked inside the kernel, the loop
+runs exactly ``n`` iterations, and any inconsistency (payload too short, leftover bytes, final
+states not equal to L) raises CorruptStreamError.
+
+Speed notes: the decoder uses two tables indexed by the slot ``x % M``: the symbol, and a packed
+``(freq - 1) << 16 | (slot - cum)`` word, so a symbol costs two independent loads, a multiply
+and a predictable branch. The encoder divides by the frequency (one integer division); N > 1
+states give the CPU independent dependency chains to overlap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from kvcodec.errors import CorruptStreamError
+
+RANS_L = 1 << 16
+MAX_STREAMS = 32
+
+_U64 = np.uint64
+_L = np.uint64(RANS_L)
+_MASK16 = np.uint64(0xFFFF)
+_SH16 = np.uint64(16)
+_SH8 = np.uint64(8)
+_ONE = np.uint64(1)
+
+# Kernel status codes (0 = ok).
+_ERR_SHORT = 1
+_ERR_STATE = 2
+_ERR_END = 3
+_ERR_CTX = 4
+
+
+# ----------------------------------------------------------------------------------- tables
+def _check_tables(freq_tables, precision: int) -> np.ndarray:
+    """Validate and return frequency tables as a C-contiguous uint64 [C, A] array."""
+    if not isinstance(precision, (int, np.integer)) or not 1 <= int(precision) <= 16:
+        raise ValueError(f"rANS precision must be an int in [1, 16], got {precision!r}")
+    t = np.asarray(freq_tables)
+    if t.ndim == 1:
+        t = t[None, :]
+    if t.ndim != 2 or t.shape[1] == 0 or t.shape[0] == 0:
+        raise ValueError("frequency tables must be a non-empty 1-D or 2-D array")
+    if t.dtype.kind not in "iu" or (t.dtype.kind == "i" and t.size and t.min() < 0):
+        raise ValueError("frequencies must be non-negative integers")
+    if t.shape[1] > 65536:
+        raise ValueError("alphabets are limited to 65536 symbols")
+    t = np.ascontiguousarray(t, dtype=np.uint64)
+    sums = t.sum(axis=1)
+    if np.any(sums != (1 << int(precision))):
+        raise ValueError(f"every frequency table must sum to 2**{precision}")
+    return t
+
+
+def _check_streams(n_streams) -> int:
+    if not isinstance(n_streams, (int, np.integer)) or not 1 <= int(n_streams) <= MAX_STREAMS:
+        raise ValueError(f"n_streams must be an int in [1, {MAX_STREAMS}], got {n_streams!r}")
+    return int(n_streams)
+
+
+def _cum(t: np.ndarray) -> np.ndarray:
+    c = np.zeros_like(t)
+    np.cumsum(t[:, :-1], axis=1, out=c[:, 1:])
+    return c
+
+
+def decode_tables(freq_tables, precision: int, out_dtype=np.uint8):
+    """Slot lookup tables ``(symbol[C, M], packed[C, M])`` used by the decoders.
+
+    ``packed[slot] = (freq - 1) << 16 | (slot - cum)`` (uint32). Build once and pass to
+    :func:`decode_prepared` when decoding many payloads with the same tables.
+    """
+    t = _check_tables(freq_tables, precision)
+    out_dtype = np.dtype(out_dtype)
+    if out_dtype not in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        raise ValueError("out_dtype must be uint8 or uint16")
+    if t.shape[1] > np.iinfo(out_dtype).max + 1 and np.any(t[:, np.iinfo(out_dtype).max + 1 :]):
+        raise ValueError(f"symbols with nonzero frequency do not fit in {out_dtype}")
+    m = 1 << int(precision)
+    c_tab = _cum(t)
+    sym = np.empty((t.shape[0], m), dtype=out_dtype)
+    packed = np.empty((t.shape[0], m), dtype=np.uint32)
+    slots = np.arange(m, dtype=np.uint64)
+    alphabet = np.arange(t.shape[1])
+    for k in range(t.shape[0]):
+        s = np.repeat(alphabet, t[k].astype(np.int64))
+        sym[k] = s
+        packed[k] = ((t[k][s] - 1) << np.uint64(16)) | (slots - c_tab[k][s])
+    return sym, packed
+
+
+# ---------------------------------------------------------------------------------- kernels
+@njit(cache=True, nogil=True)
+def _encode_kernel(symbols, ctx, freq, cum, precision, n_streams, words, states):
+    """Returns the index in ``words`` where the payload words start, or -(i+1) if symbol i has
+    frequency 0 (or is outside the alphabet), or -(n+1) - i if ctx[i] is out of range."""
+    n = symbols.size
+    n_ctx = freq.shape[0]
+    alphabet = freq.shape[1]
+    prec = _U64(precision)
+    top_shift = _U64(32 - precision)
+    for j in range(n_streams):
+        states[j] = _L
+    wpos = n
+    j = (n - 1) % n_streams if n > 0 else 0
+    use_ctx = ctx.size > 0
+    for i in range(n - 1, -1, -1):
+        k = 0
+        if use_ctx:
+            k = ctx[i]
+            if k < 0 or k >= n_ctx:
+                return -(n + 1) - i
+        s = symbols[i]
+        if s >= alphabet:
+            return -(i + 1)
+        f = freq[k, s]
+        if f == 0:
+            return -(i + 1)
+        x = states[j]
+        # Branch-free renormalisation: always store the low word, keep it only if needed
+        # (wpos - 1 >= i >= 0 here: at most one word per symbol coded so far).
+        need = x >= (f << top_shift)
+        words[wpos - 1] = x & _MASK16
+        wpos -= need
+        x = (x >> _SH16) if need else x
+        q = x // f
+        states[j] = (q << prec) + (x - q * f) + cum[k, s]
+        j -= 1
+        if j < 0:
+            j = n_streams - 1
+    return wpos
+
+
+@njit(cache=True, nogil=True)
+def _decode_kernel(payload, ctx, sym_tab, packed_tab, precision, n_streams, out):
+    """Decode ``out.size`` symbols; returns 0 or an error code. Never reads out of bounds."""
+    nbytes = payload.size
+    n_ctx = sym_tab.shape[0]
+    head = 4 * n_streams
+    if nbytes < head or (nbytes - head) % 2 != 0:
+        return _ERR_SHORT
+    states = np.empty(n_streams, dtype=np.uint64)
+    for j in range(n_streams):
+        b = 4 * j
+        x = (
+            _U64(payload[b])
+            | (_U64(payload[b + 1]) << _SH8)
+            | (_U64(payload[b + 2]) << _U64(16))
+            | (_U64(payload[b + 3]) << _U64(24))
+        )
+        if x < _L:
+            return _ERR_STATE
+        states[j] = x
+    prec = _U64(precision)
+    mask = (_ONE << prec) - _ONE
+    pos = head
+    use_ctx = ctx.size > 0
+    j = 0
+    for i in range(out.size):
+        k = 0
+        if use_ctx:
+            k = ctx[i]
+            if k < 0 or k >= n_ctx:
+                return _ERR_CTX
+        x = states[j]
+        slot = x & mask
+        out[i] = sym_tab[k, slot]
+        d = _U64(packed_tab[k, slot])
+        x = ((d >> _SH16) + _ONE) * (x >> prec) + (d & _MASK16)
+        if pos + 2 <= nbytes:  # predictable: false only once the words are used up
+            w = _U64(payload[pos]) | (_U64(payload[pos + 1]) << _SH8)
+            need = x < _L
+            x = ((x << _SH16) | w) if need else x  # branch-free renormalisation
+            pos += 2 * need
+        elif x < _L:
+            return _ERR_SHORT
+        states[j] = x
+        j += 1
+        if j == n_streams:
+            j = 0
+    if pos != nbytes:
+        return _ERR_END
+    for j in range(n_streams):
+        if states[j] != _L:
+            return _ERR_END
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _decode_kernel_1(payload, sym_tab, packed_tab, precision, out):
+    """Single-state, single-table decoder: the state lives in a register."""
+    nbytes = payload.size
+    if nbytes < 4 or (nbytes - 4) % 2 != 0:
+        return _ERR_SHORT
+    x = (
+        _U64(payload[0])
+        | (_U64(payload[1]) << _SH8)
+        | (_U64(payload[2]) << _U64(16))
+        | (_U64(payload[3]) << _U64(24))
+    )
+    if x < _L:
+        return _ERR_STATE
+    prec = _U64(precision)
+    mask = (_ONE << prec) - _ONE
+    pos = 4
+    for i in range(out.size):
+        slot = x & mask
+        out[i] = sym_tab[slot]
+        d = _U64(packed_tab[slot])
+        x = ((d >> _SH16) + _ONE) * (x >> prec) + (d & _MASK16)
+        if pos + 2 <= nbytes:  # predictable: false only once the words are used up
+            w = _U64(payload[pos]) | (_U64(payload[pos + 1]) << _SH8)
+            need = x < _L
+            x = ((x << _SH16) | w) if need else x  # branch-free renormalisation
+            pos += 2 * need
+        elif x < _L:
+            return _ERR_SHORT
+    if pos != nbytes or x != _L:
+        return _ERR_END
+    return 0
+
+
+# ------------------------------------------------------------------------------- public API
+_EMPTY_CTX = np.zeros(0, dtype=np.int64)
+_MESSAGES = {
+    _ERR_SHORT: "rANS payload ends early or has a bad length",
+    _ERR_STATE: "rANS initial state out of range",
+    _ERR_END: "rANS payload does not end where its symbols do",
+    _ERR_CTX: "context index out of range",
+}
+
+
+def _as_symbols(symbols) -> np.ndarray:
+    s = np.asarray(symbols)
+    if s.ndim != 1 or s.dtype not in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        raise ValueError("symbols must be a 1-D uint8 or uint16 array")
+    return np.ascontiguousarray(s)
+
+
+def _as_ctx(ctx, n: int) -> np.ndarray:
+    c = np.asarray(ctx)
+    if c.ndim != 1 or c.size != n or (c.size and c.dtype.kind not in "iu"):
+        raise ValueError("ctx must be a 1-D integer array with one entry per symbol")
+    return np.ascontiguousarray(c, dtype=np.int64)
+
+
+def _encode(symbols, ctx, freq_tables, precision, n_streams) -> np.ndarray:
+    t = _check_tables(freq_tables, precision)
+    n_streams = _check_streams(n_streams)
+    n = symbols.size
+    words = np.empty(n, dtype=np.uint16)
+    states = np.empty(n_streams, dtype=np.uint64)
+    wpos = _encode_kernel(symbols, ctx, t, _cum(t), int(precision), n_streams, words, states)
+    if wpos < 0:
+        if wpos >= -n:
+            i = -wpos - 1
+            raise ValueError(f"symbol {int(symbols[i])} at position {i} has frequency 0")
+        raise ValueError(f"ctx[{-wpos - n - 1}] is out of range")
+    out = np.empty(4 * n_streams + 2 * (n - wpos), dtype=np.uint8)
+    out[: 4 * n_streams] = states.astype("<u4").view(np.uint8)
+    out[4 * n_streams :] = words[wpos:].astype("<u2", copy=False).view(np.uint8)
+    return out
+
+
+def encode_table(symbols, freqs, precision: int, n_streams: int = 1) -> np.ndarray:
+    """rANS-encode a uint8/uint16 array with one frequency table; returns the payload (uint8)."""
+    s = _as_symbols(symbols)
+    return _encode(s, _EMPTY_CTX, freqs, precision, n_streams)
+
+
+def encode_ctx(symbols, ctx, freq_tables, precision: int, n_streams: int = 1) -> np.ndarray:
+    """rANS-encode symbol i with ``freq_tables[ctx[i]]`` (tables: [C, A]); returns the payload."""
+    s = _as_symbols(symbols)
+    return _encode(s, _as_ctx(ctx, s.size), freq_tables, precision, n_streams)
+
+
+def _payload(payload) -> np.ndarray:
+    if isinstance(payload, np.ndarray):
+        if payload.dtype != np.uint8 or payload.ndim != 1:
+            raise ValueError("payload must be bytes or a 1-D uint8 array")
+        return np.ascontiguousarray(payload)
+    return np.frombuffer(payload, dtype=np.uint8)
+
+
+def _check_n(n) -> int:
+    if not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    return int(n)
+
+
+def decode_prepared(payload, tables, precision: int, n: int, n_streams: int = 1, ctx=None) -> np.ndarray:
+    """Decode with tables from :func:`decode_tables` (skips rebuilding them on every call)."""
+    sym, packed = tables
+    n = _check_n(n)
+    n_streams = _check_streams(n_streams)
+    p = _payload(payload)
+    out = np.empty(n, dtype=sym.dtype)
+    if ctx is None and n_streams == 1:
+        status = _decode_kernel_1(p, sym[0], packed[0], int(precision), out)
+    else:
+        c = _EMPTY_CTX if ctx is None else _as_ctx(ctx, n)
+        status = _decode_kernel(p, c, sym, packed, int(precision), n_streams, out)
+    if status:
+        raise CorruptStreamError(_MESSAGES[status])
+    return out
+
+
+def decode_table(payload, freqs, precision: int, n: int, n_streams: int = 1, out_dtype=np.uint8) -> np.ndarray:
+    """Decode ``n`` symbols of a payload from :func:`encode_table` (CorruptStreamError if bad)."""
+    return decode_prepared(payload, decode_tables(freqs, precision, out_dtype), precision, n, n_streams)
+
+
+def decode_ctx(payload, ctx, freq_tables, precision: int, n_streams: int = 1, out_dtype=np.uint8) -> np.ndarray:
+    """Decode ``len(ctx)`` symbols of a payload from :func:`encode_ctx`."""
+    tables = decode_tables(freq_tables, precision, out_dtype)
+    ctx = _as_ctx(ctx, np.asarray(ctx).size)
+    return decode_prepared(payload, tables, precision, ctx.size, n_streams, ctx)

@@ -1,0 +1,254 @@
+"""Self-describing entropy stream: header pack/parse (the byte layout is in docs/format.md).
+
+A stream is ``header | payload``. The header names the coder and its parameters, the symbol
+dtype and count and the quantized frequency table, and carries CRC-32s of itself and of the
+payload, so ``decode`` needs nothing but the bytes. Parsing is defensive: every read is
+bounds-checked, the header CRC is verified before its contents are trusted, and a declared
+symbol count is checked against a hard cap and against what the payload could possibly encode
+before anything of that size is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcodec.errors import CorruptStreamError
+
+MAGIC = b"KVCE"
+VERSION = 1
+CODER_IDS = {"rans": 1, "tans": 2, "arith": 3}
+CODER_NAMES = {v: k for k, v in CODER_IDS.items()}
+DTYPE_IDS = {np.dtype(np.uint8): 1, np.dtype(np.uint16): 2}
+DTYPE_BY_ID = {v: k for k, v in DTYPE_IDS.items()}
+#: Hard cap on the symbol count of one stream (split bigger arrays): a header declaring more is
+#: rejected before anything is allocated.
+MAX_SYMBOLS = 1 << 31
+_FIXED = len(MAGIC) + 5  # magic, version, coder, dtype, param, streams
+_TABLE_DENSE = 0
+_TABLE_BITMAP = 1
+
+
+@dataclass(frozen=True)
+class StreamHeader:
+    """The parsed header of an entropy stream."""
+
+    coder: str
+    dtype: np.dtype
+    n: int
+    param: int  # probability precision (rans, arith) or table log (tans); 0 when n == 0
+    streams: int  # interleaved rANS states; 1 for other coders; 0 when n == 0
+    freqs: np.ndarray | None  # uint32 over the whole alphabet, None when n == 0
+    header_len: int
+    payload_len: int
+
+
+# ------------------------------------------------------------------------------- varints
+def _put_varint(out: bytearray, v: int) -> None:
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+
+
+def _get_varint(buf, pos: int, what: str) -> tuple[int, int]:
+    v = shift = 0
+    for _ in range(10):
+        if pos >= len(buf):
+            raise CorruptStreamError(f"stream header ends inside {what}")
+        b = int(buf[pos])
+        pos += 1
+        v |= (b & 0x7F) << shift
+        if b < 0x80:
+            return v, pos
+        shift += 7
+    raise CorruptStreamError(f"{what} is not a valid varint")
+
+
+def _varint_array(v: np.ndarray) -> bytes:
+    """LEB128 varints of a uint array (values < 2**28), vectorized."""
+    v = v.astype(np.int64)
+    k = 1 + (v >= 1 << 7) + (v >= 1 << 14) + (v >= 1 << 21)
+    starts = np.cumsum(k) - k
+    idx = np.arange(int(k.sum())) - np.repeat(starts, k)
+    b = (np.repeat(v, k) >> (7 * idx)) & 0x7F
+    more = idx != np.repeat(k - 1, k)
+    return (b | (more << 7)).astype(np.uint8).tobytes()
+
+
+def _read_varint_array(buf: np.ndarray, pos: int, count: int, max_bytes: int) -> tuple[np.ndarray, int]:
+    """Read ``count`` varints of at most ``max_bytes`` bytes each, vectorized."""
+    if count == 0:
+        return np.zeros(0, dtype=np.int64), pos
+    window = buf[pos : pos + count * max_bytes]
+    ends = np.flatnonzero(window < 0x80)[:count]
+    if ends.size < count:
+        raise CorruptStreamError("frequency table is truncated")
+    lengths = np.diff(ends, prepend=-1)
+    if lengths.max() > max_bytes:
+        raise CorruptStreamError("frequency table holds an oversized value")
+    used = window[: ends[-1] + 1].astype(np.int64)
+    starts = ends - lengths + 1
+    idx = np.arange(used.size) - np.repeat(starts, lengths)
+    vals = np.add.reduceat((used & 0x7F) << (7 * idx), starts)
+    return vals, pos + int(ends[-1]) + 1
+
+
+# ------------------------------------------------------------------------------- pack
+def pack(coder: str, dtype, n: int, param: int, streams: int, freqs, payload) -> bytes:
+    """Header + payload as one bytes object (``freqs`` over the whole alphabet; ignored if n == 0)."""
+    dtype = np.dtype(dtype)
+    head = bytearray(MAGIC)
+    head += bytes([VERSION, CODER_IDS[coder], DTYPE_IDS[dtype], param if n else 0, streams if n else 0])
+    _put_varint(head, n)
+    if n:
+        head += _pack_freqs(np.asarray(freqs))
+    payload = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+    _put_varint(head, len(payload))
+    head += zlib.crc32(head).to_bytes(4, "little")
+    head += zlib.crc32(payload).to_bytes(4, "little")
+    return bytes(head) + bytes(payload)
+
+
+def _pack_freqs(freqs: np.ndarray) -> bytes:
+    nz = np.flatnonzero(freqs)
+    lo, hi = int(nz[0]), int(nz[-1])
+    span = freqs[lo : hi + 1]
+    out = bytearray()
+    _put_varint(out, lo)
+    _put_varint(out, hi - lo + 1)
+    dense = _varint_array(span)
+    mask = span != 0
+    sparse = np.packbits(mask, bitorder="little").tobytes() + _varint_array(span[mask])
+    if len(dense) <= len(sparse):
+        out.append(_TABLE_DENSE)
+        out += dense
+    else:
+        out.append(_TABLE_BITMAP)
+        out += sparse
+    return bytes(out)
+
+
+# ------------------------------------------------------------------------------- parse
+def parse(blob, max_symbols: int | None = None) -> tuple[StreamHeader, memoryview]:
+    """Parse and verify a stream; returns the header and the payload (CRC-checked).
+
+    Raises CorruptStreamError for anything malformed, truncated, inconsistent or corrupted,
+    and for symbol counts over ``MAX_SYMBOLS`` (or ``max_symbols``) or over what the payload
+    could encode.
+    """
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise ValueError("a stream must be bytes, bytearray or memoryview")
+    mv = memoryview(blob).cast("B") if isinstance(blob, memoryview) else memoryview(blob)
+    buf = np.frombuffer(mv, dtype=np.uint8)
+    if len(mv) < _FIXED or bytes(mv[:4]) != MAGIC:
+        raise CorruptStreamError("not a kvcodec entropy stream (bad magic or too short)")
+    version, coder_id, dtype_id, param, streams = (int(b) for b in mv[4:_FIXED])
+    if version != VERSION:
+        raise CorruptStreamError(f"unsupported entropy stream version {version}")
+    if coder_id not in CODER_NAMES or dtype_id not in DTYPE_BY_ID:
+        raise CorruptStreamError("unknown coder or symbol dtype in stream header")
+    coder, dtype = CODER_NAMES[coder_id], DTYPE_BY_ID[dtype_id]
+    n, pos = _get_varint(mv, _FIXED, "symbol count")
+    freqs = None
+    if n:
+        freqs, pos = _parse_freqs(buf, pos, 256 if dtype == np.uint8 else 65536)
+    payload_len, pos = _get_varint(mv, pos, "payload length")
+    if pos + 8 > len(mv):
+        raise CorruptStreamError("stream header is truncated")
+    if zlib.crc32(mv[:pos]) != int.from_bytes(mv[pos : pos + 4], "little"):
+        raise CorruptStreamError("stream header checksum mismatch")
+    payload_crc = int.from_bytes(mv[pos + 4 : pos + 8], "little")
+    header_len = pos + 8
+    if len(mv) - header_len != payload_len:
+        raise CorruptStreamError(
+            f"stream length mismatch: header says {payload_len} payload bytes, found {len(mv) - header_len}"
+        )
+    payload = mv[header_len:]
+    _check_semantics(coder, n, param, streams, freqs, payload_len, max_symbols)
+    if zlib.crc32(payload) != payload_crc:
+        raise CorruptStreamError("stream payload checksum mismatch")
+    header = StreamHeader(coder, dtype, n, param, streams, freqs, header_len, payload_len)
+    return header, payload
+
+
+def _parse_freqs(buf: np.ndarray, pos: int, alphabet: int) -> tuple[np.ndarray, int]:
+    lo, pos = _get_varint(buf, pos, "frequency table")
+    span, pos = _get_varint(buf, pos, "frequency table")
+    if span < 1 or lo + span > alphabet:
+        raise CorruptStreamError("frequency table range is outside the alphabet")
+    if pos >= buf.size:
+        raise CorruptStreamError("frequency table is truncated")
+    mode = int(buf[pos])
+    pos += 1
+    freqs = np.zeros(alphabet, dtype=np.uint32)
+    if mode == _TABLE_DENSE:
+        vals, pos = _read_varint_array(buf, pos, span, 3)
+        if vals.max() > 1 << 16:
+            raise CorruptStreamError("frequency out of range")
+        freqs[lo : lo + span] = vals
+    elif mode == _TABLE_BITMAP:
+        nbytes = (span + 7) // 8
+        if pos + nbytes > buf.size:
+            raise CorruptStreamError("frequency table is truncated")
+        mask = np.unpackbits(buf[pos : pos + nbytes], bitorder="little")[:span].astype(bool)
+        pos += nbytes
+        vals, pos = _read_varint_array(buf, pos, int(mask.sum()), 3)
+        if vals.size and vals.max() > 1 << 16:
+            raise CorruptStreamError("frequency out of range")
+        freqs[lo : lo + span][mask] = vals
+    else:
+        raise CorruptStreamError(f"unknown frequency table mode {mode}")
+    return freqs, pos
+
+
+def _check_semantics(coder, n, param, streams, freqs, payload_len, max_symbols) -> None:
+    cap = MAX_SYMBOLS if max_symbols is None else min(MAX_SYMBOLS, int(max_symbols))
+    if n > cap:
+        raise CorruptStreamError(f"stream declares {n} symbols, over the cap of {cap}")
+    if n == 0:
+        if param or streams or payload_len:
+            raise CorruptStreamError("an empty stream must have no parameters and no payload")
+        return
+    lo_param, hi_param = (5, 16) if coder == "tans" else (1, 16)
+    if not lo_param <= param <= hi_param:
+        raise CorruptStreamError(f"{coder} parameter {param} out of range")
+    if coder == "rans":
+        if not 1 <= streams <= 32:
+            raise CorruptStreamError(f"rANS stream count {streams} out of range")
+    elif streams != 1:
+        raise CorruptStreamError(f"{coder} streams must be 1, got {streams}")
+    total = int(freqs.sum(dtype=np.int64))
+    if total != 1 << param:
+        raise CorruptStreamError("frequency table does not sum to 2**precision")
+    bound = symbol_bound(coder, int(freqs.max()), param, streams, payload_len)
+    if bound is not None and n > bound:
+        raise CorruptStreamError(f"stream declares {n} symbols but its payload can hold at most {bound}")
+
+
+def symbol_bound(coder: str, fmax: int, param: int, streams: int, payload_len: int) -> int | None:
+    """Most symbols a payload of this size could decode to, or None if there is no useful bound.
+
+    rANS: a decode step without a read multiplies the state by less than
+    ``(f/M) * (1 + 2**(precision-16))`` (the state is >= 2**16), a word read multiplies it by at
+    most ``2**17``, states start below ``2**32`` and stay >= 1. So each symbol consumes at least
+    ``log2(M/fmax) - log2(1 + 2**(precision-16))`` of a budget of ``32 N + 17 W`` bits.
+    tANS: every decode step reads at least ``R - floor(log2(2 fmax - 1))`` bits of the payload.
+    The range coder ("arith") gets only the hard cap.
+    """
+    m = 1 << param
+    if coder == "rans":
+        info = math.log2(m / fmax) - math.log2(1 + 2.0 ** (param - 16))
+        if info < 1e-3:
+            return None
+        words = max(0, (payload_len - 4 * streams) // 2)
+        return int((32 * streams + 17 * words) / info) + streams + 1
+    if coder == "tans":
+        nb_min = param - ((2 * fmax - 1).bit_length() - 1)
+        if nb_min < 1:
+            return None
+        return (8 * max(0, payload_len - 2)) // nb_min + 1
+    return None

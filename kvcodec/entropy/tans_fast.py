@@ -1,0 +1,239 @@
+"""Static tANS (FSE-style), numba fast path: the same bytes as ``tans`` (the spec), fast.
+
+Encoding is two passes: walk the symbols backwards through the state machine recording each
+pre-state (2 bytes/symbol), then walk forwards packing the output bits in decoder order. The bit
+count uses FSE's ``deltaNbBits`` trick: ``nb = (X + delta[s]) >> 16``.
+
+Decoding keeps a 64-bit bit buffer refilled 32 bits at a time; every byte read is
+bounds-checked, the loop runs exactly ``n`` iterations, and a stream that runs dry, leaves bytes
+over, has nonzero padding or does not return to the start state raises CorruptStreamError.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from kvcodec.entropy.tans import MAX_TABLE_LOG, MIN_TABLE_LOG
+from kvcodec.errors import CorruptStreamError
+
+_ERR_SHORT = 1
+_ERR_STATE = 2
+_ERR_END = 3
+_MESSAGES = {
+    _ERR_SHORT: "tANS payload ends early",
+    _ERR_STATE: "tANS initial state out of range",
+    _ERR_END: "tANS payload does not end where its symbols do",
+}
+
+
+def _check(freqs, table_log) -> np.ndarray:
+    if not isinstance(table_log, (int, np.integer)) or not MIN_TABLE_LOG <= table_log <= MAX_TABLE_LOG:
+        raise ValueError(f"tANS table_log must be an int in [{MIN_TABLE_LOG}, {MAX_TABLE_LOG}], got {table_log!r}")
+    f = np.asarray(freqs)
+    if f.ndim != 1 or f.size == 0 or f.size > 65536 or f.dtype.kind not in "iu":
+        raise ValueError("freqs must be a 1-D integer array of at most 65536 entries")
+    if f.dtype.kind == "i" and f.min() < 0:
+        raise ValueError("frequencies must be non-negative")
+    f = f.astype(np.int64)
+    if int(f.sum()) != 1 << int(table_log):
+        raise ValueError(f"frequencies must sum to 2**{table_log}")
+    return f
+
+
+@njit(cache=True, nogil=True)
+def _spread(freqs, table_log, sym_out):
+    m = 1 << table_log
+    step = (m >> 1) + (m >> 3) + 3
+    pos = 0
+    for s in range(freqs.size):
+        for _ in range(freqs[s]):
+            sym_out[pos] = s
+            pos = (pos + step) & (m - 1)
+
+
+@njit(cache=True, nogil=True)
+def _build_decode(freqs, table_log, spread, packed):
+    """packed[u] = nbits << 16 | base (base < M <= 2**16)."""
+    m = 1 << table_log
+    nxt = freqs.copy()
+    for u in range(m):
+        s = spread[u]
+        k = nxt[s]
+        nxt[s] += 1
+        hb = 0
+        while (k >> (hb + 1)) != 0:
+            hb += 1
+        nb = table_log - hb
+        packed[u] = (nb << 16) | ((k << nb) - m)
+
+
+@njit(cache=True, nogil=True)
+def _build_encode(freqs, table_log, spread, next_state, delta_nb, delta_find):
+    m = 1 << table_log
+    a = freqs.size
+    cum = np.zeros(a + 1, dtype=np.int64)
+    for s in range(a):
+        cum[s + 1] = cum[s] + freqs[s]
+    seen = cum[:a].copy()
+    for u in range(m):
+        s = spread[u]
+        next_state[seen[s]] = m + u
+        seen[s] += 1
+    for s in range(a):
+        f = freqs[s]
+        if f == 1:
+            delta_nb[s] = (table_log << 16) - m
+        elif f > 1:
+            hb = 0
+            while ((f - 1) >> (hb + 1)) != 0:
+                hb += 1
+            mbo = table_log - hb
+            delta_nb[s] = (mbo << 16) - (f << mbo)
+        delta_find[s] = cum[s] - f
+
+
+@njit(cache=True, nogil=True)
+def _encode_kernel(symbols, freqs, table_log, next_state, delta_nb, delta_find, pre, out):
+    """Returns the payload length, or -(i+1) if symbol i cannot be coded."""
+    n = symbols.size
+    m = 1 << table_log
+    a = freqs.size
+    x = m
+    for i in range(n - 1, -1, -1):
+        s = symbols[i]
+        if s >= a or freqs[s] == 0:
+            return -(i + 1)
+        pre[i] = x - m
+        nb = (x + delta_nb[s]) >> 16
+        x = next_state[delta_find[s] + (x >> nb)]
+    u0 = x - m
+    out[0] = u0 & 0xFF
+    out[1] = u0 >> 8
+    pos = 2
+    acc = np.uint64(0)
+    nacc = 0
+    for i in range(n):
+        xi = pre[i] + m
+        nb = (xi + delta_nb[symbols[i]]) >> 16
+        acc |= np.uint64(xi & ((1 << nb) - 1)) << np.uint64(nacc)
+        nacc += nb
+        if nacc >= 32:
+            out[pos] = acc & np.uint64(0xFF)
+            out[pos + 1] = (acc >> np.uint64(8)) & np.uint64(0xFF)
+            out[pos + 2] = (acc >> np.uint64(16)) & np.uint64(0xFF)
+            out[pos + 3] = (acc >> np.uint64(24)) & np.uint64(0xFF)
+            acc >>= np.uint64(32)
+            pos += 4
+            nacc -= 32
+    while nacc > 0:
+        out[pos] = acc & np.uint64(0xFF)
+        acc >>= np.uint64(8)
+        pos += 1
+        nacc -= 8
+    return pos
+
+
+@njit(cache=True, nogil=True)
+def _decode_kernel(payload, sym_tab, packed_tab, table_log, out):
+    nbytes = payload.size
+    if nbytes < 2:
+        return _ERR_SHORT
+    u = np.int64(payload[0]) | (np.int64(payload[1]) << 8)
+    if u >= (1 << table_log):
+        return _ERR_STATE
+    pos = 2
+    acc = np.uint64(0)
+    nacc = 0
+    for i in range(out.size):
+        if nacc < 32:  # refill 32 bits (or the last bytes, one at a time)
+            if pos + 4 <= nbytes:
+                w = (
+                    np.uint64(payload[pos])
+                    | (np.uint64(payload[pos + 1]) << np.uint64(8))
+                    | (np.uint64(payload[pos + 2]) << np.uint64(16))
+                    | (np.uint64(payload[pos + 3]) << np.uint64(24))
+                )
+                acc |= w << np.uint64(nacc)
+                nacc += 32
+                pos += 4
+            else:
+                while pos < nbytes and nacc <= 56:
+                    acc |= np.uint64(payload[pos]) << np.uint64(nacc)
+                    nacc += 8
+                    pos += 1
+        out[i] = sym_tab[u]
+        d = packed_tab[u]
+        nb = d >> 16
+        if nb > nacc:
+            return _ERR_SHORT
+        u = (d & 0xFFFF) + np.int64(acc & ((np.uint64(1) << np.uint64(nb)) - np.uint64(1)))
+        acc >>= np.uint64(nb)
+        nacc -= nb
+    if u != 0 or pos != nbytes or nacc >= 8 or acc != 0:
+        return _ERR_END
+    return 0
+
+
+# ------------------------------------------------------------------------------- public API
+def decode_tables(freqs, table_log: int, out_dtype=np.uint8):
+    """Decoder tables ``(symbol[M], packed[M])`` with ``packed = nbits << 16 | base``."""
+    f = _check(freqs, table_log)
+    out_dtype = np.dtype(out_dtype)
+    if out_dtype not in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        raise ValueError("out_dtype must be uint8 or uint16")
+    if np.any(f[np.iinfo(out_dtype).max + 1 :]):
+        raise ValueError(f"symbols with nonzero frequency do not fit in {out_dtype}")
+    m = 1 << int(table_log)
+    spread = np.empty(m, dtype=np.int64)
+    _spread(f, int(table_log), spread)
+    packed = np.empty(m, dtype=np.int64)
+    _build_decode(f, int(table_log), spread, packed)
+    return spread.astype(out_dtype), packed.astype(np.int32)
+
+
+def encode_table(symbols, freqs, table_log: int) -> np.ndarray:
+    """tANS-encode a 1-D uint8/uint16 array; returns the payload (uint8 array)."""
+    s = np.asarray(symbols)
+    if s.ndim != 1 or s.dtype not in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        raise ValueError("symbols must be a 1-D uint8 or uint16 array")
+    s = np.ascontiguousarray(s)
+    f = _check(freqs, table_log)
+    r = int(table_log)
+    m = 1 << r
+    spread = np.empty(m, dtype=np.int64)
+    _spread(f, r, spread)
+    next_state = np.empty(m, dtype=np.int64)
+    delta_nb = np.zeros(f.size, dtype=np.int64)
+    delta_find = np.zeros(f.size, dtype=np.int64)
+    _build_encode(f, r, spread, next_state, delta_nb, delta_find)
+    pre = np.empty(s.size, dtype=np.uint16)
+    out = np.empty(2 + (s.size * r + 7) // 8 + 8, dtype=np.uint8)
+    size = _encode_kernel(s, f, r, next_state, delta_nb, delta_find, pre, out)
+    if size < 0:
+        i = -size - 1
+        raise ValueError(f"symbol {int(s[i])} at position {i} has frequency 0")
+    return out[:size].copy()
+
+
+def decode_prepared(payload, tables, table_log: int, n: int) -> np.ndarray:
+    """Decode ``n`` symbols with tables from :func:`decode_tables`."""
+    if not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    sym, packed = tables
+    if isinstance(payload, np.ndarray):
+        if payload.dtype != np.uint8 or payload.ndim != 1:
+            raise ValueError("payload must be bytes or a 1-D uint8 array")
+        p = np.ascontiguousarray(payload)
+    else:
+        p = np.frombuffer(payload, dtype=np.uint8)
+    out = np.empty(int(n), dtype=sym.dtype)
+    status = _decode_kernel(p, sym, packed, int(table_log), out)
+    if status:
+        raise CorruptStreamError(_MESSAGES[status])
+    return out
+
+
+def decode_table(payload, freqs, table_log: int, n: int, out_dtype=np.uint8) -> np.ndarray:
+    """Decode ``n`` symbols of a payload from :func:`encode_table` (CorruptStreamError if bad)."""
+    return decode_prepared(payload, decode_tables(freqs, table_log, out_dtype), table_log, n)
