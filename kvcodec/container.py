@@ -36,6 +36,16 @@ import numpy as np
 
 from kvcodec.errors import CorruptStreamError
 
+try:  # ISA-L's crc32 is the same CRC-32 as zlib's, about 6x faster (pclmul); zlib is the fallback
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32 = zlib.crc32
+
+
+def crc32(data, value: int = 0) -> int:
+    """Standard CRC-32 (zlib's polynomial and values) of a bytes-like object, fast where ISA-L is installed."""
+    return _crc32(data, value)
+
 MAGIC = b"KVCC"
 VERSION = 1
 ALIGN = 64
@@ -134,7 +144,7 @@ def dumps(kind: str, meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> byt
         desc, payload = _section_payload(name, value)
         if len(desc["shape"]) > MAX_NDIM:
             raise ValueError(f"section {name!r}: at most {MAX_NDIM} dimensions")
-        desc = {"name": name, **desc, "nbytes": payload.nbytes, "crc32": zlib.crc32(payload)}
+        desc = {"name": name, **desc, "nbytes": payload.nbytes, "crc32": crc32(payload)}
         entries.append(desc)
         payloads.append(payload)
 
@@ -162,7 +172,7 @@ def dumps(kind: str, meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> byt
     total = entries[-1]["offset"] + entries[-1]["nbytes"] if entries else PREFIX.size + len(header)
     out = bytearray(total)
     prefix = PREFIX.pack(MAGIC, VERSION, 0, len(header), 0)
-    hcrc = zlib.crc32(header, zlib.crc32(prefix[:12]))
+    hcrc = crc32(header, crc32(prefix[:12]))
     out[: PREFIX.size] = PREFIX.pack(MAGIC, VERSION, 0, len(header), hcrc)
     out[PREFIX.size : PREFIX.size + len(header)] = header
     for desc, payload in zip(entries, payloads):
@@ -209,7 +219,7 @@ def read_header(blob) -> tuple[dict, memoryview]:
     if hlen > MAX_HEADER_BYTES or PREFIX.size + hlen > n:
         raise CorruptStreamError("container truncated or header length corrupt")
     raw_header = mv[PREFIX.size : PREFIX.size + hlen]
-    if zlib.crc32(raw_header, zlib.crc32(mv[:12])) != hcrc:
+    if crc32(raw_header, crc32(mv[:12])) != hcrc:
         raise CorruptStreamError("container header checksum mismatch")
     try:
         header = json.loads(
@@ -286,7 +296,7 @@ def loads(blob, expect_kind: str | None = None) -> tuple[str, dict, dict[str, An
         if any(mv[pos:offset]):
             raise CorruptStreamError("nonzero padding in container")
         payload = mv[offset : offset + nbytes]
-        if zlib.crc32(payload) != crc:
+        if crc32(payload) != crc:
             raise CorruptStreamError(f"section {name!r}: checksum mismatch")
         tensors[name] = _materialize(typ, dtype, shape, payload)
         pos = offset + nbytes

@@ -1,0 +1,171 @@
+"""``compress`` / ``decompress``: bit-exact tensor compression behind one call.
+
+The blob is a container (``kvcodec.container``) of kind ``"kvcodec.tensor"`` whose meta records
+the codec name, dtype, shape, original device and the crc32 of the ORIGINAL tensor bytes. The
+decoder checks that crc, so a wrong prediction (or any stream damage the codec cannot see) raises
+:class:`kvcodec.CorruptStreamError` instead of returning wrong numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcodec import container
+from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless import registry
+
+KIND = "kvcodec.tensor"
+_META_KEYS = {"codec", "dtype", "shape", "device", "crc32", "uses_prediction", "codec_meta"}
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of a CPU contiguous tensor as a uint8 array (a view, no copy)."""
+    if t.numel() == 0:
+        return np.zeros(0, np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _as_cpu(t: torch.Tensor) -> torch.Tensor:
+    if t.layout != torch.strided:
+        raise ValueError(f"only dense (strided) tensors can be compressed, got {t.layout}")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
+def choose_codec(codec: str, prediction: torch.Tensor | None, layout: str | None) -> str:
+    """The codec ``"auto"`` resolves to: predictive with a prediction, kvctx for KV, else planes."""
+    if codec != "auto":
+        return codec
+    if prediction is not None and registry.has("predictive"):
+        return "predictive"
+    if layout == "kv" and registry.has("kvctx"):
+        return "kvctx"
+    return "planes"
+
+
+def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec: str = "auto",
+             threads: int = 0, **opts) -> bytes:
+    """Losslessly compress ``tensor`` to bytes; :func:`decompress` restores every bit.
+
+    ``prediction``: an optional tensor of the same shape that the decoder will also have (e.g. a
+    cheaper model's KV); codecs that use it store only what it does not predict. ``codec``:
+    ``"auto"`` (predictive if a prediction is given, ``"kvctx"`` if ``layout="kv"``, else
+    ``"planes"``) or a registered codec name. ``threads``: 0 = all cores. Other keyword options
+    go to the codec's ``encode``.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"compress() takes a torch.Tensor, got {type(tensor).__name__}")
+    layout = opts.pop("layout", None)
+    if layout not in (None, "kv"):
+        raise ValueError(f"layout must be None or 'kv', got {layout!r}")
+    registry.resolve_threads(threads)
+    dtype_name = container.torch_dtype_name(tensor.dtype)
+    device = str(tensor.device)
+    t = _as_cpu(tensor)
+    pred = None
+    if prediction is not None:
+        if not isinstance(prediction, torch.Tensor) or tuple(prediction.shape) != tuple(t.shape):
+            raise ValueError("prediction must be a tensor with the same shape as the tensor")
+        pred = _as_cpu(prediction)
+    name = choose_codec(codec, pred, layout)
+    try:
+        impl = registry.get(name)
+    except KeyError as exc:
+        raise ValueError(str(exc.args[0])) from None
+    codec_meta, sections = impl.encode(t, pred, threads, **opts)
+    meta = {
+        "codec": name,
+        "dtype": dtype_name,
+        "shape": list(t.shape),
+        "device": device,
+        "crc32": container.crc32(tensor_bytes(t)),
+        "uses_prediction": pred is not None,
+        "codec_meta": codec_meta,
+    }
+    return container.dumps(KIND, meta, sections)
+
+
+def _checked_meta(meta: dict) -> dict:
+    if set(meta) != _META_KEYS:
+        raise CorruptStreamError("tensor blob meta has the wrong keys")
+    if meta["dtype"] not in container.torch_dtypes():
+        raise CorruptStreamError(f"tensor blob has unknown dtype {meta['dtype']!r}")
+    shape = meta["shape"]
+    if not isinstance(shape, list) or len(shape) > container.MAX_NDIM or any(
+        type(d) is not int or d < 0 for d in shape
+    ):
+        raise CorruptStreamError("tensor blob has a bad shape")
+    if type(meta["crc32"]) is not int or not isinstance(meta["device"], str):
+        raise CorruptStreamError("tensor blob has a bad crc32 or device")
+    if not isinstance(meta["uses_prediction"], bool) or not isinstance(meta["codec_meta"], dict):
+        raise CorruptStreamError("tensor blob has bad codec fields")
+    return meta
+
+
+def describe(blob) -> dict[str, Any]:
+    """What a blob holds without decoding it: codec, dtype, shape, raw and compressed bytes."""
+    header, mv = container.read_header(blob)
+    if header["kind"] != KIND:
+        raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
+    meta = _checked_meta(header["meta"])
+    itemsize = container.torch_dtypes()[meta["dtype"]].itemsize
+    return {
+        "codec": meta["codec"],
+        "dtype": meta["dtype"],
+        "shape": tuple(meta["shape"]),
+        "raw_bytes": math.prod(meta["shape"]) * itemsize,
+        "compressed_bytes": mv.nbytes,
+        "uses_prediction": meta["uses_prediction"],
+    }
+
+
+def _target_device(stored: str, prediction: torch.Tensor | None, device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if prediction is not None:
+        return prediction.device
+    try:
+        dev = torch.device(stored)
+    except (RuntimeError, ValueError):
+        return torch.device("cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return dev if dev.type in ("cpu", "cuda") else torch.device("cpu")
+
+
+def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, device=None) -> torch.Tensor:
+    """Restore the tensor from :func:`compress`'s bytes, bit for bit.
+
+    Pass the same ``prediction`` that was given to ``compress`` (if one was). The result goes to
+    ``device`` if given, else the prediction's device, else the original device when this machine
+    has it, else the CPU. Raises CorruptStreamError on damaged input or a wrong prediction.
+    """
+    registry.resolve_threads(threads)
+    _, meta, sections = container.loads(blob, expect_kind=KIND)
+    meta = _checked_meta(meta)
+    shape = tuple(meta["shape"])
+    pred = None
+    if meta["uses_prediction"]:
+        if prediction is None:
+            raise ValueError("this blob was compressed with a prediction: pass the same prediction to decompress")
+        if not isinstance(prediction, torch.Tensor) or tuple(prediction.shape) != shape:
+            raise ValueError(f"prediction must be a tensor of shape {shape}")
+        pred = _as_cpu(prediction)
+    impl = registry.get_for_decoding(meta["codec"])
+    out = impl.decode(meta["codec_meta"], sections, pred, threads)
+    dtype = container.torch_dtypes()[meta["dtype"]]
+    if not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape:
+        raise CorruptStreamError("codec output does not match the stored dtype/shape")
+    out = out.contiguous()
+    if container.crc32(tensor_bytes(out)) != meta["crc32"]:
+        raise CorruptStreamError(
+            "decoded tensor fails its checksum: wrong prediction, or a corrupted stream"
+        )
+    target = _target_device(meta["device"], prediction, device)
+    return out if target.type == "cpu" else out.to(target)
