@@ -1,0 +1,639 @@
+"""Predictor-driven lossless coding of float tensors (codec ``"predictive"``) and its engine.
+
+Why: a KV scalar is far cheaper to code when both sides know roughly where it lies. Each scalar
+``x[g, t, d]`` of a tensor laid out ``[..., tokens, channels]`` (``g``: the leading axes
+flattened, ``t``: axis -2, ``d``: axis -1) gets a continuous density on the real line::
+
+    base = m[g, d] + c[g, d] * P[g, t, d]                       # P: a prediction, or 0
+    mu   = base + a[g, d] * (x[g, t-1, d] - base[g, t-1, d])    # previous-token residual
+    x    ~ G((x - mu) / s[g, d])                                # G: a fitted, stored CDF table
+
+and a bit pattern's probability is the mass of its rounding bin on the dtype's float grid under
+that density, plus one unit (out of 2**28) for every pattern, so NaN payloads, +-Inf, -0.0,
+subnormals and far outliers always round-trip. All parameters are quantised and stored; the
+per-symbol CDF is exact integer arithmetic on them after two correctly rounded float64 operations,
+so encoder and decoder build identical frequencies and the decoder never refits anything.
+
+The symbols are coded with 64-bit rANS (32-bit renormalisation, 28-bit probabilities) in
+independent chunks (one leading index x a block of tokens) that are coded in parallel and decode
+alone. The project's static rANS and range coder take tables or integer-range models; a CDF over
+a float grid's bins is neither, so the coder here is a small numba kernel of its own.
+
+Prediction sources (``P``): an external tensor (a cheaper model's KV, e.g. an fp8-weight copy;
+gain c = 1), ``"previous_token"`` (mu = the previous token's value) or ``"neighbour_layer"``
+(P = the previous layer's decoded values, axis 0 = layers, per-channel fitted gain c). The kvctx
+codec (:mod:`kvcodec.lossless.kv_context`) is the same engine with P = 0 (channel location and
+fitted previous-token correlation).
+
+Dtypes: every 8- and 16-bit float (bf16, fp16, the fp8 family) is modelled; float32 codes its
+upper 16 bits as bf16 with the model and stores the low 16 bits verbatim; other dtypes are stored
+verbatim (these codecs are for float KV caches; use the ``planes`` codec for the rest).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from kvcodec.errors import CorruptStreamError
+
+FORMAT_VERSION = 1
+PREDICTORS = ("external", "previous_token", "neighbour_layer", "none")
+
+PREC = 28  # probability precision of the coder (bits)
+_M = 1 << PREC
+_RANS_L = 1 << 31  # rANS state lower bound; 32-bit words are moved in and out
+SHAPE_BINS = 256  # the shape CDF G is piecewise linear on [-ZMAX, ZMAX] in SHAPE_BINS steps
+ZMAX = 16.0  # (bin width 1/8 of the scale)
+S_MIN, S_MAX = 1e-30, 1e30  # stored scales are clipped to this range
+_Q = 64  # gain and previous-token coefficients are stored as int8 / 64
+
+_CHUNK_SYMBOLS = 1 << 16  # about this many symbols per independently decodable chunk
+_SHARED_PARAMS_BELOW = 64  # fewer tokens: one parameter set per channel, shared over g
+_FIT_SAMPLES = 1 << 22  # at most about this many values are used to fit the parameters
+
+
+# =============================================================================== float grids
+@dataclass(frozen=True)
+class FloatGrid:
+    """Every bit pattern of an 8- or 16-bit float dtype, sorted by value.
+
+    ``k_of_bits[bits]`` is the pattern's rank (NaN patterns last), ``bits_of_k`` the inverse,
+    ``edges[k]`` the lower edge of rank k's rounding bin (midpoint with the previous value; -inf /
+    +inf at the ends and around infinities, so those patterns get only the floor probability),
+    ``valf[k]`` the value (0 where not finite) and ``finite[k]`` whether it is finite.
+    """
+
+    n: int
+    bits_np: type
+    bits_np_signed: type
+    bits_torch: torch.dtype
+    k_of_bits: np.ndarray
+    bits_of_k: np.ndarray
+    edges: np.ndarray
+    valf: np.ndarray
+    finite: np.ndarray
+
+
+@lru_cache(maxsize=None)
+def grid_for(dtype: torch.dtype) -> FloatGrid | None:
+    """The grid of an 8-/16-bit float dtype, or None for any other dtype."""
+    if not dtype.is_floating_point or dtype.itemsize not in (1, 2):
+        return None
+    n = 1 << (8 * dtype.itemsize)
+    bits_np, signed, bits_torch = (
+        (np.uint8, np.uint8, torch.uint8) if n == 256 else (np.uint16, np.int16, torch.int16)
+    )
+    patterns = np.arange(n, dtype=bits_np)
+    vals = torch.from_numpy(patterns.view(signed).copy()).view(dtype).to(torch.float64).numpy()
+    nan = np.isnan(vals)
+    neg = (patterns >> (8 * dtype.itemsize - 1)) & 1 if dtype != torch.float8_e8m0fnu else 0 * patterns
+    ok = np.flatnonzero(~nan)
+    # by value, -0.0 before +0.0; NaN patterns after everything, in pattern order
+    order = np.concatenate([ok[np.lexsort((1 - neg[ok], vals[ok]))], np.flatnonzero(nan)])
+    val_k = vals[order]
+    n_ok = ok.size
+    edges = np.full(n + 1, np.inf)
+    edges[0] = -np.inf
+    lo, hi = val_k[: n_ok - 1], val_k[1:n_ok]
+    mid = np.where(np.isfinite(lo) & np.isfinite(hi), (lo + hi) / 2, np.where(np.isneginf(lo), -np.inf, np.inf))
+    edges[1:n_ok] = mid
+    finite = np.isfinite(val_k)
+    k_of_bits = np.empty(n, np.int32)
+    k_of_bits[order] = np.arange(n, dtype=np.int32)
+    return FloatGrid(
+        n=n, bits_np=bits_np, bits_np_signed=signed, bits_torch=bits_torch,
+        k_of_bits=k_of_bits, bits_of_k=order.astype(bits_np), edges=edges,
+        valf=np.where(finite, val_k, 0.0), finite=finite,
+    )
+
+
+def value_table(grid: FloatGrid) -> np.ndarray:
+    """float32 value of every rank (non-finite as 0): what a decoded layer predicts the next with."""
+    return grid.valf.astype(np.float32)
+
+
+# =============================================================================== shape table
+def fit_shape(z: np.ndarray) -> np.ndarray:
+    """Masses (uint16[SHAPE_BINS], summing to 2**16, each >= 1) of a histogram of ``z``."""
+    counts, _ = np.histogram(np.clip(z, -ZMAX, ZMAX), bins=SHAPE_BINS, range=(-ZMAX, ZMAX))
+    total = counts.sum()
+    free = (1 << 16) - SHAPE_BINS
+    if total == 0:
+        masses = np.full(SHAPE_BINS, 1 << 8, np.int64)
+    else:
+        masses = 1 + np.floor(counts * (free / total)).astype(np.int64)
+        masses[np.argmax(masses)] += (1 << 16) - int(masses.sum())
+    return masses.astype(np.uint16)
+
+
+def shape_cdf(masses: np.ndarray) -> np.ndarray:
+    """int64[SHAPE_BINS + 1] CDF in units of 2**-32 from stored masses (validated)."""
+    masses = np.asarray(masses)
+    if masses.shape != (SHAPE_BINS,) or int(masses.astype(np.int64).sum()) != 1 << 16:
+        raise CorruptStreamError("predictive stream has a bad shape table")
+    return np.concatenate([[0], np.cumsum(masses.astype(np.int64))]) << 16
+
+
+# =============================================================================== kernels
+@njit(inline="always", cache=True)
+def _shape_at(z, cdf):
+    """G(z) in units of 2**-32: integer interpolation in the stored table."""
+    if z <= -ZMAX:
+        return np.int64(0)
+    if z >= ZMAX:
+        return np.int64(1) << 32
+    q = np.int64((z * 8.0 + 128.0) * 65536.0)
+    j = q >> 16
+    if j >= SHAPE_BINS:
+        return np.int64(1) << 32
+    lo = cdf[j]
+    return lo + (((cdf[j + 1] - lo) * (q & 0xFFFF)) >> 16)
+
+
+@njit(inline="always", cache=True)
+def _cum(k, mu, rs, edges, cdf, a_mass):
+    """Cumulative frequency of rank k: floor(A * G) + k, strictly increasing, 0 at 0, M at n."""
+    z = (edges[k] - mu) * rs
+    return ((a_mass * _shape_at(z, cdf)) >> 32) + k
+
+
+@njit(inline="always", cache=True)
+def _location(m, c, p, a, dev):
+    base = m + c * p
+    return base, base + a * dev
+
+
+@njit(parallel=True, cache=True)
+def _encode_kernel(kx, pred, has_pred, m, c, a, rs, shared, cdf, edges, valf, finite,
+                   tb, caps, out, out_start):
+    g_n, t_n, d_n = kx.shape
+    n_tb = (t_n + tb - 1) // tb
+    a_mass = np.int64(_M - edges.size + 1)
+    for ci in prange(g_n * n_tb):
+        g = ci // n_tb
+        t0 = (ci % n_tb) * tb
+        t1 = min(t_n, t0 + tb)
+        gp = 0 if shared else g
+        n = (t1 - t0) * d_n
+        starts = np.empty(n, np.int64)
+        freqs = np.empty(n, np.int64)
+        dev = np.zeros(d_n, np.float64)
+        i = 0
+        for t in range(t0, t1):
+            for d in range(d_n):
+                p = 0.0
+                if has_pred:
+                    p = np.float64(pred[g, t, d])
+                    if not np.isfinite(p):
+                        p = 0.0
+                base, mu = _location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
+                k = kx[g, t, d]
+                lo = _cum(k, mu, rs[gp, d], edges, cdf, a_mass)
+                hi = _cum(k + 1, mu, rs[gp, d], edges, cdf, a_mass)
+                starts[i] = lo
+                freqs[i] = hi - lo
+                i += 1
+                dev[d] = valf[k] - base if finite[k] else 0.0
+        x = np.int64(_RANS_L)
+        pos = caps[ci + 1]
+        for j in range(n - 1, -1, -1):
+            f = freqs[j]
+            if x >= ((np.int64(_RANS_L) >> PREC) << 32) * f:
+                pos -= 1
+                out[pos] = x & 0xFFFFFFFF
+                x >>= 32
+            x = ((x // f) << PREC) + (x % f) + starts[j]
+        pos -= 1
+        out[pos] = x & 0xFFFFFFFF
+        pos -= 1
+        out[pos] = x >> 32
+        out_start[ci] = pos
+
+
+@njit(parallel=True, cache=True)
+def _decode_kernel(words, wstart, wlen, pred, has_pred, m, c, a, rs, shared, cdf, edges, valf,
+                   finite, tb, g0, out_k, err):
+    g_n, t_n, d_n = out_k.shape
+    n_tb = (t_n + tb - 1) // tb
+    n_sym = edges.size - 1
+    a_mass = np.int64(_M - n_sym)
+    mask = np.int64(_M - 1)
+    for ci in prange(g_n * n_tb):
+        gl = ci // n_tb
+        gp = 0 if shared else g0 + gl
+        t0 = (ci % n_tb) * tb
+        t1 = min(t_n, t0 + tb)
+        ptr = wstart[ci]
+        end = ptr + wlen[ci]
+        if wlen[ci] < 2:
+            err[ci] = 1
+            continue
+        x = (np.int64(words[ptr]) << 32) | np.int64(words[ptr + 1])
+        ptr += 2
+        if x < _RANS_L:
+            err[ci] = 2
+            continue
+        dev = np.zeros(d_n, np.float64)
+        bad = False
+        for t in range(t0, t1):
+            for d in range(d_n):
+                p = 0.0
+                if has_pred:
+                    p = np.float64(pred[gl, t, d])
+                    if not np.isfinite(p):
+                        p = 0.0
+                base, mu = _location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
+                rsd = rs[gp, d]
+                slot = x & mask
+                lo = 0
+                hi = n_sym
+                c_lo = np.int64(0)
+                c_hi = np.int64(_M)
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    cm = _cum(mid, mu, rsd, edges, cdf, a_mass)
+                    if cm <= slot:
+                        lo = mid
+                        c_lo = cm
+                    else:
+                        hi = mid
+                        c_hi = cm
+                x = (c_hi - c_lo) * (x >> PREC) + slot - c_lo
+                if x < _RANS_L:
+                    if ptr >= end:
+                        bad = True
+                        break
+                    x = (x << 32) | np.int64(words[ptr])
+                    ptr += 1
+                out_k[gl, t, d] = lo
+                dev[d] = valf[lo] - base if finite[lo] else 0.0
+            if bad:
+                break
+        if bad:
+            err[ci] = 3
+        elif x != _RANS_L or ptr != end:
+            err[ci] = 4
+
+
+# =============================================================================== model
+@dataclass
+class Model:
+    """Stored parameters ([Gp, D] each, Gp = 1 when shared) in the form the kernels use."""
+
+    m: np.ndarray  # float32 stored, float64 here
+    c: np.ndarray  # int8 / 64
+    a: np.ndarray  # int8 / 64
+    s: np.ndarray  # float32 stored scale
+    masses: np.ndarray  # uint16 shape masses
+    shared: bool
+
+    def kernel_args(self):
+        s = self.s.astype(np.float64)
+        if not np.all(np.isfinite(s)) or np.any(s <= 0) or not np.all(np.isfinite(self.m)):
+            raise CorruptStreamError("predictive stream has a bad location or scale")
+        return (self.m.astype(np.float64), self.c.astype(np.float64) / _Q,
+                self.a.astype(np.float64) / _Q, 1.0 / s, self.shared, shape_cdf(self.masses))
+
+    def pack(self) -> np.ndarray:
+        return np.concatenate([self.m.reshape(-1).view(np.uint8), self.s.reshape(-1).view(np.uint8),
+                               self.c.reshape(-1).view(np.uint8), self.a.reshape(-1).view(np.uint8)])
+
+    @classmethod
+    def unpack(cls, params: np.ndarray, masses: np.ndarray, gp: int, d: int, shared: bool) -> "Model":
+        nb = gp * d * 4
+        if params.size != gp * d * 10:
+            raise CorruptStreamError("predictive stream parameter section has the wrong size")
+        return cls(
+            m=params[:nb].copy().view(np.float32).reshape(gp, d),
+            s=params[nb:2 * nb].copy().view(np.float32).reshape(gp, d),
+            c=params[2 * nb:2 * nb + gp * d].copy().view(np.int8).reshape(gp, d),
+            a=params[2 * nb + gp * d:].copy().view(np.int8).reshape(gp, d),
+            masses=masses, shared=shared,
+        )
+
+
+def _finite0(v):
+    ok = np.isfinite(v)
+    return np.where(ok, v, 0.0), ok
+
+
+def fit_model(x_t, x_prev, prev_valid, p_t, p_prev, gain: str, prev_coef: str, shared: bool) -> Model:
+    """Fit the parameters on sampled tokens (encoder only), quantised exactly as stored.
+
+    ``x_t``/``x_prev``: values [G, S, D] at sampled tokens t and t-1 (non-finite allowed);
+    ``prev_valid[S]``: whether t-1 is in the same chunk; ``p_t``/``p_prev``: the prediction at
+    those tokens or None; ``gain``: "zero" | "one" | "fit" (c); ``prev_coef``: "fit" | "one" (a).
+    """
+    axes = (0, 1) if shared else (1,)
+
+    def red(v):
+        r = v.sum(axis=axes)
+        return r[None] if shared else r
+
+    def mean(v, ok):
+        n = red(ok)
+        return np.where(n > 0, red(np.where(ok, v, 0.0)) / np.maximum(n, 1), 0.0)
+
+    x, xok = _finite0(x_t)
+    xp, xpok = _finite0(x_prev)
+    xpok &= prev_valid[None, :, None]
+    p = np.zeros_like(x) if p_t is None else _finite0(p_t)[0]
+    pp = np.zeros_like(x) if p_prev is None else _finite0(p_prev)[0]
+    gd = (1 if shared else x.shape[0], x.shape[2])
+    if gain == "zero":
+        c = np.zeros(gd)
+    elif gain == "one":
+        c = np.ones(gd)
+    else:
+        mx, mp = mean(x, xok)[:, None], mean(p, xok)[:, None]
+        cov = red(np.where(xok, (x - mx) * (p - mp), 0.0))
+        var = red(np.where(xok, (p - mp) ** 2, 0.0))
+        c = np.where(var > 0, cov / np.where(var > 0, var, 1.0), 0.0)
+    c_q = np.clip(np.round(c * _Q), -127, 127).astype(np.int8)
+    c = (c_q.astype(np.float64) / _Q)[:, None]
+    if prev_coef == "one":
+        m = np.zeros(gd, np.float32)
+    else:
+        m = np.clip(mean(x - c * p, xok), -3e38, 3e38).astype(np.float32)
+    m64 = m.astype(np.float64)[:, None]
+    dev = np.where(xok, x - (m64 + c * p), 0.0)
+    dev_prev = np.where(xpok, xp - (m64 + c * pp), 0.0)
+    if prev_coef == "one":
+        a_q = np.full(gd, _Q, np.int8)
+    else:
+        num, den = red(dev * dev_prev), red(dev_prev * dev_prev)
+        a = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+        a_q = np.clip(np.round(a * _Q), -_Q, _Q).astype(np.int8)
+    r = np.where(xok, dev - (a_q.astype(np.float64) / _Q)[:, None] * dev_prev, 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = np.sqrt(red(r * r) / np.maximum(red(xok), 1))
+        s = np.clip(np.where(np.isfinite(s), s, S_MAX), S_MIN, S_MAX).astype(np.float32)
+        z = (r / s.astype(np.float64)[:, None])[xok]
+    return Model(m=m, c=c_q, a=a_q, s=s, masses=fit_shape(z), shared=shared)
+
+
+# =============================================================================== layout
+def kv_layout(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(G, T, D): leading axes flattened, tokens (axis -2), channels (axis -1); 0-/1-d handled."""
+    if len(shape) == 0:
+        return 1, 1, 1
+    if len(shape) == 1:
+        return 1, int(shape[0]), 1
+    return int(np.prod(shape[:-2], dtype=np.int64)), int(shape[-2]), int(shape[-1])
+
+
+def token_block(t: int, d: int) -> int:
+    """Tokens per chunk: about ``_CHUNK_SYMBOLS`` symbols, at least one token."""
+    return max(1, min(max(t, 1), _CHUNK_SYMBOLS // max(d, 1)))
+
+
+def _fit_tokens(g: int, t: int, d: int) -> np.ndarray:
+    n = max(1, min(t, _FIT_SAMPLES // max(1, g * d)))
+    if n >= t:
+        return np.arange(t)
+    return np.unique(np.linspace(0, t - 1, n).astype(np.int64))
+
+
+class _Threads:
+    """Run numba kernels on ``threads`` workers (0 = all), restoring the previous count after."""
+
+    def __init__(self, threads: int):
+        from kvcodec.lossless.registry import resolve_threads
+
+        self.n = min(resolve_threads(threads), numba.config.NUMBA_NUM_THREADS)
+
+    def __enter__(self):
+        self.old = numba.get_num_threads()
+        numba.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        numba.set_num_threads(self.old)
+
+
+def _prediction_f32(prediction: torch.Tensor, g: int, t: int, d: int) -> np.ndarray:
+    """The prediction as float32 [G, T, D]: what the kernels use and the checksum covers."""
+    if not isinstance(prediction, torch.Tensor):
+        raise ValueError("a prediction must be a torch.Tensor")
+    if prediction.dtype.is_complex:
+        raise ValueError("a prediction must be real-valued")
+    p = prediction.detach().to("cpu", torch.float32).contiguous()
+    return p.numpy().reshape(g, t, d)
+
+
+# =============================================================================== encode/decode
+def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) -> tuple[dict, dict]:
+    """Encode ``t`` (any dtype and shape); ``source`` is one of PREDICTORS."""
+    if source not in PREDICTORS:
+        raise ValueError(f"predictor must be one of {PREDICTORS}, got {source!r}")
+    if (source == "external") != (prediction is not None):
+        raise ValueError("a prediction tensor goes with source 'external' and only with it")
+    t = t.detach().to("cpu").contiguous()
+    shape = tuple(t.shape)
+    g, tt, d = kv_layout(shape)
+    meta = {"v": FORMAT_VERSION, "source": source, "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(shape)}
+    if prediction is not None and tuple(prediction.shape) != shape:
+        raise ValueError("prediction must have the same shape as the tensor")
+    grid = grid_for(t.dtype)
+    if t.numel() == 0 or (grid is None and t.dtype != torch.float32):
+        meta["mode"] = "raw"
+        raw = t.reshape(-1).view(torch.uint8).numpy().copy() if t.numel() else np.zeros(0, np.uint8)
+        return meta, {"raw": raw}
+    if source == "neighbour_layer" and len(shape) < 3:
+        raise ValueError("predictor='neighbour_layer' needs a [layers, ..., tokens, channels] tensor")
+    sections: dict = {}
+    if grid is None:  # float32: the upper half is a bf16 pattern; keep the lower half verbatim
+        grid = grid_for(torch.bfloat16)
+        b32 = t.reshape(-1).view(torch.int32).numpy().view(np.uint32)
+        sym_bits = (b32 >> 16).astype(np.uint16)
+        sections["lo16"] = (b32 & 0xFFFF).astype(np.uint16)
+        meta["mode"] = "f32split"
+    else:
+        sym_bits = t.reshape(-1).view(grid.bits_torch).numpy().view(grid.bits_np)
+        meta["mode"] = "grid"
+    kx = grid.k_of_bits[sym_bits].reshape(g, tt, d)
+    tb = token_block(tt, d)
+    shared = tt < _SHARED_PARAMS_BELOW
+
+    if source == "external":
+        pred = _prediction_f32(prediction, g, tt, d)
+        meta["pred_crc"] = zlib.crc32(pred.reshape(-1).view(np.uint8))
+    elif source == "neighbour_layer":
+        per_layer = g // shape[0]
+        pred = np.zeros((g, tt, d), np.float32)
+        pred[per_layer:] = value_table(grid)[kx[:-per_layer]] if per_layer < g else 0.0
+    else:
+        pred = None
+
+    tok = _fit_tokens(g, tt, d)
+    tprev = np.maximum(tok - 1, 0)
+    prev_valid = (tok % tb) != 0
+    vals = np.where(grid.finite, grid.valf, np.nan)
+    gain = {"external": "one", "neighbour_layer": "fit"}.get(source, "zero")
+    model = fit_model(
+        vals[kx[:, tok]], vals[kx[:, tprev]], prev_valid,
+        None if pred is None else pred[:, tok].astype(np.float64),
+        None if pred is None else pred[:, tprev].astype(np.float64),
+        gain, "one" if source == "previous_token" else "fit", shared,
+    )
+    n_tb = -(-tt // tb)
+    sizes = np.full(g * n_tb, tb * d + 2, np.int64)
+    sizes[n_tb - 1::n_tb] = (tt - (n_tb - 1) * tb) * d + 2
+    caps = np.concatenate([[0], np.cumsum(sizes)])
+    out = np.empty(int(caps[-1]), np.uint32)
+    out_start = np.empty(g * n_tb, np.int64)
+    with _Threads(threads):
+        _encode_kernel(kx, pred if pred is not None else np.zeros((1, 1, 1), np.float32), pred is not None,
+                       *model.kernel_args(), grid.edges, grid.valf, grid.finite, tb, caps, out, out_start)
+    lengths = caps[1:] - out_start
+    keep = np.zeros(out.size, bool)
+    for s0, s1 in zip(out_start, caps[1:]):
+        keep[s0:s1] = True
+    meta.update(tb=tb, shared=shared)
+    sections.update(params=model.pack(), shape=model.masses, chunk_words=lengths.astype(np.uint32),
+                    payload=out[keep])
+    return meta, sections
+
+
+def _section(sections, name, dtype, n=None) -> np.ndarray:
+    if not isinstance(sections, dict) or name not in sections:
+        raise CorruptStreamError(f"predictive stream lacks section {name!r}")
+    v = sections[name]
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        v = np.frombuffer(v, np.uint8)
+    elif isinstance(v, torch.Tensor):
+        v = v.numpy()
+    if not isinstance(v, np.ndarray) or v.dtype != np.dtype(dtype) or v.ndim != 1 or (n is not None and v.size != n):
+        raise CorruptStreamError(f"predictive stream section {name!r} has the wrong type or size")
+    return v
+
+
+def _meta_dtype_shape(meta) -> tuple[torch.dtype, tuple[int, ...]]:
+    if not isinstance(meta, dict) or meta.get("v") != FORMAT_VERSION:
+        raise CorruptStreamError("predictive stream has an unknown format version")
+    name = meta.get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptStreamError(f"predictive stream names an unknown dtype {name!r}")
+    shape = meta.get("shape")
+    if not isinstance(shape, list) or len(shape) > 16 or any(type(n) is not int or n < 0 for n in shape):
+        raise CorruptStreamError("predictive stream has a bad shape")
+    return dtype, tuple(shape)
+
+
+def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0) -> torch.Tensor:
+    """Invert :func:`encode_tensor`; every inconsistency raises CorruptStreamError."""
+    dtype, shape = _meta_dtype_shape(meta)
+    source = meta.get("source")
+    if source not in PREDICTORS:
+        raise CorruptStreamError("predictive stream names an unknown predictor")
+    g, tt, d = kv_layout(shape)
+    numel = int(np.prod(shape, dtype=np.int64))
+    mode = meta.get("mode")
+    if mode == "raw":
+        raw = _section(sections, "raw", np.uint8, numel * dtype.itemsize)
+        out = torch.from_numpy(raw.copy()) if numel else torch.empty(0, dtype=torch.uint8)
+        return out.view(dtype).reshape(shape)
+    grid = grid_for(dtype) if mode == "grid" else None
+    if mode == "f32split" and dtype == torch.float32:
+        grid = grid_for(torch.bfloat16)
+    if grid is None or numel == 0:
+        raise CorruptStreamError("predictive stream has a mode that does not fit its dtype")
+    tb, shared = meta.get("tb"), meta.get("shared")
+    if tb != token_block(tt, d) or shared is not (tt < _SHARED_PARAMS_BELOW):
+        raise CorruptStreamError("predictive stream has a bad chunking or sharing field")
+    gp = 1 if shared else g
+    model = Model.unpack(_section(sections, "params", np.uint8), _section(sections, "shape", np.uint16),
+                         gp, d, shared)
+    margs = model.kernel_args()
+    n_tb = -(-tt // tb)
+    lengths = _section(sections, "chunk_words", np.uint32, g * n_tb).astype(np.int64)
+    words = _section(sections, "payload", np.uint32)
+    if int(lengths.sum()) != words.size:
+        raise CorruptStreamError("predictive stream chunk sizes do not add up to its payload")
+    wstart = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+    if source == "external":
+        if prediction is None:
+            raise ValueError("this stream was coded with a prediction: pass the same prediction to decode")
+        if tuple(prediction.shape) != shape:
+            raise ValueError(f"prediction must have shape {shape}")
+        pred = _prediction_f32(prediction, g, tt, d)
+        if zlib.crc32(pred.reshape(-1).view(np.uint8)) != meta.get("pred_crc"):
+            raise CorruptStreamError("the prediction differs from the one this stream was coded with")
+    elif prediction is not None:
+        raise ValueError("this stream was coded without a prediction tensor")
+
+    kx = np.empty((g, tt, d), np.int32)
+    err = np.zeros(g * n_tb, np.int32)
+    dummy = np.zeros((1, 1, 1), np.float32)
+    tail = (grid.edges, grid.valf, grid.finite, tb)
+    with _Threads(threads):
+        if source == "neighbour_layer":
+            if len(shape) < 3:
+                raise CorruptStreamError("neighbour-layer stream needs a [layers, ..., tokens, channels] shape")
+            per_layer = g // shape[0]
+            values = value_table(grid)
+            p_layer = np.zeros((per_layer, tt, d), np.float32)
+            for layer in range(shape[0]):
+                g0 = layer * per_layer
+                c0, c1 = g0 * n_tb, (g0 + per_layer) * n_tb
+                _decode_kernel(words, wstart[c0:c1], lengths[c0:c1], p_layer, True, *margs, *tail,
+                               g0, kx[g0:g0 + per_layer], err[c0:c1])
+                if err[c0:c1].any():
+                    break
+                p_layer = values[kx[g0:g0 + per_layer]]
+        else:
+            p = pred if source == "external" else dummy
+            _decode_kernel(words, wstart, lengths, p, source == "external", *margs, *tail, 0, kx, err)
+    if err.any():
+        raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
+    sym_bits = grid.bits_of_k[kx.reshape(-1)]
+    if mode == "f32split":
+        lo = _section(sections, "lo16", np.uint16, numel)
+        out = (sym_bits.astype(np.uint32) << 16) | lo.astype(np.uint32)
+        return torch.from_numpy(out.view(np.int32)).view(torch.float32).reshape(shape)
+    return torch.from_numpy(sym_bits.view(grid.bits_np_signed)).view(dtype).reshape(shape)
+
+
+# =============================================================================== the codec
+class PredictiveCodec:
+    """Codec ``"predictive"``: code a tensor given a prediction both sides have.
+
+    ``encode(t, prediction, threads, predictor=None)``: with a prediction tensor the model is
+    centred on it; without one, ``predictor`` names a built-in source, ``"previous_token"`` or
+    ``"neighbour_layer"``, and decoding needs no prediction either.
+    """
+
+    name = "predictive"
+
+    def encode(self, t, prediction, threads: int = 0, predictor: str | None = None, **opts):
+        if opts:
+            raise ValueError(f"unknown option(s) for the predictive codec: {', '.join(sorted(opts))}")
+        if prediction is not None:
+            if predictor not in (None, "external"):
+                raise ValueError("pass a prediction tensor or a built-in predictor name, not both")
+            return encode_tensor(t, prediction, "external", threads)
+        if predictor not in ("previous_token", "neighbour_layer"):
+            raise ValueError("the predictive codec needs a prediction tensor or "
+                             "predictor='previous_token' / 'neighbour_layer'")
+        return encode_tensor(t, None, predictor, threads)
+
+    def decode(self, meta, sections, prediction, threads: int = 0):
+        return decode_tensor(meta, sections, prediction, threads)
+
+
+def _register() -> None:
+    from kvcodec.lossless.registry import register
+
+    register(PredictiveCodec(), replace=True)
+
+
+_register()
