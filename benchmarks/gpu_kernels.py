@@ -1,0 +1,375 @@
+"""GPU benchmark of the fused TurboQuant kernels: correctness vs float64, decode latency vs bf16 SDPA,
+achieved bandwidth vs device copy bandwidth, quantize+pack vs the bf16 write it replaces.
+
+    PYTHONPATH=. python3 benchmarks/gpu_kernels.py [--quick] [--out DIR] [--variants]
+
+Writes ``gpu_kernels.json``/``.md`` under ``$OUT`` (if set) and ``benchmarks/results``; the last thing
+printed is a short table. Bytes counted for the fused kernel are the bytes it must read: packed K and V
+codes, their norms (and QJL bits/norms), for every valid token; SDPA reads bf16 K and V.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import machine_record, save  # noqa: E402
+from kvcodec.cuda import attention, reference  # noqa: E402
+import kvcodec.cuda as kc  # noqa: E402
+
+L2_ROTATE_BYTES = 512 << 20  # rotate among input sets until this many bytes: no timing out of L2
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def cuda_time_ms(fns, reps: int = 20, rounds: int = 5, graphs: bool = True) -> tuple[float, str]:
+    """Median over ``rounds`` of (CUDA-event time of ``reps`` back-to-back calls) / reps, in ms.
+
+    ``fns`` is a list of zero-argument callables cycled through (distinct input sets, so that small
+    shapes are not timed out of L2). Each is captured as a CUDA graph when possible (launch gaps of
+    the Python launcher removed, as in a serving engine); otherwise called eagerly. Returns (ms, mode).
+    """
+    if callable(fns):
+        fns = [fns]
+    for f in fns:  # warm-up: compile, allocate, cache
+        f()
+    torch.cuda.synchronize()
+    mode = "eager"
+    calls = list(fns)
+    if graphs:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for f in fns:
+                    f()
+            torch.cuda.current_stream().wait_stream(side)
+            gs = []
+            for f in fns:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    f()
+                gs.append(g)
+            calls = [g.replay for g in gs]
+            for c in calls:
+                c()
+            torch.cuda.synchronize()
+            mode = "graph"
+        except Exception as e:  # capture unsupported: time eagerly
+            log(f"graph capture failed ({type(e).__name__}: {str(e)[:120]}); timing eagerly")
+            torch.cuda.synchronize()
+            calls = list(fns)
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for i in range(reps):
+            calls[i % len(calls)]()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    times.sort()
+    return times[len(times) // 2], mode
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (TB/s)."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms, _ = cuda_time_ms(lambda: dst.copy_(src), reps=10, graphs=False)
+    del src, dst
+    return 2 * n / (ms * 1e-3) / 1e12
+
+
+def codebook(bits: int, dim: int) -> torch.Tensor:
+    try:
+        from kvcodec.quant.codebooks import lloyd_max_codebook
+
+        return torch.tensor(lloyd_max_codebook(dim, bits), dtype=torch.float32)
+    except Exception:
+        return torch.linspace(-2.5, 2.5, 1 << bits) / math.sqrt(dim)
+
+
+def poison_allocator(nbytes: int = 512 << 20) -> None:
+    x = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del x
+
+
+# ---------------------------------------------------------------- correctness
+def make_case(b, hq, hkv, ql, tcap, d, kb, vb, lens, *, norm_dtype=torch.float16, qjl=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    case = dict(
+        query=torch.randn(b, hq, ql, d, device=dev, generator=g).to(torch.bfloat16),
+        k_codes=torch.randint(0, 256, (b, hkv, tcap, d * kb // 8), device=dev, generator=g, dtype=torch.uint8),
+        v_codes=torch.randint(0, 256, (b, hkv, tcap, d * vb // 8), device=dev, generator=g, dtype=torch.uint8),
+        k_norms=(torch.rand(b, hkv, tcap, device=dev, generator=g) * 20 + 1).to(norm_dtype),
+        v_norms=(torch.rand(b, hkv, tcap, device=dev, generator=g) * 4 + 0.1).to(norm_dtype),
+        seq_lens=torch.tensor(lens, device=dev, dtype=torch.int32),
+    )
+    for i, n in enumerate(lens):
+        case["k_norms"][i, :, n:] = float("nan")
+        case["v_norms"][i, :, n:] = float("nan")
+    kw = dict(k_rotation=reference.hadamard_rotation(d, seed + 1).cuda(),
+              v_rotation=reference.hadamard_rotation(d, seed + 2).cuda(),
+              k_codebook=codebook(kb, d).cuda(), v_codebook=codebook(vb, d).cuda(), k_bits=kb, v_bits=vb)
+    if qjl:
+        case["k_qjl"] = torch.randint(0, 256, (b, hkv, tcap, d // 8), device=dev, generator=g, dtype=torch.uint8)
+        case["k_rnorms"] = (torch.rand(b, hkv, tcap, device=dev, generator=g) * 3).to(norm_dtype)
+        kw["qjl_matrix"] = torch.randn(d, d, device=dev, generator=g)
+    return case, kw
+
+
+CHECKS = [
+    # name, (b, hq, hkv, ql, tcap, d, kb, vb, lens), options
+    ("d128 k4v4 g4", (3, 8, 2, 1, 300, 128, 4, 4, [300, 17, 0]), {}),
+    ("d128 k4v2 g4", (3, 8, 2, 1, 300, 128, 4, 2, [300, 17, 0]), {}),
+    ("d128 k3v3 g4", (3, 8, 2, 1, 300, 128, 3, 3, [300, 17, 0]), {}),
+    ("d128 k2v2 g4", (2, 8, 2, 1, 300, 128, 2, 2, [250, 300]), {}),
+    ("d64 k4v4 g3", (2, 9, 3, 1, 500, 64, 4, 4, [500, 33]), {}),
+    ("d64 k3v3 g3", (2, 9, 3, 1, 500, 64, 3, 3, [499, 250]), {}),
+    ("d64 k2v1 g3", (2, 9, 3, 1, 500, 64, 2, 1, [64, 480]), {}),
+    ("d128 g1 (MHA)", (2, 4, 4, 1, 200, 128, 4, 4, [200, 100]), {}),
+    ("d128 g8", (2, 64, 8, 1, 1000, 128, 4, 4, [1000, 999]), {}),
+    ("d128 g20 (2 row tiles)", (2, 40, 2, 1, 300, 128, 4, 2, [300, 7]), {}),
+    ("d128 q_len 4 (spec)", (2, 32, 8, 4, 300, 128, 4, 4, [300, 150]), {}),
+    ("d128 bf16 norms", (2, 8, 2, 1, 300, 128, 4, 4, [300, 150]), {"norm_dtype": torch.bfloat16}),
+    ("d128 prod keys (QJL)", (2, 8, 2, 1, 300, 128, 3, 4, [300, 150]), {"qjl": True}),
+    ("d64 prod keys (QJL)", (2, 9, 3, 1, 300, 64, 1, 2, [300, 150]), {"qjl": True}),
+    ("d128 long split", (1, 32, 8, 1, 20000, 128, 4, 4, [19999]), {}),
+]
+
+
+def run_checks() -> list[dict]:
+    rows = []
+    for name, shape, opts in CHECKS:
+        row = {"check": name}
+        try:
+            case, kw = make_case(*shape, **opts)
+            extra = {}
+            if "g4" in name and "k4v4" in name:
+                extra["tokens_per_warp"] = 64
+            if "window" in name or name.startswith("d128 q_len"):
+                b, hq, hkv, ql, tcap, d = shape[:6]
+                extra["window_k"] = torch.randn(b, hkv, 8, d, device="cuda", dtype=torch.bfloat16)
+                extra["window_v"] = torch.randn(b, hkv, 8, d, device="cuda", dtype=torch.bfloat16)
+            poison_allocator()
+            out, lse = kc.decode_attention(**case, **kw, **extra, return_lse=True)
+            torch.cuda.synchronize()
+            ref, ref_lse = reference.decode_attention_reference(
+                **case, **kw, **{k: v for k, v in extra.items() if k != "tokens_per_warp"})
+            rel = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            fin = torch.isfinite(ref_lse)
+            lse_err = (lse[fin].double() - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+            row.update(max_rel_err=rel, lse_abs_err=lse_err, nan_out=int((~torch.isfinite(out)).sum()),
+                       lse_inf_match=bool(torch.equal(fin, torch.isfinite(lse))),
+                       ok=bool(rel < 4e-3 and lse_err < 5e-3 and torch.isfinite(out).all()))
+        except Exception as e:  # keep going: one broken configuration must not hide the others
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+        log("check", row)
+        rows.append(row)
+    return rows
+
+
+def run_pack_checks() -> list[dict]:
+    rows = []
+    for d, bits, dtype in ((128, 4, torch.bfloat16), (128, 3, torch.float16), (128, 2, torch.float32),
+                           (64, 4, torch.bfloat16), (64, 3, torch.bfloat16)):
+        row = {"pack_check": f"d{d} b{bits} {str(dtype)[6:]}"}
+        try:
+            x = (torch.randn(1 << 16, d, device="cuda") * 3).to(dtype)
+            rot = reference.hadamard_rotation(d, 7).cuda()
+            cb = codebook(bits, d).cuda()
+            poison_allocator()
+            codes, norms = kc.quantize_pack(x, rot, cb, bits)
+            rc, rn = reference.quantize_reference(x, rot, cb, bits)
+            got = reference.unpack_codes(codes, bits, d)
+            want = reference.unpack_codes(rc, bits, d)
+            row.update(code_mismatch_rate=(got != want).float().mean().item(),
+                       max_code_diff=int((got - want).abs().max()),
+                       norm_mismatch=int((norms != rn).sum()), ok=bool((got - want).abs().max() <= 1))
+            try:  # the quant package's own torch path, when it exists and has this API
+                from kvcodec.quant import TurboQuantMSE  # type: ignore
+
+                qz = TurboQuantMSE(d, bits, seed=7)
+                qc = qz.quantize(x.float())
+                codes2, norms2 = kc.quantize_pack(x, qz.rotation.cuda(), qz.codebook.cuda(), bits)
+                g2 = reference.unpack_codes(codes2, bits, d)
+                w2 = reference.unpack_codes(qc.codes.cuda(), bits, d)
+                row["vs_quant_mismatch_rate"] = (g2 != w2).float().mean().item()
+            except Exception as e:
+                row["vs_quant"] = f"n/a ({type(e).__name__})"
+        except Exception as e:
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+        log("pack", row)
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- timing
+def compressed_bytes(b, hkv, t, d, kb, vb) -> int:
+    return b * hkv * t * (d * kb // 8 + d * vb // 8 + 2 + 2)
+
+
+def time_decode(b, t, hq, hkv, d, kb, vb, *, tokens_per_warp=None, sdpa=True) -> dict:
+    row = dict(batch=b, ctx=t, heads=f"{hq}/{hkv}", d=d, bits=f"{kb}/{vb}")
+    per_set = compressed_bytes(b, hkv, t, d, kb, vb)
+    nsets = max(1, min(8, L2_ROTATE_BYTES // per_set))
+    sets = []
+    for i in range(nsets):
+        case, kw = make_case(b, hq, hkv, 1, t, d, kb, vb, [t] * b, seed=i)
+        sets.append((case, kw))
+    fns = [lambda c=c, k=k: kc.decode_attention(**c, **k, tokens_per_warp=tokens_per_warp) for c, k in sets]
+    ms, mode = cuda_time_ms(fns)
+    row["fused_ms"] = ms
+    row["mode"] = mode
+    row["fused_TBps"] = per_set / (ms * 1e-3) / 1e12
+    del sets
+    if sdpa:
+        bf_bytes = 2 * b * hkv * t * d * 2
+        nsets = max(1, min(4, L2_ROTATE_BYTES // bf_bytes))
+        kv = [(torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16),
+               torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)) for _ in range(nsets)]
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def base(k, v):
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        ms_b, _ = cuda_time_ms([lambda k=k, v=v: base(k, v) for k, v in kv])
+        row["sdpa_ms"] = ms_b
+        row["sdpa_TBps"] = bf_bytes / (ms_b * 1e-3) / 1e12
+        row["speedup"] = ms_b / ms
+        del kv
+    torch.cuda.empty_cache()
+    return row
+
+
+def time_pack(n_rows, d, bits) -> dict:
+    x = torch.randn(n_rows, d, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(x)
+    rot = reference.hadamard_rotation(d, 3).cuda()
+    cb = codebook(bits, d).cuda()
+    ms, _ = cuda_time_ms(lambda: kc.quantize_pack(x, rot, cb, bits), graphs=False)
+    ms_copy, _ = cuda_time_ms(lambda: dst.copy_(x), graphs=False)
+    return dict(pack_rows=n_rows, d=d, bits=bits, pack_ms=ms, bf16_write_ms=ms_copy, pack_vs_write=ms_copy / ms)
+
+
+def sweep(quick: bool):
+    heads = [(32, 8, 128), (9, 3, 64)]
+    bits = [(4, 4), (4, 2), (3, 3)]
+    batches = [1, 8] if quick else [1, 8, 32]
+    ctxs = [4096, 32768] if quick else [4096, 32768, 131072]
+    free = torch.cuda.mem_get_info()[0]
+    rows = []
+    for hq, hkv, d in heads:
+        for b in batches:
+            for t in ctxs:
+                bf_bytes = 2 * b * hkv * t * d * 2
+                if bf_bytes * 1.3 > free * 0.8:
+                    log("skip (memory)", b, t, hq, hkv, d)
+                    continue
+                for kb, vb in bits:
+                    try:
+                        row = time_decode(b, t, hq, hkv, d, kb, vb, sdpa=(kb, vb) == (4, 4))
+                    except Exception as e:
+                        row = dict(batch=b, ctx=t, heads=f"{hq}/{hkv}", d=d, bits=f"{kb}/{vb}",
+                                   error=f"{type(e).__name__}: {e}"[:200])
+                        traceback.print_exc()
+                        torch.cuda.empty_cache()
+                    log("time", row)
+                    rows.append(row)
+    return rows
+
+
+def variants():
+    """Tuning knobs on two representative shapes: registers/occupancy and split size."""
+    rows = []
+    shapes = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4)]
+    for defines in ((), ("TQ_MIN_BLOCKS=3",)):
+        attention.KERNEL_DEFINES = defines
+        for shp in shapes:
+            for tpw in (None, 128, 512, 2048):
+                try:
+                    row = time_decode(*shp, tokens_per_warp=tpw, sdpa=False)
+                    row.update(defines=" ".join(defines) or "default", tpw=tpw or "auto")
+                except Exception as e:
+                    row = dict(shape=str(shp), defines=str(defines), tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
+                log("variant", row)
+                rows.append(row)
+    attention.KERNEL_DEFINES = ()
+    return rows
+
+
+def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: bool = True) -> dict:
+    t0 = time.time()
+    rec = machine_record()
+    rec["gpu"] = torch.cuda.get_device_name(0)
+    props = torch.cuda.get_device_properties(0)
+    rec["sms"] = props.multi_processor_count
+    log("device", rec["gpu"], "SMs", rec["sms"], "torch", torch.__version__)
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw:.3f} TB/s (read+write)")
+    checks = run_checks()
+    packs = run_pack_checks()
+    log(f"checks done {time.time() - t0:.0f}s")
+    var_rows = variants() if do_variants else []
+    log(f"variants done {time.time() - t0:.0f}s")
+    timing = sweep(quick)
+    pack_rows = []
+    for n, d, bits in ((8 * 8 * 32768, 128, 4), (8 * 3 * 32768, 64, 4), (64, 128, 4)):
+        try:
+            pack_rows.append(time_pack(n, d, bits))
+        except Exception as e:
+            pack_rows.append(dict(pack_rows=n, d=d, error=str(e)[:200]))
+        log("pack time", pack_rows[-1])
+    for r in timing:
+        if "fused_TBps" in r:
+            r["pct_copy_bw"] = 100 * r["fused_TBps"] / bw
+    result = {
+        "suite": "gpu_kernels",
+        "rows": timing,
+        "checks": checks,
+        "pack_checks": packs,
+        "variants": var_rows,
+        "pack_timing": pack_rows,
+        "copy_TBps": bw,
+        "machine": rec,
+        "notes": [f"GPU {rec['gpu']}, copy bandwidth {bw:.2f} TB/s (read+write); batch of q_len=1 decode; "
+                  "fused = tq_decode_split + tq_decode_merge (incl. query rotation/permutation in torch); "
+                  "bytes = packed codes + fp16 norms of K and V; sdpa = flash backend on bf16 K/V (4/4 rows)",
+                  f"checks ok: {sum(bool(c.get('ok')) for c in checks)}/{len(checks)}; "
+                  f"pack checks ok: {sum(bool(c.get('ok')) for c in packs)}/{len(packs)}",
+                  f"total {time.time() - t0:.0f}s"],
+    }
+    cols = ["batch", "ctx", "heads", "d", "bits", "fused_ms", "fused_TBps", "pct_copy_bw", "sdpa_ms", "speedup"]
+    for d in filter(None, {out_dir, os.environ.get("OUT")}):
+        save(result, d, columns=cols)
+    return result
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    if not kc.is_available():
+        sys.exit("needs a CUDA GPU and CuPy")
+    run(quick=args.quick, out_dir=args.out, do_variants=not args.no_variants)

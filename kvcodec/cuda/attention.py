@@ -1,0 +1,269 @@
+"""Fused decode attention over a TurboQuant-compressed KV cache (tq layout v1) on CUDA.
+
+``decode_attention`` is the one entry point (the HF cache plug-in calls it). On CUDA tensors it
+launches ``tq_decode_split`` (reads packed codes + norms, dequantizes in registers, tensor-core
+scores and P.V, online softmax, split-KV) and ``tq_decode_merge`` (log-sum-exp merge of the splits and
+the inverse rotation); the full-precision recent window, if given, is attended with torch and merged
+by log-sum-exp. Everything runs on torch's current stream. On CPU it falls back to the float64 torch
+reference (same arguments, same results up to rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from kvcodec.cuda import build, reference
+
+SOURCE = "tq_decode_attention.cu"
+LOG2E = 1.4426950408889634
+WARPS_PER_BLOCK = 4
+KERNEL_DEFINES: tuple[str, ...] = ()  # tuning macros for the split kernel (benchmarks set these)
+
+SPLIT_SIGNATURE = (
+    "(const tq_u16*, const float*, const tq_u8*, const tq_u16*, const tq_u8*, const tq_u16*, "
+    "const tq_u16*, const float*, const tq_u8*, const tq_u16*, const float*, const float*, const int*, "
+    "int, int, int, int, int, int, float*, float*)"
+)
+MERGE_SIGNATURE = "(const float*, const float*, const float*, int, int, float*, float*)"
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def split_name(dim: int, k_bits: int, v_bits: int, k_bf16: bool, v_bf16: bool, qjl: bool) -> str:
+    """Template instance name of the split kernel for one configuration."""
+    return f"tq_decode_split<{dim}, {k_bits}, {v_bits}, {_b(k_bf16)}, {_b(v_bf16)}, {_b(qjl)}>"
+
+
+def merge_name(dim: int) -> str:
+    return f"tq_decode_merge<{dim}>"
+
+
+def instance_declarations(configs) -> list[str]:
+    """Explicit-instantiation declarations (for nvcc) of the split kernels in ``configs`` + merges."""
+    decls, dims = [], set()
+    for cfg in configs:
+        decls.append(f"__global__ void {split_name(*cfg)}{SPLIT_SIGNATURE}")
+        dims.add(cfg[0])
+    decls += [f"__global__ void {merge_name(d)}{MERGE_SIGNATURE}" for d in sorted(dims)]
+    return decls
+
+
+@lru_cache(maxsize=None)
+def key_permutation(dim: int) -> np.ndarray:
+    """Order of the head dimension along the mma k index (see the .cu header).
+
+    Entry 16*s + kk is the original coordinate held by thread t = (kk % 8) // 2 in its k-step s:
+    t * dim/4 + 4*s + 2*(kk >= 8) + kk % 2. The query (and S q for QJL) is permuted with it.
+    """
+    ck = dim // 4
+    perm = np.empty(dim, dtype=np.int64)
+    for s in range(dim // 16):
+        for kk in range(16):
+            perm[16 * s + kk] = ((kk % 8) // 2) * ck + 4 * s + 2 * (kk >= 8) + kk % 2
+    assert sorted(perm.tolist()) == list(range(dim))
+    return perm
+
+
+_perm_cache: dict = {}
+
+
+def _perm_on(dim: int, device: torch.device) -> torch.Tensor:
+    """key_permutation as a device tensor, cached (no host copy inside a CUDA-graph capture)."""
+    key = (dim, str(device))
+    if key not in _perm_cache:
+        _perm_cache[key] = torch.as_tensor(key_permutation(dim), device=device)
+    return _perm_cache[key]
+
+
+def _norm_is_bf16(t: torch.Tensor, what: str) -> bool:
+    if t.dtype == torch.float16:
+        return False
+    if t.dtype == torch.bfloat16:
+        return True
+    raise ValueError(f"{what} must be float16 or bfloat16, got {t.dtype}")
+
+
+def _check_codes(codes: torch.Tensor, shape3, bits: int, dim: int, what: str) -> None:
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"{what} must be uint8, got {codes.dtype}")
+    want = (*shape3, dim * bits // 8)
+    if tuple(codes.shape) != want:
+        raise ValueError(f"{what} has shape {tuple(codes.shape)}, expected {want}")
+
+
+def _scaled_rows(x: torch.Tensor, perm: torch.Tensor, rows_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [BH, R, D] -> (fp16 rows divided by their max |.|, key-permuted, padded to rows_pad; scales)."""
+    bh, r, d = x.shape
+    amax = x.abs().amax(-1).clamp_min(1e-30)
+    q16 = torch.zeros(bh, rows_pad, d, device=x.device, dtype=torch.float16)
+    q16[:, :r] = (x / amax.unsqueeze(-1))[..., perm].to(torch.float16)
+    sc = torch.zeros(bh, rows_pad, device=x.device, dtype=torch.float32)
+    sc[:, :r] = amax
+    return q16, sc
+
+
+def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device) -> int:
+    """Split size: enough warps for ~24 per SM, at least 64 tokens each, a multiple of 16."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per = math.ceil(bh_tiles * capacity / (sms * 24))
+    return max(64, -(-per // 16) * 16)
+
+
+def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_rotation, v_rotation,
+                     k_codebook, v_codebook, k_bits, v_bits, scale=None, k_qjl=None, k_rnorms=None,
+                     qjl_matrix=None, window_k=None, window_v=None, window_lens=None, causal=True,
+                     tokens_per_warp=None, return_lse=False):
+    """Attention of a few new queries over a compressed cache (+ optional full-precision window).
+
+    query        [B, Hq, q_len, D] (after any query-side key transform, e.g. channel scales); Hq is a
+                 multiple of Hkv and query head h uses kv head h // (Hq // Hkv) (HF repeat_kv order)
+    k_codes      [B, Hkv, Tcap, D*k_bits/8] uint8; k_norms [B, Hkv, Tcap] float16/bfloat16
+    v_codes      [B, Hkv, Tcap, D*v_bits/8] uint8; v_norms [B, Hkv, Tcap] float16/bfloat16
+    seq_lens     [B] int: compressed tokens per sequence (slots past it are ignored, may hold anything)
+    k_rotation, v_rotation  [D, D] float32 with y = x @ rotation.T; k_codebook/v_codebook float32 [2^b]
+    k_qjl, k_rnorms, qjl_matrix  prod keys: sign bits [B, Hkv, Tcap, D/8], ||r|| [B, Hkv, Tcap] and
+                 S [m=D, D]; the score adds ||r|| * sqrt(pi/2)/m * <S q_rot, signs>
+    window_k, window_v  [B, Hkv, W, D] full-precision recent tokens (after all compressed ones);
+                 window_lens [B] valid window tokens (default W); with q_len > 1 and causal=True, query
+                 i sees window tokens j < window_len - (q_len - 1) + i (the queries are the last q_len)
+    Returns out [B, Hq, q_len, D] in query.dtype (values in their original space, before any
+    value-side inverse transform) and, with return_lse=True, the float32 log-sum-exp [B, Hq, q_len].
+    """
+    if query.dim() != 4:
+        raise ValueError("query must be [B, Hq, q_len, D]")
+    b, hq, ql, d = query.shape
+    if k_codes.dim() != 4:
+        raise ValueError("k_codes must be [B, Hkv, Tcap, bytes]")
+    hkv, tcap = k_codes.shape[1], k_codes.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    if k_codes.shape[0] != b:
+        raise ValueError("batch of query and cache differ")
+    for bits, what in ((k_bits, "k_bits"), (v_bits, "v_bits")):
+        if not 1 <= bits <= 4:
+            raise ValueError(f"{what} must be in 1..4, got {bits}")
+    _check_codes(k_codes, (b, hkv, tcap), k_bits, d, "k_codes")
+    _check_codes(v_codes, (b, hkv, tcap), v_bits, d, "v_codes")
+    for t, what in ((k_norms, "k_norms"), (v_norms, "v_norms")):
+        if tuple(t.shape) != (b, hkv, tcap):
+            raise ValueError(f"{what} has shape {tuple(t.shape)}, expected {(b, hkv, tcap)}")
+    k_bf, v_bf = _norm_is_bf16(k_norms, "k_norms"), _norm_is_bf16(v_norms, "v_norms")
+    if tuple(seq_lens.shape) != (b,):
+        raise ValueError("seq_lens must be [B]")
+    qjl = k_qjl is not None
+    if qjl and (k_rnorms is None or qjl_matrix is None):
+        raise ValueError("prod keys need k_qjl, k_rnorms and qjl_matrix together")
+    if qjl and (tuple(qjl_matrix.shape) != (d, d) or tuple(k_qjl.shape) != (b, hkv, tcap, d // 8)):
+        raise ValueError("QJL: qjl_matrix must be [D, D] and k_qjl [B, Hkv, Tcap, D/8]")
+    if (window_k is None) != (window_v is None):
+        raise ValueError("window_k and window_v go together")
+    if len(k_codebook) != 1 << k_bits or len(v_codebook) != 1 << v_bits:
+        raise ValueError("codebook sizes must be 2^bits")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+    if not query.is_cuda:
+        out, lse = reference.decode_attention_reference(
+            query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation=k_rotation, v_rotation=v_rotation,
+            k_codebook=k_codebook, v_codebook=v_codebook, k_bits=k_bits, v_bits=v_bits, scale=scale,
+            k_qjl=k_qjl, k_rnorms=k_rnorms, qjl_matrix=qjl_matrix, window_k=window_k, window_v=window_v,
+            window_lens=window_lens, causal=causal)
+        out = out.to(query.dtype)
+        return (out, lse.to(torch.float32)) if return_lse else out
+
+    if d % 32 or not 32 <= d <= 256:
+        raise ValueError(f"CUDA kernel needs head_dim a multiple of 32 in [32, 256], got {d}")
+    out, lse = _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation,
+                                k_codebook, v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix,
+                                tokens_per_warp)
+    if window_k is not None:
+        out, lse = _merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal)
+    out = out.to(query.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation, k_codebook,
+                     v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, tokens_per_warp):
+    import cupy
+
+    b, hq, ql, d = query.shape
+    hkv, tcap = k_codes.shape[1], k_codes.shape[2]
+    g = hq // hkv
+    r = g * ql
+    rt = -(-r // 16)
+    bh = b * hkv
+    dev = query.device
+    qjl = k_qjl is not None
+    k_bf, v_bf = _norm_is_bf16(k_norms, "k_norms"), _norm_is_bf16(v_norms, "v_norms")
+
+    perm = _perm_on(d, dev)
+    kr = k_rotation.to(dev, torch.float32)
+    q_rot = (query.to(torch.float32) @ kr.T).reshape(bh, r, d)  # rows: (kv head, group head, query)
+    q16, row_scale = _scaled_rows(q_rot, perm, rt * 16)
+    row_scale *= scale * LOG2E
+    if qjl:
+        if _norm_is_bf16(k_rnorms, "k_rnorms") != k_bf:
+            raise ValueError("k_rnorms must have the dtype of k_norms")
+        qs16, qs_scale = _scaled_rows(q_rot @ qjl_matrix.to(dev, torch.float32).T, perm, rt * 16)
+        qs_scale *= scale * LOG2E * math.sqrt(math.pi / 2) / d
+        qjl_bits, rnorms = k_qjl.contiguous(), k_rnorms.contiguous()
+    else:
+        qs16, qs_scale, qjl_bits, rnorms = q16, row_scale, k_codes, k_norms  # unused by the kernel
+
+    tpw = tokens_per_warp or default_tokens_per_warp(bh * rt, tcap, dev)
+    if tpw <= 0 or tpw % 16:
+        raise ValueError("tokens_per_warp must be a positive multiple of 16")
+    nsplit = max(1, -(-tcap // tpw))
+    part_o = torch.empty(bh, nsplit, r, d, device=dev, dtype=torch.float32)
+    part_ml = torch.empty(bh, nsplit, r, 2, device=dev, dtype=torch.float32)
+    out = torch.empty(bh, r, d, device=dev, dtype=torch.float32)
+    lse = torch.empty(bh, r, device=dev, dtype=torch.float32)
+
+    kc, kn, vc, vn = k_codes.contiguous(), k_norms.contiguous(), v_codes.contiguous(), v_norms.contiguous()
+    kcb = k_codebook.to(dev, torch.float32).contiguous()
+    vcb = v_codebook.to(dev, torch.float32).contiguous()
+    lens = seq_lens.to(dev, torch.int32).clamp(0, tcap).contiguous()
+    vrot = v_rotation.to(dev, torch.float32).contiguous()
+
+    split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl), KERNEL_DEFINES)
+    merge_fn = build.get_function(SOURCE, merge_name(d))
+    i32 = np.int32
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev.index or 0):
+        split_fn(
+            (-(-nsplit // WARPS_PER_BLOCK), bh, rt), (32 * WARPS_PER_BLOCK,),
+            (q16.data_ptr(), row_scale.data_ptr(), kc.data_ptr(), kn.data_ptr(), vc.data_ptr(), vn.data_ptr(),
+             qs16.data_ptr(), qs_scale.data_ptr(), qjl_bits.data_ptr(), rnorms.data_ptr(), kcb.data_ptr(),
+             vcb.data_ptr(), lens.data_ptr(), i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit),
+             part_o.data_ptr(), part_ml.data_ptr()))
+        merge_fn((bh * r,), (d,), (part_o.data_ptr(), part_ml.data_ptr(), vrot.data_ptr(), i32(r), i32(nsplit),
+                                   out.data_ptr(), lse.data_ptr()))
+    return out.reshape(b, hq, ql, d), lse.reshape(b, hq, ql)
+
+
+def _merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal):
+    """Attend the full-precision window with torch and merge it with the compressed part by lse."""
+    b, hq, ql, d = query.shape
+    hkv, w = window_k.shape[1], window_k.shape[2]
+    g = hq // hkv
+    qf = query.to(torch.float32)
+    wk = window_k.to(torch.float32).repeat_interleave(g, dim=1)
+    wv = window_v.to(torch.float32).repeat_interleave(g, dim=1)
+    s = (qf @ wk.transpose(-1, -2)) * scale
+    dev = query.device
+    wl = torch.full((b,), w, device=dev) if window_lens is None else window_lens.to(dev)
+    limit = wl.view(b, 1, 1, 1).expand(b, 1, ql, 1)
+    if causal and ql > 1:
+        limit = limit - (ql - 1) + torch.arange(ql, device=dev).view(1, 1, ql, 1)
+    s = s.masked_fill(torch.arange(w, device=dev).view(1, 1, 1, w) >= limit, float("-inf"))
+    wlse = torch.logsumexp(s, -1)
+    wout = torch.softmax(s, -1).nan_to_num(0.0) @ wv
+    total = torch.logaddexp(lse, wlse)
+    safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    a = torch.exp(lse - safe).nan_to_num(0.0).unsqueeze(-1)
+    c = torch.exp(wlse - safe).nan_to_num(0.0).unsqueeze(-1)
+    return a * out + c * wout, total

@@ -1,0 +1,95 @@
+"""Compile the ``.cu`` kernels: CuPy ``RawModule`` at run time, ``nvcc`` for the CI compile checks.
+
+The sources include ``tq_common.cuh``; NVRTC gets no include path from us, so the include is
+inlined textually (``source_text``). Compiled modules are cached per (device, source, template
+instance): NVRTC compiles once per process per instance, CuPy's disk cache makes later processes fast.
+Importing this module needs neither CuPy nor a GPU; only ``get_function`` does.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import threading
+from importlib import resources
+from pathlib import Path
+
+_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
+_lock = threading.Lock()
+_modules: dict[tuple, object] = {}
+
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def source_path(name: str) -> Path:
+    """Path of a kernel source shipped as package data (``tq_pack.cu``, ``tq_decode_attention.cu``)."""
+    return Path(str(resources.files("kvcodec.cuda").joinpath(name)))
+
+
+def source_text(name: str) -> str:
+    """The source with local ``#include "..."`` lines replaced by the included file (once each)."""
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        def sub(m: re.Match) -> str:
+            inc = m.group(1)
+            if inc in seen:
+                return ""
+            seen.add(inc)
+            return expand(source_path(inc).read_text())
+
+        return _INCLUDE.sub(sub, text)
+
+    return expand(source_path(name).read_text()).replace("#pragma once", "")
+
+
+def get_function(source: str, name_expression: str, defines: tuple[str, ...] = ()):
+    """The compiled ``cupy.RawKernel`` for one template instance, compiled once per device.
+
+    ``defines`` are extra ``NAME=value`` macros (tuning knobs such as ``TQ_MIN_BLOCKS=2``).
+    """
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (dev, source, name_expression, tuple(defines))
+    fn = _modules.get(key)
+    if fn is None:
+        with _lock:
+            fn = _modules.get(key)
+            if fn is None:
+                options = NVRTC_OPTIONS + tuple(f"-D{d}" for d in defines)
+                mod = cupy.RawModule(code=source_text(source), options=options,
+                                     name_expressions=[name_expression])
+                fn = mod.get_function(name_expression)
+                _modules[key] = fn
+    return fn
+
+
+def instantiation_wrapper(source: str, instances: list[str]) -> str:
+    """C++ text that includes ``source`` and explicitly instantiates the given kernel instances.
+
+    ``instances`` are full declarations without the leading ``template``, e.g.
+    ``__global__ void tq_decode_merge<128>(const float*, ...)``; nvcc then emits them into the cubin.
+    """
+    lines = [f'#include "{source_path(source)}"']
+    lines += [f"template {inst};" for inst in instances]
+    return "\n".join(lines) + "\n"
+
+
+def nvcc_command(wrapper_path: str | Path, arch: str, out_path: str | Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """The nvcc command line that compiles a wrapper to a cubin for ``arch`` (e.g. ``"sm_90"``)."""
+    nvcc = shutil.which("nvcc") or "nvcc"
+    return [nvcc, f"-arch={arch}", "-std=c++17", "-cubin", *extra, "-o", str(out_path), str(wrapper_path)]
+
+
+def nvcc_compile(source: str, instances: list[str], arch: str, workdir: str | Path,
+                 extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Compile ``source`` with the given explicit instances for ``arch`` with nvcc; returns the process."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    stem = Path(source).stem
+    wrapper = workdir / f"{stem}_{arch}.cu"
+    wrapper.write_text(instantiation_wrapper(source, instances))
+    cmd = nvcc_command(wrapper, arch, workdir / f"{stem}_{arch}.cubin", extra)
+    return subprocess.run(cmd, capture_output=True, text=True)

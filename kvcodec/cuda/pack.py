@@ -1,0 +1,84 @@
+"""TurboQuant-MSE quantize + pack on CUDA, writing tq layout v1 directly (``tq_pack.cu``).
+
+``quantize_pack(x, rotation, codebook, bits)`` returns (codes uint8 [..., D*bits/8], norms [...]),
+the same bytes as ``reference.quantize_reference`` except where a coordinate lies within float
+rounding of a decision threshold (the kernel rotates with a Hadamard butterfly, the reference with
+a float32 matmul; see docs/cuda.md for the measured mismatch rate). Rotations that are not a
+randomized Hadamard, CPU tensors and head_dims the kernel does not take use the torch reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvcodec.cuda import build, reference
+
+SOURCE = "tq_pack.cu"
+ROWS_PER_BLOCK = 8
+SIGNATURE = "(const void*, long long, const float*, const float*, int, tq_u8*, tq_u16*)"
+_IN_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def pack_name(dim: int, bits: int, in_code: int, norm_bf16: bool) -> str:
+    return f"tq_quant_pack<{dim}, {bits}, {in_code}, {'true' if norm_bf16 else 'false'}>"
+
+
+def instance_declarations(configs) -> list[str]:
+    """Explicit-instantiation declarations (for nvcc) of (dim, bits, in_code, norm_bf16) configs."""
+    return [f"__global__ void {pack_name(*c)}{SIGNATURE}" for c in configs]
+
+
+_signs_cache: dict[tuple, tuple] = {}
+
+
+def _signs_for(rotation: torch.Tensor, device) -> torch.Tensor | None:
+    """Hadamard signs of a rotation, checked once per (tensor, version, device); the tensor is kept
+    alive in the cache so its id cannot be reused by another tensor."""
+    key = (id(rotation), rotation._version, str(device))
+    hit = _signs_cache.get(key)
+    if hit is None or hit[0] is not rotation:
+        s = reference.hadamard_signs(rotation)
+        hit = (rotation, None if s is None else s.to(device).contiguous())
+        if len(_signs_cache) > 256:
+            _signs_cache.clear()
+        _signs_cache[key] = hit
+    return hit[1]
+
+
+def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tensor, bits: int,
+                  norm_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rows x [..., D] (float32/float16/bfloat16) -> (packed codes, norms in norm_dtype)."""
+    if x.dim() < 1:
+        raise ValueError("x must have a last dimension")
+    d = x.shape[-1]
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if len(codebook) != 1 << bits:
+        raise ValueError("codebook size must be 2^bits")
+    if norm_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError("norm_dtype must be float16 or bfloat16")
+    if tuple(rotation.shape) != (d, d):
+        raise ValueError(f"rotation must be [{d}, {d}]")
+    if x.dtype not in _IN_CODE:
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    signs = _signs_for(rotation, x.device) if x.is_cuda and d % 32 == 0 and d <= 1024 else None
+    if signs is None:
+        return reference.quantize_reference(x, rotation, codebook, bits, norm_dtype)
+
+    import cupy
+
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = rows.shape[0]
+    codes = torch.empty(n, d * bits // 8, device=x.device, dtype=torch.uint8)
+    norms = torch.empty(n, device=x.device, dtype=norm_dtype)
+    if n:
+        thr = reference.thresholds_of(codebook.to(torch.float32)).to(x.device).contiguous()
+        fn = build.get_function(SOURCE, pack_name(d, bits, _IN_CODE[x.dtype], norm_dtype == torch.bfloat16))
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, x.device.index or 0):
+            fn((-(-n // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,),
+               (rows.data_ptr(), np.int64(rows.stride(0)), signs.data_ptr(), thr.data_ptr(), np.int32(n),
+                codes.data_ptr(), norms.data_ptr()))
+    return codes.reshape(*x.shape[:-1], -1), norms.reshape(x.shape[:-1])

@@ -1,0 +1,86 @@
+// Shared device helpers for the TurboQuant kernels (tq layout v1).
+// No CUDA headers are included on purpose: the same text compiles through NVRTC (CuPy RawModule)
+// and through nvcc (CI compile tests) without include paths. Half/bfloat16 values travel as raw
+// 16-bit patterns and are converted with PTX.
+#pragma once
+
+#define TQ_DEVI __device__ __forceinline__
+
+typedef unsigned int tq_u32;
+typedef unsigned short tq_u16;
+typedef unsigned char tq_u8;
+
+TQ_DEVI tq_u16 tq_f2h(float f) { tq_u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+TQ_DEVI float tq_h2f(tq_u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+TQ_DEVI tq_u16 tq_f2bf(float f) { tq_u16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+TQ_DEVI float tq_bf2f(tq_u16 h) { return __uint_as_float(((tq_u32)h) << 16); }
+
+// 16-bit float pattern <-> float; BF selects bfloat16 instead of float16.
+template <bool BF> TQ_DEVI float tq_16_to_f(tq_u16 h) { return BF ? tq_bf2f(h) : tq_h2f(h); }
+template <bool BF> TQ_DEVI tq_u16 tq_f_to_16(float f) { return BF ? tq_f2bf(f) : tq_f2h(f); }
+
+TQ_DEVI tq_u32 tq_pack2(tq_u16 lo, tq_u16 hi) { return (tq_u32)lo | ((tq_u32)hi << 16); }
+
+// 2^x, approximate (one MUFU op); 2^-inf = 0.
+TQ_DEVI float tq_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+
+// D += A * B for one m16n8k16 tile, float accumulators. A: 4 regs (row-major fragment), B: 2 regs.
+template <bool BF>
+TQ_DEVI void tq_mma16816(float (&c)[4], const tq_u32 (&a)[4], tq_u32 b0, tq_u32 b1) {
+  if constexpr (BF) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Load NBITS consecutive bits of a packed row starting at bit `start`, re-aligned so that bit 0 of
+// w[0] is the first requested bit. Rows are little-endian bit streams whose start is 4-byte aligned
+// (true for head_dim % 32 == 0), so they can be read as 32-bit words. Only words that hold
+// requested bits are touched (never past the row's last byte). `valid == false` gives zeros.
+template <int NBITS>
+struct TqBits {
+  static constexpr int NW = (NBITS + 31) / 32;
+  tq_u32 w[NW + 1];  // one spare word keeps straddling field reads in range
+};
+
+template <int NBITS, bool ALIGNED>
+TQ_DEVI void tq_load_bits(TqBits<NBITS>& b, const tq_u32* __restrict__ row, int start, bool valid) {
+  constexpr int NW = TqBits<NBITS>::NW;
+  b.w[NW] = 0u;
+  if (!valid) {
+#pragma unroll
+    for (int i = 0; i < NW; ++i) b.w[i] = 0u;
+    return;
+  }
+  const tq_u32* p = row + (start >> 5);
+  if constexpr (ALIGNED) {
+#pragma unroll
+    for (int i = 0; i < NW; ++i) b.w[i] = __ldg(p + i);
+  } else {
+    const int sh = start & 31;
+    tq_u32 raw[NW + 1];
+#pragma unroll
+    for (int i = 0; i < NW; ++i) raw[i] = __ldg(p + i);
+    raw[NW] = (sh + NBITS > NW * 32) ? __ldg(p + NW) : 0u;
+#pragma unroll
+    for (int i = 0; i < NW; ++i) b.w[i] = __funnelshift_r(raw[i], raw[i + 1], sh);
+  }
+}
+
+// The W-bit field at bit position P of the re-aligned words (P, W compile-time after unrolling).
+template <int W, int NBITS>
+TQ_DEVI tq_u32 tq_field(const TqBits<NBITS>& b, int p) {
+  const int i = p >> 5, s = p & 31;
+  const tq_u32 mask = (W >= 32) ? 0xffffffffu : ((1u << W) - 1u);
+  if (s + W <= 32) return (b.w[i] >> s) & mask;
+  return __funnelshift_r(b.w[i], b.w[i + 1], s) & mask;
+}

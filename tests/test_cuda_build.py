@@ -1,0 +1,207 @@
+"""CPU-side checks of kvcodec.cuda: nvcc compiles every kernel for Hopper and Blackwell, and the
+torch reference / index bookkeeping the kernels rely on is right (no GPU needed)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec.cuda import attention, build, pack, reference
+from kvcodec.cuda.attention import decode_attention, key_permutation
+
+# The template instances the launchers use most; each is compiled for both targets.
+SPLIT_CONFIGS = [
+    (128, 4, 4, False, False, False),
+    (128, 4, 2, False, False, False),
+    (128, 3, 3, False, False, False),
+    (128, 3, 4, True, True, True),
+    (64, 4, 4, False, False, False),
+    (64, 3, 3, False, True, False),
+    (64, 1, 2, False, False, True),
+]
+PACK_CONFIGS = [(128, 4, 2, False), (128, 3, 1, False), (64, 3, 2, True), (64, 2, 0, False)]
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_kernels_compile_with_nvcc(arch, tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed: CUDA compile check skipped")
+    for source, decls in (
+        (attention.SOURCE, attention.instance_declarations(SPLIT_CONFIGS)),
+        (pack.SOURCE, pack.instance_declarations(PACK_CONFIGS)),
+    ):
+        proc = build.nvcc_compile(source, decls, arch, tmp_path, extra=("-Xptxas", "-warn-spills"))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "spill" not in proc.stderr.lower() or "0 bytes spill" in proc.stderr, proc.stderr[-2000:]
+        assert (tmp_path / f"{source.split('.')[0]}_{arch}.cubin").stat().st_size > 1000
+
+
+def test_source_text_inlines_common_header():
+    text = build.source_text(attention.SOURCE)
+    assert '#include "tq_common.cuh"' not in text
+    assert "tq_mma16816" in text and "tq_decode_split" in text
+
+
+def test_key_permutation_matches_mma_fragment_layout():
+    """Emulate the m16n8k16 fragments: A[16s+kk] is the permuted query, thread t = lane % 4 holds
+    B[16s+2t+e] = its coordinate 4s+e and B[16s+2t+8+e] = 4s+2+e; the dot product must be exact."""
+    rng = np.random.default_rng(0)
+    for d in (32, 64, 128, 256):
+        perm = key_permutation(d)
+        q, k = rng.standard_normal(d), rng.standard_normal(d)
+        ck = d // 4
+        b = np.empty(d)
+        for s in range(d // 16):
+            for t in range(4):
+                for e in range(2):
+                    b[16 * s + 2 * t + e] = k[t * ck + 4 * s + e]
+                    b[16 * s + 2 * t + 8 + e] = k[t * ck + 4 * s + 2 + e]
+        assert np.isclose(q[perm] @ b, q @ k)
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.integers(1, 8), dim=st.sampled_from([8, 24, 32, 64, 128]), rows=st.integers(1, 5),
+       seed=st.integers(0, 2**16))
+def test_pack_unpack_roundtrip(bits, dim, rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (rows, dim), generator=g)
+    packed = reference.pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, (dim * bits + 7) // 8)
+    assert torch.equal(reference.unpack_codes(packed, bits, dim), codes)
+
+
+def test_pack_bit_order_is_little_endian_stream():
+    # coordinate j occupies bits [j*b, (j+1)*b); row bit i is bit i % 8 of byte i // 8
+    codes = torch.tensor([[0b101, 0b011, 0b111]])
+    packed = reference.pack_codes(codes, 3)
+    stream = 0b101 | (0b011 << 3) | (0b111 << 6)
+    assert packed.tolist() == [[stream & 0xFF, stream >> 8]]
+    words = np.frombuffer(reference.pack_codes(torch.arange(16).view(1, 16) % 16, 4).numpy().tobytes(), "<u4")
+    assert int(words[0]) & 0xF == 0 and (int(words[0]) >> 4) & 0xF == 1 and (int(words[1]) >> 28) == 15
+
+
+def test_unpack_rejects_bad_rows():
+    with pytest.raises(ValueError):
+        reference.unpack_codes(torch.zeros(2, 5, dtype=torch.uint8), 4, 8)
+    with pytest.raises(ValueError):
+        reference.unpack_codes(torch.zeros(2, 4, dtype=torch.int32), 4, 8)
+
+
+def test_hadamard_signs_roundtrip_and_rejects_other_rotations():
+    rot = reference.hadamard_rotation(64, seed=3)
+    s = reference.hadamard_signs(rot)
+    assert s is not None and torch.allclose(rot, (reference.hadamard_matrix(64) * s / 8).float())
+    q, _ = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))
+    assert reference.hadamard_signs(q.float()) is None
+    assert torch.allclose(rot @ rot.T, torch.eye(64), atol=1e-5)
+
+
+def test_quantize_reference_picks_nearest_centroid():
+    d, bits = 64, 3
+    cb = torch.linspace(-0.3, 0.3, 1 << bits)
+    rot = reference.hadamard_rotation(d, 1)
+    x = torch.randn(50, d) * 3
+    codes, norms = reference.quantize_reference(x, rot, cb, bits)
+    y = (x / x.norm(dim=-1, keepdim=True)) @ rot.T
+    nearest = (y.unsqueeze(-1) - cb).abs().argmin(-1)
+    assert torch.equal(reference.unpack_codes(codes, bits, d), nearest)
+    assert torch.allclose(norms.float(), x.norm(dim=-1), rtol=1e-3)
+
+
+def _random_cache(b, hkv, t, d, kb, vb, seed=0, qjl=False):
+    g = torch.Generator().manual_seed(seed)
+    out = {
+        "k_codes": reference.pack_codes(torch.randint(0, 1 << kb, (b, hkv, t, d), generator=g), kb),
+        "v_codes": reference.pack_codes(torch.randint(0, 1 << vb, (b, hkv, t, d), generator=g), vb),
+        "k_norms": (torch.rand(b, hkv, t, generator=g) * 10 + 0.5).half(),
+        "v_norms": (torch.rand(b, hkv, t, generator=g) * 10 + 0.5).half(),
+    }
+    if qjl:
+        out["k_qjl"] = reference.pack_codes(torch.randint(0, 2, (b, hkv, t, d), generator=g), 1)
+        out["k_rnorms"] = (torch.rand(b, hkv, t, generator=g)).half()
+    return out
+
+
+def test_cpu_fallback_matches_dense_attention_with_gqa_lengths_and_window():
+    b, hq, hkv, ql, t, d, kb, vb = 2, 6, 2, 3, 20, 32, 3, 2
+    cache = _random_cache(b, hkv, t, d, kb, vb, seed=1)
+    kr, vr = reference.hadamard_rotation(d, 5), reference.hadamard_rotation(d, 6)
+    kcb, vcb = torch.linspace(-0.4, 0.4, 1 << kb), torch.linspace(-0.3, 0.3, 1 << vb)
+    q = torch.randn(b, hq, ql, d)
+    lens = torch.tensor([20, 7])
+    wk, wv = torch.randn(b, hkv, 4, d), torch.randn(b, hkv, 4, d)
+    wl = torch.tensor([4, 3])
+    out, lse = decode_attention(q, cache["k_codes"], cache["k_norms"], cache["v_codes"], cache["v_norms"], lens,
+                                k_rotation=kr, v_rotation=vr, k_codebook=kcb, v_codebook=vcb, k_bits=kb,
+                                v_bits=vb, window_k=wk, window_v=wv, window_lens=wl, return_lse=True)
+    # independent dense computation, sequence by sequence, query by query
+    k_full = reference.dequantize_rotated(cache["k_codes"], cache["k_norms"], kcb, kb, d) @ kr.double()
+    v_full = reference.dequantize_rotated(cache["v_codes"], cache["v_norms"], vcb, vb, d) @ vr.double()
+    for bi in range(b):
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            for i in range(ql):
+                n_win = int(wl[bi]) - (ql - 1) + i
+                keys = torch.cat([k_full[bi, kv, : lens[bi]], wk[bi, kv, :n_win].double()])
+                vals = torch.cat([v_full[bi, kv, : lens[bi]], wv[bi, kv, :n_win].double()])
+                s = keys @ q[bi, h, i].double() / math.sqrt(d)
+                want = torch.softmax(s, 0) @ vals
+                assert torch.allclose(out[bi, h, i].double(), want, atol=1e-5), (bi, h, i)
+                assert math.isclose(float(lse[bi, h, i]), float(torch.logsumexp(s, 0)), rel_tol=1e-5)
+
+
+def test_cpu_fallback_qjl_term_scale():
+    """The QJL term is ||r|| sqrt(pi/2)/m <S q_rot, signs>: check against a direct evaluation."""
+    b, hkv, t, d = 1, 1, 5, 32
+    cache = _random_cache(b, hkv, t, d, 2, 2, seed=2, qjl=True)
+    kr = vr = reference.hadamard_rotation(d, 0)
+    cb = torch.tensor([-0.2, -0.05, 0.05, 0.2])
+    smat = torch.randn(d, d)
+    q = torch.randn(b, 1, 1, d)
+    out, lse = decode_attention(q, cache["k_codes"], cache["k_norms"], cache["v_codes"], cache["v_norms"],
+                                torch.tensor([t]), k_rotation=kr, v_rotation=vr, k_codebook=cb, v_codebook=cb,
+                                k_bits=2, v_bits=2, k_qjl=cache["k_qjl"], k_rnorms=cache["k_rnorms"],
+                                qjl_matrix=smat, return_lse=True)
+    q_rot = q[0, 0, 0].double() @ kr.double().T
+    k_rot = reference.dequantize_rotated(cache["k_codes"], cache["k_norms"], cb, 2, d)[0, 0]
+    signs = reference.unpack_codes(cache["k_qjl"], 1, d)[0, 0].double() * 2 - 1
+    score = k_rot @ q_rot + cache["k_rnorms"][0, 0].double() * math.sqrt(math.pi / 2) / d * (signs @ (smat.double() @ q_rot))
+    assert torch.allclose(lse[0, 0, 0].double(), torch.logsumexp(score / math.sqrt(d), 0), atol=1e-5)
+
+
+def test_decode_attention_rejects_bad_arguments():
+    cache = _random_cache(1, 2, 8, 32, 4, 4)
+    rot = reference.hadamard_rotation(32)
+    cb = torch.linspace(-0.3, 0.3, 16)
+    kw = dict(k_rotation=rot, v_rotation=rot, k_codebook=cb, v_codebook=cb, k_bits=4, v_bits=4)
+    q = torch.randn(1, 4, 1, 32)
+    lens = torch.tensor([8])
+    with pytest.raises(ValueError):  # heads not a multiple
+        decode_attention(torch.randn(1, 3, 1, 32), cache["k_codes"], cache["k_norms"], cache["v_codes"],
+                         cache["v_norms"], lens, **kw)
+    with pytest.raises(ValueError):  # wrong bytes per row for the bits
+        decode_attention(q, cache["k_codes"], cache["k_norms"], cache["v_codes"], cache["v_norms"], lens,
+                         **{**kw, "k_bits": 3, "k_codebook": cb[:8]})
+    with pytest.raises(ValueError):  # float32 norms are not part of the layout
+        decode_attention(q, cache["k_codes"], cache["k_norms"].float(), cache["v_codes"], cache["v_norms"],
+                         lens, **kw)
+    with pytest.raises(ValueError):
+        decode_attention(q, cache["k_codes"], cache["k_norms"], cache["v_codes"], cache["v_norms"], lens,
+                         **{**kw, "k_bits": 5})
+
+
+def test_quantize_pack_cpu_path_is_reference():
+    x = torch.randn(10, 64)
+    rot = reference.hadamard_rotation(64, 2)
+    cb = torch.linspace(-0.3, 0.3, 8)
+    c1, n1 = pack.quantize_pack(x, rot, cb, 3)
+    c2, n2 = reference.quantize_reference(x, rot, cb, 3)
+    assert torch.equal(c1, c2) and torch.equal(n1, n2)
+    with pytest.raises(ValueError):
+        pack.quantize_pack(x, rot, cb, 4)

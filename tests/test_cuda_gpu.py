@@ -1,0 +1,103 @@
+"""GPU checks of the fused kernels against the float64 torch reference (skipped without CUDA + CuPy).
+
+Outputs are poisoned first: the caching allocator is filled with NaN so any element a kernel fails
+to write shows up as NaN in the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvcodec.cuda as kc
+from kvcodec.cuda import reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kc.is_available(), reason="needs a CUDA GPU and CuPy")]
+
+
+def poison_allocator(nbytes: int = 256 << 20) -> None:
+    """Fill free blocks of torch's caching allocator with NaN so unwritten outputs are visible."""
+    x = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del x
+
+
+def codebook(bits: int, dim: int) -> torch.Tensor:
+    try:
+        from kvcodec.quant.codebooks import lloyd_max_codebook
+
+        return torch.tensor(lloyd_max_codebook(dim, bits), dtype=torch.float32)
+    except Exception:  # the quant package is optional here: a sorted stand-in exercises the same code
+        return torch.linspace(-2.5, 2.5, 1 << bits) / math.sqrt(dim)
+
+
+def make_case(b, hq, hkv, ql, tcap, d, kb, vb, lens, *, norm_dtype=torch.float16, qjl=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    case = dict(
+        query=torch.randn(b, hq, ql, d, device=dev, generator=g, dtype=torch.float32).to(torch.bfloat16),
+        k_codes=torch.randint(0, 256, (b, hkv, tcap, d * kb // 8), device=dev, generator=g, dtype=torch.uint8),
+        v_codes=torch.randint(0, 256, (b, hkv, tcap, d * vb // 8), device=dev, generator=g, dtype=torch.uint8),
+        k_norms=(torch.rand(b, hkv, tcap, device=dev, generator=g) * 20 + 1).to(norm_dtype),
+        v_norms=(torch.rand(b, hkv, tcap, device=dev, generator=g) * 4 + 0.1).to(norm_dtype),
+        seq_lens=torch.tensor(lens, device=dev, dtype=torch.int32),
+    )
+    for i, n in enumerate(lens):  # slots past the length hold NaN norms: they must be ignored
+        case["k_norms"][i, :, n:] = float("nan")
+        case["v_norms"][i, :, n:] = float("nan")
+    kw = dict(k_rotation=reference.hadamard_rotation(d, seed + 1).cuda(),
+              v_rotation=reference.hadamard_rotation(d, seed + 2).cuda(),
+              k_codebook=codebook(kb, d).cuda(), v_codebook=codebook(vb, d).cuda(), k_bits=kb, v_bits=vb)
+    if qjl:
+        case["k_qjl"] = torch.randint(0, 256, (b, hkv, tcap, d // 8), device=dev, generator=g, dtype=torch.uint8)
+        case["k_rnorms"] = (torch.rand(b, hkv, tcap, device=dev, generator=g) * 3).to(norm_dtype)
+        kw["qjl_matrix"] = torch.randn(d, d, device=dev, generator=g)
+    return case, kw
+
+
+def check(case, kw, tol=4e-3, **extra):
+    poison_allocator()
+    out, lse = kc.decode_attention(**case, **kw, **extra, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference.decode_attention_reference(**case, **kw, **{k: v for k, v in extra.items()
+                                                                       if k != "tokens_per_warp"})
+    assert torch.isfinite(out).all(), "kernel left NaN/inf in the output"
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().clamp_min(1e-6).item()
+    assert err < tol, err
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert torch.allclose(lse[fin].double(), ref_lse[fin], atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("d,kb,vb", [(128, 4, 4), (128, 4, 2), (128, 3, 3), (64, 4, 4), (64, 3, 3), (64, 2, 1)])
+def test_decode_matches_reference_bits_and_dims(d, kb, vb):
+    case, kw = make_case(3, 8, 2, 1, 300, d, kb, vb, [300, 17, 0])
+    check(case, kw, tokens_per_warp=64)
+
+
+@pytest.mark.parametrize("hq,hkv,ql", [(9, 3, 1), (32, 8, 1), (8, 1, 3), (40, 2, 1), (4, 4, 2)])
+def test_decode_gqa_groups_and_query_lengths(hq, hkv, ql):
+    case, kw = make_case(2, hq, hkv, ql, 200, 64, 4, 2, [200, 131])
+    check(case, kw)
+
+
+def test_decode_bf16_norms_qjl_and_window():
+    case, kw = make_case(2, 8, 2, 2, 160, 128, 3, 4, [160, 45], norm_dtype=torch.bfloat16, qjl=True)
+    wk = torch.randn(2, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    wv = torch.randn(2, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    check(case, kw, window_k=wk, window_v=wv, window_lens=torch.tensor([8, 5], device="cuda"))
+
+
+def test_quantize_pack_matches_reference_bytes():
+    for d, bits in ((128, 4), (128, 3), (64, 2)):
+        x = torch.randn(4096, d, device="cuda", dtype=torch.bfloat16) * 3
+        rot = reference.hadamard_rotation(d, 7).cuda()
+        cb = codebook(bits, d).cuda()
+        codes, norms = kc.quantize_pack(x, rot, cb, bits)
+        rc, rn = reference.quantize_reference(x, rot, cb, bits)
+        assert torch.equal(norms, rn)
+        got = reference.unpack_codes(codes, bits, d)
+        want = reference.unpack_codes(rc, bits, d)
+        assert (got != want).float().mean().item() < 1e-3
+        assert ((got - want).abs() <= 1).all()  # a mismatch is a neighbour at a float-rounding tie
