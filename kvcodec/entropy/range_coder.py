@@ -3,13 +3,13 @@
 LZMA-style carry handling: ``low`` is 64-bit (32 bits plus a 33rd carry bit), ``range``
 is 32-bit and is renormalised a byte at a time while below 2**24; bytes that might still
 receive a carry wait as a cached byte plus a count of pending 0xFF bytes. A step codes an
-interval ``[cum, cum + freq)`` out of ``2**bits`` (bits <= 16): ``r = range >> bits;
-low += r*cum; range = r*freq``.
+interval ``[cum, cum + freq)`` out of ``total`` (<= 2**16; model steps use 2**precision):
+``r = range // total; low += r*cum; range = r*freq``.
 
 Payload format (raw, no header): LZMA's stream without its always-zero first byte, ended
 by the value in the final interval with the most trailing zero bits, with trailing zero
 bytes stripped (the decoder reads bytes past the end as zeros). A decoder that finds a
-target outside ``[0, 2**bits)``, a symbol outside the model's support, or bytes left over
+target outside ``[0, total)``, a symbol outside the model's support, or bytes left over
 after the last symbol raises ``CorruptStreamError``.
 """
 
@@ -23,6 +23,7 @@ from .models.categorical import Categorical, check_precision, symbol_dtype
 
 TOP = 1 << 24
 MASK32 = (1 << 32) - 1
+MAX_TOTAL = 1 << 16
 
 
 class RangeEncoder:
@@ -34,10 +35,10 @@ class RangeEncoder:
         self.out = bytearray()
         self.first = True  # LZMA's first output byte is always zero: it is not written
 
-    def encode(self, cum: int, freq: int, bits: int) -> None:
-        if not (0 <= cum and 0 < freq and cum + freq <= (1 << bits) and 0 < bits <= 16):
-            raise ValueError(f"bad coding step cum={cum} freq={freq} bits={bits}")
-        r = self.range >> bits
+    def encode(self, cum: int, freq: int, total: int) -> None:
+        if not (0 <= cum and 0 < freq and cum + freq <= total <= MAX_TOTAL):
+            raise ValueError(f"bad coding step cum={cum} freq={freq} total={total}")
+        r = self.range // total
         self.low += r * cum
         self.range = r * freq
         while self.range < TOP:
@@ -70,7 +71,7 @@ class RangeEncoder:
 
 
 class RangeDecoder:
-    """Mirror of RangeEncoder: ``target(bits)`` then ``consume(cum, freq, bits)``."""
+    """Mirror of RangeEncoder: ``target(total)`` then ``consume(cum, freq, total)``."""
 
     def __init__(self, payload):
         self.buf = bytes(payload)
@@ -88,14 +89,14 @@ class RangeDecoder:
     def corrupt(self, why: str):
         raise CorruptStreamError(f"range coder payload is corrupt: {why}")
 
-    def target(self, bits: int) -> int:
-        v = self.code // (self.range >> bits)
-        if v >= (1 << bits):
+    def target(self, total: int) -> int:
+        v = self.code // (self.range // total)
+        if v >= total:
             self.corrupt("target beyond the total frequency")
         return v
 
-    def consume(self, cum: int, freq: int, bits: int) -> None:
-        r = self.range >> bits
+    def consume(self, cum: int, freq: int, total: int) -> None:
+        r = self.range // total
         self.code -= r * cum
         self.range = r * freq
         while self.range < TOP:

@@ -3,8 +3,8 @@
 The coder arithmetic mirrors ``range_coder.RangeEncoder``/``RangeDecoder`` line for line;
 the models' integer functions (``models._qmath``) are the very ones the reference calls.
 numba has no bounds checks, so every input is validated in Python before a kernel runs,
-the output buffer is sized from a proven bound (each step of ``bits`` bits shrinks the
-range by less than ``2**(bits+1)``), and the decoder reads past the payload's end as zero
+the output buffer is sized from a proven bound (a step out of ``total`` shrinks the
+range by less than ``2*total``), and the decoder reads past the payload's end as zero
 bytes. Kernels report corruption with a status code that becomes ``CorruptStreamError``.
 """
 
@@ -45,7 +45,19 @@ def _shift_low(low, cache, pending, out, pos):
 
 
 @njit(inline="always")
-def _enc_step(low, rng, cache, pending, out, pos, cum, freq, bits):
+def _enc_step(low, rng, cache, pending, out, pos, cum, freq, total):
+    r = rng // total
+    low += r * cum
+    rng = r * freq
+    while rng < TOP:
+        rng <<= 8
+        low, cache, pending, pos = _shift_low(low, cache, pending, out, pos)
+    return low, rng, cache, pending, pos
+
+
+@njit(inline="always")
+def _enc_step_pow2(low, rng, cache, pending, out, pos, cum, freq, bits):
+    """_enc_step with total = 2**bits (range >> bits == range // 2**bits)."""
     r = rng >> bits
     low += r * cum
     rng = r * freq
@@ -56,12 +68,17 @@ def _enc_step(low, rng, cache, pending, out, pos, cum, freq, bits):
 
 
 @njit(inline="always")
-def _enc_raw(low, rng, cache, pending, out, pos, value, nbits):
-    while nbits > 16:
-        nbits -= 16
-        low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, (value >> nbits) & 0xFFFF, 1, 16)
-    if nbits > 0:
-        low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, value & ((1 << nbits) - 1), 1, nbits)
+def _enc_uniform(low, rng, cache, pending, out, pos, value, count):
+    """models.base.uniform_steps: one step, or (high, low 16 bits) when count > 2**16."""
+    if count > 65536:
+        high = value >> 16
+        low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, high, 1, (count + 65535) >> 16)
+        rest = count - (high << 16)
+        low, rng, cache, pending, pos = _enc_step(
+            low, rng, cache, pending, out, pos, value & 0xFFFF, 1, 65536 if rest > 65536 else rest
+        )
+    elif count > 1:
+        low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, value, 1, count)
     return low, rng, cache, pending, pos
 
 
@@ -95,8 +112,7 @@ def _dec_init(buf):
 
 
 @njit(inline="always")
-def _dec_consume(buf, pos, code, rng, cum, freq, bits):
-    r = rng >> bits
+def _dec_advance(buf, pos, code, rng, r, cum, freq):
     code -= r * cum
     rng = r * freq
     while rng < TOP:
@@ -107,18 +123,31 @@ def _dec_consume(buf, pos, code, rng, cum, freq, bits):
 
 
 @njit(inline="always")
-def _dec_raw(buf, pos, code, rng, nbits):
-    """Raw bits, high chunk first; returns value -1 on a target beyond its total."""
-    value = np.int64(0)
-    while nbits > 0:
-        take = 16 if nbits > 16 else nbits
-        nbits -= take
-        v = code // (rng >> take)
-        if v >= (1 << take):
-            return np.int64(-1), code, rng, pos
-        code, rng, pos = _dec_consume(buf, pos, code, rng, v, 1, take)
-        value = (value << take) | v
-    return value, code, rng, pos
+def _dec_uniform_step(buf, pos, code, rng, total):
+    """One uniform step; value -1 when the target lies beyond ``total`` (corrupt)."""
+    r = rng // total
+    v = code // r
+    if v >= total:
+        return np.int64(-1), code, rng, pos
+    code, rng, pos = _dec_advance(buf, pos, code, rng, r, v, 1)
+    return v, code, rng, pos
+
+
+@njit(inline="always")
+def _dec_uniform(buf, pos, code, rng, count):
+    """Inverse of _enc_uniform; value -1 on corruption."""
+    if count > 65536:
+        high, code, rng, pos = _dec_uniform_step(buf, pos, code, rng, (count + 65535) >> 16)
+        if high < 0:
+            return high, code, rng, pos
+        rest = count - (high << 16)
+        v, code, rng, pos = _dec_uniform_step(buf, pos, code, rng, 65536 if rest > 65536 else rest)
+        if v < 0:
+            return v, code, rng, pos
+        return (high << 16) | v, code, rng, pos
+    if count > 1:
+        return _dec_uniform_step(buf, pos, code, rng, count)
+    return np.int64(0), code, rng, pos
 
 
 # ---------------------------------------------------------------- categorical / static
@@ -130,7 +159,7 @@ def _encode_cum(sym, cum, bits, out):
         row = 0 if shared else i
         x = sym[i]
         c = np.int64(cum[row, x])
-        low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, c, np.int64(cum[row, x + 1]) - c, bits)
+        low, rng, cache, pending, pos = _enc_step_pow2(low, rng, cache, pending, out, pos, c, np.int64(cum[row, x + 1]) - c, bits)
     return _enc_finish(low, rng, cache, pending, out, pos)
 
 
@@ -140,7 +169,8 @@ def _decode_cum(buf, cum, bits, out):
     total = np.int64(1) << bits
     alpha = cum.shape[1] - 1
     for i in range(out.shape[0]):
-        v = code // (rng >> bits)
+        r = rng >> bits
+        v = code // r
         if v >= total:
             return BAD_TARGET, pos
         a, b = 0, alpha  # cum[a] <= v < cum[b]
@@ -151,7 +181,7 @@ def _decode_cum(buf, cum, bits, out):
             else:
                 b = m
         c = np.int64(cum[i, a])
-        code, rng, pos = _dec_consume(buf, pos, code, rng, c, np.int64(cum[i, a + 1]) - c, bits)
+        code, rng, pos = _dec_advance(buf, pos, code, rng, r, c, np.int64(cum[i, a + 1]) - c)
         out[i] = a
     return OK, pos
 
@@ -168,12 +198,7 @@ def _decode_lut(buf, cum, lut, bits, out):
             return BAD_TARGET, pos
         x = lut[v]
         c = np.int64(cum[x])
-        code -= r * c
-        rng = r * (np.int64(cum[x + 1]) - c)
-        while rng < TOP:
-            rng <<= 8
-            b, pos = _read(buf, pos)
-            code = (code << 8) | b
+        code, rng, pos = _dec_advance(buf, pos, code, rng, r, c, np.int64(cum[x + 1]) - c)
         out[i] = x
     return OK, pos
 
@@ -267,11 +292,11 @@ def _encode_quant(sym, mean_q, sidx, wq, lo, hi, fam, out):
         s = np.int64(sidx[i if sidx.shape[0] > 1 else 0])
         w = np.int64(wq[i if wq.shape[0] > 1 else 0])
         fr = q.symbol_frame(lo, hi, m, s, fam)
-        t, raw, nraw = q.split_symbol(np.int64(sym[i]), fr, lo)
+        t, idx, count = q.split_symbol(np.int64(sym[i]), fr, lo)
         c0 = q.token_cum(t, fr, lo, m, s, w, fam)
         c1 = q.token_cum(t + 1, fr, lo, m, s, w, fam)
-        low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, c0, c1 - c0, q.PRECISION)
-        low, rng, cache, pending, pos = _enc_raw(low, rng, cache, pending, out, pos, raw, nraw)
+        low, rng, cache, pending, pos = _enc_step_pow2(low, rng, cache, pending, out, pos, c0, c1 - c0, q.PRECISION)
+        low, rng, cache, pending, pos = _enc_uniform(low, rng, cache, pending, out, pos, idx, count)
     return _enc_finish(low, rng, cache, pending, out, pos)
 
 
@@ -284,12 +309,13 @@ def _decode_quant(buf, mean_q, sidx, wq, lo, hi, fam, out):
         s = np.int64(sidx[i if sidx.shape[0] > 1 else 0])
         w = np.int64(wq[i if wq.shape[0] > 1 else 0])
         fr = q.symbol_frame(lo, hi, m, s, fam)
-        v = code // (rng >> q.PRECISION)
+        r = rng >> q.PRECISION
+        v = code // r
         if v >= total:
             return BAD_TARGET, pos
         t, c0, c1 = _find_token_guided(v, fr, lo, m, s, w, fam)
-        code, rng, pos = _dec_consume(buf, pos, code, rng, c0, c1 - c0, q.PRECISION)
-        raw, code, rng, pos = _dec_raw(buf, pos, code, rng, q.raw_bits(t, fr))
+        code, rng, pos = _dec_advance(buf, pos, code, rng, r, c0, c1 - c0)
+        raw, code, rng, pos = _dec_uniform(buf, pos, code, rng, q.raw_count(t, fr))
         if raw < 0:
             return BAD_TARGET, pos
         x = q.join_symbol(t, raw, fr, lo)
@@ -352,8 +378,8 @@ def _quant_args(model: QuantizedModel):
 
 def _encode_quantized(sym: np.ndarray, model: QuantizedModel) -> bytes:
     _check_symbols(sym, model.lo, model.hi)
-    raw_max = max(q.SIDX_MAX // 32 - 3, int(model.hi - model.lo).bit_length())
-    out = np.empty(_capacity(sym.shape[0], q.PRECISION + 1 + raw_max + 2), dtype=np.uint8)
+    # a step of total T shrinks the range by less than 2*T: token <= 17 bits, uniform index <= 15 + 17
+    out = np.empty(_capacity(sym.shape[0], 17 + 32), dtype=np.uint8)
     pos = _encode_quant(sym, *_quant_args(model), out)
     return out[1:pos].tobytes()
 

@@ -136,37 +136,34 @@ def token_cum(t, fr, lo, mean_q, sidx, wq, fam):
 
 
 @njit(cache=True)
-def bit_length(v):
-    n = 0
-    while v > 0:
-        v >>= 1
-        n += 1
-    return n
+def raw_count(t, fr):
+    """How many values the uniform index after token t ranges over (1: nothing to code).
 
-
-@njit(cache=True)
-def raw_bits(t, fr):
-    """Raw bits that follow token t: the escape index width, or j for a window bucket."""
+    A window bucket holds 2**j symbols (the last one may hold fewer); an escape token is
+    followed by the index among the symbols outside the window on its side.
+    """
     j, nsym, nb, wl, wh, el, er, ntok = fr
     if el and t == 0:
-        return bit_length((wl << j) - 1)
+        return wl << j
     if er and t == ntok - 1:
-        return bit_length(nsym - ((wh + 1) << j) - 1)
-    return j
+        return nsym - ((wh + 1) << j)
+    base = (wl + t - el) << j
+    return (1 << j) if base + (1 << j) <= nsym else nsym - base
 
 
 @njit(cache=True)
 def split_symbol(x, fr, lo):
-    """x -> (token, raw value, raw bit count)."""
+    """x -> (token, index inside the token, raw_count of the token)."""
     j, nsym, nb, wl, wh, el, er, ntok = fr
     off = x - lo
     b = off >> j
     if b < wl:
-        return 0, off, bit_length((wl << j) - 1)
+        return 0, off, wl << j
     if b > wh:
         top = (wh + 1) << j
-        return ntok - 1, off - top, bit_length(nsym - top - 1)
-    return el + b - wl, off & ((1 << j) - 1), j
+        return ntok - 1, off - top, nsym - top
+    base = b << j
+    return el + b - wl, off - base, (1 << j) if base + (1 << j) <= nsym else nsym - base
 
 
 @njit(cache=True)

@@ -1,13 +1,16 @@
 """What every probability model offers the range coders.
 
 A model knows probabilities, a coder knows bits. For symbol i the model turns a value
-into one or more coding steps ``(cum, freq, bits)``: an interval ``[cum, cum+freq)`` out
-of a total of ``2**bits`` (raw bits are steps with ``freq = 1``). The pure-Python
+into one or more coding steps ``(cum, freq, total)``: an interval ``[cum, cum+freq)`` out
+of ``total`` (``2**precision`` for model steps; any count <= 2**16 for the uniform index
+steps that follow an escape or a bucket). The pure-Python
 reference coder drives these methods; the numba coder runs the same integer functions
 inside its own loop (see ``kvcodec.entropy.range_coder_fast``).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -28,7 +31,7 @@ class Model:
             raise ValueError(f"model describes {self.size} symbols, asked for {n}")
 
     def steps(self, i: int, x: int) -> list[tuple[int, int, int]]:
-        """Coding steps for value ``x`` at position ``i``; ValueError if x is outside the alphabet."""
+        """Coding steps ``(cum, freq, total)`` for value ``x`` at position ``i``; ValueError if x is outside the alphabet."""
         raise NotImplementedError
 
     def decode_symbol(self, i: int, dec) -> int:
@@ -44,24 +47,40 @@ class Model:
         return float(np.sum(self.symbol_bits(symbols)))
 
 
-def raw_steps(value: int, nbits: int) -> list[tuple[int, int, int]]:
-    """Split an ``nbits`` raw value into uniform steps of at most 16 bits, high chunk first."""
-    out = []
-    while nbits > 16:
-        nbits -= 16
-        out.append(((value >> nbits) & 0xFFFF, 1, 16))
-    if nbits > 0:
-        out.append((value & ((1 << nbits) - 1), 1, nbits))
-    return out
+UNIFORM_CHUNK = 1 << 16
 
 
-def decode_raw(dec, nbits: int) -> int:
-    """Inverse of ``raw_steps`` on a reference decoder."""
-    value = 0
-    while nbits > 0:
-        take = 16 if nbits > 16 else nbits
-        nbits -= take
-        v = dec.target(take)
-        dec.consume(v, 1, take)
-        value = (value << take) | v
-    return value
+def uniform_steps(value: int, count: int) -> list[tuple[int, int, int]]:
+    """Code ``value`` in [0, count) uniformly: one step, or (high, low) when count > 2**16.
+
+    Steps are ``(value, 1, total)``; the probabilities multiply to exactly one over [0, count).
+    """
+    if count <= 1:
+        return []
+    if count <= UNIFORM_CHUNK:
+        return [(value, 1, count)]
+    high = value >> 16
+    n_high = (count + UNIFORM_CHUNK - 1) >> 16
+    return [(high, 1, n_high), (value & 0xFFFF, 1, min(UNIFORM_CHUNK, count - (high << 16)))]
+
+
+def uniform_bits(value: int, count: int) -> float:
+    """Ideal code length of ``uniform_steps(value, count)``."""
+    return float(sum(math.log2(total) for _, _, total in uniform_steps(value, count)))
+
+
+def decode_uniform(dec, count: int) -> int:
+    """Inverse of ``uniform_steps`` on a reference decoder."""
+    if count <= 1:
+        return 0
+    if count <= UNIFORM_CHUNK:
+        v = dec.target(count)
+        dec.consume(v, 1, count)
+        return v
+    n_high = (count + UNIFORM_CHUNK - 1) >> 16
+    high = dec.target(n_high)
+    dec.consume(high, 1, n_high)
+    n_low = min(UNIFORM_CHUNK, count - (high << 16))
+    low = dec.target(n_low)
+    dec.consume(low, 1, n_low)
+    return (high << 16) | low

@@ -106,13 +106,13 @@ class Categorical(Model):
         x, r = int(x), self._row(i)
         if not 0 <= x < self.alphabet or self.freqs[r, x] == 0:
             raise ValueError(f"symbol {x} at position {i} has zero probability under the model")
-        return [(int(self.cum[r, x]), int(self.freqs[r, x]), self.precision)]
+        return [(int(self.cum[r, x]), int(self.freqs[r, x]), 1 << self.precision)]
 
     def decode_symbol(self, i, dec):
         r = self._row(i)
-        v = dec.target(self.precision)
+        v = dec.target(1 << self.precision)
         x = int(np.searchsorted(self.cum[r], v, side="right")) - 1
-        dec.consume(int(self.cum[r, x]), int(self.freqs[r, x]), self.precision)
+        dec.consume(int(self.cum[r, x]), int(self.freqs[r, x]), 1 << self.precision)
         return x
 
     def symbol_bits(self, symbols):

@@ -18,7 +18,7 @@ from numba import njit
 
 from . import _qmath as q
 from . import _tables
-from .base import Model, decode_raw, raw_steps
+from .base import Model, decode_uniform, uniform_steps
 
 _THRESHOLDS = np.array(_tables.SCALE_THRESHOLDS, dtype=np.float64)
 _FAMILY_NAMES = {q.GAUSSIAN: "Gaussian", q.LAPLACE: "Laplace"}
@@ -128,20 +128,20 @@ class QuantizedModel(Model):
             raise ValueError(f"symbol {x} at position {i} outside [{self.lo}, {self.hi}]")
         m, s, w = self._params(i)
         fr = q.symbol_frame(self.lo, self.hi, m, s, self.family)
-        t, raw, nraw = q.split_symbol(x, fr, self.lo)
+        t, idx, count = q.split_symbol(x, fr, self.lo)
         c0 = q.token_cum(t, fr, self.lo, m, s, w, self.family)
         c1 = q.token_cum(t + 1, fr, self.lo, m, s, w, self.family)
-        return [(c0, c1 - c0, q.PRECISION)] + raw_steps(raw, nraw)
+        return [(c0, c1 - c0, 1 << q.PRECISION)] + uniform_steps(idx, count)
 
     def decode_symbol(self, i, dec):
         m, s, w = self._params(i)
         fr = q.symbol_frame(self.lo, self.hi, m, s, self.family)
-        v = dec.target(q.PRECISION)
+        v = dec.target(1 << q.PRECISION)
         t = q.find_token(v, fr, self.lo, m, s, w, self.family)
         c0 = q.token_cum(t, fr, self.lo, m, s, w, self.family)
         c1 = q.token_cum(t + 1, fr, self.lo, m, s, w, self.family)
-        dec.consume(c0, c1 - c0, q.PRECISION)
-        x = q.join_symbol(t, decode_raw(dec, q.raw_bits(t, fr)), fr, self.lo)
+        dec.consume(c0, c1 - c0, 1 << q.PRECISION)
+        x = q.join_symbol(t, decode_uniform(dec, q.raw_count(t, fr)), fr, self.lo)
         if x < self.lo:
             dec.corrupt(f"symbol {i} decodes outside the model's support")
         return x
@@ -163,9 +163,15 @@ def _symbol_bits(sym, mean_q, sidx, wq, lo, hi, fam, out):
         s = sidx[i if sidx.shape[0] > 1 else 0]
         w = wq[i if wq.shape[0] > 1 else 0]
         fr = q.symbol_frame(lo, hi, m, s, fam)
-        t, raw, nraw = q.split_symbol(sym[i], fr, lo)
+        t, idx, count = q.split_symbol(sym[i], fr, lo)
         f = q.token_cum(t + 1, fr, lo, m, s, w, fam) - q.token_cum(t, fr, lo, m, s, w, fam)
-        out[i] = q.PRECISION - math.log2(f) + nraw
+        bits = q.PRECISION - math.log2(f)
+        if count > 65536:  # two uniform steps, see base.uniform_steps
+            high = idx >> 16
+            bits += math.log2((count + 65535) >> 16) + math.log2(min(65536, count - (high << 16)))
+        elif count > 1:
+            bits += math.log2(count)
+        out[i] = bits
 
 
 class Gaussian(QuantizedModel):
