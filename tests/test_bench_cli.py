@@ -1,0 +1,130 @@
+"""``kvcodec bench`` writes schema-valid JSON for every suite present; report.py renders it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcodec import benchrunner
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import report  # noqa: E402
+from benchmarks.common import save  # noqa: E402
+
+
+def _present(suite: str) -> bool:
+    return all((ROOT / "benchmarks" / f"{m}.py").is_file() for m in benchrunner.SUITES[suite])
+
+
+CPU_SUITES = [s for s in benchrunner.SUITES if s != "gpu"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", CPU_SUITES)
+def test_bench_suite_quick_writes_valid_json(suite, tmp_path):
+    if not _present(suite):
+        pytest.skip(f"benchmarks for suite {suite!r} are not written yet")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcodec.cli", "bench", "--suite", suite, "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    files = sorted(tmp_path.glob("*.json"))
+    assert len(files) >= len(benchrunner.SUITES[suite])
+    for f in files:
+        data = report.validate(json.loads(f.read_text()), f.name)
+        assert data["rows"], f"{f.name} has no rows"
+        assert "date" in data["machine"] and "cores" in data["machine"]
+        for png in data.get("plots", []):
+            assert (tmp_path / png).is_file(), f"{f.name} promises {png}"
+    report.build(tmp_path)
+    text = (tmp_path / "REPORT.md").read_text()
+    for f in files:
+        assert f"## {json.loads(f.read_text())['suite']}" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_gpu_quick(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcodec.cli", "bench", "--suite", "gpu", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for f in tmp_path.glob("*.json"):
+        report.validate(json.loads(f.read_text()), f.name)
+
+
+def test_bench_unknown_suite_fails():
+    with pytest.raises(SystemExit):
+        benchrunner.run_bench(suite="nosuchsuite", quick=True, out_dir="unused")
+
+
+# ---- report.py on hand-made result files (the renderer, not the numbers, is under test) ----
+
+
+def _write_suite(out, name, rows, **extra):
+    result = {"suite": name, "rows": rows, "notes": [f"{name} note"], **extra}
+    return save(result, out)
+
+
+def test_report_renders_tables_machine_and_plots(tmp_path):
+    _write_suite(tmp_path, "bench_quant", [
+        {"method": "TurboQuant-MSE 4b", "bits_per_value": 4.25, "attn_rel_err": 0.05},
+        {"method": "TurboQuant-MSE 2b", "bits_per_value": 2.25, "attn_rel_err": 0.3},
+        {"method": "KIVI 4b", "bits_per_value": 5.0, "attn_rel_err": 0.04},
+    ], plots=["bench_quant_rd.png"])
+    (tmp_path / "bench_quant_rd.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    _write_suite(tmp_path, "bench_lossless", [{"method": "kvctx", "bits_per_value": 10.5, "attn_rel_err": 0.0}])
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "wrong.json").write_text(json.dumps({"suite": "x", "rows": "nope", "machine": {}}))
+    report.build(tmp_path)
+    text = (tmp_path / "REPORT.md").read_text()
+    assert text.index("## bench_lossless") < text.index("## bench_quant")  # documented order
+    assert "| TurboQuant-MSE 4b | 4.250 | 0.05 |" in text
+    assert "bench_quant note" in text and "![bench_quant_rd.png](bench_quant_rd.png)" in text
+    assert "cores" in text  # the machine line
+    assert "broken.json: skipped" in text and "wrong.json: skipped" in text
+    assert (tmp_path / report.OVERVIEW_PNG).stat().st_size > 1000
+    assert f"![rate vs attention error]({report.OVERVIEW_PNG})" in text
+    points = report.rd_points(report.load_results(tmp_path)[0])
+    assert ("bench_lossless", "kvctx", 10.5, 0.0) in points and len(points) == 4
+
+
+def test_report_updates_only_the_readme_region(tmp_path):
+    results = tmp_path / "results"
+    _write_suite(results, "bench_entropy", [{"coder": f"c{i}", "bits_per_symbol": 5.0 + i} for i in range(12)])
+    readme = tmp_path / "README.md"
+    before, after = "# title\n\ntext before\n\n", "\n\ntext after\n"
+    readme.write_text(before + report.BEGIN + "\nold stuff\n" + report.END + after)
+    report.build(results, readme=readme)
+    text = readme.read_text()
+    assert text.startswith(before + report.BEGIN) and text.endswith(report.END + after)
+    assert "old stuff" not in text and "| c0 | 5.000 |" in text
+    assert "(4 more rows in the report)" in text and "(results/REPORT.md)" in text
+    report.build(results, readme=readme)  # idempotent
+    assert readme.read_text() == text
+
+
+def test_replace_region_needs_both_markers_once():
+    with pytest.raises(ValueError):
+        report.replace_region("no markers", "x")
+    with pytest.raises(ValueError):
+        report.replace_region(report.END + report.BEGIN, "x")
+    with pytest.raises(ValueError):
+        report.replace_region(report.BEGIN + report.BEGIN + report.END, "x")
+    assert report.replace_region(f"a{report.BEGIN}b{report.END}c", "new") == f"a{report.BEGIN}\nnew\n{report.END}c"
+
+
+def test_validate_rejects_bad_results():
+    good = {"suite": "s", "rows": [{"a": 1}], "machine": {}, "notes": []}
+    assert report.validate(good) is good
+    for bad in ({**good, "suite": ""}, {**good, "rows": [1]}, {**good, "machine": None},
+                {**good, "notes": [3]}, {**good, "plots": "x.png"}, []):
+        with pytest.raises(report.ResultFileError):
+            report.validate(bad)
