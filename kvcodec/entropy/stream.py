@@ -30,6 +30,7 @@ MAX_SYMBOLS = 1 << 31
 _FIXED = len(MAGIC) + 5  # magic, version, coder, dtype, param, streams
 _TABLE_DENSE = 0
 _TABLE_BITMAP = 1
+_TABLE_GAPS = 2
 
 
 @dataclass(frozen=True)
@@ -120,15 +121,20 @@ def _pack_freqs(freqs: np.ndarray) -> bytes:
     out = bytearray()
     _put_varint(out, lo)
     _put_varint(out, hi - lo + 1)
-    dense = _varint_array(span)
     mask = span != 0
-    sparse = np.packbits(mask, bitorder="little").tobytes() + _varint_array(span[mask])
-    if len(dense) <= len(sparse):
-        out.append(_TABLE_DENSE)
-        out += dense
-    else:
-        out.append(_TABLE_BITMAP)
-        out += sparse
+    nz_vals = _varint_array(span[mask])
+    used = np.flatnonzero(mask)
+    gaps = bytearray()
+    _put_varint(gaps, used.size)
+    gaps += _varint_array(np.diff(used) - 1) + nz_vals  # first used symbol is lo: no gap stored
+    options = [
+        (_TABLE_DENSE, _varint_array(span)),
+        (_TABLE_BITMAP, np.packbits(mask, bitorder="little").tobytes() + nz_vals),
+        (_TABLE_GAPS, bytes(gaps)),
+    ]
+    mode, body = min(options, key=lambda o: len(o[1]))  # ties: the first (dense) wins
+    out.append(mode)
+    out += body
     return bytes(out)
 
 
@@ -200,6 +206,18 @@ def _parse_freqs(buf: np.ndarray, pos: int, alphabet: int) -> tuple[np.ndarray, 
         if vals.size and vals.max() > 1 << 16:
             raise CorruptStreamError("frequency out of range")
         freqs[lo : lo + span][mask] = vals
+    elif mode == _TABLE_GAPS:
+        k, pos = _get_varint(buf, pos, "frequency table")
+        if not 1 <= k <= span:
+            raise CorruptStreamError("frequency table symbol count out of range")
+        gaps, pos = _read_varint_array(buf, pos, k - 1, 3)
+        idx = np.concatenate(([0], np.cumsum(gaps + 1)))
+        if idx[-1] >= span:
+            raise CorruptStreamError("frequency table symbol outside its range")
+        vals, pos = _read_varint_array(buf, pos, k, 3)
+        if vals.max() > 1 << 16:
+            raise CorruptStreamError("frequency out of range")
+        freqs[lo + idx] = vals
     else:
         raise CorruptStreamError(f"unknown frequency table mode {mode}")
     return freqs, pos
