@@ -283,40 +283,70 @@ def _decode_kernel(words, wstart, wlen, pred, has_pred, m, c, a, rs, shared, cdf
 
 
 # =============================================================================== model
+def to_bf16_bits(v: np.ndarray) -> np.ndarray:
+    """Round float values to bf16 (nearest) and return the uint16 bit patterns (how m, s are stored)."""
+    return torch.from_numpy(np.ascontiguousarray(v, np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    return (np.asarray(b, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _stored_fields(source: str) -> tuple[str, ...]:
+    """The per-channel parameters a stream of this source stores (the rest are fixed)."""
+    return {"previous_token": ("s",), "neighbour_layer": ("m", "s", "c", "a")}.get(source, ("m", "s", "a"))
+
+
 @dataclass
 class Model:
-    """Stored parameters ([Gp, D] each, Gp = 1 when shared) in the form the kernels use."""
+    """Per-channel parameters ([Gp, D], Gp = 1 when shared) and the shape table.
 
-    m: np.ndarray  # float32 stored, float64 here
-    c: np.ndarray  # int8 / 64
-    a: np.ndarray  # int8 / 64
-    s: np.ndarray  # float32 stored scale
-    masses: np.ndarray  # uint16 shape masses
+    Stored: m and s as bf16, c and a as int8 (value / 64); fields fixed by the source
+    (``_stored_fields``) are not stored. ``m``/``s`` here are float64 copies of the stored values.
+    """
+
+    m: np.ndarray
+    s: np.ndarray
+    c: np.ndarray
+    a: np.ndarray
+    masses: np.ndarray
     shared: bool
 
     def kernel_args(self):
-        s = self.s.astype(np.float64)
-        if not np.all(np.isfinite(s)) or np.any(s <= 0) or not np.all(np.isfinite(self.m)):
+        if not np.all(np.isfinite(self.s)) or np.any(self.s <= 0) or not np.all(np.isfinite(self.m)):
             raise CorruptStreamError("predictive stream has a bad location or scale")
-        return (self.m.astype(np.float64), self.c.astype(np.float64) / _Q,
-                self.a.astype(np.float64) / _Q, 1.0 / s, self.shared, shape_cdf(self.masses))
+        return (self.m, self.c.astype(np.float64) / _Q, self.a.astype(np.float64) / _Q,
+                1.0 / self.s, self.shared, shape_cdf(self.masses))
 
-    def pack(self) -> np.ndarray:
-        return np.concatenate([self.m.reshape(-1).view(np.uint8), self.s.reshape(-1).view(np.uint8),
-                               self.c.reshape(-1).view(np.uint8), self.a.reshape(-1).view(np.uint8)])
+    def pack(self, source: str) -> np.ndarray:
+        parts = []
+        for f in _stored_fields(source):
+            v = getattr(self, f)
+            parts.append(to_bf16_bits(v).reshape(-1).view(np.uint8) if f in "ms" else v.reshape(-1).view(np.uint8))
+        parts.append(self.masses.view(np.uint8))
+        return np.concatenate(parts)
+
+    @staticmethod
+    def packed_size(source: str, gp: int, d: int) -> int:
+        return sum(2 if f in "ms" else 1 for f in _stored_fields(source)) * gp * d + 2 * SHAPE_BINS
 
     @classmethod
-    def unpack(cls, params: np.ndarray, masses: np.ndarray, gp: int, d: int, shared: bool) -> "Model":
-        nb = gp * d * 4
-        if params.size != gp * d * 10:
-            raise CorruptStreamError("predictive stream parameter section has the wrong size")
-        return cls(
-            m=params[:nb].copy().view(np.float32).reshape(gp, d),
-            s=params[nb:2 * nb].copy().view(np.float32).reshape(gp, d),
-            c=params[2 * nb:2 * nb + gp * d].copy().view(np.int8).reshape(gp, d),
-            a=params[2 * nb + gp * d:].copy().view(np.int8).reshape(gp, d),
-            masses=masses, shared=shared,
-        )
+    def unpack(cls, blob: np.ndarray, source: str, gp: int, d: int, shared: bool) -> "Model":
+        if blob.size != cls.packed_size(source, gp, d):
+            raise CorruptStreamError("predictive stream model section has the wrong size")
+        n = gp * d
+        vals = {"m": np.zeros((gp, d)), "c": np.full((gp, d), _Q if source == "external" else 0, np.int8),
+                "a": np.full((gp, d), _Q, np.int8)}
+        pos = 0
+        for f in _stored_fields(source):
+            if f in "ms":
+                vals[f] = from_bf16_bits(blob[pos:pos + 2 * n].copy().view(np.uint16)).reshape(gp, d)
+                pos += 2 * n
+            else:
+                vals[f] = blob[pos:pos + n].copy().view(np.int8).reshape(gp, d)
+                pos += n
+        masses = blob[pos:].copy().view(np.uint16)
+        return cls(masses=masses, shared=shared, **vals)
 
 
 def _finite0(v):
@@ -359,10 +389,10 @@ def fit_model(x_t, x_prev, prev_valid, p_t, p_prev, gain: str, prev_coef: str, s
     c_q = np.clip(np.round(c * _Q), -127, 127).astype(np.int8)
     c = (c_q.astype(np.float64) / _Q)[:, None]
     if prev_coef == "one":
-        m = np.zeros(gd, np.float32)
+        m = np.zeros(gd)
     else:
-        m = np.clip(mean(x - c * p, xok), -3e38, 3e38).astype(np.float32)
-    m64 = m.astype(np.float64)[:, None]
+        m = from_bf16_bits(to_bf16_bits(np.clip(mean(x - c * p, xok), -3e38, 3e38)))
+    m64 = m[:, None]
     dev = np.where(xok, x - (m64 + c * p), 0.0)
     dev_prev = np.where(xpok, xp - (m64 + c * pp), 0.0)
     if prev_coef == "one":
@@ -374,8 +404,8 @@ def fit_model(x_t, x_prev, prev_valid, p_t, p_prev, gain: str, prev_coef: str, s
     r = np.where(xok, dev - (a_q.astype(np.float64) / _Q)[:, None] * dev_prev, 0.0)
     with np.errstate(over="ignore", invalid="ignore"):
         s = np.sqrt(red(r * r) / np.maximum(red(xok), 1))
-        s = np.clip(np.where(np.isfinite(s), s, S_MAX), S_MIN, S_MAX).astype(np.float32)
-        z = (r / s.astype(np.float64)[:, None])[xok]
+        s = from_bf16_bits(to_bf16_bits(np.clip(np.where(np.isfinite(s), s, S_MAX), S_MIN, S_MAX)))
+        z = (r / s[:, None])[xok]
     return Model(m=m, c=c_q, a=a_q, s=s, masses=fit_shape(z), shared=shared)
 
 
@@ -497,7 +527,7 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
     for s0, s1 in zip(out_start, caps[1:]):
         keep[s0:s1] = True
     meta.update(tb=tb, shared=shared)
-    sections.update(params=model.pack(), shape=model.masses, chunk_words=lengths.astype(np.uint32),
+    sections.update(model=np.concatenate([model.pack(source), lengths.astype("<u4").view(np.uint8)]),
                     payload=out[keep])
     return meta, sections
 
@@ -550,11 +580,11 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0)
     if tb != token_block(tt, d) or shared is not (tt < _SHARED_PARAMS_BELOW):
         raise CorruptStreamError("predictive stream has a bad chunking or sharing field")
     gp = 1 if shared else g
-    model = Model.unpack(_section(sections, "params", np.uint8), _section(sections, "shape", np.uint16),
-                         gp, d, shared)
-    margs = model.kernel_args()
     n_tb = -(-tt // tb)
-    lengths = _section(sections, "chunk_words", np.uint32, g * n_tb).astype(np.int64)
+    n_model = Model.packed_size(source, gp, d)
+    blob = _section(sections, "model", np.uint8, n_model + 4 * g * n_tb)
+    margs = Model.unpack(blob[:n_model], source, gp, d, shared).kernel_args()
+    lengths = blob[n_model:].copy().view("<u4").astype(np.int64)
     words = _section(sections, "payload", np.uint32)
     if int(lengths.sum()) != words.size:
         raise CorruptStreamError("predictive stream chunk sizes do not add up to its payload")
