@@ -1,0 +1,385 @@
+"""safetensors <-> ``.kvc`` files: lossless, streaming, every tensor individually addressable.
+
+``compress_file(src, dst)`` reads a ``.safetensors`` file one tensor at a time, compresses each with
+:func:`kvcodec.lossless.api.compress` and writes a ``.kvc`` file; ``decompress_file(dst, out)``
+restores the SAME bytes (header, metadata, tensor order, padding and all). ``read_tensor(path,
+name)`` decodes one tensor without touching the others; ``inspect_file`` lists per-tensor ratios.
+Memory stays near one tensor (plus its compressed copy) in both directions.
+
+File layout (integers little-endian; see ``docs/format.md``, "Container" / ``.kvc`` files)::
+
+    0      8   b"KVCF" + version u16 (1) + flags u16 (0)
+    8      ...  records, back to back: one per segment of the safetensors data buffer
+                (a ``kvcodec.tensor`` container for a tensor, or the raw bytes of a small
+                tensor / an unclaimed gap)
+    I      L   index: a container of kind "kvcodec.file-index" (meta: entries, sizes, crc32 of
+               the whole source file; section "header": the source's header bytes, zstd)
+    end-24 24  footer: b"KVCE" + u32 0 + index offset I (u64) + index length L (u64)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from kvcodec import container
+from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless import api
+
+FILE_MAGIC = b"KVCF"
+FOOTER_MAGIC = b"KVCE"
+FILE_VERSION = 1
+_HEAD = struct.Struct("<4sHH")
+_FOOTER = struct.Struct("<4sIQQ")
+INDEX_KIND = "kvcodec.file-index"
+SMALL_TENSOR_BYTES = 4096  # below this, a tensor is stored raw: a container would cost more than it saves
+MAX_ST_HEADER = 100 << 20  # the safetensors format's own limit
+
+# safetensors dtype code -> torch dtype name (kvcodec.container allow-list)
+ST_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+    "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+}
+
+
+# --------------------------------------------------------------------------- safetensors parsing
+def _read_safetensors_header(f, file_size: int) -> tuple[bytes, dict]:
+    """Return (the exact 8-byte length + JSON header bytes, parsed JSON)."""
+    first = f.read(8)
+    if len(first) < 8:
+        raise CorruptStreamError("not a safetensors file: shorter than 8 bytes")
+    (n,) = struct.unpack("<Q", first)
+    if n < 2 or n > MAX_ST_HEADER or 8 + n > file_size:
+        raise CorruptStreamError("not a safetensors file: bad header length")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptStreamError("not a safetensors file: header is not JSON") from None
+    if not isinstance(header, dict):
+        raise CorruptStreamError("not a safetensors file: header is not an object")
+    return first + raw, header
+
+
+def _segments(header: dict, data_len: int) -> list[dict]:
+    """Cover the data buffer [0, data_len) with tensor segments and raw gap segments, in order."""
+    tensors = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (a, b) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise CorruptStreamError(f"safetensors entry {name!r} is malformed") from None
+        if (not isinstance(dtype, str) or not isinstance(shape, list)
+                or any(type(d) is not int or d < 0 for d in shape)
+                or type(a) is not int or type(b) is not int or not 0 <= a <= b <= data_len):
+            raise CorruptStreamError(f"safetensors entry {name!r} has bad dtype/shape/offsets")
+        tensors.append({"name": name, "st_dtype": dtype, "shape": shape, "start": a, "end": b})
+    tensors.sort(key=lambda e: (e["start"], e["end"]))
+    out, pos = [], 0
+    for e in tensors:
+        if e["start"] < pos:  # overlapping tensors: not valid safetensors; keep bytes exact as raw
+            e = {**e, "st_dtype": None}
+            if e["end"] <= pos:
+                continue
+            e["start"] = pos
+        if e["start"] > pos:
+            out.append({"name": None, "st_dtype": None, "shape": None, "start": pos, "end": e["start"]})
+        out.append(e)
+        pos = e["end"]
+    if pos < data_len:
+        out.append({"name": None, "st_dtype": None, "shape": None, "start": pos, "end": data_len})
+    return out
+
+
+def _tensor_dtype(seg: dict):
+    """The torch dtype to compress a segment as, or None to store it raw."""
+    name = ST_DTYPES.get(seg["st_dtype"]) if seg["st_dtype"] else None
+    dtype = container.torch_dtypes().get(name) if name else None
+    if dtype is None or math.prod(seg["shape"]) * dtype.itemsize != seg["end"] - seg["start"]:
+        return None
+    return dtype
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not enabled or total < (64 << 20))
+
+
+# --------------------------------------------------------------------------- compress
+def compress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int = 0, progress: bool = True,
+                  codec: str = "auto", **opts) -> dict:
+    """Compress a ``.safetensors`` file to ``dst`` (a ``.kvc`` file); returns a size summary.
+
+    Raises CorruptStreamError if ``src`` is not a valid safetensors file.
+    """
+    import zstandard
+
+    src, dst = Path(src), Path(dst)
+    size = src.stat().st_size
+    entries = []
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        st_header, header = _read_safetensors_header(f, size)
+        data_start = len(st_header)
+        segs = _segments(header, size - data_start)
+        running_crc = container.crc32(st_header)
+        out.write(_HEAD.pack(FILE_MAGIC, FILE_VERSION, 0))
+        pos = _HEAD.size
+        bar = _progress(size, progress, f"compress {src.name}")
+        for seg in segs:
+            n = seg["end"] - seg["start"]
+            buf = bytearray(n)
+            f.seek(data_start + seg["start"])
+            if f.readinto(buf) != n:
+                raise CorruptStreamError("safetensors file is truncated")
+            running_crc = container.crc32(buf, running_crc)
+            dtype = _tensor_dtype(seg)
+            if dtype is not None and n >= SMALL_TENSOR_BYTES:
+                t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(seg["shape"])
+                record = api.compress(t, codec=codec, threads=threads, **opts)
+                mode = "tensor"
+                if len(record) >= n:  # incompressible: the raw bytes are smaller
+                    record, mode = bytes(buf), "raw"
+            else:
+                record, mode = bytes(buf), "raw"
+            del buf
+            out.write(record)
+            entries.append({"name": seg["name"], "st_dtype": seg["st_dtype"], "shape": seg["shape"],
+                            "start": seg["start"], "end": seg["end"], "mode": mode, "offset": pos,
+                            "length": len(record), "crc32": container.crc32(record)})
+            pos += len(record)
+            if bar is not None:
+                bar.update(n)
+        if bar is not None:
+            bar.close()
+        meta = {"format": "safetensors", "source_bytes": size, "source_crc32": running_crc,
+                "header_bytes": len(st_header), "entries": entries}
+        index = container.dumps(INDEX_KIND, meta, {"header": zstandard.ZstdCompressor(level=19).compress(st_header)})
+        out.write(index)
+        out.write(_FOOTER.pack(FOOTER_MAGIC, 0, pos, len(index)))
+        total = pos + len(index) + _FOOTER.size
+    return {"source_bytes": size, "compressed_bytes": total, "ratio": size / total if total else 0.0,
+            "tensors": sum(e["name"] is not None for e in entries)}
+
+
+# --------------------------------------------------------------------------- reading
+class KvcFile:
+    """An open ``.kvc`` file: the validated index, and record access by entry."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._f = open(self.path, "rb")
+        try:
+            self._load_index()
+        except BaseException:
+            self._f.close()
+            raise
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _load_index(self) -> None:
+        import zstandard
+
+        f = self._f
+        size = os.fstat(f.fileno()).st_size
+        if size < _HEAD.size + _FOOTER.size:
+            raise CorruptStreamError("not a kvcodec file: too short")
+        magic, version, flags = _HEAD.unpack(f.read(_HEAD.size))
+        if magic != FILE_MAGIC:
+            raise CorruptStreamError("not a kvcodec .kvc file (bad magic)")
+        if version != FILE_VERSION or flags != 0:
+            raise CorruptStreamError(f"unsupported .kvc version {version} / flags {flags}")
+        f.seek(size - _FOOTER.size)
+        fmagic, _, ioff, ilen = _FOOTER.unpack(f.read(_FOOTER.size))
+        if fmagic != FOOTER_MAGIC or ioff < _HEAD.size or ioff + ilen != size - _FOOTER.size:
+            raise CorruptStreamError("kvcodec file footer is corrupt (or the file is truncated)")
+        f.seek(ioff)
+        _, meta, sections = container.loads(f.read(ilen), expect_kind=INDEX_KIND)
+        try:
+            st_header = zstandard.ZstdDecompressor().decompress(
+                bytes(sections["header"]), max_output_size=MAX_ST_HEADER + 8)
+        except (KeyError, zstandard.ZstdError):
+            raise CorruptStreamError("kvcodec file index: bad header section") from None
+        self.meta = self._check_meta(meta, ioff, len(st_header))
+        self.st_header = st_header
+        self.entries = self.meta["entries"]
+        self.by_name = {e["name"]: e for e in self.entries if e["name"] is not None}
+
+    @staticmethod
+    def _check_meta(meta: dict, records_end: int, header_len: int) -> dict:
+        keys = {"format", "source_bytes", "source_crc32", "header_bytes", "entries"}
+        if set(meta) != keys or meta["format"] != "safetensors" or meta["header_bytes"] != header_len:
+            raise CorruptStreamError("kvcodec file index: bad meta")
+        ekeys = {"name", "st_dtype", "shape", "start", "end", "mode", "offset", "length", "crc32"}
+        entries = meta["entries"]
+        if not isinstance(entries, list) or type(meta["source_bytes"]) is not int:
+            raise CorruptStreamError("kvcodec file index: bad entries")
+        data_pos, rec_pos, names = 0, _HEAD.size, set()
+        for e in entries:
+            if not isinstance(e, dict) or set(e) != ekeys or e["mode"] not in ("tensor", "raw"):
+                raise CorruptStreamError("kvcodec file index: malformed entry")
+            for k in ("start", "end", "offset", "length", "crc32"):
+                if type(e[k]) is not int or e[k] < 0:
+                    raise CorruptStreamError("kvcodec file index: bad entry numbers")
+            if e["start"] != data_pos or e["end"] < e["start"] or e["offset"] != rec_pos:
+                raise CorruptStreamError("kvcodec file index: entries are not contiguous")
+            if e["mode"] == "raw" and e["length"] != e["end"] - e["start"]:
+                raise CorruptStreamError("kvcodec file index: raw entry has the wrong length")
+            if e["name"] is not None:
+                shape_ok = isinstance(e["shape"], list) and len(e["shape"]) <= 64 and all(
+                    type(d) is int and d >= 0 for d in e["shape"])
+                if not shape_ok or not (e["st_dtype"] is None or isinstance(e["st_dtype"], str)):
+                    raise CorruptStreamError("kvcodec file index: bad tensor dtype or shape")
+                if not isinstance(e["name"], str) or e["name"] in names:
+                    raise CorruptStreamError("kvcodec file index: bad or duplicate tensor name")
+                names.add(e["name"])
+            elif e["mode"] != "raw":
+                raise CorruptStreamError("kvcodec file index: unnamed entry must be raw")
+            data_pos, rec_pos = e["end"], e["offset"] + e["length"]
+        if rec_pos != records_end or header_len + data_pos != meta["source_bytes"]:
+            raise CorruptStreamError("kvcodec file index: sizes do not add up")
+        return meta
+
+    def record(self, e: dict) -> bytes:
+        self._f.seek(e["offset"])
+        blob = self._f.read(e["length"])
+        if len(blob) != e["length"] or container.crc32(blob) != e["crc32"]:
+            raise CorruptStreamError(f"record of {e['name'] or 'a gap'} is corrupt")
+        return blob
+
+    def record_codec(self, e: dict) -> str:
+        """The codec name of a tensor record, reading only its container header."""
+        self._f.seek(e["offset"])
+        prefix = self._f.read(container.PREFIX.size)
+        if len(prefix) < container.PREFIX.size:
+            raise CorruptStreamError("kvcodec file: record truncated")
+        hlen = container.PREFIX.unpack(prefix)[3]
+        if container.PREFIX.size + hlen > e["length"]:
+            raise CorruptStreamError("kvcodec file: record header overruns the record")
+        header, _ = container.read_header(prefix + self._f.read(hlen))
+        codec = header["meta"].get("codec")
+        return codec if isinstance(codec, str) else "?"
+
+    def segment_bytes(self, e: dict, threads: int = 0) -> memoryview | bytes:
+        """The original bytes of one entry's segment of the safetensors data buffer."""
+        blob = self.record(e)
+        if e["mode"] == "raw":
+            return blob
+        t = api.decompress(blob, threads=threads, device="cpu")
+        raw = api.tensor_bytes(t)
+        if raw.size != e["end"] - e["start"]:
+            raise CorruptStreamError(f"tensor {e['name']!r} decodes to the wrong size")
+        return memoryview(raw)
+
+    def tensor(self, name: str, threads: int = 0) -> torch.Tensor:
+        e = self.by_name.get(name)
+        if e is None:
+            raise KeyError(f"no tensor named {name!r} in {self.path}")
+        if e["mode"] == "tensor":
+            return api.decompress(self.record(e), threads=threads, device="cpu")
+        dtype = _tensor_dtype(e)
+        raw = bytearray(self.record(e))
+        if dtype is None:  # a dtype torch lacks (or an inconsistent entry): the raw bytes
+            return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        if not raw:
+            return torch.empty(e["shape"], dtype=dtype)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(e["shape"])
+
+
+def read_tensor(path: str | os.PathLike, name: str, threads: int = 0) -> torch.Tensor:
+    """Decode one tensor of a ``.kvc`` file by name (KeyError if absent). Dtypes torch lacks come back as uint8 bytes."""
+    with KvcFile(path) as kf:
+        return kf.tensor(name, threads=threads)
+
+
+def iter_tensors(path: str | os.PathLike, threads: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) in file order, one at a time."""
+    with KvcFile(path) as kf:
+        for e in kf.entries:
+            if e["name"] is not None:
+                yield e["name"], kf.tensor(e["name"], threads=threads)
+
+
+def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int = 0, progress: bool = True) -> dict:
+    """Restore the original safetensors file from a ``.kvc`` file, byte for byte (crc32-checked)."""
+    src, dst = Path(src), Path(dst)
+    tmp = dst.with_name(dst.name + ".partial")
+    with KvcFile(src) as kf:
+        total = kf.meta["source_bytes"]
+        bar = _progress(total, progress, f"decompress {src.name}")
+        try:
+            with open(tmp, "wb") as out:
+                out.write(kf.st_header)
+                crc = container.crc32(kf.st_header)
+                for e in kf.entries:
+                    data = kf.segment_bytes(e, threads=threads)
+                    crc = container.crc32(data, crc)
+                    out.write(data)
+                    if bar is not None:
+                        bar.update(e["end"] - e["start"])
+            if crc != kf.meta["source_crc32"]:
+                raise CorruptStreamError("restored file fails the source checksum")
+            os.replace(tmp, dst)
+        finally:
+            if bar is not None:
+                bar.close()
+            if tmp.exists():
+                tmp.unlink()
+    return {"bytes": total}
+
+
+# --------------------------------------------------------------------------- inspect
+def inspect_file(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Per-tensor rows: name, dtype, shape, raw_bytes, compressed_bytes, ratio, codec (no decoding)."""
+    rows = []
+    with KvcFile(path) as kf:
+        for e in kf.entries:
+            if e["name"] is None:
+                continue
+            raw = e["end"] - e["start"]
+            codec = "stored"
+            if e["mode"] == "tensor":
+                codec = kf.record_codec(e)
+            rows.append({"name": e["name"], "dtype": e["st_dtype"], "shape": tuple(e["shape"] or ()),
+                         "raw_bytes": raw, "compressed_bytes": e["length"],
+                         "ratio": raw / e["length"] if e["length"] else float("inf") if raw else 1.0,
+                         "codec": codec})
+    return rows
+
+
+def format_inspect_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of :func:`inspect_file` rows with a total line."""
+    cols = ["name", "dtype", "shape", "raw_bytes", "compressed_bytes", "ratio", "codec"]
+    cells = [[str(r["name"]), str(r["dtype"]), "x".join(map(str, r["shape"])) or "scalar", str(r["raw_bytes"]),
+              str(r["compressed_bytes"]), f"{r['ratio']:.3f}", str(r["codec"])] for r in rows]
+    raw = sum(r["raw_bytes"] for r in rows)
+    comp = sum(r["compressed_bytes"] for r in rows)
+    cells.append(["TOTAL", "", f"{len(rows)} tensors", str(raw), str(comp), f"{raw / comp:.3f}" if comp else "-", ""])
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    right = {3, 4, 5}
+
+    def fmt(row):
+        return "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))).rstrip()
+
+    lines = [fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells]
+    return "\n".join(lines)
