@@ -34,6 +34,8 @@ class RangeEncoder:
         self.cache, self.pending = 0, 0
         self.out = bytearray()
         self.first = True  # LZMA's first output byte is always zero: it is not written
+        self.carries = 0  # statistics for tests: carries taken, longest 0xFF run held back
+        self.max_pending = 0
 
     def encode(self, cum: int, freq: int, total: int) -> None:
         if not (0 <= cum and 0 < freq and cum + freq <= total <= MAX_TOTAL):
@@ -48,6 +50,8 @@ class RangeEncoder:
     def _shift_low(self) -> None:
         if self.low < 0xFF000000 or self.low > MASK32:
             carry = self.low >> 32
+            self.carries += carry
+            self.max_pending = max(self.max_pending, self.pending)
             if not self.first:
                 self.out.append((self.cache + carry) & 0xFF)
             self.first = False
