@@ -32,6 +32,7 @@ verbatim (these codecs are for float KV caches; use the ``planes`` codec for the
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -51,7 +52,7 @@ _M = 1 << PREC
 _RANS_L = 1 << 31  # rANS state lower bound; 32-bit words are moved in and out
 SHAPE_BINS = 256  # the shape CDF G is piecewise linear on [-ZMAX, ZMAX] in SHAPE_BINS steps
 ZMAX = 16.0  # (bin width 1/8 of the scale)
-S_MIN, S_MAX = 1e-30, 1e30  # stored scales are clipped to this range
+S_MIN, S_MAX = 1e-40, 1e30  # stored scales are clipped to this range (bf16 keeps 1e-40 > 0)
 _Q = 64  # gain and previous-token coefficients are stored as int8 / 64
 
 _CHUNK_SYMBOLS = 1 << 16  # about this many symbols per independently decodable chunk
@@ -354,12 +355,15 @@ def _finite0(v):
     return np.where(ok, v, 0.0), ok
 
 
-def fit_model(x_t, x_prev, prev_valid, p_t, p_prev, gain: str, prev_coef: str, shared: bool) -> Model:
+def fit_model(x_t, x_prev, prev_valid, p_t, p_prev, gain: str, prev_coef: str, shared: bool,
+              s_floor: np.ndarray) -> Model:
     """Fit the parameters on sampled tokens (encoder only), quantised exactly as stored.
 
     ``x_t``/``x_prev``: values [G, S, D] at sampled tokens t and t-1 (non-finite allowed);
     ``prev_valid[S]``: whether t-1 is in the same chunk; ``p_t``/``p_prev``: the prediction at
-    those tokens or None; ``gain``: "zero" | "one" | "fit" (c); ``prev_coef``: "fit" | "one" (a).
+    those tokens or None; ``gain``: "zero" | "one" | "fit" (c); ``prev_coef``: "fit" | "one" (a);
+    ``s_floor`` [Gp, D]: the least scale (a quarter of the channel's typical bin width), so a
+    residual far below one step of the grid (a constant channel) still puts its mass in one bin.
     """
     axes = (0, 1) if shared else (1,)
 
@@ -404,7 +408,8 @@ def fit_model(x_t, x_prev, prev_valid, p_t, p_prev, gain: str, prev_coef: str, s
     r = np.where(xok, dev - (a_q.astype(np.float64) / _Q)[:, None] * dev_prev, 0.0)
     with np.errstate(over="ignore", invalid="ignore"):
         s = np.sqrt(red(r * r) / np.maximum(red(xok), 1))
-        s = from_bf16_bits(to_bf16_bits(np.clip(np.where(np.isfinite(s), s, S_MAX), S_MIN, S_MAX)))
+        s = np.maximum(np.where(np.isfinite(s), s, S_MAX), s_floor)
+        s = from_bf16_bits(to_bf16_bits(np.clip(s, S_MIN, S_MAX)))
         z = (r / s[:, None])[xok]
     return Model(m=m, c=c_q, a=a_q, s=s, masses=fit_shape(z), shared=shared)
 
@@ -471,13 +476,13 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
             "shape": list(shape)}
     if prediction is not None and tuple(prediction.shape) != shape:
         raise ValueError("prediction must have the same shape as the tensor")
+    if source == "neighbour_layer" and len(shape) < 3:
+        raise ValueError("predictor='neighbour_layer' needs a [layers, ..., tokens, channels] tensor")
     grid = grid_for(t.dtype)
     if t.numel() == 0 or (grid is None and t.dtype != torch.float32):
         meta["mode"] = "raw"
         raw = t.reshape(-1).view(torch.uint8).numpy().copy() if t.numel() else np.zeros(0, np.uint8)
         return meta, {"raw": raw}
-    if source == "neighbour_layer" and len(shape) < 3:
-        raise ValueError("predictor='neighbour_layer' needs a [layers, ..., tokens, channels] tensor")
     sections: dict = {}
     if grid is None:  # float32: the upper half is a bf16 pattern; keep the lower half verbatim
         grid = grid_for(torch.bfloat16)
@@ -493,7 +498,8 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
     shared = tt < _SHARED_PARAMS_BELOW
 
     if source == "external":
-        pred = _prediction_f32(prediction, g, tt, d)
+        with np.errstate(invalid="ignore"):
+            pred = _prediction_f32(prediction, g, tt, d)
         meta["pred_crc"] = zlib.crc32(pred.reshape(-1).view(np.uint8))
     elif source == "neighbour_layer":
         per_layer = g // shape[0]
@@ -506,13 +512,21 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
     tprev = np.maximum(tok - 1, 0)
     prev_valid = (tok % tb) != 0
     vals = np.where(grid.finite, grid.valf, np.nan)
+    with np.errstate(invalid="ignore"):
+        width = np.diff(grid.edges)
+    width = np.where(np.isfinite(width), width, np.nan)[kx[:, tok]]
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN channels: no floor needed
+        s_floor = np.nanmedian(width, axis=(0, 1) if shared else 1) / 4
+    s_floor = np.nan_to_num(s_floor, nan=0.0).reshape(1 if shared else g, d)
     gain = {"external": "one", "neighbour_layer": "fit"}.get(source, "zero")
-    model = fit_model(
-        vals[kx[:, tok]], vals[kx[:, tprev]], prev_valid,
-        None if pred is None else pred[:, tok].astype(np.float64),
-        None if pred is None else pred[:, tprev].astype(np.float64),
-        gain, "one" if source == "previous_token" else "fit", shared,
-    )
+    with np.errstate(invalid="ignore"):  # signalling NaNs in a prediction are fine
+        model = fit_model(
+            vals[kx[:, tok]], vals[kx[:, tprev]], prev_valid,
+            None if pred is None else pred[:, tok].astype(np.float64),
+            None if pred is None else pred[:, tprev].astype(np.float64),
+            gain, "one" if source == "previous_token" else "fit", shared, s_floor,
+        )
     n_tb = -(-tt // tb)
     sizes = np.full(g * n_tb, tb * d + 2, np.int64)
     sizes[n_tb - 1::n_tb] = (tt - (n_tb - 1) * tb) * d + 2
