@@ -299,13 +299,14 @@ def sweep(quick: bool):
 
 
 def variants():
-    """Tuning knobs on two representative shapes: registers/occupancy and split size."""
+    """Tuning knobs on representative shapes: prefetch depth, occupancy and split size."""
     rows = []
     shapes = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4)]
-    for defines in ((), ("TQ_MIN_BLOCKS=3",)):
+    for defines in (("TQ_STAGES=2",), (), ("TQ_STAGES=4",), ("TQ_MIN_BLOCKS=3",), ("TQ_PAIR4=1",),
+                    ("TQ_PAIR4=1", "TQ_STAGES=4")):
         attention.KERNEL_DEFINES = defines
         for shp in shapes:
-            for tpw in (None, 128, 512, 2048):
+            for tpw in (None, 256, 1024):
                 try:
                     row = time_decode(*shp, tokens_per_warp=tpw, sdpa=False)
                     row.update(defines=" ".join(defines) or "default", tpw=tpw or "auto")
@@ -314,6 +315,30 @@ def variants():
                 log("variant", row)
                 rows.append(row)
     attention.KERNEL_DEFINES = ()
+    return rows
+
+
+def kernel_breakdown() -> list[dict]:
+    """Device time per kernel (torch profiler, CUPTI sees the CuPy launches too) for two shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for shp in ((8, 32768, 32, 8, 128, 4, 4), (1, 4096, 32, 8, 128, 4, 4)):
+        b, t, hq, hkv, d, kb, vb = shp
+        case, kw = make_case(b, hq, hkv, 1, t, d, kb, vb, [t] * b)
+        for _ in range(3):
+            kc.decode_attention(**case, **kw)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                kc.decode_attention(**case, **kw)
+            torch.cuda.synchronize()
+        row = {"shape": f"b{b} t{t} {hq}/{hkv} d{d} {kb}/{vb}"}
+        for ev in prof.key_averages():
+            if ev.device_time_total > 0:
+                row[ev.key[:40]] = ev.device_time_total / 10 / 1000  # ms per call
+        log("breakdown", row)
+        rows.append(row)
     return rows
 
 
@@ -329,6 +354,10 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
     checks = run_checks()
     packs = run_pack_checks()
     log(f"checks done {time.time() - t0:.0f}s")
+    try:
+        breakdown = kernel_breakdown()
+    except Exception as e:
+        breakdown = [{"error": f"{type(e).__name__}: {e}"[:200]}]
     var_rows = variants() if do_variants else []
     log(f"variants done {time.time() - t0:.0f}s")
     timing = sweep(quick)
@@ -348,6 +377,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
         "checks": checks,
         "pack_checks": packs,
         "variants": var_rows,
+        "breakdown": breakdown,
         "pack_timing": pack_rows,
         "copy_TBps": bw,
         "machine": rec,

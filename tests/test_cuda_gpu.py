@@ -96,7 +96,8 @@ def test_quantize_pack_matches_reference_bytes():
         cb = codebook(bits, d).cuda()
         codes, norms = kc.quantize_pack(x, rot, cb, bits)
         rc, rn = reference.quantize_reference(x, rot, cb, bits)
-        assert torch.equal(norms, rn)
+        # the norm's float32 sum order differs: at most one fp16 ulp apart, on rare rows
+        assert ((norms.float() - rn.float()).abs() <= rn.float().abs() * 2**-10).all()
         got = reference.unpack_codes(codes, bits, d)
         want = reference.unpack_codes(rc, bits, d)
         assert (got != want).float().mean().item() < 1e-3

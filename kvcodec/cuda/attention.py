@@ -29,6 +29,9 @@ SPLIT_SIGNATURE = (
     "int, int, int, int, int, int, float*, float*)"
 )
 MERGE_SIGNATURE = "(const float*, const float*, const float*, int, int, float*, float*)"
+PREP_SIGNATURE = "(const void*, const float*, const int*, float, int, int, tq_u16*, float*)"
+MAX_SPLITS = 4096  # the merge keeps one weight per split in shared memory
+_QIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _b(x: bool) -> str:
@@ -44,6 +47,10 @@ def merge_name(dim: int) -> str:
     return f"tq_decode_merge<{dim}>"
 
 
+def prep_name(dim: int, qin: int) -> str:
+    return f"tq_decode_prep<{dim}, {qin}>"
+
+
 def instance_declarations(configs) -> list[str]:
     """Explicit-instantiation declarations (for nvcc) of the split kernels in ``configs`` + merges."""
     decls, dims = [], set()
@@ -51,6 +58,7 @@ def instance_declarations(configs) -> list[str]:
         decls.append(f"__global__ void {split_name(*cfg)}{SPLIT_SIGNATURE}")
         dims.add(cfg[0])
     decls += [f"__global__ void {merge_name(d)}{MERGE_SIGNATURE}" for d in sorted(dims)]
+    decls += [f"__global__ void {prep_name(d, qin)}{PREP_SIGNATURE}" for d in sorted(dims) for qin in (0, 1, 2)]
     return decls
 
 
@@ -71,14 +79,27 @@ def key_permutation(dim: int) -> np.ndarray:
 
 
 _perm_cache: dict = {}
+_derived: dict = {}
 
 
 def _perm_on(dim: int, device: torch.device) -> torch.Tensor:
-    """key_permutation as a device tensor, cached (no host copy inside a CUDA-graph capture)."""
+    """key_permutation as a device int32 tensor, cached (no host copy inside a CUDA-graph capture)."""
     key = (dim, str(device))
     if key not in _perm_cache:
-        _perm_cache[key] = torch.as_tensor(key_permutation(dim), device=device)
+        _perm_cache[key] = torch.as_tensor(key_permutation(dim), device=device, dtype=torch.int32)
     return _perm_cache[key]
+
+
+def _derive(t: torch.Tensor, what: str, fn) -> torch.Tensor:
+    """fn(t), cached per (tensor, version, what); the tensor is kept alive so its id stays unique."""
+    key = (id(t), t._version, what)
+    hit = _derived.get(key)
+    if hit is None or hit[0] is not t:
+        if len(_derived) > 512:
+            _derived.clear()
+        hit = (t, fn(t))
+        _derived[key] = hit
+    return hit[1]
 
 
 def _norm_is_bf16(t: torch.Tensor, what: str) -> bool:
@@ -108,10 +129,15 @@ def _scaled_rows(x: torch.Tensor, perm: torch.Tensor, rows_pad: int) -> tuple[to
     return q16, sc
 
 
+TARGET_WARPS_PER_SM = 16
+
+
 def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device) -> int:
-    """Split size: enough warps for ~24 per SM, at least 64 tokens each, a multiple of 16."""
+    """Split size: about TARGET_WARPS_PER_SM warps per SM in all, at least 64 tokens each, a
+    multiple of 16, and at most MAX_SPLITS splits per sequence."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per = math.ceil(bh_tiles * capacity / (sms * 24))
+    per = math.ceil(bh_tiles * capacity / (sms * TARGET_WARPS_PER_SM))
+    per = max(per, math.ceil(capacity / MAX_SPLITS))
     return max(64, -(-per // 16) * 16)
 
 
@@ -202,13 +228,17 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     k_bf, v_bf = _norm_is_bf16(k_norms, "k_norms"), _norm_is_bf16(v_norms, "v_norms")
 
     perm = _perm_on(d, dev)
-    kr = k_rotation.to(dev, torch.float32)
-    q_rot = (query.to(torch.float32) @ kr.T).reshape(bh, r, d)  # rows: (kv head, group head, query)
-    q16, row_scale = _scaled_rows(q_rot, perm, rt * 16)
-    row_scale *= scale * LOG2E
+    kr = _derive(k_rotation, f"f32 {dev}", lambda m: m.to(dev, torch.float32).contiguous())
+    rows_pad = rt * 16
+    q_in = query if query.dtype in _QIN else query.to(torch.float32)
+    q_in = q_in.contiguous()
+    q16 = torch.empty(bh, rows_pad, d, device=dev, dtype=torch.float16)
+    row_scale = torch.empty(bh, rows_pad, device=dev, dtype=torch.float32)
+    kr_t = _derive(kr, "T", lambda m: m.T.contiguous())
     if qjl:
         if _norm_is_bf16(k_rnorms, "k_rnorms") != k_bf:
             raise ValueError("k_rnorms must have the dtype of k_norms")
+        q_rot = (query.to(torch.float32) @ kr.T).reshape(bh, r, d)
         qs16, qs_scale = _scaled_rows(q_rot @ qjl_matrix.to(dev, torch.float32).T, perm, rt * 16)
         qs_scale *= scale * LOG2E * math.sqrt(math.pi / 2) / d
         qjl_bits, rnorms = k_qjl.contiguous(), k_rnorms.contiguous()
@@ -218,6 +248,8 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     tpw = tokens_per_warp or default_tokens_per_warp(bh * rt, tcap, dev)
     if tpw <= 0 or tpw % 16:
         raise ValueError("tokens_per_warp must be a positive multiple of 16")
+    if -(-tcap // tpw) > MAX_SPLITS:
+        raise ValueError(f"tokens_per_warp too small: more than {MAX_SPLITS} splits")
     nsplit = max(1, -(-tcap // tpw))
     part_o = torch.empty(bh, nsplit, r, d, device=dev, dtype=torch.float32)
     part_ml = torch.empty(bh, nsplit, r, 2, device=dev, dtype=torch.float32)
@@ -225,15 +257,19 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     lse = torch.empty(bh, r, device=dev, dtype=torch.float32)
 
     kc, kn, vc, vn = k_codes.contiguous(), k_norms.contiguous(), v_codes.contiguous(), v_norms.contiguous()
-    kcb = k_codebook.to(dev, torch.float32).contiguous()
-    vcb = v_codebook.to(dev, torch.float32).contiguous()
+    kcb = _derive(k_codebook, f"f32 {dev}", lambda c: c.to(dev, torch.float32).contiguous())
+    vcb = _derive(v_codebook, f"f32 {dev}", lambda c: c.to(dev, torch.float32).contiguous())
     lens = seq_lens.to(dev, torch.int32).clamp(0, tcap).contiguous()
-    vrot = v_rotation.to(dev, torch.float32).contiguous()
+    vrot = _derive(v_rotation, f"f32 {dev}", lambda m: m.to(dev, torch.float32).contiguous())
 
     split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl), KERNEL_DEFINES)
     merge_fn = build.get_function(SOURCE, merge_name(d))
+    prep_fn = build.get_function(SOURCE, prep_name(d, _QIN[q_in.dtype]))
     i32 = np.int32
     with cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev.index or 0):
+        prep_fn((bh * rows_pad,), (d,), (q_in.data_ptr(), kr_t.data_ptr(), perm.data_ptr(),
+                                         np.float32(scale * LOG2E), i32(r), i32(rows_pad), q16.data_ptr(),
+                                         row_scale.data_ptr()))
         split_fn(
             (-(-nsplit // WARPS_PER_BLOCK), bh, rt), (32 * WARPS_PER_BLOCK,),
             (q16.data_ptr(), row_scale.data_ptr(), kc.data_ptr(), kn.data_ptr(), vc.data_ptr(), vn.data_ptr(),
@@ -241,7 +277,7 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
              vcb.data_ptr(), lens.data_ptr(), i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit),
              part_o.data_ptr(), part_ml.data_ptr()))
         merge_fn((bh * r,), (d,), (part_o.data_ptr(), part_ml.data_ptr(), vrot.data_ptr(), i32(r), i32(nsplit),
-                                   out.data_ptr(), lse.data_ptr()))
+                                   out.data_ptr(), lse.data_ptr()), shared_mem=4 * nsplit)
     return out.reshape(b, hq, ql, d), lse.reshape(b, hq, ql)
 
 

@@ -84,3 +84,21 @@ TQ_DEVI tq_u32 tq_field(const TqBits<NBITS>& b, int p) {
   if (s + W <= 32) return (b.w[i] >> s) & mask;
   return __funnelshift_r(b.w[i], b.w[i + 1], s) & mask;
 }
+
+// The same field shifted left by SH (a ready-made byte offset into a table of 2^SH-byte entries):
+// one shift + one mask when the field does not straddle a word.
+template <int W, int SH, int NBITS>
+TQ_DEVI tq_u32 tq_field_off(const TqBits<NBITS>& b, int p) {
+  const int i = p >> 5, s = p & 31;
+  const tq_u32 mask = ((1u << W) - 1u) << SH;
+  if (s + W <= 32) {
+    if (s >= SH) return (b.w[i] >> (s - SH)) & mask;
+    return (b.w[i] << (SH - s)) & mask;
+  }
+  return (__funnelshift_r(b.w[i], b.w[i + 1], s) << SH) & mask;
+}
+
+// 32-bit shared-memory word at a byte offset from a table base.
+TQ_DEVI tq_u32 tq_lds_at(const void* base, tq_u32 off) {
+  return *reinterpret_cast<const tq_u32*>(reinterpret_cast<const char*>(base) + off);
+}

@@ -21,6 +21,15 @@
 #ifndef TQ_MIN_BLOCKS
 #define TQ_MIN_BLOCKS 2
 #endif
+// 1: 4-bit codes are looked up two at a time too (256-entry table: fewer instructions, more bank
+// conflicts); -DTQ_PAIR4=1.
+#ifndef TQ_PAIR4
+#define TQ_PAIR4 0
+#endif
+// 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
+#ifndef TQ_STAGES
+#define TQ_STAGES 3
+#endif
 
 namespace tq {
 
@@ -28,11 +37,11 @@ namespace tq {
 // table of packed pairs: 64 words at most, cheap on banks); 4-bit codes one at a time.
 template <int BITS, bool BF>
 struct CodeTable {
-  static constexpr bool PAIRED = BITS <= 3;
+  static constexpr bool PAIRED = BITS <= 3 || (BITS == 4 && TQ_PAIR4);
   static constexpr int N1 = 1 << BITS;
   static constexpr int N2 = PAIRED ? (1 << (2 * BITS)) : 1;
-  tq_u16 single[N1];
-  tq_u32 pair[N2];
+  tq_u32 single[N1];  // 16-bit value in the low half; 4-byte entries make the index a byte offset
+  tq_u32 pair[N2];    // (lo, hi) packed
 
   TQ_DEVI void fill(const float* __restrict__ cb, int tid, int nthreads) {
     for (int i = tid; i < N1; i += nthreads) single[i] = tq_f_to_16<BF>(cb[i]);
@@ -41,15 +50,20 @@ struct CodeTable {
         pair[i] = tq_pack2(tq_f_to_16<BF>(cb[i & (N1 - 1)]), tq_f_to_16<BF>(cb[i >> BITS]));
     }
   }
-  // Packed (lo, hi) pair of dequantized codes.
-  TQ_DEVI tq_u32 lookup2(tq_u32 lo, tq_u32 hi) const {
-    if constexpr (PAIRED) return pair[lo | (hi << BITS)];
-    else return tq_pack2(single[lo], single[hi]);
+  // Packed pair of dequantized codes at bit positions p (lo) and p + BITS (hi) of one row chunk.
+  template <int NB>
+  TQ_DEVI tq_u32 adjacent(const TqBits<NB>& b, int p) const {
+    if constexpr (PAIRED) return tq_lds_at(pair, tq_field_off<2 * BITS, 2>(b, p));
+    else return __byte_perm(tq_lds_at(single, tq_field_off<BITS, 2>(b, p)),
+                            tq_lds_at(single, tq_field_off<BITS, 2>(b, p + BITS)), 0x5410);
   }
-  // Same, when lo and hi are already adjacent in one 2*BITS-bit field.
-  TQ_DEVI tq_u32 lookup_field(tq_u32 f) const {
-    if constexpr (PAIRED) return pair[f];
-    else return tq_pack2(single[f & (N1 - 1)], single[f >> BITS]);
+  // Packed pair of the codes at bit position p of two different rows (lo from a, hi from b).
+  template <int NB>
+  TQ_DEVI tq_u32 across(const TqBits<NB>& a, const TqBits<NB>& b, int p) const {
+    if constexpr (PAIRED)
+      return tq_lds_at(pair, tq_field_off<BITS, 2>(a, p) | tq_field_off<BITS, 2 + BITS>(b, p));
+    else return __byte_perm(tq_lds_at(single, tq_field_off<BITS, 2>(a, p)),
+                            tq_lds_at(single, tq_field_off<BITS, 2>(b, p)), 0x5410);
   }
 };
 
@@ -191,7 +205,8 @@ __global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_spli
   const float NEG_INF = -__int_as_float(0x7f800000);
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
 
-  tq::StepRegs<T> ra, rb;
+  constexpr int STAGES = QJL ? 2 : TQ_STAGES;  // prod keys hold more registers per step
+  tq::StepRegs<T> ring[STAGES];
   auto step = [&](const tq::StepRegs<T>& cur, int base) {
       // ---- scores: two n8 tiles (tokens base + 0..7 and base + 8..15)
       float sc[2][4];
@@ -202,8 +217,8 @@ __global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_spli
         sq[j][0] = sq[j][1] = sq[j][2] = sq[j][3] = 0.f;
 #pragma unroll
         for (int s = 0; s < T::KS; ++s) {
-          const tq_u32 b0 = ktab.lookup_field(tq_field<2 * BK>(cur.k[j], (4 * s) * BK));
-          const tq_u32 b1 = ktab.lookup_field(tq_field<2 * BK>(cur.k[j], (4 * s + 2) * BK));
+          const tq_u32 b0 = ktab.adjacent(cur.k[j], (4 * s) * BK);
+          const tq_u32 b1 = ktab.adjacent(cur.k[j], (4 * s + 2) * BK);
           tq_mma16816<false>(sc[j], qa[s], b0, b1);
           if constexpr (QJL) {
             const tq_u32 c0 = tq::qjl_pair(tq_field<2>(cur.s[j], 4 * s));
@@ -261,25 +276,38 @@ __global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_spli
       l1 = l1 * al1 + ps1;
       // A fragment order: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..)
       const tq_u32 pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
+      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max moved: rescale
+#pragma unroll
+        for (int i = 0; i < T::NT; ++i) {
+          acc[i][0] *= al0;
+          acc[i][1] *= al0;
+          acc[i][2] *= al1;
+          acc[i][3] *= al1;
+        }
+      }
 #pragma unroll
       for (int i = 0; i < T::NT; ++i) {
-        acc[i][0] *= al0;
-        acc[i][1] *= al0;
-        acc[i][2] *= al1;
-        acc[i][3] *= al1;
-        const tq_u32 b0 = vtab.lookup2(tq_field<BV>(cur.v[0], i * BV), tq_field<BV>(cur.v[1], i * BV));
-        const tq_u32 b1 = vtab.lookup2(tq_field<BV>(cur.v[2], i * BV), tq_field<BV>(cur.v[3], i * BV));
+        const tq_u32 b0 = vtab.across(cur.v[0], cur.v[1], i * BV);
+        const tq_u32 b1 = vtab.across(cur.v[2], cur.v[3], i * BV);
         tq_mma16816<VBF>(acc[i], pfrag, b0, b1);
       }
   };
-  // Two register buffers alternate so the loads of step i+1 are in flight while step i computes.
-  if (begin < end) tq::load_step<T, QJL>(ra, begin, end, g, t, kc, kn, vc, vn, qc, rn);
-  for (int base = begin; base < end; base += 32) {
-    if (base + 16 < end) tq::load_step<T, QJL>(rb, base + 16, end, g, t, kc, kn, vc, vn, qc, rn);
-    step(ra, base);
-    if (base + 16 >= end) break;
-    if (base + 32 < end) tq::load_step<T, QJL>(ra, base + 32, end, g, t, kc, kn, vc, vn, qc, rn);
-    step(rb, base + 16);
+  // A ring of STAGES (TQ_STAGES) register buffers: the loads of the next STAGES - 1 steps are in flight
+  // while one step computes (the loop is unrolled by the ring size so every index is static).
+#pragma unroll
+  for (int k = 0; k < STAGES - 1; ++k)
+    if (begin + 16 * k < end) tq::load_step<T, QJL>(ring[k], begin + 16 * k, end, g, t, kc, kn, vc, vn, qc, rn);
+  for (int base = begin; base < end; base += 16 * STAGES) {
+#pragma unroll
+    for (int k = 0; k < STAGES; ++k) {
+      const int here = base + 16 * k;
+      if (here < end) {
+        const int ahead = here + 16 * (STAGES - 1);
+        if (ahead < end)
+          tq::load_step<T, QJL>(ring[(k + STAGES - 1) % STAGES], ahead, end, g, t, kc, kn, vc, vn, qc, rn);
+        step(ring[k], here);
+      }
+    }
   }
 
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -305,40 +333,110 @@ __global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_spli
   }
 }
 
+// Query preparation, one block of D threads per padded row: y = q @ rotation.T (rt = rotation.T,
+// row-major, so thread j reads rt[i][j] coalesced); q16[k] = y[perm[k]] / max|y| as fp16;
+// row_scale = max|y| * mult. Rows r >= R of a kv head's tile are padding: zeros.
+// q: [BH, R, D] (QIN: 0 fp32, 1 fp16, 2 bf16); q16: [BH, RP, D]; row_scale: [BH, RP].
+template <int D, int QIN>
+__global__ void __launch_bounds__(D) tq_decode_prep(
+    const void* __restrict__ q, const float* __restrict__ rt, const int* __restrict__ perm, float mult, int R,
+    int RP, tq_u16* __restrict__ q16, float* __restrict__ row_scale) {
+  __shared__ float x[D];
+  __shared__ float y[D];
+  __shared__ float wmax[D / 32];
+  const int row = blockIdx.x;  // bh * RP + r
+  const int bh = row / RP, r = row % RP;
+  const int d = threadIdx.x;
+  if (r >= R) {
+    q16[(long long)row * D + d] = 0;
+    if (d == 0) row_scale[row] = 0.f;
+    return;
+  }
+  const long long src = ((long long)bh * R + r) * D + d;
+  if constexpr (QIN == 0) x[d] = reinterpret_cast<const float*>(q)[src];
+  else if constexpr (QIN == 1) x[d] = tq_h2f(reinterpret_cast<const tq_u16*>(q)[src]);
+  else x[d] = tq_bf2f(reinterpret_cast<const tq_u16*>(q)[src]);
+  __syncthreads();
+  float acc = 0.f;
+#pragma unroll 8
+  for (int i = 0; i < D; ++i) acc += x[i] * __ldg(rt + i * D + d);
+  y[d] = acc;
+  float m = fabsf(acc);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((d & 31) == 0) wmax[d >> 5] = m;
+  __syncthreads();
+  m = wmax[0];
+#pragma unroll
+  for (int w = 1; w < D / 32; ++w) m = fmaxf(m, wmax[w]);
+  const float amax = m > 0.f ? m : 1e-30f;
+  q16[(long long)row * D + d] = tq_f2h(y[__ldg(perm + d)] / amax);
+  if (d == 0) row_scale[row] = amax * mult;
+}
+
 // Merge the splits of one output row (log-sum-exp), then undo the rotation: out = y @ rotation.
-// Grid: BH * R blocks of D threads. out: [BH, R, D] fp32; lse: [BH, R] natural log of the sum of
-// exp(softmax_scale * score) over the compressed tokens (-inf when there are none).
+// Grid: BH * R blocks of D threads; dynamic shared memory: nsplit floats (the split weights).
+// out: [BH, R, D] fp32; lse: [BH, R] natural log of the sum of exp(softmax_scale * score) over the
+// compressed tokens (-inf when there are none).
 template <int D>
 __global__ void __launch_bounds__(D) tq_decode_merge(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, const float* __restrict__ rotation,
     int R, int nsplit, float* __restrict__ out, float* __restrict__ lse) {
+  extern __shared__ float wsplit[];
   __shared__ float y[D];
-  __shared__ float red[2];
+  __shared__ float red[D / 32];
   const int row = blockIdx.x;  // bh * R + r
   const int bh = row / R, r = row % R;
   const int d = threadIdx.x;
   const float NEG_INF = -__int_as_float(0x7f800000);
   const float* ml = part_ml + (long long)bh * nsplit * R * 2;
+  // 1. max of the split maxima (splits spread over the threads)
   float M = NEG_INF;
-  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, ml[((long long)s * R + r) * 2]);
+  for (int s = d; s < nsplit; s += D) M = fmaxf(M, ml[((long long)s * R + r) * 2]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  if ((d & 31) == 0) red[d >> 5] = M;
+  __syncthreads();
+  M = red[0];
+#pragma unroll
+  for (int w = 1; w < D / 32; ++w) M = fmaxf(M, red[w]);
+  __syncthreads();
   const float Mu = (M == NEG_INF) ? 0.f : M;
-  float L = 0.f, acc = 0.f;
-  const float* po = part_o + (long long)bh * nsplit * R * D;
-  for (int s = 0; s < nsplit; ++s) {
+  // 2. split weights and the total mass
+  float L = 0.f;
+  for (int s = d; s < nsplit; s += D) {
     const float m = ml[((long long)s * R + r) * 2];
     const float l = ml[((long long)s * R + r) * 2 + 1];
-    if (l > 0.f) {
-      const float w = tq_exp2(m - Mu);
-      L += w * l;
-      acc += w * po[((long long)s * R + r) * D + d];
-    }
+    const float w = (l > 0.f) ? tq_exp2(m - Mu) : 0.f;
+    wsplit[s] = w;
+    L += w * l;
   }
-  y[d] = (L > 0.f) ? acc / L : 0.f;
-  if (d == 0) { red[0] = L; red[1] = M; }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+  if ((d & 31) == 0) red[d >> 5] = L;
+  __syncthreads();
+  L = 0.f;
+#pragma unroll
+  for (int w = 0; w < D / 32; ++w) L += red[w];
+  // 3. weighted sum of the partial outputs, four independent chains
+  const float* po = part_o + ((long long)bh * nsplit * R + r) * D + d;
+  const long long stride = (long long)R * D;
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+  int s = 0;
+  for (; s + 4 <= nsplit; s += 4) {
+    const float w0 = wsplit[s], w1 = wsplit[s + 1], w2 = wsplit[s + 2], w3 = wsplit[s + 3];
+    if (w0 != 0.f) a0 += w0 * po[s * stride];
+    if (w1 != 0.f) a1 += w1 * po[(s + 1) * stride];
+    if (w2 != 0.f) a2 += w2 * po[(s + 2) * stride];
+    if (w3 != 0.f) a3 += w3 * po[(s + 3) * stride];
+  }
+  for (; s < nsplit; ++s)
+    if (wsplit[s] != 0.f) a0 += wsplit[s] * po[s * stride];
+  y[d] = (L > 0.f) ? ((a0 + a1) + (a2 + a3)) / L : 0.f;
   __syncthreads();
   float o = 0.f;
 #pragma unroll 8
   for (int i = 0; i < D; ++i) o += y[i] * __ldg(rotation + i * D + d);
   out[(long long)row * D + d] = o;
-  if (d == 0) lse[row] = (red[0] > 0.f) ? (red[1] + __log2f(red[0])) * 0.69314718055994531f : NEG_INF;
+  if (d == 0) lse[row] = (L > 0.f) ? (M + __log2f(L)) * 0.69314718055994531f : NEG_INF;
 }
