@@ -163,8 +163,32 @@ def _decode_kernel(payload, ctx, sym_tab, packed_tab, precision, n_streams, out)
     mask = (_ONE << prec) - _ONE
     pos = head
     use_ctx = ctx.size > 0
+    n = out.size
+    # Fast path, one group of N symbols at a time while the payload surely holds the group's
+    # words: first every state's decode step (N independent chains), then the renormalisations
+    # in lane order (exactly the per-symbol order: only the words' order matters).
+    i0 = 0
+    while i0 + n_streams <= n and pos + 2 * n_streams <= nbytes:
+        for jj in range(n_streams):
+            k = 0
+            if use_ctx:
+                k = ctx[i0 + jj]
+                if k < 0 or k >= n_ctx:
+                    return _ERR_CTX
+            x = states[jj]
+            slot = x & mask
+            out[i0 + jj] = sym_tab[k, slot]
+            d = _U64(packed_tab[k, slot])
+            states[jj] = ((d >> _SH16) + _ONE) * (x >> prec) + (d & _MASK16)
+        for jj in range(n_streams):
+            x = states[jj]
+            w = _U64(payload[pos]) | (_U64(payload[pos + 1]) << _SH8)
+            need = x < _L
+            states[jj] = ((x << _SH16) | w) if need else x
+            pos += 2 * need
+        i0 += n_streams
     j = 0
-    for i in range(out.size):
+    for i in range(i0, n):
         k = 0
         if use_ctx:
             k = ctx[i]

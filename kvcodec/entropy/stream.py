@@ -254,7 +254,8 @@ def symbol_bound(coder: str, fmax: int, param: int, streams: int, payload_len: i
     ``(f/M) * (1 + 2**(precision-16))`` (the state is >= 2**16), a word read multiplies it by at
     most ``2**17``, states start below ``2**32`` and stay >= 1. So each symbol consumes at least
     ``log2(M/fmax) - log2(1 + 2**(precision-16))`` of a budget of ``32 N + 17 W`` bits.
-    tANS: every decode step reads at least ``R - floor(log2(2 fmax - 1))`` bits of the payload.
+    tANS: every decode step reads at least ``R - floor(log2(2 fmax - 1))`` bits of the payload
+    (after its two 2-byte states).
     The range coder ("arith") gets only the hard cap.
     """
     m = 1 << param
@@ -268,5 +269,5 @@ def symbol_bound(coder: str, fmax: int, param: int, streams: int, payload_len: i
         nb_min = param - ((2 * fmax - 1).bit_length() - 1)
         if nb_min < 1:
             return None
-        return (8 * max(0, payload_len - 2)) // nb_min + 1
+        return (8 * max(0, payload_len - 4)) // nb_min + 2
     return None

@@ -9,18 +9,19 @@ Tables (table log R, 5 <= R <= 16, M = 2**R; ``freqs`` sum to M, ``cum`` is thei
     Encoder: the k-th slot u (in increasing u) holding s gives ``next_state[cum[s] + k] = M + u``.
     Decoder: slot u holding s, its k-th occurrence, has ``nxt = freqs[s] + k``,
     ``nbits = R - floor(log2(nxt))`` and ``base = (nxt << nbits) - M``.
-Coding
-    Encoder states X live in [M, 2M) and start at M. Symbols are encoded from last to first:
-    for symbol s (f = freqs[s]) take the smallest ``nb`` with ``X >> nb < 2f``, output the low
-    ``nb`` bits of X, then ``X = next_state[cum[s] + (X >> nb) - f]``.
-    Decoding walks forward from ``u = X_final - M``: symbol = spread[u], then
-    ``u = base[u] + read(nbits[u])``; after the last symbol u must be 0 again (X = M).
+Coding (two interleaved states, like zstd's FSE decoder, so a CPU overlaps two chains)
+    Symbol i uses state ``i % 2``. Encoder states X live in [M, 2M) and start at M. Symbols are
+    encoded from last to first: for symbol s (f = freqs[s]) take the smallest ``nb`` with
+    ``X >> nb < 2f``, output the low ``nb`` bits of X, then
+    ``X = next_state[cum[s] + (X >> nb) - f]``.
+    Decoding walks forward from ``u = X_final - M`` per state: symbol = spread[u], then
+    ``u = base[u] + read(nbits[u])``; after the last symbol both u must be 0 again (X = M).
 Payload (little endian)
-    u16: the decoder's first state ``X_final - M``; then the output bits in the order the decoder
-    reads them (symbol 0's bits first), packed LSB-first: bit j of the stream is bit ``j % 8``
-    of byte ``j // 8``; each chunk is written least significant bit first. The last byte is
-    padded with zero bits; a decoder checks that it consumed every byte and that the padding is
-    zero.
+    u16 x 2: the decoders' first states ``X_final - M`` (state 0, state 1); then the output bits
+    in the order the decoder reads them (symbol 0's bits first), packed LSB-first: bit j of the
+    stream is bit ``j % 8`` of byte ``j // 8``; each chunk is written least significant bit
+    first. The last byte is padded with zero bits; a decoder checks that it consumed every byte
+    and that the padding is zero.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 
 from kvcodec.errors import CorruptStreamError
 
+N_STATES = 2
 MIN_TABLE_LOG = 5
 MAX_TABLE_LOG = 16
 
@@ -68,9 +70,10 @@ def encode(symbols, freqs, table_log: int) -> bytes:
     for u, s in enumerate(table):
         next_state[cum[s] + seen[s]] = m + u
         seen[s] += 1
-    x = m
+    states = [m] * N_STATES
     chunks = []  # (value, nbits), from the last symbol to the first
     for i in range(len(symbols) - 1, -1, -1):
+        x = states[i % N_STATES]
         s = int(symbols[i])
         f = freqs[s] if s < len(freqs) else 0
         if f == 0:
@@ -79,8 +82,10 @@ def encode(symbols, freqs, table_log: int) -> bytes:
         while x >> nb >= 2 * f:
             nb += 1
         chunks.append((x & ((1 << nb) - 1), nb))
-        x = next_state[cum[s] + (x >> nb) - f]
-    out = bytearray((x - m).to_bytes(2, "little"))
+        states[i % N_STATES] = next_state[cum[s] + (x >> nb) - f]
+    out = bytearray()
+    for x in states:
+        out += (x - m).to_bytes(2, "little")
     acc = nacc = 0
     for value, nb in reversed(chunks):
         acc |= value << nacc
@@ -107,14 +112,15 @@ def decode(payload: bytes, freqs, table_log: int, n: int) -> list[int]:
         nbits[u] = table_log - (k.bit_length() - 1)
         base[u] = (k << nbits[u]) - m
     payload = bytes(payload)
-    if len(payload) < 2:
+    if len(payload) < 2 * N_STATES:
         raise CorruptStreamError("tANS payload too short")
-    u = int.from_bytes(payload[:2], "little")
-    if u >= m:
+    states = [int.from_bytes(payload[2 * j : 2 * j + 2], "little") for j in range(N_STATES)]
+    if any(u >= m for u in states):
         raise CorruptStreamError("tANS initial state out of range")
-    pos, acc, nacc = 2, 0, 0
+    pos, acc, nacc = 2 * N_STATES, 0, 0
     out = []
-    for _ in range(n):
+    for i in range(n):
+        u = states[i % N_STATES]
         out.append(table[u])
         nb = nbits[u]
         while nacc < nb:
@@ -123,9 +129,9 @@ def decode(payload: bytes, freqs, table_log: int, n: int) -> list[int]:
             acc |= payload[pos] << nacc
             pos += 1
             nacc += 8
-        u = base[u] + (acc & ((1 << nb) - 1))
+        states[i % N_STATES] = base[u] + (acc & ((1 << nb) - 1))
         acc >>= nb
         nacc -= nb
-    if u != 0 or pos != len(payload) or acc != 0:
+    if any(states) or pos != len(payload) or acc != 0:
         raise CorruptStreamError("tANS payload does not end where its symbols do")
     return out

@@ -99,18 +99,25 @@ def _encode_kernel(symbols, freqs, table_log, next_state, delta_nb, delta_find, 
     n = symbols.size
     m = 1 << table_log
     a = freqs.size
-    x = m
+    x0 = m  # state of even symbols
+    x1 = m  # state of odd symbols
     for i in range(n - 1, -1, -1):
         s = symbols[i]
         if s >= a or freqs[s] == 0:
             return -(i + 1)
-        pre[i] = x - m
-        nb = (x + delta_nb[s]) >> 16
-        x = next_state[delta_find[s] + (x >> nb)]
-    u0 = x - m
-    out[0] = u0 & 0xFF
-    out[1] = u0 >> 8
-    pos = 2
+        if i & 1:
+            pre[i] = x1 - m
+            nb = (x1 + delta_nb[s]) >> 16
+            x1 = next_state[delta_find[s] + (x1 >> nb)]
+        else:
+            pre[i] = x0 - m
+            nb = (x0 + delta_nb[s]) >> 16
+            x0 = next_state[delta_find[s] + (x0 >> nb)]
+    out[0] = (x0 - m) & 0xFF
+    out[1] = (x0 - m) >> 8
+    out[2] = (x1 - m) & 0xFF
+    out[3] = (x1 - m) >> 8
+    pos = 4
     acc = np.uint64(0)
     nacc = 0
     for i in range(n):
@@ -137,31 +144,50 @@ def _encode_kernel(symbols, freqs, table_log, next_state, delta_nb, delta_find, 
 @njit(cache=True, nogil=True)
 def _decode_kernel(payload, sym_tab, packed_tab, table_log, out):
     nbytes = payload.size
-    if nbytes < 2:
+    if nbytes < 4:
         return _ERR_SHORT
-    u = np.int64(payload[0]) | (np.int64(payload[1]) << 8)
-    if u >= (1 << table_log):
+    m = 1 << table_log
+    u0 = np.int64(payload[0]) | (np.int64(payload[1]) << 8)
+    u1 = np.int64(payload[2]) | (np.int64(payload[3]) << 8)
+    if u0 >= m or u1 >= m:
         return _ERR_STATE
-    pos = 2
+    pos = 4
     acc = np.uint64(0)
     nacc = 0
-    for i in range(out.size):
-        if nacc < 32:  # refill 32 bits (or the last bytes, one at a time)
-            if pos + 4 <= nbytes:
-                w = (
-                    np.uint64(payload[pos])
-                    | (np.uint64(payload[pos + 1]) << np.uint64(8))
-                    | (np.uint64(payload[pos + 2]) << np.uint64(16))
-                    | (np.uint64(payload[pos + 3]) << np.uint64(24))
-                )
-                acc |= w << np.uint64(nacc)
-                nacc += 32
-                pos += 4
-            else:
-                while pos < nbytes and nacc <= 56:
-                    acc |= np.uint64(payload[pos]) << np.uint64(nacc)
-                    nacc += 8
-                    pos += 1
+    n = out.size
+    i = 0
+    # Fast path: two symbols (<= 32 bits) per step; after the refill at least 32 bits are
+    # buffered, so the step needs no bounds check.
+    while i + 2 <= n and pos + 4 <= nbytes:
+        if nacc < 32:
+            w = (
+                np.uint64(payload[pos])
+                | (np.uint64(payload[pos + 1]) << np.uint64(8))
+                | (np.uint64(payload[pos + 2]) << np.uint64(16))
+                | (np.uint64(payload[pos + 3]) << np.uint64(24))
+            )
+            acc |= w << np.uint64(nacc)
+            nacc += 32
+            pos += 4
+        out[i] = sym_tab[u0]
+        out[i + 1] = sym_tab[u1]
+        d0 = packed_tab[u0]
+        d1 = packed_tab[u1]
+        nb0 = d0 >> 16
+        nb1 = d1 >> 16
+        u0 = (d0 & 0xFFFF) + np.int64(acc & ((np.uint64(1) << np.uint64(nb0)) - np.uint64(1)))
+        acc >>= np.uint64(nb0)
+        u1 = (d1 & 0xFFFF) + np.int64(acc & ((np.uint64(1) << np.uint64(nb1)) - np.uint64(1)))
+        acc >>= np.uint64(nb1)
+        nacc -= nb0 + nb1
+        i += 2
+    # Tail: one symbol at a time, bytes read one by one, every step checked.
+    while i < n:
+        while pos < nbytes and nacc <= 56:
+            acc |= np.uint64(payload[pos]) << np.uint64(nacc)
+            nacc += 8
+            pos += 1
+        u = u1 if i & 1 else u0
         out[i] = sym_tab[u]
         d = packed_tab[u]
         nb = d >> 16
@@ -170,7 +196,16 @@ def _decode_kernel(payload, sym_tab, packed_tab, table_log, out):
         u = (d & 0xFFFF) + np.int64(acc & ((np.uint64(1) << np.uint64(nb)) - np.uint64(1)))
         acc >>= np.uint64(nb)
         nacc -= nb
-    if u != 0 or pos != nbytes or nacc >= 8 or acc != 0:
+        if i & 1:
+            u1 = u
+        else:
+            u0 = u
+        i += 1
+    while pos < nbytes and nacc <= 56:
+        acc |= np.uint64(payload[pos]) << np.uint64(nacc)
+        nacc += 8
+        pos += 1
+    if u0 != 0 or u1 != 0 or pos != nbytes or nacc >= 8 or acc != 0:
         return _ERR_END
     return 0
 
@@ -208,7 +243,7 @@ def encode_table(symbols, freqs, table_log: int) -> np.ndarray:
     delta_find = np.zeros(f.size, dtype=np.int64)
     _build_encode(f, r, spread, next_state, delta_nb, delta_find)
     pre = np.empty(s.size, dtype=np.uint16)
-    out = np.empty(2 + (s.size * r + 7) // 8 + 8, dtype=np.uint8)
+    out = np.empty(4 + (s.size * r + 7) // 8 + 8, dtype=np.uint8)
     size = _encode_kernel(s, f, r, next_state, delta_nb, delta_find, pre, out)
     if size < 0:
         i = -size - 1
