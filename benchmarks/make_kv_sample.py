@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -94,7 +95,11 @@ def make_sample(layers, n_tokens: int, n_q: int, out: Path) -> Path:
         "meta_json": np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(out, **arrays)
+    # Write then rename, so a reader (another process's benchmark) never sees a half-written file.
+    tmp = out.with_name(out.name + ".partial")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, **arrays)
+    os.replace(tmp, out)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB) in {time.perf_counter() - t0:.1f} s")
     return out

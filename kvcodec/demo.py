@@ -79,6 +79,22 @@ def _bit_exact(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def _zipnn_rows(sample: KVSample, repeat: int) -> list[dict]:
+    """The published bf16 lossless peer, when installed (``pip install zipnn``; the bench extra)."""
+    try:
+        import zipnn
+    except ImportError:
+        return []
+    raw = [t.contiguous().view(torch.int16).numpy().tobytes() for t in (sample.keys, sample.values)]
+    coder = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=1)
+    # zipnn overwrites the buffer it is given: hand it a fresh copy every call.
+    blobs, t_enc = _timed(lambda: [bytes(coder.compress(bytearray(r))) for r in raw], repeat)
+    back, t_dec = _timed(lambda: [bytes(coder.decompress(b)) for b in blobs], repeat)
+    if back != raw:
+        raise AssertionError("zipnn round trip differs")
+    return [_row("zipnn (peer)", "lossless", sum(map(len, blobs)), sample, 0.0, t_enc, t_dec)]
+
+
 def _lossless_rows(sample: KVSample, repeat: int, notes: list[str]) -> list[dict]:
     rows = []
     try:
@@ -93,6 +109,8 @@ def _lossless_rows(sample: KVSample, repeat: int, notes: list[str]) -> list[dict
         if back != raw:
             raise AssertionError("zstd round trip differs")
         rows.append(_row("zstd -3 (baseline)", "lossless", sum(map(len, blobs)), sample, 0.0, t_enc, t_dec))
+
+    rows += _zipnn_rows(sample, repeat)
 
     from kvcodec.lossless import api, registry
 

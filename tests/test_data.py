@@ -176,3 +176,11 @@ def test_sample_matches_the_model(sample):
         assert (k - sample.keys[idx, :, :48].float()).norm() / k.norm() < 0.02
         assert (v - sample.values[idx, :, :48].float()).norm() / v.norm() < 0.02
     assert model.config._attn_implementation == "sdpa"  # restored after recording
+
+
+def test_prefer_full_falls_back_to_the_shipped_sample(monkeypatch):
+    import kvcodec.data as data
+
+    monkeypatch.setattr(data, "full_sample_path", lambda: None)
+    s = data.load_kv_sample(prefer_full=True)
+    assert s.n_tokens == 256 and s.n_layers == 8

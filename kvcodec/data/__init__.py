@@ -24,6 +24,7 @@ import torch
 from kvcodec.errors import CorruptStreamError
 
 SAMPLE_FILE = "smollm2_kv.npz"
+FULL_SAMPLE = Path("benchmarks") / "results" / "cache" / "smollm2_kv_full.npz"
 _KV_ARRAYS = ("keys", "values", "keys_fp8pred", "values_fp8pred")
 
 
@@ -77,13 +78,26 @@ def default_sample_path() -> Path:
     return Path(str(resources.files("kvcodec.data").joinpath(SAMPLE_FILE)))
 
 
+def full_sample_path() -> Path | None:
+    """The larger benchmark sample (``make_kv_sample.py --full``) if it exists under the current
+    directory or the source checkout kvcodec runs from; else None."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / FULL_SAMPLE).is_file():
+            return root / FULL_SAMPLE
+    return None
+
+
 def _bf16(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
 
 
-def load_kv_sample(path: str | Path | None = None) -> KVSample:
+def load_kv_sample(path: str | Path | None = None, prefer_full: bool = False) -> KVSample:
     """Load the shipped sample (``path=None``) or a larger one written with
-    ``python benchmarks/make_kv_sample.py --full``. Raises CorruptStreamError for a damaged file."""
+    ``python benchmarks/make_kv_sample.py --full``. ``prefer_full=True`` (for benchmarks) loads
+    that larger sample when it exists and the shipped one otherwise; check ``sample.meta``.
+    Raises CorruptStreamError for a damaged file."""
+    if path is None and prefer_full:
+        path = full_sample_path()
     path = Path(path) if path is not None else default_sample_path()
     if not path.is_file():
         raise FileNotFoundError(
@@ -190,6 +204,7 @@ __all__ = [
     "KVSample",
     "load_kv_sample",
     "default_sample_path",
+    "full_sample_path",
     "causal_gqa_attention",
     "attention_reference",
     "attention_error",
