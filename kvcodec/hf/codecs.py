@@ -57,6 +57,12 @@ class ExactCodec:
     def side_nbytes(self) -> int:
         return 0
 
+    def select_side(self, idx: torch.Tensor) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
     def side_state(self) -> tuple[dict, dict]:
         return {}, {}
 
@@ -123,6 +129,12 @@ class LosslessCodec:
 
     def side_nbytes(self) -> int:
         return 0
+
+    def select_side(self, idx: torch.Tensor) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
 
     def side_state(self) -> tuple[dict, dict]:
         return {}, {}

@@ -47,6 +47,8 @@ class LayerStore:
         self.clear()
 
     def clear(self) -> None:
+        self.key_codec.reset()
+        self.value_codec.reset()
         self.sink_k = self.sink_v = None
         self.blocks: list[Block] = []
         self.win_k = self.win_v = None
@@ -159,6 +161,8 @@ class LayerStore:
             Block(self.key_codec.select(b.key, idx), self.value_codec.select(b.value, idx), b.length)
             for b in self.blocks
         ]
+        self.key_codec.select_side(idx)
+        self.value_codec.select_side(idx)
 
     @property
     def batch_size(self) -> int | None:

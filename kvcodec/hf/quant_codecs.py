@@ -1,0 +1,158 @@
+"""Codecs backed by the vector quantizers of ``kvcodec.quant`` (TurboQuant, QJL, KIVI).
+
+A block is a ``kvcodec.quant.QuantizedTensor`` [B, H, T, D]; attention reads it through the
+quantizer's ``scores`` / ``weighted_sum`` (rotated-domain math on the packed codes, no dense K/V).
+
+Side data (per-head preconditioners fitted on the layer's first compressed block) is computed
+once per layer and shared by every later block (``precond=``), so it is held, and counted by
+``side_nbytes``, once; ``nbytes(block)`` counts the block's own codes, norms and scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcodec.errors import CorruptStreamError
+
+
+def available_methods() -> tuple[str, ...]:
+    """The quantized cache methods whose quantizers are importable in this installation."""
+    try:
+        import kvcodec.quant as q
+    except ImportError:
+        return ()
+    have = []
+    if hasattr(q, "TurboQuantMSE") and hasattr(q, "TurboQuantProd"):
+        have.append("turboquant")
+    if hasattr(q, "QJL"):
+        have.append("qjl")
+    if hasattr(q, "KIVI"):
+        have.append("kivi")
+    return tuple(have)
+
+
+def layer_seed(seed: int, layer_idx: int, part: int) -> int:
+    """Independent, reproducible seeds per (cache seed, layer, key/value)."""
+    return (seed * 1_000_003 + layer_idx * 2 + part) % (2**31 - 1)
+
+
+def make_quantizers(spec, layer_idx: int):
+    """(key quantizer, value quantizer) of one layer, as chosen by the cache spec."""
+    if spec.method not in available_methods():
+        raise ValueError(f"method {spec.method!r} needs kvcodec.quant, which does not provide it in this installation")
+    import kvcodec.quant as q
+
+    d = spec.head_dim
+    ks, vs = layer_seed(spec.seed, layer_idx, 0), layer_seed(spec.seed, layer_idx, 1)
+    extra = {"outliers": spec.outliers} if spec.outliers else {}
+    if spec.method == "turboquant":
+        key_cls = q.TurboQuantProd if spec.key_mode == "prod" else q.TurboQuantMSE
+        return key_cls(dim=d, bits=spec.key_bits, seed=ks, **extra), q.TurboQuantMSE(dim=d, bits=spec.value_bits, seed=vs)
+    if spec.method == "qjl":
+        return q.QJL(dim=d, bits=spec.key_bits, seed=ks, **extra), q.TurboQuantMSE(dim=d, bits=spec.value_bits, seed=vs)
+    if spec.method == "kivi":
+        return q.KIVI(dim=d, bits=spec.key_bits, axis="channel", **extra), q.KIVI(dim=d, bits=spec.value_bits, axis="token")
+    raise ValueError(f"not a quantized method: {spec.method!r}")
+
+
+def make_quant_codecs(spec, layer_idx: int):
+    kq, vq = make_quantizers(spec, layer_idx)
+    return QuantCodec(kq), QuantCodec(vq)
+
+
+class QuantCodec:
+    """Adapter from a ``kvcodec.quant`` quantizer to the cache's codec interface (see codecs.py)."""
+
+    decoded_attention = False
+
+    def __init__(self, quantizer):
+        self.q = quantizer
+        self.name = type(quantizer).__name__
+        self.precond = None  # zero-token QuantizedTensor carrying the layer's shared side data
+
+    # ------------------------------------------------------------------ blocks
+    def encode(self, x: torch.Tensor):
+        if self.precond is None:
+            c = self.q.quantize(x)
+            self._keep_side(c)
+            return c
+        return self.q.quantize(x, precond=self.precond)
+
+    def _keep_side(self, c) -> None:
+        p = c.slice_tokens(0, 0)
+        p.token = {k: v.clone() for k, v in p.token.items()}  # empty, so the precond pins no token storage
+        p.grouped = {k: v.clone() for k, v in p.grouped.items()}
+        self.precond = p
+
+    def decode(self, block) -> torch.Tensor:
+        return self.q.dequantize(block)
+
+    def scores(self, block, q: torch.Tensor) -> torch.Tensor:
+        return self.q.scores(block, q)
+
+    def weighted_sum(self, block, w: torch.Tensor) -> torch.Tensor:
+        return self.q.weighted_sum(block, w)
+
+    def length(self, block) -> int:
+        return block.num_tokens
+
+    def truncate(self, block, n: int):
+        return block.slice_tokens(0, n)
+
+    def select(self, block, idx: torch.Tensor):
+        return block.index_select(0, idx)
+
+    def select_side(self, idx: torch.Tensor) -> None:
+        """Batch rows of the shared side data follow a beam reorder / batch filter."""
+        if self.precond is not None:
+            self.precond = self.precond.index_select(0, idx)
+
+    def reset(self) -> None:
+        self.precond = None
+
+    # ------------------------------------------------------------------ accounting
+    def _side_ptrs(self) -> set:
+        return set() if self.precond is None else {t.data_ptr() for t in self.precond.side.values()}
+
+    def nbytes(self, block) -> int:
+        """The block's own bytes; side tensors shared with the layer's precond are counted in side_nbytes."""
+        shared = self._side_ptrs()
+        return sum(
+            t.numel() * t.element_size()
+            for name, t in block.tensors().items()
+            if not (name.startswith("side.") and t.data_ptr() in shared)
+        )
+
+    def side_nbytes(self) -> int:
+        if self.precond is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.precond.side.values())
+
+    # ------------------------------------------------------------------ persistence
+    def state(self, block) -> tuple[dict, dict]:
+        d = block.to_dict()
+        return d["meta"], d["tensors"]
+
+    def restore(self, meta: dict, tensors: dict):
+        from kvcodec.quant.compressed import QuantizedTensor
+
+        block = QuantizedTensor.from_dict({"meta": meta, "tensors": tensors})
+        if block.config != self.q_config():
+            raise CorruptStreamError("saved block was quantized with another configuration than this cache's")
+        if self.precond is None:
+            self._keep_side(block)
+        elif block.side.keys() == self.precond.side.keys() and all(
+            torch.equal(block.side[k], self.precond.side[k]) for k in block.side
+        ):
+            block.side = dict(self.precond.side)  # share, as it was before saving
+        return block
+
+    def q_config(self) -> dict:
+        cfg = getattr(self.q, "config", None)
+        return cfg() if callable(cfg) else cfg
+
+    def side_state(self) -> tuple[dict, dict]:
+        return {}, {}
+
+    def load_side_state(self, meta: dict, tensors: dict) -> None:
+        pass
