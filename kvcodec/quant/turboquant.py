@@ -1,0 +1,319 @@
+"""TurboQuant (Zandieh et al. 2025): rotate, quantize every coordinate with a Lloyd-Max codebook.
+
+TurboQuantMSE(dim, bits): x' = precondition(x); keep ||x'|| (fp16, bf16 if out of range);
+y = (x'/||x'||) @ rotation.T; codes = b-bit index of the nearest centroid of every y_j, bit-packed.
+TurboQuantProd(dim, bits): TurboQuantMSE at bits-1, then 1-bit QJL on the residual r (rotated
+space): sign bits of S r and ||r||, so <q, x_hat> is an unbiased estimate of <q, x>.
+
+Attention runs on the packed form, chunked over tokens: the query is preconditioned and rotated
+once (<q, R^T c> = <R q, c>), outputs are accumulated in rotated space and rotated back once.
+precondition="none" is the paper's algorithm exactly (used by the fidelity tests);
+see precondition.py for the key/value channel transform and why it wins on real KV.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from kvcodec.errors import CorruptStreamError
+from kvcodec.quant import base
+from kvcodec.quant.base import KVQuantizer
+from kvcodec.quant.codebooks import lloyd_max_codebook
+from kvcodec.quant.compressed import QuantizedTensor
+from kvcodec.quant.packing import pack_bits, pack_signs, packed_width, unpack_bits, unpack_signs
+from kvcodec.quant.precondition import ChannelPreconditioner, calibrate, check_mode
+from kvcodec.quant.rotations import haar_orthogonal, resolve_kind, rng_for, rotation_matrix
+
+_PURPOSE_QJL = 0x514A4C  # "QJL"
+SQRT_PI_OVER_2 = math.sqrt(math.pi / 2)
+
+
+def qjl_matrix(dim: int, m: int, seed: int, orthogonal: bool = True) -> torch.Tensor:
+    """The float32 [m, dim] QJL sketch S, normalized so sqrt(pi/2)/m * <S q, sign(S r)> * ||r|| is unbiased.
+
+    orthogonal=False: iid N(0, 1) entries (E|<s, r_hat>| = sqrt(2/pi)).
+    orthogonal=True: rows of Haar orthogonal blocks (independent blocks when m > dim), each row
+    scaled to length sqrt(2/pi) / E|u_1| (u uniform on the unit sphere), which gives exactly the same
+    E[sign(<s, r>) <s, q>] = sqrt(2/pi) <q, r>/||r|| as Gaussian rows, with less variance.
+    """
+    rng = rng_for(seed, _PURPOSE_QJL + m, dim)
+    if not orthogonal:
+        return torch.from_numpy(rng.standard_normal((m, dim)).astype(np.float32))
+    blocks, left = [], m
+    while left > 0:
+        q = haar_orthogonal(dim, rng)
+        blocks.append(q[: min(left, dim)])
+        left -= dim
+    e_abs_u1 = math.exp(math.lgamma(dim / 2) - math.lgamma((dim + 1) / 2)) / math.sqrt(math.pi)
+    s = np.concatenate(blocks) * (math.sqrt(2 / math.pi) / e_abs_u1)
+    return torch.from_numpy(s.astype(np.float32))
+
+
+def resolve_precond(quantizer, x: torch.Tensor, precond) -> ChannelPreconditioner:
+    """None: calibrate on x with the quantizer's mode; a QuantizedTensor: reuse its side data."""
+    if precond is None:
+        return calibrate(x, quantizer.precondition)
+    if isinstance(precond, QuantizedTensor):
+        precond = ChannelPreconditioner.from_side(precond.side)
+    if not isinstance(precond, ChannelPreconditioner):
+        raise ValueError("precond must be None, a ChannelPreconditioner or a QuantizedTensor")
+    want = {"none": set(), "center": {"center"}, "scale": {"center", "scale"}}[quantizer.precondition]
+    if set(precond.side_fields()) != want:
+        raise ValueError(f"precond holds {sorted(precond.side_fields())}, precondition={quantizer.precondition!r} needs {sorted(want)}")
+    for t in precond.side_fields().values():
+        if t.shape[-1] != x.shape[-1] or t.ndim != x.ndim or any(
+                s not in (1, l) for s, l in zip(t.shape[:-2], x.shape[:-2])):
+            raise ValueError(f"preconditioner shape {tuple(t.shape)} does not fit x {tuple(x.shape)}")
+    return precond.to(x.device)
+
+
+class TurboQuantMSE(KVQuantizer):
+    """MSE-optimal TurboQuant: b bits per coordinate + one fp16 norm per vector.
+
+    dim: head_dim (>= 4; any value, power-of-two dims get a randomized Hadamard rotation).
+    bits: 1..8. seed: selects the rotation. rotation: "auto" | "qr" | "hadamard" | "hadamard2".
+    precondition: "none" (paper), "center" or "scale" (per-channel, see precondition.py).
+    """
+
+    method = "turboquant_mse"
+
+    def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "auto", precondition: str = "none"):
+        self.dim = base.check_dim(dim)
+        self.bits = base.check_bits(bits)
+        self.seed = int(seed)
+        self.rotation_kind = resolve_kind(rotation, self.dim)
+        self.precondition = check_mode(precondition)
+        self.rotation = rotation_matrix(self.dim, self.seed, self.rotation_kind)
+        self.codebook = torch.from_numpy(lloyd_max_codebook(self.dim, self._mse_bits).astype(np.float32))
+        self._dev = {}
+
+    _mse_bits = property(lambda self: self.bits)
+
+    def config(self) -> dict:
+        return {"method": self.method, "dim": self.dim, "bits": self.bits, "seed": self.seed,
+                "rotation": self.rotation_kind, "precondition": self.precondition}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.config().items() if k != 'method')})"
+
+    # ------------------------------------------------------------------ device constants
+    def _consts(self, device) -> dict:
+        device = torch.device(device)
+        key = str(device)
+        if key not in self._dev:
+            cb = self.codebook.to(device)
+            self._dev[key] = {"rot": self.rotation.to(device), "cb": cb, "thr": (cb[1:] + cb[:-1]) / 2,
+                              **self._extra_consts(device)}
+        return self._dev[key]
+
+    def _extra_consts(self, device) -> dict:
+        return {}
+
+    def calibrate(self, x: torch.Tensor, queries: torch.Tensor | None = None, batch_dims: tuple = ()) -> ChannelPreconditioner:
+        """Per-channel statistics for this quantizer's precondition mode (see precondition.calibrate)."""
+        base.check_input(x, self.dim)
+        return calibrate(x, self.precondition, queries=queries, batch_dims=batch_dims)
+
+    # ------------------------------------------------------------------ encode
+    def _encode_mse(self, xp: torch.Tensor, k: dict):
+        norms = base.row_norms(xp)
+        safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+        y = (xp / safe.unsqueeze(-1)) @ k["rot"].T
+        idx = torch.bucketize(y, k["thr"])
+        return y, idx, norms
+
+    def quantize(self, x: torch.Tensor, precond=None) -> QuantizedTensor:
+        """x [..., N, dim] (fp16/bf16/fp32, any device) -> packed QuantizedTensor.
+
+        precond: None (calibrate on x when preconditioning is on), a ChannelPreconditioner, or an
+        earlier QuantizedTensor whose side data to reuse (so the two can be concatenated).
+        """
+        base.check_input(x, self.dim)
+        pre = resolve_precond(self, x, precond)
+        k = self._consts(x.device)
+        xp = pre.apply(x.float())
+        y, idx, norms = self._encode_mse(xp, k)
+        token = {"codes": pack_bits(idx, self._mse_bits)}
+        extra = self._encode_extra(y, idx, norms, k)
+        dt = base.storage_dtype(norms, *([extra["rnorms"]] if "rnorms" in extra else []))
+        token["norms"] = norms.to(dt)
+        if "rnorms" in extra:
+            token["qjl"] = extra["qjl"]
+            token["rnorms"] = extra["rnorms"].to(dt)
+        return QuantizedTensor(config=self.config(), lead_shape=tuple(x.shape[:-2]), num_tokens=x.shape[-2],
+                               dim=self.dim, token=token, side=pre.side_fields())
+
+    def _encode_extra(self, y, idx, norms, k) -> dict:
+        return {}
+
+    # ------------------------------------------------------------------ decode
+    def _rotated_chunk(self, c: QuantizedTensor, t0: int, t1: int, k: dict) -> torch.Tensor:
+        """MSE reconstruction of tokens [t0, t1) in rotated, preconditioned space: [..., n, D] float32."""
+        idx = unpack_bits(c.token["codes"][..., t0:t1, :], self._mse_bits, self.dim)
+        return k["cb"][idx] * c.token["norms"][..., t0:t1].float().unsqueeze(-1)
+
+    def dequantize(self, c: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reconstruction x_hat [..., N, dim] (materializes everything; attention should use scores/weighted_sum)."""
+        self._own(c)
+        k = self._consts(c.device)
+        pre = ChannelPreconditioner.from_side(c.side)
+        rot = self._rotated_chunk(c, 0, c.num_tokens, k) + self._residual_rotated(c, 0, c.num_tokens, k)
+        return pre.invert(rot @ k["rot"]).to(dtype)
+
+    def _residual_rotated(self, c, t0, t1, k):
+        return 0.0
+
+    def scores(self, c: QuantizedTensor, queries: torch.Tensor) -> torch.Tensor:
+        """queries [..., Q, dim] -> [..., Q, N] estimates of queries @ x.T from the packed form."""
+        self._own(c)
+        q = base.check_queries(c, queries, self.dim)
+        k = self._consts(c.device)
+        pre = ChannelPreconditioner.from_side(c.side)
+        q_rot = pre.scale_queries(q) @ k["rot"].T
+        q_side = self._query_side(q_rot, k)
+        step = base.token_chunk(c, self.dim + self._extra_width())
+        parts = []
+        for t0 in range(0, c.num_tokens, step):
+            t1 = min(t0 + step, c.num_tokens)
+            s = q_rot @ self._rotated_chunk(c, t0, t1, k).transpose(-1, -2)
+            parts.append(self._add_residual_scores(s, q_side, c, t0, t1, k))
+        if not parts:
+            lead = torch.broadcast_shapes(q.shape[:-2], c.lead_shape)
+            return q.new_zeros((*lead, q.shape[-2], 0))
+        out = torch.cat(parts, dim=-1)
+        off = pre.query_offset(q)
+        return out if off is None else out + off
+
+    def weighted_sum(self, c: QuantizedTensor, weights: torch.Tensor) -> torch.Tensor:
+        """weights [..., Q, N] -> weights @ x_hat [..., Q, dim], accumulated in rotated space."""
+        self._own(c)
+        w = base.check_weights(c, weights)
+        k = self._consts(c.device)
+        pre = ChannelPreconditioner.from_side(c.side)
+        step = base.token_chunk(c, self.dim + self._extra_width())
+        lead = torch.broadcast_shapes(w.shape[:-2], c.lead_shape)
+        acc = w.new_zeros((*lead, w.shape[-2], self.dim))
+        acc_side = None
+        for t0 in range(0, c.num_tokens, step):
+            t1 = min(t0 + step, c.num_tokens)
+            wc = w[..., t0:t1]
+            acc = acc + wc @ self._rotated_chunk(c, t0, t1, k)
+            acc_side = self._accumulate_residual(acc_side, wc, c, t0, t1, k)
+        if acc_side is not None:
+            acc = acc + acc_side @ k["S"]
+        out = pre.scale_queries(acc @ k["rot"])  # undo the channel scale: multiply by scale
+        off = pre.output_offset(w)
+        return out if off is None else out + off
+
+    # hooks for the QJL residual (TurboQuantProd)
+    def _extra_width(self) -> int:
+        return 0
+
+    def _query_side(self, q_rot, k):
+        return None
+
+    def _add_residual_scores(self, s, q_side, c, t0, t1, k):
+        return s
+
+    def _accumulate_residual(self, acc, wc, c, t0, t1, k):
+        return acc
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, c: QuantizedTensor) -> None:
+        """Raise CorruptStreamError unless c has exactly the fields and shapes this quantizer makes."""
+        if c.config != self.config():
+            raise CorruptStreamError("config mismatch")
+        if c.dim != self.dim or c.grouped:
+            raise CorruptStreamError("dim mismatch or unexpected grouped fields")
+        T = c.num_tokens
+        base.expect(c, "token", "codes", torch.uint8, (T, packed_width(self.dim, self._mse_bits)))
+        norms = base.expect(c, "token", "norms", (torch.float16, torch.bfloat16), (T,))
+        if norms.numel() and bool((norms < 0).any()):
+            raise CorruptStreamError("negative norms")
+        want_tok = {"codes", "norms"} | self._extra_fields()
+        if set(c.token) != want_tok:
+            raise CorruptStreamError(f"token fields {sorted(c.token)}, expected {sorted(want_tok)}")
+        if "rnorms" in want_tok:
+            base.expect(c, "token", "qjl", torch.uint8, (T, self.m // 8))
+            r = base.expect(c, "token", "rnorms", norms.dtype, (T,))
+            if r.numel() and bool((r < 0).any()):
+                raise CorruptStreamError("negative residual norms")
+        want_side = {"none": set(), "center": {"center"}, "scale": {"center", "scale"}}[self.precondition]
+        if set(c.side) != want_side:
+            raise CorruptStreamError(f"side fields {sorted(c.side)}, expected {sorted(want_side)}")
+        for name in want_side:
+            base.expect(c, "side", name, torch.float16, (1, self.dim))
+        if "scale" in c.side and bool((c.side["scale"] <= 0).any()):
+            raise CorruptStreamError("non-positive channel scale")
+
+    def _extra_fields(self) -> set:
+        return set()
+
+
+class TurboQuantProd(TurboQuantMSE):
+    """Inner-product TurboQuant: TurboQuantMSE at bits-1 plus a 1-bit QJL sketch of the residual.
+
+    The QJL term of a score is rnorms[t] * sqrt(pi/2)/m * <S q_rot, signs[t]> with S =
+    ``self.qjl_matrix`` [m, dim] (see qjl_matrix for its normalization); the estimate of q.x is
+    unbiased. m defaults to dim (the paper) and must be a multiple of 8. bits: 2..9.
+    """
+
+    method = "turboquant_prod"
+
+    def __init__(self, dim: int, bits: int, seed: int = 0, m: int | None = None, rotation: str = "auto",
+                 precondition: str = "none", orthogonal: bool = True):
+        base.check_bits(bits, 2, 9)
+        d = base.check_dim(dim)
+        self.m = d if m is None else m
+        if isinstance(self.m, bool) or not isinstance(self.m, int) or self.m < 8 or self.m % 8:
+            raise ValueError(f"m must be a positive multiple of 8, got {m!r}")
+        self.orthogonal = bool(orthogonal)
+        self._bits_total = bits
+        super().__init__(d, bits - 1, seed, rotation, precondition)
+        self.bits = bits
+        self.qjl_matrix = qjl_matrix(self.dim, self.m, self.seed, self.orthogonal)
+
+    _mse_bits = property(lambda self: self._bits_total - 1)
+
+    def config(self) -> dict:
+        cfg = super().config()
+        cfg.update(m=self.m, orthogonal=self.orthogonal)
+        return cfg
+
+    def _extra_consts(self, device) -> dict:
+        return {"S": self.qjl_matrix.to(device)}
+
+    def _extra_fields(self) -> set:
+        return {"qjl", "rnorms"}
+
+    def _extra_width(self) -> int:
+        return self.m
+
+    def _encode_extra(self, y, idx, norms, k) -> dict:
+        # residual in rotated space, against the norm as it will be stored
+        dt = base.storage_dtype(norms)
+        n_st = norms.to(dt).float().unsqueeze(-1)
+        r = y * norms.unsqueeze(-1) - k["cb"][idx] * n_st
+        return {"qjl": pack_signs(r @ k["S"].T), "rnorms": base.row_norms(r)}
+
+    def _coef(self, c, t0, t1):
+        return c.token["rnorms"][..., t0:t1].float() * (SQRT_PI_OVER_2 / self.m)
+
+    def _residual_rotated(self, c, t0, t1, k):
+        signs = unpack_signs(c.token["qjl"][..., t0:t1, :], self.m)
+        return (signs @ k["S"]) * self._coef(c, t0, t1).unsqueeze(-1)
+
+    def _query_side(self, q_rot, k):
+        return q_rot @ k["S"].T
+
+    def _add_residual_scores(self, s, q_side, c, t0, t1, k):
+        signs = unpack_signs(c.token["qjl"][..., t0:t1, :], self.m)
+        return s + (q_side @ signs.transpose(-1, -2)) * self._coef(c, t0, t1).unsqueeze(-2)
+
+    def _accumulate_residual(self, acc, wc, c, t0, t1, k):
+        signs = unpack_signs(c.token["qjl"][..., t0:t1, :], self.m)
+        part = (wc * self._coef(c, t0, t1).unsqueeze(-2)) @ signs
+        return part if acc is None else acc + part
