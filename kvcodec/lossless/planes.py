@@ -52,6 +52,7 @@ FORMAT_VERSION = 1
 
 _F16 = ("bfloat16", "float16")
 _EMPTY8 = np.zeros(0, np.uint8)
+_EMPTY16 = np.zeros(0, np.uint16)
 
 
 # --------------------------------------------------------------------------- numba kernels
@@ -94,19 +95,27 @@ def _histogram(sym, counts):
 
 
 @njit(nogil=True, cache=True)
-def _rans_encode(sym, freq, cum, words):
-    """Encode ``sym`` (uint8) into ``words`` (uint16, filled from the end); returns the start index."""
+def _rans_encode(sym, a, D, rowctx, freq, cum, words):
+    """Encode ``sym`` (uint8, elements ``a..a+n`` of the tensor) into ``words`` (uint16, filled from
+    the end); element ``e`` uses table ``rowctx[e // D]`` of ``freq``/``cum`` ([K, 256]). Returns
+    the start index of the stream in ``words``."""
     n = sym.size
     wp = words.size
     x0 = np.int64(RANS_L)
     x1 = np.int64(RANS_L)
     x2 = np.int64(RANS_L)
     x3 = np.int64(RANS_L)
+    r = (a + n - 1) // D
+    lo = r * D - a  # chunk-relative index where row r starts
+    k = np.int64(rowctx[r]) if n > 0 else 0
     for i in range(n - 1, -1, -1):
+        while i < lo:
+            r -= 1
+            lo -= D
+            k = np.int64(rowctx[r])
         s = sym[i]
-        f = np.int64(freq[s])
-        c = np.int64(cum[s])
-        lim = f << 20
+        f = freq[k, s]
+        c = cum[k, s]
         j = i & 3
         if j == 0:
             x = x0
@@ -116,7 +125,7 @@ def _rans_encode(sym, freq, cum, words):
             x = x2
         else:
             x = x3
-        if x >= lim:
+        if x >= (f << 20):
             wp -= 1
             words[wp] = x & 0xFFFF
             x >>= 16
@@ -142,20 +151,29 @@ def _rans_encode(sym, freq, cum, words):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _step(x, tab, words, pos):
-    d = np.int64(tab[x & (M - 1)])
+def _step(x, tabs, base, words, pos):
+    """One decode step with a bounds-free read (the caller guarantees ``pos < words.size``)."""
+    d = np.int64(tabs[base + (x & (M - 1))])
     x = (((d >> 12) & 0xFFF) + 1) * (x >> PREC) + (d & 0xFFF)
     need = np.int64(x < RANS_L)
     x = (x << (need << 4)) | (np.int64(words[pos]) & (-need))
     return x, pos + need, d >> 24
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _merge_one(p1, i, s):
+    b = np.int64(p1[i])
+    return ((b & 0x80) << 8) | (s << 7) | (b & 0x7F)
+
+
 @njit(nogil=True, cache=True)
-def _rans_decode(words, tab, out, p1, u16):
-    """Decode ``out.size`` symbols. With ``u16.size > 0`` write the merged 16-bit values (``p1`` the
-    sign/low plane) instead of ``out``. Returns 0, or 1 if the stream is malformed."""
+def _rans_decode(words, a, D, rowctx, tabs, out, p1, u16):
+    """Decode the chunk holding elements ``a..a+n`` (table ``rowctx[e // D]`` for element ``e``;
+    ``tabs``: K x 4096 packed entries). With ``u16.size > 0`` write merged 16-bit values (``p1``:
+    the sign/low plane) instead of symbols into ``out``. Returns 0, or 1 if the stream is malformed."""
     nw = words.size
-    n = out.size if u16.size == 0 else u16.size
+    merge = u16.size > 0
+    n = u16.size if merge else out.size
     if nw < 8:
         return 1
     x0 = np.int64(words[0]) | (np.int64(words[1]) << 16)
@@ -165,42 +183,47 @@ def _rans_decode(words, tab, out, p1, u16):
     if x0 < RANS_L or x1 < RANS_L or x2 < RANS_L or x3 < RANS_L:
         return 1
     pos = 8
-    merge = u16.size > 0
+    r = a // D
+    hi = (r + 1) * D - a  # chunk-relative index where the next row starts
+    base = np.int64(rowctx[r]) * M if n > 0 else 0
     i = 0
-    # Fast loop: 4 symbols read at most 4 words; reading words[pos] is in bounds while pos < nw.
-    while i + 4 <= n and pos + 4 < nw:
-        x0, pos, s0 = _step(x0, tab, words, pos)
-        x1, pos, s1 = _step(x1, tab, words, pos)
-        x2, pos, s2 = _step(x2, tab, words, pos)
-        x3, pos, s3 = _step(x3, tab, words, pos)
-        if merge:
-            for k in range(4):
-                s = s0 if k == 0 else (s1 if k == 1 else (s2 if k == 2 else s3))
-                b = np.int64(p1[i + k])
-                u16[i + k] = ((b & 0x80) << 8) | (s << 7) | (b & 0x7F)
-        else:
-            out[i] = s0
-            out[i + 1] = s1
-            out[i + 2] = s2
-            out[i + 3] = s3
-        i += 4
-    # Careful tail: bounds-checked reads.
     while i < n:
+        if (i & 3) == 0 and i + 4 <= hi and i + 4 <= n and pos + 4 < nw:
+            # fast path: symbols i..i+3 (states 0..3) of one row read at most 4 words, all in bounds
+            x0, pos, s0 = _step(x0, tabs, base, words, pos)
+            x1, pos, s1 = _step(x1, tabs, base, words, pos)
+            x2, pos, s2 = _step(x2, tabs, base, words, pos)
+            x3, pos, s3 = _step(x3, tabs, base, words, pos)
+            if merge:
+                u16[i] = _merge_one(p1, i, s0)
+                u16[i + 1] = _merge_one(p1, i + 1, s1)
+                u16[i + 2] = _merge_one(p1, i + 2, s2)
+                u16[i + 3] = _merge_one(p1, i + 3, s3)
+            else:
+                out[i] = s0
+                out[i + 1] = s1
+                out[i + 2] = s2
+                out[i + 3] = s3
+            i += 4
+            continue
+        # careful path: one symbol, row switch and bounds-checked read
+        if i == hi:
+            r += 1
+            hi += D
+            base = np.int64(rowctx[r]) * M
         j = i & 3
         x = x0 if j == 0 else (x1 if j == 1 else (x2 if j == 2 else x3))
-        d = np.int64(tab[x & (M - 1)])
+        d = np.int64(tabs[base + (x & (M - 1))])
         x = (((d >> 12) & 0xFFF) + 1) * (x >> PREC) + (d & 0xFFF)
         if x < RANS_L:
             if pos >= nw:
                 return 1
             x = (x << 16) | np.int64(words[pos])
             pos += 1
-        s = d >> 24
         if merge:
-            b = np.int64(p1[i])
-            u16[i] = ((b & 0x80) << 8) | (s << 7) | (b & 0x7F)
+            u16[i] = _merge_one(p1, i, d >> 24)
         else:
-            out[i] = s
+            out[i] = d >> 24
         if j == 0:
             x0 = x
         elif j == 1:
@@ -215,35 +238,63 @@ def _rans_decode(words, tab, out, p1, u16):
     return 0
 
 
+@njit(nogil=True, cache=True)
+def _row_stat(plane, D, mask):
+    """Mean of ``sym & mask`` per row of length D (the row's 'scale' for context classes)."""
+    rows = plane.size // D
+    out = np.zeros(rows, np.float64)
+    for r in range(rows):
+        acc = 0
+        for i in range(r * D, (r + 1) * D):
+            acc += np.int64(plane[i]) & mask
+        out[r] = acc / D
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _class_hist(plane, D, cls, K):
+    counts = np.zeros((K, 256), np.int64)
+    for r in range(plane.size // D):
+        k = cls[r]
+        for i in range(r * D, (r + 1) * D):
+            counts[k, plane[i]] += 1
+    return counts
+
+
 # --------------------------------------------------------------------------- tables
+MAX_CLASSES = 16
+MAX_CHUNK_ELEMS = 1 << 24
+
+
 def _cum(freq: np.ndarray) -> np.ndarray:
-    c = np.zeros(256, np.int64)
-    c[1:] = np.cumsum(freq[:-1], dtype=np.int64)
+    c = np.zeros(freq.shape, np.int64)
+    c[..., 1:] = np.cumsum(freq[..., :-1], axis=-1, dtype=np.int64)
     return c
 
 
 def _decode_table(freq: np.ndarray) -> np.ndarray:
-    """uint32[4096]: symbol << 24 | (freq - 1) << 12 | (slot - cum) for every slot."""
-    sym = np.repeat(np.arange(256, dtype=np.uint32), freq.astype(np.int64))
-    cum = _cum(freq)
+    """uint32[4096] for one frequency table: symbol << 24 | (freq - 1) << 12 | (slot - cum)."""
+    sym = np.repeat(np.arange(256, dtype=np.int64), freq.astype(np.int64))
+    cum = _cum(freq.astype(np.int64))
     slot = np.arange(M, dtype=np.int64)
     f = freq.astype(np.int64)[sym]
-    return ((sym.astype(np.int64) << 24) | ((f - 1) << 12) | (slot - cum[sym])).astype(np.uint32)
+    return ((sym << 24) | ((f - 1) << 12) | (slot - cum[sym])).astype(np.uint32)
 
 
-def _pack_table(freq: np.ndarray) -> np.ndarray:
+def _table_json(freq: np.ndarray) -> list[int]:
     used = np.flatnonzero(freq)
-    out = np.empty(2 * used.size, np.uint16)
+    out = np.empty(2 * used.size, np.int64)
     out[0::2] = used
     out[1::2] = freq[used]
-    return out
+    return out.tolist()
 
 
-def _unpack_table(packed) -> np.ndarray:
-    if not isinstance(packed, np.ndarray) or packed.dtype != np.uint16 or packed.ndim != 1 or packed.size % 2:
-        raise CorruptStreamError("planes: bad frequency table section")
-    sym, f = packed[0::2].astype(np.int64), packed[1::2].astype(np.int64)
-    if sym.size == 0 or sym.max() > 255 or np.any(np.diff(sym) <= 0) or f.min() < 1 or f.sum() != M:
+def _table_from_json(flat) -> np.ndarray:
+    if (not isinstance(flat, list) or not flat or len(flat) % 2 or len(flat) > 512
+            or any(type(v) is not int for v in flat)):
+        raise CorruptStreamError("planes: bad frequency table")
+    sym, f = np.array(flat[0::2], np.int64), np.array(flat[1::2], np.int64)
+    if sym.min() < 0 or sym.max() > 255 or np.any(np.diff(sym) <= 0) or f.min() < 1 or f.sum() != M:
         raise CorruptStreamError("planes: invalid frequency table")
     freq = np.zeros(256, np.int64)
     freq[sym] = f
@@ -253,6 +304,41 @@ def _unpack_table(packed) -> np.ndarray:
 def _coded_bits(counts: np.ndarray, freq: np.ndarray) -> float:
     m = counts > 0
     return float(np.sum(counts[m] * (PREC - np.log2(freq[m]))))
+
+
+def _row_length(shape) -> int:
+    """Context rows run along the last dimension (a weight row, a KV head-dim vector)."""
+    return shape[-1] if len(shape) >= 1 and shape[-1] > 0 else 1
+
+
+def model_plane(plane: np.ndarray, D: int, symbol_mask: int, max_classes: int = MAX_CLASSES):
+    """Choose the cheapest model for a byte plane: one table, or K tables by row class.
+
+    Rows are sorted by their mean (masked) symbol, i.e. by scale, and cut into K equal groups;
+    each group gets its own table. Returns (est_bytes, class_of_row uint8 or None, freqs [K, 256]).
+    """
+    counts = np.bincount(plane, minlength=256).astype(np.int64)[None, :]
+    freqs = quantize_frequencies(counts[0], PREC).astype(np.int64)[None, :]
+    best = (_coded_bits(counts[0], freqs[0]) / 8 + 8 * np.count_nonzero(freqs), None, freqs)
+    rows = plane.size // D
+    if D < 16 or rows < 64 or max_classes < 2:
+        return best
+    order = np.argsort(_row_stat(plane, D, symbol_mask), kind="stable")
+    for K in (4, 8, 16):
+        if K > max_classes or rows < 16 * K:
+            break
+        cls = np.empty(rows, np.uint8)
+        cls[order] = (np.arange(rows) * K // rows).astype(np.uint8)
+        counts = _class_hist(plane, D, cls, K)
+        freqs = np.stack([quantize_frequencies(c, PREC).astype(np.int64) if c.any() else _uniform() for c in counts])
+        est = sum(_coded_bits(c, f) for c, f in zip(counts, freqs)) / 8 + 8 * np.count_nonzero(freqs) + rows
+        if est < best[0]:
+            best = (est, cls, freqs)
+    return best
+
+
+def _uniform() -> np.ndarray:
+    return np.full(256, M // 256, np.int64)
 
 
 # --------------------------------------------------------------------------- plane split / merge
@@ -269,10 +355,16 @@ def _n_planes(layout: str, itemsize: int) -> int:
     return {"f16": 2, "f32": 4}.get(layout, itemsize)
 
 
-def split_planes(raw: np.ndarray, layout: str, itemsize: int) -> list[np.ndarray]:
+def _symbol_mask(layout: str, itemsize: int, k: int) -> int:
+    """Bits of plane k's symbol that track the value's scale (fp8 byte: all but the sign)."""
+    return 0x7F if layout == "bytes" and itemsize == 1 else 0xFF
+
+
+def split_planes(raw: np.ndarray, layout: str, itemsize: int, planes: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """Byte planes (uint8 arrays of n elements) of the little-endian element bytes ``raw``."""
     n = raw.size // itemsize
-    planes = [np.empty(n, np.uint8) for _ in range(_n_planes(layout, itemsize))]
+    if planes is None:
+        planes = [np.empty(n, np.uint8) for _ in range(_n_planes(layout, itemsize))]
     if layout == "f16":
         _split16(raw.view(np.uint16), *planes)
     elif layout == "f32":
@@ -307,143 +399,177 @@ def _pool_map(fn, items, threads: int):
 
 
 class PlaneCodec:
-    """Byte-plane split + static rANS per plane (see the module docstring)."""
+    """Byte-plane split + static rANS per plane with optional row-class contexts (module docstring)."""
 
     name = "planes"
 
     def encode(self, t: torch.Tensor, prediction, threads: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               min_gain: float = DEFAULT_MIN_GAIN):
+               min_gain: float = DEFAULT_MIN_GAIN, max_classes: int = MAX_CLASSES):
+        """``chunk_bytes``: input bytes per independently decodable chunk; ``min_gain``: code a plane
+        only if that saves at least this fraction of it; ``max_classes``: row-context tables (1 = off)."""
         if not isinstance(chunk_bytes, int) or chunk_bytes < 64:
             raise ValueError("chunk_bytes must be an integer >= 64")
         if not 0.0 <= float(min_gain) < 1.0:
             raise ValueError("min_gain must be in [0, 1)")
+        if not isinstance(max_classes, int) or not 1 <= max_classes <= MAX_CLASSES:
+            raise ValueError(f"max_classes must be an integer in [1, {MAX_CLASSES}]")
         itemsize = t.element_size()
         layout = layout_of(t.dtype)
         n = t.numel()
+        D = _row_length(tuple(t.shape))
         raw = t.reshape(-1).view(torch.uint8).numpy() if n else np.zeros(0, np.uint8)
-        chunk = max(1, chunk_bytes // itemsize)
+        chunk = min(MAX_CHUNK_ELEMS, max(1, chunk_bytes // itemsize))
         bounds = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
-        planes = _pool_map(lambda ab: split_planes(raw[ab[0] * itemsize : ab[1] * itemsize], layout, itemsize),
-                           bounds, threads)
         n_planes = _n_planes(layout, itemsize)
+        planes = [np.empty(n, np.uint8) for _ in range(n_planes)]
+        _pool_map(lambda ab: split_planes(raw[ab[0] * itemsize : ab[1] * itemsize], layout, itemsize,
+                                          [p[ab[0] : ab[1]] for p in planes]), bounds, threads)
         meta = {"v": FORMAT_VERSION, "dtype": container.torch_dtype_name(t.dtype), "shape": list(t.shape),
-                "layout": layout, "chunk": chunk, "modes": []}
+                "layout": layout, "chunk": chunk, "planes": []}
         sections: dict[str, np.ndarray] = {}
-        for k in range(n_planes):
-            parts = [p[k] for p in planes]
-            counts = np.zeros(256, np.int64)
-            for part in parts:
-                _histogram(part, counts)
+        for k, plane in enumerate(planes):
+            if n and not (plane != plane[0]).any():
+                meta["planes"].append({"mode": "const", "value": int(plane[0])})
+                continue
             mode = "raw"
             if n:
-                freq = quantize_frequencies(counts, PREC).astype(np.int64)
-                est_bytes = _coded_bits(counts, freq) / 8 + 16 * len(parts) + 2 * np.count_nonzero(freq)
-                if est_bytes < (1.0 - float(min_gain)) * n:
+                est, cls, freqs = model_plane(plane, D, _symbol_mask(layout, itemsize, k), max_classes)
+                if est + 24 * len(bounds) < (1.0 - float(min_gain)) * n:
                     mode = "rans"
-            meta["modes"].append(mode)
             if mode == "raw":
-                sections[f"p{k}"] = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+                meta["planes"].append({"mode": "raw"})
+                sections[f"p{k}"] = plane
                 continue
-            cum = _cum(freq)
+            rowctx = cls if cls is not None else np.zeros(n // D, np.uint8)
+            cums = _cum(freqs)
 
-            def enc(part, freq=freq, cum=cum):
+            def enc(ab, plane=plane, rowctx=rowctx, freqs=freqs, cums=cums):
+                part = plane[ab[0] : ab[1]]
                 words = np.empty(part.size + 8 + 8, np.uint16)  # worst case: one word per symbol + states
-                start = _rans_encode(part, freq, cum, words)
+                start = _rans_encode(part, ab[0], D, rowctx, freqs, cums, words)
                 return words[start:]
 
-            streams = _pool_map(enc, parts, threads)
+            streams = _pool_map(enc, bounds, threads)
             offsets = np.zeros(len(streams) + 1, np.int64)
             offsets[1:] = np.cumsum([s.size for s in streams])
+            meta["planes"].append({"mode": "rans", "tables": [_table_json(f) for f in freqs],
+                                   "offsets": offsets.tolist()})
             sections[f"p{k}"] = np.concatenate(streams)
-            sections[f"p{k}.off"] = offsets
-            sections[f"p{k}.tab"] = _pack_table(freq)
+            if cls is not None:
+                sections[f"p{k}.ctx"] = cls
         return meta, sections
 
     # ---- decoding
-    def _prepare(self, meta, sections, dtype: torch.dtype, n: int):
-        """Validate meta/sections against the expected tensor; returns per-plane decode info."""
-        if set(meta) != {"v", "dtype", "shape", "layout", "chunk", "modes"} or meta["v"] != FORMAT_VERSION:
+    def _prepare(self, meta, sections, dtype: torch.dtype, shape):
+        """Validate meta/sections against dtype and shape; returns what the chunk decoder needs."""
+        if set(meta) != {"v", "dtype", "shape", "layout", "chunk", "planes"} or meta["v"] != FORMAT_VERSION:
             raise CorruptStreamError("planes: bad codec meta")
+        n = math.prod(shape)
         itemsize = dtype.itemsize
-        layout, chunk, modes = meta["layout"], meta["chunk"], meta["modes"]
+        layout, chunk, pmeta = meta["layout"], meta["chunk"], meta["planes"]
         if layout != layout_of(dtype):
             raise CorruptStreamError("planes: layout does not match the dtype")
-        if type(chunk) is not int or chunk < 1:
+        if type(chunk) is not int or not 1 <= chunk <= MAX_CHUNK_ELEMS:
             raise CorruptStreamError("planes: bad chunk size")
         n_planes = _n_planes(layout, itemsize)
-        if not isinstance(modes, list) or len(modes) != n_planes or any(m not in ("raw", "rans") for m in modes):
-            raise CorruptStreamError("planes: bad plane modes")
+        if not isinstance(pmeta, list) or len(pmeta) != n_planes or not all(isinstance(p, dict) for p in pmeta):
+            raise CorruptStreamError("planes: bad plane list")
         n_chunks = -(-n // chunk)
-        expected = set()
-        info = []
-        for k, mode in enumerate(modes):
+        D = _row_length(shape)
+        rows = n // D
+        expected, info = set(), []
+        for k, p in enumerate(pmeta):
+            mode = p.get("mode")
+            if mode == "const":
+                if set(p) != {"mode", "value"} or type(p["value"]) is not int or not 0 <= p["value"] <= 255:
+                    raise CorruptStreamError(f"planes: bad const plane {k}")
+                info.append(("const", p["value"], None, None, None))
+                continue
             data = sections.get(f"p{k}")
             expected.add(f"p{k}")
             if mode == "raw":
-                if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (n,):
+                if set(p) != {"mode"} or not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (n,):
                     raise CorruptStreamError(f"planes: raw plane {k} has the wrong size")
-                info.append(("raw", data, None, None))
+                info.append(("raw", data, None, None, None))
                 continue
-            expected.update({f"p{k}.off", f"p{k}.tab"})
-            off = sections.get(f"p{k}.off")
+            if mode != "rans" or set(p) != {"mode", "tables", "offsets"}:
+                raise CorruptStreamError(f"planes: bad plane {k}")
             if not isinstance(data, np.ndarray) or data.dtype != np.uint16 or data.ndim != 1:
                 raise CorruptStreamError(f"planes: coded plane {k} is not a uint16 stream")
-            if (not isinstance(off, np.ndarray) or off.dtype != np.int64 or off.shape != (n_chunks + 1,)
-                    or off[0] != 0 or off[-1] != data.size or np.any(np.diff(off) < 8)):
+            off = p["offsets"]
+            if (not isinstance(off, list) or len(off) != n_chunks + 1 or any(type(v) is not int for v in off)):
                 raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
-            freq = _unpack_table(sections.get(f"p{k}.tab"))
-            info.append(("rans", data, off, _decode_table(freq)))
+            off = np.array(off, np.int64)
+            if off[0] != 0 or off[-1] != data.size or np.any(np.diff(off) < 8):
+                raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
+            tables = p["tables"]
+            if not isinstance(tables, list) or not 1 <= len(tables) <= MAX_CLASSES:
+                raise CorruptStreamError(f"planes: bad table list for plane {k}")
+            tabs = np.concatenate([_decode_table(_table_from_json(tb)) for tb in tables])
+            if len(tables) > 1:
+                expected.add(f"p{k}.ctx")
+                ctx = sections.get(f"p{k}.ctx")
+                if (not isinstance(ctx, np.ndarray) or ctx.dtype != np.uint8 or ctx.shape != (rows,)
+                        or (rows and int(ctx.max()) >= len(tables))):
+                    raise CorruptStreamError(f"planes: bad row contexts for plane {k}")
+            else:
+                ctx = np.zeros(max(rows, 1), np.uint8)
+            info.append(("rans", data, off, tabs, ctx))
         if set(sections) != expected:
             raise CorruptStreamError("planes: unexpected or missing sections")
-        return layout, itemsize, chunk, n_chunks, info
+        return layout, itemsize, chunk, n_chunks, D, info
 
-    def _decode_range(self, layout, itemsize, chunk, info, c: int, n: int, out: np.ndarray) -> None:
+    def _decode_range(self, prep, c: int, n: int, out: np.ndarray) -> None:
         """Decode chunk ``c`` into ``out`` (the uint8 bytes of that chunk's elements)."""
+        layout, itemsize, chunk, _, D, info = prep
         a, b = c * chunk, min(n, (c + 1) * chunk)
-        m = b - a
-        empty16 = np.zeros(0, np.uint16)
         if layout == "f16" and info[0][0] == "rans":
-            p1 = self._plane(info[1], c, a, b, empty16)
-            words = info[0][1][info[0][2][c] : info[0][2][c + 1]]
-            if _rans_decode(words, info[0][3], np.zeros(0, np.uint8), p1, out.view(np.uint16)):
+            p1 = self._plane(info[1], c, a, b, D)
+            _, data, off, tabs, ctx = info[0]
+            if _rans_decode(data[off[c] : off[c + 1]], a, D, ctx, tabs, _EMPTY8, p1, out.view(np.uint16)):
                 raise CorruptStreamError(f"planes: rANS stream of chunk {c} is corrupt")
             return
-        planes = [self._plane(p, c, a, b, empty16) for p in info]
+        planes = [self._plane(p, c, a, b, D) for p in info]
         merge_planes(planes, layout, itemsize, out)
 
     @staticmethod
-    def _plane(p, c, a, b, empty16) -> np.ndarray:
-        mode, data, off, tab = p
+    def _plane(p, c, a, b, D) -> np.ndarray:
+        mode, data, off, tabs, ctx = p
         if mode == "raw":
             return data[a:b]
+        if mode == "const":
+            return np.full(b - a, data, np.uint8)
         out = np.empty(b - a, np.uint8)
-        if _rans_decode(data[off[c] : off[c + 1]], tab, out, _EMPTY8, empty16):
+        if _rans_decode(data[off[c] : off[c + 1]], a, D, ctx, tabs, out, _EMPTY8, _EMPTY16):
             raise CorruptStreamError(f"planes: rANS stream of chunk {c} is corrupt")
         return out
 
     def decode(self, meta, sections, prediction, threads: int) -> torch.Tensor:
         dtype, shape = _dtype_shape(meta)
         n = math.prod(shape)
-        layout, itemsize, chunk, n_chunks, info = self._prepare(meta, sections, dtype, n)
+        prep = self._prepare(meta, sections, dtype, shape)
+        itemsize = dtype.itemsize
+        chunk = prep[2]
         out = np.empty(n * itemsize, np.uint8)
 
         def run(c):
             a, b = c * chunk, min(n, (c + 1) * chunk)
-            self._decode_range(layout, itemsize, chunk, info, c, n, out[a * itemsize : b * itemsize])
+            self._decode_range(prep, c, n, out[a * itemsize : b * itemsize])
 
-        _pool_map(run, range(n_chunks), threads)
+        _pool_map(run, range(prep[3]), threads)
         return torch.from_numpy(out).view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
 
     def decode_chunk(self, meta, sections, c: int) -> torch.Tensor:
         """Decode chunk ``c`` alone: the flat elements ``[c * chunk, (c + 1) * chunk)`` of the tensor."""
         dtype, shape = _dtype_shape(meta)
         n = math.prod(shape)
-        layout, itemsize, chunk, n_chunks, info = self._prepare(meta, sections, dtype, n)
-        if not 0 <= c < n_chunks:
+        prep = self._prepare(meta, sections, dtype, shape)
+        chunk, n_chunks = prep[2], prep[3]
+        if not isinstance(c, int) or not 0 <= c < n_chunks:
             raise ValueError(f"chunk index {c} out of range (the tensor has {n_chunks} chunks)")
         a, b = c * chunk, min(n, (c + 1) * chunk)
-        out = np.empty((b - a) * itemsize, np.uint8)
-        self._decode_range(layout, itemsize, chunk, info, c, n, out)
+        out = np.empty((b - a) * dtype.itemsize, np.uint8)
+        self._decode_range(prep, c, n, out)
         return torch.from_numpy(out).view(dtype)
 
 
