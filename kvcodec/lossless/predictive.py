@@ -33,6 +33,7 @@ verbatim (these codecs are for float KV caches; use the ``planes`` codec for the
 from __future__ import annotations
 
 import warnings
+import math
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -57,7 +58,7 @@ _Q = 64  # gain and previous-token coefficients are stored as int8 / 64
 
 _CHUNK_SYMBOLS = 1 << 16  # about this many symbols per independently decodable chunk
 _SHARED_PARAMS_BELOW = 64  # fewer tokens: one parameter set per channel, shared over g
-_FIT_SAMPLES = 1 << 22  # at most about this many values are used to fit the parameters
+_FIT_SAMPLES = 1 << 20  # at most about this many values are used to fit the parameters
 
 
 # =============================================================================== float grids
@@ -80,6 +81,7 @@ class FloatGrid:
     edges: np.ndarray
     valf: np.ndarray
     finite: np.ndarray
+    rank_of_bf16: np.ndarray  # int32[65536]: rank of the bin holding each bf16 value (a decode guess)
 
 
 @lru_cache(maxsize=None)
@@ -108,10 +110,15 @@ def grid_for(dtype: torch.dtype) -> FloatGrid | None:
     finite = np.isfinite(val_k)
     k_of_bits = np.empty(n, np.int32)
     k_of_bits[order] = np.arange(n, dtype=np.int32)
+    bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    bf16_vals = bf16.to(torch.float64).numpy()
+    rank_of = np.clip(np.searchsorted(edges, bf16_vals, side="right") - 1, 0, n - 1)
+    rank_of_bf16 = np.empty(65536, np.int32)
+    rank_of_bf16[np.arange(-32768, 32768) & 0xFFFF] = np.where(np.isnan(bf16_vals), n - 1, rank_of)
     return FloatGrid(
         n=n, bits_np=bits_np, bits_np_signed=signed, bits_torch=bits_torch,
         k_of_bits=k_of_bits, bits_of_k=order.astype(bits_np), edges=edges,
-        valf=np.where(finite, val_k, 0.0), finite=finite,
+        valf=np.where(finite, val_k, 0.0), finite=finite, rank_of_bf16=rank_of_bf16,
     )
 
 
@@ -218,9 +225,88 @@ def _encode_kernel(kx, pred, has_pred, m, c, a, rs, shared, cdf, edges, valf, fi
         out_start[ci] = pos
 
 
+@njit(inline="always", cache=True)
+def _guess_rank(slot, mu, rs, edges, cdf, a_mass, rank_of):
+    """A rank near the symbol whose interval holds ``slot``: invert the shape table, then find
+    the value's bin among the edges. Only a starting point: _find_symbol verifies exactly."""
+    target = (slot << 32) // a_mass  # G value in 2**-32 units, ignoring the +k floor term
+    if target >= (np.int64(1) << 32):
+        return edges.size - 2
+    lo = 0
+    hi = SHAPE_BINS
+    while hi - lo > 1:  # cdf[lo] <= target < cdf[hi]
+        mid = (lo + hi) >> 1
+        if cdf[mid] <= target:
+            lo = mid
+        else:
+            hi = mid
+    width = cdf[lo + 1] - cdf[lo]
+    z = -ZMAX + (lo + (target - cdf[lo]) / width) * (2.0 * ZMAX / SHAPE_BINS)
+    return rank_of[_bf16_pattern(mu + z / rs)]
+
+
+@njit(inline="always", cache=True)
+def _bf16_pattern(v):
+    """The bf16 bit pattern of ``v`` truncated (NaN -> a NaN pattern): an index for a rank guess."""
+    if v != v:
+        return 0x7FC0
+    sign = 0x8000 if v < 0 else 0
+    a = abs(v)
+    if a >= 3.3895313892515355e38:
+        return sign | 0x7F80
+    f, e = math.frexp(a)  # a = f * 2**e, 0.5 <= f < 1
+    if e + 126 <= 0:  # bf16 subnormal (or zero): a / 2**-133 is the mantissa
+        return sign | int(a * 1.0889035741470031e40)
+    return sign | ((e + 126) << 7) | int((2.0 * f - 1.0) * 128.0)
+
+
+@njit(inline="always", cache=True)
+def _find_symbol(slot, mu, rs, edges, cdf, a_mass, rank_of):
+    """(k, cum(k), cum(k+1)) with cum(k) <= slot < cum(k+1), by exact search from a guess."""
+    n_sym = edges.size - 1
+    k = _guess_rank(slot, mu, rs, edges, cdf, a_mass, rank_of)
+    ck = _cum(k, mu, rs, edges, cdf, a_mass)
+    if ck <= slot:  # gallop up: cum(lo) <= slot < cum(hi)
+        lo, c_lo = k, ck
+        step = 1
+        while True:
+            hi = lo + step
+            if hi >= n_sym:
+                hi = n_sym
+                c_hi = np.int64(_M)
+                break
+            c_hi = _cum(hi, mu, rs, edges, cdf, a_mass)
+            if c_hi > slot:
+                break
+            lo, c_lo = hi, c_hi
+            step *= 2
+    else:  # gallop down
+        hi, c_hi = k, ck
+        step = 1
+        while True:
+            lo = hi - step
+            if lo <= 0:
+                lo = 0
+                c_lo = np.int64(0)
+                break
+            c_lo = _cum(lo, mu, rs, edges, cdf, a_mass)
+            if c_lo <= slot:
+                break
+            hi, c_hi = lo, c_lo
+            step *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        cm = _cum(mid, mu, rs, edges, cdf, a_mass)
+        if cm <= slot:
+            lo, c_lo = mid, cm
+        else:
+            hi, c_hi = mid, cm
+    return lo, c_lo, c_hi
+
+
 @njit(parallel=True, cache=True)
 def _decode_kernel(words, wstart, wlen, pred, has_pred, m, c, a, rs, shared, cdf, edges, valf,
-                   finite, tb, g0, out_k, err):
+                   finite, rank_of, tb, g0, out_k, err):
     g_n, t_n, d_n = out_k.shape
     n_tb = (t_n + tb - 1) // tb
     n_sym = edges.size - 1
@@ -253,19 +339,7 @@ def _decode_kernel(words, wstart, wlen, pred, has_pred, m, c, a, rs, shared, cdf
                 base, mu = _location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
                 rsd = rs[gp, d]
                 slot = x & mask
-                lo = 0
-                hi = n_sym
-                c_lo = np.int64(0)
-                c_hi = np.int64(_M)
-                while hi - lo > 1:
-                    mid = (lo + hi) >> 1
-                    cm = _cum(mid, mu, rsd, edges, cdf, a_mass)
-                    if cm <= slot:
-                        lo = mid
-                        c_lo = cm
-                    else:
-                        hi = mid
-                        c_hi = cm
+                lo, c_lo, c_hi = _find_symbol(slot, mu, rsd, edges, cdf, a_mass, rank_of)
                 x = (c_hi - c_lo) * (x >> PREC) + slot - c_lo
                 if x < _RANS_L:
                     if ptr >= end:
@@ -618,7 +692,7 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0)
     kx = np.empty((g, tt, d), np.int32)
     err = np.zeros(g * n_tb, np.int32)
     dummy = np.zeros((1, 1, 1), np.float32)
-    tail = (grid.edges, grid.valf, grid.finite, tb)
+    tail = (grid.edges, grid.valf, grid.finite, grid.rank_of_bf16, tb)
     with _Threads(threads):
         if source == "neighbour_layer":
             if len(shape) < 3:
