@@ -150,13 +150,25 @@ CHECKS = [
     ("d128 prod keys (QJL)", (2, 8, 2, 1, 300, 128, 3, 4, [300, 150]), {"qjl": True}),
     ("d64 prod keys (QJL)", (2, 9, 3, 1, 300, 64, 1, 2, [300, 150]), {"qjl": True}),
     ("d128 long split", (1, 32, 8, 1, 20000, 128, 4, 4, [19999]), {}),
+    ("d64 q_len 2 g3 (6 rows)", (2, 9, 3, 2, 300, 64, 4, 4, [300, 100]), {}),
+    ("d128 g5 q_len 2 (10 rows)", (2, 10, 2, 2, 300, 128, 4, 4, [300, 100]), {}),
+    ("d128 g4 bf16 norms 3/2", (2, 16, 4, 1, 300, 128, 3, 2, [257, 300]), {"norm_dtype": torch.bfloat16}),
 ]
 
 
 def run_checks() -> list[dict]:
     rows = []
+    for narrow in (True, False):
+        attention.NARROW_ENABLED = narrow
+        rows += _run_checks(f"{'' if narrow else 'wide-only: '}")
+    attention.NARROW_ENABLED = True
+    return rows
+
+
+def _run_checks(prefix: str) -> list[dict]:
+    rows = []
     for name, shape, opts in CHECKS:
-        row = {"check": name}
+        row = {"check": prefix + name}
         try:
             case, kw = make_case(*shape, **opts)
             extra = {}
@@ -298,24 +310,41 @@ def sweep(quick: bool):
     return rows
 
 
+VARIANTS = [  # label, split-kernel macros, narrow (transposed P.V) kernel allowed
+    ("default", (), True),
+    ("wide kernel only", (), False),
+    ("PAIR4=0", ("TQ_PAIR4=0",), True),
+    ("STAGES=3", ("TQ_STAGES=3",), True),
+    ("STAGES=1", ("TQ_STAGES=1",), True),
+]
+
+
 def variants():
-    """Tuning knobs on representative shapes: prefetch depth, occupancy and split size."""
+    """Tuning knobs on representative shapes: kernel form, lookups, prefetch depth, split size."""
     rows = []
-    shapes = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4)]
-    for defines in (("TQ_STAGES=2",), (), ("TQ_STAGES=4",), ("TQ_MIN_BLOCKS=3",), ("TQ_PAIR4=1",),
-                    ("TQ_PAIR4=1", "TQ_STAGES=4")):
-        attention.KERNEL_DEFINES = defines
+    shapes = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4),
+              (8, 32768, 32, 8, 128, 3, 3)]
+    for label, defines, narrow in VARIANTS:
+        attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
         for shp in shapes:
             for tpw in (None, 256, 1024):
                 try:
                     row = time_decode(*shp, tokens_per_warp=tpw, sdpa=False)
-                    row.update(defines=" ".join(defines) or "default", tpw=tpw or "auto")
+                    row.update(variant=label, tpw=tpw or "auto")
                 except Exception as e:
-                    row = dict(shape=str(shp), defines=str(defines), tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
+                    row = dict(shape=str(shp), variant=label, tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
                 log("variant", row)
                 rows.append(row)
-    attention.KERNEL_DEFINES = ()
+    attention.KERNEL_DEFINES, attention.NARROW_ENABLED = (), True
     return rows
+
+
+def profile_one() -> None:
+    """One decode call (b8 t32k 32/8 d128 4/4) for an external profiler (ncu) to look at."""
+    case, kw = make_case(8, 32, 8, 1, 32768, 128, 4, 4, [32768] * 8)
+    for _ in range(2):
+        kc.decode_attention(**case, **kw)
+    torch.cuda.synchronize()
 
 
 def kernel_breakdown() -> list[dict]:
@@ -399,7 +428,11 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--profile-one", action="store_true", help="one decode call, for ncu")
     args = ap.parse_args()
     if not kc.is_available():
         sys.exit("needs a CUDA GPU and CuPy")
+    if args.profile_one:
+        profile_one()
+        sys.exit(0)
     run(quick=args.quick, out_dir=args.out, do_variants=not args.no_variants)

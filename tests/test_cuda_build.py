@@ -17,13 +17,14 @@ from kvcodec.cuda.attention import decode_attention, key_permutation
 
 # The template instances the launchers use most; each is compiled for both targets.
 SPLIT_CONFIGS = [
-    (128, 4, 4, False, False, False),
-    (128, 4, 2, False, False, False),
-    (128, 3, 3, False, False, False),
-    (128, 3, 4, True, True, True),
-    (64, 4, 4, False, False, False),
-    (64, 3, 3, False, True, False),
-    (64, 1, 2, False, False, True),
+    (128, 4, 4, False, False, False, True),
+    (128, 4, 4, False, False, False, False),
+    (128, 4, 2, False, False, False, True),
+    (128, 3, 3, False, False, False, True),
+    (128, 3, 4, True, True, True, False),
+    (64, 4, 4, False, False, False, True),
+    (64, 3, 3, False, True, False, False),
+    (64, 1, 2, False, False, True, True),
 ]
 PACK_CONFIGS = [(128, 4, 2, False), (128, 3, 1, False), (64, 3, 2, True), (64, 2, 0, False)]
 

@@ -76,8 +76,11 @@ def test_decode_matches_reference_bits_and_dims(d, kb, vb):
     check(case, kw, tokens_per_warp=64)
 
 
+@pytest.mark.parametrize("narrow", [True, False])
 @pytest.mark.parametrize("hq,hkv,ql", [(9, 3, 1), (32, 8, 1), (8, 1, 3), (40, 2, 1), (4, 4, 2)])
-def test_decode_gqa_groups_and_query_lengths(hq, hkv, ql):
+def test_decode_gqa_groups_and_query_lengths(hq, hkv, ql, narrow, monkeypatch):
+    # narrow: tiles of <= 8 query rows use the transposed-P.V kernel; off: the general one
+    monkeypatch.setattr(kc.attention, "NARROW_ENABLED", narrow)
     case, kw = make_case(2, hq, hkv, ql, 200, 64, 4, 2, [200, 131])
     check(case, kw)
 

@@ -22,6 +22,7 @@ SOURCE = "tq_decode_attention.cu"
 LOG2E = 1.4426950408889634
 WARPS_PER_BLOCK = 4
 KERNEL_DEFINES: tuple[str, ...] = ()  # tuning macros for the split kernel (benchmarks set these)
+NARROW_ENABLED = True  # use the transposed-P.V kernel when a tile has <= 8 query rows
 
 SPLIT_SIGNATURE = (
     "(const tq_u16*, const float*, const tq_u8*, const tq_u16*, const tq_u8*, const tq_u16*, "
@@ -38,9 +39,9 @@ def _b(x: bool) -> str:
     return "true" if x else "false"
 
 
-def split_name(dim: int, k_bits: int, v_bits: int, k_bf16: bool, v_bf16: bool, qjl: bool) -> str:
-    """Template instance name of the split kernel for one configuration."""
-    return f"tq_decode_split<{dim}, {k_bits}, {v_bits}, {_b(k_bf16)}, {_b(v_bf16)}, {_b(qjl)}>"
+def split_name(dim: int, k_bits: int, v_bits: int, k_bf16: bool, v_bf16: bool, qjl: bool, narrow: bool) -> str:
+    """Template instance name of the split kernel for one configuration (narrow: <= 8 rows per tile)."""
+    return f"tq_decode_split<{dim}, {k_bits}, {v_bits}, {_b(k_bf16)}, {_b(v_bf16)}, {_b(qjl)}, {_b(narrow)}>"
 
 
 def merge_name(dim: int) -> str:
@@ -129,7 +130,7 @@ def _scaled_rows(x: torch.Tensor, perm: torch.Tensor, rows_pad: int) -> tuple[to
     return q16, sc
 
 
-TARGET_WARPS_PER_SM = 16
+TARGET_WARPS_PER_SM = 12
 
 
 def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device) -> int:
@@ -262,7 +263,8 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     lens = seq_lens.to(dev, torch.int32).clamp(0, tcap).contiguous()
     vrot = _derive(v_rotation, f"f32 {dev}", lambda m: m.to(dev, torch.float32).contiguous())
 
-    split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl), KERNEL_DEFINES)
+    narrow = r <= 8 and NARROW_ENABLED
+    split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), KERNEL_DEFINES)
     merge_fn = build.get_function(SOURCE, merge_name(d))
     prep_fn = build.get_function(SOURCE, prep_name(d, _QIN[q_in.dtype]))
     i32 = np.int32

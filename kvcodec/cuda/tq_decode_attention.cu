@@ -18,17 +18,18 @@
 #include "tq_common.cuh"
 
 // Blocks per SM the register allocation must allow (128 threads each); set with -DTQ_MIN_BLOCKS=n.
+// 0 = by configuration (narrow tiles need fewer registers: 3 blocks at head_dim 128, 4 at 64).
 #ifndef TQ_MIN_BLOCKS
-#define TQ_MIN_BLOCKS 2
+#define TQ_MIN_BLOCKS 0
 #endif
 // 1: 4-bit codes are looked up two at a time too (256-entry table: fewer instructions, more bank
 // conflicts); -DTQ_PAIR4=1.
 #ifndef TQ_PAIR4
-#define TQ_PAIR4 0
+#define TQ_PAIR4 1
 #endif
 // 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
 #ifndef TQ_STAGES
-#define TQ_STAGES 3
+#define TQ_STAGES 2
 #endif
 
 namespace tq {
@@ -135,8 +136,12 @@ TQ_DEVI void load_step(StepRegs<T>& r, int base, int len, int g, int t,
 // qs16/qs_scale/qjl/rnorms: the QJL analogues (prod keys, m = D); ignored unless QJL
 // seq_lens:  [B] int32 (compressed tokens per sequence, <= Tcap)
 // part_o:    [BH, nsplit, R, D] fp32 (unpermuted rotated dims); part_ml: [BH, nsplit, R, 2] (m, l)
-template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL>
-__global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_split(
+// NARROW (at most 8 used rows in the tile, e.g. GQA group <= 8 at q_len 1): rows g+8 are skipped
+// and P V runs transposed, O^T = V^T P^T (values are the A operand, M = 16 dims; P^T the B operand,
+// N = 8 rows): half the mma count and half the accumulator registers.
+template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW>
+__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : (QJL || !NARROW) ? 2 : D <= 64 ? 4 : 3))
+tq_decode_split(
     const tq_u16* __restrict__ q16, const float* __restrict__ row_scale,
     const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
     const tq_u8* __restrict__ vcodes, const tq_u16* __restrict__ vnorms,
@@ -169,9 +174,9 @@ __global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_spli
 #pragma unroll
   for (int s = 0; s < T::KS; ++s) {
     qa[s][0] = *reinterpret_cast<const tq_u32*>(qrow0 + 16 * s + 2 * t);
-    qa[s][1] = *reinterpret_cast<const tq_u32*>(qrow1 + 16 * s + 2 * t);
+    qa[s][1] = NARROW ? 0u : *reinterpret_cast<const tq_u32*>(qrow1 + 16 * s + 2 * t);
     qa[s][2] = *reinterpret_cast<const tq_u32*>(qrow0 + 16 * s + 2 * t + 8);
-    qa[s][3] = *reinterpret_cast<const tq_u32*>(qrow1 + 16 * s + 2 * t + 8);
+    qa[s][3] = NARROW ? 0u : *reinterpret_cast<const tq_u32*>(qrow1 + 16 * s + 2 * t + 8);
   }
   tq_u32 sa[QJL ? T::KS : 1][4];
   float qjl_scale0 = 0.f, qjl_scale1 = 0.f;
@@ -181,9 +186,9 @@ __global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_spli
 #pragma unroll
     for (int s = 0; s < T::KS; ++s) {
       sa[s][0] = *reinterpret_cast<const tq_u32*>(srow0 + 16 * s + 2 * t);
-      sa[s][1] = *reinterpret_cast<const tq_u32*>(srow1 + 16 * s + 2 * t);
+      sa[s][1] = NARROW ? 0u : *reinterpret_cast<const tq_u32*>(srow1 + 16 * s + 2 * t);
       sa[s][2] = *reinterpret_cast<const tq_u32*>(srow0 + 16 * s + 2 * t + 8);
-      sa[s][3] = *reinterpret_cast<const tq_u32*>(srow1 + 16 * s + 2 * t + 8);
+      sa[s][3] = NARROW ? 0u : *reinterpret_cast<const tq_u32*>(srow1 + 16 * s + 2 * t + 8);
     }
     qjl_scale0 = qs_scale[(long long)bh * rows + rt * 16 + g];
     qjl_scale1 = qs_scale[(long long)bh * rows + rt * 16 + g + 8];
@@ -199,9 +204,13 @@ __global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_spli
   const tq_u32* qc = QJL ? reinterpret_cast<const tq_u32*>(qjl) + tok0 * T::QROW_WORDS : nullptr;
   const tq_u16* rn = QJL ? rnorms + tok0 : nullptr;
 
-  float acc[T::NT][4];
+  // Accumulators: NARROW: acc[mt] = O^T tile of dims (16 mt + g, 16 mt + g + 8) x rows (2t, 2t+1),
+  // dims being the thread-chunk coordinates 2mt / 2mt+1 (dim CV*g + 2mt + {0,1}); otherwise
+  // acc[i] = O tile of rows (g, g+8) x n-tile i, columns 2t, 2t+1 (dims CV*(2t+e) + i).
+  constexpr int NACC = NARROW ? D / 16 : T::NT;
+  float acc[NACC][4];
 #pragma unroll
-  for (int i = 0; i < T::NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int i = 0; i < NACC; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   const float NEG_INF = -__int_as_float(0x7f800000);
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
 
@@ -238,22 +247,24 @@ __global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_spli
           const bool ok = base + 8 * j + 2 * t + e < end;
           const float knf = tq_16_to_f<KBF>(cur.kn[slot]);
           float x0 = rs0 * knf * sc[j][e];
-          float x1 = rs1 * knf * sc[j][2 + e];
+          float x1 = NARROW ? 0.f : rs1 * knf * sc[j][2 + e];
           if constexpr (QJL) {
             const float rnf = tq_16_to_f<KBF>(cur.rn[slot]);
             x0 += qjl_scale0 * rnf * sq[j][e];
-            x1 += qjl_scale1 * rnf * sq[j][2 + e];
+            if constexpr (!NARROW) x1 += qjl_scale1 * rnf * sq[j][2 + e];
           }
           p[j][e] = ok ? x0 : NEG_INF;
-          p[j][2 + e] = ok ? x1 : NEG_INF;
+          p[j][2 + e] = (ok && !NARROW) ? x1 : NEG_INF;
           mx0 = fmaxf(mx0, p[j][e]);
-          mx1 = fmaxf(mx1, p[j][2 + e]);
+          if constexpr (!NARROW) mx1 = fmaxf(mx1, p[j][2 + e]);
         }
       }
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      if constexpr (!NARROW) {
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      }
       const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
       const float mu0 = (mn0 == NEG_INF) ? 0.f : mn0;  // all-masked row so far: avoid inf - inf
       const float mu1 = (mn1 == NEG_INF) ? 0.f : mn1;
@@ -265,31 +276,54 @@ __global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_spli
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         float e0 = tq_exp2(p[j][0] - mu0), e1 = tq_exp2(p[j][1] - mu0);
-        float e2 = tq_exp2(p[j][2] - mu1), e3 = tq_exp2(p[j][3] - mu1);
+        float e2 = NARROW ? 0.f : tq_exp2(p[j][2] - mu1), e3 = NARROW ? 0.f : tq_exp2(p[j][3] - mu1);
         ps0 += e0 + e1;
         ps1 += e2 + e3;
         const float vn0 = tq_16_to_f<VBF>(cur.vn[2 * j]), vn1 = tq_16_to_f<VBF>(cur.vn[2 * j + 1]);
         pa[2 * j + 0] = tq_pack2(tq_f_to_16<VBF>(e0 * vn0), tq_f_to_16<VBF>(e1 * vn1));
-        pa[2 * j + 1] = tq_pack2(tq_f_to_16<VBF>(e2 * vn0), tq_f_to_16<VBF>(e3 * vn1));
+        pa[2 * j + 1] = NARROW ? 0u : tq_pack2(tq_f_to_16<VBF>(e2 * vn0), tq_f_to_16<VBF>(e3 * vn1));
       }
       l0 = l0 * al0 + ps0;
       l1 = l1 * al1 + ps1;
       // A fragment order: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..)
       const tq_u32 pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
-      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max moved: rescale
+      if constexpr (NARROW) {
+        if (__any_sync(0xffffffffu, al0 != 1.f)) {  // the running max moved: rescale
+          // this thread's accumulator rows are 2t and 2t+1; their factors live in lanes 8t, 8t+4
+          const float a_lo = __shfl_sync(0xffffffffu, al0, 8 * t);
+          const float a_hi = __shfl_sync(0xffffffffu, al0, 8 * t + 4);
 #pragma unroll
-        for (int i = 0; i < T::NT; ++i) {
-          acc[i][0] *= al0;
-          acc[i][1] *= al0;
-          acc[i][2] *= al1;
-          acc[i][3] *= al1;
+          for (int i = 0; i < NACC; ++i) {
+            acc[i][0] *= a_lo;
+            acc[i][1] *= a_hi;
+            acc[i][2] *= a_lo;
+            acc[i][3] *= a_hi;
+          }
         }
-      }
 #pragma unroll
-      for (int i = 0; i < T::NT; ++i) {
-        const tq_u32 b0 = vtab.across(cur.v[0], cur.v[1], i * BV);
-        const tq_u32 b1 = vtab.across(cur.v[2], cur.v[3], i * BV);
-        tq_mma16816<VBF>(acc[i], pfrag, b0, b1);
+        for (int mt = 0; mt < NACC; ++mt) {
+          const tq_u32 va[4] = {vtab.across(cur.v[0], cur.v[1], (2 * mt) * BV),
+                                vtab.across(cur.v[0], cur.v[1], (2 * mt + 1) * BV),
+                                vtab.across(cur.v[2], cur.v[3], (2 * mt) * BV),
+                                vtab.across(cur.v[2], cur.v[3], (2 * mt + 1) * BV)};
+          tq_mma16816<VBF>(acc[mt], va, pa[0], pa[2]);
+        }
+      } else {
+        if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max moved: rescale
+#pragma unroll
+          for (int i = 0; i < NACC; ++i) {
+            acc[i][0] *= al0;
+            acc[i][1] *= al0;
+            acc[i][2] *= al1;
+            acc[i][3] *= al1;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) {
+          const tq_u32 b0 = vtab.across(cur.v[0], cur.v[1], i * BV);
+          const tq_u32 b1 = vtab.across(cur.v[2], cur.v[3], i * BV);
+          tq_mma16816<VBF>(acc[i], pfrag, b0, b1);
+        }
       }
   };
   // A ring of STAGES (TQ_STAGES) register buffers: the loads of the next STAGES - 1 steps are in flight
@@ -318,13 +352,28 @@ __global__ void __launch_bounds__(128, (QJL ? 2 : TQ_MIN_BLOCKS)) tq_decode_spli
   const int r0 = rt * 16 + g, r1 = r0 + 8;
   float* po = part_o + ((long long)bh * nsplit + split) * R * D;
   float* pml = part_ml + ((long long)bh * nsplit + split) * R * 2;
+  if constexpr (NARROW) {
 #pragma unroll
-  for (int i = 0; i < T::NT; ++i) {
+    for (int mt = 0; mt < NACC; ++mt) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int dim = T::CV * (2 * t + e) + i;
-      if (r0 < R) po[(long long)r0 * D + dim] = acc[i][e];
-      if (r1 < R) po[(long long)r1 * D + dim] = acc[i][2 + e];
+      for (int e = 0; e < 2; ++e) {
+        const int r = rt * 16 + 2 * t + e;
+        const int dim = T::CV * g + 2 * mt;
+        if (r < R) {
+          po[(long long)r * D + dim] = acc[mt][e];
+          po[(long long)r * D + dim + 1] = acc[mt][2 + e];
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int dim = T::CV * (2 * t + e) + i;
+        if (r0 < R) po[(long long)r0 * D + dim] = acc[i][e];
+        if (r1 < R) po[(long long)r1 * D + dim] = acc[i][2 + e];
+      }
     }
   }
   if (t == 0) {
