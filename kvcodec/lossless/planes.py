@@ -188,6 +188,10 @@ def _rans_decode(words, a, D, rowctx, tabs, out, p1, u16):
     base = np.int64(rowctx[r]) * M if n > 0 else 0
     i = 0
     while i < n:
+        if i == hi:
+            r += 1
+            hi += D
+            base = np.int64(rowctx[r]) * M
         if (i & 3) == 0 and i + 4 <= hi and i + 4 <= n and pos + 4 < nw:
             # fast path: symbols i..i+3 (states 0..3) of one row read at most 4 words, all in bounds
             x0, pos, s0 = _step(x0, tabs, base, words, pos)
@@ -206,11 +210,7 @@ def _rans_decode(words, a, D, rowctx, tabs, out, p1, u16):
                 out[i + 3] = s3
             i += 4
             continue
-        # careful path: one symbol, row switch and bounds-checked read
-        if i == hi:
-            r += 1
-            hi += D
-            base = np.int64(rowctx[r]) * M
+        # careful path: one symbol with a bounds-checked read
         j = i & 3
         x = x0 if j == 0 else (x1 if j == 1 else (x2 if j == 2 else x3))
         d = np.int64(tabs[base + (x & (M - 1))])
@@ -317,12 +317,13 @@ def model_plane(plane: np.ndarray, D: int, symbol_mask: int, max_classes: int = 
     Rows are sorted by their mean (masked) symbol, i.e. by scale, and cut into K equal groups;
     each group gets its own table. Returns (est_bytes, class_of_row uint8 or None, freqs [K, 256]).
     """
-    counts = np.bincount(plane, minlength=256).astype(np.int64)[None, :]
+    counts = np.zeros((1, 256), np.int64)
+    _histogram(plane, counts[0])
     freqs = quantize_frequencies(counts[0], PREC).astype(np.int64)[None, :]
     best = (_coded_bits(counts[0], freqs[0]) / 8 + 8 * np.count_nonzero(freqs), None, freqs)
     rows = plane.size // D
-    if D < 16 or rows < 64 or max_classes < 2:
-        return best
+    if D < 16 or rows < 64 or max_classes < 2 or best[0] > 0.9 * plane.size:
+        return best  # too few rows, or a near-uniform plane (mantissa bits) that contexts cannot help
     order = np.argsort(_row_stat(plane, D, symbol_mask), kind="stable")
     for K in (4, 8, 16):
         if K > max_classes or rows < 16 * K:
