@@ -158,11 +158,15 @@ CHECKS = [
 
 def run_checks() -> list[dict]:
     rows = []
-    for narrow in (True, False):
-        attention.NARROW_ENABLED = narrow
-        rows += _run_checks(f"{'' if narrow else 'wide-only: '}")
-    attention.NARROW_ENABLED = True
+    for prefix, defines, narrow in CHECK_MODES:
+        attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
+        rows += _run_checks(prefix)
+    attention.KERNEL_DEFINES, attention.NARROW_ENABLED = (), True
     return rows
+
+
+CHECK_MODES = [("", (), True), ("wide-only: ", (), False),
+               ("scalar: ", ("TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0"), True)]
 
 
 def _run_checks(prefix: str) -> list[dict]:
@@ -278,9 +282,10 @@ def time_pack(n_rows, d, bits) -> dict:
     dst = torch.empty_like(x)
     rot = reference.hadamard_rotation(d, 3).cuda()
     cb = codebook(bits, d).cuda()
-    ms, _ = cuda_time_ms(lambda: kc.quantize_pack(x, rot, cb, bits), graphs=False)
-    ms_copy, _ = cuda_time_ms(lambda: dst.copy_(x), graphs=False)
-    return dict(pack_rows=n_rows, d=d, bits=bits, pack_ms=ms, bf16_write_ms=ms_copy, pack_vs_write=ms_copy / ms)
+    ms, mode = cuda_time_ms(lambda: kc.quantize_pack(x, rot, cb, bits))
+    ms_copy, _ = cuda_time_ms(lambda: dst.copy_(x))
+    return dict(pack_rows=n_rows, d=d, bits=bits, pack_ms=ms, bf16_write_ms=ms_copy, pack_vs_write=ms_copy / ms,
+                mode=mode)
 
 
 def sweep(quick: bool):
@@ -316,6 +321,8 @@ VARIANTS = [  # label, split-kernel macros, narrow (transposed P.V) kernel allow
     ("PAIR4=0", ("TQ_PAIR4=0",), True),
     ("STAGES=3", ("TQ_STAGES=3",), True),
     ("STAGES=1", ("TQ_STAGES=1",), True),
+    ("no vector loads", ("TQ_VEC_LOADS=0",), True),
+    ("no v4 interleave", ("TQ_V4_INTERLEAVE=0",), True),
 ]
 
 
@@ -342,7 +349,7 @@ def variants():
 def profile_one() -> None:
     """One decode call (b8 t32k 32/8 d128 4/4) for an external profiler (ncu) to look at."""
     case, kw = make_case(8, 32, 8, 1, 32768, 128, 4, 4, [32768] * 8)
-    for _ in range(2):
+    for _ in range(3):
         kc.decode_attention(**case, **kw)
     torch.cuda.synchronize()
 

@@ -80,7 +80,6 @@ def key_permutation(dim: int) -> np.ndarray:
 
 
 _perm_cache: dict = {}
-_derived: dict = {}
 
 
 def _perm_on(dim: int, device: torch.device) -> torch.Tensor:
@@ -91,16 +90,7 @@ def _perm_on(dim: int, device: torch.device) -> torch.Tensor:
     return _perm_cache[key]
 
 
-def _derive(t: torch.Tensor, what: str, fn) -> torch.Tensor:
-    """fn(t), cached per (tensor, version, what); the tensor is kept alive so its id stays unique."""
-    key = (id(t), t._version, what)
-    hit = _derived.get(key)
-    if hit is None or hit[0] is not t:
-        if len(_derived) > 512:
-            _derived.clear()
-        hit = (t, fn(t))
-        _derived[key] = hit
-    return hit[1]
+_derive = build.derived
 
 
 def _norm_is_bf16(t: torch.Tensor, what: str) -> bool:
@@ -258,6 +248,9 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     lse = torch.empty(bh, r, device=dev, dtype=torch.float32)
 
     kc, kn, vc, vn = k_codes.contiguous(), k_norms.contiguous(), v_codes.contiguous(), v_norms.contiguous()
+    # the kernel reads code chunks with 16-byte vector loads: a misaligned view gets an aligned copy
+    kc = kc if kc.data_ptr() % 16 == 0 else kc.clone()
+    vc = vc if vc.data_ptr() % 16 == 0 else vc.clone()
     kcb = _derive(k_codebook, f"f32 {dev}", lambda c: c.to(dev, torch.float32).contiguous())
     vcb = _derive(v_codebook, f"f32 {dev}", lambda c: c.to(dev, torch.float32).contiguous())
     lens = seq_lens.to(dev, torch.int32).clamp(0, tcap).contiguous()

@@ -66,6 +66,23 @@ def get_function(source: str, name_expression: str, defines: tuple[str, ...] = (
     return fn
 
 
+_derived: dict = {}
+
+
+def derived(t, what: str, fn):
+    """fn(t), cached per (tensor, version, what): per-call conversions (codebook to float32 on the
+    device, transposed rotation, thresholds) run once. The tensor is kept alive in the cache so its
+    id cannot be reused by another tensor."""
+    key = (id(t), t._version, what)
+    hit = _derived.get(key)
+    if hit is None or hit[0] is not t:
+        if len(_derived) > 512:
+            _derived.clear()
+        hit = (t, fn(t))
+        _derived[key] = hit
+    return hit[1]
+
+
 def instantiation_wrapper(source: str, instances: list[str]) -> str:
     """C++ text that includes ``source`` and explicitly instantiates the given kernel instances.
 

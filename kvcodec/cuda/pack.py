@@ -75,7 +75,8 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
     codes = torch.empty(n, d * bits // 8, device=x.device, dtype=torch.uint8)
     norms = torch.empty(n, device=x.device, dtype=norm_dtype)
     if n:
-        thr = reference.thresholds_of(codebook.to(torch.float32)).to(x.device).contiguous()
+        thr = build.derived(codebook, f"thresholds {x.device}",
+                            lambda c: reference.thresholds_of(c.to(torch.float32)).to(x.device).contiguous())
         fn = build.get_function(SOURCE, pack_name(d, bits, _IN_CODE[x.dtype], norm_dtype == torch.bfloat16))
         with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, x.device.index or 0):
             fn((-(-n // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,),

@@ -52,7 +52,7 @@ struct TqBits {
   tq_u32 w[NW + 1];  // one spare word keeps straddling field reads in range
 };
 
-template <int NBITS, bool ALIGNED>
+template <int NBITS, bool ALIGNED, int VEC = 1>
 TQ_DEVI void tq_load_bits(TqBits<NBITS>& b, const tq_u32* __restrict__ row, int start, bool valid) {
   constexpr int NW = TqBits<NBITS>::NW;
   b.w[NW] = 0u;
@@ -62,7 +62,16 @@ TQ_DEVI void tq_load_bits(TqBits<NBITS>& b, const tq_u32* __restrict__ row, int 
     return;
   }
   const tq_u32* p = row + (start >> 5);
-  if constexpr (ALIGNED) {
+  if constexpr (ALIGNED && VEC == 4 && NW % 4 == 0) {  // caller guarantees 16-byte alignment
+#pragma unroll
+    for (int i = 0; i < NW; i += 4)
+      asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+          : "=r"(b.w[i]), "=r"(b.w[i + 1]), "=r"(b.w[i + 2]), "=r"(b.w[i + 3]) : "l"(p + i));
+  } else if constexpr (ALIGNED && VEC >= 2 && NW % 2 == 0) {  // 8-byte alignment
+#pragma unroll
+    for (int i = 0; i < NW; i += 2)
+      asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(b.w[i]), "=r"(b.w[i + 1]) : "l"(p + i));
+  } else if constexpr (ALIGNED) {
 #pragma unroll
     for (int i = 0; i < NW; ++i) b.w[i] = __ldg(p + i);
   } else {

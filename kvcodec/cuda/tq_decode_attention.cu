@@ -27,6 +27,15 @@
 #ifndef TQ_PAIR4
 #define TQ_PAIR4 1
 #endif
+// 1: 16/8-byte vector loads of code chunks where the layout keeps them aligned (the launcher makes
+// the code tensors 16-byte aligned); -DTQ_VEC_LOADS=0 for 4-byte loads only.
+#ifndef TQ_VEC_LOADS
+#define TQ_VEC_LOADS 1
+#endif
+// 1: for 4-bit values, build the pair-table offsets of a whole word pair with nibble masks.
+#ifndef TQ_V4_INTERLEAVE
+#define TQ_V4_INTERLEAVE 1
+#endif
 // 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
 #ifndef TQ_STAGES
 #define TQ_STAGES 2
@@ -57,6 +66,22 @@ struct CodeTable {
     if constexpr (PAIRED) return tq_lds_at(pair, tq_field_off<2 * BITS, 2>(b, p));
     else return __byte_perm(tq_lds_at(single, tq_field_off<BITS, 2>(b, p)),
                             tq_lds_at(single, tq_field_off<BITS, 2>(b, p + BITS)), 0x5410);
+  }
+  // 4-bit codes of two rows a (lo) and b (hi) -> words whose byte k is the pair index of coordinate
+  // 8i + 2k (ev[i]) or 8i + 2k + 1 (od[i]): two ops per word instead of per coordinate.
+  template <int NB>
+  TQ_DEVI static void interleave4(const TqBits<NB>& a, const TqBits<NB>& b, tq_u32* ev, tq_u32* od) {
+#pragma unroll
+    for (int i = 0; i < TqBits<NB>::NW; ++i) {
+      ev[i] = (a.w[i] & 0x0F0F0F0Fu) | ((b.w[i] << 4) & 0xF0F0F0F0u);
+      od[i] = ((a.w[i] >> 4) & 0x0F0F0F0Fu) | (b.w[i] & 0xF0F0F0F0u);
+    }
+  }
+  // Pair of coordinate c (compile-time) from interleave4 words.
+  TQ_DEVI tq_u32 interleaved(const tq_u32* ev, const tq_u32* od, int c) const {
+    const tq_u32 x = (c & 1) ? od[c >> 3] : ev[c >> 3];
+    const int k = (c >> 1) & 3;
+    return tq_lds_at(pair, k ? ((x >> (8 * k - 2)) & 0x3FCu) : ((x << 2) & 0x3FCu));
   }
   // Packed pair of the codes at bit position p of two different rows (lo from a, hi from b).
   template <int NB>
@@ -92,6 +117,14 @@ struct DecodeTraits {
   static constexpr int KROW_WORDS = D * BK / 32;    // packed row length in 32-bit words
   static constexpr int VROW_WORDS = D * BV / 32;
   static constexpr int QROW_WORDS = D / 32;
+  // vector load width (words) for a thread's chunk: needs aligned chunks and rows
+  static constexpr int KVEC = !TQ_VEC_LOADS || !KALIGN ? 1
+                              : ((KBITS / 32) % 4 == 0 && KROW_WORDS % 4 == 0) ? 4
+                              : ((KBITS / 32) % 2 == 0 && KROW_WORDS % 2 == 0) ? 2 : 1;
+  static constexpr int VVEC = !TQ_VEC_LOADS || !VALIGN ? 1
+                              : ((VBITS / 32) % 4 == 0 && VROW_WORDS % 4 == 0) ? 4
+                              : ((VBITS / 32) % 2 == 0 && VROW_WORDS % 2 == 0) ? 2 : 1;
+  static constexpr bool V4I = TQ_V4_INTERLEAVE && BV == 4 && VALIGN && (BV <= 3 || TQ_PAIR4);
 };
 
 // Raw (not yet dequantized) bytes of one 16-token step, held by one thread.
@@ -112,7 +145,7 @@ TQ_DEVI void load_step(StepRegs<T>& r, int base, int len, int g, int t,
   for (int j = 0; j < 2; ++j) {
     const int tok = base + 8 * j + g;
     const bool ok = tok < len;
-    tq_load_bits<T::KBITS, T::KALIGN>(r.k[j], kc + (long long)tok * T::KROW_WORDS, t * T::KBITS, ok);
+    tq_load_bits<T::KBITS, T::KALIGN, T::KVEC>(r.k[j], kc + (long long)tok * T::KROW_WORDS, t * T::KBITS, ok);
     if constexpr (QJL)
       tq_load_bits<T::QBITS, T::QALIGN>(r.s[j], qc + (long long)tok * T::QROW_WORDS, t * T::QBITS, ok);
   }
@@ -120,7 +153,7 @@ TQ_DEVI void load_step(StepRegs<T>& r, int base, int len, int g, int t,
   for (int j = 0; j < 4; ++j) {
     const int tok = base + 2 * t + (j & 1) + 8 * (j >> 1);
     const bool ok = tok < len;
-    tq_load_bits<T::VBITS, T::VALIGN>(r.v[j], vc + (long long)tok * T::VROW_WORDS, g * T::VBITS, ok);
+    tq_load_bits<T::VBITS, T::VALIGN, T::VVEC>(r.v[j], vc + (long long)tok * T::VROW_WORDS, g * T::VBITS, ok);
     r.kn[j] = ok ? __ldg(kn + tok) : (tq_u16)0;
     r.vn[j] = ok ? __ldg(vn + tok) : (tq_u16)0;  // masked tokens: value norm 0 keeps garbage out
     if constexpr (QJL) r.rn[j] = ok ? __ldg(rn + tok) : (tq_u16)0;
@@ -300,13 +333,26 @@ tq_decode_split(
             acc[i][3] *= a_hi;
           }
         }
+        if constexpr (T::V4I) {
+          constexpr int NW = TqBits<T::VBITS>::NW;
+          tq_u32 ev01[NW], od01[NW], ev23[NW], od23[NW];
+          vtab.interleave4(cur.v[0], cur.v[1], ev01, od01);
+          vtab.interleave4(cur.v[2], cur.v[3], ev23, od23);
 #pragma unroll
-        for (int mt = 0; mt < NACC; ++mt) {
-          const tq_u32 va[4] = {vtab.across(cur.v[0], cur.v[1], (2 * mt) * BV),
-                                vtab.across(cur.v[0], cur.v[1], (2 * mt + 1) * BV),
-                                vtab.across(cur.v[2], cur.v[3], (2 * mt) * BV),
-                                vtab.across(cur.v[2], cur.v[3], (2 * mt + 1) * BV)};
-          tq_mma16816<VBF>(acc[mt], va, pa[0], pa[2]);
+          for (int mt = 0; mt < NACC; ++mt) {
+            const tq_u32 va[4] = {vtab.interleaved(ev01, od01, 2 * mt), vtab.interleaved(ev01, od01, 2 * mt + 1),
+                                  vtab.interleaved(ev23, od23, 2 * mt), vtab.interleaved(ev23, od23, 2 * mt + 1)};
+            tq_mma16816<VBF>(acc[mt], va, pa[0], pa[2]);
+          }
+        } else {
+#pragma unroll
+          for (int mt = 0; mt < NACC; ++mt) {
+            const tq_u32 va[4] = {vtab.across(cur.v[0], cur.v[1], (2 * mt) * BV),
+                                  vtab.across(cur.v[0], cur.v[1], (2 * mt + 1) * BV),
+                                  vtab.across(cur.v[2], cur.v[3], (2 * mt) * BV),
+                                  vtab.across(cur.v[2], cur.v[3], (2 * mt + 1) * BV)};
+            tq_mma16816<VBF>(acc[mt], va, pa[0], pa[2]);
+          }
         }
       } else {
         if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max moved: rescale
