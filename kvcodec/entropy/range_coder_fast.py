@@ -28,6 +28,12 @@ _WHY = {BAD_TARGET: "target beyond the total frequency", BAD_SYMBOL: "a symbol d
 
 # ---------------------------------------------------------------- coder primitives
 @njit(inline="always")
+def _udiv(a, b):
+    """a // b for 0 <= a, 0 < b: unsigned division skips the floor-sign fix-ups of signed //."""
+    return np.int64(np.uint64(a) // np.uint64(b))
+
+
+@njit(inline="always")
 def _shift_low(low, cache, pending, out, pos):
     if low < 0xFF000000 or low > MASK32:
         carry = low >> 32
@@ -46,7 +52,7 @@ def _shift_low(low, cache, pending, out, pos):
 
 @njit(inline="always")
 def _enc_step(low, rng, cache, pending, out, pos, cum, freq, total):
-    r = rng // total
+    r = _udiv(rng, total)
     low += r * cum
     rng = r * freq
     while rng < TOP:
@@ -68,9 +74,15 @@ def _enc_step_pow2(low, rng, cache, pending, out, pos, cum, freq, bits):
 
 
 @njit(inline="always")
-def _enc_uniform(low, rng, cache, pending, out, pos, value, count):
-    """models.base.uniform_steps: one step, or (high, low 16 bits) when count > 2**16."""
-    if count > 65536:
+def _enc_uniform(low, rng, cache, pending, out, pos, value, count, j):
+    """models.base.uniform_steps: one step, or (high, low 16 bits) when count > 2**16.
+
+    ``count == 2**j`` (a full bucket, the common case) takes the shift instead of a division.
+    """
+    if count == (1 << j) and j <= 16:
+        if j > 0:
+            low, rng, cache, pending, pos = _enc_step_pow2(low, rng, cache, pending, out, pos, value, 1, j)
+    elif count > 65536:
         high = value >> 16
         low, rng, cache, pending, pos = _enc_step(low, rng, cache, pending, out, pos, high, 1, (count + 65535) >> 16)
         rest = count - (high << 16)
@@ -125,8 +137,8 @@ def _dec_advance(buf, pos, code, rng, r, cum, freq):
 @njit(inline="always")
 def _dec_uniform_step(buf, pos, code, rng, total):
     """One uniform step; value -1 when the target lies beyond ``total`` (corrupt)."""
-    r = rng // total
-    v = code // r
+    r = _udiv(rng, total)
+    v = _udiv(code, r)
     if v >= total:
         return np.int64(-1), code, rng, pos
     code, rng, pos = _dec_advance(buf, pos, code, rng, r, v, 1)
@@ -134,8 +146,17 @@ def _dec_uniform_step(buf, pos, code, rng, total):
 
 
 @njit(inline="always")
-def _dec_uniform(buf, pos, code, rng, count):
+def _dec_uniform(buf, pos, code, rng, count, j):
     """Inverse of _enc_uniform; value -1 on corruption."""
+    if count == (1 << j) and j <= 16:
+        if j == 0:
+            return np.int64(0), code, rng, pos
+        r = rng >> j
+        v = _udiv(code, r)
+        if v >= count:
+            return np.int64(-1), code, rng, pos
+        code, rng, pos = _dec_advance(buf, pos, code, rng, r, v, 1)
+        return v, code, rng, pos
     if count > 65536:
         high, code, rng, pos = _dec_uniform_step(buf, pos, code, rng, (count + 65535) >> 16)
         if high < 0:
@@ -170,7 +191,7 @@ def _decode_cum(buf, cum, bits, out):
     alpha = cum.shape[1] - 1
     for i in range(out.shape[0]):
         r = rng >> bits
-        v = code // r
+        v = _udiv(code, r)
         if v >= total:
             return BAD_TARGET, pos
         a, b = 0, alpha  # cum[a] <= v < cum[b]
@@ -193,7 +214,7 @@ def _decode_lut(buf, cum, lut, bits, out):
     total = np.int64(1) << bits
     for i in range(out.shape[0]):
         r = rng >> bits
-        v = code // r
+        v = _udiv(code, r)
         if v >= total:
             return BAD_TARGET, pos
         x = lut[v]
@@ -221,9 +242,17 @@ _SCALE_F = 2.0 ** (np.arange(q.SIDX_MIN, q.SIDX_MAX + 1) / 32.0)
 
 @njit(inline="always")
 def _guess_token(v, fr, lo, mean_q, sidx, fam):
-    """Token whose mass holds target v, by the inverse CDF: exactness comes from the search after."""
+    """Token whose mass holds target v, by the inverse CDF: exactness comes from the search after.
+
+    Only ``v`` is on the decoder's serial path; the reciprocals and the scale are computed
+    from per-symbol parameters, which the CPU can prepare ahead.
+    """
     j, nsym, nb, wl, wh, el, er, ntok = fr
-    a = (v - 0.5 * ntok) / ((1 << q.PRECISION) - ntok)
+    inv_free = 1.0 / ((1 << q.PRECISION) - ntok)
+    inv_bucket = 1.0 / (1 << j)
+    mean = mean_q * (1.0 / (1 << q.MEAN_FRAC_BITS)) + 0.5 - lo
+    scale = _SCALE_F[sidx - q.SIDX_MIN]
+    a = (v - 0.5 * ntok) * inv_free
     neg = a < 0.5
     g = (a if neg else 1.0 - a) * (2 * _INV_N)
     if g < 0.0:
@@ -233,8 +262,7 @@ def _guess_token(v, fr, lo, mean_q, sidx, fam):
         u = _INV_TAIL[fam, _INV_N]
     else:
         u = _INV_TAIL[fam, k] + (g - k) * (_INV_TAIL[fam, k + 1] - _INV_TAIL[fam, k])
-    x = mean_q * (1.0 / (1 << q.MEAN_FRAC_BITS)) + (-u if neg else u) * _SCALE_F[sidx - q.SIDX_MIN]
-    b = (x + 0.5 - lo) / (1 << j)
+    b = (mean + (-u if neg else u) * scale) * inv_bucket
     if b < wl:
         return 0
     if b >= wh + 1:
@@ -296,7 +324,7 @@ def _encode_quant(sym, mean_q, sidx, wq, lo, hi, fam, out):
         c0 = q.token_cum(t, fr, lo, m, s, w, fam)
         c1 = q.token_cum(t + 1, fr, lo, m, s, w, fam)
         low, rng, cache, pending, pos = _enc_step_pow2(low, rng, cache, pending, out, pos, c0, c1 - c0, q.PRECISION)
-        low, rng, cache, pending, pos = _enc_uniform(low, rng, cache, pending, out, pos, idx, count)
+        low, rng, cache, pending, pos = _enc_uniform(low, rng, cache, pending, out, pos, idx, count, fr[0])
     return _enc_finish(low, rng, cache, pending, out, pos)
 
 
@@ -310,12 +338,12 @@ def _decode_quant(buf, mean_q, sidx, wq, lo, hi, fam, out):
         w = np.int64(wq[i if wq.shape[0] > 1 else 0])
         fr = q.symbol_frame(lo, hi, m, s, fam)
         r = rng >> q.PRECISION
-        v = code // r
+        v = _udiv(code, r)
         if v >= total:
             return BAD_TARGET, pos
         t, c0, c1 = _find_token_guided(v, fr, lo, m, s, w, fam)
         code, rng, pos = _dec_advance(buf, pos, code, rng, r, c0, c1 - c0)
-        raw, code, rng, pos = _dec_uniform(buf, pos, code, rng, q.raw_count(t, fr))
+        raw, code, rng, pos = _dec_uniform(buf, pos, code, rng, q.raw_count(t, fr), fr[0])
         if raw < 0:
             return BAD_TARGET, pos
         x = q.join_symbol(t, raw, fr, lo)

@@ -51,7 +51,7 @@ _INTERP_MASK = (1 << _INTERP_BITS) - 1
 _GAUSS_K, _LAPLACE_K = WINDOW_SCALES
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def tail_q31(fam, zq):
     """Upper-tail mass P(Z > z) in Q31 for z = zq / 2**16 >= 0, by integer interpolation."""
     tab = _GAUSS if fam == GAUSSIAN else _LAPLACE
@@ -62,7 +62,7 @@ def tail_q31(fam, zq):
     return a - (((a - tab[i + 1]) * (zq & _INTERP_MASK)) >> _INTERP_BITS)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def cdf_q31(d, sidx, fam):
     """P(X < mean + d/256) in Q31: non-decreasing in d, exactly symmetric about the mean."""
     e = sidx >> 5
@@ -74,7 +74,7 @@ def cdf_q31(d, sidx, fam):
     return t if d < 0 else ONE - t
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def bucket_mass(b, lo, j, nsym, nb, mean_q, sidx, wq, fam):
     """Model mass (Q31) of all symbols below bucket b; tails beyond [lo, hi] fold into the end buckets."""
     if b <= 0:
@@ -120,7 +120,7 @@ def symbol_frame(lo, hi, mean_q, sidx, fam):
     return (j, nsym, nb, wl, wh, el, er, el + wh - wl + 1 + er)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def token_cum(t, fr, lo, mean_q, sidx, wq, fam):
     """Cumulative frequency (Q16) below token t in [0, ntok]; every token gets >= 1.
 

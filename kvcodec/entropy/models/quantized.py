@@ -43,12 +43,39 @@ def quantize_mean(mean, lo: int, hi: int) -> np.ndarray:
 def quantize_scale(scale) -> np.ndarray:
     """round(32*log2(scale)) computed exactly (frexp + comparisons), clamped to [2**-8, 2**24]."""
     s = _as_1d(scale, "scale").astype(np.float64)
-    if not np.all(np.isfinite(s)) or np.any(s <= 0):
+    out = np.empty(s.shape[0], dtype=np.int32)
+    if not _scale_index(np.ascontiguousarray(s), _THRESHOLDS, _MANT_START, out):
         raise ValueError("scale must be finite and > 0")
-    mant, expo = np.frexp(s)  # s = mant * 2**expo, mant in [0.5, 1)
-    k = np.searchsorted(_THRESHOLDS, 2.0 * mant, side="right")
-    sidx = (expo.astype(np.int64) - 1) * _tables.SCALE_STEPS + k
-    return np.clip(sidx, q.SIDX_MIN, q.SIDX_MAX).astype(np.int32)
+    return out
+
+
+def _mantissa_start_table(bits: int = 8) -> np.ndarray:
+    """For each top-``bits`` mantissa bucket: how many thresholds lie below the bucket's start."""
+    starts = 1.0 + np.arange(1 << bits) / float(1 << bits)
+    return np.searchsorted(_THRESHOLDS, starts, side="right").astype(np.int64)
+
+
+_MANT_START = _mantissa_start_table()
+
+
+@njit(cache=True)
+def _scale_index(s, thresholds, start, out):
+    """Exact: frexp splits s = m * 2**e with no rounding, and m is placed among the thresholds by
+    comparisons (a 256-bucket table gives the start; at most a step or two follow)."""
+    steps = thresholds.shape[0]
+    nbuckets = start.shape[0]
+    for i in range(s.shape[0]):
+        v = s[i]
+        if not (v > 0.0 and v < np.inf):  # also rejects NaN
+            return False
+        m, e = math.frexp(v)
+        m2 = 2.0 * m  # exact, in [1, 2)
+        k = start[int((m2 - 1.0) * nbuckets)]  # exact product: the bucket of m2
+        while k < steps and thresholds[k] <= m2:
+            k += 1
+        idx = (e - 1) * steps + k
+        out[i] = q.SIDX_MIN if idx < q.SIDX_MIN else (q.SIDX_MAX if idx > q.SIDX_MAX else idx)
+    return True
 
 
 def quantize_weight(weight) -> np.ndarray:
