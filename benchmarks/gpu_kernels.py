@@ -201,6 +201,39 @@ def _run_checks(prefix: str) -> list[dict]:
     return rows
 
 
+def run_quant_checks() -> list[dict]:
+    """kvcodec.cuda.quantized.attend on the GPU vs the quant package's own scores + weighted_sum."""
+    rows = []
+    try:
+        from kvcodec.cuda.quantized import attend
+        from kvcodec.quant import TurboQuantMSE, TurboQuantProd
+    except Exception as e:
+        return [{"quant_check": "import", "ok": False, "error": str(e)[:200]}]
+    for prod, pre, d in ((False, "none", 128), (True, "scale", 128), (False, "center", 64), (True, "none", 64)):
+        row = {"quant_check": f"d{d} {'prod' if prod else 'mse'} keys, precondition={pre}"}
+        try:
+            b, hkv, g, t = 2, 4, 4, 700
+            gen = torch.Generator(device="cuda").manual_seed(3)
+            k = torch.randn(b, hkv, t, d, device="cuda", generator=gen) * 2
+            v = torch.randn(b, hkv, t, d, device="cuda", generator=gen)
+            q = torch.randn(b, hkv * g, 1, d, device="cuda", generator=gen).to(torch.bfloat16)
+            kq = (TurboQuantProd if prod else TurboQuantMSE)(d, 4, seed=1, precondition=pre)
+            vq = TurboQuantMSE(d, 4, seed=2, precondition=pre)
+            kt, vt = kq.quantize(k), vq.quantize(v)
+            poison_allocator()
+            out = attend(q, kt, vt, kq, vq).float()
+            s = kq.scores(kt, q.float().reshape(b, hkv, g, d)) / math.sqrt(d)
+            want = vq.weighted_sum(vt, torch.softmax(s, -1)).reshape(b, hkv * g, 1, d)
+            rel = ((out - want).abs().max() / want.abs().max()).item()
+            row.update(max_rel_err=rel, ok=bool(rel < 1e-2 and torch.isfinite(out).all()))
+        except Exception as e:
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+        log("quant", row)
+        rows.append(row)
+    return rows
+
+
 def run_pack_checks() -> list[dict]:
     rows = []
     for d, bits, dtype in ((128, 4, torch.bfloat16), (128, 3, torch.float16), (128, 2, torch.float32),
@@ -218,17 +251,21 @@ def run_pack_checks() -> list[dict]:
             row.update(code_mismatch_rate=(got != want).float().mean().item(),
                        max_code_diff=int((got - want).abs().max()),
                        norm_mismatch=int((norms != rn).sum()), ok=bool((got - want).abs().max() <= 1))
-            try:  # the quant package's own torch path, when it exists and has this API
-                from kvcodec.quant import TurboQuantMSE  # type: ignore
+            try:  # the quant package's own torch path (default "hadamard2" rotation: two rounds)
+                from kvcodec.quant import TurboQuantMSE
 
                 qz = TurboQuantMSE(d, bits, seed=7)
-                qc = qz.quantize(x.float())
-                codes2, norms2 = kc.quantize_pack(x, qz.rotation.cuda(), qz.codebook.cuda(), bits)
+                qt = qz.quantize(x)
+                codes2, norms2 = kc.quantize_pack(x, qz.rotation.cuda(), qz.codebook.cuda(), bits,
+                                                  norm_dtype=qt.token["norms"].dtype)
                 g2 = reference.unpack_codes(codes2, bits, d)
-                w2 = reference.unpack_codes(qc.codes.cuda(), bits, d)
+                w2 = reference.unpack_codes(qt.token["codes"].cuda(), bits, d)
                 row["vs_quant_mismatch_rate"] = (g2 != w2).float().mean().item()
+                row["vs_quant_max_diff"] = int((g2 - w2).abs().max())
+                row["vs_quant_norm_max_rel"] = ((norms2.float() - qt.token["norms"].float()).abs()
+                                                / qt.token["norms"].float().clamp_min(1e-30)).max().item()
             except Exception as e:
-                row["vs_quant"] = f"n/a ({type(e).__name__})"
+                row["vs_quant"] = f"n/a ({type(e).__name__}: {str(e)[:80]})"
         except Exception as e:
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
             traceback.print_exc()
@@ -389,6 +426,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
     log(f"copy bandwidth {bw:.3f} TB/s (read+write)")
     checks = run_checks()
     packs = run_pack_checks()
+    quant_checks = run_quant_checks()
     log(f"checks done {time.time() - t0:.0f}s")
     try:
         breakdown = kernel_breakdown()
@@ -412,6 +450,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
         "rows": timing,
         "checks": checks,
         "pack_checks": packs,
+        "quant_checks": quant_checks,
         "variants": var_rows,
         "breakdown": breakdown,
         "pack_timing": pack_rows,
@@ -421,7 +460,8 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
                   "fused = tq_decode_split + tq_decode_merge (incl. query rotation/permutation in torch); "
                   "bytes = packed codes + fp16 norms of K and V; sdpa = flash backend on bf16 K/V (4/4 rows)",
                   f"checks ok: {sum(bool(c.get('ok')) for c in checks)}/{len(checks)}; "
-                  f"pack checks ok: {sum(bool(c.get('ok')) for c in packs)}/{len(packs)}",
+                  f"pack checks ok: {sum(bool(c.get('ok')) for c in packs)}/{len(packs)}; "
+                  f"quant attend checks ok: {sum(bool(c.get('ok')) for c in quant_checks)}/{len(quant_checks)}",
                   f"total {time.time() - t0:.0f}s"],
     }
     cols = ["batch", "ctx", "heads", "d", "bits", "fused_ms", "fused_TBps", "pct_copy_bw", "sdpa_ms", "speedup"]

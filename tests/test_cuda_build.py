@@ -26,7 +26,8 @@ SPLIT_CONFIGS = [
     (64, 3, 3, False, True, False, False),
     (64, 1, 2, False, False, True, True),
 ]
-PACK_CONFIGS = [(128, 4, 2, False), (128, 3, 1, False), (64, 3, 2, True), (64, 2, 0, False)]
+PACK_CONFIGS = [(128, 4, 2, False, 1), (128, 4, 2, False, 2), (128, 3, 1, False, 2), (64, 3, 2, True, 2),
+                (64, 2, 0, False, 1)]
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
@@ -101,6 +102,32 @@ def test_hadamard_signs_roundtrip_and_rejects_other_rotations():
     q, _ = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))
     assert reference.hadamard_signs(q.float()) is None
     assert torch.allclose(rot @ rot.T, torch.eye(64), atol=1e-5)
+
+
+def test_hadamard2_signs_recovers_quant_rotation():
+    from kvcodec.quant.rotations import rotation_matrix
+
+    for d in (64, 128):
+        rot = rotation_matrix(d, 3, "hadamard2")
+        s = reference.hadamard2_signs(rot)
+        assert s is not None and s.shape == (2, d)
+        h = reference.hadamard_matrix(d)
+        rebuilt = (h * s[1].double()) @ (h * s[0].double()) / d
+        assert torch.allclose(rebuilt.float(), rot, atol=1e-6)
+        assert reference.hadamard2_signs(rotation_matrix(d, 3, "qr")) is None
+        assert reference.hadamard_signs(rot) is None
+
+
+def test_reference_quantize_matches_quant_package_bytes():
+    from kvcodec.quant import TurboQuantMSE
+
+    for d, bits in ((64, 3), (128, 4)):
+        qz = TurboQuantMSE(d, bits, seed=5)
+        x = torch.randn(2, 3, 40, d) * 2
+        qt = qz.quantize(x)
+        codes, norms = reference.quantize_reference(x, qz.rotation, qz.codebook, bits)
+        assert torch.equal(codes, qt.token["codes"])
+        assert torch.allclose(norms.float(), qt.token["norms"].float(), rtol=1e-3)
 
 
 def test_quantize_reference_picks_nearest_centroid():
@@ -206,3 +233,32 @@ def test_quantize_pack_cpu_path_is_reference():
     assert torch.equal(c1, c2) and torch.equal(n1, n2)
     with pytest.raises(ValueError):
         pack.quantize_pack(x, rot, cb, 4)
+
+
+@pytest.mark.parametrize("prod,precondition", [(False, "none"), (True, "scale"), (False, "center")])
+def test_attend_on_quantized_tensors_matches_quant_package(prod, precondition):
+    """kvcodec.cuda.quantized.attend (CPU path) == softmax over the quant package's own scores and
+    weighted_sum: same layout, rotation, codebook, QJL scale and preconditioning semantics."""
+    from kvcodec.cuda.quantized import attend
+    from kvcodec.quant import TurboQuantMSE, TurboQuantProd
+
+    b, hkv, g, ql, t, d = 2, 2, 3, 2, 24, 64
+    torch.manual_seed(0)
+    k = torch.randn(b, hkv, t, d) * (1 + 4 * (torch.arange(d) % 7 == 0))  # a few outlier channels
+    v = torch.randn(b, hkv, t, d) + 0.5
+    q = torch.randn(b, hkv * g, ql, d)
+    kq = TurboQuantProd(d, 4, seed=1, precondition=precondition) if prod else TurboQuantMSE(d, 4, seed=1, precondition=precondition)
+    vq = TurboQuantMSE(d, 3, seed=2, precondition=precondition)
+    kt, vt = kq.quantize(k), vq.quantize(v)
+    wk, wv = torch.randn(b, hkv, 3, d), torch.randn(b, hkv, 3, d)
+    out, lse = attend(q, kt, vt, kq, vq, window_k=wk, window_v=wv, return_lse=True)
+
+    qg = q.reshape(b, hkv, g * ql, d)
+    s = kq.scores(kt, qg).reshape(b, hkv * g, ql, t) / math.sqrt(d)
+    ws = (q @ wk.repeat_interleave(g, 1).transpose(-1, -2)) / math.sqrt(d)
+    ws = ws.masked_fill(torch.arange(3).view(1, 1, 1, 3) > torch.arange(ql).view(1, 1, ql, 1) + 3 - ql, float("-inf"))
+    allp = torch.softmax(torch.cat([s, ws], -1), -1)
+    want = vq.weighted_sum(vt, allp[..., :t].reshape(b, hkv, g * ql, t)).reshape(b, hkv * g, ql, d)
+    want = want + allp[..., t:] @ wv.repeat_interleave(g, 1)
+    assert torch.allclose(out, want, atol=2e-4), (out - want).abs().max()
+    assert torch.allclose(lse, torch.logsumexp(torch.cat([s, ws], -1), -1), atol=1e-4)

@@ -105,3 +105,33 @@ def test_quantize_pack_matches_reference_bytes():
         want = reference.unpack_codes(rc, bits, d)
         assert (got != want).float().mean().item() < 1e-3
         assert ((got - want).abs() <= 1).all()  # a mismatch is a neighbour at a float-rounding tie
+
+
+@pytest.mark.parametrize("prod,precondition", [(False, "none"), (True, "scale")])
+def test_attend_on_quant_objects_matches_quant_package(prod, precondition):
+    from kvcodec.cuda.quantized import attend
+    from kvcodec.quant import TurboQuantMSE, TurboQuantProd
+
+    b, hkv, g, t, d = 2, 2, 4, 300, 128
+    k = torch.randn(b, hkv, t, d, device="cuda") * 2
+    v = torch.randn(b, hkv, t, d, device="cuda")
+    q = torch.randn(b, hkv * g, 1, d, device="cuda")
+    kq = (TurboQuantProd if prod else TurboQuantMSE)(d, 4, seed=1, precondition=precondition)
+    vq = TurboQuantMSE(d, 4, seed=2, precondition=precondition)
+    kt, vt = kq.quantize(k), vq.quantize(v)
+    poison_allocator()
+    out = attend(q, kt, vt, kq, vq)
+    s = kq.scores(kt, q.reshape(b, hkv, g, d)) / math.sqrt(d)
+    want = vq.weighted_sum(vt, torch.softmax(s, -1)).reshape(b, hkv * g, 1, d)
+    assert ((out - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+def test_quantize_pack_matches_quant_package_hadamard2():
+    from kvcodec.quant import TurboQuantMSE
+
+    qz = TurboQuantMSE(128, 4, seed=7)  # default rotation for power-of-two dims: two Hadamard rounds
+    x = torch.randn(4096, 128, device="cuda", dtype=torch.bfloat16)
+    qt = qz.quantize(x)
+    codes, _ = kc.quantize_pack(x, qz.rotation.cuda(), qz.codebook.cuda(), 4)
+    got, want = reference.unpack_codes(codes, 4, 128), reference.unpack_codes(qt.token["codes"], 4, 128)
+    assert (got != want).float().mean().item() < 1e-3 and ((got - want).abs() <= 1).all()

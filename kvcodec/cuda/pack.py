@@ -3,8 +3,11 @@
 ``quantize_pack(x, rotation, codebook, bits)`` returns (codes uint8 [..., D*bits/8], norms [...]),
 the same bytes as ``reference.quantize_reference`` except where a coordinate lies within float
 rounding of a decision threshold (the kernel rotates with a Hadamard butterfly, the reference with
-a float32 matmul; see docs/cuda.md for the measured mismatch rate). Rotations that are not a
-randomized Hadamard, CPU tensors and head_dims the kernel does not take use the torch reference.
+a float32 matmul; see docs/cuda.md for the measured mismatch rate). The kernel takes the
+randomized Hadamard rotations ("hadamard": H diag(s)/sqrt(D); "hadamard2": H diag(s2) H diag(s1)/D,
+kvcodec.quant's default for power-of-two head_dim); other rotations (e.g. "qr"), CPU tensors and
+head_dims the kernel does not take use the torch reference. x must already be preconditioned
+(kvcodec.quant's ``pre.apply(x)``); norms are stored in norm_dtype as given.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ SIGNATURE = "(const void*, long long, const float*, const float*, int, tq_u8*, t
 _IN_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def pack_name(dim: int, bits: int, in_code: int, norm_bf16: bool) -> str:
-    return f"tq_quant_pack<{dim}, {bits}, {in_code}, {'true' if norm_bf16 else 'false'}>"
+def pack_name(dim: int, bits: int, in_code: int, norm_bf16: bool, rounds: int = 1) -> str:
+    return f"tq_quant_pack<{dim}, {bits}, {in_code}, {'true' if norm_bf16 else 'false'}, {rounds}>"
 
 
 def instance_declarations(configs) -> list[str]:
-    """Explicit-instantiation declarations (for nvcc) of (dim, bits, in_code, norm_bf16) configs."""
+    """Explicit-instantiation declarations (for nvcc) of (dim, bits, in_code, norm_bf16, rounds) configs."""
     return [f"__global__ void {pack_name(*c)}{SIGNATURE}" for c in configs]
 
 
@@ -38,7 +41,9 @@ def _signs_for(rotation: torch.Tensor, device) -> torch.Tensor | None:
     key = (id(rotation), rotation._version, str(device))
     hit = _signs_cache.get(key)
     if hit is None or hit[0] is not rotation:
-        s = reference.hadamard_signs(rotation)
+        s = reference.hadamard_signs(rotation)  # [D]: one round
+        if s is None:
+            s = reference.hadamard2_signs(rotation)  # [2, D]: two rounds
         hit = (rotation, None if s is None else s.to(device).contiguous())
         if len(_signs_cache) > 256:
             _signs_cache.clear()
@@ -77,7 +82,8 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
     if n:
         thr = build.derived(codebook, f"thresholds {x.device}",
                             lambda c: reference.thresholds_of(c.to(torch.float32)).to(x.device).contiguous())
-        fn = build.get_function(SOURCE, pack_name(d, bits, _IN_CODE[x.dtype], norm_dtype == torch.bfloat16))
+        rounds = 1 if signs.dim() == 1 else 2
+        fn = build.get_function(SOURCE, pack_name(d, bits, _IN_CODE[x.dtype], norm_dtype == torch.bfloat16, rounds))
         with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, x.device.index or 0):
             fn((-(-n // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,),
                (rows.data_ptr(), np.int64(rows.stride(0)), signs.data_ptr(), thr.data_ptr(), np.int32(n),

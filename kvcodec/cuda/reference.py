@@ -47,6 +47,26 @@ def hadamard_signs(rotation: torch.Tensor, atol: float = 1e-6) -> torch.Tensor |
     return s.to(torch.float32)
 
 
+def hadamard2_signs(rotation: torch.Tensor, atol: float = 1e-5) -> torch.Tensor | None:
+    """Signs [2, D] (s1, s2) if ``rotation`` is H diag(s2) H diag(s1) / D (kvcodec.quant's
+    "hadamard2"), else None. (s1, s2) and (-s1, -s2) give the same matrix: s1[0] = +1 is chosen."""
+    d = rotation.shape[-1]
+    if rotation.shape != (d, d) or d & (d - 1):
+        return None
+    rot = rotation.detach().to(torch.float64)
+    h = hadamard_matrix(d).to(rot.device)
+    s2 = torch.sign(h @ rot[:, 0])  # H R e_0 = s1[0] * s2
+    if bool((s2 == 0).any()):
+        return None
+    m = (h * s2) @ h / d
+    s1 = torch.sign(torch.diagonal(m.T @ rot))
+    if bool((s1 == 0).any()):
+        return None
+    if not torch.allclose(rot, m * s1, atol=atol, rtol=0):
+        return None
+    return torch.stack([s1, s2]).to(torch.float32)
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Integer codes [..., D] (values < 2^bits) -> uint8 [..., ceil(D*bits/8)] little-endian bit stream."""
     if not 1 <= bits <= 8:
@@ -76,9 +96,10 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def thresholds_of(codebook: torch.Tensor) -> torch.Tensor:
-    """Midpoints between neighbouring centroids (float32), the decision boundaries of the search."""
-    cb = codebook.to(torch.float64)
-    return ((cb[1:] + cb[:-1]) / 2).to(torch.float32)
+    """Midpoints between neighbouring centroids, computed in float32 exactly as kvcodec.quant does
+    ((cb[1:] + cb[:-1]) / 2), so both sides draw the same decision boundaries."""
+    cb = codebook.to(torch.float32)
+    return (cb[1:] + cb[:-1]) / 2
 
 
 def quantize_reference(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tensor, bits: int,

@@ -1,7 +1,8 @@
 // TurboQuant-MSE quantize + pack (tq layout v1), one warp per row of D values.
 //
 // norm = ||x||; u = x / norm; y = H_D (s * u) / sqrt(D) (randomized Hadamard, Sylvester order,
-// butterflies in registers and warp shuffles); code_j = #{thresholds < y_j} (the codebook is sorted,
+// butterflies in registers and warp shuffles; ROUNDS = 2: y = H (s2 * H (s1 * u)) / D, the
+// "hadamard2" rotation of kvcodec.quant); code_j = #{thresholds < y_j} (the codebook is sorted,
 // so the nearest centroid is found by an unrolled binary search over the midpoints; exact ties go to
 // the lower centroid, like argmin); codes are written as the little-endian bit stream of the layout
 // and the norm as fp16/bf16. Lane l owns coordinates [l*E, (l+1)*E), E = D / 32.
@@ -13,11 +14,35 @@ template <int IN> TQ_DEVI float load_in(const void* __restrict__ p, long long i)
   else if constexpr (IN == 1) return tq_h2f(__ldg(reinterpret_cast<const tq_u16*>(p) + i));
   else return tq_bf2f(__ldg(reinterpret_cast<const tq_u16*>(p) + i));
 }
+// In-place y = H_D v (unnormalized Sylvester Hadamard) over a warp; lane l holds coords [l*E, (l+1)*E).
+template <int E>
+TQ_DEVI void fwht_warp(float (&v)[E], int lane) {
+#pragma unroll
+  for (int h = 1; h < E; h <<= 1) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      if ((e & h) == 0) {
+        const float a = v[e], c = v[e + h];
+        v[e] = a + c;
+        v[e + h] = a - c;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool upper = (lane & m) != 0;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const float other = __shfl_xor_sync(0xffffffffu, v[e], m);
+      v[e] = upper ? other - v[e] : v[e] + other;
+    }
+  }
+}
 }  // namespace tq
 
-// x: [N, D] (IN: 0 fp32, 1 fp16, 2 bf16), row stride `x_stride` elements; signs: [D] fp32 (+-1);
+// x: [N, D] (IN: 0 fp32, 1 fp16, 2 bf16), row stride `x_stride` elements; signs: [ROUNDS, D] fp32 (+-1);
 // thresholds: [2^B - 1] fp32 ascending; codes: [N, D*B/8] uint8; norms: [N] fp16 (NBF: bf16).
-template <int D, int B, int IN, bool NBF>
+template <int D, int B, int IN, bool NBF, int ROUNDS>
 __global__ void __launch_bounds__(256) tq_quant_pack(
     const void* __restrict__ x, long long x_stride, const float* __restrict__ signs,
     const float* __restrict__ thresholds, int N, tq_u8* __restrict__ codes, tq_u16* __restrict__ norms) {
@@ -50,29 +75,13 @@ __global__ void __launch_bounds__(256) tq_quant_pack(
 #pragma unroll
   for (int e = 0; e < E; ++e) v[e] = v[e] * inv * __ldg(signs + lane * E + e);
 
-  // Butterflies inside a lane (coordinate bits below log2 E) ...
+  tq::fwht_warp<E>(v, lane);
+  float rs = rsqrtf((float)D);
+  if constexpr (ROUNDS == 2) {
 #pragma unroll
-  for (int h = 1; h < E; h <<= 1) {
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      if ((e & h) == 0) {
-        const float a = v[e], c = v[e + h];
-        v[e] = a + c;
-        v[e + h] = a - c;
-      }
-    }
+    for (int e = 0; e < E; ++e) v[e] = v[e] * rs * __ldg(signs + D + lane * E + e);
+    tq::fwht_warp<E>(v, lane);
   }
-  // ... and across lanes (the remaining 5 bits).
-#pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const float other = __shfl_xor_sync(0xffffffffu, v[e], m);
-      v[e] = upper ? other - v[e] : v[e] + other;
-    }
-  }
-  const float rs = rsqrtf((float)D);
 
   for (int i = lane; i < ROW_WORDS; i += 32) packed[warp][i] = 0u;
   __syncwarp();
