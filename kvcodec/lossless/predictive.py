@@ -226,23 +226,25 @@ def _encode_kernel(kx, pred, has_pred, m, c, a, rs, shared, cdf, edges, valf, fi
 
 
 @njit(inline="always", cache=True)
-def _guess_rank(slot, mu, rs, edges, cdf, a_mass, rank_of):
-    """A rank near the symbol whose interval holds ``slot``: invert the shape table, then find
-    the value's bin among the edges. Only a starting point: _find_symbol verifies exactly."""
-    target = (slot << 32) // a_mass  # G value in 2**-32 units, ignoring the +k floor term
+def _guess_rank(slot, mu, scale, cdf, inv_cdf, inv_a, rank_of):
+    """A rank near the symbol whose interval holds ``slot``: invert the shape table (``inv_cdf``
+    indexes it by the top 12 bits of G), then map the value to a rank through its bf16 pattern.
+    Only a starting point (float, not exact): _find_symbol verifies with the exact CDF."""
+    target = np.int64(slot * inv_a)  # G value in 2**-32 units, ignoring the +k floor term
     if target >= (np.int64(1) << 32):
-        return edges.size - 2
-    lo = 0
-    hi = SHAPE_BINS
-    while hi - lo > 1:  # cdf[lo] <= target < cdf[hi]
-        mid = (lo + hi) >> 1
-        if cdf[mid] <= target:
-            lo = mid
-        else:
-            hi = mid
+        return -1
+    lo = inv_cdf[target >> 20]
+    while cdf[lo + 1] <= target:
+        lo += 1
     width = cdf[lo + 1] - cdf[lo]
     z = -ZMAX + (lo + (target - cdf[lo]) / width) * (2.0 * ZMAX / SHAPE_BINS)
-    return rank_of[_bf16_pattern(mu + z / rs)]
+    return rank_of[_bf16_pattern(mu + z * scale)]
+
+
+def inverse_shape_index(cdf: np.ndarray) -> np.ndarray:
+    """int64[4097]: for each top-12-bit value j of G, the shape bin holding j * 2**20."""
+    return np.clip(np.searchsorted(cdf, np.arange(4097, dtype=np.int64) << 20, side="right") - 1,
+                   0, SHAPE_BINS - 1).astype(np.int64)
 
 
 @njit(inline="always", cache=True)
@@ -261,10 +263,12 @@ def _bf16_pattern(v):
 
 
 @njit(inline="always", cache=True)
-def _find_symbol(slot, mu, rs, edges, cdf, a_mass, rank_of):
+def _find_symbol(slot, mu, rs, scale, edges, cdf, a_mass, inv_cdf, inv_a, rank_of):
     """(k, cum(k), cum(k+1)) with cum(k) <= slot < cum(k+1), by exact search from a guess."""
     n_sym = edges.size - 1
-    k = _guess_rank(slot, mu, rs, edges, cdf, a_mass, rank_of)
+    k = _guess_rank(slot, mu, scale, cdf, inv_cdf, inv_a, rank_of)
+    if k < 0 or k >= n_sym:
+        k = n_sym - 1
     ck = _cum(k, mu, rs, edges, cdf, a_mass)
     if ck <= slot:  # gallop up: cum(lo) <= slot < cum(hi)
         lo, c_lo = k, ck
@@ -306,12 +310,13 @@ def _find_symbol(slot, mu, rs, edges, cdf, a_mass, rank_of):
 
 @njit(parallel=True, cache=True)
 def _decode_kernel(words, wstart, wlen, pred, has_pred, m, c, a, rs, shared, cdf, edges, valf,
-                   finite, rank_of, tb, g0, out_k, err):
+                   finite, rank_of, scale, inv_cdf, tb, g0, out_k, err):
     g_n, t_n, d_n = out_k.shape
     n_tb = (t_n + tb - 1) // tb
     n_sym = edges.size - 1
     a_mass = np.int64(_M - n_sym)
     mask = np.int64(_M - 1)
+    inv_a = 4294967296.0 / a_mass
     for ci in prange(g_n * n_tb):
         gl = ci // n_tb
         gp = 0 if shared else g0 + gl
@@ -339,7 +344,8 @@ def _decode_kernel(words, wstart, wlen, pred, has_pred, m, c, a, rs, shared, cdf
                 base, mu = _location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
                 rsd = rs[gp, d]
                 slot = x & mask
-                lo, c_lo, c_hi = _find_symbol(slot, mu, rsd, edges, cdf, a_mass, rank_of)
+                lo, c_lo, c_hi = _find_symbol(slot, mu, rsd, scale[gp, d], edges, cdf, a_mass, inv_cdf,
+                                              inv_a, rank_of)
                 x = (c_hi - c_lo) * (x >> PREC) + slot - c_lo
                 if x < _RANS_L:
                     if ptr >= end:
@@ -692,7 +698,8 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0)
     kx = np.empty((g, tt, d), np.int32)
     err = np.zeros(g * n_tb, np.int32)
     dummy = np.zeros((1, 1, 1), np.float32)
-    tail = (grid.edges, grid.valf, grid.finite, grid.rank_of_bf16, tb)
+    tail = (grid.edges, grid.valf, grid.finite, grid.rank_of_bf16, 1.0 / margs[3],
+            inverse_shape_index(margs[5]), tb)
     with _Threads(threads):
         if source == "neighbour_layer":
             if len(shape) < 3:
