@@ -14,18 +14,25 @@ Plane layouts (``layout`` in the meta):
 - ``f32`` (float32): planes 0-1 as ``f16`` on the upper 16 bits, planes 2-3 the two low bytes.
 - ``bytes`` (fp8, integers, bool, float64, complex...): plane k = byte k of each little-endian element.
 
-Every plane is coded over the whole tensor with one static frequency table (12-bit precision,
-frequencies from ``kvcodec.entropy.freq``), or stored raw when coding saves less than
-``min_gain`` (default 2%, so near-uniform mantissa planes cost no decode time). The tensor is cut
-into chunks of ``chunk_bytes`` of input (default 2 MiB); each chunk of a coded plane is its own
-4-state interleaved rANS stream, so chunks are encoded and decoded in parallel (numba ``nogil``
-kernels on a thread pool) and one chunk can be decoded alone (:func:`decode_chunk`).
+Each plane is coded with static frequency tables (12-bit precision, from
+``kvcodec.entropy.freq``), stored "const" when it holds one value, or stored raw when coding saves
+less than ``min_gain`` (default 2%, so near-uniform mantissa planes cost no decode time). Context:
+rows along the last dimension (a weight row, a KV vector) are sorted by their mean symbol (their
+scale) and cut into K = 1, 4, 8 or 16 classes, each with its own table; the encoder picks the K
+whose estimated size (tables and the one-byte-per-row class map included) is smallest.
 
-rANS stream format (per chunk, a run of little-endian uint16 words): words 0..7 hold the 4 final
+The tensor is cut into chunks of ``chunk_bytes`` of input (default 2 MiB); each chunk of a coded
+plane is its own 8-state interleaved rANS stream, so chunks are encoded and decoded in parallel
+(numba ``nogil`` kernels on a thread pool) and one chunk can be decoded alone
+(:meth:`PlaneCodec.decode_chunk`). For 16-bit floats the exponent decode writes the final 16-bit
+values directly (fused with the sign/mantissa plane), so decoding is one pass.
+
+rANS stream format (per chunk, a run of little-endian uint16 words): words 0..15 hold the 8 final
 encoder states (low half, high half), then the renormalization words in decode order. State
-``x`` lives in [2**16, 2**32); symbol ``i`` of the chunk uses state ``i % 4``; decode is
-``slot = x & 4095; x = f[s] * (x >> 12) + slot - c[s]; if x < 2**16: x = x << 16 | next word``.
-The decoder checks that it consumed exactly the chunk's words and that every state ends at 2**16.
+``x`` lives in [2**16, 2**32); symbol ``i`` of the chunk uses state ``i % 8`` and the table of its
+row's class; decode is ``slot = x & 4095; x = f[s] * (x >> 12) + slot - c[s]; if x < 2**16:
+x = x << 16 | next word``. The decoder checks that it consumed exactly the chunk's words and that
+every state ends at 2**16.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from kvcodec.lossless import registry
 PREC = 12
 M = 1 << PREC
 RANS_L = 1 << 16
-N_STATES = 4
+N_STATES = 8
 DEFAULT_CHUNK_BYTES = 2 << 20
 DEFAULT_MIN_GAIN = 0.02
 FORMAT_VERSION = 1
@@ -53,6 +60,8 @@ FORMAT_VERSION = 1
 _F16 = ("bfloat16", "float16")
 _EMPTY8 = np.zeros(0, np.uint8)
 _EMPTY16 = np.zeros(0, np.uint16)
+# sign/low byte -> its bits in place in a 16-bit float: sign to bit 15, low 7 bits stay
+_SIGN_LOW = np.array([((b & 0x80) << 8) | (b & 0x7F) for b in range(256)], np.uint16)
 
 
 # --------------------------------------------------------------------------- numba kernels
@@ -97,14 +106,11 @@ def _histogram(sym, counts):
 @njit(nogil=True, cache=True)
 def _rans_encode(sym, a, D, rowctx, freq, cum, words):
     """Encode ``sym`` (uint8, elements ``a..a+n`` of the tensor) into ``words`` (uint16, filled from
-    the end); element ``e`` uses table ``rowctx[e // D]`` of ``freq``/``cum`` ([K, 256]). Returns
-    the start index of the stream in ``words``."""
+    the end); element ``e`` uses table ``rowctx[e // D]`` of ``freq``/``cum`` ([K, 256]) and state
+    ``(e - a) % 8``. Returns the start index of the stream in ``words``."""
     n = sym.size
     wp = words.size
-    x0 = np.int64(RANS_L)
-    x1 = np.int64(RANS_L)
-    x2 = np.int64(RANS_L)
-    x3 = np.int64(RANS_L)
+    xs = np.full(N_STATES, RANS_L, np.int64)
     r = (a + n - 1) // D
     lo = r * D - a  # chunk-relative index where row r starts
     k = np.int64(rowctx[r]) if n > 0 else 0
@@ -115,38 +121,17 @@ def _rans_encode(sym, a, D, rowctx, freq, cum, words):
             k = np.int64(rowctx[r])
         s = sym[i]
         f = freq[k, s]
-        c = cum[k, s]
-        j = i & 3
-        if j == 0:
-            x = x0
-        elif j == 1:
-            x = x1
-        elif j == 2:
-            x = x2
-        else:
-            x = x3
+        j = i & (N_STATES - 1)
+        x = xs[j]
         if x >= (f << 20):
             wp -= 1
             words[wp] = x & 0xFFFF
             x >>= 16
-        x = ((x // f) << PREC) + (x % f) + c
-        if j == 0:
-            x0 = x
-        elif j == 1:
-            x1 = x
-        elif j == 2:
-            x2 = x
-        else:
-            x3 = x
-    wp -= 8
-    words[wp] = x0 & 0xFFFF
-    words[wp + 1] = x0 >> 16
-    words[wp + 2] = x1 & 0xFFFF
-    words[wp + 3] = x1 >> 16
-    words[wp + 4] = x2 & 0xFFFF
-    words[wp + 5] = x2 >> 16
-    words[wp + 6] = x3 & 0xFFFF
-    words[wp + 7] = x3 >> 16
+        xs[j] = ((x // f) << PREC) + (x % f) + cum[k, s]
+    for j in range(N_STATES - 1, -1, -1):
+        wp -= 2
+        words[wp] = xs[j] & 0xFFFF
+        words[wp + 1] = xs[j] >> 16
     return wp
 
 
@@ -161,9 +146,8 @@ def _step(x, tabs, base, words, pos):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _merge_one(p1, i, s):
-    b = np.int64(p1[i])
-    return ((b & 0x80) << 8) | (s << 7) | (b & 0x7F)
+def _state(words, j):
+    return np.int64(words[2 * j]) | (np.int64(words[2 * j + 1]) << 16)
 
 
 @njit(nogil=True, cache=True)
@@ -174,15 +158,14 @@ def _rans_decode(words, a, D, rowctx, tabs, out, p1, u16):
     nw = words.size
     merge = u16.size > 0
     n = u16.size if merge else out.size
-    if nw < 8:
+    if nw < 2 * N_STATES:
         return 1
-    x0 = np.int64(words[0]) | (np.int64(words[1]) << 16)
-    x1 = np.int64(words[2]) | (np.int64(words[3]) << 16)
-    x2 = np.int64(words[4]) | (np.int64(words[5]) << 16)
-    x3 = np.int64(words[6]) | (np.int64(words[7]) << 16)
-    if x0 < RANS_L or x1 < RANS_L or x2 < RANS_L or x3 < RANS_L:
+    x0, x1, x2, x3 = _state(words, 0), _state(words, 1), _state(words, 2), _state(words, 3)
+    x4, x5, x6, x7 = _state(words, 4), _state(words, 5), _state(words, 6), _state(words, 7)
+    if min(min(min(x0, x1), min(x2, x3)), min(min(x4, x5), min(x6, x7))) < RANS_L:
         return 1
-    pos = 8
+    xs = np.empty(N_STATES, np.int64)
+    pos = 2 * N_STATES
     r = a // D
     hi = (r + 1) * D - a  # chunk-relative index where the next row starts
     base = np.int64(rowctx[r]) * M if n > 0 else 0
@@ -192,27 +175,40 @@ def _rans_decode(words, a, D, rowctx, tabs, out, p1, u16):
             r += 1
             hi += D
             base = np.int64(rowctx[r]) * M
-        if (i & 3) == 0 and i + 4 <= hi and i + 4 <= n and pos + 4 < nw:
-            # fast path: symbols i..i+3 (states 0..3) of one row read at most 4 words, all in bounds
+        if (i & 7) == 0 and i + 8 <= hi and i + 8 <= n and pos + 8 < nw:
+            # fast path: symbols i..i+7 (states 0..7) of one row read at most 8 words, all in bounds
             x0, pos, s0 = _step(x0, tabs, base, words, pos)
             x1, pos, s1 = _step(x1, tabs, base, words, pos)
             x2, pos, s2 = _step(x2, tabs, base, words, pos)
             x3, pos, s3 = _step(x3, tabs, base, words, pos)
+            x4, pos, s4 = _step(x4, tabs, base, words, pos)
+            x5, pos, s5 = _step(x5, tabs, base, words, pos)
+            x6, pos, s6 = _step(x6, tabs, base, words, pos)
+            x7, pos, s7 = _step(x7, tabs, base, words, pos)
             if merge:
-                u16[i] = _merge_one(p1, i, s0)
-                u16[i + 1] = _merge_one(p1, i + 1, s1)
-                u16[i + 2] = _merge_one(p1, i + 2, s2)
-                u16[i + 3] = _merge_one(p1, i + 3, s3)
+                u16[i] = (s0 << 7) | _SIGN_LOW[p1[i]]
+                u16[i + 1] = (s1 << 7) | _SIGN_LOW[p1[i + 1]]
+                u16[i + 2] = (s2 << 7) | _SIGN_LOW[p1[i + 2]]
+                u16[i + 3] = (s3 << 7) | _SIGN_LOW[p1[i + 3]]
+                u16[i + 4] = (s4 << 7) | _SIGN_LOW[p1[i + 4]]
+                u16[i + 5] = (s5 << 7) | _SIGN_LOW[p1[i + 5]]
+                u16[i + 6] = (s6 << 7) | _SIGN_LOW[p1[i + 6]]
+                u16[i + 7] = (s7 << 7) | _SIGN_LOW[p1[i + 7]]
             else:
                 out[i] = s0
                 out[i + 1] = s1
                 out[i + 2] = s2
                 out[i + 3] = s3
-            i += 4
+                out[i + 4] = s4
+                out[i + 5] = s5
+                out[i + 6] = s6
+                out[i + 7] = s7
+            i += 8
             continue
-        # careful path: one symbol with a bounds-checked read
-        j = i & 3
-        x = x0 if j == 0 else (x1 if j == 1 else (x2 if j == 2 else x3))
+        # careful path (row edges, chunk tail): one symbol, bounds-checked read
+        xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
+        j = i & 7
+        x = xs[j]
         d = np.int64(tabs[base + (x & (M - 1))])
         x = (((d >> 12) & 0xFFF) + 1) * (x >> PREC) + (d & 0xFFF)
         if x < RANS_L:
@@ -220,20 +216,16 @@ def _rans_decode(words, a, D, rowctx, tabs, out, p1, u16):
                 return 1
             x = (x << 16) | np.int64(words[pos])
             pos += 1
+        xs[j] = x
+        x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
         if merge:
-            u16[i] = _merge_one(p1, i, d >> 24)
+            u16[i] = ((d >> 24) << 7) | _SIGN_LOW[p1[i]]
         else:
             out[i] = d >> 24
-        if j == 0:
-            x0 = x
-        elif j == 1:
-            x1 = x
-        elif j == 2:
-            x2 = x
-        else:
-            x3 = x
         i += 1
-    if pos != nw or x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
+    if pos != nw or max(max(max(x0, x1), max(x2, x3)), max(max(x4, x5), max(x6, x7))) != RANS_L:
+        return 1
+    if min(min(min(x0, x1), min(x2, x3)), min(min(x4, x5), min(x6, x7))) != RANS_L:
         return 1
     return 0
 
@@ -446,7 +438,7 @@ class PlaneCodec:
 
             def enc(ab, plane=plane, rowctx=rowctx, freqs=freqs, cums=cums):
                 part = plane[ab[0] : ab[1]]
-                words = np.empty(part.size + 8 + 8, np.uint16)  # worst case: one word per symbol + states
+                words = np.empty(part.size + 2 * N_STATES + 8, np.uint16)  # worst case: one word per symbol + states
                 start = _rans_encode(part, ab[0], D, rowctx, freqs, cums, words)
                 return words[start:]
 
