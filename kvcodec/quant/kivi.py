@@ -21,12 +21,13 @@ from kvcodec.quant.packing import pack_bits, packed_width, unpack_bits
 
 
 class KIVI(KVQuantizer):
-    """KIVI(bits, group_size=32, axis="channel" | "token"); works for any head_dim."""
+    """KIVI(bits, group_size=32, axis="channel" | "token", dim=None); dim=None takes any head_dim."""
 
     method = "kivi"
 
-    def __init__(self, bits: int, group_size: int = 32, axis: str = "channel"):
+    def __init__(self, bits: int, group_size: int = 32, axis: str = "channel", dim: int | None = None):
         self.bits = base.check_bits(bits)
+        self.dim = None if dim is None else base.check_dim(dim, 1)
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         if axis not in ("channel", "token"):
@@ -35,7 +36,7 @@ class KIVI(KVQuantizer):
         self.levels = (1 << bits) - 1
 
     def config(self) -> dict:
-        return {"method": self.method, "bits": self.bits, "group_size": self.group_size, "axis": self.axis}
+        return {"method": self.method, "bits": self.bits, "group_size": self.group_size, "axis": self.axis, "dim": self.dim}
 
     def __repr__(self) -> str:
         return f"KIVI(bits={self.bits}, group_size={self.group_size}, axis={self.axis!r})"
@@ -43,7 +44,7 @@ class KIVI(KVQuantizer):
     def quantize(self, x: torch.Tensor, precond=None) -> QuantizedTensor:
         if not isinstance(x, torch.Tensor) or x.ndim < 2:
             raise ValueError("x must be a tensor [..., N, D]")
-        base.check_input(x, x.shape[-1])
+        base.check_input(x, x.shape[-1] if self.dim is None else self.dim)
         if precond is not None and not (isinstance(precond, QuantizedTensor) and not precond.side):
             raise ValueError("KIVI takes no preconditioner")
         xf = x.float()
@@ -125,7 +126,7 @@ class KIVI(KVQuantizer):
         return acc
 
     def validate(self, c: QuantizedTensor) -> None:
-        if c.config != self.config() or c.side:
+        if c.config != self.config() or c.side or (self.dim is not None and c.dim != self.dim):
             raise CorruptStreamError("KIVI tensor does not match its config")
         T, D, g = c.num_tokens, c.dim, self.group_size
         base.expect(c, "token", "codes", torch.uint8, (T, packed_width(D, self.bits)))

@@ -23,12 +23,12 @@ PAPER_CONFIGS = {"2.5": (3, 2), "3.5": (4, 3)}  # name -> (outlier bits, regular
 
 
 class TurboQuantOutlier(KVQuantizer):
-    """TurboQuantOutlier(dim, outlier_channels, outlier_bits, bits, seed=0, rotation="auto", precondition="none")."""
+    """TurboQuantOutlier(dim, outlier_channels, outlier_bits, bits, seed=0, rotation="auto", precondition="none", norm_correction=False)."""
 
     method = "turboquant_outlier"
 
     def __init__(self, dim: int, outlier_channels: int, outlier_bits: int, bits: int, seed: int = 0,
-                 rotation: str = "auto", precondition: str = "none"):
+                 rotation: str = "auto", precondition: str = "none", norm_correction: bool = False):
         self.dim = base.check_dim(dim, 8)
         k = outlier_channels
         if isinstance(k, bool) or not isinstance(k, int) or not 4 <= k <= self.dim - 4:
@@ -37,20 +37,24 @@ class TurboQuantOutlier(KVQuantizer):
             raise ValueError("precondition for the outlier split must be 'none' or 'center'")
         self.k, self.outlier_bits, self.bits = k, base.check_bits(outlier_bits), base.check_bits(bits)
         self.seed, self.rotation, self.precondition = int(seed), rotation, precondition
-        self.hi = TurboQuantMSE(k, outlier_bits, seed, "qr" if rotation == "auto" and k & (k - 1) else rotation)
-        self.lo = TurboQuantMSE(self.dim - k, bits, seed, "qr" if rotation == "auto" and (self.dim - k) & (self.dim - k - 1) else rotation)
+        self.norm_correction = bool(norm_correction)
+        # each part gets its own rotation ("auto": Hadamard for power-of-two sizes, else QR)
+        self.hi = TurboQuantMSE(k, outlier_bits, seed, rotation, "none", self.norm_correction)
+        self.lo = TurboQuantMSE(self.dim - k, bits, seed, rotation, "none", self.norm_correction)
 
     @classmethod
-    def paper(cls, dim: int, name: str = "2.5", seed: int = 0, precondition: str = "none") -> "TurboQuantOutlier":
+    def paper(cls, dim: int, name: str = "2.5", seed: int = 0, precondition: str = "none",
+              norm_correction: bool = False) -> "TurboQuantOutlier":
         """The paper's named configuration ("2.5" or "3.5"): dim // 4 outlier channels."""
         if name not in PAPER_CONFIGS:
             raise ValueError(f"name must be one of {sorted(PAPER_CONFIGS)}")
         hi, lo = PAPER_CONFIGS[name]
-        return cls(dim, dim // 4, hi, lo, seed=seed, precondition=precondition)
+        return cls(dim, dim // 4, hi, lo, seed=seed, precondition=precondition, norm_correction=norm_correction)
 
     def config(self) -> dict:
         return {"method": self.method, "dim": self.dim, "outlier_channels": self.k, "outlier_bits": self.outlier_bits,
-                "bits": self.bits, "seed": self.seed, "rotation": self.rotation, "precondition": self.precondition}
+                "bits": self.bits, "seed": self.seed, "rotation": self.rotation, "precondition": self.precondition,
+                "norm_correction": self.norm_correction}
 
     def __repr__(self) -> str:
         return f"TurboQuantOutlier(dim={self.dim}, k={self.k}, {self.outlier_bits}/{self.bits} bits)"

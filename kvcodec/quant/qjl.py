@@ -19,12 +19,16 @@ from kvcodec.quant.turboquant import SQRT_PI_OVER_2, qjl_matrix
 
 
 class QJL(KVQuantizer):
-    """QJL(dim, m=dim, seed=0, orthogonal=True): m sign bits + one fp16 norm per vector."""
+    """QJL(dim, m=dim, seed=0, orthogonal=True): m sign bits + one fp16 norm per vector (bits=b: m = b*dim)."""
 
     method = "qjl"
 
-    def __init__(self, dim: int, m: int | None = None, seed: int = 0, orthogonal: bool = True):
+    def __init__(self, dim: int, m: int | None = None, seed: int = 0, orthogonal: bool = True, bits: int | None = None):
         self.dim = base.check_dim(dim)
+        if bits is not None:  # sketch bits per coordinate: m = bits * dim
+            if m is not None:
+                raise ValueError("give either m or bits, not both")
+            m = base.check_bits(bits) * self.dim
         self.m = self.dim if m is None else m
         if isinstance(self.m, bool) or not isinstance(self.m, int) or self.m < 8 or self.m % 8:
             raise ValueError(f"m must be a positive multiple of 8, got {m!r}")

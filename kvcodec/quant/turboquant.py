@@ -7,8 +7,9 @@ space): sign bits of S r and ||r||, so <q, x_hat> is an unbiased estimate of <q,
 
 Attention runs on the packed form, chunked over tokens: the query is preconditioned and rotated
 once (<q, R^T c> = <R q, c>), outputs are accumulated in rotated space and rotated back once.
-precondition="none" is the paper's algorithm exactly (used by the fidelity tests);
-see precondition.py for the key/value channel transform and why it wins on real KV.
+precondition="none", norm_correction=False is the paper's algorithm exactly (the fidelity
+tests use it); the defaults (per-channel centering, norm correction) win on real KV, see
+precondition.py, _encode_mse and docs/quant.md for the measurements.
 """
 
 from __future__ import annotations
@@ -75,13 +76,18 @@ class TurboQuantMSE(KVQuantizer):
 
     dim: head_dim (>= 4; any value, power-of-two dims get a randomized Hadamard rotation).
     bits: 1..8. seed: selects the rotation. rotation: "auto" | "qr" | "hadamard" | "hadamard2".
-    precondition: "none" (paper), "center" or "scale" (per-channel, see precondition.py).
+    precondition: "center" (default: subtract the per-channel mean of the calibration block),
+    "scale" (also divide by per-channel scales, best for keys with calibrate(keys, queries)) or
+    "none". norm_correction (default True) stores ||x'||/<y, c> instead of ||x'||.
+    precondition="none", norm_correction=False is the paper's algorithm exactly.
     """
 
     method = "turboquant_mse"
 
-    def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "auto", precondition: str = "none"):
+    def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "auto", precondition: str = "center",
+                 norm_correction: bool = True):
         self.dim = base.check_dim(dim)
+        self.norm_correction = bool(norm_correction)
         self.bits = base.check_bits(bits)
         self.seed = int(seed)
         self.rotation_kind = resolve_kind(rotation, self.dim)
@@ -94,7 +100,8 @@ class TurboQuantMSE(KVQuantizer):
 
     def config(self) -> dict:
         return {"method": self.method, "dim": self.dim, "bits": self.bits, "seed": self.seed,
-                "rotation": self.rotation_kind, "precondition": self.precondition}
+                "rotation": self.rotation_kind, "precondition": self.precondition,
+                "norm_correction": self.norm_correction}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.config().items() if k != 'method')})"
@@ -119,11 +126,22 @@ class TurboQuantMSE(KVQuantizer):
 
     # ------------------------------------------------------------------ encode
     def _encode_mse(self, xp: torch.Tensor, k: dict):
+        """-> (unit rotated y, centroid indices, ||x'||, the scale to store in ``norms``).
+
+        With norm_correction the stored scale is ||x'|| / <y, c> (c = the chosen centroids), so
+        <x', x_hat'> = ||x'||^2 exactly: a Lloyd-Max reconstruction is shrunk by about (1 - D_b),
+        which shrinks every attention logit by the same factor (a temperature error that hurts
+        peaked heads); the correction removes it at no storage cost.
+        """
         norms = base.row_norms(xp)
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         y = (xp / safe.unsqueeze(-1)) @ k["rot"].T
         idx = torch.bucketize(y, k["thr"])
-        return y, idx, norms
+        scale = norms
+        if self.norm_correction:
+            dot = (y * k["cb"][idx]).sum(-1)
+            scale = torch.where(dot > 0, norms / torch.where(dot > 0, dot, torch.ones_like(dot)), norms)
+        return y, idx, norms, scale
 
     def quantize(self, x: torch.Tensor, precond=None) -> QuantizedTensor:
         """x [..., N, dim] (fp16/bf16/fp32, any device) -> packed QuantizedTensor.
@@ -135,18 +153,18 @@ class TurboQuantMSE(KVQuantizer):
         pre = resolve_precond(self, x, precond)
         k = self._consts(x.device)
         xp = pre.apply(x.float())
-        y, idx, norms = self._encode_mse(xp, k)
+        y, idx, norms, scale = self._encode_mse(xp, k)
         token = {"codes": pack_bits(idx, self._mse_bits)}
-        extra = self._encode_extra(y, idx, norms, k)
-        dt = base.storage_dtype(norms, *([extra["rnorms"]] if "rnorms" in extra else []))
-        token["norms"] = norms.to(dt)
+        extra = self._encode_extra(y, idx, norms, scale, k)
+        dt = base.storage_dtype(scale, *([extra["rnorms"]] if "rnorms" in extra else []))
+        token["norms"] = scale.to(dt)
         if "rnorms" in extra:
             token["qjl"] = extra["qjl"]
             token["rnorms"] = extra["rnorms"].to(dt)
         return QuantizedTensor(config=self.config(), lead_shape=tuple(x.shape[:-2]), num_tokens=x.shape[-2],
                                dim=self.dim, token=token, side=pre.side_fields())
 
-    def _encode_extra(self, y, idx, norms, k) -> dict:
+    def _encode_extra(self, y, idx, norms, scale, k) -> dict:
         return {}
 
     # ------------------------------------------------------------------ decode
@@ -264,7 +282,7 @@ class TurboQuantProd(TurboQuantMSE):
     method = "turboquant_prod"
 
     def __init__(self, dim: int, bits: int, seed: int = 0, m: int | None = None, rotation: str = "auto",
-                 precondition: str = "none", orthogonal: bool = True):
+                 precondition: str = "center", norm_correction: bool = True, orthogonal: bool = True):
         base.check_bits(bits, 2, 9)
         d = base.check_dim(dim)
         self.m = d if m is None else m
@@ -272,7 +290,7 @@ class TurboQuantProd(TurboQuantMSE):
             raise ValueError(f"m must be a positive multiple of 8, got {m!r}")
         self.orthogonal = bool(orthogonal)
         self._bits_total = bits
-        super().__init__(d, bits - 1, seed, rotation, precondition)
+        super().__init__(d, bits - 1, seed, rotation, precondition, norm_correction)
         self.bits = bits
         self.qjl_matrix = qjl_matrix(self.dim, self.m, self.seed, self.orthogonal)
 
@@ -292,10 +310,10 @@ class TurboQuantProd(TurboQuantMSE):
     def _extra_width(self) -> int:
         return self.m
 
-    def _encode_extra(self, y, idx, norms, k) -> dict:
-        # residual in rotated space, against the norm as it will be stored
-        dt = base.storage_dtype(norms)
-        n_st = norms.to(dt).float().unsqueeze(-1)
+    def _encode_extra(self, y, idx, norms, scale, k) -> dict:
+        # residual in rotated space, against the scale as it will be stored
+        dt = base.storage_dtype(scale)
+        n_st = scale.to(dt).float().unsqueeze(-1)
         r = y * norms.unsqueeze(-1) - k["cb"][idx] * n_st
         return {"qjl": pack_signs(r @ k["S"].T), "rnorms": base.row_norms(r)}
 
