@@ -218,3 +218,25 @@ def test_codecs_are_registered_by_name():
 
     assert registry.get("kvctx").name == "kvctx" and registry.get("predictive").name == "predictive"
     assert predictive.grid_for(torch.float32) is None and predictive.grid_for(torch.bfloat16).n == 65536
+
+
+@pytest.mark.parametrize("source", ["kvctx", "external", "previous_token", "neighbour_layer"])
+def test_token_ranges_decode_alone(source):
+    t = kv_like(torch.bfloat16, (3, 2, 2500, 32), 7)  # token blocks of 2048: two chunks per head
+    p = t.float() + 0.05 * torch.randn(t.shape) if source == "external" else None
+    codec = KVCTX if source == "kvctx" else PRED
+    opts = {} if source in ("kvctx", "external") else {"predictor": source}
+    meta, sections = codec.encode(t, p, 2, **opts)
+    assert meta["tb"] < 2500
+    for start, stop in ((0, 2500), (0, 1), (2047, 2049), (2100, 2500), (5, 5), (1000, 2000)):
+        part = predictive.decode_tensor(meta, sections, p, 2, tokens=(start, stop))
+        assert_bit_exact(part, t[:, :, start:stop])
+    with pytest.raises(ValueError):
+        predictive.decode_tensor(meta, sections, p, 1, tokens=(10, 2501))
+
+
+def test_token_ranges_of_float32_and_verbatim_tensors():
+    for t in (kv_like(torch.float32, (2, 300, 8), 1), random_bits(torch.int32, (2, 300, 8), 2), torch.arange(50.0).half()):
+        meta, sections = KVCTX.encode(t, None, 1)
+        assert_bit_exact(predictive.decode_tensor(meta, sections, None, 1, tokens=(7, 40)),
+                         t[..., 7:40, :] if t.dim() > 1 else t[7:40])

@@ -309,19 +309,20 @@ def _find_symbol(slot, mu, rs, scale, edges, cdf, a_mass, inv_cdf, inv_a, rank_o
 
 
 @njit(parallel=True, cache=True)
-def _decode_kernel(words, wstart, wlen, pred, has_pred, m, c, a, rs, shared, cdf, edges, valf,
-                   finite, rank_of, scale, inv_cdf, tb, g0, out_k, err):
-    g_n, t_n, d_n = out_k.shape
-    n_tb = (t_n + tb - 1) // tb
+def _decode_kernel(words, wstart, wlen, chunk_g, chunk_b, pred, has_pred, pred_t0, m, c, a, rs, shared,
+                   cdf, edges, valf, finite, rank_of, scale, inv_cdf, tb, t_total, g0, out_t0, out_k, err):
+    """Decode the listed chunks (local group chunk_g[i], token block chunk_b[i]) into out_k, whose
+    token 0 is token out_t0; pred's token 0 is token pred_t0; params of group g0 + chunk_g[i]."""
+    d_n = out_k.shape[2]
     n_sym = edges.size - 1
     a_mass = np.int64(_M - n_sym)
     mask = np.int64(_M - 1)
     inv_a = 4294967296.0 / a_mass
-    for ci in prange(g_n * n_tb):
-        gl = ci // n_tb
+    for ci in prange(wstart.size):
+        gl = chunk_g[ci]
         gp = 0 if shared else g0 + gl
-        t0 = (ci % n_tb) * tb
-        t1 = min(t_n, t0 + tb)
+        t0 = chunk_b[ci] * tb
+        t1 = min(t_total, t0 + tb)
         ptr = wstart[ci]
         end = ptr + wlen[ci]
         if wlen[ci] < 2:
@@ -338,7 +339,7 @@ def _decode_kernel(words, wstart, wlen, pred, has_pred, m, c, a, rs, shared, cdf
             for d in range(d_n):
                 p = 0.0
                 if has_pred:
-                    p = np.float64(pred[gl, t, d])
+                    p = np.float64(pred[gl, t - pred_t0, d])
                     if not np.isfinite(p):
                         p = 0.0
                 base, mu = _location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
@@ -353,7 +354,7 @@ def _decode_kernel(words, wstart, wlen, pred, has_pred, m, c, a, rs, shared, cdf
                         break
                     x = (x << 32) | np.int64(words[ptr])
                     ptr += 1
-                out_k[gl, t, d] = lo
+                out_k[gl, t - out_t0, d] = lo
                 dev[d] = valf[lo] - base if finite[lo] else 0.0
             if bad:
                 break
@@ -652,19 +653,49 @@ def _meta_dtype_shape(meta) -> tuple[torch.dtype, tuple[int, ...]]:
     return dtype, tuple(shape)
 
 
-def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0) -> torch.Tensor:
-    """Invert :func:`encode_tensor`; every inconsistency raises CorruptStreamError."""
+def _token_range(tokens, tt: int) -> tuple[int, int]:
+    if tokens is None:
+        return 0, tt
+    try:
+        start, stop = (int(v) for v in tokens)
+    except (TypeError, ValueError):
+        raise ValueError("tokens must be a (start, stop) pair of ints") from None
+    if not 0 <= start <= stop <= tt:
+        raise ValueError(f"tokens ({start}, {stop}) out of range for {tt} tokens")
+    return start, stop
+
+
+def _out_shape(shape: tuple[int, ...], start: int, stop: int) -> tuple[int, ...]:
+    if len(shape) == 0:
+        return shape
+    if len(shape) == 1:
+        return (stop - start,)
+    return (*shape[:-2], stop - start, shape[-1])
+
+
+def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
+                  tokens: tuple[int, int] | None = None) -> torch.Tensor:
+    """Invert :func:`encode_tensor`; every inconsistency raises CorruptStreamError.
+
+    ``tokens=(start, stop)`` decodes only that range of axis -2 (axis 0 of a 1-d tensor): only the
+    chunks holding it are decoded, since every chunk decodes alone.
+    """
     dtype, shape = _meta_dtype_shape(meta)
     source = meta.get("source")
     if source not in PREDICTORS:
         raise CorruptStreamError("predictive stream names an unknown predictor")
     g, tt, d = kv_layout(shape)
+    start, stop = _token_range(tokens, tt)
+    out_shape = _out_shape(shape, start, stop)
     numel = int(np.prod(shape, dtype=np.int64))
     mode = meta.get("mode")
     if mode == "raw":
         raw = _section(sections, "raw", np.uint8, numel * dtype.itemsize)
         out = torch.from_numpy(raw.copy()) if numel else torch.empty(0, dtype=torch.uint8)
-        return out.view(dtype).reshape(shape)
+        out = out.view(dtype).reshape(shape)
+        if (start, stop) == (0, tt) or not numel:
+            return out if (start, stop) == (0, tt) else torch.empty(out_shape, dtype=dtype)
+        return out.reshape(g, tt, d)[:, start:stop].reshape(out_shape).clone()
     grid = grid_for(dtype) if mode == "grid" else None
     if mode == "f32split" and dtype == torch.float32:
         grid = grid_for(torch.bfloat16)
@@ -684,48 +715,60 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0)
         raise CorruptStreamError("predictive stream chunk sizes do not add up to its payload")
     wstart = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
 
+    pred = None
     if source == "external":
         if prediction is None:
             raise ValueError("this stream was coded with a prediction: pass the same prediction to decode")
         if tuple(prediction.shape) != shape:
             raise ValueError(f"prediction must have shape {shape}")
-        pred = _prediction_f32(prediction, g, tt, d)
+        with np.errstate(invalid="ignore"):
+            pred = _prediction_f32(prediction, g, tt, d)
         if zlib.crc32(pred.reshape(-1).view(np.uint8)) != meta.get("pred_crc"):
             raise CorruptStreamError("the prediction differs from the one this stream was coded with")
     elif prediction is not None:
         raise ValueError("this stream was coded without a prediction tensor")
+    if start == stop:
+        return torch.empty(out_shape, dtype=dtype)
 
-    kx = np.empty((g, tt, d), np.int32)
-    err = np.zeros(g * n_tb, np.int32)
-    dummy = np.zeros((1, 1, 1), np.float32)
+    b0, b1 = start // tb, -(-stop // tb)
+    out_t0 = b0 * tb
+    kx = np.empty((g, min(tt, b1 * tb) - out_t0, d), np.int32)
+    err = np.zeros(g * (b1 - b0), np.int32)
     tail = (grid.edges, grid.valf, grid.finite, grid.rank_of_bf16, 1.0 / margs[3],
-            inverse_shape_index(margs[5]), tb)
+            inverse_shape_index(margs[5]), tb, tt)
+    blocks = np.arange(b0, b1, dtype=np.int64)
+
+    def run(g_first: int, n_groups: int, p, has_p: bool, p_t0: int, e):
+        cg = np.repeat(np.arange(n_groups, dtype=np.int64), b1 - b0)
+        cb = np.tile(blocks, n_groups)
+        ci = (g_first + cg) * n_tb + cb
+        _decode_kernel(words, wstart[ci], lengths[ci], cg, cb, p, has_p, p_t0, *margs, *tail, g_first, out_t0,
+                       kx[g_first:g_first + n_groups], e)
+
     with _Threads(threads):
         if source == "neighbour_layer":
             if len(shape) < 3:
                 raise CorruptStreamError("neighbour-layer stream needs a [layers, ..., tokens, channels] shape")
             per_layer = g // shape[0]
             values = value_table(grid)
-            p_layer = np.zeros((per_layer, tt, d), np.float32)
+            p_layer = np.zeros((per_layer, kx.shape[1], d), np.float32)
             for layer in range(shape[0]):
-                g0 = layer * per_layer
-                c0, c1 = g0 * n_tb, (g0 + per_layer) * n_tb
-                _decode_kernel(words, wstart[c0:c1], lengths[c0:c1], p_layer, True, *margs, *tail,
-                               g0, kx[g0:g0 + per_layer], err[c0:c1])
-                if err[c0:c1].any():
+                e = err[layer * per_layer * (b1 - b0):(layer + 1) * per_layer * (b1 - b0)]
+                run(layer * per_layer, per_layer, p_layer, True, out_t0, e)
+                if e.any():
                     break
-                p_layer = values[kx[g0:g0 + per_layer]]
+                p_layer = values[kx[layer * per_layer:(layer + 1) * per_layer]]
         else:
-            p = pred if source == "external" else dummy
-            _decode_kernel(words, wstart, lengths, p, source == "external", *margs, *tail, 0, kx, err)
+            run(0, g, pred if pred is not None else np.zeros((1, 1, 1), np.float32), pred is not None, 0, err)
     if err.any():
         raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
+    kx = kx[:, start - out_t0:stop - out_t0]
     sym_bits = grid.bits_of_k[kx.reshape(-1)]
     if mode == "f32split":
-        lo = _section(sections, "lo16", np.uint16, numel)
+        lo = _section(sections, "lo16", np.uint16, numel).reshape(g, tt, d)[:, start:stop].reshape(-1)
         out = (sym_bits.astype(np.uint32) << 16) | lo.astype(np.uint32)
-        return torch.from_numpy(out.view(np.int32)).view(torch.float32).reshape(shape)
-    return torch.from_numpy(sym_bits.view(grid.bits_np_signed)).view(dtype).reshape(shape)
+        return torch.from_numpy(out.view(np.int32)).view(torch.float32).reshape(out_shape)
+    return torch.from_numpy(sym_bits.view(grid.bits_np_signed)).view(dtype).reshape(out_shape)
 
 
 # =============================================================================== the codec
