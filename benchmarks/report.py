@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import markdown_table, save  # noqa: E402
+from benchmarks.common import save  # noqa: E402
 
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
@@ -37,6 +37,29 @@ MAX_COLUMNS = 12
 README_ROWS = 8
 # Suites shown first, in this order; any other suite follows alphabetically.
 ORDER = ["demo", "bench_lossless", "bench_quant", "bench_entropy", "bench_entropy_models", "bench_hf", "gpu_kernels"]
+
+
+def fmt(value) -> str:
+    """A table cell: 4 significant digits, integers as they are, no float noise."""
+    if isinstance(value, bool) or value is None:
+        return "" if value is None else str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "n/a" if value != value else ("inf" if value > 0 else "-inf")
+        if value == 0:
+            return "0"
+        if abs(value) >= 1000:
+            return f"{value:.0f}"
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(out) + "\n"
 
 
 class ResultFileError(ValueError):

@@ -23,19 +23,21 @@ from kvcodec.data import KVSample, attention_reference, load_kv_sample
 COLUMNS = ["method", "kind", "bits_per_value", "ratio_vs_bf16", "attn_rel_err", "encode_MBps", "decode_MBps"]
 
 
-def _timed(fn: Callable, repeat: int):
-    """(result of the first call, best wall time of ``repeat`` further calls); the first call is the
-    warm-up that pays numba JIT compilation, which a user pays only once per process."""
+def _timed(fn: Callable, repeat: int, budget_s: float = 0.5):
+    """(result of the first call, best wall time of up to ``repeat`` further calls, stopping
+    early once ``budget_s`` is spent). The first call is the warm-up that pays numba JIT
+    compilation, which a user pays once per process."""
     result = fn()
     best = math.inf
-    for _ in range(repeat):
+    spent = 0.0
+    for _ in range(max(repeat, 1)):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    if repeat == 0:
-        t0 = time.perf_counter()
-        fn()
-        best = time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        spent += dt
+        if spent > budget_s:
+            break
     return result, best
 
 
@@ -182,45 +184,56 @@ def quant_configs(quick: bool) -> list[tuple[str, Callable, Callable]]:
     """(label, key quantizer factory, value quantizer factory) for the quantizers installed.
 
     A factory takes the head dimension. Rows for a class that is not in ``kvcodec.quant`` are left
-    out (never a made-up number)."""
+    out (never a made-up number). "kvcodec" rows use per-channel preconditioning (keys and
+    values scaled per channel before the rotation, exact in attention); "paper" rows are plain
+    TurboQuant as published."""
     try:
         import kvcodec.quant as Q
     except ImportError:
         return []
-    bits_list = (4,) if quick else (2, 3, 4)
+    has = lambda *names: all(hasattr(Q, n) for n in names)  # noqa: E731
     configs = []
-    has = lambda name: hasattr(Q, name)  # noqa: E731
-    for b in bits_list:
+    for b in (4,) if quick else (2, 3, 4):
         if has("TurboQuantMSE"):
-            configs.append((f"TurboQuant-MSE {b}b K/V", lambda d, b=b: Q.TurboQuantMSE(d, b, seed=0),
-                            lambda d, b=b: Q.TurboQuantMSE(d, b, seed=1)))
-        if has("TurboQuantProd") and has("TurboQuantMSE") and b >= 2:
-            configs.append((f"TurboQuant-Prod {b}b K, MSE {b}b V", lambda d, b=b: Q.TurboQuantProd(d, b, seed=0),
-                            lambda d, b=b: Q.TurboQuantMSE(d, b, seed=1)))
-        if has("QJL") and has("TurboQuantMSE") and not quick:
-            configs.append((f"QJL m={b}d K, TQ-MSE {b}b V", lambda d, b=b: Q.QJL(d, m=b * d, seed=0),
-                            lambda d, b=b: Q.TurboQuantMSE(d, b, seed=1)))
+            configs.append((
+                f"TurboQuant-MSE {b}b, channel-scaled (kvcodec)",
+                lambda d, b=b: Q.TurboQuantMSE(d, b, seed=0, precondition="scale"),
+                lambda d, b=b: Q.TurboQuantMSE(d, b, seed=1, precondition="scale"),
+            ))
         if has("KIVI"):
-            configs.append((f"KIVI {b}b K/V (group 32)", lambda d, b=b: Q.KIVI(b, 32), lambda d, b=b: Q.KIVI(b, 32)))
+            configs.append((
+                f"KIVI {b}b (K per-channel, V per-token, group 32)",
+                lambda d, b=b: Q.KIVI(b, 32, axis="channel"),
+                lambda d, b=b: Q.KIVI(b, 32, axis="token"),
+            ))
+    if quick:
+        return configs
+    if has("TurboQuantMSE"):
+        configs.append(("TurboQuant-MSE 4b (paper)", lambda d: Q.TurboQuantMSE(d, 4, seed=0),
+                        lambda d: Q.TurboQuantMSE(d, 4, seed=1)))
+    if has("TurboQuantProd", "TurboQuantMSE"):
+        configs.append(("TurboQuant-Prod 4b K, MSE 4b V (paper)", lambda d: Q.TurboQuantProd(d, 4, seed=0),
+                        lambda d: Q.TurboQuantMSE(d, 4, seed=1)))
+    if has("QJL", "TurboQuantMSE"):
+        configs.append(("QJL m=4d K, TurboQuant-MSE 4b V", lambda d: Q.QJL(d, m=4 * d, seed=0),
+                        lambda d: Q.TurboQuantMSE(d, 4, seed=1)))
+    if has("TurboQuantOutlier"):
+        for name in ("2.5", "3.5"):
+            configs.append((f"TurboQuant outlier split '{name}-bit' (paper)",
+                            lambda d, n=name: Q.TurboQuantOutlier.paper(d, n, seed=0),
+                            lambda d, n=name: Q.TurboQuantOutlier.paper(d, n, seed=1)))
     return configs
 
 
-def _kivi_role(quantizer, role: str):
-    """KIVI quantizes keys per channel and values per token; pass the role if the class asks for it."""
-    for attr in ("for_keys", "for_values"):
-        if hasattr(quantizer, attr) and attr.endswith(role):
-            return getattr(quantizer, attr)()
-    return quantizer
-
-
 def _quant_rows(sample: KVSample, quick: bool, repeat: int, notes: list[str]) -> list[dict]:
+    """One row per quantizer config: true bytes of both compressed tensors, attention error from
+    the compressed form, quantize (encode) and dequantize (decode) throughput."""
     rows = []
     d = sample.head_dim
     keys, values = sample.keys, sample.values
     for label, make_k, make_v in quant_configs(quick):
         try:
-            kq = _kivi_role(make_k(d), "keys")
-            vq = _kivi_role(make_v(d), "values")
+            kq, vq = make_k(d), make_v(d)
             (ck, cv), t_enc = _timed(lambda: (kq.quantize(keys), vq.quantize(values)), repeat)
             _, t_dec = _timed(lambda: (kq.dequantize(ck), vq.dequantize(cv)), repeat)
             err = _attention_error(sample, compressed_attention(sample, kq, ck, vq, cv))

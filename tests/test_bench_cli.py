@@ -86,7 +86,7 @@ def test_report_renders_tables_machine_and_plots(tmp_path):
     report.build(tmp_path)
     text = (tmp_path / "REPORT.md").read_text()
     assert text.index("## bench_lossless") < text.index("## bench_quant")  # documented order
-    assert "| TurboQuant-MSE 4b | 4.250 | 0.05 |" in text
+    assert "| TurboQuant-MSE 4b | 4.25 | 0.05 |" in text
     assert "bench_quant note" in text and "![bench_quant_rd.png](bench_quant_rd.png)" in text
     assert "cores" in text  # the machine line
     assert "broken.json: skipped" in text and "wrong.json: skipped" in text
@@ -105,7 +105,7 @@ def test_report_updates_only_the_readme_region(tmp_path):
     report.build(results, readme=readme)
     text = readme.read_text()
     assert text.startswith(before + report.BEGIN) and text.endswith(report.END + after)
-    assert "old stuff" not in text and "| c0 | 5.000 |" in text
+    assert "old stuff" not in text and "| c0 | 5 |" in text
     assert "(4 more rows in the report)" in text and "(results/REPORT.md)" in text
     report.build(results, readme=readme)  # idempotent
     assert readme.read_text() == text
@@ -119,6 +119,11 @@ def test_replace_region_needs_both_markers_once():
     with pytest.raises(ValueError):
         report.replace_region(report.BEGIN + report.BEGIN + report.END, "x")
     assert report.replace_region(f"a{report.BEGIN}b{report.END}c", "new") == f"a{report.BEGIN}\nnew\n{report.END}c"
+
+
+def test_cell_format():
+    assert [report.fmt(v) for v in (3, 86.0641, 1172.83, 0.000567512, 0.0, float("nan"), None, True, "a|b")] == [
+        "3", "86.06", "1173", "0.0005675", "0", "n/a", "", "True", "a\\|b"]
 
 
 def test_validate_rejects_bad_results():

@@ -78,3 +78,22 @@ def test_compressed_attention_matches_reference():
     for i in (0, sample.n_layers - 1):
         torch.testing.assert_close(out[i], attention_reference(sample, i), rtol=2e-5, atol=2e-5)
     assert demo._attention_error(sample, out) < 1e-5
+
+
+def test_quantized_rows_present_and_consistent_with_dequantize(quick_result):
+    """The compressed-domain attention error equals the error of attention over the dequantized
+    cache (scores/weighted_sum are exact rewrites of dequantize-then-attend)."""
+    quant = pytest.importorskip("kvcodec.quant")
+    if not hasattr(quant, "TurboQuantMSE"):
+        pytest.skip("kvcodec.quant has no TurboQuantMSE")
+    assert any(r["kind"] == "quantized" for r in quick_result["rows"])
+    from kvcodec.data import attention_error
+
+    sample = demo._subset(load_kv_sample(), [0, 7])
+    kq = quant.TurboQuantMSE(64, 4, seed=0, precondition="scale")
+    vq = quant.TurboQuantMSE(64, 4, seed=1, precondition="scale")
+    ck, cv = kq.quantize(sample.keys), vq.quantize(sample.values)
+    err_compressed = demo._attention_error(sample, demo.compressed_attention(sample, kq, ck, vq, cv))
+    err_dense = attention_error(sample, kq.dequantize(ck), vq.dequantize(cv))
+    assert 0 < err_dense < 0.5
+    assert abs(err_compressed - err_dense) < 1e-3 * err_dense
