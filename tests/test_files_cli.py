@@ -79,7 +79,7 @@ def test_cli_reports_corrupt_and_missing_input(tmp_path, capsys):
     assert main(["compress", str(junk), str(tmp_path / "o.kvc"), "--quiet"]) == 2
     assert main(["inspect", str(tmp_path / "nope.kvc")]) == 2
     assert "corrupt" in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.kvc").exists()
 
 
 def test_gaps_and_unusual_layout_are_kept_byte_exact(tmp_path):

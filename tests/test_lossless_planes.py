@@ -147,6 +147,8 @@ def test_bad_arguments():
         compress(t, prediction=torch.zeros(3))
     with pytest.raises(ValueError):
         compress(t, layout="weird")
+    with pytest.raises(ValueError):
+        compress(t, codec="raw", chunk_bytes=4096)  # an option the codec does not take
 
 
 def _reforge(blob: bytes, edit) -> bytes:

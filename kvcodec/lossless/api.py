@@ -8,6 +8,7 @@ decoder checks that crc, so a wrong prediction (or any stream damage the codec c
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -78,6 +79,10 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         impl = registry.get(name)
     except KeyError as exc:
         raise ValueError(str(exc.args[0])) from None
+    try:
+        inspect.signature(impl.encode).bind(t, pred, threads, **opts)
+    except TypeError as exc:
+        raise ValueError(f"codec {name!r} does not take these options: {exc}") from None
     codec_meta, sections = impl.encode(t, pred, threads, **opts)
     meta = {
         "codec": name,

@@ -124,13 +124,27 @@ def compress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: in
                   codec: str = "auto", **opts) -> dict:
     """Compress a ``.safetensors`` file to ``dst`` (a ``.kvc`` file); returns a size summary.
 
-    Raises CorruptStreamError if ``src`` is not a valid safetensors file.
+    Raises CorruptStreamError if ``src`` is not a valid safetensors file. ``codec`` and ``opts``
+    go to :func:`kvcodec.lossless.api.compress` for every tensor.
     """
-    import zstandard
-
     src, dst = Path(src), Path(dst)
     size = src.stat().st_size
     entries = []
+    tmp = dst.with_name(dst.name + ".partial")  # never a half-written dst, even if dst is src
+    try:
+        total = _compress_to(src, tmp, size, entries, threads, progress, codec, opts)
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return {"source_bytes": size, "compressed_bytes": total, "ratio": size / total if total else 0.0,
+            "tensors": sum(e["name"] is not None for e in entries)}
+
+
+def _compress_to(src: Path, dst: Path, size: int, entries: list, threads: int, progress: bool, codec: str,
+                 opts: dict) -> int:
+    import zstandard
+
     with open(src, "rb") as f, open(dst, "wb") as out:
         st_header, header = _read_safetensors_header(f, size)
         data_start = len(st_header)
@@ -170,9 +184,7 @@ def compress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: in
         index = container.dumps(INDEX_KIND, meta, {"header": zstandard.ZstdCompressor(level=19).compress(st_header)})
         out.write(index)
         out.write(_FOOTER.pack(FOOTER_MAGIC, 0, pos, len(index)))
-        total = pos + len(index) + _FOOTER.size
-    return {"source_bytes": size, "compressed_bytes": total, "ratio": size / total if total else 0.0,
-            "tensors": sum(e["name"] is not None for e in entries)}
+        return pos + len(index) + _FOOTER.size
 
 
 # --------------------------------------------------------------------------- reading
