@@ -86,8 +86,12 @@ def kvcodec_rows(source, method, tensors, preds, repeat, codec="auto", **opts):
     return rows
 
 
-def zstd_rows(source, tensors, repeat):
-    import zstandard
+def zstd_rows(source, tensors, repeat, notes):
+    try:
+        import zstandard
+    except ImportError:
+        notes.append("zstandard not installed: no zstd rows")
+        return []
 
     rows = []
     raw = [_bits(t) for t in tensors]
@@ -142,7 +146,7 @@ def run_rows(quick: bool = False):
     pred = [sample.keys_fp8pred, sample.values_fp8pred]
     none = [None, None]
     src = f"bf16 KV, {name}"
-    rows = zipnn_rows(src, kv, repeat, notes) + zstd_rows(src, kv, repeat)
+    rows = zipnn_rows(src, kv, repeat, notes) + zstd_rows(src, kv, repeat, notes)
     rows += _other_codec(lambda: kvcodec_rows(src, "planes", kv, none, repeat, codec="planes"), notes)
     rows += kvcodec_rows(src, "kvctx", kv, none, repeat, codec="kvctx")
     rows += kvcodec_rows(src, "predictive fp8-weight", kv, pred, repeat, codec="predictive")
@@ -157,7 +161,7 @@ def run_rows(quick: bool = False):
         q.append(qt)
         p8.append(fp8_prediction(p, scale))
     src8 = f"fp8 e4m3 KV (per-head scale), {name}"
-    rows += zstd_rows(src8, q, repeat)
+    rows += zstd_rows(src8, q, repeat, notes)
     rows += _other_codec(lambda: kvcodec_rows(src8, "planes", q, none, repeat, codec="planes"), notes)
     rows += kvcodec_rows(src8, "kvctx", q, none, repeat, codec="kvctx")
     rows += kvcodec_rows(src8, "predictive fp8-weight", q, p8, repeat, codec="predictive")

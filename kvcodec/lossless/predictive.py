@@ -618,12 +618,10 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
         _encode_kernel(kx, pred if pred is not None else np.zeros((1, 1, 1), np.float32), pred is not None,
                        *model.kernel_args(), grid.edges, grid.valf, grid.finite, tb, caps, out, out_start)
     lengths = caps[1:] - out_start
-    keep = np.zeros(out.size, bool)
-    for s0, s1 in zip(out_start, caps[1:]):
-        keep[s0:s1] = True
+    payload = np.concatenate([out[s0:s1] for s0, s1 in zip(out_start, caps[1:])])
     meta.update(tb=tb, shared=shared)
     sections.update(model=np.concatenate([model.pack(source), lengths.astype("<u4").view(np.uint8)]),
-                    payload=out[keep])
+                    payload=payload)
     return meta, sections
 
 
