@@ -65,10 +65,27 @@ def test_scale_index_is_round_of_32_log2():
     assert models.quantize_scale([1.0, 2.0, 0.5, 1e-30, 1e30]).tolist() == [0, 32, -32, q.SIDX_MIN, q.SIDX_MAX]
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_scale_index_is_exact_at_the_grid_thresholds():
+    from kvcodec.entropy.models import _tables
+
+    th = np.array(_tables.SCALE_THRESHOLDS)
+    vals = np.concatenate([th, np.nextafter(th, 0), np.nextafter(th, 2), [1.0, np.nextafter(2.0, 0)]])
+    vals = np.concatenate([vals * 2.0**e for e in (-7, -1, 0, 3, 20)])
+    got = models.quantize_scale(vals)
+    mant, expo = np.frexp(vals)
+    want = (expo - 1) * 32 + np.searchsorted(th, 2 * mant, side="right")  # the defining comparison
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.0, -1.0, float("nan"), float("inf"), -float("inf")])
 def test_scale_must_be_positive_finite(bad):
     with pytest.raises(ValueError):
         models.Gaussian(0.0, bad, -10, 10)
+
+
+def test_mean_quantization():
+    got = models.quantize_mean([0.5, 1.5, -0.5, 1 / 512, 3 / 512, 1e30, -1e30], -10, 10)
+    assert got.tolist() == [128, 384, -128, 0, 2, (10 + 2**31) * 256, (-10 - 2**31) * 256]  # rint: half to even
 
 
 def test_parameter_validation():

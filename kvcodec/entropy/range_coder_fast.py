@@ -125,13 +125,23 @@ def _dec_init(buf):
 
 @njit(inline="always")
 def _dec_advance(buf, pos, code, rng, r, cum, freq):
+    """Consume [cum, cum+freq) and renormalise without a data-dependent loop.
+
+    Every step leaves range >= 2**8 (r >= 2**8 because range >= 2**24 and total <= 2**16),
+    so 0, 1 or 2 bytes come in: k = (range < 2**24) + (range < 2**16).
+    """
     code -= r * cum
     rng = r * freq
-    while rng < TOP:
-        rng <<= 8
-        b, pos = _read(buf, pos)
-        code = (code << 8) | b
-    return code, rng, pos
+    k = np.int64(rng < TOP) + np.int64(rng < (1 << 16))
+    if pos + 2 <= buf.shape[0]:
+        word = (np.int64(buf[pos]) << 8) | np.int64(buf[pos + 1])
+    else:
+        b0, _ = _read(buf, pos)
+        b1, _ = _read(buf, pos + 1)
+        word = (b0 << 8) | b1
+    code = (code << (8 * k)) | (word >> (8 * (2 - k)))
+    rng <<= 8 * k
+    return code, rng, pos + k
 
 
 @njit(inline="always")
@@ -225,44 +235,43 @@ def _decode_lut(buf, cum, lut, bits, out):
 
 
 # ---------------------------------------------------------------- quantized Gaussian / Laplace
-def _inverse_tail_tables(n: int = 1024) -> np.ndarray:
-    """u(g) with P(Z > u) = g for g = k/(2n), k = 0..n, per family: only a search hint (floats are fine)."""
-    out = np.empty((2, n + 1))
+_GUESS_BITS = 12  # the token guess reads a 2**12-entry inverse-CDF table per family
+
+
+def _inverse_cdf_tables() -> np.ndarray:
+    """z(a) with P(Z < z) = a at the centres of 2**12 mass bins, per family (a search hint only:
+    floats are fine here, the token is confirmed with integer CDF points)."""
+    n = 1 << _GUESS_BITS
+    a = (np.arange(n) + 0.5) / n
+    tail = np.minimum(a, 1.0 - a) * q.ONE  # mass in the nearer tail
+    out = np.empty((2, n))
     for fam, tab in ((q.GAUSSIAN, q._GAUSS), (q.LAPLACE, q._LAPLACE)):
         u = np.arange(tab.shape[0]) / float(1 << (q.Z_BITS - q._INTERP_BITS))
-        g = np.arange(n + 1) / (2.0 * n) * q.ONE
-        out[fam] = np.interp(g, tab[::-1].astype(np.float64), u[::-1])
+        z = np.interp(tail, tab[::-1].astype(np.float64), u[::-1])
+        out[fam] = np.where(a < 0.5, -z, z)
     return out
 
 
-_INV_TAIL = _inverse_tail_tables()
-_INV_N = _INV_TAIL.shape[1] - 1
+_Z_OF_MASS = _inverse_cdf_tables()
 _SCALE_F = 2.0 ** (np.arange(q.SIDX_MIN, q.SIDX_MAX + 1) / 32.0)
 
 
 @njit(inline="always")
 def _guess_token(v, fr, lo, mean_q, sidx, fam):
-    """Token whose mass holds target v, by the inverse CDF: exactness comes from the search after.
+    """Token whose mass holds target v, from the inverse CDF: exactness comes from the search after.
 
-    Only ``v`` is on the decoder's serial path; the reciprocals and the scale are computed
-    from per-symbol parameters, which the CPU can prepare ahead.
+    On the decoder's serial path only an integer multiply-shift (removing the floor of one
+    count per token), one table load, one multiply-add and a conversion; the bucket-scaled
+    mean and scale come from per-symbol parameters.
     """
     j, nsym, nb, wl, wh, el, er, ntok = fr
-    inv_free = 1.0 / ((1 << q.PRECISION) - ntok)
     inv_bucket = 1.0 / (1 << j)
-    mean = mean_q * (1.0 / (1 << q.MEAN_FRAC_BITS)) + 0.5 - lo
-    scale = _SCALE_F[sidx - q.SIDX_MIN]
-    a = (v - 0.5 * ntok) * inv_free
-    neg = a < 0.5
-    g = (a if neg else 1.0 - a) * (2 * _INV_N)
-    if g < 0.0:
-        g = 0.0
-    k = int(g)
-    if k >= _INV_N:
-        u = _INV_TAIL[fam, _INV_N]
-    else:
-        u = _INV_TAIL[fam, k] + (g - k) * (_INV_TAIL[fam, k + 1] - _INV_TAIL[fam, k])
-    b = (mean + (-u if neg else u) * scale) * inv_bucket
+    base = (mean_q * (1.0 / (1 << q.MEAN_FRAC_BITS)) + 0.5 - lo) * inv_bucket
+    scale = _SCALE_F[sidx - q.SIDX_MIN] * inv_bucket
+    mult = (np.int64(1) << (16 + _GUESS_BITS)) // ((1 << q.PRECISION) - ntok)
+    k = ((v - (ntok >> 1)) * mult) >> 16
+    k = 0 if k < 0 else ((1 << _GUESS_BITS) - 1 if k >= (1 << _GUESS_BITS) else k)
+    b = base + _Z_OF_MASS[fam, k] * scale
     if b < wl:
         return 0
     if b >= wh + 1:

@@ -32,48 +32,61 @@ def _as_1d(x, name: str) -> np.ndarray:
 
 
 def quantize_mean(mean, lo: int, hi: int) -> np.ndarray:
-    """Mean in 1/256 symbol units (int64), clamped to 2**31 symbols outside [lo, hi]."""
-    m = _as_1d(mean, "mean").astype(np.float64)
-    if not np.all(np.isfinite(m)):
+    """Mean in 1/256 symbol units (int64): rint(256 * clip(mean, lo - 2**31, hi + 2**31))."""
+    m = np.ascontiguousarray(_as_1d(mean, "mean").astype(np.float64))
+    out = np.empty(m.shape[0], dtype=np.int64)
+    if not _mean_q(m, float(lo) - 2.0**31, float(hi) + 2.0**31, out):
         raise ValueError("mean must be finite")
-    m = np.clip(m, lo - 2.0**31, hi + 2.0**31)
-    return np.rint(m * (1 << q.MEAN_FRAC_BITS)).astype(np.int64)
+    return out
+
+
+@njit(cache=True)
+def _mean_q(m, lo, hi, out):
+    for i in range(m.shape[0]):
+        v = m[i]
+        if not (v > -np.inf and v < np.inf):  # also rejects NaN
+            return False
+        v = lo if v < lo else (hi if v > hi else v)
+        out[i] = np.int64(np.rint(v * (1 << q.MEAN_FRAC_BITS)))  # exact scaling, IEEE rint
+    return True
 
 
 def quantize_scale(scale) -> np.ndarray:
-    """round(32*log2(scale)) computed exactly (frexp + comparisons), clamped to [2**-8, 2**24]."""
-    s = _as_1d(scale, "scale").astype(np.float64)
+    """round(32*log2(scale)) computed exactly (IEEE bits + integer comparisons), clamped to [2**-8, 2**24]."""
+    s = np.ascontiguousarray(_as_1d(scale, "scale").astype(np.float64))
     out = np.empty(s.shape[0], dtype=np.int32)
-    if not _scale_index(np.ascontiguousarray(s), _THRESHOLDS, _MANT_START, out):
+    if not _scale_index(s.view(np.int64), _THRESHOLD_MANTISSAS, _MANT_START, out):
         raise ValueError("scale must be finite and > 0")
     return out
 
 
-def _mantissa_start_table(bits: int = 8) -> np.ndarray:
-    """For each top-``bits`` mantissa bucket: how many thresholds lie below the bucket's start."""
-    starts = 1.0 + np.arange(1 << bits) / float(1 << bits)
-    return np.searchsorted(_THRESHOLDS, starts, side="right").astype(np.int64)
+def _mantissa_bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float64).view(np.int64) & ((1 << 52) - 1)
 
 
-_MANT_START = _mantissa_start_table()
+# thresholds t_k = 2**((k-0.5)/32) all lie in [1, 2): comparing mantissa bits compares the values
+_THRESHOLD_MANTISSAS = _mantissa_bits(_THRESHOLDS)
+_MANT_START = np.searchsorted(_THRESHOLD_MANTISSAS, np.arange(256, dtype=np.int64) << 44, side="left").astype(np.int64)
 
 
 @njit(cache=True)
-def _scale_index(s, thresholds, start, out):
-    """Exact: frexp splits s = m * 2**e with no rounding, and m is placed among the thresholds by
-    comparisons (a 256-bucket table gives the start; at most a step or two follow)."""
-    steps = thresholds.shape[0]
-    nbuckets = start.shape[0]
-    for i in range(s.shape[0]):
-        v = s[i]
-        if not (v > 0.0 and v < np.inf):  # also rejects NaN
+def _scale_index(bits, th_mant, start, out):
+    """scale = 2**e * (1 + mant/2**52) exactly; k = #thresholds <= that mantissa, by a 256-bucket
+    start table and at most a step or two of integer comparisons."""
+    steps = th_mant.shape[0]
+    for i in range(bits.shape[0]):
+        b = bits[i]
+        if b <= 0 or b >= 0x7FF0000000000000:  # zero, negative, inf or NaN
             return False
-        m, e = math.frexp(v)
-        m2 = 2.0 * m  # exact, in [1, 2)
-        k = start[int((m2 - 1.0) * nbuckets)]  # exact product: the bucket of m2
-        while k < steps and thresholds[k] <= m2:
+        e = (b >> 52) - 1023
+        if e < -1022:  # subnormal: far below the grid
+            out[i] = q.SIDX_MIN
+            continue
+        mant = b & ((1 << 52) - 1)
+        k = start[mant >> 44]
+        while k < steps and th_mant[k] <= mant:
             k += 1
-        idx = (e - 1) * steps + k
+        idx = e * steps + k
         out[i] = q.SIDX_MIN if idx < q.SIDX_MIN else (q.SIDX_MAX if idx > q.SIDX_MAX else idx)
     return True
 
