@@ -29,7 +29,7 @@ IMPLS = ("fast", "reference")
 #: rANS states used when ``streams`` is not given: interleaving pays off once the input is long
 #: enough that 4 bytes per extra state do not matter.
 AUTO_STREAMS_MIN_SYMBOLS = 1 << 14
-AUTO_STREAMS = 4
+AUTO_STREAMS = 8
 
 __all__ = [
     "CODERS",

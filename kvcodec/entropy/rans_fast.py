@@ -107,8 +107,7 @@ def _encode_kernel(symbols, ctx, freq, cum, precision, n_streams, words, states)
     alphabet = freq.shape[1]
     prec = _U64(precision)
     top_shift = _U64(32 - precision)
-    for j in range(n_streams):
-        states[j] = _L
+    st = np.full(n_streams, _L, dtype=np.uint64)  # local: ``words`` stores cannot alias it
     wpos = n
     j = (n - 1) % n_streams if n > 0 else 0
     use_ctx = ctx.size > 0
@@ -124,7 +123,7 @@ def _encode_kernel(symbols, ctx, freq, cum, precision, n_streams, words, states)
         f = freq[k, s]
         if f == 0:
             return -(i + 1)
-        x = states[j]
+        x = st[j]
         # Branch-free renormalisation: always store the low word, keep it only if needed
         # (wpos - 1 >= i >= 0 here: at most one word per symbol coded so far).
         need = x >= (f << top_shift)
@@ -132,10 +131,11 @@ def _encode_kernel(symbols, ctx, freq, cum, precision, n_streams, words, states)
         wpos -= need
         x = (x >> _SH16) if need else x
         q = x // f
-        states[j] = (q << prec) + (x - q * f) + cum[k, s]
+        st[j] = (q << prec) + (x - q * f) + cum[k, s]
         j -= 1
         if j < 0:
             j = n_streams - 1
+    states[:] = st
     return wpos
 
 
@@ -288,21 +288,25 @@ def _main_loop_generic(payload, ctx, sym_tab, packed_tab, precision, states, out
     use_ctx = ctx.size > 0
     pos = 4 * n_streams
     i = 0
+    st = states.copy()  # a fresh array: the compiler knows ``out`` stores cannot alias it
     while i + n_streams <= n and pos + 2 * n_streams <= nbytes:
         for j in range(n_streams):
-            k = ctx[i + j] if use_ctx else 0  # range-checked by the caller
-            x = states[j]
+            k = 0
+            if use_ctx:
+                k = ctx[i + j]  # range-checked by the caller
+            x = st[j]
             slot = x & mask
             out[i + j] = sym_tab[k, slot]
             d = _U64(packed_tab[k, slot])
-            states[j] = ((d >> _SH16) + _ONE) * (x >> prec) + (d & _MASK16)
+            st[j] = ((d >> _SH16) + _ONE) * (x >> prec) + (d & _MASK16)
         for j in range(n_streams):
-            x = states[j]
+            x = st[j]
             w = _U64(payload[pos]) | (_U64(payload[pos + 1]) << _SH8)
             need = x < _L
-            states[j] = ((x << _SH16) | w) if need else x
+            st[j] = ((x << _SH16) | w) if need else x
             pos += 2 * need
         i += n_streams
+    states[:] = st
     return i, pos
 
 
