@@ -1,11 +1,25 @@
 """kvcodec: compress LLM KV caches and weights.
 
 Subpackages: ``entropy`` (lossless coders), ``quant`` (vector quantizers for KV),
-``lossless`` (bit-exact tensor codecs), ``cuda`` (fused GPU kernels), ``hf``
-(Hugging Face cache plug-in).
+``lossless`` (bit-exact tensor codecs), ``cuda`` (fused GPU kernels), ``hf`` (Hugging Face
+cache plug-in). ``kvcodec.compress`` / ``kvcodec.decompress`` are the lossless front door.
 """
 
 from kvcodec.errors import CorruptStreamError
 
 __version__ = "0.1.0"
-__all__ = ["CorruptStreamError", "__version__"]
+__all__ = ["CorruptStreamError", "compress", "decompress", "__version__"]
+
+
+def compress(tensor, prediction=None, **options):
+    """Losslessly compress a torch tensor to bytes (see ``kvcodec.lossless.api.compress``)."""
+    from kvcodec.lossless.api import compress as _compress
+
+    return _compress(tensor, prediction=prediction, **options)
+
+
+def decompress(blob, prediction=None, **options):
+    """Restore the exact tensor (dtype, shape, bits) from ``compress``'s bytes."""
+    from kvcodec.lossless.api import decompress as _decompress
+
+    return _decompress(blob, prediction=prediction, **options)
