@@ -156,9 +156,12 @@ CHECKS = [
 ]
 
 
-def run_checks() -> list[dict]:
+def run_checks(best: str = "default") -> list[dict]:
     rows = []
-    for prefix, defines, narrow in CHECK_MODES:
+    modes = list(CHECK_MODES)
+    if best != "default":
+        modes.insert(0, next((f"{lab}: ", d, n) for lab, d, n in VARIANTS if lab == best))
+    for prefix, defines, narrow in modes:
         attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
         rows += _run_checks(prefix)
     attention.KERNEL_DEFINES, attention.NARROW_ENABLED = (), True
@@ -254,10 +257,10 @@ def run_pack_checks() -> list[dict]:
             try:  # the quant package's own torch path (default "hadamard2" rotation: two rounds)
                 from kvcodec.quant import TurboQuantMSE
 
-                qz = TurboQuantMSE(d, bits, seed=7)
+                qz = TurboQuantMSE(d, bits, seed=7, precondition="none")  # norm_correction on (default)
                 qt = qz.quantize(x)
                 codes2, norms2 = kc.quantize_pack(x, qz.rotation.cuda(), qz.codebook.cuda(), bits,
-                                                  norm_dtype=qt.token["norms"].dtype)
+                                                  norm_dtype=qt.token["norms"].dtype, norm_correction=True)
                 g2 = reference.unpack_codes(codes2, bits, d)
                 w2 = reference.unpack_codes(qt.token["codes"].cuda(), bits, d)
                 row["vs_quant_mismatch_rate"] = (g2 != w2).float().mean().item()
@@ -354,37 +357,53 @@ def sweep(quick: bool):
 
 VARIANTS = [  # label, split-kernel macros, narrow (transposed P.V) kernel allowed
     ("default", (), True),
-    ("wide kernel only", (), False),
-    ("PAIR4=0", ("TQ_PAIR4=0",), True),
-    ("STAGES=3", ("TQ_STAGES=3",), True),
     ("STAGES=1", ("TQ_STAGES=1",), True),
+    ("STAGES=3", ("TQ_STAGES=3",), True),
+    ("PAIR4=0", ("TQ_PAIR4=0",), True),
     ("no vector loads", ("TQ_VEC_LOADS=0",), True),
     ("no v4 interleave", ("TQ_V4_INTERLEAVE=0",), True),
+    ("wide kernel only", (), False),
 ]
+TUNE_SHAPES = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4),
+               (8, 32768, 32, 8, 128, 3, 3)]
 
 
 def variants():
-    """Tuning knobs on representative shapes: kernel form, lookups, prefetch depth, split size."""
-    rows = []
-    shapes = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4),
-              (8, 32768, 32, 8, 128, 3, 3)]
+    """Tuning knobs on representative shapes: kernel form, lookups, prefetch depth, split size.
+    Returns (rows, label of the fastest variant by geometric mean over the shapes at auto split)."""
+    rows, score = [], {}
     for label, defines, narrow in VARIANTS:
         attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
-        for shp in shapes:
+        logs = []
+        for shp in TUNE_SHAPES:
             for tpw in (None, 256, 1024):
                 try:
                     row = time_decode(*shp, tokens_per_warp=tpw, sdpa=False)
                     row.update(variant=label, tpw=tpw or "auto")
+                    if tpw is None:
+                        logs.append(math.log(row["fused_ms"]))
                 except Exception as e:
                     row = dict(shape=str(shp), variant=label, tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
+                    if tpw is None:
+                        logs.append(float("inf"))
                 log("variant", row)
                 rows.append(row)
+        score[label] = sum(logs) / max(1, len(logs))
     attention.KERNEL_DEFINES, attention.NARROW_ENABLED = (), True
-    return rows
+    best = min(score, key=score.get)
+    log("variant scores (mean log ms, lower is better):", {k: round(v, 4) for k, v in score.items()}, "best:", best)
+    return rows, best
+
+
+def use_variant(label: str) -> None:
+    for lab, defines, narrow in VARIANTS:
+        if lab == label:
+            attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
 
 
 def profile_one() -> None:
     """One decode call (b8 t32k 32/8 d128 4/4) for an external profiler (ncu) to look at."""
+    use_variant(os.environ.get("TQ_VARIANT", "default"))
     case, kw = make_case(8, 32, 8, 1, 32768, 128, 4, 4, [32768] * 8)
     for _ in range(3):
         kc.decode_attention(**case, **kw)
@@ -424,7 +443,15 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
     log("device", rec["gpu"], "SMs", rec["sms"], "torch", torch.__version__)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw:.3f} TB/s (read+write)")
-    checks = run_checks()
+    var_rows, best = variants() if do_variants else ([], "default")
+    log(f"variants done {time.time() - t0:.0f}s; everything below runs with variant {best!r}")
+    checks = run_checks(best)
+    if best != "default" and not all(c.get("ok") for c in checks if c["check"].startswith(best + ": ")):
+        log(f"variant {best!r} failed a check: falling back to the default kernel")
+        best = "default"
+    use_variant(best)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "variant.txt").write_text(best)
     packs = run_pack_checks()
     quant_checks = run_quant_checks()
     log(f"checks done {time.time() - t0:.0f}s")
@@ -432,8 +459,6 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
         breakdown = kernel_breakdown()
     except Exception as e:
         breakdown = [{"error": f"{type(e).__name__}: {e}"[:200]}]
-    var_rows = variants() if do_variants else []
-    log(f"variants done {time.time() - t0:.0f}s")
     timing = sweep(quick)
     pack_rows = []
     for n, d, bits in ((8 * 8 * 32768, 128, 4), (8 * 3 * 32768, 64, 4), (64, 128, 4)):
@@ -452,11 +477,12 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
         "pack_checks": packs,
         "quant_checks": quant_checks,
         "variants": var_rows,
+        "variant_used": best,
         "breakdown": breakdown,
         "pack_timing": pack_rows,
         "copy_TBps": bw,
         "machine": rec,
-        "notes": [f"GPU {rec['gpu']}, copy bandwidth {bw:.2f} TB/s (read+write); batch of q_len=1 decode; "
+        "notes": [f"kernel variant used for checks/breakdown/sweep: {best}", f"GPU {rec['gpu']}, copy bandwidth {bw:.2f} TB/s (read+write); batch of q_len=1 decode; "
                   "fused = tq_decode_split + tq_decode_merge (incl. query rotation/permutation in torch); "
                   "bytes = packed codes + fp16 norms of K and V; sdpa = flash backend on bf16 K/V (4/4 rows)",
                   f"checks ok: {sum(bool(c.get('ok')) for c in checks)}/{len(checks)}; "

@@ -26,8 +26,8 @@ SPLIT_CONFIGS = [
     (64, 3, 3, False, True, False, False),
     (64, 1, 2, False, False, True, True),
 ]
-PACK_CONFIGS = [(128, 4, 2, False, 1), (128, 4, 2, False, 2), (128, 3, 1, False, 2), (64, 3, 2, True, 2),
-                (64, 2, 0, False, 1)]
+PACK_CONFIGS = [(128, 4, 2, False, 1, False), (128, 4, 2, False, 2, True), (128, 3, 1, False, 2, True),
+                (64, 3, 2, True, 2, False), (64, 2, 0, False, 1, True)]
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
@@ -121,11 +121,11 @@ def test_hadamard2_signs_recovers_quant_rotation():
 def test_reference_quantize_matches_quant_package_bytes():
     from kvcodec.quant import TurboQuantMSE
 
-    for d, bits in ((64, 3), (128, 4)):
-        qz = TurboQuantMSE(d, bits, seed=5)
+    for d, bits, nc in ((64, 3, False), (128, 4, True)):
+        qz = TurboQuantMSE(d, bits, seed=5, precondition="none", norm_correction=nc)
         x = torch.randn(2, 3, 40, d) * 2
         qt = qz.quantize(x)
-        codes, norms = reference.quantize_reference(x, qz.rotation, qz.codebook, bits)
+        codes, norms = reference.quantize_reference(x, qz.rotation, qz.codebook, bits, norm_correction=nc)
         assert torch.equal(codes, qt.token["codes"])
         assert torch.allclose(norms.float(), qt.token["norms"].float(), rtol=1e-3)
 

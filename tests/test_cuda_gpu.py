@@ -129,9 +129,11 @@ def test_attend_on_quant_objects_matches_quant_package(prod, precondition):
 def test_quantize_pack_matches_quant_package_hadamard2():
     from kvcodec.quant import TurboQuantMSE
 
-    qz = TurboQuantMSE(128, 4, seed=7)  # default rotation for power-of-two dims: two Hadamard rounds
+    # default rotation for power-of-two dims: two Hadamard rounds; norm correction on by default
+    qz = TurboQuantMSE(128, 4, seed=7, precondition="none")
     x = torch.randn(4096, 128, device="cuda", dtype=torch.bfloat16)
     qt = qz.quantize(x)
-    codes, _ = kc.quantize_pack(x, qz.rotation.cuda(), qz.codebook.cuda(), 4)
+    codes, norms = kc.quantize_pack(x, qz.rotation.cuda(), qz.codebook.cuda(), 4, norm_correction=True)
+    assert ((norms.float() - qt.token["norms"].float()).abs() <= qt.token["norms"].float() * 2e-3).all()
     got, want = reference.unpack_codes(codes, 4, 128), reference.unpack_codes(qt.token["codes"], 4, 128)
     assert (got != want).float().mean().item() < 1e-3 and ((got - want).abs() <= 1).all()

@@ -19,16 +19,17 @@ from kvcodec.cuda import build, reference
 
 SOURCE = "tq_pack.cu"
 ROWS_PER_BLOCK = 8
-SIGNATURE = "(const void*, long long, const float*, const float*, int, tq_u8*, tq_u16*)"
+SIGNATURE = "(const void*, long long, const float*, const float*, const float*, int, tq_u8*, tq_u16*)"
 _IN_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def pack_name(dim: int, bits: int, in_code: int, norm_bf16: bool, rounds: int = 1) -> str:
-    return f"tq_quant_pack<{dim}, {bits}, {in_code}, {'true' if norm_bf16 else 'false'}, {rounds}>"
+def pack_name(dim: int, bits: int, in_code: int, norm_bf16: bool, rounds: int = 1, norm_correction: bool = False) -> str:
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return f"tq_quant_pack<{dim}, {bits}, {in_code}, {b(norm_bf16)}, {rounds}, {b(norm_correction)}>"
 
 
 def instance_declarations(configs) -> list[str]:
-    """Explicit-instantiation declarations (for nvcc) of (dim, bits, in_code, norm_bf16, rounds) configs."""
+    """Explicit-instantiation declarations (for nvcc) of (dim, bits, in_code, norm_bf16, rounds, nc) configs."""
     return [f"__global__ void {pack_name(*c)}{SIGNATURE}" for c in configs]
 
 
@@ -52,8 +53,13 @@ def _signs_for(rotation: torch.Tensor, device) -> torch.Tensor | None:
 
 
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tensor, bits: int,
-                  norm_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows x [..., D] (float32/float16/bfloat16) -> (packed codes, norms in norm_dtype)."""
+                  norm_dtype: torch.dtype = torch.float16,
+                  norm_correction: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rows x [..., D] (float32/float16/bfloat16) -> (packed codes, norms in norm_dtype).
+
+    norm_correction: store ||x|| / <y, c> instead of ||x|| (kvcodec.quant's default, see
+    TurboQuantMSE); the attention kernels read either the same way.
+    """
     if x.dim() < 1:
         raise ValueError("x must have a last dimension")
     d = x.shape[-1]
@@ -69,7 +75,7 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     signs = _signs_for(rotation, x.device) if x.is_cuda and d % 32 == 0 and d <= 1024 else None
     if signs is None:
-        return reference.quantize_reference(x, rotation, codebook, bits, norm_dtype)
+        return reference.quantize_reference(x, rotation, codebook, bits, norm_dtype, norm_correction)
 
     import cupy
 
@@ -83,9 +89,11 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
         thr = build.derived(codebook, f"thresholds {x.device}",
                             lambda c: reference.thresholds_of(c.to(torch.float32)).to(x.device).contiguous())
         rounds = 1 if signs.dim() == 1 else 2
-        fn = build.get_function(SOURCE, pack_name(d, bits, _IN_CODE[x.dtype], norm_dtype == torch.bfloat16, rounds))
+        fn = build.get_function(SOURCE, pack_name(d, bits, _IN_CODE[x.dtype], norm_dtype == torch.bfloat16, rounds,
+                                                  norm_correction))
+        cbf = build.derived(codebook, f"f32 {x.device}", lambda c: c.to(x.device, torch.float32).contiguous())
         with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, x.device.index or 0):
             fn((-(-n // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,),
-               (rows.data_ptr(), np.int64(rows.stride(0)), signs.data_ptr(), thr.data_ptr(), np.int32(n),
+               (rows.data_ptr(), np.int64(rows.stride(0)), signs.data_ptr(), thr.data_ptr(), cbf.data_ptr(), np.int32(n),
                 codes.data_ptr(), norms.data_ptr()))
     return codes.reshape(*x.shape[:-1], -1), norms.reshape(x.shape[:-1])

@@ -103,14 +103,20 @@ def thresholds_of(codebook: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_reference(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tensor, bits: int,
-                       norm_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
-    """TurboQuant-MSE of rows x [..., D] -> (packed codes uint8, norms). Float32 math, ties go low."""
+                       norm_dtype: torch.dtype = torch.float16,
+                       norm_correction: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """TurboQuant-MSE of rows x [..., D] -> (packed codes uint8, norms). Float32 math, ties go low.
+
+    norm_correction: store ||x|| / <y, c> (c = chosen centroids) where positive, as kvcodec.quant does."""
     xf = x.to(torch.float32)
     norms = xf.norm(dim=-1)
     u = xf / torch.where(norms > 0, norms, torch.ones_like(norms)).unsqueeze(-1)
     y = u @ rotation.to(xf.device, torch.float32).T
     thr = thresholds_of(codebook).to(xf.device)
     codes = torch.searchsorted(thr, y.contiguous(), right=False)  # = #{thr < y}
+    if norm_correction:
+        dot = (y * codebook.to(xf.device, torch.float32)[codes]).sum(-1)
+        norms = torch.where(dot > 0, norms / torch.where(dot > 0, dot, torch.ones_like(dot)), norms)
     return pack_codes(codes, bits), norms.to(norm_dtype)
 
 

@@ -53,15 +53,10 @@ struct TqBits {
 };
 
 template <int NBITS, bool ALIGNED, int VEC = 1>
-TQ_DEVI void tq_load_bits(TqBits<NBITS>& b, const tq_u32* __restrict__ row, int start, bool valid) {
+TQ_DEVI void tq_load_bits_at(TqBits<NBITS>& b, const tq_u32* __restrict__ p, int sh) {
+  // p: the word holding the first requested bit; sh: that bit's position in it (0 when ALIGNED)
   constexpr int NW = TqBits<NBITS>::NW;
   b.w[NW] = 0u;
-  if (!valid) {
-#pragma unroll
-    for (int i = 0; i < NW; ++i) b.w[i] = 0u;
-    return;
-  }
-  const tq_u32* p = row + (start >> 5);
   if constexpr (ALIGNED && VEC == 4 && NW % 4 == 0) {  // caller guarantees 16-byte alignment
 #pragma unroll
     for (int i = 0; i < NW; i += 4)
@@ -75,7 +70,6 @@ TQ_DEVI void tq_load_bits(TqBits<NBITS>& b, const tq_u32* __restrict__ row, int 
 #pragma unroll
     for (int i = 0; i < NW; ++i) b.w[i] = __ldg(p + i);
   } else {
-    const int sh = start & 31;
     tq_u32 raw[NW + 1];
 #pragma unroll
     for (int i = 0; i < NW; ++i) raw[i] = __ldg(p + i);
@@ -83,6 +77,17 @@ TQ_DEVI void tq_load_bits(TqBits<NBITS>& b, const tq_u32* __restrict__ row, int 
 #pragma unroll
     for (int i = 0; i < NW; ++i) b.w[i] = __funnelshift_r(raw[i], raw[i + 1], sh);
   }
+}
+
+template <int NBITS, bool ALIGNED, int VEC = 1>
+TQ_DEVI void tq_load_bits(TqBits<NBITS>& b, const tq_u32* __restrict__ row, int start, bool valid) {
+  constexpr int NW = TqBits<NBITS>::NW;
+  if (!valid) {
+#pragma unroll
+    for (int i = 0; i <= NW; ++i) b.w[i] = 0u;
+    return;
+  }
+  tq_load_bits_at<NBITS, ALIGNED, VEC>(b, row + (start >> 5), start & 31);
 }
 
 // The W-bit field at bit position P of the re-aligned words (P, W compile-time after unrolling).

@@ -22,6 +22,12 @@
 #ifndef TQ_MIN_BLOCKS
 #define TQ_MIN_BLOCKS 0
 #endif
+// sm_100's register allocation spills a little at 3 blocks (168 registers) for head_dim 128
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define TQ_NARROW128_BLOCKS 2
+#else
+#define TQ_NARROW128_BLOCKS 3
+#endif
 // 1: 4-bit codes are looked up two at a time too (256-entry table: fewer instructions, more bank
 // conflicts); -DTQ_PAIR4=1.
 #ifndef TQ_PAIR4
@@ -136,28 +142,48 @@ struct StepRegs {
   tq_u16 kn[4], vn[4], rn[4];  // norms of tokens 2t, 2t+1, 2t+8, 2t+9
 };
 
-template <class T, bool QJL>
-TQ_DEVI void load_step(StepRegs<T>& r, int base, int len, int g, int t,
-                       const tq_u32* __restrict__ kc, const tq_u16* __restrict__ kn,
-                       const tq_u32* __restrict__ vc, const tq_u16* __restrict__ vn,
-                       const tq_u32* __restrict__ qc, const tq_u16* __restrict__ rn) {
+// Per-thread pointers, computed once: each points at this thread's first word / norm of token 0.
+template <class T>
+struct LanePtrs {
+  const tq_u32* k;   // key row g, chunk of thread t
+  const tq_u32* v;   // value row 2t, chunk of thread g
+  const tq_u32* q;   // QJL bits row g, chunk of thread t
+  const tq_u16* kn;  // norms of token 2t
+  const tq_u16* vn;
+  const tq_u16* rn;
+  int ksh, vsh, qsh;  // bit offset of the chunk inside its first word (0 when aligned)
+  int g, t;
+};
+
+// Loads of one 16-token step starting at `base`. FULL (base + 16 <= end): every address is a base
+// pointer plus a compile-time offset. Otherwise tokens past `end` read the last valid token instead
+// (their keys are masked to -inf later) and get value norm 0, so slots past the sequence never reach
+// the output whatever they hold. Loads are unconditional: no branches, so they batch.
+template <class T, bool QJL, bool FULL>
+TQ_DEVI void load_step(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
+  const int last = end - 1;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const int tok = base + 8 * j + g;
-    const bool ok = tok < len;
-    tq_load_bits<T::KBITS, T::KALIGN, T::KVEC>(r.k[j], kc + (long long)tok * T::KROW_WORDS, t * T::KBITS, ok);
-    if constexpr (QJL)
-      tq_load_bits<T::QBITS, T::QALIGN>(r.s[j], qc + (long long)tok * T::QROW_WORDS, t * T::QBITS, ok);
+    const int rel = FULL ? base + 8 * j : min(base + 8 * j, last - L.g);  // token - g
+    tq_load_bits_at<T::KBITS, T::KALIGN, T::KVEC>(r.k[j], L.k + rel * T::KROW_WORDS, L.ksh);
+    if constexpr (QJL) tq_load_bits_at<T::QBITS, T::QALIGN>(r.s[j], L.q + rel * T::QROW_WORDS, L.qsh);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int tok = base + 2 * t + (j & 1) + 8 * (j >> 1);
-    const bool ok = tok < len;
-    tq_load_bits<T::VBITS, T::VALIGN, T::VVEC>(r.v[j], vc + (long long)tok * T::VROW_WORDS, g * T::VBITS, ok);
-    r.kn[j] = ok ? __ldg(kn + tok) : (tq_u16)0;
-    r.vn[j] = ok ? __ldg(vn + tok) : (tq_u16)0;  // masked tokens: value norm 0 keeps garbage out
-    if constexpr (QJL) r.rn[j] = ok ? __ldg(rn + tok) : (tq_u16)0;
+    const int off = (j & 1) + 8 * (j >> 1);
+    const int rel = FULL ? base + off : min(base + off, last - 2 * L.t);  // token - 2t
+    tq_load_bits_at<T::VBITS, T::VALIGN, T::VVEC>(r.v[j], L.v + rel * T::VROW_WORDS, L.vsh);
+    r.kn[j] = __ldg(L.kn + rel);
+    const tq_u16 vnv = __ldg(L.vn + rel);
+    r.vn[j] = (FULL || base + off + 2 * L.t <= last) ? vnv : (tq_u16)0;  // masked: value norm 0
+    if constexpr (QJL) r.rn[j] = __ldg(L.rn + rel);
   }
+}
+
+template <class T, bool QJL>
+TQ_DEVI void load_any(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
+  if (base + 16 <= end) load_step<T, QJL, true>(r, base, end, L);
+  else load_step<T, QJL, false>(r, base, end, L);
 }
 
 }  // namespace tq
@@ -173,7 +199,7 @@ TQ_DEVI void load_step(StepRegs<T>& r, int base, int len, int g, int t,
 // and P V runs transposed, O^T = V^T P^T (values are the A operand, M = 16 dims; P^T the B operand,
 // N = 8 rows): half the mma count and half the accumulator registers.
 template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW>
-__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : (QJL || !NARROW) ? 2 : D <= 64 ? 4 : 3))
+__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : (QJL || !NARROW) ? 2 : D <= 64 ? 4 : TQ_NARROW128_BLOCKS))
 tq_decode_split(
     const tq_u16* __restrict__ q16, const float* __restrict__ row_scale,
     const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
@@ -230,12 +256,18 @@ tq_decode_split(
   const float rs1 = row_scale[(long long)bh * rows + rt * 16 + g + 8];
 
   const long long tok0 = (long long)bh * Tcap;
-  const tq_u32* kc = reinterpret_cast<const tq_u32*>(kcodes) + tok0 * T::KROW_WORDS;
-  const tq_u32* vc = reinterpret_cast<const tq_u32*>(vcodes) + tok0 * T::VROW_WORDS;
-  const tq_u16* kn = knorms + tok0;
-  const tq_u16* vn = vnorms + tok0;
-  const tq_u32* qc = QJL ? reinterpret_cast<const tq_u32*>(qjl) + tok0 * T::QROW_WORDS : nullptr;
-  const tq_u16* rn = QJL ? rnorms + tok0 : nullptr;
+  tq::LanePtrs<T> L;
+  L.g = g;
+  L.t = t;
+  L.ksh = (t * T::KBITS) & 31;
+  L.vsh = (g * T::VBITS) & 31;
+  L.qsh = (t * T::QBITS) & 31;
+  L.k = reinterpret_cast<const tq_u32*>(kcodes) + (tok0 + g) * T::KROW_WORDS + ((t * T::KBITS) >> 5);
+  L.v = reinterpret_cast<const tq_u32*>(vcodes) + (tok0 + 2 * t) * T::VROW_WORDS + ((g * T::VBITS) >> 5);
+  L.kn = knorms + tok0 + 2 * t;
+  L.vn = vnorms + tok0 + 2 * t;
+  L.q = QJL ? reinterpret_cast<const tq_u32*>(qjl) + (tok0 + g) * T::QROW_WORDS + ((t * T::QBITS) >> 5) : nullptr;
+  L.rn = QJL ? rnorms + tok0 + 2 * t : nullptr;
 
   // Accumulators: NARROW: acc[mt] = O^T tile of dims (16 mt + g, 16 mt + g + 8) x rows (2t, 2t+1),
   // dims being the thread-chunk coordinates 2mt / 2mt+1 (dim CV*g + 2mt + {0,1}); otherwise
@@ -376,7 +408,7 @@ tq_decode_split(
   // while one step computes (the loop is unrolled by the ring size so every index is static).
 #pragma unroll
   for (int k = 0; k < STAGES - 1; ++k)
-    if (begin + 16 * k < end) tq::load_step<T, QJL>(ring[k], begin + 16 * k, end, g, t, kc, kn, vc, vn, qc, rn);
+    if (begin + 16 * k < end) tq::load_any<T, QJL>(ring[k], begin + 16 * k, end, L);
   for (int base = begin; base < end; base += 16 * STAGES) {
 #pragma unroll
     for (int k = 0; k < STAGES; ++k) {
@@ -384,7 +416,7 @@ tq_decode_split(
       if (here < end) {
         const int ahead = here + 16 * (STAGES - 1);
         if (ahead < end)
-          tq::load_step<T, QJL>(ring[(k + STAGES - 1) % STAGES], ahead, end, g, t, kc, kn, vc, vn, qc, rn);
+          tq::load_any<T, QJL>(ring[(k + STAGES - 1) % STAGES], ahead, end, L);
         step(ring[k], here);
       }
     }

@@ -41,11 +41,14 @@ TQ_DEVI void fwht_warp(float (&v)[E], int lane) {
 }  // namespace tq
 
 // x: [N, D] (IN: 0 fp32, 1 fp16, 2 bf16), row stride `x_stride` elements; signs: [ROUNDS, D] fp32 (+-1);
-// thresholds: [2^B - 1] fp32 ascending; codes: [N, D*B/8] uint8; norms: [N] fp16 (NBF: bf16).
-template <int D, int B, int IN, bool NBF, int ROUNDS>
+// thresholds: [2^B - 1] fp32 ascending; codebook: [2^B] fp32; codes: [N, D*B/8] uint8;
+// norms: [N] fp16 (NBF: bf16). NC (norm correction, kvcodec.quant's default): store ||x|| / <y, c>
+// (c = the chosen centroids) when that dot product is positive, so <x, x_hat> = ||x||^2.
+template <int D, int B, int IN, bool NBF, int ROUNDS, bool NC>
 __global__ void __launch_bounds__(256) tq_quant_pack(
     const void* __restrict__ x, long long x_stride, const float* __restrict__ signs,
-    const float* __restrict__ thresholds, int N, tq_u8* __restrict__ codes, tq_u16* __restrict__ norms) {
+    const float* __restrict__ thresholds, const float* __restrict__ codebook, int N, tq_u8* __restrict__ codes,
+    tq_u16* __restrict__ norms) {
   static_assert(D % 32 == 0 && D >= 32 && D <= 1024, "head_dim must be a multiple of 32");
   static_assert(B >= 1 && B <= 8, "bits in 1..8");
   constexpr int E = D / 32;
@@ -53,6 +56,8 @@ __global__ void __launch_bounds__(256) tq_quant_pack(
   constexpr int ROW_WORDS = D * B / 32;
   constexpr int WARPS = 8;
   __shared__ float thr[NTH > 0 ? NTH : 1];
+  __shared__ float cbs[1 << B];
+  for (int i = threadIdx.x; i < (1 << B); i += blockDim.x) cbs[i] = codebook[i];
   __shared__ tq_u32 packed[WARPS][ROW_WORDS];
   for (int i = threadIdx.x; i < NTH; i += blockDim.x) thr[i] = thresholds[i];
   __syncthreads();
@@ -85,6 +90,7 @@ __global__ void __launch_bounds__(256) tq_quant_pack(
 
   for (int i = lane; i < ROW_WORDS; i += 32) packed[warp][i] = 0u;
   __syncwarp();
+  float dot = 0.f;
 #pragma unroll
   for (int e = 0; e < E; ++e) {
     const float y = v[e] * rs;
@@ -94,6 +100,7 @@ __global__ void __launch_bounds__(256) tq_quant_pack(
       const int probe = idx + (1 << step) - 1;
       if (y > thr[probe]) idx += 1 << step;
     }
+    if constexpr (NC) dot += y * cbs[idx];
     const int bit = (lane * E + e) * B;
     const unsigned long long f = (unsigned long long)idx << (bit & 31);
     atomicOr(&packed[warp][bit >> 5], (tq_u32)f);
@@ -102,5 +109,11 @@ __global__ void __launch_bounds__(256) tq_quant_pack(
   __syncwarp();
   tq_u32* out = reinterpret_cast<tq_u32*>(codes) + (long long)row * ROW_WORDS;
   for (int i = lane; i < ROW_WORDS; i += 32) out[i] = packed[warp][i];
-  if (lane == 0) norms[row] = tq_f_to_16<NBF>(nrm);
+  float stored = nrm;
+  if constexpr (NC) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    stored = dot > 0.f ? nrm / dot : nrm;
+  }
+  if (lane == 0) norms[row] = tq_f_to_16<NBF>(stored);
 }
