@@ -51,6 +51,7 @@ def test_matches_dense_attention_with_padding_mask_and_chunks(monkeypatch):
 
     monkeypatch.setattr(attn, "Q_CHUNK", 3)
     monkeypatch.setattr(attn, "KV_CHUNK", 7)
+    monkeypatch.setattr(attn, "COMPRESSED_CHUNK", 6)
     torch.manual_seed(1)
     B, hq, hkv, d, T, tq = 3, 6, 2, 64, 50, 9
     k, v = torch.randn(B, hkv, T, d), torch.randn(B, hkv, T, d)

@@ -136,9 +136,9 @@ def test_crop_into_compressed_blocks_and_sink(compressed_path):
     cache = _cache(model, sink=3, residual=2, block_size=4)
     _logits(model, prompt(1, 20), cache)
     store = cache.layers[0].store
-    assert store.sink_len == 3 and len(store.blocks) == 3 and store.window_len == 5
-    cache.crop(-10)  # through the window and into a block
-    assert cache.get_seq_length() == 10 and [b.length for b in store.blocks] == [4, 3]
+    assert store.sink_len == 3 and store.compressed_len == 12 and store.window_len == 5
+    cache.crop(-10)  # through the window and into the compressed tokens
+    assert cache.get_seq_length() == 10 and store.compressed_len == 7 and store.window_len == 0
     cache.crop(2)  # inside the sink
     assert cache.get_seq_length() == 2 and not store.blocks and store.window_len == 0
     cache.crop(0)

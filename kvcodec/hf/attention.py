@@ -28,6 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 NAME = "kvcodec"
 Q_CHUNK = 128  # query tokens per pass (times the GQA group)
 KV_CHUNK = 1024  # exact key tokens per pass
+COMPRESSED_CHUNK = 4096  # compressed key tokens per quantizer call
 _HOOK_ATTR = "_kvcodec_pre_hook"
 _LAYER_ATTR = "_kvcodec_layer"
 
@@ -123,7 +124,7 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
     past = total - Tq
     if mask is not None and mask.shape[-1] != total:
         raise ValueError(f"attention mask covers {mask.shape[-1]} keys but the cache holds {total}")
-    parts = _split_exact(store.segments(), KV_CHUNK)
+    parts = _split(store, KV_CHUNK, COMPRESSED_CHUNK)
     q = query.float().reshape(B, num_kv_heads, G, Tq, D)
     out = torch.empty(B, num_kv_heads, G, Tq, D, dtype=torch.float32, device=query.device)
     for q0 in range(0, Tq, Q_CHUNK):
@@ -149,18 +150,23 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
     return out.reshape(B, H, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
 
 
-def _split_exact(segments, chunk: int):
-    """Exact segments cut into at most ``chunk`` tokens (compressed blocks stay whole)."""
+def _split(store, exact_chunk: int, compressed_chunk: int):
+    """The store's segments cut into bounded runs (views, no copies), so the scores stay small."""
     from kvcodec.hf.storage import Segment
 
     out = []
-    for seg in segments:
-        if not seg.exact or seg.length <= chunk:
+    for seg in store.segments():
+        chunk = exact_chunk if seg.exact else compressed_chunk
+        if seg.length <= chunk or (not seg.exact and not hasattr(store.key_codec, "view")):
             out.append(seg)
             continue
         for a in range(0, seg.length, chunk):
             b = min(a + chunk, seg.length)
-            out.append(Segment(seg.start + a, b - a, seg.key[..., a:b, :], seg.value[..., a:b, :], True))
+            if seg.exact:
+                k, v = seg.key[..., a:b, :], seg.value[..., a:b, :]
+            else:
+                k, v = store.key_codec.view(seg.key, a, b), store.value_codec.view(seg.value, a, b)
+            out.append(Segment(seg.start + a, b - a, k, v, seg.exact))
     return out
 
 

@@ -146,6 +146,8 @@ class CompressedCache(Cache):
         sink: the first ``sink`` tokens stay full precision for good (attention sinks).
         outliers: number of outlier key channels handled apart (passed to the quantizer).
         seed: seeds rotations / sketches (each layer derives its own from it).
+        key_precondition / value_precondition: "none", "center" or "scale": per-(layer, head)
+            channel transform fitted on the first compressed tokens (TurboQuant methods).
     """
 
     def __init__(
@@ -161,6 +163,8 @@ class CompressedCache(Cache):
         sink: int = 0,
         outliers: int = 0,
         seed: int = 0,
+        key_precondition: str = "scale",
+        value_precondition: str = "none",
     ):
         model = None
         config = config_or_model
@@ -177,6 +181,8 @@ class CompressedCache(Cache):
             sink=sink,
             outliers=outliers,
             seed=seed,
+            key_precondition=key_precondition,
+            value_precondition=value_precondition,
         )
         layers = [CompressedLayer(self.spec, i) for i in range(self.spec.num_layers)]
         super().__init__(layers=layers)

@@ -29,6 +29,8 @@ class ExactCodec:
 
     name = "none"
     decoded_attention = True
+    mergeable = True  # blocks concatenate cheaply: the store keeps one block per layer
+    token_multiple = 1  # compressed runs can be cut at any token
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return x.contiguous()
@@ -50,6 +52,12 @@ class ExactCodec:
 
     def truncate(self, block: torch.Tensor, n: int) -> torch.Tensor:
         return block[..., :n, :].contiguous()
+
+    def cat(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a, b], dim=-2)
+
+    def view(self, block: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return block[..., start:stop, :]
 
     def select(self, block: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return block.index_select(0, idx.to(block.device))
@@ -93,6 +101,8 @@ class LosslessCodec:
 
     name = "lossless"
     decoded_attention = True
+    mergeable = False  # one entropy-coded blob per block and batch row
+    token_multiple = 1
 
     def __init__(self):
         from kvcodec.lossless import api  # imported here: the lossless package is optional at import time

@@ -6,13 +6,14 @@ sliding-window layers) raises ``ValueError`` here, before any token is seen.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvcodec.hf.codecs import ExactCodec, LosslessCodec
 
 QUANT_METHODS = ("turboquant", "qjl", "kivi")
 METHODS = QUANT_METHODS + ("lossless", "none")
 KEY_MODES = ("mse", "prod")
+PRECONDITIONS = ("none", "center", "scale")
 MIN_BITS, MAX_BITS = 1, 8
 
 
@@ -32,7 +33,9 @@ class CacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    extra: dict = field(default_factory=dict)
+    key_precondition: str = "scale"
+    value_precondition: str = "none"
+    kivi_group: int | None = None
 
     def options(self) -> dict:
         """The constructor arguments that reproduce this spec (for save/load)."""
@@ -46,6 +49,8 @@ class CacheSpec:
             "sink": self.sink,
             "outliers": self.outliers,
             "seed": self.seed,
+            "key_precondition": self.key_precondition,
+            "value_precondition": self.value_precondition,
         }
 
     def make_codecs(self, layer_idx: int):
@@ -88,11 +93,15 @@ def model_shape(config) -> tuple[int, int, int]:
     return n_layers, n_kv, int(head_dim)
 
 
-def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed) -> CacheSpec:
+def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed,
+               key_precondition="scale", value_precondition="none") -> CacheSpec:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+    for name, value in (("key_precondition", key_precondition), ("value_precondition", value_precondition)):
+        if value not in PRECONDITIONS:
+            raise ValueError(f"{name} must be one of {PRECONDITIONS}, got {value!r}")
     value_bits = key_bits if value_bits is None else value_bits
     key_bits = _int_arg("key_bits", key_bits, MIN_BITS, MAX_BITS)
     value_bits = _int_arg("value_bits", value_bits, MIN_BITS, MAX_BITS)
@@ -100,14 +109,17 @@ def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, bloc
     sink = _int_arg("sink", sink, 0)
     outliers = _int_arg("outliers", outliers, 0)
     seed = _int_arg("seed", seed, 0)
+    group = 32 if method == "kivi" else 1  # KIVI keys are quantized in groups of 32 tokens
     if block_size is None:
-        block_size = residual if residual > 0 else 64
+        block_size = -(-residual // group) * group if residual > 0 else 64
     block_size = _int_arg("block_size", block_size, 1)
+    if block_size % group:
+        raise ValueError(f"block_size must be a multiple of {group} for method {method!r}, got {block_size}")
     n_layers, n_kv, head_dim = model_shape(config)
     if outliers >= head_dim:
         raise ValueError(f"outliers must be < head_dim ({head_dim}), got {outliers}")
     spec = CacheSpec(method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed,
-                     n_layers, n_kv, head_dim)
+                     n_layers, n_kv, head_dim, key_precondition, value_precondition)
     if method in QUANT_METHODS:
         spec.make_codecs(0)  # surfaces the quantizer's own ValueError (e.g. head_dim it cannot rotate) now
     elif method == "lossless":

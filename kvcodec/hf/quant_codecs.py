@@ -15,20 +15,34 @@ import torch
 from kvcodec.errors import CorruptStreamError
 
 
+def _quant_classes() -> dict:
+    """The kvcodec.quant classes importable in this installation, by name."""
+    found = {}
+    for module, names in (
+        ("kvcodec.quant.turboquant", ("TurboQuantMSE", "TurboQuantProd")),
+        ("kvcodec.quant.qjl", ("QJL",)),
+        ("kvcodec.quant.kivi", ("KIVI",)),
+        ("kvcodec.quant.outliers", ("TurboQuantOutlier",)),
+    ):
+        try:
+            mod = __import__(module, fromlist=list(names))
+        except ImportError:
+            continue
+        found.update({n: getattr(mod, n) for n in names if hasattr(mod, n)})
+    return found
+
+
 def available_methods() -> tuple[str, ...]:
     """The quantized cache methods whose quantizers are importable in this installation."""
-    try:
-        import kvcodec.quant as q
-    except ImportError:
-        return ()
-    have = []
-    if hasattr(q, "TurboQuantMSE") and hasattr(q, "TurboQuantProd"):
-        have.append("turboquant")
-    if hasattr(q, "QJL"):
-        have.append("qjl")
-    if hasattr(q, "KIVI"):
-        have.append("kivi")
-    return tuple(have)
+    have = _quant_classes()
+    out = []
+    if "TurboQuantMSE" in have and "TurboQuantProd" in have:
+        out.append("turboquant")
+    if "QJL" in have and "TurboQuantMSE" in have:
+        out.append("qjl")
+    if "KIVI" in have:
+        out.append("kivi")
+    return tuple(out)
 
 
 def layer_seed(seed: int, layer_idx: int, part: int) -> int:
@@ -36,23 +50,49 @@ def layer_seed(seed: int, layer_idx: int, part: int) -> int:
     return (seed * 1_000_003 + layer_idx * 2 + part) % (2**31 - 1)
 
 
+KIVI_GROUP = 32
+
+
 def make_quantizers(spec, layer_idx: int):
-    """(key quantizer, value quantizer) of one layer, as chosen by the cache spec."""
+    """(key quantizer, value quantizer) of one layer, as chosen by the cache spec.
+
+    turboquant: TurboQuantMSE keys (TurboQuantProd with key_mode="prod") with per-channel "scale"
+    preconditioning by default (real keys have outlier channels), TurboQuantMSE values; with
+    ``outliers=k`` both use the paper's outlier split (k channels at bits+1, the rest at bits).
+    qjl: QJL keys with m = key_bits * head_dim sign bits, TurboQuantMSE values.
+    kivi: keys per-channel and values per-token, groups of 32 (the KIVI paper's layout)."""
     if spec.method not in available_methods():
         raise ValueError(f"method {spec.method!r} needs kvcodec.quant, which does not provide it in this installation")
-    import kvcodec.quant as q
-
+    q = _quant_classes()
     d = spec.head_dim
     ks, vs = layer_seed(spec.seed, layer_idx, 0), layer_seed(spec.seed, layer_idx, 1)
-    extra = {"outliers": spec.outliers} if spec.outliers else {}
-    if spec.method == "turboquant":
-        key_cls = q.TurboQuantProd if spec.key_mode == "prod" else q.TurboQuantMSE
-        return key_cls(dim=d, bits=spec.key_bits, seed=ks, **extra), q.TurboQuantMSE(dim=d, bits=spec.value_bits, seed=vs)
-    if spec.method == "qjl":
-        return q.QJL(dim=d, bits=spec.key_bits, seed=ks, **extra), q.TurboQuantMSE(dim=d, bits=spec.value_bits, seed=vs)
     if spec.method == "kivi":
-        return q.KIVI(dim=d, bits=spec.key_bits, axis="channel", **extra), q.KIVI(dim=d, bits=spec.value_bits, axis="token")
-    raise ValueError(f"not a quantized method: {spec.method!r}")
+        return (q["KIVI"](spec.key_bits, group_size=KIVI_GROUP, axis="channel", dim=d),
+                q["KIVI"](spec.value_bits, group_size=KIVI_GROUP, axis="token", dim=d))
+    if spec.outliers:
+        if "TurboQuantOutlier" not in q:
+            raise ValueError("outliers needs kvcodec.quant.TurboQuantOutlier, not available in this installation")
+        values = _outlier(q, d, spec.outliers, spec.value_bits, vs, spec.value_precondition)
+    else:
+        values = q["TurboQuantMSE"](d, spec.value_bits, seed=vs, precondition=spec.value_precondition)
+    if spec.method == "qjl":
+        return q["QJL"](d, m=spec.key_bits * d, seed=ks), values
+    if spec.key_mode == "prod":
+        if spec.key_bits < 2:
+            raise ValueError("key_mode='prod' needs key_bits >= 2 (bits-1 MSE bits + 1 QJL bit)")
+        if spec.outliers:
+            raise ValueError("outliers is supported with key_mode='mse' only")
+        return q["TurboQuantProd"](d, spec.key_bits, seed=ks, precondition=spec.key_precondition), values
+    if spec.outliers:
+        return _outlier(q, d, spec.outliers, spec.key_bits, ks, spec.key_precondition), values
+    return q["TurboQuantMSE"](d, spec.key_bits, seed=ks, precondition=spec.key_precondition), values
+
+
+def _outlier(q, dim, k, bits, seed, precondition):
+    if bits >= 8:
+        raise ValueError("with outliers, bits must be <= 7 (outlier channels get bits + 1)")
+    pre = "none" if precondition == "none" else "center"  # the split supports centering only
+    return q["TurboQuantOutlier"](dim, k, bits + 1, bits, seed=seed, precondition=pre)
 
 
 def make_quant_codecs(spec, layer_idx: int):
@@ -64,10 +104,13 @@ class QuantCodec:
     """Adapter from a ``kvcodec.quant`` quantizer to the cache's codec interface (see codecs.py)."""
 
     decoded_attention = False
+    mergeable = True  # packed codes concatenate along tokens: one block per layer, two calls per step
 
     def __init__(self, quantizer):
         self.q = quantizer
         self.name = type(quantizer).__name__
+        # KIVI keys are grouped along tokens: compressed runs may only be cut / joined at group edges
+        self.token_multiple = getattr(quantizer, "group_size", 1) if getattr(quantizer, "method", "") == "kivi" else 1
         self.precond = None  # zero-token QuantizedTensor carrying the layer's shared side data
 
     # ------------------------------------------------------------------ blocks
@@ -97,7 +140,16 @@ class QuantCodec:
         return block.num_tokens
 
     def truncate(self, block, n: int):
-        return block.slice_tokens(0, n)
+        t = block.slice_tokens(0, n)  # own copies of the kept codes, so the dropped ones are freed
+        t.token = {k: v.clone() for k, v in t.token.items()}
+        t.grouped = {k: v.clone() for k, v in t.grouped.items()}
+        return t  # side tensors stay shared with the layer
+
+    def cat(self, a, b):
+        return type(a).cat([a, b])
+
+    def view(self, block, start: int, stop: int):
+        return block.slice_tokens(start, stop)
 
     def select(self, block, idx: torch.Tensor):
         return block.index_select(0, idx)

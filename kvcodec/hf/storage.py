@@ -4,7 +4,9 @@ New tokens always enter the full-precision window (after the optional ``sink`` f
 stay exact for good). ``compact`` moves the oldest window tokens into compressed blocks of
 ``block_size`` tokens once the window holds ``residual + block_size`` tokens or more, so the most
 recent ``residual`` tokens are always exact and no token is ever compressed twice (the cache is
-never re-quantized as a whole).
+never re-quantized as a whole). Codecs whose packed form concatenates (quantizers, exact) keep a
+single growing block per layer, so attention makes two quantizer calls per layer and step, and
+the first compaction (normally the prompt) fits the layer's side data on all of its tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class LayerStore:
         self.residual = residual
         self.block_size = block_size
         self.sink = sink
+        self.dtype = None  # the model's K/V dtype, fixed by the first append
         self.clear()
 
     def clear(self) -> None:
@@ -72,6 +75,8 @@ class LayerStore:
     # ------------------------------------------------------------------ growth
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Add new tokens: first into the sink until it holds ``sink`` tokens, the rest to the window."""
+        if self.dtype is None:
+            self.dtype = k.dtype
         take = min(max(self.sink - self.sink_len, 0), k.shape[-2]) if not self.blocks and self.window_len == 0 else 0
         if take:
             self.sink_k = _cat(self.sink_k, k[..., :take, :])
@@ -87,11 +92,20 @@ class LayerStore:
         if n_blocks <= 0:
             return 0
         moved = n_blocks * self.block_size
-        for i in range(n_blocks):
-            a, b = i * self.block_size, (i + 1) * self.block_size
-            k = self.win_k[..., a:b, :]
-            v = self.win_v[..., a:b, :]
-            self.blocks.append(Block(self.key_codec.encode(k), self.value_codec.encode(v), b - a))
+        kc, vc = self.key_codec, self.value_codec
+        if kc.mergeable and vc.mergeable:
+            # one encode for everything that leaves the window, appended to the layer's single block
+            new = Block(kc.encode(self.win_k[..., :moved, :]), vc.encode(self.win_v[..., :moved, :]), moved)
+            if self.blocks:
+                old = self.blocks[-1]
+                new = Block(kc.cat(old.key, new.key), vc.cat(old.value, new.value), old.length + moved)
+                self.blocks[-1] = new
+            else:
+                self.blocks.append(new)
+        else:
+            for i in range(n_blocks):
+                a, b = i * self.block_size, (i + 1) * self.block_size
+                self.blocks.append(Block(kc.encode(self.win_k[..., a:b, :]), vc.encode(self.win_v[..., a:b, :]), b - a))
         self.win_k = self.win_k[..., moved:, :].contiguous()
         self.win_v = self.win_v[..., moved:, :].contiguous()
         return moved
@@ -133,14 +147,18 @@ class LayerStore:
             self.blocks, self.win_k, self.win_v = [], None, None
             return
         keep = n - self.sink_len
-        blocks = []
+        blocks, tail = [], None
         for b in self.blocks:
             if keep <= 0:
                 break
             if b.length <= keep:
                 blocks.append(b)
             else:
-                blocks.append(Block(self.key_codec.truncate(b.key, keep), self.value_codec.truncate(b.value, keep), keep))
+                cut = keep - keep % max(self.key_codec.token_multiple, self.value_codec.token_multiple)
+                if cut < keep:  # a grouped codec can only be cut at a group edge: the rest goes back,
+                    tail = self._decoded(b, cut, keep)  # decoded, to the front of the window
+                if cut:
+                    blocks.append(Block(self.key_codec.truncate(b.key, cut), self.value_codec.truncate(b.value, cut), cut))
             keep -= min(b.length, keep)
         self.blocks = blocks
         if keep <= 0:
@@ -148,6 +166,14 @@ class LayerStore:
         else:
             self.win_k = self.win_k[..., :keep, :].contiguous()
             self.win_v = self.win_v[..., :keep, :].contiguous()
+        if tail is not None:
+            self.win_k = tail[0] if self.win_k is None else torch.cat([tail[0], self.win_k], dim=-2)
+            self.win_v = tail[1] if self.win_v is None else torch.cat([tail[1], self.win_v], dim=-2)
+
+    def _decoded(self, block: Block, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.key_codec.decode(self.key_codec.view(block.key, start, stop))
+        v = self.value_codec.decode(self.value_codec.view(block.value, start, stop))
+        return k.to(self.dtype).contiguous(), v.to(self.dtype).contiguous()
 
     def select_batch(self, idx: torch.Tensor) -> None:
         """Keep / reorder / repeat batch rows ``idx`` everywhere (beam search, batch filtering)."""

@@ -1,0 +1,134 @@
+"""Quantized CompressedCache methods (TurboQuant MSE/prod, QJL, KIVI) on tiny random decoders.
+
+Reference for every check: the same compressed state read densely (dequantize, then SDPA), which
+is what ``update`` returns when the kvcodec attention function is not in use.
+"""
+
+import pytest
+import torch
+from test_hf_cache import _logits, prompt, tiny_model
+from transformers import DynamicCache
+
+from kvcodec.hf import CompressedCache, disable
+from kvcodec.hf.attention import attend_store
+from kvcodec.hf.persist import cache_from_bytes, cache_to_bytes
+from kvcodec.hf.quant_codecs import available_methods
+
+METHODS = [(m, kw) for m, kw in [("turboquant", {}), ("turboquant", {"key_mode": "prod"}), ("qjl", {}), ("kivi", {})]
+           if m in available_methods()]
+IDS = [m + "-" + "-".join(kw.values()) if kw else m for m, kw in METHODS]
+pytestmark = pytest.mark.skipif(not METHODS, reason="kvcodec.quant provides no quantizer yet")
+
+
+def _block(method, small):
+    return 32 if method == "kivi" else small  # KIVI keys come in groups of 32 tokens
+
+
+def _dense_attention(q, k, v, scaling):
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1).double(), v.repeat_interleave(G, 1).double()
+    T, Tq = k.shape[-2], q.shape[-2]
+    allowed = torch.arange(T)[None, :] <= (T - Tq + torch.arange(Tq))[:, None]
+    s = (q.double() @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(s, -1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("method,kw", METHODS, ids=IDS)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
+def test_attention_on_compressed_blocks_equals_dequantize_then_softmax(method, kw, heads, kv_heads, dim):
+    model = tiny_model("llama", heads, kv_heads, dim)
+    cache = CompressedCache(model.config, method=method, key_bits=4, value_bits=3, residual=8,
+                            block_size=_block(method, 16), sink=2, **kw)
+    layer = cache.layers[0]
+    torch.manual_seed(0)
+    k, v = torch.randn(2, kv_heads, 70, dim), torch.randn(2, kv_heads, 70, dim)
+    layer.lazy_initialization(k, v)
+    layer.store.append(k, v)
+    layer.store.compact()
+    assert layer.store.compressed_len in (48, 32) and layer.store.sink_len == 2
+    q = torch.randn(2, heads, 3, dim)
+    out = attend_store(layer.store, q, None, dim**-0.5, kv_heads)
+    dk, dv = layer.store.materialize(torch.float32)
+    torch.testing.assert_close(out.double(), _dense_attention(q, dk, dv, dim**-0.5), atol=2e-5, rtol=2e-5)
+
+
+def _fallback_twin(model, **kw):
+    """The same cache options read densely: a model copy without kvcodec attention."""
+    import copy
+
+    twin = disable(copy.deepcopy(model))
+    return twin, CompressedCache(twin.config, **kw)
+
+
+@pytest.mark.parametrize("method,kw", METHODS, ids=IDS)
+def test_generate_paths_agree_with_dense_reading(method, kw):
+    model = tiny_model("qwen2", 8, 2, 64)
+    opts = dict(method=method, key_bits=4, value_bits=2, residual=4, block_size=_block(method, 4), **kw)
+    twin, ref_cache = _fallback_twin(model, **opts)
+    cache = CompressedCache(model, **opts)
+    ids = prompt(2, 38)
+    a, b = _logits(model, ids, cache), _logits(twin, ids, ref_cache)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # prefill: exact K/V in both
+    for t in range(6):
+        nxt = prompt(2, 1, seed=30 + t)
+        torch.testing.assert_close(_logits(model, nxt, cache), _logits(twin, nxt, ref_cache), atol=2e-4, rtol=2e-4)
+    assert cache.layers[0].store.compressed_len == (32 if method == "kivi" else 40)
+
+
+@pytest.mark.parametrize("method,kw", METHODS[:2], ids=IDS[:2])
+def test_beam_search_crop_and_padding_run(method, kw):
+    model = tiny_model("llama", 9, 3, 64)
+    ids = prompt(2, 20, seed=2)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    ids[1, :6] = 0
+    cache = CompressedCache(model, method=method, key_bits=4, residual=4, block_size=4, **kw)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, num_beams=3, max_new_tokens=8,
+                         do_sample=False)
+    assert out.shape == (2, 28)
+    ref = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), num_beams=3,
+                         max_new_tokens=8, do_sample=False)
+    assert (out[:, 20:] == ref[:, 20:]).float().mean() > 0.5  # 4-bit keys: mostly the same beams
+    n = cache.get_seq_length()
+    cache.crop(-5)
+    assert cache.get_seq_length() == n - 5
+    _logits(model, prompt(6, 1), cache)  # still usable after crop (batch 2 x 3 beams)
+
+
+@pytest.mark.parametrize("method,kw", METHODS, ids=IDS)
+def test_nbytes_counts_codes_once_and_side_data_once(method, kw):
+    model = tiny_model("llama", 4, 2, 64)
+    cache = CompressedCache(model, method=method, key_bits=3, value_bits=2, residual=4, block_size=_block(method, 4), **kw)
+    _logits(model, prompt(1, 40), cache)
+    for t in range(5):
+        _logits(model, prompt(1, 1, seed=t), cache)
+    held = {}
+    for layer in cache.layers:
+        st = layer.store
+        for t in (st.win_k, st.win_v):
+            held[t.data_ptr()] = t.numel() * t.element_size()
+        for b in st.blocks:
+            for part in (b.key, b.value):
+                for t in part.tensors().values():
+                    held[t.data_ptr()] = t.numel() * t.element_size()
+    assert cache.nbytes() == sum(held.values())
+    rep = cache.memory_report()
+    comp_bits = sum(r["compressed_keys"] + r["compressed_values"] for r in rep) * 8
+    comp_values = sum(2 * 2 * l.store.compressed_len * 64 for l in cache.layers)
+    assert comp_values and comp_bits / comp_values < 4.5  # 3/2-bit codes + per-token/group scales
+
+
+@pytest.mark.parametrize("method,kw", METHODS, ids=IDS)
+def test_quantized_cache_save_load_continues_identically(method, kw):
+    model = tiny_model("llama", 4, 2, 64)
+    cache = CompressedCache(model, method=method, key_bits=4, value_bits=3, residual=4, block_size=_block(method, 4), **kw)
+    _logits(model, prompt(2, 37), cache)
+    loaded = cache_from_bytes(CompressedCache, cache_to_bytes(cache), model)
+    assert loaded.nbytes() == cache.nbytes()
+    nxt = prompt(2, 2, seed=5)
+    torch.testing.assert_close(_logits(model, nxt, loaded), _logits(model, nxt, cache), atol=0, rtol=0)
+
+
+def test_prod_keys_need_two_bits():
+    with pytest.raises(ValueError, match="bits"):
+        CompressedCache(tiny_model().config, method="turboquant", key_mode="prod", key_bits=1)
