@@ -205,8 +205,10 @@ def test_qjl_is_unbiased(seed, dim, orth):
     x = torch.randn(400, dim, generator=g)
     y = torch.randn(1, dim, generator=g) + 0.5 * x[:1]
     true = (x @ y.T).squeeze(-1)
-    est = _mean_estimate(lambda s: QJL(dim, m=8 * dim, seed=s, orthogonal=orth), x, y, range(seed, seed + 4))
-    assert _slope(est, true) == pytest.approx(1.0, abs=0.05)
+    est = _mean_estimate(lambda s: QJL(dim, m=8 * dim, seed=s, orthogonal=orth), x, y, range(seed, seed + 6))
+    # all keys share one sketch, so the slope's spread is that of the sketch (measured per seed:
+    # 0.015 orthogonalized, 0.065 Gaussian); 4 sigma over 6 seeds
+    assert _slope(est, true) == pytest.approx(1.0, abs=0.03 if orth else 0.11)
 
 
 def test_qjl_variance_matches_theory():
