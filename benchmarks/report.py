@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -145,20 +146,35 @@ def plots_of(result: dict, results_dir: Path) -> list[str]:
 
 def rd_points(results: list[dict]) -> list[tuple[str, str, float, float]]:
     """(suite, method, bits_per_value, attn_rel_err) of every row that has both numbers."""
-    points = []
+    return [(suite, method, bits, err) for suite, method, _, bits, err in _rd_rows(results)]
+
+
+_BITS_TOKEN = re.compile(r"\s*'?(\d+(\.\d+)?-?b(it)?|m=\d+d)'?(?!\w)")
+
+
+def family_of(row: dict) -> str:
+    """The curve a rate-distortion row belongs to: its ``family`` key, else its method name with
+    the bit width taken out ("KIVI 2b (group 32)" -> "KIVI (group 32)")."""
+    if isinstance(row.get("family"), str) and row["family"]:
+        return row["family"]
+    name = _BITS_TOKEN.sub("", str(row.get("method", "?"))).replace(" ,", ",").strip(" ,")
+    return re.sub(r"\s+", " ", name) or "?"
+
+
+def _rd_rows(results: list[dict]):
     for res in results:
         for row in res["rows"]:
             bits, err = row.get("bits_per_value"), row.get("attn_rel_err")
             if isinstance(bits, (int, float)) and isinstance(err, (int, float)) and math.isfinite(bits) and math.isfinite(err):
-                points.append((res["suite"], str(row.get("method", "?")), float(bits), float(err)))
-    return points
+                yield res["suite"], str(row.get("method", "?")), family_of(row), float(bits), float(err)
 
 
 def plot_overview(results: list[dict], results_dir: Path) -> Path | None:
-    """Rate-distortion scatter (bits/value vs attention error) across every suite; None if no data
-    or no matplotlib. Lossless methods (error 0) are drawn on the bottom edge."""
-    points = rd_points(results)
-    if not points:
+    """Rate-distortion chart (bits/value vs attention error, log scale) across every suite: one
+    curve per method family; exact (lossless) methods as labelled squares on the bottom edge.
+    None if no data or no matplotlib."""
+    rows = list(_rd_rows(results))
+    if not rows:
         return None
     try:
         import matplotlib
@@ -167,27 +183,32 @@ def plot_overview(results: list[dict], results_dir: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
-    positive = [p[3] for p in points if p[3] > 0]
-    floor = min(positive) / 3 if positive else 1e-4
-    families: dict[str, list[tuple[float, float, str]]] = {}
-    for suite, method, bits, err in points:
-        family = method.split(" ")[0].split("(")[0]
-        families.setdefault(f"{family} [{suite}]", []).append((bits, max(err, floor), method))
-    for label, pts in sorted(families.items()):
+    several = len({r[0] for r in rows}) > 1
+    lossy = [r for r in rows if r[4] > 0]
+    floor = min(r[4] for r in lossy) / 3 if lossy else 1e-3
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for suite, _, family, bits, err in lossy:
+        curves.setdefault(f"{family} [{suite}]" if several else family, []).append((bits, err))
+    for label, pts in sorted(curves.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.axhline(floor, color="grey", lw=0.5, ls=":")
-    ax.text(ax.get_xlim()[0], floor, " lossless (exact)", va="bottom", fontsize=8, color="grey")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4, label=label)
+    exact = sorted((bits, method) for _, method, _, bits, err in rows if err == 0)
+    if exact:
+        ax.scatter([b for b, _ in exact], [floor] * len(exact), marker="s", color="black", zorder=3,
+                   label="exact (lossless): error 0")
+        for i, (bits, method) in enumerate(exact):
+            ax.annotate(method, (bits, floor), xytext=(0, 8 + 9 * (i % 3)), textcoords="offset points",
+                        fontsize=6, rotation=0, ha="center")
     ax.set_yscale("log")
-    ax.set_xlabel("true bits per value (bf16 = 16)")
-    ax.set_ylabel("attention-output relative error (real SmolLM2 queries)")
-    ax.set_title("kvcodec: rate vs attention error on the real SmolLM2-135M KV sample")
+    ax.set_xlabel("true bits per value, every stored byte counted (bf16 = 16)")
+    ax.set_ylabel("attention-output relative error (real queries)")
+    ax.set_title("Rate vs attention error on the real SmolLM2-135M KV cache")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=6.5, loc="upper right")
     fig.tight_layout()
     out = results_dir / OVERVIEW_PNG
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=130)
     plt.close(fig)
     return out
 

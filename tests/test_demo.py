@@ -90,8 +90,8 @@ def test_quantized_rows_present_and_consistent_with_dequantize(quick_result):
     from kvcodec.data import attention_error
 
     sample = demo._subset(load_kv_sample(), [0, 7])
-    kq = quant.TurboQuantMSE(64, 4, seed=0, precondition="scale")
-    vq = quant.TurboQuantMSE(64, 4, seed=1, precondition="scale")
+    kq = quant.TurboQuantMSE(64, 4, seed=0)
+    vq = quant.TurboQuantMSE(64, 4, seed=1)
     ck, cv = kq.quantize(sample.keys), vq.quantize(sample.values)
     err_compressed = demo._attention_error(sample, demo.compressed_attention(sample, kq, ck, vq, cv))
     err_dense = attention_error(sample, kq.dequantize(ck), vq.dequantize(cv))
