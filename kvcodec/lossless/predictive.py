@@ -33,7 +33,6 @@ verbatim (these codecs are for float KV caches; use the ``planes`` codec for the
 from __future__ import annotations
 
 import warnings
-import math
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -226,7 +225,7 @@ def _encode_kernel(kx, pred, has_pred, m, c, a, rs, shared, cdf, edges, valf, fi
 
 
 @njit(inline="always", cache=True)
-def _guess_rank(slot, mu, scale, cdf, inv_cdf, inv_a, rank_of):
+def _guess_rank(slot, mu, scale, cdf, inv_cdf, inv_w, inv_a, rank_of, fbuf, ibuf):
     """A rank near the symbol whose interval holds ``slot``: invert the shape table (``inv_cdf``
     indexes it by the top 12 bits of G), then map the value to a rank through its bf16 pattern.
     Only a starting point (float, not exact): _find_symbol verifies with the exact CDF."""
@@ -236,9 +235,8 @@ def _guess_rank(slot, mu, scale, cdf, inv_cdf, inv_a, rank_of):
     lo = inv_cdf[target >> 20]
     while cdf[lo + 1] <= target:
         lo += 1
-    width = cdf[lo + 1] - cdf[lo]
-    z = -ZMAX + (lo + (target - cdf[lo]) / width) * (2.0 * ZMAX / SHAPE_BINS)
-    return rank_of[_bf16_pattern(mu + z * scale)]
+    z = -ZMAX + (lo + (target - cdf[lo]) * inv_w[lo]) * (2.0 * ZMAX / SHAPE_BINS)
+    return rank_of[_bf16_pattern(mu + z * scale, fbuf, ibuf)]
 
 
 def inverse_shape_index(cdf: np.ndarray) -> np.ndarray:
@@ -248,25 +246,27 @@ def inverse_shape_index(cdf: np.ndarray) -> np.ndarray:
 
 
 @njit(inline="always", cache=True)
-def _bf16_pattern(v):
-    """The bf16 bit pattern of ``v`` truncated (NaN -> a NaN pattern): an index for a rank guess."""
+def _bf16_pattern(v, fbuf, ibuf):
+    """The bf16 bit pattern nearest ``v`` (NaN -> a NaN pattern): an index for a rank guess.
+    ``fbuf``/``ibuf``: a 1-element float64 array and its int64 view (a bit cast)."""
     if v != v:
         return 0x7FC0
-    sign = 0x8000 if v < 0 else 0
-    a = abs(v)
-    if a >= 3.3895313892515355e38:
+    fbuf[0] = v
+    bits = ibuf[0]
+    sign = 0x8000 if bits < 0 else 0
+    e = ((bits >> 52) & 0x7FF) - 896  # the bf16 exponent field
+    if e >= 255:
         return sign | 0x7F80
-    f, e = math.frexp(a)  # a = f * 2**e, 0.5 <= f < 1
-    if e + 126 <= 0:  # bf16 subnormal (or zero): a / 2**-133 is the mantissa
-        return sign | int(a * 1.0889035741470031e40)
-    return sign | ((e + 126) << 7) | int((2.0 * f - 1.0) * 128.0)
+    if e <= 0:  # bf16 subnormal or zero: a / 2**-133 is the mantissa
+        return sign | int(abs(v) * 1.0889035741470031e40 + 0.5)
+    return sign | min((e << 7) + (((bits & 0xFFFFFFFFFFFFF) + (1 << 44)) >> 45), 0x7F80)
 
 
 @njit(inline="always", cache=True)
-def _find_symbol(slot, mu, rs, scale, edges, cdf, a_mass, inv_cdf, inv_a, rank_of):
+def _find_symbol(slot, mu, rs, scale, edges, cdf, a_mass, inv_cdf, inv_w, inv_a, rank_of, fbuf, ibuf):
     """(k, cum(k), cum(k+1)) with cum(k) <= slot < cum(k+1), by exact search from a guess."""
     n_sym = edges.size - 1
-    k = _guess_rank(slot, mu, scale, cdf, inv_cdf, inv_a, rank_of)
+    k = _guess_rank(slot, mu, scale, cdf, inv_cdf, inv_w, inv_a, rank_of, fbuf, ibuf)
     if k < 0 or k >= n_sym:
         k = n_sym - 1
     ck = _cum(k, mu, rs, edges, cdf, a_mass)
@@ -310,7 +310,7 @@ def _find_symbol(slot, mu, rs, scale, edges, cdf, a_mass, inv_cdf, inv_a, rank_o
 
 @njit(parallel=True, cache=True)
 def _decode_kernel(words, wstart, wlen, chunk_g, chunk_b, pred, has_pred, pred_t0, m, c, a, rs, shared,
-                   cdf, edges, valf, finite, rank_of, scale, inv_cdf, tb, t_total, g0, out_t0, out_k, err):
+                   cdf, edges, valf, finite, rank_of, scale, inv_cdf, inv_w, tb, t_total, g0, out_t0, out_k, err):
     """Decode the listed chunks (local group chunk_g[i], token block chunk_b[i]) into out_k, whose
     token 0 is token out_t0; pred's token 0 is token pred_t0; params of group g0 + chunk_g[i]."""
     d_n = out_k.shape[2]
@@ -334,6 +334,8 @@ def _decode_kernel(words, wstart, wlen, chunk_g, chunk_b, pred, has_pred, pred_t
             err[ci] = 2
             continue
         dev = np.zeros(d_n, np.float64)
+        fbuf = np.zeros(1, np.float64)
+        ibuf = fbuf.view(np.int64)
         bad = False
         for t in range(t0, t1):
             for d in range(d_n):
@@ -346,7 +348,7 @@ def _decode_kernel(words, wstart, wlen, chunk_g, chunk_b, pred, has_pred, pred_t
                 rsd = rs[gp, d]
                 slot = x & mask
                 lo, c_lo, c_hi = _find_symbol(slot, mu, rsd, scale[gp, d], edges, cdf, a_mass, inv_cdf,
-                                              inv_a, rank_of)
+                                              inv_w, inv_a, rank_of, fbuf, ibuf)
                 x = (c_hi - c_lo) * (x >> PREC) + slot - c_lo
                 if x < _RANS_L:
                     if ptr >= end:
@@ -733,7 +735,7 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
     kx = np.empty((g, min(tt, b1 * tb) - out_t0, d), np.int32)
     err = np.zeros(g * (b1 - b0), np.int32)
     tail = (grid.edges, grid.valf, grid.finite, grid.rank_of_bf16, 1.0 / margs[3],
-            inverse_shape_index(margs[5]), tb, tt)
+            inverse_shape_index(margs[5]), 1.0 / np.diff(margs[5]).astype(np.float64), tb, tt)
     blocks = np.arange(b0, b1, dtype=np.int64)
 
     def run(g_first: int, n_groups: int, p, has_p: bool, p_t0: int, e):
