@@ -114,7 +114,8 @@ def _lossless_rows(sample: KVSample, repeat: int, notes: list[str]) -> list[dict
 
     rows += _zipnn_rows(sample, repeat)
 
-    from kvcodec.lossless import api, registry
+    import kvcodec
+    from kvcodec.lossless import registry
 
     configs = [
         ("kvcodec planes", "planes", {}, None),
@@ -129,9 +130,9 @@ def _lossless_rows(sample: KVSample, repeat: int, notes: list[str]) -> list[dict
         pairs = list(zip((sample.keys, sample.values), preds))
         try:
             blobs, t_enc = _timed(
-                lambda: [api.compress(t, prediction=p, codec=codec, **opts) for t, p in pairs], repeat
+                lambda: [kvcodec.compress(t, prediction=p, codec=codec, **opts) for t, p in pairs], repeat
             )
-            outs, t_dec = _timed(lambda: [api.decompress(b, prediction=p) for b, (_, p) in zip(blobs, pairs)], repeat)
+            outs, t_dec = _timed(lambda: [kvcodec.decompress(b, prediction=p) for b, (_, p) in zip(blobs, pairs)], repeat)
         except Exception as exc:  # a broken optional codec must not hide the others; say so
             notes.append(f"{label}: failed ({type(exc).__name__}: {exc})")
             continue

@@ -133,3 +133,11 @@ def test_validate_rejects_bad_results():
                 {**good, "notes": [3]}, {**good, "plots": "x.png"}, []):
         with pytest.raises(report.ResultFileError):
             report.validate(bad)
+
+
+def test_family_groups_bit_widths_of_one_method():
+    names = ["KIVI 2b (group 32)", "KIVI 4b (group 32)", "TurboQuant outlier split '2.5-bit' (paper)",
+             "QJL m=4d K, TurboQuant-MSE 4b V"]
+    assert [report.family_of({"method": n}) for n in names] == [
+        "KIVI (group 32)", "KIVI (group 32)", "TurboQuant outlier split (paper)", "QJL K, TurboQuant-MSE V"]
+    assert report.family_of({"method": "x 2b", "family": "mine"}) == "mine"
