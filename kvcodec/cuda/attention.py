@@ -120,16 +120,38 @@ def _scaled_rows(x: torch.Tensor, perm: torch.Tensor, rows_pad: int) -> tuple[to
     return q16, sc
 
 
-TARGET_WARPS_PER_SM = 12
+SPLIT_OVERHEAD_TOKENS = 230  # per-warp fixed cost in tokens (prologue, partial write, merge); fitted, GPU_NOTES run 3
 
 
-def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device) -> int:
-    """Split size: about TARGET_WARPS_PER_SM warps per SM in all, at least 64 tokens each, a
-    multiple of 16, and at most MAX_SPLITS splits per sequence."""
+def blocks_per_sm(dim: int, rows: int, qjl: bool) -> int:
+    """Resident split-kernel blocks per SM (the kernel's __launch_bounds__ minimum)."""
+    if qjl or rows > 8 or not NARROW_ENABLED:
+        return 2
+    return 4 if dim <= 64 else 3
+
+
+def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, dim: int = 128,
+                            rows: int = 4, qjl: bool = False) -> int:
+    """Split size minimizing waves x (tokens per warp + fixed per-warp cost).
+
+    Blocks of WARPS_PER_BLOCK warps run in waves of (SMs x resident blocks per SM); a wave lasts
+    about as long as its warps' token count plus a fixed cost. Fitted to H200 measurements
+    (benchmarks/GPU_NOTES.md, run 3): it picks the fastest measured split on each tuning shape.
+    """
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per = math.ceil(bh_tiles * capacity / (sms * TARGET_WARPS_PER_SM))
-    per = max(per, math.ceil(capacity / MAX_SPLITS))
-    return max(64, -(-per // 16) * 16)
+    resident = sms * blocks_per_sm(dim, rows, qjl)
+    best, best_cost = None, None
+    tpw = 64
+    while True:
+        nsplit = -(-capacity // tpw)
+        if nsplit <= MAX_SPLITS:
+            blocks = bh_tiles * -(-nsplit // WARPS_PER_BLOCK)
+            cost = -(-blocks // resident) * (tpw + SPLIT_OVERHEAD_TOKENS)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = tpw, cost
+        if nsplit == 1:
+            return best
+        tpw *= 2
 
 
 def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_rotation, v_rotation,
@@ -236,7 +258,7 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     else:
         qs16, qs_scale, qjl_bits, rnorms = q16, row_scale, k_codes, k_norms  # unused by the kernel
 
-    tpw = tokens_per_warp or default_tokens_per_warp(bh * rt, tcap, dev)
+    tpw = tokens_per_warp or default_tokens_per_warp(bh * rt, tcap, dev, d, r, qjl)
     if tpw <= 0 or tpw % 16:
         raise ValueError("tokens_per_warp must be a positive multiple of 16")
     if -(-tcap // tpw) > MAX_SPLITS:

@@ -22,10 +22,9 @@
 #ifndef TQ_MIN_BLOCKS
 #define TQ_MIN_BLOCKS 0
 #endif
-// sm_100's register allocation spills a little at 3 blocks (168 registers) for head_dim 128
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define TQ_NARROW128_BLOCKS 2
-#else
+// narrow tiles at head_dim 128: 3 blocks (<= 168 registers; no spills on sm_90 or sm_100 with
+// TQ_STAGES=1, a little on sm_100 with 2 stages)
+#ifndef TQ_NARROW128_BLOCKS
 #define TQ_NARROW128_BLOCKS 3
 #endif
 // 1: 4-bit codes are looked up two at a time too (256-entry table: fewer instructions, more bank
@@ -43,8 +42,11 @@
 #define TQ_V4_INTERLEAVE 1
 #endif
 // 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
+// 1 (loads at the top of each step, latency covered by the other warps) measured fastest on an H200:
+// the kernel is bound by the L1/shared-memory pipe (ncu: 88% L1/TEX throughput), not by latency,
+// and deeper rings only cost registers and instruction-cache footprint (benchmarks/GPU_NOTES.md).
 #ifndef TQ_STAGES
-#define TQ_STAGES 2
+#define TQ_STAGES 1
 #endif
 
 namespace tq {
