@@ -186,3 +186,15 @@ def test_random_bytes_raise_corrupt_stream_error(junk, with_magic):
     blob = (container.MAGIC + b"\x01\x00" + junk) if with_magic else junk
     with pytest.raises(CorruptStreamError):
         container.loads(blob)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(max_size=3000), st.binary(max_size=3000))
+def test_crc32_combine_matches_crc_of_concatenation(a, b):
+    assert container.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_crc32_parallel_matches_serial():
+    data = np.random.default_rng(0).integers(0, 256, 9 << 20, dtype=np.uint8)
+    assert container.crc32_parallel(data, threads=3, min_piece=1 << 20) == zlib.crc32(data)
+    assert container.crc32_parallel(b"abc", threads=8) == zlib.crc32(b"abc")

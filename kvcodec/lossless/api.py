@@ -89,7 +89,7 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         "dtype": dtype_name,
         "shape": list(t.shape),
         "device": device,
-        "crc32": container.crc32(tensor_bytes(t)),
+        "crc32": container.crc32_parallel(tensor_bytes(t), registry.resolve_threads(threads)),
         "uses_prediction": pred is not None,
         "codec_meta": codec_meta,
     }
@@ -168,7 +168,7 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
     if not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape:
         raise CorruptStreamError("codec output does not match the stored dtype/shape")
     out = out.contiguous()
-    if container.crc32(tensor_bytes(out)) != meta["crc32"]:
+    if container.crc32_parallel(tensor_bytes(out), registry.resolve_threads(threads)) != meta["crc32"]:
         raise CorruptStreamError(
             "decoded tensor fails its checksum: wrong prediction, or a corrupted stream"
         )

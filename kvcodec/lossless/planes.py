@@ -150,84 +150,102 @@ def _state(words, j):
     return np.int64(words[2 * j]) | (np.int64(words[2 * j + 1]) << 16)
 
 
-@njit(nogil=True, cache=True)
-def _rans_decode(words, a, D, rowctx, tabs, out, p1, u16):
-    """Decode the chunk holding elements ``a..a+n`` (table ``rowctx[e // D]`` for element ``e``;
-    ``tabs``: K x 4096 packed entries). With ``u16.size > 0`` write merged 16-bit values (``p1``:
-    the sign/low plane) instead of symbols into ``out``. Returns 0, or 1 if the stream is malformed."""
-    nw = words.size
-    merge = u16.size > 0
-    n = u16.size if merge else out.size
-    if nw < 2 * N_STATES:
-        return 1
-    x0, x1, x2, x3 = _state(words, 0), _state(words, 1), _state(words, 2), _state(words, 3)
-    x4, x5, x6, x7 = _state(words, 4), _state(words, 5), _state(words, 6), _state(words, 7)
-    if min(min(min(x0, x1), min(x2, x3)), min(min(x4, x5), min(x6, x7))) < RANS_L:
-        return 1
-    xs = np.empty(N_STATES, np.int64)
-    pos = 2 * N_STATES
-    r = a // D
-    hi = (r + 1) * D - a  # chunk-relative index where the next row starts
-    base = np.int64(rowctx[r]) * M if n > 0 else 0
-    i = 0
-    while i < n:
-        if i == hi:
-            r += 1
-            hi += D
-            base = np.int64(rowctx[r]) * M
-        if (i & 7) == 0 and i + 8 <= hi and i + 8 <= n and pos + 8 < nw:
-            # fast path: symbols i..i+7 (states 0..7) of one row read at most 8 words, all in bounds
-            x0, pos, s0 = _step(x0, tabs, base, words, pos)
-            x1, pos, s1 = _step(x1, tabs, base, words, pos)
-            x2, pos, s2 = _step(x2, tabs, base, words, pos)
-            x3, pos, s3 = _step(x3, tabs, base, words, pos)
-            x4, pos, s4 = _step(x4, tabs, base, words, pos)
-            x5, pos, s5 = _step(x5, tabs, base, words, pos)
-            x6, pos, s6 = _step(x6, tabs, base, words, pos)
-            x7, pos, s7 = _step(x7, tabs, base, words, pos)
+def _make_decoder(merge: bool):
+    """The chunk decoder; ``merge`` (fixed at compile time) writes 16-bit floats instead of symbols."""
+
+    @njit(nogil=True, cache=True)
+    def decode(words, a, D, rowctx, tabs, out, p1, u16):
+        """Decode the chunk holding elements ``a..a+n`` (table ``rowctx[e // D]`` for element
+        ``e``; ``tabs``: K x 4096 packed entries) into ``out`` (symbols) or ``u16`` (merged with
+        the sign/low plane ``p1``). Returns 0, or 1 if the stream is malformed."""
+        nw = words.size
+        n = u16.size if merge else out.size
+        if nw < 2 * N_STATES:
+            return 1
+        x0, x1, x2, x3 = _state(words, 0), _state(words, 1), _state(words, 2), _state(words, 3)
+        x4, x5, x6, x7 = _state(words, 4), _state(words, 5), _state(words, 6), _state(words, 7)
+        if min(min(min(x0, x1), min(x2, x3)), min(min(x4, x5), min(x6, x7))) < RANS_L:
+            return 1
+        xs = np.empty(N_STATES, np.int64)
+        pos = 2 * N_STATES
+        r = a // D
+        hi = (r + 1) * D - a  # chunk-relative index where the next row starts
+        base = np.int64(rowctx[r]) * M if n > 0 else 0
+        i = 0
+        while i < n:
+            if i == hi:
+                r += 1
+                hi += D
+                base = np.int64(rowctx[r]) * M
+            end = min(hi, n)
+            if (i & 7) == 0:
+                # fast path: symbols i..i+7 (states 0..7) of one row read at most 8 words, in bounds
+                while i + 8 <= end and pos + 8 < nw:
+                    x0, pos, s0 = _step(x0, tabs, base, words, pos)
+                    x1, pos, s1 = _step(x1, tabs, base, words, pos)
+                    x2, pos, s2 = _step(x2, tabs, base, words, pos)
+                    x3, pos, s3 = _step(x3, tabs, base, words, pos)
+                    x4, pos, s4 = _step(x4, tabs, base, words, pos)
+                    x5, pos, s5 = _step(x5, tabs, base, words, pos)
+                    x6, pos, s6 = _step(x6, tabs, base, words, pos)
+                    x7, pos, s7 = _step(x7, tabs, base, words, pos)
+                    if merge:
+                        u16[i] = (s0 << 7) | _SIGN_LOW[p1[i]]
+                        u16[i + 1] = (s1 << 7) | _SIGN_LOW[p1[i + 1]]
+                        u16[i + 2] = (s2 << 7) | _SIGN_LOW[p1[i + 2]]
+                        u16[i + 3] = (s3 << 7) | _SIGN_LOW[p1[i + 3]]
+                        u16[i + 4] = (s4 << 7) | _SIGN_LOW[p1[i + 4]]
+                        u16[i + 5] = (s5 << 7) | _SIGN_LOW[p1[i + 5]]
+                        u16[i + 6] = (s6 << 7) | _SIGN_LOW[p1[i + 6]]
+                        u16[i + 7] = (s7 << 7) | _SIGN_LOW[p1[i + 7]]
+                    else:
+                        out[i] = s0
+                        out[i + 1] = s1
+                        out[i + 2] = s2
+                        out[i + 3] = s3
+                        out[i + 4] = s4
+                        out[i + 5] = s5
+                        out[i + 6] = s6
+                        out[i + 7] = s7
+                    i += 8
+                if i >= end:
+                    continue
+            # careful path (row edges, chunk tail): one symbol, bounds-checked read
+            xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
+            j = i & 7
+            x = xs[j]
+            d = np.int64(tabs[base + (x & (M - 1))])
+            x = (((d >> 12) & 0xFFF) + 1) * (x >> PREC) + (d & 0xFFF)
+            if x < RANS_L:
+                if pos >= nw:
+                    return 1
+                x = (x << 16) | np.int64(words[pos])
+                pos += 1
+            xs[j] = x
+            x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
             if merge:
-                u16[i] = (s0 << 7) | _SIGN_LOW[p1[i]]
-                u16[i + 1] = (s1 << 7) | _SIGN_LOW[p1[i + 1]]
-                u16[i + 2] = (s2 << 7) | _SIGN_LOW[p1[i + 2]]
-                u16[i + 3] = (s3 << 7) | _SIGN_LOW[p1[i + 3]]
-                u16[i + 4] = (s4 << 7) | _SIGN_LOW[p1[i + 4]]
-                u16[i + 5] = (s5 << 7) | _SIGN_LOW[p1[i + 5]]
-                u16[i + 6] = (s6 << 7) | _SIGN_LOW[p1[i + 6]]
-                u16[i + 7] = (s7 << 7) | _SIGN_LOW[p1[i + 7]]
+                u16[i] = ((d >> 24) << 7) | _SIGN_LOW[p1[i]]
             else:
-                out[i] = s0
-                out[i + 1] = s1
-                out[i + 2] = s2
-                out[i + 3] = s3
-                out[i + 4] = s4
-                out[i + 5] = s5
-                out[i + 6] = s6
-                out[i + 7] = s7
-            i += 8
-            continue
-        # careful path (row edges, chunk tail): one symbol, bounds-checked read
-        xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
-        j = i & 7
-        x = xs[j]
-        d = np.int64(tabs[base + (x & (M - 1))])
-        x = (((d >> 12) & 0xFFF) + 1) * (x >> PREC) + (d & 0xFFF)
-        if x < RANS_L:
-            if pos >= nw:
-                return 1
-            x = (x << 16) | np.int64(words[pos])
-            pos += 1
-        xs[j] = x
-        x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
-        if merge:
-            u16[i] = ((d >> 24) << 7) | _SIGN_LOW[p1[i]]
-        else:
-            out[i] = d >> 24
-        i += 1
-    if pos != nw or max(max(max(x0, x1), max(x2, x3)), max(max(x4, x5), max(x6, x7))) != RANS_L:
-        return 1
-    if min(min(min(x0, x1), min(x2, x3)), min(min(x4, x5), min(x6, x7))) != RANS_L:
-        return 1
-    return 0
+                out[i] = d >> 24
+            i += 1
+        if pos != nw or max(max(max(x0, x1), max(x2, x3)), max(max(x4, x5), max(x6, x7))) != RANS_L:
+            return 1
+        if min(min(min(x0, x1), min(x2, x3)), min(min(x4, x5), min(x6, x7))) != RANS_L:
+            return 1
+        return 0
+
+    return decode
+
+
+_decode_symbols = _make_decoder(False)
+_decode_merged16 = _make_decoder(True)
+
+
+def _rans_decode(words, a, D, rowctx, tabs, out, p1, u16) -> int:
+    """Dispatch to the merged (``u16`` given) or symbol decoder; returns 0 or 1 (malformed)."""
+    if u16.size:
+        return _decode_merged16(words, a, D, rowctx, tabs, out, p1, u16)
+    return _decode_symbols(words, a, D, rowctx, tabs, out, p1, u16)
 
 
 @njit(nogil=True, cache=True)
