@@ -78,6 +78,13 @@ def test_quantize_frequencies_many_symbols_and_tiny_probabilities():
         freq.quantize_frequencies(np.ones(65537, dtype=np.int64), 16)
 
 
+@SETTINGS
+@given(x=symbol_arrays(max_size=2000))
+def test_count_symbols_matches_bincount(x):
+    a = 256 if x.dtype == np.uint8 else 65536
+    assert np.array_equal(freq.count_symbols(x), np.bincount(x, minlength=a))
+
+
 def test_choose_precision_fits_alphabet():
     for d in (1, 2, 255, 256, 4000, 65536):
         p = freq.choose_precision(d)

@@ -20,7 +20,7 @@ import importlib
 import numpy as np
 
 from kvcodec.entropy import freq, stream
-from kvcodec.entropy.freq import choose_precision, entropy_bits, quantize_frequencies
+from kvcodec.entropy.freq import choose_precision, count_symbols, entropy_bits, quantize_frequencies
 from kvcodec.entropy.stream import MAX_SYMBOLS, StreamHeader
 from kvcodec.errors import CorruptStreamError
 
@@ -38,6 +38,7 @@ __all__ = [
     "StreamHeader",
     "choose_precision",
     "choose_table_log",
+    "count_symbols",
     "decode",
     "encode",
     "entropy_bits",
@@ -88,8 +89,7 @@ def encode(
         raise ValueError(f"at most {MAX_SYMBOLS} symbols per stream; split the input")
     if n == 0:
         return stream.pack(coder, x.dtype, 0, 0, 0, None, b"")
-    alphabet = 256 if x.dtype == np.uint8 else 65536
-    counts = np.bincount(x, minlength=alphabet)
+    counts = freq.count_symbols(x)
     distinct = int(np.count_nonzero(counts))
     if coder == "tans":
         param = choose_table_log(distinct) if table_log is None else _int_in(table_log, "table_log", 5, 16)
@@ -147,12 +147,13 @@ def inspect(blob) -> StreamHeader:
     return stream.parse(blob)[0]
 
 
-def _encode_payload(x, coder, impl, freqs, param, n_streams) -> bytes:
+def _encode_payload(x, coder, impl, freqs, param, n_streams):
+    """The coder's payload (bytes or a uint8 array)."""
     if coder == "rans":
         if impl == "fast":
             from kvcodec.entropy import rans_fast
 
-            return rans_fast.encode_table(x, freqs, param, n_streams).tobytes()
+            return rans_fast.encode_table(x, freqs, param, n_streams)
         from kvcodec.entropy import rans
 
         return rans.encode(x, freqs, param, n_streams)
@@ -160,12 +161,11 @@ def _encode_payload(x, coder, impl, freqs, param, n_streams) -> bytes:
         if impl == "fast":
             from kvcodec.entropy import tans_fast
 
-            return tans_fast.encode_table(x, freqs, param).tobytes()
+            return tans_fast.encode_table(x, freqs, param)
         from kvcodec.entropy import tans
 
         return tans.encode(x, freqs, param)
-    out = _range_coder(impl).encode_static(x, freqs, param)
-    return out.tobytes() if isinstance(out, np.ndarray) else bytes(out)
+    return _range_coder(impl).encode_static(x, freqs, param)
 
 
 def _range_coder(impl: str):

@@ -27,6 +27,7 @@ import heapq
 import math
 
 import numpy as np
+from numba import njit
 
 MIN_PRECISION = 1
 MAX_PRECISION = 16
@@ -75,6 +76,32 @@ def quantize_frequencies(counts, precision: int) -> np.ndarray:
     out = np.zeros(counts.size, dtype=np.uint32)
     out[used] = np.asarray(fl, dtype=np.uint32)
     return out
+
+
+def count_symbols(symbols) -> np.ndarray:
+    """Histogram of a 1-D uint8/uint16 array over its whole alphabet (int64, 256 or 65536).
+
+    Several times faster than ``np.bincount`` (which first widens the input to intp): four
+    interleaved sub-histograms keep consecutive equal symbols from serialising on one counter.
+    """
+    x = np.asarray(symbols)
+    if x.ndim != 1 or x.dtype not in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        raise ValueError("symbols must be a 1-D uint8 or uint16 array")
+    return _histogram(np.ascontiguousarray(x), 256 if x.dtype == np.uint8 else 65536)
+
+
+@njit(cache=True, nogil=True)
+def _histogram(x, alphabet):
+    h = np.zeros((4, alphabet), dtype=np.int64)
+    n4 = x.size - x.size % 4
+    for i in range(0, n4, 4):
+        h[0, x[i]] += 1
+        h[1, x[i + 1]] += 1
+        h[2, x[i + 2]] += 1
+        h[3, x[i + 3]] += 1
+    for i in range(n4, x.size):
+        h[0, x[i]] += 1
+    return h[0] + h[1] + h[2] + h[3]
 
 
 def _gain(c: float, f: int) -> float:

@@ -100,18 +100,21 @@ def _read_varint_array(buf: np.ndarray, pos: int, count: int, max_bytes: int) ->
 
 # ------------------------------------------------------------------------------- pack
 def pack(coder: str, dtype, n: int, param: int, streams: int, freqs, payload) -> bytes:
-    """Header + payload as one bytes object (``freqs`` over the whole alphabet; ignored if n == 0)."""
+    """Header + payload as one bytes object (``freqs`` over the whole alphabet; ignored if n == 0;
+    ``payload``: bytes-like or a uint8 array)."""
     dtype = np.dtype(dtype)
     head = bytearray(MAGIC)
     head += bytes([VERSION, CODER_IDS[coder], DTYPE_IDS[dtype], param if n else 0, streams if n else 0])
     _put_varint(head, n)
     if n:
         head += _pack_freqs(np.asarray(freqs))
-    payload = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+    if isinstance(payload, np.ndarray):
+        payload = np.ascontiguousarray(payload, dtype=np.uint8)
+    payload = memoryview(payload).cast("B")
     _put_varint(head, len(payload))
     head += zlib.crc32(head).to_bytes(4, "little")
     head += zlib.crc32(payload).to_bytes(4, "little")
-    return bytes(head) + bytes(payload)
+    return b"".join((head, payload))  # one copy of the payload
 
 
 def _pack_freqs(freqs: np.ndarray) -> bytes:
