@@ -29,8 +29,9 @@ _WHY = {BAD_TARGET: "target beyond the total frequency", BAD_SYMBOL: "a symbol d
 # ---------------------------------------------------------------- coder primitives
 @njit(inline="always")
 def _udiv(a, b):
-    """a // b for 0 <= a, 0 < b: unsigned division skips the floor-sign fix-ups of signed //."""
-    return np.int64(np.uint64(a) // np.uint64(b))
+    """a // b for 0 <= a < 2**32, 0 < b < 2**32 (code, range and r always are): a 32-bit
+    unsigned divide, cheaper than int64 // with its floor-sign fix-ups."""
+    return np.int64(np.uint32(a) // np.uint32(b))
 
 
 @njit(inline="always")
@@ -184,13 +185,20 @@ def _dec_uniform(buf, pos, code, rng, count, j):
 # ---------------------------------------------------------------- categorical / static
 @njit(cache=True)
 def _encode_cum(sym, cum, bits, out):
+    """Returns the end position, or -1 when a symbol is outside the table or has zero frequency."""
     low, rng, cache, pending, pos = np.int64(0), np.int64(MASK32), np.int64(0), np.int64(0), 0
     shared = cum.shape[0] == 1
+    alpha = cum.shape[1] - 1
     for i in range(sym.shape[0]):
         row = 0 if shared else i
-        x = sym[i]
+        x = np.int64(sym[i])
+        if x < 0 or x >= alpha:
+            return -1
         c = np.int64(cum[row, x])
-        low, rng, cache, pending, pos = _enc_step_pow2(low, rng, cache, pending, out, pos, c, np.int64(cum[row, x + 1]) - c, bits)
+        f = np.int64(cum[row, x + 1]) - c
+        if f == 0:
+            return -1
+        low, rng, cache, pending, pos = _enc_step_pow2(low, rng, cache, pending, out, pos, c, f, bits)
     return _enc_finish(low, rng, cache, pending, out, pos)
 
 
@@ -389,12 +397,12 @@ def _check_symbols(sym: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def _encode_categorical(sym: np.ndarray, model: Categorical) -> bytes:
-    _check_symbols(sym, 0, model.alphabet - 1)
-    rows = model.freqs[0, sym] if model.freqs.shape[0] == 1 else model.freqs[np.arange(sym.shape[0]), sym]
-    if sym.size and rows.min() == 0:
-        raise ValueError("a symbol has zero probability under the model")
+    if not np.issubdtype(sym.dtype, np.integer):
+        raise ValueError(f"symbols must be integers, got {sym.dtype}")
     out = np.empty(_capacity(sym.shape[0], model.precision + 1), dtype=np.uint8)
     pos = _encode_cum(sym, model.cum, model.precision, out)
+    if pos < 0:
+        raise ValueError(f"a symbol is outside [0, {model.alphabet}) or has zero probability under the model")
     return out[1:pos].tobytes()
 
 
