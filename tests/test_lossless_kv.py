@@ -240,3 +240,16 @@ def test_token_ranges_of_float32_and_verbatim_tensors():
         meta, sections = KVCTX.encode(t, None, 1)
         assert_bit_exact(predictive.decode_tensor(meta, sections, None, 1, tokens=(7, 40)),
                          t[..., 7:40, :] if t.dim() > 1 else t[7:40])
+
+
+def test_concurrent_calls_from_python_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = [kv_like(torch.bfloat16, (2, 3, 300, 16), s) for s in range(6)]
+
+    def round_trip_ok(t):
+        meta, sections = KVCTX.encode(t, None, 2)
+        return bits(KVCTX.decode(meta, sections, None, 2)) == bits(t)
+
+    with ThreadPoolExecutor(3) as pool:
+        assert all(pool.map(round_trip_ok, tensors))
