@@ -120,7 +120,8 @@ def _scaled_rows(x: torch.Tensor, perm: torch.Tensor, rows_pad: int) -> tuple[to
     return q16, sc
 
 
-SPLIT_OVERHEAD_TOKENS = 230  # per-warp fixed cost in tokens (prologue, partial write, merge); fitted, GPU_NOTES run 3
+SPLIT_OVERHEAD_TOKENS = 230  # per-warp fixed cost in tokens (prologue, partial write); fitted, GPU_NOTES run 3
+MERGE_TOKENS_PER_SPLIT = 0.6  # merge cost per split, same unit (rough: 2 points, GPU_NOTES run 3)
 
 
 def blocks_per_sm(dim: int, rows: int, qjl: bool) -> int:
@@ -132,11 +133,11 @@ def blocks_per_sm(dim: int, rows: int, qjl: bool) -> int:
 
 def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, dim: int = 128,
                             rows: int = 4, qjl: bool = False) -> int:
-    """Split size minimizing waves x (tokens per warp + fixed per-warp cost).
+    """Split size minimizing waves x (tokens per warp + fixed per-warp cost) + merge cost.
 
     Blocks of WARPS_PER_BLOCK warps run in waves of (SMs x resident blocks per SM); a wave lasts
-    about as long as its warps' token count plus a fixed cost. Fitted to H200 measurements
-    (benchmarks/GPU_NOTES.md, run 3): it picks the fastest measured split on each tuning shape.
+    about as long as its warps' token count plus a fixed cost; the merge reads every split. The
+    constants are fitted to H200 measurements (benchmarks/GPU_NOTES.md, run 3).
     """
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     resident = sms * blocks_per_sm(dim, rows, qjl)
@@ -146,7 +147,7 @@ def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, 
         nsplit = -(-capacity // tpw)
         if nsplit <= MAX_SPLITS:
             blocks = bh_tiles * -(-nsplit // WARPS_PER_BLOCK)
-            cost = -(-blocks // resident) * (tpw + SPLIT_OVERHEAD_TOKENS)
+            cost = -(-blocks // resident) * (tpw + SPLIT_OVERHEAD_TOKENS) + MERGE_TOKENS_PER_SPLIT * nsplit
             if best_cost is None or cost < best_cost:
                 best, best_cost = tpw, cost
         if nsplit == 1:
