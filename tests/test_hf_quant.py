@@ -132,3 +132,29 @@ def test_quantized_cache_save_load_continues_identically(method, kw):
 def test_prod_keys_need_two_bits():
     with pytest.raises(ValueError, match="bits"):
         CompressedCache(tiny_model().config, method="turboquant", key_mode="prod", key_bits=1)
+
+
+@pytest.mark.parametrize("key_mode,kpre,vpre", [("mse", "scale", "none"), ("prod", "scale", "scale"), ("mse", "none", "center")])
+def test_fused_kernel_wiring_matches_torch_path(monkeypatch, key_mode, kpre, vpre):
+    """The kvcodec.cuda launcher (run here through its CPU float64 reference) plus the lse merge with
+    the exact window give the same attention as the torch path on the same packed blocks."""
+    import kvcodec.hf.attention as attn
+
+    pytest.importorskip("kvcodec.cuda")
+    model = tiny_model("llama", 8, 2, 64)
+    cache = CompressedCache(model.config, method="turboquant", key_bits=4, value_bits=3, key_mode=key_mode,
+                            residual=8, block_size=16, key_precondition=kpre, value_precondition=vpre)
+    layer = cache.layers[0]
+    torch.manual_seed(3)
+    k, v = torch.randn(2, 2, 60, 64) + torch.linspace(-2, 2, 64), torch.randn(2, 2, 60, 64)
+    layer.lazy_initialization(k, v)
+    layer.store.append(k, v)
+    layer.store.compact()
+    q = torch.randn(2, 8, 2, 64)
+    torch_path = attend_store(layer.store, q, None, 0.125, 2)
+    assert attn.fused_compressed(layer.store, q, None, 0.125) is None  # CPU: no fused kernel
+    monkeypatch.setattr(attn, "FUSED_ON_CPU", True)
+    fused = attn.fused_compressed(layer.store, q, None, 0.125)
+    assert fused is not None
+    out = attend_store(layer.store, q, None, 0.125, 2, compressed=fused)
+    torch.testing.assert_close(out, torch_path, atol=2e-5, rtol=2e-5)

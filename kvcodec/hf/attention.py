@@ -29,6 +29,7 @@ NAME = "kvcodec"
 Q_CHUNK = 128  # query tokens per pass (times the GQA group)
 KV_CHUNK = 1024  # exact key tokens per pass
 COMPRESSED_CHUNK = 4096  # compressed key tokens per quantizer call
+FUSED_ON_CPU = False  # tests set this to run the fused-kernel wiring through kvcodec.cuda's CPU reference
 _HOOK_ATTR = "_kvcodec_pre_hook"
 _LAYER_ATTR = "_kvcodec_layer"
 
@@ -107,15 +108,18 @@ def compressed_attention(module, query, key, value, attention_mask, scaling=None
         if store.key_codec.decoded_attention or not store.blocks:
             k, v = store.materialize(query.dtype)
             return sdpa_attention_forward(module, query, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
-        return attend_store(store, query, attention_mask, scaling, layer.spec.num_kv_heads), None
+        fused = fused_compressed(store, query, attention_mask, scaling)
+        return attend_store(store, query, attention_mask, scaling, layer.spec.num_kv_heads, compressed=fused), None
     finally:
         layer.finish_step()
 
 
-def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads: int) -> torch.Tensor:
+def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads: int, compressed=None) -> torch.Tensor:
     """Softmax attention of ``query`` [B, H, Tq, D] over every token of ``store`` (which ends with the
     Tq query tokens themselves). ``mask``: None (causal), bool [B, 1|H, Tq, Tkv] (True = attend) or an
-    additive float mask. Returns [B, Tq, H, D] in the query dtype."""
+    additive float mask. ``compressed``: optional (out, lse) of the compressed tokens already computed
+    (by the fused CUDA kernel); then only the exact parts are attended here and merged by lse.
+    Returns [B, Tq, H, D] in the query dtype."""
     B, H, Tq, D = query.shape
     if H % num_kv_heads:
         raise ValueError(f"{H} query heads do not group over {num_kv_heads} KV heads")
@@ -133,7 +137,15 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
         m = torch.full((B, num_kv_heads, G * n, 1), float("-inf"), device=query.device)
         l = torch.zeros_like(m)
         acc = torch.zeros(B, num_kv_heads, G * n, D, device=query.device)
+        if compressed is not None:  # start from the kernel's normalized output: m = lse, l = 1
+            c_out, c_lse = compressed
+            m = c_lse.reshape(B, num_kv_heads, G, Tq)[:, :, :, q0 : q0 + n].reshape(B, num_kv_heads, G * n, 1).float()
+            acc = c_out.reshape(B, num_kv_heads, G, Tq, D)[:, :, :, q0 : q0 + n].reshape(B, num_kv_heads, G * n, D).float()
+            l = torch.where(torch.isfinite(m), torch.ones_like(m), torch.zeros_like(m))
+            m = m.clone()
         for seg in parts:
+            if compressed is not None and not seg.exact:
+                continue
             s = qc @ seg.key.float().transpose(-1, -2) if seg.exact else store.key_codec.scores(seg.key, qc)
             s = _apply_mask(s, seg.start, seg.length, mask, q0, n, past, G, num_kv_heads)
             if s is None:  # every key of this part lies after every query of the chunk
@@ -148,6 +160,63 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
             m = m_new
         out[:, :, :, q0 : q0 + n] = (acc / l.clamp_min(1e-30)).reshape(B, num_kv_heads, G, n, D)
     return out.reshape(B, H, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def fused_compressed(store, query: torch.Tensor, mask, scaling: float):
+    """(out [B, H, Tq, D], lse [B, H, Tq]) of the compressed tokens from ``kvcodec.cuda.decode_attention``
+    (packed codes read by the fused kernel), or None when it does not apply: CPU tensors, attention
+    sinks, padding masks, non-TurboQuant codecs, bits > 4 or a head_dim the kernel does not take."""
+    if not (query.is_cuda or FUSED_ON_CPU) or store.sink_len or len(store.blocks) != 1:
+        return None
+    kq, vq = getattr(store.key_codec, "q", None), getattr(store.value_codec, "q", None)
+    kmethod, vmethod = getattr(kq, "method", ""), getattr(vq, "method", "")
+    if kmethod not in ("turboquant_mse", "turboquant_prod") or vmethod != "turboquant_mse":
+        return None
+    D = query.shape[-1]
+    k_bits = kq._mse_bits
+    if not (1 <= k_bits <= 4 and 1 <= vq.bits <= 4) or D % 32 or not 32 <= D <= 256:
+        return None
+    if kmethod == "turboquant_prod" and tuple(kq.qjl_matrix.shape) != (D, D):
+        return None
+    if mask is not None and not (mask.dtype == torch.bool and bool(mask.all())):
+        return None
+    try:
+        import kvcodec.cuda as kcuda
+    except ImportError:
+        return None
+    if query.is_cuda and not kcuda.is_available():
+        return None
+    from kvcodec.quant.precondition import ChannelPreconditioner
+
+    block = store.blocks[0]
+    ck, cv = block.key, block.value
+    B, H = query.shape[:2]
+    G = H // ck.lead_shape[1]
+
+    def per_q_head(t):  # side data [B|1, Hkv, 1, D] -> [B|1, H, 1, D] (HF repeat_kv order)
+        return None if t is None else t.float().repeat_interleave(G, dim=1)
+
+    pk, pv = ChannelPreconditioner.from_side(ck.side), ChannelPreconditioner.from_side(cv.side)
+    q = query.float()
+    k_scale, k_center = per_q_head(pk.scale), per_q_head(pk.center)
+    q_in = q * k_scale if k_scale is not None else q  # (q * s) . x' = q . x - q . center
+    extra = {}
+    if kmethod == "turboquant_prod":
+        extra = dict(k_qjl=ck.token["qjl"], k_rnorms=ck.token["rnorms"], qjl_matrix=kq.qjl_matrix)
+    seq_lens = torch.full((B,), ck.num_tokens, dtype=torch.int32, device=query.device)
+    out, lse = kcuda.decode_attention(
+        q_in, ck.token["codes"], ck.token["norms"], cv.token["codes"], cv.token["norms"], seq_lens,
+        k_rotation=kq.rotation, v_rotation=vq.rotation, k_codebook=kq.codebook, v_codebook=vq.codebook,
+        k_bits=k_bits, v_bits=vq.bits, scale=scaling, return_lse=True, **extra)
+    out = out.float()
+    if k_center is not None:  # restore the softmax-invariant q . center so lse matches the exact parts
+        lse = lse + scaling * (q * k_center).sum(-1)
+    v_scale, v_center = per_q_head(pv.scale), per_q_head(pv.center)
+    if v_scale is not None:
+        out = out * v_scale
+    if v_center is not None:
+        out = out + v_center
+    return out, lse
 
 
 def _split(store, exact_chunk: int, compressed_chunk: int):
