@@ -158,3 +158,43 @@ def test_fused_kernel_wiring_matches_torch_path(monkeypatch, key_mode, kpre, vpr
     assert fused is not None
     out = attend_store(layer.store, q, None, 0.125, 2, compressed=fused)
     torch.testing.assert_close(out, torch_path, atol=2e-5, rtol=2e-5)
+
+
+def _cuda_ready():
+    try:
+        import kvcodec.cuda as kc
+
+        return kc.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("key_mode", ["mse", "prod"])
+def test_fused_kernel_on_gpu_matches_torch_path(monkeypatch, key_mode):
+    import kvcodec.hf.attention as attn
+
+    model = tiny_model("llama", 8, 2, 128).cuda()
+    ids = prompt(1, 300).cuda()
+    logits = {}
+    for fused in (True, False):
+        monkeypatch.setattr(attn, "USE_FUSED", fused)
+        used = []
+        real = attn.fused_compressed
+
+        def spy(*a, real=real, used=used):
+            r = real(*a)
+            used.append(r is not None)
+            return r
+
+        monkeypatch.setattr(attn, "fused_compressed", spy)
+        cache = CompressedCache(model, method="turboquant", key_bits=4, value_bits=3, key_mode=key_mode,
+                                residual=32, block_size=32)
+        out = [_logits(model, ids, cache)[:, -1]]
+        for t in range(4):
+            out.append(_logits(model, ids[:, t : t + 1], cache)[:, -1])
+        logits[fused] = torch.stack(out)
+        assert cache.layers[0].store.compressed_len > 0
+        assert any(used) == fused  # the kernel ran exactly when enabled
+    torch.testing.assert_close(logits[True], logits[False], atol=3e-2, rtol=3e-2)

@@ -29,6 +29,7 @@ NAME = "kvcodec"
 Q_CHUNK = 128  # query tokens per pass (times the GQA group)
 KV_CHUNK = 1024  # exact key tokens per pass
 COMPRESSED_CHUNK = 4096  # compressed key tokens per quantizer call
+USE_FUSED = True  # call kvcodec.cuda's fused decode kernel on CUDA tensors when it applies
 FUSED_ON_CPU = False  # tests set this to run the fused-kernel wiring through kvcodec.cuda's CPU reference
 _HOOK_ATTR = "_kvcodec_pre_hook"
 _LAYER_ATTR = "_kvcodec_layer"
@@ -166,7 +167,7 @@ def fused_compressed(store, query: torch.Tensor, mask, scaling: float):
     """(out [B, H, Tq, D], lse [B, H, Tq]) of the compressed tokens from ``kvcodec.cuda.decode_attention``
     (packed codes read by the fused kernel), or None when it does not apply: CPU tensors, attention
     sinks, padding masks, non-TurboQuant codecs, bits > 4 or a head_dim the kernel does not take."""
-    if not (query.is_cuda or FUSED_ON_CPU) or store.sink_len or len(store.blocks) != 1:
+    if not USE_FUSED or not (query.is_cuda or FUSED_ON_CPU) or store.sink_len or len(store.blocks) != 1:
         return None
     kq, vq = getattr(store.key_codec, "q", None), getattr(store.value_codec, "q", None)
     kmethod, vmethod = getattr(kq, "method", ""), getattr(vq, "method", "")
