@@ -262,3 +262,15 @@ def test_attend_on_quantized_tensors_matches_quant_package(prod, precondition):
     want = want + allp[..., t:] @ wv.repeat_interleave(g, 1)
     assert torch.allclose(out, want, atol=2e-4), (out - want).abs().max()
     assert torch.allclose(lse, torch.logsumexp(torch.cat([s, ws], -1), -1), atol=1e-4)
+
+
+def test_gpu_benchmark_skips_cleanly_without_a_gpu(tmp_path):
+    import kvcodec.cuda as kc
+
+    if kc.is_available():
+        pytest.skip("a GPU is present: the suite would run for real")
+    from benchmarks import gpu_kernels
+
+    res = gpu_kernels.run(quick=True, out_dir=str(tmp_path))
+    assert res["rows"] == [] and "skipped" in res["notes"][0]
+    assert not any(tmp_path.iterdir())  # nothing written, committed GPU results untouched

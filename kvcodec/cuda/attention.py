@@ -11,6 +11,7 @@ reference (same arguments, same results up to rounding).
 from __future__ import annotations
 
 import math
+import warnings
 from functools import lru_cache
 
 import numpy as np
@@ -91,6 +92,15 @@ def _perm_on(dim: int, device: torch.device) -> torch.Tensor:
 
 
 _derive = build.derived
+
+
+@lru_cache(maxsize=1)
+def _cupy_ok() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def _norm_is_bf16(t: torch.Tensor, what: str) -> bool:
@@ -207,7 +217,10 @@ def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_r
         raise ValueError("codebook sizes must be 2^bits")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
-    if not query.is_cuda:
+    if query.is_cuda and not _cupy_ok():
+        warnings.warn("kvcodec.cuda: CuPy is not installed (pip install 'kvcodec[cuda]'); "
+                      "using the slow torch reference on the GPU", RuntimeWarning, stacklevel=2)
+    if not query.is_cuda or not _cupy_ok():
         out, lse = reference.decode_attention_reference(
             query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation=k_rotation, v_rotation=v_rotation,
             k_codebook=k_codebook, v_codebook=v_codebook, k_bits=k_bits, v_bits=v_bits, scale=scale,
