@@ -163,6 +163,28 @@ def measure(method, tensors: dict[str, torch.Tensor], source: str, repeat: int) 
             "decompress_MBps": raw / t_d / 1e6, "decompress_MBps_cpu": raw / min(cpu) / 1e6, "exact": exact}
 
 
+def measure_file(tensors: dict[str, torch.Tensor], source: str, cores: int, repeat: int) -> dict:
+    """End to end: a bf16 safetensors file -> .kvc -> the same bytes (headers and small tensors included)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from kvcodec.lossless import files
+
+    with tempfile.TemporaryDirectory() as d:
+        src, kvc, back = Path(d) / "m.safetensors", Path(d) / "m.kvc", Path(d) / "back.safetensors"
+        save_file(tensors, str(src))
+        size = src.stat().st_size
+        t_c = best_time(lambda: files.compress_file(src, kvc, progress=False), repeat=repeat)
+        t_d = best_time(lambda: files.decompress_file(kvc, back, progress=False), repeat=max(repeat, 3))
+        exact = back.read_bytes() == src.read_bytes()
+        comp = kvc.stat().st_size
+    return {"source": source, "method": "kvcodec .kvc file (whole safetensors)", "threads": cores,
+            "raw_MB": size / 1e6, "ratio": size / comp, "bits_per_value": float("nan"),
+            "compress_MBps": size / t_c / 1e6, "decompress_MBps": size / t_d / 1e6,
+            "decompress_MBps_cpu": float("nan"), "exact": exact}
+
+
 def weight_rows(quick: bool = False) -> tuple[list[dict], list[str]]:
     rows, notes = [], []
     sources = {}
@@ -189,6 +211,7 @@ def weight_rows(quick: bool = False) -> tuple[list[dict], list[str]]:
             if m.threads == 0:
                 row["threads"] = cores
             rows.append(row)
+        rows.append(measure_file(tensors, source, cores, repeat))
         df = [dfloat11_format_bytes(t) for t in tensors.values()]
         if all(d is not None for d in df):
             raw = sum(t.numel() * 2 for t in tensors.values())

@@ -13,6 +13,7 @@ from kvcodec import CorruptStreamError
 from kvcodec import container
 
 TORCH_DTYPES = sorted(container.torch_dtypes())
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
 
 def _random_tensor(dtype_name: str, shape, seed: int) -> torch.Tensor:
