@@ -11,8 +11,9 @@ produced it. A JSON file is a suite result: ``{"suite": str, "rows": [dict], "ma
 names in the same folder) and ``"headline"`` (row indices or a row count for the README).
 
 Rate-distortion overview: every row that has ``bits_per_value`` and ``attn_rel_err`` (relative
-attention-output error on real SmolLM2 queries) is one point of ``overview_rd.png``, labelled by
-its ``method``.
+attention-output error on real SmolLM2 queries; ``K_bits_per_value``/``V_bits_per_value`` and
+``attn_err_KV`` are read too) is one point of ``overview_rd.png``, on the curve of its
+``family`` (default: its ``method`` without the bit width).
 """
 
 from __future__ import annotations
@@ -161,12 +162,44 @@ def family_of(row: dict) -> str:
     return re.sub(r"\s+", " ", name) or "?"
 
 
+def _number(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def rd_coordinates(row: dict) -> tuple[float | None, float | None]:
+    """(bits per value, attention-output error) of a row, or None where absent. Accepts the
+    documented keys and the K/V split some suites print: the mean of ``K_bits_per_value`` and
+    ``V_bits_per_value`` (K and V have the same element count) and ``attn_err_KV``."""
+    bits = _number(row.get("bits_per_value"))
+    if bits is None:
+        kb, vb = _number(row.get("K_bits_per_value")), _number(row.get("V_bits_per_value"))
+        bits = (kb + vb) / 2 if kb is not None and vb is not None else None
+    err = _number(row.get("attn_rel_err"))
+    if err is None:
+        err = _number(row.get("attn_err_KV"))
+    return bits, err
+
+
 def _rd_rows(results: list[dict]):
     for res in results:
         for row in res["rows"]:
-            bits, err = row.get("bits_per_value"), row.get("attn_rel_err")
-            if isinstance(bits, (int, float)) and isinstance(err, (int, float)) and math.isfinite(bits) and math.isfinite(err):
+            bits, err = rd_coordinates(row)
+            if bits is not None and err is not None:
                 yield res["suite"], str(row.get("method", "?")), family_of(row), float(bits), float(err)
+
+
+# Which suite's rows draw the overview (others would duplicate the same methods): the first of
+# these that has such rows, else any suite that has them.
+LOSSY_SOURCES = ["bench_quant", "demo"]
+EXACT_SOURCES = ["bench_lossless_kv", "bench_lossless", "demo"]
+
+
+def _source(rows, lossy: bool, prefer: list[str]) -> str | None:
+    have = {r[0] for r in rows if (r[4] > 0) == lossy}
+    for name in prefer:
+        if name in have:
+            return name
+    return min(have) if have else None
 
 
 def plot_overview(results: list[dict], results_dir: Path) -> Path | None:
@@ -183,16 +216,21 @@ def plot_overview(results: list[dict], results_dir: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    several = len({r[0] for r in rows}) > 1
-    lossy = [r for r in rows if r[4] > 0]
+    lossy_src = _source(rows, lossy=True, prefer=LOSSY_SOURCES)
+    exact_src = _source(rows, lossy=False, prefer=EXACT_SOURCES)
+    lossy = [r for r in rows if r[4] > 0 and r[0] == lossy_src]
     floor = min(r[4] for r in lossy) / 3 if lossy else 1e-3
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(12, 5.5))
     curves: dict[str, list[tuple[float, float]]] = {}
-    for suite, _, family, bits, err in lossy:
-        curves.setdefault(f"{family} [{suite}]" if several else family, []).append((bits, err))
-    for label, pts in sorted(curves.items()):
+    for _, _, family, bits, err in lossy:
+        curves.setdefault(family, []).append((bits, err))
+    colors = plt.get_cmap("tab20").colors
+    for i, (label, pts) in enumerate(sorted(curves.items())):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4, label=label)
+        peer = "peer" in label.lower()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="x" if peer else "o", ms=4,
+                ls="--" if peer else "-", color=colors[i % len(colors)], label=label)
+    rows = [r for r in rows if r[0] == exact_src]
     exact = sorted((bits, method) for _, method, _, bits, err in rows if err == 0)
     if exact:
         ax.scatter([b for b, _ in exact], [floor] * len(exact), marker="s", color="black", zorder=3,
@@ -203,9 +241,10 @@ def plot_overview(results: list[dict], results_dir: Path) -> Path | None:
     ax.set_yscale("log")
     ax.set_xlabel("true bits per value, every stored byte counted (bf16 = 16)")
     ax.set_ylabel("attention-output relative error (real queries)")
-    ax.set_title("Rate vs attention error on the real SmolLM2-135M KV cache")
+    sources = ", ".join(sorted({src for src in (lossy_src, exact_src) if src}))
+    ax.set_title(f"Rate vs attention error on the real SmolLM2-135M KV cache ({sources})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6.5, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     out = results_dir / OVERVIEW_PNG
     fig.savefig(out, dpi=130)

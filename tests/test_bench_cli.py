@@ -141,3 +141,10 @@ def test_family_groups_bit_widths_of_one_method():
     assert [report.family_of({"method": n}) for n in names] == [
         "KIVI (group 32)", "KIVI (group 32)", "TurboQuant outlier split (paper)", "QJL K, TurboQuant-MSE V"]
     assert report.family_of({"method": "x 2b", "family": "mine"}) == "mine"
+
+
+def test_rd_coordinates_read_the_kv_split_keys():
+    assert report.rd_coordinates({"bits_per_value": 4.0, "attn_rel_err": 0.1}) == (4.0, 0.1)
+    assert report.rd_coordinates({"K_bits_per_value": 4.0, "V_bits_per_value": 3.0, "attn_err_KV": 0.2}) == (3.5, 0.2)
+    assert report.rd_coordinates({"bits_per_value": float("nan"), "attn_rel_err": 0.1}) == (None, 0.1)
+    assert report.rd_coordinates({"method": "x"}) == (None, None)
