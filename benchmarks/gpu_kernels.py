@@ -169,7 +169,9 @@ def run_checks(best: str = "default") -> list[dict]:
 
 
 CHECK_MODES = [("", (), True), ("wide-only: ", (), False),
-               ("scalar: ", ("TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0"), True)]
+               ("scalar: ", ("TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0"), True),
+               ("lane tables: ", ("TQ_LANE_TABLES=1",), True),
+               ("lane tables, wide-only: ", ("TQ_LANE_TABLES=1",), False)]
 
 
 def _run_checks(prefix: str) -> list[dict]:
@@ -363,6 +365,7 @@ VARIANTS = [  # label, split-kernel macros, narrow (transposed P.V) kernel allow
     ("no vector loads", ("TQ_VEC_LOADS=0",), True),
     ("no v4 interleave", ("TQ_V4_INTERLEAVE=0",), True),
     ("wide kernel only", (), False),
+    ("lane tables", ("TQ_LANE_TABLES=1",), True),
 ]
 TUNE_SHAPES = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4),
                (8, 32768, 32, 8, 128, 3, 3)]

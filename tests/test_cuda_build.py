@@ -44,6 +44,25 @@ def test_kernels_compile_with_nvcc(arch, tmp_path):
         assert (tmp_path / f"{source.split('.')[0]}_{arch}.cubin").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_lane_table_variant_compiles(arch, tmp_path):
+    """The opt-in per-lane codebook tables (TQ_LANE_TABLES=1) build for both targets without spills."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed: CUDA compile check skipped")
+    decls = attention.instance_declarations([(128, 4, 4, False, False, False, True), (64, 3, 3, False, True, False, False)])
+    proc = build.nvcc_compile(attention.SOURCE, decls, arch, tmp_path,
+                              extra=("-DTQ_LANE_TABLES=1", "-Xptxas", "-warn-spills"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "spill" not in proc.stderr.lower(), proc.stderr[-2000:]
+
+
+def test_lane_table_shared_memory_size():
+    assert attention.lane_table_bytes(4, 4) == 0  # off by default
+    assert attention.lane_table_bytes(4, 4, ("TQ_LANE_TABLES=1",)) == 2 * 256 * 128
+    assert attention.lane_table_bytes(4, 2, ("TQ_LANE_TABLES=1", "TQ_PAIR4=0")) == (16 + 16) * 128
+    assert attention.lane_table_bytes(3, 3, ("TQ_LANE_TABLES=1",)) == 2 * 64 * 128
+
+
 def test_source_text_inlines_common_header():
     text = build.source_text(attention.SOURCE)
     assert '#include "tq_common.cuh"' not in text

@@ -36,6 +36,20 @@ MAX_SPLITS = 4096  # the merge keeps one weight per split in shared memory
 _QIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
+def lane_table_bytes(k_bits: int, v_bits: int, defines=()) -> int:
+    """Dynamic shared memory of the split kernel: 0 unless built with TQ_LANE_TABLES=1 (then one
+    32-lane copy of the K and V codebook tables: entries x 128 bytes each)."""
+    macros = dict(d.split("=", 1) for d in defines if "=" in d)
+    if macros.get("TQ_LANE_TABLES", "0") == "0":
+        return 0
+    pair4 = macros.get("TQ_PAIR4", "1") != "0"
+
+    def entries(b):
+        return 1 << (2 * b) if b <= 3 or (b == 4 and pair4) else 1 << b
+
+    return (entries(k_bits) + entries(v_bits)) * 128
+
+
 def _b(x: bool) -> str:
     return "true" if x else "false"
 
@@ -296,6 +310,9 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), KERNEL_DEFINES)
     merge_fn = build.get_function(SOURCE, merge_name(d))
     prep_fn = build.get_function(SOURCE, prep_name(d, _QIN[q_in.dtype]))
+    smem = lane_table_bytes(k_bits, v_bits, KERNEL_DEFINES)
+    if smem > 48 * 1024 and getattr(split_fn, "max_dynamic_shared_size_bytes", 0) < smem:
+        split_fn.max_dynamic_shared_size_bytes = smem  # above 48 KB needs the attribute raised
     i32 = np.int32
     with cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev.index or 0):
         prep_fn((bh * rows_pad,), (d,), (q_in.data_ptr(), kr_t.data_ptr(), perm.data_ptr(),
@@ -306,7 +323,7 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
             (q16.data_ptr(), row_scale.data_ptr(), kc.data_ptr(), kn.data_ptr(), vc.data_ptr(), vn.data_ptr(),
              qs16.data_ptr(), qs_scale.data_ptr(), qjl_bits.data_ptr(), rnorms.data_ptr(), kcb.data_ptr(),
              vcb.data_ptr(), lens.data_ptr(), i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit),
-             part_o.data_ptr(), part_ml.data_ptr()))
+             part_o.data_ptr(), part_ml.data_ptr()), shared_mem=smem)
         merge_fn((bh * r,), (d,), (part_o.data_ptr(), part_ml.data_ptr(), vrot.data_ptr(), i32(r), i32(nsplit),
                                    out.data_ptr(), lse.data_ptr()), shared_mem=4 * nsplit)
     return out.reshape(b, hq, ql, d), lse.reshape(b, hq, ql)

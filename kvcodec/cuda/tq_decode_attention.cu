@@ -41,6 +41,13 @@
 #ifndef TQ_V4_INTERLEAVE
 #define TQ_V4_INTERLEAVE 1
 #endif
+// 1: every lane gets its own copy of each codebook table, entry e of lane L at word 32 e + L, so a
+// lookup always hits the lane's own bank (no bank conflicts; the measured limit of the kernel is the
+// L1/shared pipe). Costs (entries x 128) bytes of dynamic shared memory per table (32 KB for a
+// 4-bit pair table). Opt-in, not yet measured on a GPU; -DTQ_LANE_TABLES=1.
+#ifndef TQ_LANE_TABLES
+#define TQ_LANE_TABLES 0
+#endif
 // 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
 // 1 (loads at the top of each step, latency covered by the other warps) measured fastest on an H200:
 // the kernel is bound by the L1/shared-memory pipe (ncu: 88% L1/TEX throughput), not by latency,
@@ -98,6 +105,47 @@ struct CodeTable {
       return tq_lds_at(pair, tq_field_off<BITS, 2>(a, p) | tq_field_off<BITS, 2 + BITS>(b, p));
     else return __byte_perm(tq_lds_at(single, tq_field_off<BITS, 2>(a, p)),
                             tq_lds_at(single, tq_field_off<BITS, 2>(b, p)), 0x5410);
+  }
+};
+
+// Per-lane replicated codebook tables (TQ_LANE_TABLES): same interface as CodeTable; `base` points
+// at this lane's column (table + 4 * lane), entry e sits 128 * e bytes further.
+template <int BITS, bool BF>
+struct LaneTable {
+  static constexpr bool PAIRED = BITS <= 3 || (BITS == 4 && TQ_PAIR4);
+  static constexpr int N1 = 1 << BITS;
+  static constexpr int N = PAIRED ? (1 << (2 * BITS)) : N1;
+  static constexpr int BYTES = N * 32 * 4;
+  const char* base;
+
+  TQ_DEVI void fill(char* table, const float* __restrict__ cb, int tid, int nthreads, int lane) {
+    tq_u32* w = reinterpret_cast<tq_u32*>(table);
+    for (int i = tid; i < N * 32; i += nthreads) {
+      const int e = i >> 5;
+      w[i] = PAIRED ? tq_pack2(tq_f_to_16<BF>(cb[e & (N1 - 1)]), tq_f_to_16<BF>(cb[e >> BITS]))
+                    : (tq_u32)tq_f_to_16<BF>(cb[e]);
+    }
+    base = table + 4 * lane;
+  }
+  TQ_DEVI tq_u32 at(tq_u32 off) const { return *reinterpret_cast<const tq_u32*>(base + off); }
+  template <int NB>
+  TQ_DEVI tq_u32 adjacent(const TqBits<NB>& b, int p) const {
+    if constexpr (PAIRED) return at(tq_field_off<2 * BITS, 7>(b, p));
+    else return __byte_perm(at(tq_field_off<BITS, 7>(b, p)), at(tq_field_off<BITS, 7>(b, p + BITS)), 0x5410);
+  }
+  template <int NB>
+  TQ_DEVI tq_u32 across(const TqBits<NB>& a, const TqBits<NB>& b, int p) const {
+    if constexpr (PAIRED) return at(tq_field_off<BITS, 7>(a, p) | tq_field_off<BITS, 7 + BITS>(b, p));
+    else return __byte_perm(at(tq_field_off<BITS, 7>(a, p)), at(tq_field_off<BITS, 7>(b, p)), 0x5410);
+  }
+  template <int NB>
+  TQ_DEVI static void interleave4(const TqBits<NB>& a, const TqBits<NB>& b, tq_u32* ev, tq_u32* od) {
+    CodeTable<BITS, BF>::interleave4(a, b, ev, od);
+  }
+  TQ_DEVI tq_u32 interleaved(const tq_u32* ev, const tq_u32* od, int c) const {
+    const tq_u32 x = (c & 1) ? od[c >> 3] : ev[c >> 3];
+    const int k = (c >> 1) & 3;
+    return at(k ? ((x >> (8 * k - 7)) & 0x7F80u) : ((x << 7) & 0x7F80u));
   }
 };
 
@@ -212,10 +260,18 @@ tq_decode_split(
     const int* __restrict__ seq_lens, int Hkv, int R, int RT, int Tcap, int tokens_per_warp,
     int nsplit, float* __restrict__ part_o, float* __restrict__ part_ml) {
   using T = tq::DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
+#if TQ_LANE_TABLES
+  extern __shared__ __align__(16) char tq_lane_smem[];  // K table, then V table (launcher sizes it)
+  tq::LaneTable<BK, false> ktab;
+  tq::LaneTable<BV, VBF> vtab;
+  ktab.fill(tq_lane_smem, k_codebook, threadIdx.x, blockDim.x, threadIdx.x & 31);
+  vtab.fill(tq_lane_smem + tq::LaneTable<BK, false>::BYTES, v_codebook, threadIdx.x, blockDim.x, threadIdx.x & 31);
+#else
   __shared__ tq::CodeTable<BK, false> ktab;
   __shared__ tq::CodeTable<BV, VBF> vtab;
   ktab.fill(k_codebook, threadIdx.x, blockDim.x);
   vtab.fill(v_codebook, threadIdx.x, blockDim.x);
+#endif
   __syncthreads();
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
