@@ -1,9 +1,9 @@
 """Fused decode attention over a TurboQuant-compressed KV cache (tq layout v1) on CUDA.
 
 ``decode_attention`` is the one entry point (the HF cache plug-in calls it). On CUDA tensors it
-launches ``tq_decode_split`` (reads packed codes + norms, dequantizes in registers, tensor-core
-scores and P.V, online softmax, split-KV) and ``tq_decode_merge`` (log-sum-exp merge of the splits and
-the inverse rotation); the full-precision recent window, if given, is attended with torch and merged
+launches ``tq_decode_prep`` (query rotation, scaling, fp16, mma order), ``tq_decode_split`` (reads
+packed codes + norms, dequantizes in registers, tensor-core scores and P.V, online softmax,
+split-KV) and ``tq_decode_merge`` (log-sum-exp merge of the splits and the inverse rotation); the full-precision recent window, if given, is attended with torch and merged
 by log-sum-exp. Everything runs on torch's current stream. On CPU it falls back to the float64 torch
 reference (same arguments, same results up to rounding).
 """
@@ -128,7 +128,7 @@ def _norm_is_bf16(t: torch.Tensor, what: str) -> bool:
 def _check_codes(codes: torch.Tensor, shape3, bits: int, dim: int, what: str) -> None:
     if codes.dtype != torch.uint8:
         raise ValueError(f"{what} must be uint8, got {codes.dtype}")
-    want = (*shape3, dim * bits // 8)
+    want = (*shape3, (dim * bits + 7) // 8)
     if tuple(codes.shape) != want:
         raise ValueError(f"{what} has shape {tuple(codes.shape)}, expected {want}")
 
@@ -245,6 +245,8 @@ def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_r
 
     if d % 32 or not 32 <= d <= 256:
         raise ValueError(f"CUDA kernel needs head_dim a multiple of 32 in [32, 256], got {d}")
+    if tcap * d * max(k_bits, v_bits) // 32 >= 2**31:
+        raise ValueError("cache too long for the kernel's 32-bit row offsets (Tcap * row words >= 2^31)")
     out, lse = _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation,
                                 k_codebook, v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix,
                                 tokens_per_warp)
