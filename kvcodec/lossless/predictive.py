@@ -32,7 +32,6 @@ verbatim (these codecs are for float KV caches; use the ``planes`` codec for the
 
 from __future__ import annotations
 
-import warnings
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -57,7 +56,6 @@ _Q = 64  # gain and previous-token coefficients are stored as int8 / 64
 
 _CHUNK_SYMBOLS = 1 << 16  # about this many symbols per independently decodable chunk
 _SHARED_PARAMS_BELOW = 64  # fewer tokens: one parameter set per channel, shared over g
-_FIT_SAMPLES = 1 << 20  # at most about this many values are used to fit the parameters
 
 
 # =============================================================================== float grids
@@ -127,9 +125,9 @@ def value_table(grid: FloatGrid) -> np.ndarray:
 
 
 # =============================================================================== shape table
-def fit_shape(z: np.ndarray) -> np.ndarray:
-    """Masses (uint16[SHAPE_BINS], summing to 2**16, each >= 1) of a histogram of ``z``."""
-    counts, _ = np.histogram(np.clip(z, -ZMAX, ZMAX), bins=SHAPE_BINS, range=(-ZMAX, ZMAX))
+def masses_from_counts(counts: np.ndarray) -> np.ndarray:
+    """Shape masses (uint16[SHAPE_BINS], summing to 2**16, each >= 1) from a z histogram."""
+    counts = np.asarray(counts, np.float64)
     total = counts.sum()
     free = (1 << 16) - SHAPE_BINS
     if total == 0:
@@ -433,68 +431,127 @@ class Model:
         return cls(masses=masses, shared=shared, **vals)
 
 
-def _finite0(v):
-    ok = np.isfinite(v)
-    return np.where(ok, v, 0.0), ok
+@njit(parallel=True, cache=True)
+def _fit_moments(kx, pred, has_pred, valf, finite, log_width, out):
+    """Per (g, d): out[g, d] = [n, sum x, sum p, sum x*p, sum p*p, n_w, sum log2 width] over finite x."""
+    g_n, t_n, d_n = kx.shape
+    for g in prange(g_n):
+        for t in range(t_n):
+            for d in range(d_n):
+                k = kx[g, t, d]
+                lw = log_width[k]
+                if lw == lw:
+                    out[g, d, 5] += 1.0
+                    out[g, d, 6] += lw
+                if not finite[k]:
+                    continue
+                x = valf[k]
+                p = 0.0
+                if has_pred:
+                    p = np.float64(pred[g, t, d])
+                    if not np.isfinite(p):
+                        p = 0.0
+                out[g, d, 0] += 1.0
+                out[g, d, 1] += x
+                out[g, d, 2] += p
+                out[g, d, 3] += x * p
+                out[g, d, 4] += p * p
 
 
-def fit_model(x_t, x_prev, prev_valid, p_t, p_prev, gain: str, prev_coef: str, shared: bool,
-              s_floor: np.ndarray) -> Model:
-    """Fit the parameters on sampled tokens (encoder only), quantised exactly as stored.
+@njit(parallel=True, cache=True)
+def _fit_residuals(kx, pred, has_pred, m, c, a, shared, valf, finite, tb, rs, out, hist):
+    """Per (g, d): out[g, d] = [sum dev*dev_prev, sum dev_prev**2, sum r**2] with the coder's
+    location (r = x - mu); when rs[0, 0] > 0 also the histogram of z = r * rs into hist[g]."""
+    g_n, t_n, d_n = kx.shape
+    do_hist = rs[0, 0] > 0
+    for g in prange(g_n):
+        gp = np.int64(0) if shared else np.int64(g)
+        dev = np.zeros(d_n, np.float64)
+        for t in range(t_n):
+            if t % tb == 0:
+                dev[:] = 0.0
+            for d in range(d_n):
+                p = 0.0
+                if has_pred:
+                    p = np.float64(pred[g, t, d])
+                    if not np.isfinite(p):
+                        p = 0.0
+                base, mu = _location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
+                k = kx[g, t, d]
+                if finite[k]:
+                    x = valf[k]
+                    r = x - mu
+                    out[g, d, 0] += (x - base) * dev[d]
+                    out[g, d, 1] += dev[d] * dev[d]
+                    out[g, d, 2] += r * r
+                    if do_hist:
+                        z = r * rs[gp, d]
+                        j = int((min(max(z, -ZMAX), ZMAX) + ZMAX) * (SHAPE_BINS / (2.0 * ZMAX)))
+                        hist[g, min(j, SHAPE_BINS - 1)] += 1
+                    dev[d] = x - base
+                else:
+                    dev[d] = 0.0
 
-    ``x_t``/``x_prev``: values [G, S, D] at sampled tokens t and t-1 (non-finite allowed);
-    ``prev_valid[S]``: whether t-1 is in the same chunk; ``p_t``/``p_prev``: the prediction at
-    those tokens or None; ``gain``: "zero" | "one" | "fit" (c); ``prev_coef``: "fit" | "one" (a);
-    ``s_floor`` [Gp, D]: the least scale (a quarter of the channel's typical bin width), so a
-    residual far below one step of the grid (a constant channel) still puts its mass in one bin.
+
+def fit_model(kx, pred, grid: FloatGrid, tb: int, gain: str, prev_coef: str, shared: bool) -> Model:
+    """Fit the parameters on every value (encoder only), quantised exactly as stored.
+
+    ``kx``: symbol ranks [G, T, D]; ``pred``: float32 prediction [G, T, D] or None; ``gain``:
+    "zero" | "one" | "fit" (c); ``prev_coef``: "fit" | "one" (a). The scale is floored at a
+    quarter of the channel's typical bin width (geometric mean), so a residual far below one step
+    of the grid (a constant channel) still puts its mass in one bin.
     """
-    axes = (0, 1) if shared else (1,)
-
-    def red(v):
-        r = v.sum(axis=axes)
-        return r[None] if shared else r
-
-    def mean(v, ok):
-        n = red(ok)
-        return np.where(n > 0, red(np.where(ok, v, 0.0)) / np.maximum(n, 1), 0.0)
-
-    x, xok = _finite0(x_t)
-    xp, xpok = _finite0(x_prev)
-    xpok &= prev_valid[None, :, None]
-    p = np.zeros_like(x) if p_t is None else _finite0(p_t)[0]
-    pp = np.zeros_like(x) if p_prev is None else _finite0(p_prev)[0]
-    gd = (1 if shared else x.shape[0], x.shape[2])
+    g, _, d = kx.shape
+    has_pred = pred is not None
+    p = pred if has_pred else np.zeros((1, 1, 1), np.float32)
+    with np.errstate(all="ignore"):
+        width = np.diff(grid.edges)
+        log_width = np.where(np.isfinite(width) & (width > 0), np.log2(width), np.nan)
+    mom = np.zeros((g, d, 7))
+    _fit_moments(kx, p, has_pred, grid.valf, grid.finite, log_width, mom)
+    if shared:
+        mom = mom.sum(axis=0, keepdims=True)
+    n = mom[..., 0]
+    safe_n = np.maximum(n, 1)
     if gain == "zero":
-        c = np.zeros(gd)
+        c = np.zeros(n.shape)
     elif gain == "one":
-        c = np.ones(gd)
+        c = np.ones(n.shape)
     else:
-        mx, mp = mean(x, xok)[:, None], mean(p, xok)[:, None]
-        cov = red(np.where(xok, (x - mx) * (p - mp), 0.0))
-        var = red(np.where(xok, (p - mp) ** 2, 0.0))
-        c = np.where(var > 0, cov / np.where(var > 0, var, 1.0), 0.0)
-    c_q = np.clip(np.round(c * _Q), -127, 127).astype(np.int8)
-    c = (c_q.astype(np.float64) / _Q)[:, None]
+        cov = mom[..., 3] - mom[..., 1] * mom[..., 2] / safe_n
+        var = mom[..., 4] - mom[..., 2] ** 2 / safe_n
+        c = np.where(var > 1e-300, cov / np.where(var > 1e-300, var, 1.0), 0.0)
+    c_q = np.clip(np.round(np.nan_to_num(c) * _Q), -127, 127).astype(np.int8)
+    c = c_q.astype(np.float64) / _Q
     if prev_coef == "one":
-        m = np.zeros(gd)
+        m = np.zeros(n.shape)
     else:
-        m = from_bf16_bits(to_bf16_bits(np.clip(mean(x - c * p, xok), -3e38, 3e38)))
-    m64 = m[:, None]
-    dev = np.where(xok, x - (m64 + c * p), 0.0)
-    dev_prev = np.where(xpok, xp - (m64 + c * pp), 0.0)
-    if prev_coef == "one":
-        a_q = np.full(gd, _Q, np.int8)
-    else:
-        num, den = red(dev * dev_prev), red(dev_prev * dev_prev)
-        a = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
-        a_q = np.clip(np.round(a * _Q), -_Q, _Q).astype(np.int8)
-    r = np.where(xok, dev - (a_q.astype(np.float64) / _Q)[:, None] * dev_prev, 0.0)
-    with np.errstate(over="ignore", invalid="ignore"):
-        s = np.sqrt(red(r * r) / np.maximum(red(xok), 1))
-        s = np.maximum(np.where(np.isfinite(s), s, S_MAX), s_floor)
-        s = from_bf16_bits(to_bf16_bits(np.clip(s, S_MIN, S_MAX)))
-        z = (r / s[:, None])[xok]
-    return Model(m=m, c=c_q, a=a_q, s=s, masses=fit_shape(z), shared=shared)
+        with np.errstate(all="ignore"):
+            mean = np.where(n > 0, (mom[..., 1] - c * mom[..., 2]) / safe_n, 0.0)
+        m = from_bf16_bits(to_bf16_bits(np.clip(np.nan_to_num(mean), -3e38, 3e38)))
+    a_q = np.full(n.shape, _Q if prev_coef == "one" else 0, np.int8)
+    hist = np.zeros((g, SHAPE_BINS), np.int64)
+    no_hist = np.zeros((1, 1))
+
+    def residuals(a_q, rs):
+        out = np.zeros((g, d, 3))
+        _fit_residuals(kx, p, has_pred, m, c, a_q.astype(np.float64) / _Q, shared, grid.valf, grid.finite,
+                       tb, rs, out, hist)
+        return out.sum(axis=0, keepdims=True) if shared else out
+
+    if prev_coef != "one":
+        res = residuals(a_q, no_hist)
+        with np.errstate(all="ignore"):
+            a = np.where(res[..., 1] > 0, res[..., 0] / np.where(res[..., 1] > 0, res[..., 1], 1.0), 0.0)
+        a_q = np.clip(np.round(np.nan_to_num(a) * _Q), -_Q, _Q).astype(np.int8)
+    res = residuals(a_q, no_hist)
+    with np.errstate(all="ignore"):
+        s = np.sqrt(res[..., 2] / safe_n)
+        floor = np.where(mom[..., 5] > 0, np.exp2(mom[..., 6] / np.maximum(mom[..., 5], 1)) / 4, 0.0)
+        s = np.maximum(np.where(np.isfinite(s), s, S_MAX), np.nan_to_num(floor))
+    s = from_bf16_bits(to_bf16_bits(np.clip(s, S_MIN, S_MAX)))
+    residuals(a_q, 1.0 / s)
+    return Model(m=m, s=s, c=c_q, a=a_q, masses=masses_from_counts(hist.sum(axis=0)), shared=shared)
 
 
 # =============================================================================== layout
@@ -510,13 +567,6 @@ def kv_layout(shape: tuple[int, ...]) -> tuple[int, int, int]:
 def token_block(t: int, d: int) -> int:
     """Tokens per chunk: about ``_CHUNK_SYMBOLS`` symbols, at least one token."""
     return max(1, min(max(t, 1), _CHUNK_SYMBOLS // max(d, 1)))
-
-
-def _fit_tokens(g: int, t: int, d: int) -> np.ndarray:
-    n = max(1, min(t, _FIT_SAMPLES // max(1, g * d)))
-    if n >= t:
-        return np.arange(t)
-    return np.unique(np.linspace(0, t - 1, n).astype(np.int64))
 
 
 class _Threads:
@@ -591,25 +641,8 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
     else:
         pred = None
 
-    tok = _fit_tokens(g, tt, d)
-    tprev = np.maximum(tok - 1, 0)
-    prev_valid = (tok % tb) != 0
-    vals = np.where(grid.finite, grid.valf, np.nan)
-    with np.errstate(invalid="ignore"):
-        width = np.diff(grid.edges)
-    width = np.where(np.isfinite(width), width, np.nan)[kx[:, tok]]
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN channels: no floor needed
-        s_floor = np.nanmedian(width, axis=(0, 1) if shared else 1) / 4
-    s_floor = np.nan_to_num(s_floor, nan=0.0).reshape(1 if shared else g, d)
     gain = {"external": "one", "neighbour_layer": "fit"}.get(source, "zero")
-    with np.errstate(invalid="ignore"):  # signalling NaNs in a prediction are fine
-        model = fit_model(
-            vals[kx[:, tok]], vals[kx[:, tprev]], prev_valid,
-            None if pred is None else pred[:, tok].astype(np.float64),
-            None if pred is None else pred[:, tprev].astype(np.float64),
-            gain, "one" if source == "previous_token" else "fit", shared, s_floor,
-        )
+    model = fit_model(kx, pred, grid, tb, gain, "one" if source == "previous_token" else "fit", shared)
     n_tb = -(-tt // tb)
     sizes = np.full(g * n_tb, tb * d + 2, np.int64)
     sizes[n_tb - 1::n_tb] = (tt - (n_tb - 1) * tb) * d + 2
