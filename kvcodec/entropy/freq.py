@@ -14,11 +14,11 @@ How (all exact and deterministic for a given input):
    separable convex function of the ``f_s``. While ``sum(f) < M`` add one unit to the symbol
    whose cost drops most (``count_s * log2((f_s+1)/f_s)``); while ``sum(f) > M`` take one unit
    from the symbol (with ``f_s > 1``) whose cost rises least (``count_s * log2(f_s/(f_s-1))``).
-   Both use a heap.
+   Both use a heap (numba-compiled).
 3. Polish: while moving one unit from the cheapest donor to the best receiver still lowers
-   ``L(f)``, move it. For a separable convex objective under a sum constraint, a point where no
-   single-unit move helps is the global integer optimum, so the result minimizes the code length
-   penalty exactly (up to float ties).
+   ``L(f)``, move it. For a separable convex objective
+   under a sum constraint, a point where no single-unit move helps is the global integer
+   optimum, so the result minimizes the code length penalty exactly (up to float ties).
 """
 
 from __future__ import annotations
@@ -64,18 +64,67 @@ def quantize_frequencies(counts, precision: int) -> np.ndarray:
         1, np.floor(c.astype(np.float64) * (total_slots / total)).astype(np.int64)
     )
     f = f.astype(np.int64)
-    cf = c.astype(np.float64)
-    fl = f.tolist()
-    cl = cf.tolist()
-    excess = int(f.sum()) - total_slots
-    if excess < 0:
-        _add_units(fl, cl, -excess)
-    elif excess > 0:
-        _remove_units(fl, cl, excess)
-    _polish(fl, cl)
+    _fix_sum_and_polish(f, c.astype(np.float64), total_slots)
     out = np.zeros(counts.size, dtype=np.uint32)
-    out[used] = np.asarray(fl, dtype=np.uint32)
+    out[used] = f.astype(np.uint32)
     return out
+
+
+@njit(cache=True)
+def _gain(c, f):
+    """Bits saved by raising f to f+1."""
+    return c * math.log2((f + 1) / f)
+
+
+@njit(cache=True)
+def _loss(c, f):
+    """Bits lost by lowering f to f-1 (infinite when f == 1: the symbol must stay codable)."""
+    return c * math.log2(f / (f - 1)) if f > 1 else math.inf
+
+
+@njit(cache=True)
+def _fix_sum_and_polish(f, c, total_slots):
+    """Steps 2 and 3 of the module docstring, with heaps (stale entries dropped lazily)."""
+    n = f.size
+    excess = f.sum() - total_slots
+    if excess < 0:
+        heap = [(-_gain(c[i], f[i]), i) for i in range(n)]
+        heapq.heapify(heap)
+        for _ in range(-excess):
+            i = heapq.heappop(heap)[1]
+            f[i] += 1
+            heapq.heappush(heap, (-_gain(c[i], f[i]), i))
+    elif excess > 0:
+        heap = [(_loss(c[i], f[i]), i) for i in range(n)]
+        heapq.heapify(heap)
+        for _ in range(excess):  # sum(f) > M >= n: a donor with f > 1 (finite loss) exists
+            i = heapq.heappop(heap)[1]
+            f[i] -= 1
+            heapq.heappush(heap, (_loss(c[i], f[i]), i))
+    if n < 2:
+        return
+    gains = [(-_gain(c[i], f[i]), i) for i in range(n)]
+    losses = [(_loss(c[i], f[i]), i) for i in range(n)]
+    heapq.heapify(gains)
+    heapq.heapify(losses)
+    while True:
+        # A fresh entry is pushed whenever f changes, so the current value is always present.
+        while -gains[0][0] != _gain(c[gains[0][1]], f[gains[0][1]]):
+            heapq.heappop(gains)
+        while losses[0][0] != _loss(c[losses[0][1]], f[losses[0][1]]):
+            heapq.heappop(losses)
+        g, i = -gains[0][0], gains[0][1]
+        lo, j = losses[0]
+        # If i == j no move helps: by convexity gain(i) < loss(i) <= every other loss, and
+        # every other gain <= gain(i). Otherwise move only on a strict (non-rounding) gain.
+        if lo == math.inf or i == j or not g - lo > 1e-12 * (g + lo):
+            return
+        f[i] += 1
+        f[j] -= 1
+        heapq.heappush(gains, (-_gain(c[i], f[i]), i))
+        heapq.heappush(gains, (-_gain(c[j], f[j]), j))
+        heapq.heappush(losses, (_loss(c[i], f[i]), i))
+        heapq.heappush(losses, (_loss(c[j], f[j]), j))
 
 
 def count_symbols(symbols) -> np.ndarray:
@@ -102,62 +151,6 @@ def _histogram(x, alphabet):
     for i in range(n4, x.size):
         h[0, x[i]] += 1
     return h[0] + h[1] + h[2] + h[3]
-
-
-def _gain(c: float, f: int) -> float:
-    """Bits saved by raising f to f+1."""
-    return c * math.log2((f + 1) / f)
-
-
-def _loss(c: float, f: int) -> float:
-    """Bits lost by lowering f to f-1 (infinite when f == 1: the symbol must stay codable)."""
-    return c * math.log2(f / (f - 1)) if f > 1 else math.inf
-
-
-def _add_units(f: list, c: list, k: int) -> None:
-    heap = [(-_gain(c[i], f[i]), i) for i in range(len(f))]
-    heapq.heapify(heap)
-    for _ in range(k):
-        _, i = heapq.heappop(heap)
-        f[i] += 1
-        heapq.heappush(heap, (-_gain(c[i], f[i]), i))
-
-
-def _remove_units(f: list, c: list, k: int) -> None:
-    heap = [(_loss(c[i], f[i]), i) for i in range(len(f)) if f[i] > 1]
-    heapq.heapify(heap)
-    for _ in range(k):
-        _, i = heapq.heappop(heap)  # cannot run dry: sum(f) > M >= len(f) leaves a donor
-        f[i] -= 1
-        if f[i] > 1:
-            heapq.heappush(heap, (_loss(c[i], f[i]), i))
-
-
-def _polish(f: list, c: list) -> None:
-    """Move single units donor -> receiver while that strictly lowers the code length."""
-    gains = [(-_gain(c[i], f[i]), i) for i in range(len(f))]
-    losses = [(_loss(c[i], f[i]), i) for i in range(len(f)) if f[i] > 1]
-    heapq.heapify(gains)
-    heapq.heapify(losses)
-    while True:
-        # Lazy deletion: a fresh entry is pushed whenever f changes, stale ones are dropped here.
-        while -gains[0][0] != _gain(c[gains[0][1]], f[gains[0][1]]):
-            heapq.heappop(gains)
-        while losses and losses[0][0] != _loss(c[losses[0][1]], f[losses[0][1]]):
-            heapq.heappop(losses)
-        if not losses:
-            return
-        (neg_g, i), (lo, j) = gains[0], losses[0]
-        # If i == j no move helps: by convexity gain(i) < loss(i) <= every other loss, and every
-        # other gain <= gain(i). Otherwise move only on a strict (non-rounding) improvement.
-        if i == j or not -neg_g - lo > 1e-12 * (lo - neg_g):
-            return
-        f[i] += 1
-        f[j] -= 1
-        for k in (i, j):
-            heapq.heappush(gains, (-_gain(c[k], f[k]), k))
-            if f[k] > 1:
-                heapq.heappush(losses, (_loss(c[k], f[k]), k))
 
 
 def code_length_bits(counts, freqs, precision: int) -> float:
