@@ -286,3 +286,19 @@ def test_corrupted_dict_raises_corrupt_stream_error():
         QuantizedTensor.from_dict({"meta": bad_meta, "tensors": d["tensors"]})
     with pytest.raises(CorruptStreamError):
         QuantizedTensor.from_dict({"tensors": {}})
+
+
+@pytest.mark.parametrize("make", CONFIGS[:4])
+def test_to_bytes_roundtrip_and_corruption(make):
+    q = make()
+    c = q.quantize(torch.randn(2, 3, 33, q.dim))
+    blob = c.to_bytes()
+    back = QuantizedTensor.from_bytes(blob)
+    assert back.config == c.config and torch.equal(back.dequantize(), c.dequantize())
+    for bad in (blob[:20], blob[: len(blob) // 2], blob[:-1], blob[:-8] + bytes(8)):
+        with pytest.raises(CorruptStreamError):
+            QuantizedTensor.from_bytes(bad)
+    flipped = bytearray(blob)
+    flipped[len(blob) * 2 // 3] ^= 0x5A
+    with pytest.raises(CorruptStreamError):
+        QuantizedTensor.from_bytes(bytes(flipped))
