@@ -94,6 +94,15 @@ def test_code_length_is_near_ideal(seed):
     assert got <= ideal * 1.001 + 32, (got, ideal)
 
 
+def test_stored_integer_parameters_give_the_same_bytes():
+    rng = np.random.default_rng(21)
+    m, x = random_quantized(rng, 3000, 2**16, "mix_per_symbol")
+    again = models.QuantizedModel.from_quantized(m.family, m.mean_q, m.scale_idx, m.lo, m.hi, m.weight_q)
+    payload = fast.encode(x, m)
+    assert fast.encode(x, again) == payload
+    assert np.array_equal(fast.decode(payload, again, len(x)), x)
+
+
 def test_empty_and_single_symbol():
     m = models.Gaussian(0.0, 1.0, -5, 5)
     for coder in CODERS:

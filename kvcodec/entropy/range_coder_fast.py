@@ -17,7 +17,7 @@ from ..errors import CorruptStreamError
 from .models import _qmath as q
 from .models.base import Model
 from .models.categorical import Categorical, symbol_dtype
-from .models.quantized import QuantizedModel
+from .models.quantized import MEAN_CLIP, QuantizedModel, mean_to_q, scale_bits_to_idx
 from .range_coder import static_model
 
 TOP = 1 << 24
@@ -330,11 +330,12 @@ def _find_token_guided(v, fr, lo, mean_q, sidx, wq, fam):
 
 
 @njit(cache=True)
-def _encode_quant(sym, mean_q, sidx, wq, lo, hi, fam, out):
+def _encode_quant(sym, mean_f, scale_bits, wq, lo, hi, fam, out):
     low, rng, cache, pending, pos = np.int64(0), np.int64(MASK32), np.int64(0), np.int64(0), 0
+    lo_f, hi_f = lo - MEAN_CLIP, hi + MEAN_CLIP
     for i in range(sym.shape[0]):
-        m = np.int64(mean_q[i if mean_q.shape[0] > 1 else 0])
-        s = np.int64(sidx[i if sidx.shape[0] > 1 else 0])
+        m = mean_to_q(mean_f[i if mean_f.shape[0] > 1 else 0], lo_f, hi_f)
+        s = scale_bits_to_idx(scale_bits[i if scale_bits.shape[0] > 1 else 0])
         w = np.int64(wq[i if wq.shape[0] > 1 else 0])
         fr = q.symbol_frame(lo, hi, m, s, fam)
         t, idx, count = q.split_symbol(np.int64(sym[i]), fr, lo)
@@ -346,12 +347,13 @@ def _encode_quant(sym, mean_q, sidx, wq, lo, hi, fam, out):
 
 
 @njit(cache=True)
-def _decode_quant(buf, mean_q, sidx, wq, lo, hi, fam, out):
+def _decode_quant(buf, mean_f, scale_bits, wq, lo, hi, fam, out):
     code, rng, pos = _dec_init(buf)
     total = np.int64(1) << q.PRECISION
+    lo_f, hi_f = lo - MEAN_CLIP, hi + MEAN_CLIP
     for i in range(out.shape[0]):
-        m = np.int64(mean_q[i if mean_q.shape[0] > 1 else 0])
-        s = np.int64(sidx[i if sidx.shape[0] > 1 else 0])
+        m = mean_to_q(mean_f[i if mean_f.shape[0] > 1 else 0], lo_f, hi_f)
+        s = scale_bits_to_idx(scale_bits[i if scale_bits.shape[0] > 1 else 0])
         w = np.int64(wq[i if wq.shape[0] > 1 else 0])
         fr = q.symbol_frame(lo, hi, m, s, fam)
         r = rng >> q.PRECISION
@@ -418,7 +420,8 @@ def _decode_categorical(buf: np.ndarray, model: Categorical, n: int) -> np.ndarr
 
 
 def _quant_args(model: QuantizedModel):
-    return model.mean_q, model.scale_idx, model.weight_q, model.lo, model.hi, model.family
+    """Float parameters: the kernels quantize them per symbol with the models' own functions."""
+    return model.mean_f, model.scale_bits, model.weight_q, model.lo, model.hi, model.family
 
 
 def _encode_quantized(sym: np.ndarray, model: QuantizedModel) -> bytes:

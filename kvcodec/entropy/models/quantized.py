@@ -31,64 +31,88 @@ def _as_1d(x, name: str) -> np.ndarray:
     return a.reshape(-1)
 
 
-def quantize_mean(mean, lo: int, hi: int) -> np.ndarray:
-    """Mean in 1/256 symbol units (int64): rint(256 * clip(mean, lo - 2**31, hi + 2**31))."""
-    m = np.ascontiguousarray(_as_1d(mean, "mean").astype(np.float64))
-    out = np.empty(m.shape[0], dtype=np.int64)
-    if not _mean_q(m, float(lo) - 2.0**31, float(hi) + 2.0**31, out):
-        raise ValueError("mean must be finite")
-    return out
+# thresholds t_k = 2**((k-0.5)/32) all lie in [1, 2): comparing mantissa bits compares the values
+_THRESHOLD_MANTISSAS = np.ascontiguousarray(_THRESHOLDS).view(np.int64) & ((1 << 52) - 1)
+_MANT_START = np.searchsorted(_THRESHOLD_MANTISSAS, np.arange(256, dtype=np.int64) << 44, side="left").astype(np.int64)
+MEAN_CLIP = 2.0**31  # means are clipped to [lo - 2**31, hi + 2**31] symbols
+
+
+@njit(cache=True, inline="always")
+def mean_to_q(v, lo_f, hi_f):
+    """One finite mean -> 1/256 units: rint(256 * clip(v, lo_f, hi_f)) (exact scaling, IEEE rint)."""
+    v = lo_f if v < lo_f else (hi_f if v > hi_f else v)
+    return np.int64(np.rint(v * (1 << q.MEAN_FRAC_BITS)))
+
+
+@njit(cache=True, inline="always")
+def scale_bits_to_idx(b):
+    """IEEE bits of one positive finite scale -> round(32*log2(scale)) on the clamped grid, exactly:
+    scale = 2**e * (1 + mant/2**52); k = #thresholds <= that mantissa (a 256-bucket start table,
+    then at most a step or two of integer comparisons)."""
+    e = (b >> 52) - 1023
+    if e < -1022:  # subnormal: far below the grid
+        return np.int64(q.SIDX_MIN)
+    mant = b & ((1 << 52) - 1)
+    k = _MANT_START[mant >> 44]
+    while k < _THRESHOLD_MANTISSAS.shape[0] and _THRESHOLD_MANTISSAS[k] <= mant:
+        k += 1
+    idx = e * _THRESHOLD_MANTISSAS.shape[0] + k
+    return np.int64(q.SIDX_MIN if idx < q.SIDX_MIN else (q.SIDX_MAX if idx > q.SIDX_MAX else idx))
 
 
 @njit(cache=True)
-def _mean_q(m, lo, hi, out):
-    for i in range(m.shape[0]):
-        v = m[i]
-        if not (v > -np.inf and v < np.inf):  # also rejects NaN
+def _all_finite(x):
+    for i in range(x.shape[0]):
+        if not (x[i] > -np.inf and x[i] < np.inf):  # also catches NaN
             return False
-        v = lo if v < lo else (hi if v > hi else v)
-        out[i] = np.int64(np.rint(v * (1 << q.MEAN_FRAC_BITS)))  # exact scaling, IEEE rint
     return True
+
+
+@njit(cache=True)
+def _all_positive_finite(bits):
+    for i in range(bits.shape[0]):
+        if bits[i] <= 0 or bits[i] >= 0x7FF0000000000000:  # zero, negative, inf or NaN
+            return False
+    return True
+
+
+@njit(cache=True)
+def _quantize_means(m, lo_f, hi_f, out):
+    for i in range(m.shape[0]):
+        out[i] = mean_to_q(m[i], lo_f, hi_f)
+
+
+@njit(cache=True)
+def _quantize_scales(bits, out):
+    for i in range(bits.shape[0]):
+        out[i] = scale_bits_to_idx(bits[i])
+
+
+def _float_params(mean, scale) -> tuple[np.ndarray, np.ndarray]:
+    """Validated contiguous float64 arrays (no copy when already so) and the scales' IEEE bits."""
+    m = np.ascontiguousarray(_as_1d(mean, "mean"), dtype=np.float64)
+    s = np.ascontiguousarray(_as_1d(scale, "scale"), dtype=np.float64)
+    if not _all_finite(m):
+        raise ValueError("mean must be finite")
+    if not _all_positive_finite(s.view(np.int64)):
+        raise ValueError("scale must be finite and > 0")
+    return m, s.view(np.int64)
+
+
+def quantize_mean(mean, lo: int, hi: int) -> np.ndarray:
+    """Mean in 1/256 symbol units (int64): rint(256 * clip(mean, lo - 2**31, hi + 2**31))."""
+    m, _ = _float_params(mean, 1.0)
+    out = np.empty(m.shape[0], dtype=np.int64)
+    _quantize_means(m, float(lo) - MEAN_CLIP, float(hi) + MEAN_CLIP, out)
+    return out
 
 
 def quantize_scale(scale) -> np.ndarray:
     """round(32*log2(scale)) computed exactly (IEEE bits + integer comparisons), clamped to [2**-8, 2**24]."""
-    s = np.ascontiguousarray(_as_1d(scale, "scale").astype(np.float64))
-    out = np.empty(s.shape[0], dtype=np.int32)
-    if not _scale_index(s.view(np.int64), _THRESHOLD_MANTISSAS, _MANT_START, out):
-        raise ValueError("scale must be finite and > 0")
+    _, bits = _float_params(0.0, scale)
+    out = np.empty(bits.shape[0], dtype=np.int32)
+    _quantize_scales(bits, out)
     return out
-
-
-def _mantissa_bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype=np.float64).view(np.int64) & ((1 << 52) - 1)
-
-
-# thresholds t_k = 2**((k-0.5)/32) all lie in [1, 2): comparing mantissa bits compares the values
-_THRESHOLD_MANTISSAS = _mantissa_bits(_THRESHOLDS)
-_MANT_START = np.searchsorted(_THRESHOLD_MANTISSAS, np.arange(256, dtype=np.int64) << 44, side="left").astype(np.int64)
-
-
-@njit(cache=True)
-def _scale_index(bits, th_mant, start, out):
-    """scale = 2**e * (1 + mant/2**52) exactly; k = #thresholds <= that mantissa, by a 256-bucket
-    start table and at most a step or two of integer comparisons."""
-    steps = th_mant.shape[0]
-    for i in range(bits.shape[0]):
-        b = bits[i]
-        if b <= 0 or b >= 0x7FF0000000000000:  # zero, negative, inf or NaN
-            return False
-        e = (b >> 52) - 1023
-        if e < -1022:  # subnormal: far below the grid
-            out[i] = q.SIDX_MIN
-            continue
-        mant = b & ((1 << 52) - 1)
-        k = start[mant >> 44]
-        while k < steps and th_mant[k] <= mant:
-            k += 1
-        idx = e * steps + k
-        out[i] = q.SIDX_MIN if idx < q.SIDX_MIN else (q.SIDX_MAX if idx > q.SIDX_MAX else idx)
-    return True
 
 
 def quantize_weight(weight) -> np.ndarray:
@@ -109,11 +133,17 @@ def _broadcast_size(*arrays: np.ndarray) -> int | None:
 
 
 class QuantizedModel(Model):
-    """Per-symbol quantized Gaussian/Laplace over the integers [lo, hi], optional uniform mixture."""
+    """Per-symbol quantized Gaussian/Laplace over the integers [lo, hi], optional uniform mixture.
+
+    The model keeps the float parameters (without a copy when they are contiguous float64:
+    do not modify them while the model is in use); the numba coder quantizes them per symbol
+    inside its loop, and ``mean_q``/``scale_idx`` give the same integers as arrays.
+    """
 
     def __init__(self, family: int, mean, scale, lo: int, hi: int, wide_weight=0.0):
         self._set_bounds(lo, hi)
-        self._set(family, quantize_mean(mean, self.lo, self.hi), quantize_scale(scale), quantize_weight(wide_weight))
+        mean_f, scale_bits = _float_params(mean, scale)
+        self._set(family, mean_f, scale_bits, quantize_weight(wide_weight))
 
     @classmethod
     def from_quantized(cls, family: int, mean_q, scale_idx, lo: int, hi: int, weight_q=0) -> "QuantizedModel":
@@ -123,13 +153,19 @@ class QuantizedModel(Model):
         mean_q = _as_1d(mean_q, "mean_q").astype(np.int64)
         sidx = _as_1d(scale_idx, "scale_idx").astype(np.int64)
         wq = _as_1d(weight_q, "weight_q").astype(np.int64)
-        if np.any(np.abs(mean_q) > (1 << 40)):
-            raise ValueError("mean_q out of range")
+        lim_lo, lim_hi = int((self.lo - MEAN_CLIP) * 256), int((self.hi + MEAN_CLIP) * 256)
+        if np.any(mean_q < lim_lo) or np.any(mean_q > lim_hi):
+            raise ValueError("mean_q out of range (more than 2**31 symbols outside [lo, hi])")
         if np.any(sidx < q.SIDX_MIN) or np.any(sidx > q.SIDX_MAX):
             raise ValueError(f"scale_idx must be in [{q.SIDX_MIN}, {q.SIDX_MAX}]")
         if np.any(wq < 0) or np.any(wq > q.WEIGHT_ONE):
             raise ValueError("weight_q must be in [0, 65536]")
-        self._set(family, mean_q, sidx.astype(np.int32), wq.astype(np.int32))
+        # exact float stand-ins: mean_q/256 is exact, 2**(k/32) sits mid-way between the k-th thresholds
+        mean_f = mean_q / float(1 << q.MEAN_FRAC_BITS)
+        scale_f = 2.0 ** (sidx / float(_tables.SCALE_STEPS))
+        self._set(family, mean_f, scale_f.view(np.int64), wq.astype(np.int32))
+        if not (np.array_equal(self.mean_q, mean_q) and np.array_equal(self.scale_idx, sidx)):
+            raise AssertionError("float stand-ins of the integer parameters do not round-trip")
         return self
 
     def _set_bounds(self, lo: int, hi: int) -> None:
@@ -141,12 +177,29 @@ class QuantizedModel(Model):
         self.lo, self.hi = lo, hi
         self.dtype = np.dtype(np.int32)
 
-    def _set(self, family: int, mean_q: np.ndarray, sidx: np.ndarray, wq: np.ndarray) -> None:
+    def _set(self, family: int, mean_f: np.ndarray, scale_bits: np.ndarray, wq: np.ndarray) -> None:
         if family not in _FAMILY_NAMES:
             raise ValueError(f"unknown family {family}")
         self.family = family
-        self.mean_q, self.scale_idx, self.weight_q = mean_q, sidx, wq
-        self.size = _broadcast_size(mean_q, sidx, wq)
+        self.mean_f, self.scale_bits, self.weight_q = mean_f, scale_bits, wq
+        self._mean_q = self._scale_idx = None
+        self.size = _broadcast_size(mean_f, scale_bits, wq)
+
+    @property
+    def mean_q(self) -> np.ndarray:
+        """Means in 1/256 symbol units (int64), as the coders use them."""
+        if self._mean_q is None:
+            self._mean_q = np.empty(self.mean_f.shape[0], dtype=np.int64)
+            _quantize_means(self.mean_f, self.lo - MEAN_CLIP, self.hi + MEAN_CLIP, self._mean_q)
+        return self._mean_q
+
+    @property
+    def scale_idx(self) -> np.ndarray:
+        """round(32*log2(scale)) (int32), as the coders use them."""
+        if self._scale_idx is None:
+            self._scale_idx = np.empty(self.scale_bits.shape[0], dtype=np.int32)
+            _quantize_scales(self.scale_bits, self._scale_idx)
+        return self._scale_idx
 
     @property
     def precision(self) -> int:
@@ -235,4 +288,4 @@ class Mixture(QuantizedModel):
         if not isinstance(base, QuantizedModel):
             raise ValueError("Mixture needs a Gaussian or Laplace base model")
         self._set_bounds(base.lo, base.hi)
-        self._set(base.family, base.mean_q, base.scale_idx, quantize_weight(wide_weight))
+        self._set(base.family, base.mean_f, base.scale_bits, quantize_weight(wide_weight))
