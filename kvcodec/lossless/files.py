@@ -23,6 +23,8 @@ import json
 import math
 import os
 import struct
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,7 +33,8 @@ import torch
 
 from kvcodec import container
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless import api
+from kvcodec.lossless import api, registry
+from kvcodec.lossless.planes import DEFAULT_CHUNK_BYTES
 
 FILE_MAGIC = b"KVCF"
 FOOTER_MAGIC = b"KVCE"
@@ -120,6 +123,51 @@ def _progress(total: int, enabled: bool, desc: str):
 
 
 # --------------------------------------------------------------------------- compress
+class _OrderedPipeline:
+    """Code small segments on a thread pool (one thread each) while keeping file order; big
+    segments (several chunks) run alone with every thread on their chunks. At most 2 x threads
+    small segments are in flight, so memory stays bounded."""
+
+    def __init__(self, threads: int):
+        self.threads = registry.resolve_threads(threads)
+        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self.pending: deque = deque()
+
+    def submit(self, key, big: bool, job, emit) -> None:
+        if self.pool is None or big:
+            self.drain(emit)
+            emit(key, job(self.threads))
+            return
+        self.pending.append((key, self.pool.submit(job, 1)))
+        if len(self.pending) >= 2 * self.threads:
+            key0, fut = self.pending.popleft()
+            emit(key0, fut.result())
+
+    def drain(self, emit) -> None:
+        while self.pending:
+            key, fut = self.pending.popleft()
+            emit(key, fut.result())
+
+    def close(self) -> None:
+        for _, fut in self.pending:
+            fut.cancel()
+        self.pending.clear()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+def _compress_segment(seg: dict, buf: bytearray, codec: str, threads: int, opts: dict) -> tuple[bytes, str]:
+    """(record, mode) for one segment: a tensor blob, or the raw bytes when that is not smaller."""
+    n = len(buf)
+    dtype = _tensor_dtype(seg)
+    if dtype is not None and n >= SMALL_TENSOR_BYTES:
+        t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(seg["shape"])
+        record = api.compress(t, codec=codec, threads=threads, **opts)
+        if len(record) < n:
+            return record, "tensor"
+    return bytes(buf), "raw"
+
+
 def compress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int = 0, progress: bool = True,
                   codec: str = "auto", **opts) -> dict:
     """Compress a ``.safetensors`` file to ``dst`` (a ``.kvc`` file); returns a size summary.
@@ -153,30 +201,32 @@ def _compress_to(src: Path, dst: Path, size: int, entries: list, threads: int, p
         out.write(_HEAD.pack(FILE_MAGIC, FILE_VERSION, 0))
         pos = _HEAD.size
         bar = _progress(size, progress, f"compress {src.name}")
-        for seg in segs:
-            n = seg["end"] - seg["start"]
-            buf = bytearray(n)
-            f.seek(data_start + seg["start"])
-            if f.readinto(buf) != n:
-                raise CorruptStreamError("safetensors file is truncated")
-            running_crc = container.crc32(buf, running_crc)
-            dtype = _tensor_dtype(seg)
-            if dtype is not None and n >= SMALL_TENSOR_BYTES:
-                t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(seg["shape"])
-                record = api.compress(t, codec=codec, threads=threads, **opts)
-                mode = "tensor"
-                if len(record) >= n:  # incompressible: the raw bytes are smaller
-                    record, mode = bytes(buf), "raw"
-            else:
-                record, mode = bytes(buf), "raw"
-            del buf
+        pipe = _OrderedPipeline(threads)
+
+        def emit(seg, result):
+            nonlocal pos
+            record, mode = result
             out.write(record)
             entries.append({"name": seg["name"], "st_dtype": seg["st_dtype"], "shape": seg["shape"],
                             "start": seg["start"], "end": seg["end"], "mode": mode, "offset": pos,
                             "length": len(record), "crc32": container.crc32(record)})
             pos += len(record)
             if bar is not None:
-                bar.update(n)
+                bar.update(seg["end"] - seg["start"])
+
+        try:
+            for seg in segs:
+                n = seg["end"] - seg["start"]
+                buf = bytearray(n)
+                f.seek(data_start + seg["start"])
+                if f.readinto(buf) != n:
+                    raise CorruptStreamError("safetensors file is truncated")
+                running_crc = container.crc32(buf, running_crc)
+                big = n >= 2 * opts.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
+                pipe.submit(seg, big, lambda th, seg=seg, buf=buf: _compress_segment(seg, buf, codec, th, opts), emit)
+            pipe.drain(emit)
+        finally:
+            pipe.close()
         if bar is not None:
             bar.close()
         meta = {"format": "safetensors", "source_bytes": size, "source_crc32": running_crc,
@@ -188,6 +238,16 @@ def _compress_to(src: Path, dst: Path, size: int, entries: list, threads: int, p
 
 
 # --------------------------------------------------------------------------- reading
+def _segment_from_record(e: dict, blob: bytes, threads: int) -> memoryview | bytes:
+    if e["mode"] == "raw":
+        return blob
+    t = api.decompress(blob, threads=threads, device="cpu")
+    raw = api.tensor_bytes(t)
+    if raw.size != e["end"] - e["start"]:
+        raise CorruptStreamError(f"tensor {e['name']!r} decodes to the wrong size")
+    return memoryview(raw)
+
+
 class KvcFile:
     """An open ``.kvc`` file: the validated index, and record access by entry."""
 
@@ -294,14 +354,7 @@ class KvcFile:
 
     def segment_bytes(self, e: dict, threads: int = 0) -> memoryview | bytes:
         """The original bytes of one entry's segment of the safetensors data buffer."""
-        blob = self.record(e)
-        if e["mode"] == "raw":
-            return blob
-        t = api.decompress(blob, threads=threads, device="cpu")
-        raw = api.tensor_bytes(t)
-        if raw.size != e["end"] - e["start"]:
-            raise CorruptStreamError(f"tensor {e['name']!r} decodes to the wrong size")
-        return memoryview(raw)
+        return _segment_from_record(e, self.record(e), threads)
 
     def tensor(self, name: str, threads: int = 0) -> torch.Tensor:
         e = self.by_name.get(name)
@@ -343,12 +396,23 @@ def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: 
             with open(tmp, "wb") as out:
                 out.write(kf.st_header)
                 crc = container.crc32(kf.st_header)
-                for e in kf.entries:
-                    data = kf.segment_bytes(e, threads=threads)
+                pipe = _OrderedPipeline(threads)
+
+                def emit(e, data):
+                    nonlocal crc
                     crc = container.crc32(data, crc)
                     out.write(data)
                     if bar is not None:
                         bar.update(e["end"] - e["start"])
+
+                try:
+                    for e in kf.entries:
+                        blob = kf.record(e)
+                        big = e["end"] - e["start"] >= 2 * DEFAULT_CHUNK_BYTES
+                        pipe.submit(e, big, lambda th, e=e, blob=blob: _segment_from_record(e, blob, th), emit)
+                    pipe.drain(emit)
+                finally:
+                    pipe.close()
             if crc != kf.meta["source_crc32"]:
                 raise CorruptStreamError("restored file fails the source checksum")
             os.replace(tmp, dst)
