@@ -302,3 +302,16 @@ def test_to_bytes_roundtrip_and_corruption(make):
     flipped[len(blob) * 2 // 3] ^= 0x5A
     with pytest.raises(CorruptStreamError):
         QuantizedTensor.from_bytes(bytes(flipped))
+
+
+@pytest.mark.parametrize("make", CONFIGS[:5])
+def test_chunked_quantize_is_identical(make, monkeypatch):
+    q = make()
+    x = torch.randn(2, 3, 41, q.dim)
+    whole = q.quantize(x)
+    monkeypatch.setattr("kvcodec.quant.base.CHUNK_ELEMENTS", 6 * q.dim * 9)  # a few tokens per chunk
+    chunked = q.quantize(x)
+    for name, t in whole.tensors().items():
+        assert torch.equal(t, chunked.tensors()[name]), name
+    empty = q.quantize(x[:, :, :0])
+    assert empty.num_tokens == 0 and q.scores(empty, torch.randn(2, 3, 4, q.dim)).shape == (2, 3, 4, 0)

@@ -152,16 +152,26 @@ class TurboQuantMSE(KVQuantizer):
         base.check_input(x, self.dim)
         pre = resolve_precond(self, x, precond)
         k = self._consts(x.device)
-        xp = pre.apply(x.float())
-        y, idx, norms, scale = self._encode_mse(xp, k)
-        token = {"codes": pack_bits(idx, self._mse_bits)}
-        extra = self._encode_extra(y, idx, norms, scale, k)
-        dt = base.storage_dtype(scale, *([extra["rnorms"]] if "rnorms" in extra else []))
-        token["norms"] = scale.to(dt)
-        if "rnorms" in extra:
-            token["qjl"] = extra["qjl"]
-            token["rnorms"] = extra["rnorms"].to(dt)
-        return QuantizedTensor(config=self.config(), lead_shape=tuple(x.shape[:-2]), num_tokens=x.shape[-2],
+        lead, T = tuple(x.shape[:-2]), x.shape[-2]
+        # chunk over tokens so the float temporaries stay bounded for long prefills
+        n_lead = max(1, math.prod(lead))
+        step = max(1, base.CHUNK_ELEMENTS // (n_lead * self.dim * (self._mse_bits + 4)))
+        parts = {"codes": [], "norms": [], "qjl": [], "rnorms": []}
+        for t0 in range(0, max(T, 1), step):
+            xp = pre.apply(x[..., t0:t0 + step, :].float())
+            y, idx, norms, scale = self._encode_mse(xp, k)
+            parts["codes"].append(pack_bits(idx, self._mse_bits))
+            parts["norms"].append(scale)
+            extra = self._encode_extra(y, idx, norms, scale, k)
+            if extra:
+                parts["qjl"].append(extra["qjl"])
+                parts["rnorms"].append(extra["rnorms"])
+        token = {name: torch.cat(v, dim=-2 if name in ("codes", "qjl") else -1) for name, v in parts.items() if v}
+        dt = base.storage_dtype(token["norms"], *([token["rnorms"]] if "rnorms" in token else []))
+        token["norms"] = token["norms"].to(dt)
+        if "rnorms" in token:
+            token["rnorms"] = token["rnorms"].to(dt)
+        return QuantizedTensor(config=self.config(), lead_shape=lead, num_tokens=T,
                                dim=self.dim, token=token, side=pre.side_fields())
 
     def _encode_extra(self, y, idx, norms, scale, k) -> dict:
