@@ -31,9 +31,13 @@ def _as_1d(x, name: str) -> np.ndarray:
     return a.reshape(-1)
 
 
-# thresholds t_k = 2**((k-0.5)/32) all lie in [1, 2): comparing mantissa bits compares the values
+# thresholds t_k = 2**((k-0.5)/32) all lie in [1, 2): comparing mantissa bits compares the values.
+# A 256-bucket table gives the count below each bucket's start; buckets (1/256 wide) are narrower
+# than the threshold spacing (2**(1/32) - 1 > 2%), so at most one more threshold can follow.
 _THRESHOLD_MANTISSAS = np.ascontiguousarray(_THRESHOLDS).view(np.int64) & ((1 << 52) - 1)
 _MANT_START = np.searchsorted(_THRESHOLD_MANTISSAS, np.arange(256, dtype=np.int64) << 44, side="left").astype(np.int64)
+_TH_PADDED = np.append(_THRESHOLD_MANTISSAS, np.int64(1) << 53)  # sentinel above every mantissa
+assert np.all(np.diff(_THRESHOLD_MANTISSAS) > (1 << 44))
 MEAN_CLIP = 2.0**31  # means are clipped to [lo - 2**31, hi + 2**31] symbols
 
 
@@ -47,15 +51,12 @@ def mean_to_q(v, lo_f, hi_f):
 @njit(cache=True, inline="always")
 def scale_bits_to_idx(b):
     """IEEE bits of one positive finite scale -> round(32*log2(scale)) on the clamped grid, exactly:
-    scale = 2**e * (1 + mant/2**52); k = #thresholds <= that mantissa (a 256-bucket start table,
-    then at most a step or two of integer comparisons)."""
+    scale = 2**e * (1 + mant/2**52); k = #thresholds <= that mantissa (start table + one
+    branch-free comparison). Subnormal scales clamp to the grid's bottom like any tiny one."""
     e = (b >> 52) - 1023
-    if e < -1022:  # subnormal: far below the grid
-        return np.int64(q.SIDX_MIN)
     mant = b & ((1 << 52) - 1)
     k = _MANT_START[mant >> 44]
-    while k < _THRESHOLD_MANTISSAS.shape[0] and _THRESHOLD_MANTISSAS[k] <= mant:
-        k += 1
+    k += np.int64(_TH_PADDED[k] <= mant)
     idx = e * _THRESHOLD_MANTISSAS.shape[0] + k
     return np.int64(q.SIDX_MIN if idx < q.SIDX_MIN else (q.SIDX_MAX if idx > q.SIDX_MAX else idx))
 
