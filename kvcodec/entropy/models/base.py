@@ -10,7 +10,6 @@ inside its own loop (see ``kvcodec.entropy.range_coder_fast``).
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -62,11 +61,6 @@ def uniform_steps(value: int, count: int) -> list[tuple[int, int, int]]:
     high = value >> 16
     n_high = (count + UNIFORM_CHUNK - 1) >> 16
     return [(high, 1, n_high), (value & 0xFFFF, 1, min(UNIFORM_CHUNK, count - (high << 16)))]
-
-
-def uniform_bits(value: int, count: int) -> float:
-    """Ideal code length of ``uniform_steps(value, count)``."""
-    return float(sum(math.log2(total) for _, _, total in uniform_steps(value, count)))
 
 
 def decode_uniform(dec, count: int) -> int:
