@@ -128,6 +128,34 @@ def test_symbols_outside_the_alphabet_are_rejected():
             coder.encode(np.array([3]), c)
 
 
+def test_non_integer_symbols_are_rejected():
+    m = models.Gaussian(0.0, 1.0, -5, 5)
+    c = models.Categorical(np.ones(4))
+    for coder in CODERS:
+        for model in (m, c):
+            with pytest.raises(ValueError):
+                coder.encode(np.array([1.5, 2.0]), model)
+    assert fast.encode([], m) == ref.encode([], m) == b""  # an empty list is fine whatever its dtype
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), nbytes=st.integers(0, 80), n=st.integers(0, 50))
+def test_random_payloads_never_crash(seed, nbytes, n):
+    rng = np.random.default_rng(seed)
+    m, _ = random_quantized(rng, n) if seed % 2 else random_categorical(rng, n)
+    junk = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    results = []
+    for coder in CODERS:
+        try:
+            y = coder.decode(junk, m, n)
+        except CorruptStreamError:
+            results.append("corrupt")
+            continue
+        assert y.shape == (n,) and y.dtype == m.dtype
+        results.append(y.tobytes())
+    assert results[0] == results[1]  # the reference and the numba decoder agree even on junk
+
+
 def test_model_length_must_match():
     m = models.Gaussian(np.zeros(4), 1.0, -5, 5)
     for coder in CODERS:

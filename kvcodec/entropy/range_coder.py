@@ -115,6 +115,8 @@ class RangeDecoder:
 def encode(symbols, model: Model) -> bytes:
     """Code ``symbols`` (1-D integers), symbol i under the model's distribution i."""
     sym = np.asarray(symbols).reshape(-1)
+    if sym.size and not np.issubdtype(sym.dtype, np.integer):
+        raise ValueError(f"symbols must be integers, got {sym.dtype}")
     model.check_count(sym.shape[0])
     enc = RangeEncoder()
     for i, x in enumerate(sym.tolist()):

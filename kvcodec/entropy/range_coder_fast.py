@@ -391,7 +391,7 @@ def _capacity(n: int, bits_per_symbol: int) -> int:
 
 
 def _check_symbols(sym: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    if not np.issubdtype(sym.dtype, np.integer):
+    if sym.size and not np.issubdtype(sym.dtype, np.integer):
         raise ValueError(f"symbols must be integers, got {sym.dtype}")
     if sym.size and (int(sym.min()) < lo or int(sym.max()) > hi):
         raise ValueError(f"symbols must lie in [{lo}, {hi}]")
@@ -399,7 +399,7 @@ def _check_symbols(sym: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def _encode_categorical(sym: np.ndarray, model: Categorical) -> bytes:
-    if not np.issubdtype(sym.dtype, np.integer):
+    if sym.size and not np.issubdtype(sym.dtype, np.integer):
         raise ValueError(f"symbols must be integers, got {sym.dtype}")
     out = np.empty(_capacity(sym.shape[0], model.precision + 1), dtype=np.uint8)
     pos = _encode_cum(sym, model.cum, model.precision, out)
