@@ -451,13 +451,14 @@ class PlaneCodec:
                 meta["planes"].append({"mode": "raw"})
                 sections[f"p{k}"] = plane
                 continue
-            rowctx = cls if cls is not None else np.zeros(n // D, np.uint8)
+            # one table: the whole tensor is one "row" (no row edges to handle)
+            rowctx, Dp = (cls, D) if cls is not None else (np.zeros(1, np.uint8), max(n, 1))
             cums = _cum(freqs)
 
-            def enc(ab, plane=plane, rowctx=rowctx, freqs=freqs, cums=cums):
+            def enc(ab, plane=plane, rowctx=rowctx, Dp=Dp, freqs=freqs, cums=cums):
                 part = plane[ab[0] : ab[1]]
                 words = np.empty(part.size + 2 * N_STATES + 8, np.uint16)  # worst case: one word per symbol + states
-                start = _rans_encode(part, ab[0], D, rowctx, freqs, cums, words)
+                start = _rans_encode(part, ab[0], Dp, rowctx, freqs, cums, words)
                 return words[start:]
 
             streams = _pool_map(enc, bounds, threads)
@@ -494,14 +495,14 @@ class PlaneCodec:
             if mode == "const":
                 if set(p) != {"mode", "value"} or type(p["value"]) is not int or not 0 <= p["value"] <= 255:
                     raise CorruptStreamError(f"planes: bad const plane {k}")
-                info.append(("const", p["value"], None, None, None))
+                info.append(("const", p["value"], None, None, None, None))
                 continue
             data = sections.get(f"p{k}")
             expected.add(f"p{k}")
             if mode == "raw":
                 if set(p) != {"mode"} or not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (n,):
                     raise CorruptStreamError(f"planes: raw plane {k} has the wrong size")
-                info.append(("raw", data, None, None, None))
+                info.append(("raw", data, None, None, None, None))
                 continue
             if mode != "rans" or set(p) != {"mode", "tables", "offsets"}:
                 raise CorruptStreamError(f"planes: bad plane {k}")
@@ -511,7 +512,7 @@ class PlaneCodec:
             if (not isinstance(off, list) or len(off) != n_chunks + 1 or any(type(v) is not int for v in off)):
                 raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
             off = np.array(off, np.int64)
-            if off[0] != 0 or off[-1] != data.size or np.any(np.diff(off) < 8):
+            if off[0] != 0 or off[-1] != data.size or np.any(np.diff(off) < 2 * N_STATES):
                 raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
             tables = p["tables"]
             if not isinstance(tables, list) or not 1 <= len(tables) <= MAX_CLASSES:
@@ -523,29 +524,29 @@ class PlaneCodec:
                 if (not isinstance(ctx, np.ndarray) or ctx.dtype != np.uint8 or ctx.shape != (rows,)
                         or (rows and int(ctx.max()) >= len(tables))):
                     raise CorruptStreamError(f"planes: bad row contexts for plane {k}")
+                info.append(("rans", data, off, tabs, ctx, D))
             else:
-                ctx = np.zeros(max(rows, 1), np.uint8)
-            info.append(("rans", data, off, tabs, ctx))
+                info.append(("rans", data, off, tabs, np.zeros(1, np.uint8), max(n, 1)))
         if set(sections) != expected:
             raise CorruptStreamError("planes: unexpected or missing sections")
-        return layout, itemsize, chunk, n_chunks, D, info
+        return layout, itemsize, chunk, n_chunks, info
 
     def _decode_range(self, prep, c: int, n: int, out: np.ndarray) -> None:
         """Decode chunk ``c`` into ``out`` (the uint8 bytes of that chunk's elements)."""
-        layout, itemsize, chunk, _, D, info = prep
+        layout, itemsize, chunk, _, info = prep
         a, b = c * chunk, min(n, (c + 1) * chunk)
         if layout == "f16" and info[0][0] == "rans":
-            p1 = self._plane(info[1], c, a, b, D)
-            _, data, off, tabs, ctx = info[0]
+            p1 = self._plane(info[1], c, a, b)
+            _, data, off, tabs, ctx, D = info[0]
             if _rans_decode(data[off[c] : off[c + 1]], a, D, ctx, tabs, _EMPTY8, p1, out.view(np.uint16)):
                 raise CorruptStreamError(f"planes: rANS stream of chunk {c} is corrupt")
             return
-        planes = [self._plane(p, c, a, b, D) for p in info]
+        planes = [self._plane(p, c, a, b) for p in info]
         merge_planes(planes, layout, itemsize, out)
 
     @staticmethod
-    def _plane(p, c, a, b, D) -> np.ndarray:
-        mode, data, off, tabs, ctx = p
+    def _plane(p, c, a, b) -> np.ndarray:
+        mode, data, off, tabs, ctx, D = p
         if mode == "raw":
             return data[a:b]
         if mode == "const":
