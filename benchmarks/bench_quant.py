@@ -182,6 +182,8 @@ def methods(D: int) -> list[tuple]:
     for b in (2, 3, 4):
         rows.append(("KIVI g32 (K per-channel, V per-token)", b,
                      kvcodec_codec(KIVI(b, 32, "channel"), False), kvcodec_codec(KIVI(b, 32, "token"), False)))
+        rows.append(("KIVI g32 +sink", b,
+                     kvcodec_codec(KIVI(b, 32, "channel"), True), kvcodec_codec(KIVI(b, 32, "token"), True)))
     try:
         import scipy  # noqa: F401  (the PyPI peer needs it for its codebook)
 
