@@ -11,11 +11,16 @@ over, has nonzero padding or does not return to the start state raises CorruptSt
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from numba import njit
 
 from kvcodec.entropy.tans import MAX_TABLE_LOG, MIN_TABLE_LOG
 from kvcodec.errors import CorruptStreamError
+
+if sys.byteorder != "little":  # the encoder flushes native uint32 words
+    raise ImportError("kvcodec.entropy.tans_fast needs a little-endian CPU; use impl='reference'")
 
 _ERR_SHORT = 1
 _ERR_STATE = 2
@@ -94,30 +99,42 @@ def _build_encode(freqs, table_log, spread, next_state, delta_nb, delta_find):
 
 
 @njit(cache=True, nogil=True)
-def _encode_kernel(symbols, freqs, table_log, next_state, delta_nb, delta_find, pre, out):
-    """Returns the payload length, or -(i+1) if symbol i cannot be coded."""
+def _encode_kernel(symbols, freqs, table_log, next_state, delta_nb, delta_find, pre, out, out32):
+    """Returns the payload length, or -(i+1) if symbol i cannot be coded.
+
+    ``out32`` is a uint32 view of ``out[4:]`` (room for every 32-bit flush)."""
     n = symbols.size
     m = 1 << table_log
     a = freqs.size
-    x0 = m  # state of even symbols
-    x1 = m  # state of odd symbols
-    for i in range(n - 1, -1, -1):
+    for i in range(n):  # validate first, so the state-machine loop has no checks
         s = symbols[i]
         if s >= a or freqs[s] == 0:
             return -(i + 1)
-        if i & 1:
-            pre[i] = x1 - m
-            nb = (x1 + delta_nb[s]) >> 16
-            x1 = next_state[delta_find[s] + (x1 >> nb)]
-        else:
-            pre[i] = x0 - m
-            nb = (x0 + delta_nb[s]) >> 16
-            x0 = next_state[delta_find[s] + (x0 >> nb)]
+    x0 = m  # state of even symbols
+    x1 = m  # state of odd symbols
+    i = n - 1
+    if i >= 0 and i & 1:  # make the pair loop start on an even symbol
+        s = symbols[i]
+        pre[i] = x1 - m
+        x1 = next_state[delta_find[s] + (x1 >> ((x1 + delta_nb[s]) >> 16))]
+        i -= 1
+    while i >= 1:  # symbols i (even) and i - 1 (odd), two independent chains
+        s0 = symbols[i]
+        s1 = symbols[i - 1]
+        pre[i] = x0 - m
+        pre[i - 1] = x1 - m
+        x0 = next_state[delta_find[s0] + (x0 >> ((x0 + delta_nb[s0]) >> 16))]
+        x1 = next_state[delta_find[s1] + (x1 >> ((x1 + delta_nb[s1]) >> 16))]
+        i -= 2
+    if i == 0:
+        s = symbols[0]
+        pre[0] = x0 - m
+        x0 = next_state[delta_find[s] + (x0 >> ((x0 + delta_nb[s]) >> 16))]
     out[0] = (x0 - m) & 0xFF
     out[1] = (x0 - m) >> 8
     out[2] = (x1 - m) & 0xFF
     out[3] = (x1 - m) >> 8
-    pos = 4
+    word = 0
     acc = np.uint64(0)
     nacc = 0
     for i in range(n):
@@ -125,14 +142,13 @@ def _encode_kernel(symbols, freqs, table_log, next_state, delta_nb, delta_find, 
         nb = (xi + delta_nb[symbols[i]]) >> 16
         acc |= np.uint64(xi & ((1 << nb) - 1)) << np.uint64(nacc)
         nacc += nb
-        if nacc >= 32:
-            out[pos] = acc & np.uint64(0xFF)
-            out[pos + 1] = (acc >> np.uint64(8)) & np.uint64(0xFF)
-            out[pos + 2] = (acc >> np.uint64(16)) & np.uint64(0xFF)
-            out[pos + 3] = (acc >> np.uint64(24)) & np.uint64(0xFF)
-            acc >>= np.uint64(32)
-            pos += 4
-            nacc -= 32
+        # Branch-free flush: always store the low 32 bits, keep them only once 32 are ready.
+        out32[word] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+        full = nacc >= 32
+        word += full
+        acc >>= np.uint64(32 * full)
+        nacc -= 32 * full
+    pos = 4 + 4 * word
     while nacc > 0:
         out[pos] = acc & np.uint64(0xFF)
         acc >>= np.uint64(8)
@@ -243,8 +259,10 @@ def encode_table(symbols, freqs, table_log: int) -> np.ndarray:
     delta_find = np.zeros(f.size, dtype=np.int64)
     _build_encode(f, r, spread, next_state, delta_nb, delta_find)
     pre = np.empty(s.size, dtype=np.uint16)
-    out = np.empty(4 + (s.size * r + 7) // 8 + 8, dtype=np.uint8)
-    size = _encode_kernel(s, f, r, next_state, delta_nb, delta_find, pre, out)
+    words = (s.size * r + 31) // 32 + 2
+    out = np.empty(4 + 4 * words, dtype=np.uint8)
+    out32 = out[4:].view(np.uint32)  # little-endian machines (as everywhere in kvcodec)
+    size = _encode_kernel(s, f, r, next_state, delta_nb, delta_find, pre, out, out32)
     if size < 0:
         i = -size - 1
         raise ValueError(f"symbol {int(s[i])} at position {i} has frequency 0")
