@@ -160,7 +160,7 @@ def run_checks(best: str = "default") -> list[dict]:
     rows = []
     modes = list(CHECK_MODES)
     if best != "default":
-        modes.insert(0, next((f"{lab}: ", d, n) for lab, d, n in VARIANTS if lab == best))
+        modes.insert(0, (f"{best}: ", *variant_spec(best)))
     for prefix, defines, narrow in modes:
         attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
         rows += _run_checks(prefix)
@@ -170,8 +170,9 @@ def run_checks(best: str = "default") -> list[dict]:
 
 CHECK_MODES = [("", (), True), ("wide-only: ", (), False),
                ("scalar: ", ("TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0"), True),
-               ("lane tables: ", ("TQ_LANE_TABLES=1",), True),
-               ("lane tables, wide-only: ", ("TQ_LANE_TABLES=1",), False)]
+               ("reg lut + add-ons: ", ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"), True),
+               ("reg lut, wide-only: ", ("TQ_REG_LUT=3",), False),
+               ("lane tables: ", ("TQ_LANE_TABLES=1",), True)]
 
 
 def _run_checks(prefix: str) -> list[dict]:
@@ -359,49 +360,84 @@ def sweep(quick: bool):
 
 VARIANTS = [  # label, split-kernel macros, narrow (transposed P.V) kernel allowed
     ("default", (), True),
-    ("STAGES=1", ("TQ_STAGES=1",), True),
-    ("STAGES=3", ("TQ_STAGES=3",), True),
-    ("PAIR4=0", ("TQ_PAIR4=0",), True),
-    ("no vector loads", ("TQ_VEC_LOADS=0",), True),
-    ("no v4 interleave", ("TQ_V4_INTERLEAVE=0",), True),
-    ("wide kernel only", (), False),
+    # round 2 (prepared without a GPU; benchmarks/GPU_NOTES.md "Round 2"): register-resident 4-bit
+    # codebooks looked up with prmt instead of shared memory, keys / values / both
+    ("reg lut K", ("TQ_REG_LUT=1",), True),
+    ("reg lut V", ("TQ_REG_LUT=2",), True),
+    ("reg lut KV", ("TQ_REG_LUT=3",), True),
     ("lane tables", ("TQ_LANE_TABLES=1",), True),
+]
+# Tried on top of the best of VARIANTS, one at a time, kept when the score improves by > 1%
+# (greedy): latency fixes in prep/merge, code loads that skip L1 (+ L2 prefetch of 256 B), 4 blocks
+# per SM for the narrow head_dim-128 kernel (128 registers: fits only with the register tables).
+ADDONS = [
+    ("fast merge", ("TQ_FAST_MERGE=1",)),
+    ("no L1", ("TQ_NO_L1=1",)),
+    ("no L1 + L2 256B", ("TQ_NO_L1=2",)),
+    ("4 blocks", ("TQ_NARROW128_BLOCKS=4",)),
 ]
 TUNE_SHAPES = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4),
                (8, 32768, 32, 8, 128, 3, 3)]
+_COMPOSED: dict[str, tuple[tuple[str, ...], bool]] = {}  # labels built by the greedy add-on pass
+
+
+def _with(defines: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
+    """defines + extra, a macro in extra replacing the same macro in defines."""
+    names = {e.split("=", 1)[0] for e in extra}
+    return tuple(d for d in defines if d.split("=", 1)[0] not in names) + tuple(extra)
+
+
+def variant_spec(label: str) -> tuple[tuple[str, ...], bool]:
+    for lab, defines, narrow in VARIANTS:
+        if lab == label:
+            return defines, narrow
+    return _COMPOSED[label]
+
+
+def _score_variant(label, defines, narrow, rows, tpws=(None,)):
+    attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
+    logs = []
+    for shp in TUNE_SHAPES:
+        for tpw in tpws:
+            try:
+                row = time_decode(*shp, tokens_per_warp=tpw, sdpa=False)
+                row.update(variant=label, tpw=tpw or "auto", defines=" ".join(defines))
+                if tpw is None:
+                    logs.append(math.log(row["fused_ms"]))
+            except Exception as e:
+                row = dict(shape=str(shp), variant=label, tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
+                if tpw is None:
+                    logs.append(float("inf"))
+            log("variant", row)
+            rows.append(row)
+    attention.KERNEL_DEFINES, attention.NARROW_ENABLED = (), True
+    return sum(logs) / max(1, len(logs))
 
 
 def variants():
-    """Tuning knobs on representative shapes: kernel form, lookups, prefetch depth, split size.
+    """Tuning knobs on representative shapes: kernel form, lookups, add-ons, split size.
     Returns (rows, label of the fastest variant by geometric mean over the shapes at auto split)."""
     rows, score = [], {}
     for label, defines, narrow in VARIANTS:
-        attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
-        logs = []
-        for shp in TUNE_SHAPES:
-            for tpw in (None, 256, 1024):
-                try:
-                    row = time_decode(*shp, tokens_per_warp=tpw, sdpa=False)
-                    row.update(variant=label, tpw=tpw or "auto")
-                    if tpw is None:
-                        logs.append(math.log(row["fused_ms"]))
-                except Exception as e:
-                    row = dict(shape=str(shp), variant=label, tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
-                    if tpw is None:
-                        logs.append(float("inf"))
-                log("variant", row)
-                rows.append(row)
-        score[label] = sum(logs) / max(1, len(logs))
-    attention.KERNEL_DEFINES, attention.NARROW_ENABLED = (), True
+        score[label] = _score_variant(label, defines, narrow, rows)
     best = min(score, key=score.get)
-    log("variant scores (mean log ms, lower is better):", {k: round(v, 4) for k, v in score.items()}, "best:", best)
+    defines, narrow = variant_spec(best)
+    for add_label, extra in ADDONS:  # greedy: keep an add-on when it wins by more than 1%
+        label = f"{best} + {add_label}"
+        cand = _with(defines, extra)
+        _COMPOSED[label] = (cand, narrow)
+        score[label] = _score_variant(label, cand, narrow, rows)
+        if score[label] < score[best] - 0.01:
+            best, defines = label, cand
+    # split sizes with the winner (the auto split is what the score used)
+    _score_variant(best, defines, narrow, rows, tpws=(256, 1024))
+    log("variant scores (mean log ms, lower is better):", {k: round(v, 4) for k, v in score.items()}, "best:", best,
+        "macros:", defines)
     return rows, best
 
 
 def use_variant(label: str) -> None:
-    for lab, defines, narrow in VARIANTS:
-        if lab == label:
-            attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
+    attention.KERNEL_DEFINES, attention.NARROW_ENABLED = variant_spec(label)
 
 
 def profile_one() -> None:

@@ -56,6 +56,57 @@ def test_lane_table_variant_compiles(arch, tmp_path):
     assert "spill" not in proc.stderr.lower(), proc.stderr[-2000:]
 
 
+# Round-2 variants (benchmarks/gpu_kernels.py VARIANTS / ADDONS / CHECK_MODES): every macro set the
+# next GPU run may pick must build for both targets without spills, on the instances it times/checks.
+VARIANT_CONFIGS = [
+    (128, 4, 4, False, False, False, True),
+    (128, 4, 4, False, False, False, False),
+    (128, 4, 4, False, True, False, True),
+    (64, 4, 4, False, False, False, True),
+    (128, 3, 3, False, False, False, True),
+    (128, 3, 4, True, True, True, False),
+]
+VARIANT_DEFINES = [
+    ("TQ_REG_LUT=1",),
+    ("TQ_REG_LUT=2",),
+    ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=1"),
+    ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"),
+    ("TQ_REG_LUT=1", "TQ_NARROW128_BLOCKS=4", "TQ_NO_L1=2"),
+    ("TQ_NARROW128_BLOCKS=4", "TQ_FAST_MERGE=1"),
+]
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("defines", VARIANT_DEFINES, ids=lambda d: "+".join(x.replace("TQ_", "") for x in d))
+def test_round2_variants_compile_without_spills(arch, defines, tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed: CUDA compile check skipped")
+    decls = attention.instance_declarations(VARIANT_CONFIGS)
+    proc = build.nvcc_compile(attention.SOURCE, decls, arch, tmp_path,
+                              extra=tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    spills = [line for line in proc.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
+    assert not spills, "\n".join(spills)
+    assert "prmt.b32" in build.source_text(attention.SOURCE)
+
+
+def test_benchmark_variant_macros_are_compiled_here():
+    """Every macro set of the benchmark's variants/add-ons is covered by the compile test above."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("_gpu_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    covered = {d for ds in VARIANT_DEFINES for d in ds} | {"TQ_LANE_TABLES=1"}
+    used = {d for _, ds, _ in mod.VARIANTS for d in ds} | {d for _, ds in mod.ADDONS for d in ds}
+    used |= {d for _, ds, _ in mod.CHECK_MODES for d in ds}
+    assert used - {"TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0"} <= covered
+    assert mod._with(("TQ_REG_LUT=3", "TQ_NO_L1=1"), ("TQ_NO_L1=2",)) == ("TQ_REG_LUT=3", "TQ_NO_L1=2")
+    assert mod.VARIANTS[0] == ("default", (), True)
+
+
 def test_lane_table_shared_memory_size():
     assert attention.lane_table_bytes(4, 4) == 0  # off by default
     assert attention.lane_table_bytes(4, 4, ("TQ_LANE_TABLES=1",)) == 2 * 256 * 128
@@ -293,3 +344,114 @@ def test_gpu_benchmark_skips_cleanly_without_a_gpu(tmp_path):
     res = gpu_kernels.run(quick=True, out_dir=str(tmp_path))
     assert res["rows"] == [] and "skipped" in res["notes"][0]
     assert not any(tmp_path.iterdir())  # nothing written, committed GPU results untouched
+
+
+# ---- register-resident 4-bit codebooks (TQ_REG_LUT): bit-exact emulation of TqRegLut4 ----------
+
+def _prmt(a, b, c):
+    """prmt.b32 default mode, vectorised over numpy uint64 arrays holding 32-bit values."""
+    a, b, c = (np.asarray(x, dtype=np.uint64) & 0xFFFFFFFF for x in (a, b, c))
+    src = a | (b << np.uint64(32))
+    out = np.zeros(np.broadcast(a, b, c).shape, dtype=np.uint64)
+    for n in range(4):
+        nib = (c >> np.uint64(4 * n)) & np.uint64(0xF)
+        byte = (src >> (np.uint64(8) * (nib & np.uint64(7)))) & np.uint64(0xFF)
+        sign = np.where((byte >> np.uint64(7)) & np.uint64(1), np.uint64(0xFF), np.uint64(0))
+        out |= np.where(nib & np.uint64(8), sign, byte) << np.uint64(8 * n)
+    return out, c
+
+
+class _RegLut4:
+    """TqRegLut4 (tq_common.cuh) op for op."""
+
+    def __init__(self, cb16):
+        cb16 = [int(x) for x in cb16]
+        self.lo = [sum((cb16[4 * i + j] & 0xFF) << (8 * j) for j in range(4)) for i in range(4)]
+        self.hi = [sum((cb16[4 * i + j] >> 8) << (8 * j) for j in range(4)) for i in range(4)]
+
+    @staticmethod
+    def sel1(x):
+        return x & np.uint64(0x77777777)
+
+    @staticmethod
+    def sel2(x):
+        return ((x >> np.uint64(1)) & np.uint64(0x44444444)) | np.uint64(0x32103210)
+
+    def prmt(self, a, b, c):
+        out, c = _prmt(a, b, c)
+        low = c & np.uint64(0xFFFF)
+        for n in range(4):  # the kernel never relies on sign-replicate nibbles
+            assert not ((low >> np.uint64(4 * n + 3)) & np.uint64(1)).any()
+        return out
+
+    def lut4(self, a, s2):
+        p = self.prmt
+        lo, hi = self.lo, self.hi
+        l = p(p(lo[0], lo[1], a), p(lo[2], lo[3], a), s2)
+        h = p(p(hi[0], hi[1], a), p(hi[2], hi[3], a), s2)
+        return p(l, h, 0x5140), p(l, h, 0x7362)
+
+    def lut8(self, x):
+        x = np.asarray(x, dtype=np.uint64)
+        a, s2 = self.sel1(x), self.sel2(x)
+        o0, o1 = self.lut4(a, s2)
+        o2, o3 = self.lut4(a >> np.uint64(16), s2 >> np.uint64(16))
+        return [o0, o1, o2, o3]
+
+
+def _cb16(bits, bf16, seed):
+    cb = torch.sort(torch.randn(1 << bits, generator=torch.Generator().manual_seed(seed)) * 0.1).values
+    h = cb.to(torch.bfloat16 if bf16 else torch.float16).view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    return h.astype(np.uint64)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_register_lut_emulation_matches_table_lookup(bf16):
+    cb = _cb16(4, bf16, seed=3)
+    lut = _RegLut4(cb)
+    # every 16-bit pattern (4 codes) through lut4, low half of the selectors
+    x = np.arange(1 << 16, dtype=np.uint64)
+    o0, o1 = lut.lut4(lut.sel1(x), lut.sel2(x))
+    codes = [(x >> np.uint64(4 * k)) & np.uint64(15) for k in range(4)]
+    assert np.array_equal(o0, cb[codes[0]] | (cb[codes[1]] << np.uint64(16)))
+    assert np.array_equal(o1, cb[codes[2]] | (cb[codes[3]] << np.uint64(16)))
+    # whole words (8 codes), upper halves through the shifted selectors
+    w = np.random.default_rng(0).integers(0, 1 << 32, size=50000, dtype=np.uint64)
+    out = lut.lut8(w)
+    for m in range(4):
+        c0 = (w >> np.uint64(8 * m)) & np.uint64(15)
+        c1 = (w >> np.uint64(8 * m + 4)) & np.uint64(15)
+        assert np.array_equal(out[m], cb[c0] | (cb[c1] << np.uint64(16)))
+
+
+def test_register_lut_key_and_value_fragments():
+    """The kernel's use of lut4/lut8: key k-step s reads codes 4s..4s+3 of a thread's row chunk
+    (half s & 1 of word s >> 1); value m-tile 4i + k reads coordinate 8i + 2k (ev) / 8i + 2k + 1 (od)
+    of two tokens from the interleave4 words. Both against direct codebook indexing."""
+    rng = np.random.default_rng(1)
+    cb = _cb16(4, False, seed=5)
+    lut = _RegLut4(cb)
+    D = 128
+    nw = D // 32  # key chunk of a thread: D/4 codes of 4 bits = D/32 words
+    words = rng.integers(0, 1 << 32, size=(64, nw), dtype=np.uint64)
+    codes = np.stack([(words[:, i // 8] >> np.uint64(4 * (i % 8))) & np.uint64(15) for i in range(D // 4)], 1)
+    for s in range(D // 16):
+        a, s2 = lut.sel1(words[:, s >> 1]), lut.sel2(words[:, s >> 1])
+        if s & 1:
+            a, s2 = a >> np.uint64(16), s2 >> np.uint64(16)
+        b0, b1 = lut.lut4(a, s2)
+        assert np.array_equal(b0, cb[codes[:, 4 * s]] | (cb[codes[:, 4 * s + 1]] << np.uint64(16)))
+        assert np.array_equal(b1, cb[codes[:, 4 * s + 2]] | (cb[codes[:, 4 * s + 3]] << np.uint64(16)))
+    # values: two tokens a (lo) and b (hi), D/8 dims of 4 bits per thread = D/64 words
+    vw = D // 64
+    va = rng.integers(0, 1 << 32, size=(64, vw), dtype=np.uint64)
+    vb = rng.integers(0, 1 << 32, size=(64, vw), dtype=np.uint64)
+    ca = lambda w, c: (w[:, c // 8] >> np.uint64(4 * (c % 8))) & np.uint64(15)
+    for i in range(vw):
+        ev = (va[:, i] & np.uint64(0x0F0F0F0F)) | ((vb[:, i] << np.uint64(4)) & np.uint64(0xF0F0F0F0))
+        od = ((va[:, i] >> np.uint64(4)) & np.uint64(0x0F0F0F0F)) | (vb[:, i] & np.uint64(0xF0F0F0F0))
+        e, o = lut.lut8(ev), lut.lut8(od)
+        for k in range(4):
+            c = 8 * i + 2 * k
+            assert np.array_equal(e[k], cb[ca(va, c)] | (cb[ca(vb, c)] << np.uint64(16)))
+            assert np.array_equal(o[k], cb[ca(va, c + 1)] | (cb[ca(vb, c + 1)] << np.uint64(16)))

@@ -310,8 +310,9 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
 
     narrow = r <= 8 and NARROW_ENABLED
     split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), KERNEL_DEFINES)
-    merge_fn = build.get_function(SOURCE, merge_name(d))
-    prep_fn = build.get_function(SOURCE, prep_name(d, _QIN[q_in.dtype]))
+    # prep/merge see the macros too (TQ_FAST_MERGE); the default () builds the proven kernels
+    merge_fn = build.get_function(SOURCE, merge_name(d), KERNEL_DEFINES)
+    prep_fn = build.get_function(SOURCE, prep_name(d, _QIN[q_in.dtype]), KERNEL_DEFINES)
     smem = lane_table_bytes(k_bits, v_bits, KERNEL_DEFINES)
     if smem > 48 * 1024 and getattr(split_fn, "max_dynamic_shared_size_bytes", 0) < smem:
         split_fn.max_dynamic_shared_size_bytes = smem  # above 48 KB needs the attribute raised

@@ -52,6 +52,20 @@ struct TqBits {
   tq_u32 w[NW + 1];  // one spare word keeps straddling field reads in range
 };
 
+// Cache hints of the 16/8-byte code loads (-DTQ_NO_L1=n): 0 plain ld.global.nc; 1 L1::no_allocate
+// (streamed codes do not take L1 lines from the other warps); 2 also L2::256B (L2 prefetches the
+// whole 256-byte sector group: the next tokens' rows).
+#ifndef TQ_NO_L1
+#define TQ_NO_L1 0
+#endif
+#if TQ_NO_L1 == 1
+#define TQ_LDNC "ld.global.nc.L1::no_allocate"
+#elif TQ_NO_L1 == 2
+#define TQ_LDNC "ld.global.nc.L1::no_allocate.L2::256B"
+#else
+#define TQ_LDNC "ld.global.nc"
+#endif
+
 template <int NBITS, bool ALIGNED, int VEC = 1>
 TQ_DEVI void tq_load_bits_at(TqBits<NBITS>& b, const tq_u32* __restrict__ p, int sh) {
   // p: the word holding the first requested bit; sh: that bit's position in it (0 when ALIGNED)
@@ -60,12 +74,12 @@ TQ_DEVI void tq_load_bits_at(TqBits<NBITS>& b, const tq_u32* __restrict__ p, int
   if constexpr (ALIGNED && VEC == 4 && NW % 4 == 0) {  // caller guarantees 16-byte alignment
 #pragma unroll
     for (int i = 0; i < NW; i += 4)
-      asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+      asm(TQ_LDNC ".v4.u32 {%0, %1, %2, %3}, [%4];"
           : "=r"(b.w[i]), "=r"(b.w[i + 1]), "=r"(b.w[i + 2]), "=r"(b.w[i + 3]) : "l"(p + i));
   } else if constexpr (ALIGNED && VEC >= 2 && NW % 2 == 0) {  // 8-byte alignment
 #pragma unroll
     for (int i = 0; i < NW; i += 2)
-      asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(b.w[i]), "=r"(b.w[i + 1]) : "l"(p + i));
+      asm(TQ_LDNC ".v2.u32 {%0, %1}, [%2];" : "=r"(b.w[i]), "=r"(b.w[i + 1]) : "l"(p + i));
   } else if constexpr (ALIGNED) {
 #pragma unroll
     for (int i = 0; i < NW; ++i) b.w[i] = __ldg(p + i);
@@ -116,3 +130,57 @@ TQ_DEVI tq_u32 tq_field_off(const TqBits<NBITS>& b, int p) {
 TQ_DEVI tq_u32 tq_lds_at(const void* base, tq_u32 off) {
   return *reinterpret_cast<const tq_u32*>(reinterpret_cast<const char*>(base) + off);
 }
+
+// prmt.b32 in its default mode: byte n of the result is byte (c >> 4n) & 7 of {b, a} (a = bytes
+// 0-3); only c[15:0] is used. Selector nibbles with bit 3 set would replicate a sign bit instead; the
+// callers never build such nibbles. Inline PTX on purpose: __byte_perm() is specified to ignore bit
+// 3 and may cost an extra mask.
+TQ_DEVI tq_u32 tq_prmt(tq_u32 a, tq_u32 b, tq_u32 c) {
+  tq_u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// A 16-entry table of 16-bit values (4-bit codebook, fp16 or bf16 patterns) held in 8 registers as
+// two byte planes: lo[i] byte j = low byte of entry 4i + j, hi[i] the high bytes. Lookup of four
+// 4-bit codes (one 16-bit half of a packed word, code k in bits 4k..4k+3) without shared memory:
+//   level 1: sel = codes & 0x7777 picks entry (c & 7) from entries 0-7 (lo[0], lo[1]) and from
+//            entries 8-15 (lo[2], lo[3]), per plane: 4 prmt;
+//   level 2: sel2 nibble k = k + 4 * bit3(c_k) picks, per code, the right one of the two: 2 prmt;
+//   interleave the planes into two packed pairs (c0, c1), (c2, c3): 2 prmt.
+// Both selectors of a whole 32-bit word (8 codes) cost 3 ops (one LOP3, one shift + LOP3).
+// tests/test_cuda_build.py emulates this bit for bit.
+struct TqRegLut4 {
+  tq_u32 lo[4], hi[4];
+  template <bool BF>
+  TQ_DEVI void fill(const float* __restrict__ cb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      tq_u32 l = 0u, h = 0u;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const tq_u32 e = tq_f_to_16<BF>(__ldg(cb + 4 * i + j));
+        l |= (e & 0xFFu) << (8 * j);
+        h |= (e >> 8) << (8 * j);
+      }
+      lo[i] = l;
+      hi[i] = h;
+    }
+  }
+  // selectors of the 8 codes of a word: a = level 1 (low half: codes 0-3), s2 = level 2
+  TQ_DEVI static tq_u32 sel1(tq_u32 x) { return x & 0x77777777u; }
+  TQ_DEVI static tq_u32 sel2(tq_u32 x) { return ((x >> 1) & 0x44444444u) | 0x32103210u; }
+  // four codes (selectors in the low 16 bits) -> o0 = (c0, c1), o1 = (c2, c3) packed 16-bit pairs
+  TQ_DEVI void lut4(tq_u32 a, tq_u32 s2, tq_u32& o0, tq_u32& o1) const {
+    const tq_u32 l = tq_prmt(tq_prmt(lo[0], lo[1], a), tq_prmt(lo[2], lo[3], a), s2);
+    const tq_u32 h = tq_prmt(tq_prmt(hi[0], hi[1], a), tq_prmt(hi[2], hi[3], a), s2);
+    o0 = tq_prmt(l, h, 0x5140u);
+    o1 = tq_prmt(l, h, 0x7362u);
+  }
+  // all 8 codes of a word: o[0] = (c0, c1), o[1] = (c2, c3), o[2] = (c4, c5), o[3] = (c6, c7)
+  TQ_DEVI void lut8(tq_u32 x, tq_u32 (&o)[4]) const {
+    const tq_u32 a = sel1(x), s2 = sel2(x);
+    lut4(a, s2, o[0], o[1]);
+    lut4(a >> 16, s2 >> 16, o[2], o[3]);
+  }
+};

@@ -27,6 +27,13 @@
 #ifndef TQ_NARROW128_BLOCKS
 #define TQ_NARROW128_BLOCKS 3
 #endif
+// 4 blocks (<= 128 registers) fits on sm_90 for every 4-bit configuration (the default kernel uses
+// 118, TQ_REG_LUT=3 128) but spills a little on sm_100: Blackwell builds stay at 3.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && TQ_NARROW128_BLOCKS > 3
+#define TQ_NARROW128_BLOCKS_ARCH 3
+#else
+#define TQ_NARROW128_BLOCKS_ARCH TQ_NARROW128_BLOCKS
+#endif
 // 1: 4-bit codes are looked up two at a time too (256-entry table: fewer instructions, more bank
 // conflicts); -DTQ_PAIR4=1.
 #ifndef TQ_PAIR4
@@ -47,6 +54,24 @@
 // 4-bit pair table). Opt-in, not yet measured on a GPU; -DTQ_LANE_TABLES=1.
 #ifndef TQ_LANE_TABLES
 #define TQ_LANE_TABLES 0
+#endif
+// Register-resident 4-bit codebooks (no shared-memory lookups in the inner loop; the measured
+// limit of the default kernel is the L1/shared pipe): bit 0 = keys, bit 1 = values (4-bit codes
+// only; values only in the narrow kernel with TQ_V4_INTERLEAVE). Each 16-entry table lives in 8
+// registers as two byte planes and is read with prmt (TqRegLut4: 2.6 ALU ops per code instead of
+// one shared-memory load per two codes). 1 or 2 balance the L1 and ALU pipes; 3 moves everything
+// to the ALU pipe. Opt-in; -DTQ_REG_LUT=n.
+#ifndef TQ_REG_LUT
+#define TQ_REG_LUT 0
+#endif
+// 1: latency fixes in the small launches (query prep, split merge): the serial loops there issued
+// 8 loads per round trip and the merge's per-split `if (w != 0)` kept loads from batching (b1 32k
+// merge: 12.8 us for 128 splits). With it: rotation loops unrolled by 32, merge loads unconditional
+// (the weight is applied with a select, so an empty split's partials never reach the sum) and 8
+// accumulation chains. Opt-in; -DTQ_FAST_MERGE=1 (the launcher passes the split kernel's macros to
+// prep and merge too).
+#ifndef TQ_FAST_MERGE
+#define TQ_FAST_MERGE 0
 #endif
 // 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
 // 1 (loads at the top of each step, latency covered by the other warps) measured fastest on an H200:
@@ -181,6 +206,8 @@ struct DecodeTraits {
                               : ((VBITS / 32) % 4 == 0 && VROW_WORDS % 4 == 0) ? 4
                               : ((VBITS / 32) % 2 == 0 && VROW_WORDS % 2 == 0) ? 2 : 1;
   static constexpr bool V4I = TQ_V4_INTERLEAVE && BV == 4 && VALIGN && (BV <= 3 || TQ_PAIR4);
+  static constexpr bool KREG = (TQ_REG_LUT & 1) && BK == 4 && KALIGN;   // keys: prmt lookups
+  static constexpr bool VREG = (TQ_REG_LUT & 2) && BV == 4 && VALIGN && TQ_V4_INTERLEAVE;  // values
 };
 
 // Raw (not yet dequantized) bytes of one 16-token step, held by one thread.
@@ -249,7 +276,7 @@ TQ_DEVI void load_any(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
 // and P V runs transposed, O^T = V^T P^T (values are the A operand, M = 16 dims; P^T the B operand,
 // N = 8 rows): half the mma count and half the accumulator registers.
 template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW>
-__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : (QJL || !NARROW) ? 2 : D <= 64 ? 4 : TQ_NARROW128_BLOCKS))
+__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : (QJL || !NARROW) ? 2 : D <= 64 ? 4 : TQ_NARROW128_BLOCKS_ARCH))
 tq_decode_split(
     const tq_u16* __restrict__ q16, const float* __restrict__ row_scale,
     const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
@@ -272,6 +299,10 @@ tq_decode_split(
   ktab.fill(k_codebook, threadIdx.x, blockDim.x);
   vtab.fill(v_codebook, threadIdx.x, blockDim.x);
 #endif
+  // register tables (TQ_REG_LUT), filled only where used
+  TqRegLut4 kreg, vreg;
+  if constexpr (T::KREG) kreg.fill<false>(k_codebook);
+  if constexpr (T::VREG) vreg.fill<VBF>(v_codebook);
   __syncthreads();
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -347,10 +378,25 @@ tq_decode_split(
       for (int j = 0; j < 2; ++j) {
         sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
         sq[j][0] = sq[j][1] = sq[j][2] = sq[j][3] = 0.f;
+        // KREG: k-step s uses codes 4s..4s+3 = half (s & 1) of word s >> 1
+        tq_u32 ka[T::KREG ? T::KS / 2 : 1], ks2[T::KREG ? T::KS / 2 : 1];
+        if constexpr (T::KREG) {
+#pragma unroll
+          for (int w = 0; w < T::KS / 2; ++w) {
+            ka[w] = TqRegLut4::sel1(cur.k[j].w[w]);
+            ks2[w] = TqRegLut4::sel2(cur.k[j].w[w]);
+          }
+        }
 #pragma unroll
         for (int s = 0; s < T::KS; ++s) {
-          const tq_u32 b0 = ktab.adjacent(cur.k[j], (4 * s) * BK);
-          const tq_u32 b1 = ktab.adjacent(cur.k[j], (4 * s + 2) * BK);
+          tq_u32 b0, b1;
+          if constexpr (T::KREG) {
+            if (s & 1) kreg.lut4(ka[s >> 1] >> 16, ks2[s >> 1] >> 16, b0, b1);
+            else kreg.lut4(ka[s >> 1], ks2[s >> 1], b0, b1);
+          } else {
+            b0 = ktab.adjacent(cur.k[j], (4 * s) * BK);
+            b1 = ktab.adjacent(cur.k[j], (4 * s + 2) * BK);
+          }
           tq_mma16816<false>(sc[j], qa[s], b0, b1);
           if constexpr (QJL) {
             const tq_u32 c0 = tq::qjl_pair(tq_field<2>(cur.s[j], 4 * s));
@@ -423,7 +469,29 @@ tq_decode_split(
             acc[i][3] *= a_hi;
           }
         }
-        if constexpr (T::V4I) {
+        if constexpr (T::VREG) {
+          // word i of the interleaved codes holds coordinates 8i + 2k (ev) / 8i + 2k + 1 (od) of
+          // two tokens in byte k: the prmt lookup of its 8 nibbles gives the A registers of m-tiles
+          // 4i .. 4i + 3 directly
+          constexpr int NW = TqBits<T::VBITS>::NW;
+          static_assert(4 * NW == NACC, "value words per m-tile");
+          tq_u32 ev01[NW], od01[NW], ev23[NW], od23[NW];
+          tq::CodeTable<BV, VBF>::interleave4(cur.v[0], cur.v[1], ev01, od01);
+          tq::CodeTable<BV, VBF>::interleave4(cur.v[2], cur.v[3], ev23, od23);
+#pragma unroll
+          for (int i = 0; i < NW; ++i) {
+            tq_u32 e01[4], o01[4], e23[4], o23[4];
+            vreg.lut8(ev01[i], e01);
+            vreg.lut8(od01[i], o01);
+            vreg.lut8(ev23[i], e23);
+            vreg.lut8(od23[i], o23);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const tq_u32 va[4] = {e01[k], o01[k], e23[k], o23[k]};
+              tq_mma16816<VBF>(acc[4 * i + k], va, pa[0], pa[2]);
+            }
+          }
+        } else if constexpr (T::V4I) {
           constexpr int NW = TqBits<T::VBITS>::NW;
           tq_u32 ev01[NW], od01[NW], ev23[NW], od23[NW];
           vtab.interleave4(cur.v[0], cur.v[1], ev01, od01);
@@ -542,9 +610,16 @@ __global__ void __launch_bounds__(D) tq_decode_prep(
   else if constexpr (QIN == 1) x[d] = tq_h2f(reinterpret_cast<const tq_u16*>(q)[src]);
   else x[d] = tq_bf2f(reinterpret_cast<const tq_u16*>(q)[src]);
   __syncthreads();
+#if TQ_FAST_MERGE
+  float acc4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 32
+  for (int i = 0; i < D; ++i) acc4[i & 3] += x[i] * __ldg(rt + i * D + d);
+  const float acc = (acc4[0] + acc4[1]) + (acc4[2] + acc4[3]);
+#else
   float acc = 0.f;
 #pragma unroll 8
   for (int i = 0; i < D; ++i) acc += x[i] * __ldg(rt + i * D + d);
+#endif
   y[d] = acc;
   float m = fabsf(acc);
 #pragma unroll
@@ -608,6 +683,23 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
   const long long stride = (long long)R * D;
   float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
   int s = 0;
+#if TQ_FAST_MERGE
+  {
+    float b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (; s + 8 <= nsplit; s += 8) {
+      float v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = po[(s + k) * stride];  // always written by the split kernel
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float w = wsplit[s + k];
+        b[k] += (w != 0.f) ? w * v[k] : 0.f;
+      }
+    }
+    a0 = (b[0] + b[4]) + (b[1] + b[5]);
+    a1 = (b[2] + b[6]) + (b[3] + b[7]);
+  }
+#endif
   for (; s + 4 <= nsplit; s += 4) {
     const float w0 = wsplit[s], w1 = wsplit[s + 1], w2 = wsplit[s + 2], w3 = wsplit[s + 3];
     if (w0 != 0.f) a0 += w0 * po[s * stride];
@@ -619,9 +711,16 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
     if (wsplit[s] != 0.f) a0 += wsplit[s] * po[s * stride];
   y[d] = (L > 0.f) ? ((a0 + a1) + (a2 + a3)) / L : 0.f;
   __syncthreads();
+#if TQ_FAST_MERGE
+  float o4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 32
+  for (int i = 0; i < D; ++i) o4[i & 3] += y[i] * __ldg(rotation + i * D + d);
+  const float o = (o4[0] + o4[1]) + (o4[2] + o4[3]);
+#else
   float o = 0.f;
 #pragma unroll 8
   for (int i = 0; i < D; ++i) o += y[i] * __ldg(rotation + i * D + d);
+#endif
   out[(long long)row * D + d] = o;
   if (d == 0) lse[row] = (L > 0.f) ? (M + __log2f(L)) * 0.69314718055994531f : NEG_INF;
 }
