@@ -103,6 +103,19 @@ def test_stored_integer_parameters_give_the_same_bytes():
     assert np.array_equal(fast.decode(payload, again, len(x)), x)
 
 
+def test_far_outliers_use_the_two_step_uniform_index():
+    """An escape over more than 2**16 symbols is coded as (high, low) uniform steps."""
+    lo, hi = -(2**17), 2**17 - 1
+    m = models.Gaussian(np.full(6, float(lo) + 3), 0.5, lo, hi)
+    x = np.array([lo + 3, hi, hi - 70000, lo + 200, 0, lo])
+    payload = ref.encode(x, m)
+    assert payload == fast.encode(x, m)
+    for coder in CODERS:
+        assert np.array_equal(coder.decode(payload, m, len(x)), x)
+    bits = m.symbol_bits(x)
+    assert bits[0] < 0.6 and 16 + 17.5 < bits[1] < 16 + 19  # floor token + log2(2**18 - few)
+
+
 def test_empty_and_single_symbol():
     m = models.Gaussian(0.0, 1.0, -5, 5)
     for coder in CODERS:
