@@ -5,7 +5,7 @@ same functions, so the frequencies that decide the bits are integers computed th
 way on every machine. Everything is int64 arithmetic; bounds are noted where a product
 could grow (no intermediate exceeds 2**62).
 
-Fixed-point grid (the "quantize on entry" of the model classes):
+Fixed-point grid (``quantized.mean_to_q`` / ``scale_bits_to_idx`` map floats onto it exactly):
   * mean in 1/256 symbol units (``mean_q``),
   * scale on a log grid: ``sidx = round(32*log2(scale))``, scale = 2**(sidx/32),
     sidx in [SIDX_MIN, SIDX_MAX] (scale 2**-8 .. 2**24),
@@ -15,9 +15,10 @@ Coding layout of one symbol x in [lo, hi] (see docs/range_coder.md):
   * buckets of 2**j symbols, j = max(0, floor(log2 scale) - 3), so a bucket is at most
     1/8 of the scale and the in-bucket distribution is nearly flat;
   * a window of buckets around the mean (K scales each side) is coded directly, one
-    token per bucket, every token frequency >= 1; the rest of the alphabet is one escape
-    token followed by the index among the outside symbols in raw bits;
-  * then the offset inside the bucket in j raw bits.
+    token per bucket, every token frequency >= 1; the symbols left (right) of the window
+    share one escape token carrying that tail's mass;
+  * then the index inside the bucket (or among that escape's symbols) is coded uniformly
+    with its exact count (``raw_count``), so nothing is lost on partial buckets.
 So the alphabet can be 2**30 symbols while no table is alphabet-sized and a token search
 touches at most ~390 tokens.
 """

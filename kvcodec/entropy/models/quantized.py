@@ -1,10 +1,10 @@
 """Quantized Gaussian and Laplace models with per-symbol mean and scale, plus a uniform mixture.
 
 P(k) is the model mass of [k - 1/2, k + 1/2); the tails beyond [lo, hi] fold into the end
-symbols. Parameters are quantized on entry (mean to 1/256, scale to a 32-steps-per-octave
-log grid) by exact float operations (rint, frexp, comparisons), so the same float inputs
-give the same integer model on any machine; from there everything is integer
-(``_qmath``). Callers that want bit-exactness across devices whose float predictions
+buckets. Parameters map onto a fixed-point grid (mean to 1/256, scale to a
+32-steps-per-octave log grid) by exact operations only (IEEE rint, the float's exponent and
+mantissa bits, integer comparisons), so the same float inputs give the same integer model on
+any machine; from there everything is integer (``_qmath``). Callers that want bit-exactness across devices whose float predictions
 may differ should store ``mean_q``/``scale_idx``/``weight_q`` and rebuild with
 ``QuantizedModel.from_quantized``.
 """
