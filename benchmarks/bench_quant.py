@@ -174,11 +174,11 @@ def methods(D: int) -> list[tuple]:
                      kvcodec_codec(TurboQuantProd(D, b, precondition="scale"), True, "query"),
                      kvcodec_codec(TurboQuantMSE(D, b), True)))
     for name in ("2.5", "3.5"):
-        rows.append((f"kvcodec TQ outlier split paper {name}", float(name),
+        rows.append(("kvcodec TQ outlier split (paper 2.5 / 3.5)", float(name),
                      kvcodec_codec(TurboQuantOutlier.paper(D, name), False),
                      kvcodec_codec(TurboQuantOutlier.paper(D, name), False)))
     for m in (1, 2, 3):
-        rows.append((f"kvcodec QJL m={m}D (keys only)", m, kvcodec_codec(QJL(D, m=m * D), False), None))
+        rows.append(("kvcodec QJL, m = bits*D (keys only)", m, kvcodec_codec(QJL(D, m=m * D), False), None))
     for b in (2, 3, 4):
         rows.append(("KIVI g32 (K per-channel, V per-token)", b,
                      kvcodec_codec(KIVI(b, 32, "channel"), False), kvcodec_codec(KIVI(b, 32, "token"), False)))
@@ -243,26 +243,32 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    fams = sorted({r["method"] for r in rows if "attn_err_K" in r})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6.5))
+    fams = list(dict.fromkeys(r["method"] for r in rows if "attn_err_K" in r))
+    cmap = plt.get_cmap("tab20")
+    color = {fam: cmap(i % 20) for i, fam in enumerate(fams)}  # one colour per method in both panels
     for fam in fams:
         rs = sorted((r for r in rows if r["method"] == fam and "attn_err_K" in r), key=lambda r: r["K_bits_per_value"])
         style = "--" if fam.startswith("peer") else ("-." if "KIVI" in fam else "-")
-        axes[0].plot([r["K_bits_per_value"] for r in rs], [r["attn_err_K"] for r in rs], style, marker="o", label=fam)
+        axes[0].plot([r["K_bits_per_value"] for r in rs], [r["attn_err_K"] for r in rs], style, marker="o",
+                     color=color[fam], label=fam)
         kv = [r for r in rs if "attn_err_KV" in r]
         if kv:
             axes[1].plot([(r["K_bits_per_value"] + r["V_bits_per_value"]) / 2 for r in kv],
-                         [r["attn_err_KV"] for r in kv], style, marker="o", label=fam)
-    for ax, title, xl in ((axes[0], "keys quantized (values exact)", "key bits/value (true)"),
-                          (axes[1], "keys and values quantized", "mean K/V bits/value (true)")):
+                         [r["attn_err_KV"] for r in kv], style, marker="o", color=color[fam])
+    for ax, title, xl in ((axes[0], "keys quantized (values exact)", "key bits/value (true, log scale)"),
+                          (axes[1], "keys and values quantized", "mean K/V bits/value (true, log scale)")):
         ax.set_yscale("log")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 1.5, 2, 3, 4, 6, 8, 12, 16])
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_xlabel(xl)
         ax.set_ylabel("attention output relative error")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    axes[1].legend(fontsize=6.5, loc="upper right")
-    fig.suptitle("SmolLM2-135M real KV: rate vs attention-output error (lower-left is better)")
-    fig.tight_layout()
+    fig.legend(loc="lower center", ncol=3, fontsize=7.5, frameon=False)
+    fig.suptitle("SmolLM2-135M real KV: true bits vs attention-output error (lower-left is better)")
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
