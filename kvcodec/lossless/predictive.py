@@ -404,13 +404,13 @@ class Model:
         parts = []
         for f in _stored_fields(source):
             v = getattr(self, f)
-            parts.append(to_bf16_bits(v).reshape(-1).view(np.uint8) if f in "ms" else v.reshape(-1).view(np.uint8))
+            parts.append(to_bf16_bits(v).reshape(-1).view(np.uint8) if f in ("m", "s") else v.reshape(-1).view(np.uint8))
         parts.append(self.masses.view(np.uint8))
         return np.concatenate(parts)
 
     @staticmethod
     def packed_size(source: str, gp: int, d: int) -> int:
-        return sum(2 if f in "ms" else 1 for f in _stored_fields(source)) * gp * d + 2 * SHAPE_BINS
+        return sum(2 if f in ("m", "s") else 1 for f in _stored_fields(source)) * gp * d + 2 * SHAPE_BINS
 
     @classmethod
     def unpack(cls, blob: np.ndarray, source: str, gp: int, d: int, shared: bool) -> "Model":
@@ -421,7 +421,7 @@ class Model:
                 "a": np.full((gp, d), _Q, np.int8)}
         pos = 0
         for f in _stored_fields(source):
-            if f in "ms":
+            if f in ("m", "s"):
                 vals[f] = from_bf16_bits(blob[pos:pos + 2 * n].copy().view(np.uint16)).reshape(gp, d)
                 pos += 2 * n
             else:
