@@ -397,7 +397,7 @@ def test_inconsistent_headers_are_rejected():
 @SETTINGS
 @given(st.binary(min_size=0, max_size=200), st.integers(0, 300), st.integers(1, 32), st.integers(5, 16))
 def test_fast_decoders_are_safe_on_garbage_payloads(payload, n, streams, bits):
-    symbols = np.frombuffer(payload + b"\1\2\3", dtype=np.uint8) % (1 << min(bits, 8))
+    symbols = np.frombuffer(payload + b"\1\2\3", dtype=np.uint8).astype(np.int64) % (1 << min(bits, 8))
     counts = np.bincount(symbols, minlength=256)
     f = freq.quantize_frequencies(counts, bits)
     for decode in (
