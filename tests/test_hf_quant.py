@@ -33,8 +33,10 @@ def _dense_attention(q, k, v, scaling):
     return (torch.softmax(s, -1) @ v).transpose(1, 2)
 
 
-@pytest.mark.parametrize("method,kw", METHODS, ids=IDS)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
+SHAPED = [(m, kw, 9, 3, 64) for m, kw in METHODS] + [(m, kw, 8, 2, 128) for m, kw in METHODS[:2]]
+
+
+@pytest.mark.parametrize("method,kw,heads,kv_heads,dim", SHAPED)
 def test_attention_on_compressed_blocks_equals_dequantize_then_softmax(method, kw, heads, kv_heads, dim):
     model = tiny_model("llama", heads, kv_heads, dim)
     cache = CompressedCache(model.config, method=method, key_bits=4, value_bits=3, residual=8,
@@ -75,7 +77,7 @@ def test_generate_paths_agree_with_dense_reading(method, kw):
     assert cache.layers[0].store.compressed_len == (32 if method == "kivi" else 40)
 
 
-@pytest.mark.parametrize("method,kw", METHODS[:2], ids=IDS[:2])
+@pytest.mark.parametrize("method,kw", METHODS[:1], ids=IDS[:1])
 def test_beam_search_crop_and_padding_run(method, kw):
     model = tiny_model("llama", 9, 3, 64)
     ids = prompt(2, 20, seed=2)
@@ -134,7 +136,7 @@ def test_prod_keys_need_two_bits():
         CompressedCache(tiny_model().config, method="turboquant", key_mode="prod", key_bits=1)
 
 
-@pytest.mark.parametrize("key_mode,kpre,vpre", [("mse", "scale", "none"), ("prod", "scale", "scale"), ("mse", "none", "center")])
+@pytest.mark.parametrize("key_mode,kpre,vpre", [("mse", "scale", "none"), ("prod", "scale", "scale")])
 def test_fused_kernel_wiring_matches_torch_path(monkeypatch, key_mode, kpre, vpre):
     """The kvcodec.cuda launcher (run here through its CPU float64 reference) plus the lse merge with
     the exact window give the same attention as the torch path on the same packed blocks."""

@@ -23,15 +23,20 @@ def model():
 @pytest.fixture(scope="module")
 def ids():
     tok = smollm2.load_tokenizer()
-    return tok(smollm2.real_text("english"), return_tensors="pt").input_ids[:, :40]
+    return tok(smollm2.real_text("english"), return_tensors="pt").input_ids[:, :32]
 
 
-def _greedy(model, ids, cache, n=6):
+def _greedy(model, ids, cache, n=5):
     return model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False)
 
 
-def test_lossless_cache_gives_identical_greedy_tokens(model, ids):
-    ref = _greedy(model, ids, DynamicCache(config=model.config))
+@pytest.fixture(scope="module")
+def reference(model, ids):
+    return _greedy(model, ids, DynamicCache(config=model.config))
+
+
+def test_lossless_cache_gives_identical_greedy_tokens(model, ids, reference):
+    ref = reference
     cache = CompressedCache(model, method="lossless", residual=8, block_size=16)
     out = _greedy(model, ids, cache)
     assert torch.equal(ref, out)
@@ -40,12 +45,12 @@ def test_lossless_cache_gives_identical_greedy_tokens(model, ids):
     assert rep["compressed_keys"] > 0 and cache.nbytes() < dense
 
 
-def test_quantized_cache_is_small_and_keeps_greedy_tokens(model, ids):
+def test_quantized_cache_is_small_and_keeps_greedy_tokens(model, ids, reference):
     from kvcodec.hf.quant_codecs import available_methods
 
     if "turboquant" not in available_methods():
         pytest.skip("kvcodec.quant TurboQuant not available")
-    ref = _greedy(model, ids, DynamicCache(config=model.config))
+    ref = reference
     cache = CompressedCache(model, method="turboquant", key_bits=4, value_bits=4, residual=8, block_size=16)
     out = _greedy(model, ids, cache)
     # compressed history + 4-bit: the first generated tokens match the exact cache
