@@ -75,7 +75,9 @@ class CompressedLayer(CacheLayerMixin):
         self.pending = 0
         self.store.compact()
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older transformers pass cache_position instead
+            query_length = query_length.shape[0]
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
