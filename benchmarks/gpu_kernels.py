@@ -171,7 +171,8 @@ def run_checks(best: str = "default") -> list[dict]:
 CHECK_MODES = [("", (), True), ("wide-only: ", (), False),
                ("scalar: ", ("TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0"), True),
                ("reg lut + add-ons: ", ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"), True),
-               ("reg lut, wide-only: ", ("TQ_REG_LUT=3",), False),
+               ("reg lut sym + add-ons: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_FAST_MERGE=1", "TQ_NO_L1=1"), True),
+               ("reg lut sym, wide-only: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1"), False),
                ("lane tables: ", ("TQ_LANE_TABLES=1",), True)]
 
 
@@ -365,6 +366,10 @@ VARIANTS = [  # label, split-kernel macros, narrow (transposed P.V) kernel allow
     ("reg lut K", ("TQ_REG_LUT=1",), True),
     ("reg lut V", ("TQ_REG_LUT=2",), True),
     ("reg lut KV", ("TQ_REG_LUT=3",), True),
+    # ... using the codebook's sign symmetry (8 stored entries + sign flip, ~25% fewer ALU ops per
+    # code; the launcher drops the macro for codebooks that are not symmetric in fp16/bf16)
+    ("reg lut K sym", ("TQ_REG_LUT=1", "TQ_REG_LUT_SYM=1"), True),
+    ("reg lut KV sym", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1"), True),
     ("lane tables", ("TQ_LANE_TABLES=1",), True),
 ]
 # Tried on top of the best of VARIANTS, one at a time, kept when the score improves by > 1%

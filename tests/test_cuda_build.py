@@ -72,6 +72,9 @@ VARIANT_DEFINES = [
     ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=1"),
     ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"),
     ("TQ_REG_LUT=1", "TQ_NARROW128_BLOCKS=4", "TQ_NO_L1=2"),
+    ("TQ_REG_LUT=1", "TQ_REG_LUT_SYM=1"),
+    ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_FAST_MERGE=1", "TQ_NO_L1=1"),
+    ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"),
     ("TQ_NARROW128_BLOCKS=4", "TQ_FAST_MERGE=1"),
 ]
 
@@ -455,3 +458,56 @@ def test_register_lut_key_and_value_fragments():
             c = 8 * i + 2 * k
             assert np.array_equal(e[k], cb[ca(va, c)] | (cb[ca(vb, c)] << np.uint64(16)))
             assert np.array_equal(o[k], cb[ca(va, c + 1)] | (cb[ca(vb, c + 1)] << np.uint64(16)))
+
+
+def _lut8_sym(cb16, x):
+    """TqRegLut4Sym::lut8 op for op (prmt sign-replicate nibbles included)."""
+    u = np.uint64
+    M = u(0xFFFFFFFF)
+    lo = [sum((int(cb16[4 * i + j]) & 0xFF) << (8 * j) for j in range(4)) for i in range(2)]
+    hi = [sum((int(cb16[4 * i + j]) >> 8) << (8 * j) for j in range(4)) for i in range(2)]
+    p = lambda a, b, c: _prmt(a, b, c)[0]
+    x = np.asarray(x, dtype=u)
+    a = (x ^ ((((x >> u(3)) & u(0x11111111)) * u(7)) & M)) & u(0x77777777)
+    xs = (x << u(4)) & M
+    s_lo, s_hi = p(xs, x, 0xD9C8), p(xs, x, 0xFBEA)
+    a_hi = a >> u(16)
+    for sel in (a, a_hi):  # the lookups only use plain byte-select nibbles
+        for n in range(4):
+            assert not ((sel >> u(4 * n + 3)) & u(1)).any()
+    l0, h0 = p(lo[0], lo[1], a), p(hi[0], hi[1], a) ^ (s_lo & u(0x80808080))
+    l1, h1 = p(lo[0], lo[1], a_hi), p(hi[0], hi[1], a_hi) ^ (s_hi & u(0x80808080))
+    return [p(l0, h0, 0x5140), p(l0, h0, 0x7362), p(l1, h1, 0x5140), p(l1, h1, 0x7362)]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_symmetric_register_lut_emulation(bf16):
+    """TQ_REG_LUT_SYM: 8 stored entries + sign flip equals full-table indexing on a symmetric codebook
+    (the Lloyd-Max ones are, bitwise, in fp16 and bf16), and the launcher's symmetry test agrees."""
+    from kvcodec.quant.codebooks import lloyd_max_codebook
+
+    cbf = torch.tensor(lloyd_max_codebook(128, 4), dtype=torch.float32)
+    cb = (cbf.to(torch.bfloat16 if bf16 else torch.float16).view(torch.int16).numpy().astype(np.int64) & 0xFFFF)
+    cb = cb.astype(np.uint64)
+    assert attention.codebook_is_symmetric(cbf, bf16)
+    assert not attention.codebook_is_symmetric(cbf + 0.01, bf16)
+    assert not attention.codebook_is_symmetric(torch.rand(16), bf16)
+    w = np.concatenate([np.arange(1 << 16, dtype=np.uint64) * np.uint64(0x10001),
+                        np.random.default_rng(2).integers(0, 1 << 32, size=50000, dtype=np.uint64)])
+    out = _lut8_sym(cb, w)
+    for m in range(4):
+        c0 = (w >> np.uint64(8 * m)) & np.uint64(15)
+        c1 = (w >> np.uint64(8 * m + 4)) & np.uint64(15)
+        assert np.array_equal(out[m], cb[c0] | (cb[c1] << np.uint64(16)))
+
+
+def test_split_defines_drop_symmetric_lookups_for_asymmetric_codebooks():
+    from kvcodec.quant.codebooks import lloyd_max_codebook
+
+    sym = torch.tensor(lloyd_max_codebook(128, 4), dtype=torch.float32)
+    asym = torch.sort(torch.rand(16)).values
+    d = ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1")
+    assert attention.split_defines(d, 4, 4, sym, sym, False) == d
+    assert attention.split_defines(d, 4, 4, sym, asym, True) == ("TQ_REG_LUT=3",)
+    assert attention.split_defines(d, 4, 2, sym, torch.rand(4), False) == d  # 2-bit side: tables as before
+    assert attention.split_defines(("TQ_REG_LUT=1",), 4, 4, asym, asym, False) == ("TQ_REG_LUT=1",)

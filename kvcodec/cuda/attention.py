@@ -50,6 +50,26 @@ def lane_table_bytes(k_bits: int, v_bits: int, defines=()) -> int:
     return (entries(k_bits) + entries(v_bits)) * 128
 
 
+def codebook_is_symmetric(codebook: torch.Tensor, bf16: bool) -> bool:
+    """True when the 16-entry codebook, rounded to fp16 (bf16), satisfies cb[15 - i] == -cb[i]
+    bitwise: the condition of the TQ_REG_LUT_SYM lookups (8 stored entries + sign flip)."""
+    c = codebook.detach().reshape(-1).to("cpu", torch.float32)
+    if c.numel() != 16:
+        return False
+    h = c.to(torch.bfloat16 if bf16 else torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return bool(torch.equal(h.flip(0), h ^ 0x8000))
+
+
+def split_defines(defines, k_bits, v_bits, k_codebook, v_codebook, v_bf16) -> tuple[str, ...]:
+    """The split kernel's macros for one call: TQ_REG_LUT_SYM is dropped unless every 4-bit codebook
+    it would be used on is symmetric (the result is cached per codebook tensor version)."""
+    if "TQ_REG_LUT_SYM=1" not in defines:
+        return tuple(defines)
+    ok = all(bits != 4 or build.derived(cb, f"sym {bf}", lambda t, bf=bf: codebook_is_symmetric(t, bf))
+             for bits, cb, bf in ((k_bits, k_codebook, False), (v_bits, v_codebook, v_bf16)))
+    return tuple(defines) if ok else tuple(d for d in defines if not d.startswith("TQ_REG_LUT_SYM"))
+
+
 def _b(x: bool) -> str:
     return "true" if x else "false"
 
@@ -309,7 +329,8 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     vrot = _derive(v_rotation, f"f32 {dev}", lambda m: m.to(dev, torch.float32).contiguous())
 
     narrow = r <= 8 and NARROW_ENABLED
-    split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), KERNEL_DEFINES)
+    defines = split_defines(KERNEL_DEFINES, k_bits, v_bits, k_codebook, v_codebook, v_bf)
+    split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), defines)
     # prep/merge see the macros too (TQ_FAST_MERGE); the default () builds the proven kernels
     merge_fn = build.get_function(SOURCE, merge_name(d), KERNEL_DEFINES)
     prep_fn = build.get_function(SOURCE, prep_name(d, _QIN[q_in.dtype]), KERNEL_DEFINES)

@@ -184,3 +184,42 @@ struct TqRegLut4 {
     lut4(a >> 16, s2 >> 16, o[2], o[3]);
   }
 };
+
+// Symmetric 4-bit codebooks (bitwise cb16[15 - i] == cb16[i] ^ 0x8000, true for the Lloyd-Max
+// codebooks in fp16 and bf16; the launcher checks and otherwise builds without TQ_REG_LUT_SYM): only
+// entries 0-7 are stored (4 registers). Code c >= 8 reads entry 15 - c with the sign flipped:
+//   sel  = (x ^ 7 * bit3) & 0x7777        (per nibble: c & 7, or 7 - (c & 7) when bit 3 is set)
+//   S    = prmt sign-replicate of bit 3   (0xFF in byte k when code k has bit 3 set)
+//   hi  ^= S & 0x80808080
+// 16 ALU ops per 8 codes instead of 21 (4 + 4 prmt lookups/interleaves per half, 2 sign prmt).
+struct TqRegLut4Sym {
+  tq_u32 lo[2], hi[2];
+  template <bool BF>
+  TQ_DEVI void fill(const float* __restrict__ cb) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      tq_u32 l = 0u, h = 0u;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const tq_u32 e = tq_f_to_16<BF>(__ldg(cb + 4 * i + j));
+        l |= (e & 0xFFu) << (8 * j);
+        h |= (e >> 8) << (8 * j);
+      }
+      lo[i] = l;
+      hi[i] = h;
+    }
+  }
+  TQ_DEVI void lut8(tq_u32 x, tq_u32 (&o)[4]) const {
+    const tq_u32 a = (x ^ (((x >> 3) & 0x11111111u) * 7u)) & 0x77777777u;
+    const tq_u32 xs = x << 4;
+    const tq_u32 s_lo = tq_prmt(xs, x, 0xD9C8u);  // codes 0-3: bit 3 of nibble k -> byte k
+    const tq_u32 s_hi = tq_prmt(xs, x, 0xFBEAu);  // codes 4-7
+    const tq_u32 a_hi = a >> 16;
+    const tq_u32 l0 = tq_prmt(lo[0], lo[1], a), h0 = tq_prmt(hi[0], hi[1], a) ^ (s_lo & 0x80808080u);
+    const tq_u32 l1 = tq_prmt(lo[0], lo[1], a_hi), h1 = tq_prmt(hi[0], hi[1], a_hi) ^ (s_hi & 0x80808080u);
+    o[0] = tq_prmt(l0, h0, 0x5140u);
+    o[1] = tq_prmt(l0, h0, 0x7362u);
+    o[2] = tq_prmt(l1, h1, 0x5140u);
+    o[3] = tq_prmt(l1, h1, 0x7362u);
+  }
+};
