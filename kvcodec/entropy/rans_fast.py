@@ -5,13 +5,14 @@ directly. All functions take frequency tables that sum to ``2**precision`` (1 <=
 16), and N = ``n_streams`` interleaved states (1..32); the payload layout is documented in
 ``kvcodec.entropy.rans``.
 
-Decoding is safe on corrupt payloads: every read is bounds-checked inside the kernel, the loop
-runs exactly ``n`` iterations, and any inconsistency (payload too short, leftover bytes, final
+Decoding is safe on corrupt payloads: every read is bounds-checked inside the kernels (once per
+group of N symbols in the main loops, per symbol in the tail), the loops run exactly ``n`` steps, and any inconsistency (payload too short, leftover bytes, final
 states not equal to L) raises CorruptStreamError.
 
 Speed notes: the decoder uses two tables indexed by the slot ``x % M``: the symbol, and a packed
 ``(freq - 1) << 16 | (slot - cum)`` word, so a symbol costs two independent loads, a multiply
-and a predictable branch. The encoder divides by the frequency (one integer division); N > 1
+and a branch-free renormalisation; the main loops keep all N states in registers (see below).
+The encoder divides by the frequency (one integer division); N > 1
 states give the CPU independent dependency chains to overlap.
 """
 
