@@ -121,11 +121,12 @@ def round_to_fp8_per_channel(weight: torch.Tensor) -> torch.Tensor:
     (row amax maps to 448, e4m3's largest finite value); returned in the input dtype."""
     if weight.ndim != 2:
         raise ValueError(f"expected a 2-D Linear weight, got shape {tuple(weight.shape)}")
-    w = weight.detach().to(torch.float32)
+    w = weight.detach().to(torch.float32, copy=True)
     amax = w.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    q = (w / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return (q.to(torch.float32) * scale).to(weight.dtype)
+    w.div_(scale).clamp_(-448.0, 448.0)
+    w.copy_(w.to(torch.float8_e4m3fn))  # the rounding; in place keeps peak memory at one copy
+    return w.mul_(scale).to(weight.dtype)
 
 
 @torch.no_grad()

@@ -97,6 +97,7 @@ def test_attention_uses_gqa_grouping_and_causality():
 
 def test_attention_error(sample):
     assert attention_error(sample, sample.keys, sample.values) == 0.0
+    torch.manual_seed(0)
     noisy_v = sample.values.float() + 0.05 * sample.values.float().std() * torch.randn(sample.values.shape)
     err_v = attention_error(sample, values_hat=noisy_v)
     assert 0.0 < err_v < 0.5
