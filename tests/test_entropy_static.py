@@ -148,6 +148,17 @@ def test_rans_params_round_trip(streams, precision):
     assert np.array_equal(entropy.decode(blob), x)
 
 
+@pytest.mark.parametrize("precision", [1, 2, 3])
+@pytest.mark.parametrize("coder", ["rans", "arith"])
+def test_tiny_precisions_round_trip(coder, precision):
+    x = (np.random.default_rng(precision).random(5000) < 0.3).astype(np.uint8)
+    blob = entropy.encode(x, coder, precision=precision)
+    assert np.array_equal(entropy.decode(blob), x)
+    assert entropy.encode(x[:300], coder, precision=precision, impl="reference") == entropy.encode(
+        x[:300], coder, precision=precision
+    )
+
+
 @pytest.mark.parametrize("table_log", [5, 8, 11, 16])
 def test_tans_table_logs_round_trip(table_log):
     x = np.random.default_rng(table_log).geometric(0.3, 20_000).clip(1, 20).astype(np.uint8)
