@@ -38,7 +38,7 @@ OVERVIEW_PNG = "overview_rd.png"
 MAX_COLUMNS = 12
 README_ROWS = 8
 # Suites shown first, in this order; any other suite follows alphabetically.
-ORDER = ["demo", "bench_lossless", "bench_quant", "bench_entropy", "bench_entropy_models", "bench_hf", "gpu_kernels"]
+ORDER = ["demo", "bench_lossless", "bench_lossless_kv", "bench_quant", "bench_entropy", "bench_entropy_models", "bench_hf", "gpu_kernels"]
 
 
 def fmt(value) -> str:
@@ -266,7 +266,11 @@ def render_report(results: list[dict], results_dir: Path, problems: list[str] | 
         out += ["## Overview", "", f"![rate vs attention error]({OVERVIEW_PNG})", ""]
     for res in results:
         out += [f"## {res['suite']}", "", f"*{machine_line(res['machine'])}* (`{res['_file']}`)", ""]
-        out.append(markdown_table(res["rows"], table_columns(res)) if res["rows"] else "(no rows)\n")
+        cols = table_columns(res)
+        out.append(markdown_table(res["rows"], cols) if res["rows"] else "(no rows)\n")
+        hidden = sorted({k for r in res["rows"] for k in r} - set(cols))
+        if hidden and not res.get("columns"):
+            out.append(f"(more columns in `{res['_file']}`: {', '.join(hidden)})\n")
         for note in res.get("notes", []):
             out.append(f"- {note}")
         if res.get("notes"):
