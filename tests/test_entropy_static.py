@@ -384,6 +384,26 @@ def test_frequency_table_modes_round_trip():
         assert np.array_equal(entropy.decode(entropy.encode(x, "tans")), x)
 
 
+@SETTINGS
+@given(st.integers(1, 65536), st.sampled_from([0.001, 0.05, 0.5, 1.0]), st.integers(1, 40), st.integers(0, 2**32 - 1))
+def test_frequency_table_pack_parse_and_truncation(alphabet_used, density, run, seed):
+    rng = np.random.default_rng(seed)
+    mask = np.repeat(rng.random(-(-alphabet_used // run)) < density, run)[:alphabet_used]
+    mask[rng.integers(0, alphabet_used)] = True
+    freqs = np.zeros(65536, np.uint32)
+    freqs[: mask.size][mask] = rng.integers(1, 70000, int(mask.sum())).clip(1, 65536)
+    packed = stream._pack_freqs(freqs)
+    buf = np.frombuffer(packed, np.uint8)
+    back, pos = stream._parse_freqs(buf, 0, 65536)
+    assert pos == len(packed) and np.array_equal(back, freqs)
+    for cut in sorted(set(rng.integers(0, len(packed), 20).tolist())):
+        try:
+            stream._parse_freqs(buf[:cut], 0, 65536)
+        except CorruptStreamError:
+            continue
+        raise AssertionError(f"a table cut to {cut} of {len(packed)} bytes parsed")
+
+
 def test_inconsistent_headers_are_rejected():
     f = freq.quantize_frequencies(np.ones(4, np.int64), 12)
     good = np.zeros(256, np.uint32)

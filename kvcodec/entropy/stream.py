@@ -31,6 +31,7 @@ _FIXED = len(MAGIC) + 5  # magic, version, coder, dtype, param, streams
 _TABLE_DENSE = 0
 _TABLE_BITMAP = 1
 _TABLE_GAPS = 2
+_TABLE_RUNS = 3
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,16 @@ def _pack_freqs(freqs: np.ndarray) -> bytes:
     gaps = bytearray()
     _put_varint(gaps, used.size)
     gaps += _varint_array(np.diff(used) - 1) + nz_vals  # first used symbol is lo: no gap stored
+    edges = np.diff(mask.astype(np.int8), prepend=np.int8(0), append=np.int8(0))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    runs = bytearray()
+    _put_varint(runs, starts.size)
+    runs += _varint_array(starts - np.r_[0, ends[:-1]]) + _varint_array(ends - starts - 1) + nz_vals
     options = [
         (_TABLE_DENSE, _varint_array(span)),
         (_TABLE_BITMAP, np.packbits(mask, bitorder="little").tobytes() + nz_vals),
         (_TABLE_GAPS, bytes(gaps)),
+        (_TABLE_RUNS, bytes(runs)),
     ]
     mode, body = min(options, key=lambda o: len(o[1]))  # ties: the first (dense) wins
     out.append(mode)
@@ -218,6 +225,23 @@ def _parse_freqs(buf: np.ndarray, pos: int, alphabet: int) -> tuple[np.ndarray, 
         if idx[-1] >= span:
             raise CorruptStreamError("frequency table symbol outside its range")
         vals, pos = _read_varint_array(buf, pos, k, 3)
+        if vals.max() > 1 << 16:
+            raise CorruptStreamError("frequency out of range")
+        freqs[lo + idx] = vals
+    elif mode == _TABLE_RUNS:
+        k, pos = _get_varint(buf, pos, "frequency table")
+        if not 1 <= k <= span:
+            raise CorruptStreamError("frequency table run count out of range")
+        gaps, pos = _read_varint_array(buf, pos, k, 3)
+        lens, pos = _read_varint_array(buf, pos, k, 3)
+        lens = lens + 1
+        ends = np.cumsum(gaps + lens)
+        if ends[-1] > span:
+            raise CorruptStreamError("frequency table run outside its range")
+        starts = ends - lens
+        total = int(lens.sum())
+        idx = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
+        vals, pos = _read_varint_array(buf, pos, total, 3)
         if vals.max() > 1 << 16:
             raise CorruptStreamError("frequency out of range")
         freqs[lo + idx] = vals
