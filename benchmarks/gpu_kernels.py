@@ -378,7 +378,7 @@ VARIANTS = [  # label, split-kernel macros, narrow (transposed P.V) kernel allow
 ADDONS = [
     ("fast merge", ("TQ_FAST_MERGE=1",)),
     ("no L1", ("TQ_NO_L1=1",)),
-    ("no L1 + L2 256B", ("TQ_NO_L1=2",)),
+    ("no L1, L2 256B", ("TQ_NO_L1=2",)),
     ("4 blocks", ("TQ_NARROW128_BLOCKS=4",)),
 ]
 TUNE_SHAPES = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4),
@@ -396,7 +396,13 @@ def variant_spec(label: str) -> tuple[tuple[str, ...], bool]:
     for lab, defines, narrow in VARIANTS:
         if lab == label:
             return defines, narrow
-    return _COMPOSED[label]
+    if label in _COMPOSED:
+        return _COMPOSED[label]
+    head, *adds = label.split(" + ")  # e.g. TQ_VARIANT="reg lut KV sym + fast merge" for --profile-one
+    defines, narrow = variant_spec(head)
+    for a in adds:
+        defines = _with(defines, dict(ADDONS)[a])
+    return defines, narrow
 
 
 def _score_variant(label, defines, narrow, rows, tpws=(None,)):
@@ -426,6 +432,7 @@ def variants():
     for label, defines, narrow in VARIANTS:
         score[label] = _score_variant(label, defines, narrow, rows)
     best = min(score, key=score.get)
+    base = best
     defines, narrow = variant_spec(best)
     for add_label, extra in ADDONS:  # greedy: keep an add-on when it wins by more than 1%
         label = f"{best} + {add_label}"
@@ -438,7 +445,7 @@ def variants():
     _score_variant(best, defines, narrow, rows, tpws=(256, 1024))
     log("variant scores (mean log ms, lower is better):", {k: round(v, 4) for k, v in score.items()}, "best:", best,
         "macros:", defines)
-    return rows, best
+    return rows, best, base
 
 
 def use_variant(label: str) -> None:
@@ -493,12 +500,22 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
     log("device", rec["gpu"], "SMs", rec["sms"], "torch", torch.__version__)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw:.3f} TB/s (read+write)")
-    var_rows, best = variants() if do_variants else ([], "default")
-    log(f"variants done {time.time() - t0:.0f}s; everything below runs with variant {best!r}")
+    var_rows, best, base = variants() if do_variants else ([], "default", "default")
+    log(f"variants done {time.time() - t0:.0f}s; checking variant {best!r}")
     checks = run_checks(best)
-    if best != "default" and not all(c.get("ok") for c in checks if c["check"].startswith(best + ": ")):
-        log(f"variant {best!r} failed a check: falling back to the default kernel")
-        best = "default"
+
+    def passed(label):
+        return all(c.get("ok") for c in checks if c["check"].startswith(label + ": "))
+
+    if best != "default" and not passed(best):
+        log(f"variant {best!r} failed a check")
+        if base not in ("default", best):  # the add-ons broke it: check the variant without them
+            attention.KERNEL_DEFINES, attention.NARROW_ENABLED = variant_spec(base)
+            checks += _run_checks(f"{base}: ")
+            attention.KERNEL_DEFINES, attention.NARROW_ENABLED = (), True
+        best = base if base not in ("default", best) and passed(base) else "default"
+        log(f"falling back to {best!r}")
+    log(f"everything below runs with variant {best!r}: macros {variant_spec(best)}")
     use_variant(best)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "variant.txt").write_text(best)
