@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-try:
-    from benchmarks.common import best_time, save
-except ImportError:  # run as a script from benchmarks/
-    from common import best_time, save  # type: ignore
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # a source checkout without pip install
+from common import best_time, save  # noqa: E402
 
 from kvcodec import entropy  # noqa: E402
 
