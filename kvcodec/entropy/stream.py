@@ -15,6 +15,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from kvcodec.errors import CorruptStreamError
 
@@ -32,6 +33,7 @@ _TABLE_DENSE = 0
 _TABLE_BITMAP = 1
 _TABLE_GAPS = 2
 _TABLE_RUNS = 3
+_TABLE_RUNS_RICE = 4
 
 
 @dataclass(frozen=True)
@@ -136,16 +138,84 @@ def _pack_freqs(freqs: np.ndarray) -> bytes:
     runs = bytearray()
     _put_varint(runs, starts.size)
     runs += _varint_array(starts - np.r_[0, ends[:-1]]) + _varint_array(ends - starts - 1) + nz_vals
+    rice = runs[: len(runs) - len(nz_vals)] + _rice_pack(span[mask].astype(np.int64) - 1)
     options = [
         (_TABLE_DENSE, _varint_array(span)),
         (_TABLE_BITMAP, np.packbits(mask, bitorder="little").tobytes() + nz_vals),
         (_TABLE_GAPS, bytes(gaps)),
         (_TABLE_RUNS, bytes(runs)),
+        (_TABLE_RUNS_RICE, bytes(rice)),
     ]
     mode, body = min(options, key=lambda o: len(o[1]))  # ties: the first (dense) wins
     out.append(mode)
     out += body
     return bytes(out)
+
+
+def _rice_pack(v: np.ndarray) -> bytes:
+    """``u8 k`` then Rice codes of v >= 0 (quotient in unary as ones ended by a zero, then k
+    low bits), LSB-first, zero-padded to a byte; k minimizes the size."""
+    costs = [int(np.sum((v >> k) + 1 + k)) for k in range(17)]
+    k = int(np.argmin(costs))
+    out = np.zeros((costs[k] + 7) // 8, dtype=np.uint8)
+    _rice_write(v, k, out)
+    return bytes([k]) + out.tobytes()
+
+
+@njit(cache=True, nogil=True)
+def _rice_write(v, k, out):
+    bit = 0
+    for x in v:
+        q = x >> k
+        for _ in range(q):
+            out[bit >> 3] |= 1 << (bit & 7)
+            bit += 1
+        bit += 1  # the terminating zero
+        for j in range(k):
+            if (x >> j) & 1:
+                out[bit >> 3] |= 1 << (bit & 7)
+            bit += 1
+
+
+@njit(cache=True, nogil=True)
+def _rice_read(buf, pos, count, k, out):
+    """Returns the byte position after the codes, or -1 if they are malformed."""
+    nbits = 8 * (buf.size - pos)
+    qmax = 65535 >> k  # frequencies are <= 2**16, so v = f - 1 < 2**16
+    bit = 0
+    for i in range(count):
+        q = 0
+        while True:
+            if bit >= nbits:
+                return -1
+            b = (buf[pos + (bit >> 3)] >> (bit & 7)) & 1
+            bit += 1
+            if b == 0:
+                break
+            q += 1
+            if q > qmax:
+                return -1
+        if bit + k > nbits:
+            return -1
+        r = 0
+        for j in range(k):
+            r |= np.int64((buf[pos + (bit >> 3)] >> (bit & 7)) & 1) << j
+            bit += 1
+        out[i] = (q << k) | r
+    return pos + (bit + 7) // 8
+
+
+def _rice_unpack(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, int]:
+    if pos >= buf.size:
+        raise CorruptStreamError("frequency table is truncated")
+    k = int(buf[pos])
+    if k > 16:
+        raise CorruptStreamError("bad Rice parameter in frequency table")
+    vals = np.empty(count, dtype=np.int64)
+    end = _rice_read(buf, pos + 1, count, k, vals)
+    if end < 0:
+        raise CorruptStreamError("frequency table codes are truncated or malformed")
+    return vals, end
 
 
 # ------------------------------------------------------------------------------- parse
@@ -228,7 +298,7 @@ def _parse_freqs(buf: np.ndarray, pos: int, alphabet: int) -> tuple[np.ndarray, 
         if vals.max() > 1 << 16:
             raise CorruptStreamError("frequency out of range")
         freqs[lo + idx] = vals
-    elif mode == _TABLE_RUNS:
+    elif mode in (_TABLE_RUNS, _TABLE_RUNS_RICE):
         k, pos = _get_varint(buf, pos, "frequency table")
         if not 1 <= k <= span:
             raise CorruptStreamError("frequency table run count out of range")
@@ -241,7 +311,11 @@ def _parse_freqs(buf: np.ndarray, pos: int, alphabet: int) -> tuple[np.ndarray, 
         starts = ends - lens
         total = int(lens.sum())
         idx = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
-        vals, pos = _read_varint_array(buf, pos, total, 3)
+        if mode == _TABLE_RUNS:
+            vals, pos = _read_varint_array(buf, pos, total, 3)
+        else:
+            vals, pos = _rice_unpack(buf, pos, total)
+            vals += 1
         if vals.max() > 1 << 16:
             raise CorruptStreamError("frequency out of range")
         freqs[lo + idx] = vals
