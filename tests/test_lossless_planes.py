@@ -125,6 +125,9 @@ def test_single_chunk_decodes_alone():
         assert_bit_exact(codec.decode_chunk(meta["codec_meta"], sections, c), flat[c * 2048 : (c + 1) * 2048])
     with pytest.raises(ValueError):
         codec.decode_chunk(meta["codec_meta"], sections, 5)
+    assert_bit_exact(planes.decode_blob_chunk(blob, 2), flat[2 * 2048 : 3 * 2048])
+    with pytest.raises(ValueError):
+        planes.decode_blob_chunk(compress(t, codec="raw"), 0)
 
 
 def test_describe():

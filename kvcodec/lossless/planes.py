@@ -585,6 +585,18 @@ class PlaneCodec:
         return torch.from_numpy(out).view(dtype)
 
 
+def decode_blob_chunk(blob, c: int) -> torch.Tensor:
+    """Decode chunk ``c`` of a ``compress(..., codec="planes")`` blob alone (flat elements
+    ``[c * chunk, (c + 1) * chunk)``), e.g. to read part of a huge tensor. The whole-tensor crc32
+    cannot be checked on a part; the container's section checksums still are."""
+    from kvcodec.lossless.api import KIND
+
+    _, meta, sections = container.loads(blob, expect_kind=KIND)
+    if not isinstance(meta, dict) or meta.get("codec") != PlaneCodec.name or not isinstance(meta.get("codec_meta"), dict):
+        raise ValueError("not a blob of the planes codec")
+    return PlaneCodec().decode_chunk(meta["codec_meta"], sections, c)
+
+
 def _dtype_shape(meta) -> tuple[torch.dtype, tuple[int, ...]]:
     if not isinstance(meta, dict):
         raise CorruptStreamError("codec meta is not an object")
