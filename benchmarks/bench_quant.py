@@ -156,12 +156,13 @@ def quanto_codec(bits: int):
 def methods(D: int) -> list[tuple]:
     """(method, nominal bits, key codec, value codec or None)."""
     rows = []
-    for b in (2, 3, 4):
+    for b in (2, 3, 4, 5):
         rows.append(("kvcodec TQ-MSE (center+normcorr) +sink", b,
                      kvcodec_codec(TurboQuantMSE(D, b), True), kvcodec_codec(TurboQuantMSE(D, b), True)))
         rows.append(("kvcodec TQ-MSE (query-aware scale) +sink", b,
                      kvcodec_codec(TurboQuantMSE(D, b, precondition="scale"), True, "query"),
                      kvcodec_codec(TurboQuantMSE(D, b), True)))
+    for b in (2, 3, 4):
         rows.append(("kvcodec TQ-MSE (center+normcorr)", b,
                      kvcodec_codec(TurboQuantMSE(D, b), False), kvcodec_codec(TurboQuantMSE(D, b), False)))
         rows.append(("kvcodec TQ-MSE paper (plain)", b,
