@@ -202,6 +202,18 @@ def test_forged_streams_raise_corrupt_stream_error(edit):
         decompress(_reforge(blob, edit))
 
 
+def test_max_output_bytes_refuses_declared_giants():
+    zeros = torch.zeros(1 << 20, dtype=torch.bfloat16)
+    blob = compress(zeros)
+    assert len(blob) < 2000  # constant planes: legitimately tiny
+    assert_bit_exact(decompress(blob, max_output_bytes=2 << 20), zeros)
+    with pytest.raises(CorruptStreamError):
+        decompress(blob, max_output_bytes=1 << 20)
+    giant = _reforge(blob, lambda m, s: (m.update(shape=[1 << 40]), m["codec_meta"].update(shape=[1 << 40])))
+    with pytest.raises(CorruptStreamError):
+        decompress(giant, max_output_bytes=1 << 30)
+
+
 def test_truncated_and_flipped_blobs():
     t = weights_like(torch.bfloat16, (50, 50))
     blob = compress(t)

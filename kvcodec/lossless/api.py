@@ -144,17 +144,25 @@ def _target_device(stored: str, prediction: torch.Tensor | None, device) -> torc
     return dev if dev.type in ("cpu", "cuda") else torch.device("cpu")
 
 
-def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, device=None) -> torch.Tensor:
+def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, device=None,
+               max_output_bytes: int | None = None) -> torch.Tensor:
     """Restore the tensor from :func:`compress`'s bytes, bit for bit.
 
     Pass the same ``prediction`` that was given to ``compress`` (if one was). The result goes to
     ``device`` if given, else the prediction's device, else the original device when this machine
     has it, else the CPU. Raises CorruptStreamError on damaged input or a wrong prediction.
+    ``max_output_bytes``: refuse (CorruptStreamError) blobs that declare a bigger tensor; set it
+    for untrusted input, since a constant tensor legitimately compresses to a few hundred bytes
+    whatever its size.
     """
     registry.resolve_threads(threads)
     _, meta, sections = container.loads(blob, expect_kind=KIND)
     meta = _checked_meta(meta)
     shape = tuple(meta["shape"])
+    if max_output_bytes is not None:
+        declared = math.prod(shape) * container.torch_dtypes()[meta["dtype"]].itemsize
+        if declared > max_output_bytes:
+            raise CorruptStreamError(f"blob declares a {declared}-byte tensor, over max_output_bytes={max_output_bytes}")
     pred = None
     if meta["uses_prediction"]:
         if prediction is None:

@@ -241,7 +241,7 @@ def _compress_to(src: Path, dst: Path, size: int, entries: list, threads: int, p
 def _segment_from_record(e: dict, blob: bytes, threads: int) -> memoryview | bytes:
     if e["mode"] == "raw":
         return blob
-    t = api.decompress(blob, threads=threads, device="cpu")
+    t = api.decompress(blob, threads=threads, device="cpu", max_output_bytes=e["end"] - e["start"])
     raw = api.tensor_bytes(t)
     if raw.size != e["end"] - e["start"]:
         raise CorruptStreamError(f"tensor {e['name']!r} decodes to the wrong size")
@@ -361,7 +361,8 @@ class KvcFile:
         if e is None:
             raise KeyError(f"no tensor named {name!r} in {self.path}")
         if e["mode"] == "tensor":
-            return api.decompress(self.record(e), threads=threads, device="cpu")
+            return api.decompress(self.record(e), threads=threads, device="cpu",
+                                  max_output_bytes=e["end"] - e["start"])
         dtype = _tensor_dtype(e)
         raw = bytearray(self.record(e))
         if dtype is None:  # a dtype torch lacks (or an inconsistent entry): the raw bytes
