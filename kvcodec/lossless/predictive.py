@@ -431,11 +431,12 @@ class Model:
         return cls(masses=masses, shared=shared, **vals)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def _fit_moments(kx, pred, has_pred, valf, finite, log_width, out):
-    """Per (g, d): out[g, d] = [n, sum x, sum p, sum x*p, sum p*p, n_w, sum log2 width] over finite x."""
+    """Per (g, d): out[g, d] = [n, sum x, sum p, sum x*p, sum p*p, n_w, sum log2 width] over finite x.
+    (The fit passes are a few ns per value: serial, to keep JIT compile time down.)"""
     g_n, t_n, d_n = kx.shape
-    for g in prange(g_n):
+    for g in range(g_n):
         for t in range(t_n):
             for d in range(d_n):
                 k = kx[g, t, d]
@@ -458,14 +459,14 @@ def _fit_moments(kx, pred, has_pred, valf, finite, log_width, out):
                 out[g, d, 4] += p * p
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def _fit_residuals(kx, pred, has_pred, m, c, a, shared, valf, finite, tb, rs, out, hist):
     """Per (g, d): out[g, d] = [sum dev*dev_prev, sum dev_prev**2, sum r**2] with the coder's
     location (r = x - mu); when rs[0, 0] > 0 also the histogram of z = r * rs into hist[g]."""
     g_n, t_n, d_n = kx.shape
     do_hist = rs[0, 0] > 0
-    for g in prange(g_n):
-        gp = np.int64(0) if shared else np.int64(g)
+    for g in range(g_n):
+        gp = 0 if shared else g
         dev = np.zeros(d_n, np.float64)
         for t in range(t_n):
             if t % tb == 0:
