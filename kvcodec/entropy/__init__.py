@@ -186,3 +186,16 @@ def _int_in(v, name: str, lo: int, hi: int) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
         raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
     return int(v)
+
+
+_MODEL_NAMES = ("Categorical", "Gaussian", "Laplace", "Mixture")
+__all__ += list(_MODEL_NAMES)
+
+
+def __getattr__(name: str):
+    """Probability models for the model-driven range coder, imported on first use."""
+    if name in _MODEL_NAMES:
+        from kvcodec.entropy import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module 'kvcodec.entropy' has no attribute {name!r}")
