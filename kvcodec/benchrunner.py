@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib
 import sys
 import time
+import traceback
 from pathlib import Path
 
 SUITES: dict[str, list[str]] = {
     "entropy": ["bench_entropy", "bench_entropy_models"],
-    "lossless": ["bench_lossless"],
+    "lossless": ["bench_lossless"],  # includes bench_lossless_kv rows
     "quant": ["bench_quant"],
     "hf": ["bench_hf"],
     "gpu": ["gpu_kernels"],
@@ -43,7 +44,12 @@ def run_bench(suite: str = "all", quick: bool = False, out_dir: str = "benchmark
         for module_name in SUITES[name]:
             t0 = time.perf_counter()
             print(f"== suite {name}: {module_name} ==", flush=True)
-            module = importlib.import_module(module_name)
-            module.run(quick=quick, out_dir=out_dir)
+            try:
+                module = importlib.import_module(module_name)
+                module.run(quick=quick, out_dir=out_dir)
+            except Exception:  # one broken suite must not hide the others' results
+                failed += 1
+                traceback.print_exc()
+                print(f"   suite {name}: {module_name} FAILED", flush=True)
             print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
-    return failed
+    return 1 if failed else 0
