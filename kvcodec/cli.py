@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
 
     for name, func, helptext in (
-        ("compress", _cmd_compress, "losslessly compress a .safetensors file (or a kvcodec tensor file)"),
-        ("decompress", _cmd_decompress, "restore the original file bit for bit"),
+        ("compress", _cmd_compress, "losslessly compress a .safetensors file into a .kvc file"),
+        ("decompress", _cmd_decompress, "restore the original .safetensors file byte for byte"),
     ):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("input")
