@@ -57,10 +57,15 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def _progress(source, method, threads):
+    print(f"  lossless_kv: {source.split(',')[0]} / {method} / {threads} thread(s)", file=sys.stderr, flush=True)
+
+
 def _row(source, method, threads, tensors, sizes, t_enc, t_dec, exact):
     raw = sum(t.numel() * t.element_size() for t in tensors)
     n = sum(t.numel() for t in tensors)
     comp = sum(sizes)
+    _progress(source, method, threads)
     return {"source": source, "method": method, "threads": threads, "raw_MB": raw / 1e6,
             "ratio": raw / comp, "bits_per_value": 8 * comp / n,
             "compress_MBps": raw / 1e6 / t_enc, "decompress_MBps": raw / 1e6 / t_dec, "exact": exact}
