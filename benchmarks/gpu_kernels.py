@@ -171,8 +171,8 @@ def run_checks(best: str = "default") -> list[dict]:
 CHECK_MODES = [("", (), True), ("wide-only: ", (), False),
                ("scalar: ", ("TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0"), True),
                ("reg lut + add-ons: ", ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"), True),
-               ("reg lut sym + add-ons: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_FAST_MERGE=1", "TQ_NO_L1=1"), True),
-               ("reg lut sym, wide-only: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1"), False),
+               ("reg lut sym + add-ons: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_FAST_MERGE=1", "TQ_NO_L1=1"), True),
+               ("reg lut sym, wide-only: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1"), False),
                ("lane tables: ", ("TQ_LANE_TABLES=1",), True)]
 
 
@@ -373,9 +373,10 @@ VARIANTS = [  # label, split-kernel macros, narrow (transposed P.V) kernel allow
     ("lane tables", ("TQ_LANE_TABLES=1",), True),
 ]
 # Tried on top of the best of VARIANTS, one at a time, kept when the score improves by > 1%
-# (greedy): latency fixes in prep/merge, code loads that skip L1 (+ L2 prefetch of 256 B), 4 blocks
+# (greedy): running load pointers, latency fixes in prep/merge, code loads that skip L1 (+ L2 prefetch of 256 B), 4 blocks
 # per SM for the narrow head_dim-128 kernel (128 registers: fits only with the register tables).
 ADDONS = [
+    ("pointer steps", ("TQ_PTR_STEP=1",)),
     ("fast merge", ("TQ_FAST_MERGE=1",)),
     ("no L1", ("TQ_NO_L1=1",)),
     ("no L1, L2 256B", ("TQ_NO_L1=2",)),

@@ -29,7 +29,9 @@
 #endif
 // 4 blocks (<= 128 registers) fits on sm_90 for every 4-bit configuration (the default kernel uses
 // 118, TQ_REG_LUT=3 128) but spills a little on sm_100: Blackwell builds stay at 3.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && TQ_NARROW128_BLOCKS > 3
+// The running pointers of TQ_PTR_STEP (defined below) need ~8 more registers: they stay at 3 too.
+#if ((defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000) || (defined(TQ_PTR_STEP) && TQ_PTR_STEP)) && \
+    TQ_NARROW128_BLOCKS > 3
 #define TQ_NARROW128_BLOCKS_ARCH 3
 #else
 #define TQ_NARROW128_BLOCKS_ARCH TQ_NARROW128_BLOCKS
@@ -78,6 +80,11 @@
 // prep and merge too).
 #ifndef TQ_FAST_MERGE
 #define TQ_FAST_MERGE 0
+#endif
+// 1: running load pointers advanced 16 tokens per step instead of addresses rebuilt from the token
+// index in every step (-DTQ_PTR_STEP=1; costs ~8 registers).
+#ifndef TQ_PTR_STEP
+#define TQ_PTR_STEP 0
 #endif
 // 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
 // 1 (loads at the top of each step, latency covered by the other warps) measured fastest on an H200:
@@ -260,6 +267,19 @@ TQ_DEVI void load_step(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) 
     const tq_u16 vnv = __ldg(L.vn + rel);
     r.vn[j] = (FULL || base + off + 2 * L.t <= last) ? vnv : (tq_u16)0;  // masked: value norm 0
     if constexpr (QJL) r.rn[j] = __ldg(L.rn + rel);
+  }
+}
+
+// Move every pointer of L by n tokens (TQ_PTR_STEP running pointers).
+template <class T, bool QJL>
+TQ_DEVI void advance(LanePtrs<T>& L, int n) {
+  L.k += n * T::KROW_WORDS;
+  L.v += n * T::VROW_WORDS;
+  L.kn += n;
+  L.vn += n;
+  if constexpr (QJL) {
+    L.q += n * T::QROW_WORDS;
+    L.rn += n;
   }
 }
 
@@ -539,9 +559,22 @@ tq_decode_split(
   };
   // A ring of STAGES (TQ_STAGES) register buffers: the loads of the next STAGES - 1 steps are in flight
   // while one step computes (the loop is unrolled by the ring size so every index is static).
+#if TQ_PTR_STEP
+  // loads go strictly forward 16 tokens at a time: running pointers, so a full step's addresses are
+  // a register plus compile-time offsets (SASS without it rebuilds ~12 64-bit addresses per step)
+  tq::LanePtrs<T> Lrun = L;
+  tq::advance<T, QJL>(Lrun, begin);
+  auto load_next = [&](tq::StepRegs<T>& r, int at) {
+    if (at + 16 <= end) tq::load_step<T, QJL, true>(r, 0, end, Lrun);
+    else tq::load_step<T, QJL, false>(r, at, end, L);
+    tq::advance<T, QJL>(Lrun, 16);
+  };
+#else
+  auto load_next = [&](tq::StepRegs<T>& r, int at) { tq::load_any<T, QJL>(r, at, end, L); };
+#endif
 #pragma unroll
   for (int k = 0; k < STAGES - 1; ++k)
-    if (begin + 16 * k < end) tq::load_any<T, QJL>(ring[k], begin + 16 * k, end, L);
+    if (begin + 16 * k < end) load_next(ring[k], begin + 16 * k);
   for (int base = begin; base < end; base += 16 * STAGES) {
 #pragma unroll
     for (int k = 0; k < STAGES; ++k) {
@@ -549,7 +582,7 @@ tq_decode_split(
       if (here < end) {
         const int ahead = here + 16 * (STAGES - 1);
         if (ahead < end)
-          tq::load_any<T, QJL>(ring[(k + STAGES - 1) % STAGES], ahead, end, L);
+          load_next(ring[(k + STAGES - 1) % STAGES], ahead);
         step(ring[k], here);
       }
     }
