@@ -151,8 +151,12 @@ def _other_codec(fn, notes):
         return []
 
 
-def run_rows(quick: bool = False):
-    """(rows, notes): every method on real bf16 KV and on its fp8 cast, side by side."""
+def run_rows(quick: bool = False) -> list[dict]:
+    """Every method on real bf16 KV and on its fp8 cast, side by side (see ``notes_for``)."""
+    return _rows_and_notes(quick)[0]
+
+
+def _rows_and_notes(quick: bool):
     from kvcodec.lossless.fp8 import fp8_prediction, to_fp8_kv
 
     sample, name = load(quick)
@@ -181,7 +185,12 @@ def run_rows(quick: bool = False):
     rows += _other_codec(lambda: kvcodec_rows(src8, "planes", q, none, repeat, codec="planes"), notes)
     rows += kvcodec_rows(src8, "kvctx", q, none, repeat, codec="kvctx")
     rows += kvcodec_rows(src8, "predictive fp8-weight", q, p8, repeat, codec="predictive")
+    return rows, notes + notes_for(rows)
 
+
+def notes_for(rows: list[dict]) -> list[str]:
+    """What each target asked for and what the rows reach."""
+    notes = []
     best = {}
     for r in rows:
         key = ("fp8 " if r["source"].startswith("fp8") else "bf16 ") + r["method"]
@@ -191,11 +200,11 @@ def run_rows(quick: bool = False):
         notes.append(f"target {key} >= {target}x: measured {got:.3f}x ({'met' if got >= target else 'NOT met'})")
     notes.append("fp8 ratios are over raw fp8 bytes; the fp8 predictor is the fp8-weight model's KV / the "
                  "target's per-head scale, in float32")
-    return rows, notes
+    return notes
 
 
 def run(quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
-    rows, notes = run_rows(quick)
+    rows, notes = _rows_and_notes(quick)
     result = {"suite": "lossless_kv", "rows": rows, "notes": notes}
     save(result, out_dir, COLUMNS)
     return result
