@@ -254,3 +254,10 @@ def test_concurrent_calls_from_python_threads():
 
     with ThreadPoolExecutor(3) as pool:
         assert all(pool.map(round_trip_ok, tensors))
+
+
+def test_forged_huge_shapes_are_rejected():
+    meta, sections = KVCTX.encode(torch.zeros(0, dtype=torch.bfloat16), None, 1)
+    for shape in ([1 << 32, 1 << 32], [3, 1 << 50], [1 << 20] * 3):
+        with pytest.raises(CorruptStreamError):
+            KVCTX.decode(dict(meta, shape=shape), sections, None, 1)

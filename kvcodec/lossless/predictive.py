@@ -32,6 +32,7 @@ verbatim (these codecs are for float KV caches; use the ``planes`` codec for the
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -56,6 +57,7 @@ _Q = 64  # gain and previous-token coefficients are stored as int8 / 64
 
 _CHUNK_SYMBOLS = 1 << 16  # about this many symbols per independently decodable chunk
 _SHARED_PARAMS_BELOW = 64  # fewer tokens: one parameter set per channel, shared over g
+_MAX_NUMEL = 1 << 48  # a decoded stream larger than this is taken as forged
 
 
 # =============================================================================== float grids
@@ -562,7 +564,7 @@ def kv_layout(shape: tuple[int, ...]) -> tuple[int, int, int]:
         return 1, 1, 1
     if len(shape) == 1:
         return 1, int(shape[0]), 1
-    return int(np.prod(shape[:-2], dtype=np.int64)), int(shape[-2]), int(shape[-1])
+    return math.prod(int(n) for n in shape[:-2]), int(shape[-2]), int(shape[-1])
 
 
 def token_block(t: int, d: int) -> int:
@@ -684,6 +686,8 @@ def _meta_dtype_shape(meta) -> tuple[torch.dtype, tuple[int, ...]]:
     shape = meta.get("shape")
     if not isinstance(shape, list) or len(shape) > 16 or any(type(n) is not int or n < 0 for n in shape):
         raise CorruptStreamError("predictive stream has a bad shape")
+    if math.prod(shape) > _MAX_NUMEL:
+        raise CorruptStreamError("predictive stream claims an implausibly large tensor")
     return dtype, tuple(shape)
 
 
@@ -721,7 +725,7 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
     g, tt, d = kv_layout(shape)
     start, stop = _token_range(tokens, tt)
     out_shape = _out_shape(shape, start, stop)
-    numel = int(np.prod(shape, dtype=np.int64))
+    numel = math.prod(shape)
     mode = meta.get("mode")
     if mode == "raw":
         raw = _section(sections, "raw", np.uint8, numel * dtype.itemsize)
