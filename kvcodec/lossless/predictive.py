@@ -521,9 +521,10 @@ def fit_model(kx, pred, grid: FloatGrid, tb: int, gain: str, prev_coef: str, sha
     elif gain == "one":
         c = np.ones(n.shape)
     else:
-        cov = mom[..., 3] - mom[..., 1] * mom[..., 2] / safe_n
-        var = mom[..., 4] - mom[..., 2] ** 2 / safe_n
-        c = np.where(var > 1e-300, cov / np.where(var > 1e-300, var, 1.0), 0.0)
+        with np.errstate(all="ignore"):  # sums of huge values overflow: the gain is then 0
+            cov = mom[..., 3] - mom[..., 1] * mom[..., 2] / safe_n
+            var = mom[..., 4] - mom[..., 2] ** 2 / safe_n
+            c = np.where(var > 1e-300, cov / np.where(var > 1e-300, var, 1.0), 0.0)
     c_q = np.clip(np.round(np.nan_to_num(c) * _Q), -127, 127).astype(np.int8)
     c = c_q.astype(np.float64) / _Q
     if prev_coef == "one":
