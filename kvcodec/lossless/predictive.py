@@ -11,8 +11,9 @@ flattened, ``t``: axis -2, ``d``: axis -1) gets a continuous density on the real
 and a bit pattern's probability is the mass of its rounding bin on the dtype's float grid under
 that density, plus one unit (out of 2**28) for every pattern, so NaN payloads, +-Inf, -0.0,
 subnormals and far outliers always round-trip. All parameters are quantised and stored; the
-per-symbol CDF is exact integer arithmetic on them after two correctly rounded float64 operations,
-so encoder and decoder build identical frequencies and the decoder never refits anything.
+per-symbol CDF is exact integer arithmetic after a few correctly rounded float64 adds and
+multiplies (numba without fast-math: nothing fused or reordered), so encoder and decoder build
+identical frequencies and the decoder never refits anything.
 
 The symbols are coded with 64-bit rANS (32-bit renormalisation, 28-bit probabilities) in
 independent chunks (one leading index x a block of tokens) that are coded in parallel and decode
