@@ -145,7 +145,7 @@ def test_fused_kernel_wiring_matches_torch_path(monkeypatch, key_mode, kpre, vpr
     pytest.importorskip("kvcodec.cuda")
     model = tiny_model("llama", 8, 2, 64)
     cache = CompressedCache(model.config, method="turboquant", key_bits=4, value_bits=3, key_mode=key_mode,
-                            residual=8, block_size=16, key_precondition=kpre, value_precondition=vpre)
+                            residual=8, block_size=16, key_precondition=kpre, value_precondition=vpre, sink=3)
     layer = cache.layers[0]
     torch.manual_seed(3)
     k, v = torch.randn(2, 2, 60, 64) + torch.linspace(-2, 2, 64), torch.randn(2, 2, 60, 64)

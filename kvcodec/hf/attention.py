@@ -165,9 +165,10 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
 
 def fused_compressed(store, query: torch.Tensor, mask, scaling: float):
     """(out [B, H, Tq, D], lse [B, H, Tq]) of the compressed tokens from ``kvcodec.cuda.decode_attention``
-    (packed codes read by the fused kernel), or None when it does not apply: CPU tensors, attention
-    sinks, padding masks, non-TurboQuant codecs, bits > 4 or a head_dim the kernel does not take."""
-    if not USE_FUSED or not (query.is_cuda or FUSED_ON_CPU) or store.sink_len or len(store.blocks) != 1:
+    (packed codes read by the fused kernel), or None when it does not apply: CPU tensors, padding
+    masks, non-TurboQuant codecs, bits > 4 or a head_dim the kernel does not take. The exact sink and
+    window are attended by the caller and merged by lse."""
+    if not USE_FUSED or not (query.is_cuda or FUSED_ON_CPU) or len(store.blocks) != 1:
         return None
     kq, vq = getattr(store.key_codec, "q", None), getattr(store.value_codec, "q", None)
     kmethod, vmethod = getattr(kq, "method", ""), getattr(vq, "method", "")
