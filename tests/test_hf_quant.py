@@ -173,8 +173,8 @@ def _cuda_ready():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA GPU and CuPy")
-@pytest.mark.parametrize("key_mode", ["mse", "prod"])
-def test_fused_kernel_on_gpu_matches_torch_path(monkeypatch, key_mode):
+@pytest.mark.parametrize("key_mode,sink", [("mse", 1), ("prod", 0)])
+def test_fused_kernel_on_gpu_matches_torch_path(monkeypatch, key_mode, sink):
     import kvcodec.hf.attention as attn
 
     model = tiny_model("llama", 8, 2, 128).cuda()
@@ -192,7 +192,7 @@ def test_fused_kernel_on_gpu_matches_torch_path(monkeypatch, key_mode):
 
         monkeypatch.setattr(attn, "fused_compressed", spy)
         cache = CompressedCache(model, method="turboquant", key_bits=4, value_bits=3, key_mode=key_mode,
-                                residual=32, block_size=32)
+                                residual=32, block_size=32, sink=sink)
         out = [_logits(model, ids, cache)[:, -1]]
         for t in range(4):
             out.append(_logits(model, ids[:, t : t + 1], cache)[:, -1])
