@@ -58,6 +58,7 @@ _Q = 64  # gain and previous-token coefficients are stored as int8 / 64
 
 _CHUNK_SYMBOLS = 1 << 16  # about this many symbols per independently decodable chunk
 _SHARED_PARAMS_BELOW = 64  # fewer tokens: one parameter set per channel, shared over g
+_PER_CHANNEL_FROM = 1024  # between the two: whichever of shared / per-(g, d) costs less
 _MAX_NUMEL = 1 << 48  # a decoded stream larger than this is taken as forged
 
 
@@ -559,6 +560,22 @@ def fit_model(kx, pred, grid: FloatGrid, tb: int, gain: str, prev_coef: str, sha
     return Model(m=m, s=s, c=c_q, a=a_q, masses=masses_from_counts(hist.sum(axis=0)), shared=shared)
 
 
+def estimated_bits(model: Model, kx, pred, grid: FloatGrid, tb: int, source: str) -> float:
+    """Gaussian estimate of payload + parameter bits of coding ``kx`` with ``model`` (differences
+    between models are what count): chooses shared or per-(g, d) parameters for short caches."""
+    g, _, d = kx.shape
+    out = np.zeros((g, d, 3))
+    p = pred if pred is not None else np.zeros((1, 1, 1), np.float32)
+    _fit_residuals(kx, p, pred is not None, model.m, model.c.astype(np.float64) / _Q,
+                   model.a.astype(np.float64) / _Q, model.shared, grid.valf, grid.finite, tb,
+                   np.zeros((1, 1)), out, np.zeros((1, SHAPE_BINS), np.int64))
+    n = grid.finite[kx].sum(axis=1)
+    s = np.broadcast_to(model.s, (g, d))
+    with np.errstate(all="ignore"):
+        bits = float(np.nan_to_num((n * np.log2(s) + out[..., 2] / (2 * s * s * np.log(2))).sum(), nan=np.inf))
+    return bits + 8 * Model.packed_size(source, model.s.shape[0], d)
+
+
 # =============================================================================== layout
 def kv_layout(shape: tuple[int, ...]) -> tuple[int, int, int]:
     """(G, T, D): leading axes flattened, tokens (axis -2), channels (axis -1); 0-/1-d handled."""
@@ -633,8 +650,6 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
         meta["mode"] = "grid"
     kx = grid.k_of_bits[sym_bits].reshape(g, tt, d)
     tb = token_block(tt, d)
-    shared = tt < _SHARED_PARAMS_BELOW
-
     if source == "external":
         with np.errstate(invalid="ignore"):
             pred = _prediction_f32(prediction, g, tt, d)
@@ -647,7 +662,16 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
         pred = None
 
     gain = {"external": "one", "neighbour_layer": "fit"}.get(source, "zero")
-    model = fit_model(kx, pred, grid, tb, gain, "one" if source == "previous_token" else "fit", shared)
+    prev_coef = "one" if source == "previous_token" else "fit"
+    if tt < _SHARED_PARAMS_BELOW:
+        choices = (True,)
+    elif tt < _PER_CHANNEL_FROM:
+        choices = (False, True)
+    else:
+        choices = (False,)
+    models = [fit_model(kx, pred, grid, tb, gain, prev_coef, sh) for sh in choices]
+    model = min(models, key=lambda mdl: estimated_bits(mdl, kx, pred, grid, tb, source))
+    shared = model.shared
     n_tb = -(-tt // tb)
     sizes = np.full(g * n_tb, tb * d + 2, np.int64)
     sizes[n_tb - 1::n_tb] = (tt - (n_tb - 1) * tb) * d + 2
@@ -742,7 +766,7 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
     if grid is None or numel == 0:
         raise CorruptStreamError("predictive stream has a mode that does not fit its dtype")
     tb, shared = meta.get("tb"), meta.get("shared")
-    if tb != token_block(tt, d) or shared is not (tt < _SHARED_PARAMS_BELOW):
+    if tb != token_block(tt, d) or not isinstance(shared, bool):
         raise CorruptStreamError("predictive stream has a bad chunking or sharing field")
     gp = 1 if shared else g
     n_tb = -(-tt // tb)
