@@ -261,3 +261,14 @@ def test_forged_huge_shapes_are_rejected():
     for shape in ([1 << 32, 1 << 32], [3, 1 << 50], [1 << 20] * 3):
         with pytest.raises(CorruptStreamError):
             KVCTX.decode(dict(meta, shape=shape), sections, None, 1)
+
+
+def test_short_caches_choose_shared_or_per_channel_parameters():
+    g = torch.Generator().manual_seed(3)
+    alike = (torch.randn(40, 1, 100, 64, generator=g) * torch.rand(64, generator=g)).to(torch.bfloat16)
+    differ = (torch.randn(4, 2, 900, 64, generator=g) * torch.rand(4, 2, 1, 64, generator=g) * 5
+              + torch.randn(4, 2, 1, 64, generator=g) * 3).to(torch.bfloat16)
+    for t, shared in ((alike, True), (differ, False)):
+        meta, sections = KVCTX.encode(t, None, 1)
+        assert meta["shared"] is shared
+        assert_bit_exact(KVCTX.decode(meta, sections, None, 1), t)
