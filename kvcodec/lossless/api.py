@@ -39,10 +39,20 @@ def _as_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg().contiguous()
 
 
-def choose_codec(codec: str, prediction: torch.Tensor | None, layout: str | None) -> str:
-    """The codec ``"auto"`` resolves to: predictive with a prediction, kvctx for KV, else planes."""
+#: dtypes the KV models (kvctx, predictive) describe; others would be stored verbatim there.
+_KV_MODELLED = {torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def choose_codec(codec: str, prediction: torch.Tensor | None, layout: str | None,
+                 dtype: torch.dtype | None = None) -> str:
+    """The codec ``"auto"`` resolves to: predictive with a prediction, kvctx for KV, else planes.
+
+    Integer, bool and float64 tensors always go to planes: the KV models only describe floats.
+    """
     if codec != "auto":
         return codec
+    if dtype is not None and dtype not in _KV_MODELLED:
+        return "planes"
     if prediction is not None and registry.has("predictive"):
         return "predictive"
     if layout == "kv" and registry.has("kvctx"):
@@ -74,7 +84,7 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         if not isinstance(prediction, torch.Tensor) or tuple(prediction.shape) != tuple(t.shape):
             raise ValueError("prediction must be a tensor with the same shape as the tensor")
         pred = _as_cpu(prediction)
-    name = choose_codec(codec, pred, layout)
+    name = choose_codec(codec, pred, layout, t.dtype)
     try:
         impl = registry.get(name)
     except KeyError as exc:
