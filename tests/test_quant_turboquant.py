@@ -183,7 +183,19 @@ def _mean_estimate(make, x, y, seeds):
     return torch.stack(ests).mean(0)
 
 
-@settings(max_examples=5, deadline=None)
+def _slope_and_tolerance(make, x, y, true, seeds):
+    """Mean regression slope over independent seeds, and a tolerance from their spread.
+
+    Each seed draws a new rotation and sketch, so the per-seed slopes are independent: an unbiased
+    estimator has mean slope 1 within about 5.4 standard errors (t, 99.9%, 5 dof) plus a 1% floor.
+    A mis-scaled QJL term (a factor sqrt(d) or sqrt(pi/2) off) is far outside this.
+    """
+    slopes = torch.tensor([_slope(_mean_estimate(make, x, y, [s]), true) for s in seeds])
+    sem = float(slopes.std() / len(seeds) ** 0.5)
+    return float(slopes.mean()), 0.01 + 5.4 * sem
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10_000), dim=st.sampled_from([64, 80, 128]), bits=st.integers(2, 4))
 def test_prod_is_unbiased(seed, dim, bits):
     g = torch.Generator().manual_seed(seed)
@@ -191,8 +203,9 @@ def test_prod_is_unbiased(seed, dim, bits):
     y = torch.randn(1, dim, generator=g)
     x = x + 2.0 * y  # keys correlated with the query: where an MSE quantizer's bias shows
     true = (x @ y.T).squeeze(-1)
-    est = _mean_estimate(lambda s: TurboQuantProd(dim, bits, seed=s, **PAPER), x, y, range(seed, seed + 4))
-    assert _slope(est, true) == pytest.approx(1.0, abs=0.025)
+    make = lambda s: TurboQuantProd(dim, bits, seed=s, **PAPER)  # noqa: E731
+    slope, tol = _slope_and_tolerance(make, x, y, true, range(seed, seed + 6))
+    assert slope == pytest.approx(1.0, abs=tol)
     mse_est = TurboQuantMSE(dim, bits - 1, seed=seed, **PAPER)
     biased = mse_est.scores(mse_est.quantize(x), y).squeeze()
     assert _slope(biased, true) < 1 - 0.5 * expected_distortion(dim, bits - 1)  # the shrinkage Prod removes
