@@ -31,7 +31,7 @@ def test_bench_suite_quick_writes_valid_json(suite, tmp_path):
         pytest.skip(f"benchmarks for suite {suite!r} are not written yet")
     proc = subprocess.run(
         [sys.executable, "-m", "kvcodec.cli", "bench", "--suite", suite, "--quick", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     files = sorted(tmp_path.glob("*.json"))
