@@ -24,7 +24,26 @@ import torch
 from kvcodec.errors import CorruptStreamError
 
 
-class ExactCodec:
+class NoSideData:
+    """Codecs that keep no per-layer side data (no fitted scales): nothing to count, select or save."""
+
+    def side_nbytes(self) -> int:
+        return 0
+
+    def select_side(self, idx: torch.Tensor) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def side_state(self) -> tuple[dict, dict]:
+        return {}, {}
+
+    def load_side_state(self, meta: dict, tensors: dict) -> None:
+        pass
+
+
+class ExactCodec(NoSideData):
     """Keeps blocks uncompressed in the model dtype: the reference the others are measured against."""
 
     name = "none"
@@ -62,21 +81,6 @@ class ExactCodec:
     def select(self, block: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return block.index_select(0, idx.to(block.device))
 
-    def side_nbytes(self) -> int:
-        return 0
-
-    def select_side(self, idx: torch.Tensor) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-    def side_state(self) -> tuple[dict, dict]:
-        return {}, {}
-
-    def load_side_state(self, meta: dict, tensors: dict) -> None:
-        pass
-
     def state(self, block: torch.Tensor) -> tuple[dict, dict]:
         return {}, {"x": block}
 
@@ -96,7 +100,7 @@ class LosslessBlock:
     device: torch.device
 
 
-class LosslessCodec:
+class LosslessCodec(NoSideData):
     """Bit-exact blocks through ``kvcodec.lossless.api`` (entropy-coded bf16/fp16 KV)."""
 
     name = "lossless"
@@ -136,21 +140,6 @@ class LosslessCodec:
     def select(self, block: LosslessBlock, idx: torch.Tensor) -> LosslessBlock:
         order = [int(i) for i in idx.tolist()]
         return LosslessBlock([block.blobs[i] for i in order], block.length, block.device)
-
-    def side_nbytes(self) -> int:
-        return 0
-
-    def select_side(self, idx: torch.Tensor) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-    def side_state(self) -> tuple[dict, dict]:
-        return {}, {}
-
-    def load_side_state(self, meta: dict, tensors: dict) -> None:
-        pass
 
     def state(self, block: LosslessBlock) -> tuple[dict, dict]:
         tensors = {f"row{i}": b for i, b in enumerate(block.blobs)}
