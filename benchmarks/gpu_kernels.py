@@ -94,44 +94,8 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms * 1e-3) / 1e12
 
 
-def codebook(bits: int, dim: int) -> torch.Tensor:
-    try:
-        from kvcodec.quant.codebooks import lloyd_max_codebook
-
-        return torch.tensor(lloyd_max_codebook(dim, bits), dtype=torch.float32)
-    except Exception:
-        return torch.linspace(-2.5, 2.5, 1 << bits) / math.sqrt(dim)
-
-
-def poison_allocator(nbytes: int = 512 << 20) -> None:
-    x = torch.full((nbytes // 4,), float("nan"), device="cuda")
-    del x
-
-
-# ---------------------------------------------------------------- correctness
-def make_case(b, hq, hkv, ql, tcap, d, kb, vb, lens, *, norm_dtype=torch.float16, qjl=False, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dev = "cuda"
-    case = dict(
-        query=torch.randn(b, hq, ql, d, device=dev, generator=g).to(torch.bfloat16),
-        k_codes=torch.randint(0, 256, (b, hkv, tcap, d * kb // 8), device=dev, generator=g, dtype=torch.uint8),
-        v_codes=torch.randint(0, 256, (b, hkv, tcap, d * vb // 8), device=dev, generator=g, dtype=torch.uint8),
-        k_norms=(torch.rand(b, hkv, tcap, device=dev, generator=g) * 20 + 1).to(norm_dtype),
-        v_norms=(torch.rand(b, hkv, tcap, device=dev, generator=g) * 4 + 0.1).to(norm_dtype),
-        seq_lens=torch.tensor(lens, device=dev, dtype=torch.int32),
-    )
-    for i, n in enumerate(lens):
-        case["k_norms"][i, :, n:] = float("nan")
-        case["v_norms"][i, :, n:] = float("nan")
-    kw = dict(k_rotation=reference.hadamard_rotation(d, seed + 1).cuda(),
-              v_rotation=reference.hadamard_rotation(d, seed + 2).cuda(),
-              k_codebook=codebook(kb, d).cuda(), v_codebook=codebook(vb, d).cuda(), k_bits=kb, v_bits=vb)
-    if qjl:
-        case["k_qjl"] = torch.randint(0, 256, (b, hkv, tcap, d // 8), device=dev, generator=g, dtype=torch.uint8)
-        case["k_rnorms"] = (torch.rand(b, hkv, tcap, device=dev, generator=g) * 3).to(norm_dtype)
-        kw["qjl_matrix"] = torch.randn(d, d, device=dev, generator=g)
-    return case, kw
-
+codebook = reference.codebook_tensor
+make_case = reference.random_decode_case
 
 CHECKS = [
     # name, (b, hq, hkv, ql, tcap, d, kb, vb, lens), options

@@ -180,3 +180,39 @@ def decode_attention_reference(query, k_codes, k_norms, v_codes, v_norms, seq_le
     lse = torch.logsumexp(scores, -1)
     p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
     return p @ values, lse
+
+
+def codebook_tensor(bits: int, dim: int) -> torch.Tensor:
+    """The Lloyd-Max codebook of ``kvcodec.quant`` as a float32 tensor (what the kernels read)."""
+    from kvcodec.quant.codebooks import lloyd_max_codebook
+
+    return torch.tensor(lloyd_max_codebook(dim, bits), dtype=torch.float32)
+
+
+def random_decode_case(b, hq, hkv, ql, tcap, d, kb, vb, lens, *, norm_dtype=torch.float16, qjl=False,
+                       seed=0, device="cuda"):
+    """Random packed K/V for ``decode_attention`` checks and timings: (tensors, keyword arguments).
+
+    Cache slots past each sequence's length hold NaN norms, so a kernel that reads them fails.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    case = dict(
+        query=torch.randn(b, hq, ql, d, device=device, generator=g).to(torch.bfloat16),
+        k_codes=torch.randint(0, 256, (b, hkv, tcap, d * kb // 8), device=device, generator=g, dtype=torch.uint8),
+        v_codes=torch.randint(0, 256, (b, hkv, tcap, d * vb // 8), device=device, generator=g, dtype=torch.uint8),
+        k_norms=(torch.rand(b, hkv, tcap, device=device, generator=g) * 20 + 1).to(norm_dtype),
+        v_norms=(torch.rand(b, hkv, tcap, device=device, generator=g) * 4 + 0.1).to(norm_dtype),
+        seq_lens=torch.tensor(lens, device=device, dtype=torch.int32),
+    )
+    for i, n in enumerate(lens):
+        case["k_norms"][i, :, n:] = float("nan")
+        case["v_norms"][i, :, n:] = float("nan")
+    kw = dict(k_rotation=hadamard_rotation(d, seed + 1).to(device),
+              v_rotation=hadamard_rotation(d, seed + 2).to(device),
+              k_codebook=codebook_tensor(kb, d).to(device), v_codebook=codebook_tensor(vb, d).to(device),
+              k_bits=kb, v_bits=vb)
+    if qjl:
+        case["k_qjl"] = torch.randint(0, 256, (b, hkv, tcap, d // 8), device=device, generator=g, dtype=torch.uint8)
+        case["k_rnorms"] = (torch.rand(b, hkv, tcap, device=device, generator=g) * 3).to(norm_dtype)
+        kw["qjl_matrix"] = torch.randn(d, d, device=device, generator=g)
+    return case, kw
