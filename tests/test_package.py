@@ -1,7 +1,6 @@
 import subprocess
 import sys
 
-import pytest
 
 import kvcodec
 from kvcodec.cli import build_parser
