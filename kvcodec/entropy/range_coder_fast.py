@@ -52,8 +52,8 @@ def _shift_low(low, cache, pending, out, pos):
 
 
 @njit(inline="always")
-def _enc_step(low, rng, cache, pending, out, pos, cum, freq, total):
-    r = _udiv(rng, total)
+def _enc_narrow(low, rng, cache, pending, out, pos, r, cum, freq):
+    """Narrow the interval to [cum, cum + freq) in units of r, then renormalise bytewise."""
     low += r * cum
     rng = r * freq
     while rng < TOP:
@@ -63,15 +63,14 @@ def _enc_step(low, rng, cache, pending, out, pos, cum, freq, total):
 
 
 @njit(inline="always")
+def _enc_step(low, rng, cache, pending, out, pos, cum, freq, total):
+    return _enc_narrow(low, rng, cache, pending, out, pos, _udiv(rng, total), cum, freq)
+
+
+@njit(inline="always")
 def _enc_step_pow2(low, rng, cache, pending, out, pos, cum, freq, bits):
     """_enc_step with total = 2**bits (range >> bits == range // 2**bits)."""
-    r = rng >> bits
-    low += r * cum
-    rng = r * freq
-    while rng < TOP:
-        rng <<= 8
-        low, cache, pending, pos = _shift_low(low, cache, pending, out, pos)
-    return low, rng, cache, pending, pos
+    return _enc_narrow(low, rng, cache, pending, out, pos, rng >> bits, cum, freq)
 
 
 @njit(inline="always")
