@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # a source checkout without pip install
-from common import best_time, save  # noqa: E402
+from common import best_time, constriction_categorical, save  # noqa: E402
 
 from kvcodec import entropy  # noqa: E402
 
@@ -79,39 +79,12 @@ def _kvcodec_rows(x, repeat):
 
 
 def _constriction_rows(x, repeat):
-    try:
-        import constriction
-    except ImportError:
-        return
+    # The rank mapping (np.unique) is done once and not timed; the model is not counted.
     used, ranks = np.unique(x, return_inverse=True)
     ranks = ranks.astype(np.int32)
     probs = np.bincount(ranks, minlength=used.size).astype(np.float64) / x.size
-    model = constriction.stream.model.Categorical(probs, perfect=False)
-    n = x.size
-    # Model transmission is not counted for constriction (it has no stream format); the rank
-    # mapping (np.unique) is done once and not timed.
-
-    def ans_enc():
-        c = constriction.stream.stack.AnsCoder()
-        c.encode_reverse(ranks, model)
-        return c.get_compressed()
-
-    comp = ans_enc()
-    assert np.array_equal(constriction.stream.stack.AnsCoder(comp).decode(model, n), ranks)
-    te = best_time(ans_enc, repeat=repeat)
-    td = best_time(lambda: constriction.stream.stack.AnsCoder(comp).decode(model, n), repeat=repeat)
-    yield "constriction ANS", comp.nbytes, te, td, "model not counted"
-
-    def rc_enc():
-        c = constriction.stream.queue.RangeEncoder()
-        c.encode(ranks, model)
-        return c.get_compressed()
-
-    comp = rc_enc()
-    assert np.array_equal(constriction.stream.queue.RangeDecoder(comp).decode(model, n), ranks)
-    te = best_time(rc_enc, repeat=repeat)
-    td = best_time(lambda: constriction.stream.queue.RangeDecoder(comp).decode(model, n), repeat=repeat)
-    yield "constriction range", comp.nbytes, te, td, "model not counted"
+    for name, nbytes, te, td in constriction_categorical(ranks, probs, repeat):
+        yield name, nbytes, te, td, "model not counted"
 
 
 def _zstd_rows(x, repeat):

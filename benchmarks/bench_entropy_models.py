@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import best_time, save  # noqa: E402
+from common import best_time, constriction_categorical, save  # noqa: E402
 
 from kvcodec.entropy import models  # noqa: E402
 from kvcodec.entropy import range_coder_fast as rc  # noqa: E402
@@ -139,50 +139,8 @@ def bench_static(n: int, repeat: int) -> list[dict]:
             unit="MB/s",
         )
     ]
-    try:
-        import constriction
-    except ImportError:
-        return rows
-    model = constriction.stream.model.Categorical(p.astype(np.float64), perfect=False)
-    xi = x.astype(np.int32)
-
-    def c_range_encode():
-        enc = constriction.stream.queue.RangeEncoder()
-        enc.encode(xi, model)
-        return enc.get_compressed()
-
-    comp = c_range_encode()
-    rows.append(
-        _row(
-            "constriction range",
-            "static 8-bit",
-            n,
-            best_time(c_range_encode, repeat=repeat),
-            best_time(lambda: constriction.stream.queue.RangeDecoder(comp).decode(model, n), repeat=repeat),
-            comp.nbytes,
-            ideal,
-            unit="MB/s",
-        )
-    )
-
-    def c_ans_encode():
-        coder = constriction.stream.stack.AnsCoder()
-        coder.encode_reverse(xi, model)
-        return coder.get_compressed()
-
-    comp_ans = c_ans_encode()
-    rows.append(
-        _row(
-            "constriction ANS",
-            "static 8-bit",
-            n,
-            best_time(c_ans_encode, repeat=repeat),
-            best_time(lambda: constriction.stream.stack.AnsCoder(comp_ans).decode(model, n), repeat=repeat),
-            comp_ans.nbytes,
-            ideal,
-            unit="MB/s",
-        )
-    )
+    for name, nbytes, te, td in constriction_categorical(x.astype(np.int32), p, repeat):
+        rows.append(_row(name, "static 8-bit", n, te, td, nbytes, ideal, unit="MB/s"))
     return rows
 
 

@@ -100,3 +100,40 @@ def save(result: dict, out_dir: str | os.PathLike, columns: list[str] | None = N
     (out / f"{name}.md").write_text(md)
     print(md)
     return path
+
+
+def constriction_categorical(symbols, probs, repeat: int = 5):
+    """Time constriction's stack ANS and queue range coder on one categorical model.
+
+    ``symbols``: int32 indices into ``probs``. Yields ``(name, compressed_bytes, encode_s,
+    decode_s)`` after checking that each coder decodes the input exactly; yields nothing when
+    constriction is not installed. The model itself is not counted (constriction has no stream
+    format).
+    """
+    try:
+        import constriction
+    except ImportError:
+        return
+    import numpy as np
+
+    model = constriction.stream.model.Categorical(np.asarray(probs, dtype=np.float64), perfect=False)
+    n = symbols.size
+    stack, queue = constriction.stream.stack, constriction.stream.queue
+
+    def ans_encode():
+        coder = stack.AnsCoder()
+        coder.encode_reverse(symbols, model)
+        return coder.get_compressed()
+
+    def range_encode():
+        coder = queue.RangeEncoder()
+        coder.encode(symbols, model)
+        return coder.get_compressed()
+
+    for name, encode, decoder in (("constriction ANS", ans_encode, stack.AnsCoder),
+                                  ("constriction range", range_encode, queue.RangeDecoder)):
+        comp = encode()
+        if not np.array_equal(decoder(comp).decode(model, n), symbols):
+            raise AssertionError(f"{name} did not decode its own output")
+        yield (name, comp.nbytes, best_time(encode, repeat=repeat),
+               best_time(lambda: decoder(comp).decode(model, n), repeat=repeat))
