@@ -182,6 +182,13 @@ def decode_attention_reference(query, k_codes, k_norms, v_codes, v_norms, seq_le
     return p @ values, lse
 
 
+def poison_allocator(nbytes: int = 256 << 20) -> None:
+    """Fill free blocks of torch's CUDA caching allocator with NaN, so outputs a kernel leaves
+    unwritten show up as NaN in the checks instead of stale plausible values."""
+    x = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del x
+
+
 def codebook_tensor(bits: int, dim: int) -> torch.Tensor:
     """The Lloyd-Max codebook of ``kvcodec.quant`` as a float32 tensor (what the kernels read)."""
     from kvcodec.quant.codebooks import lloyd_max_codebook
