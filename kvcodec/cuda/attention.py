@@ -37,17 +37,16 @@ _QIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def lane_table_bytes(k_bits: int, v_bits: int, defines=()) -> int:
-    """Dynamic shared memory of the split kernel: 0 unless built with TQ_LANE_TABLES=1 (then one
-    32-lane copy of the K and V codebook tables: entries x 128 bytes each)."""
+    """Dynamic shared memory of the split kernel: 0 unless built with TQ_LANE_TABLES=n (bit 0: one
+    32-lane copy of the K codebook table, bit 1: of the V table; entries x 128 bytes each)."""
     macros = dict(d.split("=", 1) for d in defines if "=" in d)
-    if macros.get("TQ_LANE_TABLES", "0") == "0":
-        return 0
+    sides = int(macros.get("TQ_LANE_TABLES", "0"))
     pair4 = macros.get("TQ_PAIR4", "1") != "0"
 
     def entries(b):
         return 1 << (2 * b) if b <= 3 or (b == 4 and pair4) else 1 << b
 
-    return (entries(k_bits) + entries(v_bits)) * 128
+    return ((entries(k_bits) if sides & 1 else 0) + (entries(v_bits) if sides & 2 else 0)) * 128
 
 
 def codebook_is_symmetric(codebook: torch.Tensor, bf16: bool) -> bool:
@@ -349,7 +348,7 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
              vcb.data_ptr(), lens.data_ptr(), i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit),
              part_o.data_ptr(), part_ml.data_ptr()), shared_mem=smem)
         merge_fn((bh * r,), (d,), (part_o.data_ptr(), part_ml.data_ptr(), vrot.data_ptr(), i32(r), i32(nsplit),
-                                   out.data_ptr(), lse.data_ptr()), shared_mem=4 * nsplit)
+                                   out.data_ptr(), lse.data_ptr()), shared_mem=8 * nsplit)
     return out.reshape(b, hq, ql, d), lse.reshape(b, hq, ql)
 
 

@@ -42,6 +42,14 @@ TQ_DEVI void tq_mma16816(float (&c)[4], const tq_u32 (&a)[4], tq_u32 b0, tq_u32 
   }
 }
 
+// Transpose of an 8x8 matrix of 16-bit values held in the mma fragment layout (lane 4i + j holds
+// row i, columns 2j and 2j + 1): afterwards it holds row i, columns 2j, 2j + 1 of the transpose.
+TQ_DEVI tq_u32 tq_movmatrix_t(tq_u32 x) {
+  tq_u32 y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // Load NBITS consecutive bits of a packed row starting at bit `start`, re-aligned so that bit 0 of
 // w[0] is the first requested bit. Rows are little-endian bit streams whose start is 4-byte aligned
 // (true for head_dim % 32 == 0), so they can be read as 32-bit words. Only words that hold

@@ -50,10 +50,10 @@
 #ifndef TQ_V4_INTERLEAVE
 #define TQ_V4_INTERLEAVE 1
 #endif
-// 1: every lane gets its own copy of each codebook table, entry e of lane L at word 32 e + L, so a
-// lookup always hits the lane's own bank (no bank conflicts; the measured limit of the kernel is the
-// L1/shared pipe). Costs (entries x 128) bytes of dynamic shared memory per table (32 KB for a
-// 4-bit pair table). Opt-in, not yet measured on a GPU; -DTQ_LANE_TABLES=1.
+// Per-lane codebook tables, bit 0 = keys, bit 1 = values: every lane gets its own copy of the table,
+// entry e of lane L at word 32 e + L, so a lookup always hits the lane's own bank (no bank
+// conflicts). Costs (entries x 128) bytes of dynamic shared memory per table (32 KB for a 4-bit pair
+// table). Opt-in; -DTQ_LANE_TABLES=n (2 pairs with TQ_REG_LUT=1: keys in registers, values here).
 #ifndef TQ_LANE_TABLES
 #define TQ_LANE_TABLES 0
 #endif
@@ -92,6 +92,20 @@
 // and deeper rings only cost registers and instruction-cache footprint (benchmarks/GPU_NOTES.md).
 #ifndef TQ_STAGES
 #define TQ_STAGES 1
+#endif
+// 1: narrow tiles compute S^T = K Q^T with the keys as the A operand (m16 = the 16 tokens of a step,
+// n8 = the query rows) instead of S = Q K^T with 8 of the 16 A rows empty: half the score mma's, no
+// zero registers to rebuild, the row rescale factors are local, and the norms of only 2 tokens per
+// thread are loaded; P^T goes back to the B layout of P V with two movmatrix transposes.
+#ifndef TQ_KEYS_A
+#define TQ_KEYS_A 0
+#endif
+// n > 0: L2 prefetch of the codes and norms n steps ahead (one prefetch.global.L2 per lane and step,
+// each lane owning one 128-byte line of the step's K, V or norm bytes): the loads of a step then
+// wait for L2 instead of DRAM, without the registers of a deeper register ring (ncu, run 5: the
+// largest stall is the global-load scoreboard). Not for prod (QJL) keys. -DTQ_PREFETCH=n.
+#ifndef TQ_PREFETCH
+#define TQ_PREFETCH 0
 #endif
 
 namespace tq {
@@ -249,7 +263,8 @@ struct LanePtrs {
 // pointer plus a compile-time offset. Otherwise tokens past `end` read the last valid token instead
 // (their keys are masked to -inf later) and get value norm 0, so slots past the sequence never reach
 // the output whatever they hold. Loads are unconditional: no branches, so they batch.
-template <class T, bool QJL, bool FULL>
+// KA (keys as the A operand): the norms are those of tokens g and 8 + g (slots 0, 1), not 2t, ...
+template <class T, bool QJL, bool FULL, bool KA>
 TQ_DEVI void load_step(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
   const int last = end - 1;
 #pragma unroll
@@ -263,10 +278,22 @@ TQ_DEVI void load_step(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) 
     const int off = (j & 1) + 8 * (j >> 1);
     const int rel = FULL ? base + off : min(base + off, last - 2 * L.t);  // token - 2t
     tq_load_bits_at<T::VBITS, T::VALIGN, T::VVEC>(r.v[j], L.v + rel * T::VROW_WORDS, L.vsh);
-    r.kn[j] = __ldg(L.kn + rel);
-    const tq_u16 vnv = __ldg(L.vn + rel);
-    r.vn[j] = (FULL || base + off + 2 * L.t <= last) ? vnv : (tq_u16)0;  // masked: value norm 0
-    if constexpr (QJL) r.rn[j] = __ldg(L.rn + rel);
+    if constexpr (!KA) {
+      r.kn[j] = __ldg(L.kn + rel);
+      const tq_u16 vnv = __ldg(L.vn + rel);
+      r.vn[j] = (FULL || base + off + 2 * L.t <= last) ? vnv : (tq_u16)0;  // masked: value norm 0
+      if constexpr (QJL) r.rn[j] = __ldg(L.rn + rel);
+    }
+  }
+  if constexpr (KA) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int rel = FULL ? base + 8 * j : min(base + 8 * j, last - L.g);  // token - g
+      r.kn[j] = __ldg(L.kn + rel);
+      const tq_u16 vnv = __ldg(L.vn + rel);
+      r.vn[j] = (FULL || base + 8 * j + L.g <= last) ? vnv : (tq_u16)0;
+      if constexpr (QJL) r.rn[j] = __ldg(L.rn + rel);
+    }
   }
 }
 
@@ -283,10 +310,10 @@ TQ_DEVI void advance(LanePtrs<T>& L, int n) {
   }
 }
 
-template <class T, bool QJL>
+template <class T, bool QJL, bool KA>
 TQ_DEVI void load_any(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
-  if (base + 16 <= end) load_step<T, QJL, true>(r, base, end, L);
-  else load_step<T, QJL, false>(r, base, end, L);
+  if (base + 16 <= end) load_step<T, QJL, true, KA>(r, base, end, L);
+  else load_step<T, QJL, false, KA>(r, base, end, L);
 }
 
 }  // namespace tq
@@ -315,14 +342,23 @@ tq_decode_split(
   using T = tq::DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
 #if TQ_LANE_TABLES
   extern __shared__ __align__(16) char tq_lane_smem[];  // K table, then V table (launcher sizes it)
+#endif
+#if TQ_LANE_TABLES & 1
   tq::LaneTable<BK, false> ktab;
-  tq::LaneTable<BV, VBF> vtab;
   ktab.fill(tq_lane_smem, k_codebook, threadIdx.x, blockDim.x, threadIdx.x & 31);
-  vtab.fill(tq_lane_smem + tq::LaneTable<BK, false>::BYTES, v_codebook, threadIdx.x, blockDim.x, threadIdx.x & 31);
+  constexpr int KLANE_BYTES = tq::LaneTable<BK, false>::BYTES;
 #else
   __shared__ tq::CodeTable<BK, false> ktab;
-  __shared__ tq::CodeTable<BV, VBF> vtab;
   ktab.fill(k_codebook, threadIdx.x, blockDim.x);
+#endif
+#if TQ_LANE_TABLES & 2
+#if !(TQ_LANE_TABLES & 1)
+  constexpr int KLANE_BYTES = 0;
+#endif
+  tq::LaneTable<BV, VBF> vtab;
+  vtab.fill(tq_lane_smem + KLANE_BYTES, v_codebook, threadIdx.x, blockDim.x, threadIdx.x & 31);
+#else
+  __shared__ tq::CodeTable<BV, VBF> vtab;
   vtab.fill(v_codebook, threadIdx.x, blockDim.x);
 #endif
   // register tables (TQ_REG_LUT), filled only where used
@@ -368,11 +404,14 @@ tq_decode_split(
       sa[s][2] = *reinterpret_cast<const tq_u32*>(srow0 + 16 * s + 2 * t + 8);
       sa[s][3] = NARROW ? 0u : *reinterpret_cast<const tq_u32*>(srow1 + 16 * s + 2 * t + 8);
     }
-    qjl_scale0 = qs_scale[(long long)bh * rows + rt * 16 + g];
-    qjl_scale1 = qs_scale[(long long)bh * rows + rt * 16 + g + 8];
+    qjl_scale0 = qs_scale[(long long)bh * rows + rt * 16 + (NARROW && TQ_KEYS_A ? 2 * t : g)];
+    qjl_scale1 = qs_scale[(long long)bh * rows + rt * 16 + (NARROW && TQ_KEYS_A ? 2 * t + 1 : g + 8)];
   }
-  const float rs0 = row_scale[(long long)bh * rows + rt * 16 + g];
-  const float rs1 = row_scale[(long long)bh * rows + rt * 16 + g + 8];
+  // KA: this thread's score columns are rows 2t and 2t + 1 (of the 8 narrow rows) instead of g, g + 8
+  constexpr bool KA = NARROW && TQ_KEYS_A;
+  const int srow0 = KA ? 2 * t : g, srow1 = KA ? 2 * t + 1 : g + 8;
+  const float rs0 = row_scale[(long long)bh * rows + rt * 16 + srow0];
+  const float rs1 = row_scale[(long long)bh * rows + rt * 16 + srow1];
 
   const long long tok0 = (long long)bh * Tcap;
   tq::LanePtrs<T> L;
@@ -383,10 +422,10 @@ tq_decode_split(
   L.qsh = (t * T::QBITS) & 31;
   L.k = reinterpret_cast<const tq_u32*>(kcodes) + (tok0 + g) * T::KROW_WORDS + ((t * T::KBITS) >> 5);
   L.v = reinterpret_cast<const tq_u32*>(vcodes) + (tok0 + 2 * t) * T::VROW_WORDS + ((g * T::VBITS) >> 5);
-  L.kn = knorms + tok0 + 2 * t;
-  L.vn = vnorms + tok0 + 2 * t;
+  L.kn = knorms + tok0 + (KA ? g : 2 * t);
+  L.vn = vnorms + tok0 + (KA ? g : 2 * t);
   L.q = QJL ? reinterpret_cast<const tq_u32*>(qjl) + (tok0 + g) * T::QROW_WORDS + ((t * T::QBITS) >> 5) : nullptr;
-  L.rn = QJL ? rnorms + tok0 + 2 * t : nullptr;
+  L.rn = QJL ? rnorms + tok0 + (KA ? g : 2 * t) : nullptr;
 
   // Accumulators: NARROW: acc[mt] = O^T tile of dims (16 mt + g, 16 mt + g + 8) x rows (2t, 2t+1),
   // dims being the thread-chunk coordinates 2mt / 2mt+1 (dim CV*g + 2mt + {0,1}); otherwise
@@ -400,7 +439,133 @@ tq_decode_split(
 
   constexpr int STAGES = QJL ? 2 : TQ_STAGES;  // prod keys hold more registers per step
   tq::StepRegs<T> ring[STAGES];
+  // O^T += V^T P^T for narrow tiles: A = values (dims x the 16 tokens), B = P^T fragments pb0 (row g |
+  // tokens 2t, 2t+1) and pb1 (tokens 8 + 2t, 8 + 2t + 1), value norms already applied
+  auto pv_narrow = [&](const tq::StepRegs<T>& cur, tq_u32 pb0, tq_u32 pb1) {
+    if constexpr (NARROW) {
+      if constexpr (T::VREG) {
+        // word i of the interleaved codes holds coordinates 8i + 2k (ev) / 8i + 2k + 1 (od) of
+        // two tokens in byte k: the prmt lookup of its 8 nibbles gives the A registers of m-tiles
+        // 4i .. 4i + 3 directly
+        constexpr int NW = TqBits<T::VBITS>::NW;
+        static_assert(4 * NW == NACC, "value words per m-tile");
+        tq_u32 ev01[NW], od01[NW], ev23[NW], od23[NW];
+        tq::CodeTable<BV, VBF>::interleave4(cur.v[0], cur.v[1], ev01, od01);
+        tq::CodeTable<BV, VBF>::interleave4(cur.v[2], cur.v[3], ev23, od23);
+#pragma unroll
+        for (int i = 0; i < NW; ++i) {
+          tq_u32 e01[4], o01[4], e23[4], o23[4];
+          vreg.lut8(ev01[i], e01);
+          vreg.lut8(od01[i], o01);
+          vreg.lut8(ev23[i], e23);
+          vreg.lut8(od23[i], o23);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const tq_u32 va[4] = {e01[k], o01[k], e23[k], o23[k]};
+            tq_mma16816<VBF>(acc[4 * i + k], va, pb0, pb1);
+          }
+        }
+      } else if constexpr (T::V4I) {
+        constexpr int NW = TqBits<T::VBITS>::NW;
+        tq_u32 ev01[NW], od01[NW], ev23[NW], od23[NW];
+        vtab.interleave4(cur.v[0], cur.v[1], ev01, od01);
+        vtab.interleave4(cur.v[2], cur.v[3], ev23, od23);
+#pragma unroll
+        for (int mt = 0; mt < NACC; ++mt) {
+          const tq_u32 va[4] = {vtab.interleaved(ev01, od01, 2 * mt), vtab.interleaved(ev01, od01, 2 * mt + 1),
+                                vtab.interleaved(ev23, od23, 2 * mt), vtab.interleaved(ev23, od23, 2 * mt + 1)};
+          tq_mma16816<VBF>(acc[mt], va, pb0, pb1);
+        }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < NACC; ++mt) {
+          const tq_u32 va[4] = {vtab.across(cur.v[0], cur.v[1], (2 * mt) * BV),
+                                vtab.across(cur.v[0], cur.v[1], (2 * mt + 1) * BV),
+                                vtab.across(cur.v[2], cur.v[3], (2 * mt) * BV),
+                                vtab.across(cur.v[2], cur.v[3], (2 * mt + 1) * BV)};
+          tq_mma16816<VBF>(acc[mt], va, pb0, pb1);
+        }
+      }
+    }
+  };
   auto step = [&](const tq::StepRegs<T>& cur, int base) {
+    if constexpr (KA) {
+      // ---- S^T (16 tokens x 8 rows) = K Q^T: A = keys (slot g = token base + g, slot g + 8 =
+      // token base + 8 + g), B = query rows; s4 = (slot g | rows 2t, 2t+1), (slot g + 8 | same rows)
+      // two accumulators (even / odd k-steps): two mma dependency chains of KS / 2 instead of one of KS
+      float s4[2][4] = {}, q4[2][4] = {};
+      tq_u32 kb0[T::KREG ? T::KS / 2 : 1][4], kb1[T::KREG ? T::KS / 2 : 1][4];
+      if constexpr (T::KREG) {
+#pragma unroll
+        for (int w = 0; w < T::KS / 2; ++w) {
+          kreg.lut8(cur.k[0].w[w], kb0[w]);
+          kreg.lut8(cur.k[1].w[w], kb1[w]);
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < T::KS; ++s) {
+        tq_u32 ka[4];
+        if constexpr (T::KREG) {
+          ka[0] = kb0[s >> 1][2 * (s & 1)];
+          ka[1] = kb1[s >> 1][2 * (s & 1)];
+          ka[2] = kb0[s >> 1][2 * (s & 1) + 1];
+          ka[3] = kb1[s >> 1][2 * (s & 1) + 1];
+        } else {
+          ka[0] = ktab.adjacent(cur.k[0], (4 * s) * BK);
+          ka[1] = ktab.adjacent(cur.k[1], (4 * s) * BK);
+          ka[2] = ktab.adjacent(cur.k[0], (4 * s + 2) * BK);
+          ka[3] = ktab.adjacent(cur.k[1], (4 * s + 2) * BK);
+        }
+        tq_mma16816<false>(s4[s & 1], ka, qa[s][0], qa[s][2]);
+        if constexpr (QJL) {
+          const tq_u32 ca[4] = {tq::qjl_pair(tq_field<2>(cur.s[0], 4 * s)), tq::qjl_pair(tq_field<2>(cur.s[1], 4 * s)),
+                                tq::qjl_pair(tq_field<2>(cur.s[0], 4 * s + 2)),
+                                tq::qjl_pair(tq_field<2>(cur.s[1], 4 * s + 2))};
+          tq_mma16816<false>(q4[s & 1], ca, sa[s][0], sa[s][2]);
+        }
+      }
+      // ---- logits in base 2 (x[2 slot + row]); row max over the 16 tokens: 2 local, 8 lanes (g)
+      float x[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int slot = i >> 1;
+        const float knf = tq_16_to_f<KBF>(cur.kn[slot]);
+        float v = ((i & 1) ? rs1 : rs0) * knf * (s4[0][i] + s4[1][i]);
+        if constexpr (QJL)
+          v += ((i & 1) ? qjl_scale1 : qjl_scale0) * tq_16_to_f<KBF>(cur.rn[slot]) * (q4[0][i] + q4[1][i]);
+        x[i] = (base + 8 * slot + g < end) ? v : NEG_INF;
+      }
+      float mx0 = fmaxf(x[0], x[2]), mx1 = fmaxf(x[1], x[3]);
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+      }
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float mu0 = (mn0 == NEG_INF) ? 0.f : mn0;  // all-masked row so far: avoid inf - inf
+      const float mu1 = (mn1 == NEG_INF) ? 0.f : mn1;
+      const float al0 = tq_exp2(m0 - mu0), al1 = tq_exp2(m1 - mu1);
+      m0 = mn0;
+      m1 = mn1;
+      const float e0 = tq_exp2(x[0] - mu0), e1 = tq_exp2(x[1] - mu1);
+      const float e2 = tq_exp2(x[2] - mu0), e3 = tq_exp2(x[3] - mu1);
+      l0 = l0 * al0 + (e0 + e2);  // this thread's tokens only; summed over the lanes at the end
+      l1 = l1 * al1 + (e1 + e3);
+      const float vn0 = tq_16_to_f<VBF>(cur.vn[0]), vn1 = tq_16_to_f<VBF>(cur.vn[1]);
+      // (slot | row 2t, 2t+1) pairs, transposed to (row g | slots 2t, 2t+1): the B fragments of O^T
+      const tq_u32 pb0 = tq_movmatrix_t(tq_pack2(tq_f_to_16<VBF>(e0 * vn0), tq_f_to_16<VBF>(e1 * vn0)));
+      const tq_u32 pb1 = tq_movmatrix_t(tq_pack2(tq_f_to_16<VBF>(e2 * vn1), tq_f_to_16<VBF>(e3 * vn1)));
+      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // a running max moved: rescale
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) {
+          acc[i][0] *= al0;
+          acc[i][1] *= al1;
+          acc[i][2] *= al0;
+          acc[i][3] *= al1;
+        }
+      }
+      pv_narrow(cur, pb0, pb1);
+    } else {
       // ---- scores: two n8 tiles (tokens base + 0..7 and base + 8..15)
       float sc[2][4];
       float sq[2][4];
@@ -496,49 +661,7 @@ tq_decode_split(
             acc[i][3] *= a_hi;
           }
         }
-        if constexpr (T::VREG) {
-          // word i of the interleaved codes holds coordinates 8i + 2k (ev) / 8i + 2k + 1 (od) of
-          // two tokens in byte k: the prmt lookup of its 8 nibbles gives the A registers of m-tiles
-          // 4i .. 4i + 3 directly
-          constexpr int NW = TqBits<T::VBITS>::NW;
-          static_assert(4 * NW == NACC, "value words per m-tile");
-          tq_u32 ev01[NW], od01[NW], ev23[NW], od23[NW];
-          tq::CodeTable<BV, VBF>::interleave4(cur.v[0], cur.v[1], ev01, od01);
-          tq::CodeTable<BV, VBF>::interleave4(cur.v[2], cur.v[3], ev23, od23);
-#pragma unroll
-          for (int i = 0; i < NW; ++i) {
-            tq_u32 e01[4], o01[4], e23[4], o23[4];
-            vreg.lut8(ev01[i], e01);
-            vreg.lut8(od01[i], o01);
-            vreg.lut8(ev23[i], e23);
-            vreg.lut8(od23[i], o23);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              const tq_u32 va[4] = {e01[k], o01[k], e23[k], o23[k]};
-              tq_mma16816<VBF>(acc[4 * i + k], va, pa[0], pa[2]);
-            }
-          }
-        } else if constexpr (T::V4I) {
-          constexpr int NW = TqBits<T::VBITS>::NW;
-          tq_u32 ev01[NW], od01[NW], ev23[NW], od23[NW];
-          vtab.interleave4(cur.v[0], cur.v[1], ev01, od01);
-          vtab.interleave4(cur.v[2], cur.v[3], ev23, od23);
-#pragma unroll
-          for (int mt = 0; mt < NACC; ++mt) {
-            const tq_u32 va[4] = {vtab.interleaved(ev01, od01, 2 * mt), vtab.interleaved(ev01, od01, 2 * mt + 1),
-                                  vtab.interleaved(ev23, od23, 2 * mt), vtab.interleaved(ev23, od23, 2 * mt + 1)};
-            tq_mma16816<VBF>(acc[mt], va, pa[0], pa[2]);
-          }
-        } else {
-#pragma unroll
-          for (int mt = 0; mt < NACC; ++mt) {
-            const tq_u32 va[4] = {vtab.across(cur.v[0], cur.v[1], (2 * mt) * BV),
-                                  vtab.across(cur.v[0], cur.v[1], (2 * mt + 1) * BV),
-                                  vtab.across(cur.v[2], cur.v[3], (2 * mt) * BV),
-                                  vtab.across(cur.v[2], cur.v[3], (2 * mt + 1) * BV)};
-            tq_mma16816<VBF>(acc[mt], va, pa[0], pa[2]);
-          }
-        }
+        pv_narrow(cur, pa[0], pa[2]);
       } else {
         if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max moved: rescale
 #pragma unroll
@@ -556,6 +679,7 @@ tq_decode_split(
           tq_mma16816<VBF>(acc[i], pfrag, b0, b1);
         }
       }
+    }
   };
   // A ring of STAGES (TQ_STAGES) register buffers: the loads of the next STAGES - 1 steps are in flight
   // while one step computes (the loop is unrolled by the ring size so every index is static).
@@ -565,12 +689,34 @@ tq_decode_split(
   tq::LanePtrs<T> Lrun = L;
   tq::advance<T, QJL>(Lrun, begin);
   auto load_next = [&](tq::StepRegs<T>& r, int at) {
-    if (at + 16 <= end) tq::load_step<T, QJL, true>(r, 0, end, Lrun);
-    else tq::load_step<T, QJL, false>(r, at, end, L);
+    if (at + 16 <= end) tq::load_step<T, QJL, true, KA>(r, 0, end, Lrun);
+    else tq::load_step<T, QJL, false, KA>(r, at, end, L);
     tq::advance<T, QJL>(Lrun, 16);
   };
 #else
-  auto load_next = [&](tq::StepRegs<T>& r, int at) { tq::load_any<T, QJL>(r, at, end, L); };
+  auto load_next = [&](tq::StepRegs<T>& r, int at) { tq::load_any<T, QJL, KA>(r, at, end, L); };
+#endif
+#if TQ_PREFETCH
+  // this lane's line of the step TQ_PREFETCH steps ahead: K lines, then V lines, then the first and
+  // last byte of the K and V norms of the step (lanes past those prefetch nothing)
+  constexpr int KSTEP = 16 * T::KROW_WORDS * 4, VSTEP = 16 * T::VROW_WORDS * 4;
+  constexpr int NKL = KSTEP / 128 + 1, NVL = VSTEP / 128 + 1;
+  const char* pf = nullptr;
+  int pf_stride = 0;
+  {
+    const long long t0 = tok0 + begin + 16 * TQ_PREFETCH;
+    if (lane < NKL) {
+      pf = reinterpret_cast<const char*>(kcodes) + t0 * (T::KROW_WORDS * 4) + 128 * lane;
+      pf_stride = KSTEP;
+    } else if (lane < NKL + NVL) {
+      pf = reinterpret_cast<const char*>(vcodes) + t0 * (T::VROW_WORDS * 4) + 128 * (lane - NKL);
+      pf_stride = VSTEP;
+    } else if (lane < NKL + NVL + 4) {
+      const int j = lane - NKL - NVL;
+      pf = reinterpret_cast<const char*>((j < 2 ? knorms : vnorms) + t0) + 31 * (j & 1);
+      pf_stride = 32;
+    }
+  }
 #endif
 #pragma unroll
   for (int k = 0; k < STAGES - 1; ++k)
@@ -583,15 +729,24 @@ tq_decode_split(
         const int ahead = here + 16 * (STAGES - 1);
         if (ahead < end)
           load_next(ring[(k + STAGES - 1) % STAGES], ahead);
+#if TQ_PREFETCH
+        if constexpr (!QJL) {
+          if (pf != nullptr && here + 16 * (TQ_PREFETCH + 1) <= end)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(pf));
+          pf += pf_stride;
+        }
+#endif
         step(ring[k], here);
       }
     }
   }
 
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  // l: sum over the lanes holding the other tokens of the same rows (t for S = Q K^T, g for KA)
+#pragma unroll
+  for (int o = KA ? 4 : 1; o < (KA ? 32 : 4); o <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+  }
 
   const int r0 = rt * 16 + g, r1 = r0 + 8;
   float* po = part_o + ((long long)bh * nsplit + split) * R * D;
@@ -620,7 +775,13 @@ tq_decode_split(
       }
     }
   }
-  if (t == 0) {
+  if constexpr (KA) {
+    const int ra = rt * 16 + 2 * t, rb = ra + 1;
+    if (g == 0) {
+      if (ra < R) { pml[2 * ra] = m0; pml[2 * ra + 1] = l0; }
+      if (rb < R) { pml[2 * rb] = m1; pml[2 * rb + 1] = l1; }
+    }
+  } else if (t == 0) {
     if (r0 < R) { pml[2 * r0] = m0; pml[2 * r0 + 1] = l0; }
     if (r1 < R) { pml[2 * r1] = m1; pml[2 * r1 + 1] = l1; }
   }
@@ -674,6 +835,94 @@ __global__ void __launch_bounds__(D) tq_decode_prep(
   if (d == 0) row_scale[row] = amax * mult;
 }
 
+#if TQ_FAST_MERGE
+// Merge the splits of one output row (log-sum-exp), then undo the rotation: out = y @ rotation.
+// Grid: BH * R blocks of D threads; dynamic shared memory: 2 * nsplit floats (split maxima / weights
+// and sums). Every phase issues its loads in independent batches: the partials and the rotation
+// come from L2 or DRAM, so the kernel's time is a few memory round trips, not one per split.
+// out: [BH, R, D] fp32; lse: [BH, R] natural log of the sum of exp(softmax_scale * score) over the
+// compressed tokens (-inf when there are none).
+template <int D>
+__global__ void __launch_bounds__(D) tq_decode_merge(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml, const float* __restrict__ rotation,
+    int R, int nsplit, float* __restrict__ out, float* __restrict__ lse) {
+  extern __shared__ float wsplit[];  // [nsplit] maxima, then weights; [nsplit] sums
+  float* lsplit = wsplit + nsplit;
+  __shared__ float y[D];
+  __shared__ float red[D / 32];
+  const int row = blockIdx.x;  // bh * R + r
+  const int bh = row / R, r = row % R;
+  const int d = threadIdx.x;
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  const float* ml = part_ml + (long long)bh * nsplit * R * 2;
+  // 1. (m, l) of every split, read once; max of the split maxima
+  float M = NEG_INF;
+  for (int s = d; s < nsplit; s += D) {
+    const float2 v = *reinterpret_cast<const float2*>(ml + ((long long)s * R + r) * 2);
+    wsplit[s] = v.x;
+    lsplit[s] = v.y;
+    M = fmaxf(M, v.x);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  if ((d & 31) == 0) red[d >> 5] = M;
+  __syncthreads();
+  M = red[0];
+#pragma unroll
+  for (int w = 1; w < D / 32; ++w) M = fmaxf(M, red[w]);
+  __syncthreads();
+  const float Mu = (M == NEG_INF) ? 0.f : M;
+  // 2. split weights and the total mass
+  float L = 0.f;
+  for (int s = d; s < nsplit; s += D) {
+    const float l = lsplit[s];
+    const float w = (l > 0.f) ? tq_exp2(wsplit[s] - Mu) : 0.f;
+    wsplit[s] = w;
+    L += w * l;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+  if ((d & 31) == 0) red[d >> 5] = L;
+  __syncthreads();
+  L = 0.f;
+#pragma unroll
+  for (int w = 0; w < D / 32; ++w) L += red[w];
+  // 3. weighted sum of the partial outputs: 16 loads in flight per batch (every split's partials
+  // are written by the split kernel, empty ones as zeros; the select keeps them out of the sum)
+  const float* po = part_o + ((long long)bh * nsplit * R + r) * D + d;
+  const long long stride = (long long)R * D;
+  float a[4] = {0.f, 0.f, 0.f, 0.f};
+  int s = 0;
+  for (; s + 16 <= nsplit; s += 16) {
+    float v[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) v[k] = po[(s + k) * stride];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      const float w = wsplit[s + k];
+      a[k & 3] += (w != 0.f) ? w * v[k] : 0.f;
+    }
+  }
+  for (; s < nsplit; ++s) {
+    const float w = wsplit[s];
+    a[s & 3] += (w != 0.f) ? w * po[s * stride] : 0.f;
+  }
+  y[d] = (L > 0.f) ? ((a[0] + a[1]) + (a[2] + a[3])) / L : 0.f;
+  __syncthreads();
+  // 4. out[d] = sum_i y[i] rotation[i][d], the rotation column read in batches of 32
+  float o4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i0 = 0; i0 < D; i0 += 32) {
+    float rv[32];
+#pragma unroll
+    for (int k = 0; k < 32; ++k) rv[k] = __ldg(rotation + (i0 + k) * D + d);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) o4[k & 3] += y[i0 + k] * rv[k];
+  }
+  out[(long long)row * D + d] = (o4[0] + o4[1]) + (o4[2] + o4[3]);
+  if (d == 0) lse[row] = (L > 0.f) ? (M + __log2f(L)) * 0.69314718055994531f : NEG_INF;
+}
+#else
 // Merge the splits of one output row (log-sum-exp), then undo the rotation: out = y @ rotation.
 // Grid: BH * R blocks of D threads; dynamic shared memory: nsplit floats (the split weights).
 // out: [BH, R, D] fp32; lse: [BH, R] natural log of the sum of exp(softmax_scale * score) over the
@@ -723,23 +972,6 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
   const long long stride = (long long)R * D;
   float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
   int s = 0;
-#if TQ_FAST_MERGE
-  {
-    float b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (; s + 8 <= nsplit; s += 8) {
-      float v[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = po[(s + k) * stride];  // always written by the split kernel
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float w = wsplit[s + k];
-        b[k] += (w != 0.f) ? w * v[k] : 0.f;
-      }
-    }
-    a0 = (b[0] + b[4]) + (b[1] + b[5]);
-    a1 = (b[2] + b[6]) + (b[3] + b[7]);
-  }
-#endif
   for (; s + 4 <= nsplit; s += 4) {
     const float w0 = wsplit[s], w1 = wsplit[s + 1], w2 = wsplit[s + 2], w3 = wsplit[s + 3];
     if (w0 != 0.f) a0 += w0 * po[s * stride];
@@ -751,16 +983,10 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
     if (wsplit[s] != 0.f) a0 += wsplit[s] * po[s * stride];
   y[d] = (L > 0.f) ? ((a0 + a1) + (a2 + a3)) / L : 0.f;
   __syncthreads();
-#if TQ_FAST_MERGE
-  float o4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 32
-  for (int i = 0; i < D; ++i) o4[i & 3] += y[i] * __ldg(rotation + i * D + d);
-  const float o = (o4[0] + o4[1]) + (o4[2] + o4[3]);
-#else
   float o = 0.f;
 #pragma unroll 8
   for (int i = 0; i < D; ++i) o += y[i] * __ldg(rotation + i * D + d);
-#endif
   out[(long long)row * D + d] = o;
   if (d == 0) lse[row] = (L > 0.f) ? (M + __log2f(L)) * 0.69314718055994531f : NEG_INF;
 }
+#endif
