@@ -132,12 +132,16 @@ def run_checks(best: str = "default") -> list[dict]:
     return rows
 
 
+# the fastest build of session 2's first GPU run (GPU_NOTES.md, run 4)
+RUN4_BEST = ("TQ_REG_LUT=1", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_NO_L1=1")
 CHECK_MODES = [("", (), True), ("wide-only: ", (), False),
                ("scalar: ", ("TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0"), True),
                ("reg lut + add-ons: ", ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"), True),
                ("reg lut sym + add-ons: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_FAST_MERGE=1", "TQ_NO_L1=1"), True),
                ("reg lut sym, wide-only: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1"), False),
-               ("lane tables: ", ("TQ_LANE_TABLES=1",), True)]
+               ("lane tables: ", ("TQ_LANE_TABLES=3",), True),
+               ("keys A: ", RUN4_BEST + ("TQ_KEYS_A=1",), True),
+               ("keys A, smem tables: ", ("TQ_KEYS_A=1", "TQ_LANE_TABLES=2"), True)]
 
 
 def _run_checks(prefix: str) -> list[dict]:
@@ -153,7 +157,7 @@ def _run_checks(prefix: str) -> list[dict]:
                 b, hq, hkv, ql, tcap, d = shape[:6]
                 extra["window_k"] = torch.randn(b, hkv, 8, d, device="cuda", dtype=torch.bfloat16)
                 extra["window_v"] = torch.randn(b, hkv, 8, d, device="cuda", dtype=torch.bfloat16)
-            poison_allocator()
+            reference.poison_allocator()
             out, lse = kc.decode_attention(**case, **kw, **extra, return_lse=True)
             torch.cuda.synchronize()
             ref, ref_lse = reference.decode_attention_reference(
@@ -191,7 +195,7 @@ def run_quant_checks() -> list[dict]:
             kq = (TurboQuantProd if prod else TurboQuantMSE)(d, 4, seed=1, precondition=pre)
             vq = TurboQuantMSE(d, 4, seed=2, precondition=pre)
             kt, vt = kq.quantize(k), vq.quantize(v)
-            poison_allocator()
+            reference.poison_allocator()
             out = attend(q, kt, vt, kq, vq).float()
             s = kq.scores(kt, q.float().reshape(b, hkv, g, d)) / math.sqrt(d)
             want = vq.weighted_sum(vt, torch.softmax(s, -1)).reshape(b, hkv * g, 1, d)
@@ -214,7 +218,7 @@ def run_pack_checks() -> list[dict]:
             x = (torch.randn(1 << 16, d, device="cuda") * 3).to(dtype)
             rot = reference.hadamard_rotation(d, 7).cuda()
             cb = codebook(bits, d).cuda()
-            poison_allocator()
+            reference.poison_allocator()
             codes, norms = kc.quantize_pack(x, rot, cb, bits)
             rc, rn = reference.quantize_reference(x, rot, cb, bits)
             got = reference.unpack_codes(codes, bits, d)
@@ -325,26 +329,16 @@ def sweep(quick: bool):
 
 VARIANTS = [  # label, split-kernel macros, narrow (transposed P.V) kernel allowed
     ("default", (), True),
-    # round 2 (prepared without a GPU; benchmarks/GPU_NOTES.md "Round 2"): register-resident 4-bit
-    # codebooks looked up with prmt instead of shared memory, keys / values / both
-    ("reg lut K", ("TQ_REG_LUT=1",), True),
-    ("reg lut V", ("TQ_REG_LUT=2",), True),
-    ("reg lut KV", ("TQ_REG_LUT=3",), True),
-    # ... using the codebook's sign symmetry (8 stored entries + sign flip, ~25% fewer ALU ops per
-    # code; the launcher drops the macro for codebooks that are not symmetric in fp16/bf16)
-    ("reg lut K sym", ("TQ_REG_LUT=1", "TQ_REG_LUT_SYM=1"), True),
-    ("reg lut KV sym", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1"), True),
-    ("lane tables", ("TQ_LANE_TABLES=1",), True),
+    ("run4 best", RUN4_BEST, True),
+    # keys as the mma A operand (half the score mma's; session 2, run 5: +1%)
+    ("keys A", RUN4_BEST + ("TQ_KEYS_A=1",), True),
 ]
 # Tried on top of the best of VARIANTS, one at a time, kept when the score improves by > 1%
-# (greedy): running load pointers, latency fixes in prep/merge, code loads that skip L1 (+ L2 prefetch of 256 B), 4 blocks
-# per SM for the narrow head_dim-128 kernel (128 registers: fits only with the register tables).
+# (greedy): L2 prefetch n steps ahead (run 5's ncu: the largest stall is the global-load
+# scoreboard), latency fixes in prep/merge, values in registers too, 4 blocks per SM.
 ADDONS = [
-    ("pointer steps", ("TQ_PTR_STEP=1",)),
     ("fast merge", ("TQ_FAST_MERGE=1",)),
-    ("no L1", ("TQ_NO_L1=1",)),
-    ("no L1, L2 256B", ("TQ_NO_L1=2",)),
-    ("4 blocks", ("TQ_NARROW128_BLOCKS=4",)),
+    ("values in registers", ("TQ_REG_LUT=3",)),
 ]
 TUNE_SHAPES = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4),
                (8, 32768, 32, 8, 128, 3, 3)]
@@ -406,11 +400,29 @@ def variants():
         score[label] = _score_variant(label, cand, narrow, rows)
         if score[label] < score[best] - 0.01:
             best, defines = label, cand
-    # split sizes with the winner (the auto split is what the score used)
-    _score_variant(best, defines, narrow, rows, tpws=(256, 1024))
     log("variant scores (mean log ms, lower is better):", {k: round(v, 4) for k, v in score.items()}, "best:", best,
         "macros:", defines)
     return rows, best, base
+
+
+TPW_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (8, 32768, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4),
+              (8, 131072, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4), (32, 131072, 9, 3, 64, 4, 4)]
+TPW_GRID = (256, 512, 1024, 2048)
+
+
+def tpw_sweep() -> list[dict]:
+    """Split size (tokens per warp) grid with the chosen variant, for fitting the launcher's model."""
+    rows = []
+    for shp in TPW_SHAPES:
+        for tpw in (None,) + TPW_GRID:
+            try:
+                row = time_decode(*shp, tokens_per_warp=tpw, sdpa=False)
+                row["tpw"] = tpw or "auto"
+            except Exception as e:
+                row = dict(shape=str(shp), tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
+            log("tpw", row)
+            rows.append(row)
+    return rows
 
 
 def use_variant(label: str) -> None:
@@ -427,7 +439,20 @@ def profile_one() -> None:
 
 
 def kernel_breakdown() -> list[dict]:
-    """Device time per kernel (torch profiler, CUPTI sees the CuPy launches too) for two shapes."""
+    """Device time per kernel (torch profiler, CUPTI sees the CuPy launches too) for two shapes,
+    with the chosen variant and with TQ_FAST_MERGE flipped (prep/merge latency fixes)."""
+    rows = _breakdown("")
+    saved = attention.KERNEL_DEFINES
+    flip = "TQ_FAST_MERGE=0" if "TQ_FAST_MERGE=1" in saved else "TQ_FAST_MERGE=1"
+    attention.KERNEL_DEFINES = _with(saved, (flip,))
+    try:
+        rows += _breakdown(flip + " ")
+    finally:
+        attention.KERNEL_DEFINES = saved
+    return rows
+
+
+def _breakdown(label: str) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     rows = []
@@ -441,7 +466,7 @@ def kernel_breakdown() -> list[dict]:
             for _ in range(10):
                 kc.decode_attention(**case, **kw)
             torch.cuda.synchronize()
-        row = {"shape": f"b{b} t{t} {hq}/{hkv} d{d} {kb}/{vb}"}
+        row = {"shape": f"{label}b{b} t{t} {hq}/{hkv} d{d} {kb}/{vb}"}
         for ev in prof.key_averages():
             if ev.device_time_total > 0:
                 row[ev.key[:40]] = ev.device_time_total / 10 / 1000  # ms per call
@@ -491,6 +516,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
         breakdown = kernel_breakdown()
     except Exception as e:
         breakdown = [{"error": f"{type(e).__name__}: {e}"[:200]}]
+    tpw_rows = tpw_sweep()
     timing = sweep(quick)
     pack_rows = []
     for n, d, bits in ((8 * 8 * 32768, 128, 4), (8 * 3 * 32768, 64, 4), (64, 128, 4)):
@@ -509,6 +535,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
         "pack_checks": packs,
         "quant_checks": quant_checks,
         "variants": var_rows,
+        "tpw_sweep": tpw_rows,
         "variant_used": best,
         "breakdown": breakdown,
         "pack_timing": pack_rows,
