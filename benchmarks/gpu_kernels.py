@@ -132,16 +132,14 @@ def run_checks(best: str = "default") -> list[dict]:
     return rows
 
 
-# the fastest build of session 2's first GPU run (GPU_NOTES.md, run 4)
-RUN4_BEST = ("TQ_REG_LUT=1", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_NO_L1=1")
 CHECK_MODES = [("", (), True), ("wide-only: ", (), False),
-               ("scalar: ", ("TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0"), True),
-               ("reg lut + add-ons: ", ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"), True),
-               ("reg lut sym + add-ons: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_FAST_MERGE=1", "TQ_NO_L1=1"), True),
-               ("reg lut sym, wide-only: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1"), False),
-               ("lane tables: ", ("TQ_LANE_TABLES=3",), True),
-               ("keys A: ", RUN4_BEST + ("TQ_KEYS_A=1",), True),
-               ("keys A, smem tables: ", ("TQ_KEYS_A=1", "TQ_LANE_TABLES=2"), True)]
+               ("scalar: ", ("TQ_REG_LUT=0", "TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0", "TQ_PTR_STEP=0",
+                             "TQ_NO_L1=0"), True),
+               ("shared-memory keys: ", ("TQ_REG_LUT=0",), True),
+               ("values in registers: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1"), True),
+               ("register values only: ", ("TQ_REG_LUT=2",), True),
+               ("no sign symmetry: ", ("TQ_REG_LUT_SYM=0",), True),
+               ("2 stages, wide-only: ", ("TQ_STAGES=2",), False)]
 
 
 def _run_checks(prefix: str) -> list[dict]:
@@ -327,19 +325,14 @@ def sweep(quick: bool):
     return rows
 
 
-VARIANTS = [  # label, split-kernel macros, narrow (transposed P.V) kernel allowed
+VARIANTS = [  # label, split-kernel macros, narrow kernel allowed; "default" is the shipped build
     ("default", (), True),
-    ("run4 best", RUN4_BEST, True),
-    # keys as the mma A operand (half the score mma's; session 2, run 5: +1%)
-    ("keys A", RUN4_BEST + ("TQ_KEYS_A=1",), True),
+    ("shared-memory keys", ("TQ_REG_LUT=0",), True),
+    ("values in registers", ("TQ_REG_LUT=3",), True),
+    ("2 stages", ("TQ_STAGES=2",), True),
 ]
-# Tried on top of the best of VARIANTS, one at a time, kept when the score improves by > 1%
-# (greedy): L2 prefetch n steps ahead (run 5's ncu: the largest stall is the global-load
-# scoreboard), latency fixes in prep/merge, values in registers too, 4 blocks per SM.
-ADDONS = [
-    ("fast merge", ("TQ_FAST_MERGE=1",)),
-    ("values in registers", ("TQ_REG_LUT=3",)),
-]
+# Tried on top of the best of VARIANTS, one at a time, kept when the score improves by > 1%.
+ADDONS: list[tuple[str, tuple[str, ...]]] = []
 TUNE_SHAPES = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4),
                (8, 32768, 32, 8, 128, 3, 3)]
 _COMPOSED: dict[str, tuple[tuple[str, ...], bool]] = {}  # labels built by the greedy add-on pass
@@ -439,17 +432,8 @@ def profile_one() -> None:
 
 
 def kernel_breakdown() -> list[dict]:
-    """Device time per kernel (torch profiler, CUPTI sees the CuPy launches too) for two shapes,
-    with the chosen variant and with TQ_FAST_MERGE flipped (prep/merge latency fixes)."""
-    rows = _breakdown("")
-    saved = attention.KERNEL_DEFINES
-    flip = "TQ_FAST_MERGE=0" if "TQ_FAST_MERGE=1" in saved else "TQ_FAST_MERGE=1"
-    attention.KERNEL_DEFINES = _with(saved, (flip,))
-    try:
-        rows += _breakdown(flip + " ")
-    finally:
-        attention.KERNEL_DEFINES = saved
-    return rows
+    """Device time per kernel (torch profiler, CUPTI sees the CuPy launches too) for two shapes."""
+    return _breakdown("")
 
 
 def _breakdown(label: str) -> list[dict]:

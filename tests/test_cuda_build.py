@@ -44,19 +44,6 @@ def test_kernels_compile_with_nvcc(arch, tmp_path):
         assert (tmp_path / f"{source.split('.')[0]}_{arch}.cubin").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
-def test_lane_table_variant_compiles(arch, tmp_path):
-    """The opt-in per-lane codebook tables (TQ_LANE_TABLES=3: keys and values) build for both targets
-    without spills."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed: CUDA compile check skipped")
-    decls = attention.instance_declarations([(128, 4, 4, False, False, False, True), (64, 3, 3, False, True, False, False)])
-    proc = build.nvcc_compile(attention.SOURCE, decls, arch, tmp_path,
-                              extra=("-DTQ_LANE_TABLES=3", "-Xptxas", "-warn-spills"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "spill" not in proc.stderr.lower(), proc.stderr[-2000:]
-
-
 # Round-2 variants (benchmarks/gpu_kernels.py VARIANTS / ADDONS / CHECK_MODES): every macro set the
 # next GPU run may pick must build for both targets without spills, on the instances it times/checks.
 VARIANT_CONFIGS = [
@@ -68,26 +55,15 @@ VARIANT_CONFIGS = [
     (128, 3, 4, True, True, True, False),
 ]
 VARIANT_DEFINES = [
-    ("TQ_REG_LUT=1",),
+    (),  # the defaults: register keys (symmetric when the launcher says so), running pointers, no-L1 loads
+    ("TQ_REG_LUT_SYM=1",),
+    ("TQ_REG_LUT_SYM=0",),
+    ("TQ_REG_LUT=0",),
+    ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1"),
     ("TQ_REG_LUT=2",),
-    ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=1"),
-    ("TQ_REG_LUT=3", "TQ_FAST_MERGE=1", "TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"),
-    ("TQ_REG_LUT=1", "TQ_NARROW128_BLOCKS=4", "TQ_NO_L1=2"),
-    ("TQ_REG_LUT=1", "TQ_REG_LUT_SYM=1"),
-    ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_FAST_MERGE=1", "TQ_NO_L1=1"),
-    ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"),
-    ("TQ_PTR_STEP=1", "TQ_NARROW128_BLOCKS=4"),
-    ("TQ_REG_LUT=1", "TQ_PTR_STEP=1", "TQ_NARROW128_BLOCKS=4"),
-    ("TQ_REG_LUT=3", "TQ_PTR_STEP=1", "TQ_NARROW128_BLOCKS=4"),
-    ("TQ_REG_LUT=2", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_NARROW128_BLOCKS=4"),
-    ("TQ_NARROW128_BLOCKS=4", "TQ_FAST_MERGE=1"),
-    # session 2: keys as the A operand, per-side lane tables (benchmarks/gpu_kernels.py)
-    ("TQ_REG_LUT=1", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_NO_L1=1", "TQ_KEYS_A=1", "TQ_LANE_TABLES=2"),
-    ("TQ_KEYS_A=1", "TQ_LANE_TABLES=2", "TQ_STAGES=2"),
-    ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_NO_L1=1", "TQ_KEYS_A=1", "TQ_FAST_MERGE=1"),
-    ("TQ_REG_LUT=1", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_NO_L1=1", "TQ_KEYS_A=1", "TQ_PREFETCH=2"),
-    ("TQ_REG_LUT=1", "TQ_REG_LUT_SYM=1", "TQ_PTR_STEP=1", "TQ_NO_L1=1", "TQ_KEYS_A=1", "TQ_PREFETCH=1"),
-    ("TQ_KEYS_A=1", "TQ_PREFETCH=4"),
+    ("TQ_REG_LUT=0", "TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0", "TQ_PTR_STEP=0", "TQ_NO_L1=0"),
+    ("TQ_STAGES=2",),
+    ("TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"),
 ]
 
 
@@ -114,21 +90,12 @@ def test_benchmark_variant_macros_are_compiled_here():
     spec = importlib.util.spec_from_file_location("_gpu_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    covered = {d for ds in VARIANT_DEFINES for d in ds} | {"TQ_LANE_TABLES=3"}
+    covered = {d for ds in VARIANT_DEFINES for d in ds}
     used = {d for _, ds, _ in mod.VARIANTS for d in ds} | {d for _, ds in mod.ADDONS for d in ds}
     used |= {d for _, ds, _ in mod.CHECK_MODES for d in ds}
-    assert used - {"TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0"} <= covered
+    assert used <= covered
     assert mod._with(("TQ_REG_LUT=3", "TQ_NO_L1=1"), ("TQ_NO_L1=2",)) == ("TQ_REG_LUT=3", "TQ_NO_L1=2")
     assert mod.VARIANTS[0] == ("default", (), True)
-
-
-def test_lane_table_shared_memory_size():
-    assert attention.lane_table_bytes(4, 4) == 0  # off by default
-    assert attention.lane_table_bytes(4, 4, ("TQ_LANE_TABLES=3",)) == 2 * 256 * 128
-    assert attention.lane_table_bytes(4, 2, ("TQ_LANE_TABLES=3", "TQ_PAIR4=0")) == (16 + 16) * 128
-    assert attention.lane_table_bytes(3, 3, ("TQ_LANE_TABLES=3",)) == 2 * 64 * 128
-    assert attention.lane_table_bytes(4, 2, ("TQ_LANE_TABLES=2",)) == 16 * 128  # values only
-    assert attention.lane_table_bytes(4, 2, ("TQ_LANE_TABLES=1",)) == 256 * 128  # keys only
 
 
 def test_source_text_inlines_common_header():

@@ -36,19 +36,6 @@ MAX_SPLITS = 4096  # the merge keeps one weight per split in shared memory
 _QIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def lane_table_bytes(k_bits: int, v_bits: int, defines=()) -> int:
-    """Dynamic shared memory of the split kernel: 0 unless built with TQ_LANE_TABLES=n (bit 0: one
-    32-lane copy of the K codebook table, bit 1: of the V table; entries x 128 bytes each)."""
-    macros = dict(d.split("=", 1) for d in defines if "=" in d)
-    sides = int(macros.get("TQ_LANE_TABLES", "0"))
-    pair4 = macros.get("TQ_PAIR4", "1") != "0"
-
-    def entries(b):
-        return 1 << (2 * b) if b <= 3 or (b == 4 and pair4) else 1 << b
-
-    return ((entries(k_bits) if sides & 1 else 0) + (entries(v_bits) if sides & 2 else 0)) * 128
-
-
 def codebook_is_symmetric(codebook: torch.Tensor, bf16: bool) -> bool:
     """True when the 16-entry codebook, rounded to fp16 (bf16), satisfies cb[15 - i] == -cb[i]
     bitwise: the condition of the TQ_REG_LUT_SYM lookups (8 stored entries + sign flip)."""
@@ -60,13 +47,17 @@ def codebook_is_symmetric(codebook: torch.Tensor, bf16: bool) -> bool:
 
 
 def split_defines(defines, k_bits, v_bits, k_codebook, v_codebook, v_bf16) -> tuple[str, ...]:
-    """The split kernel's macros for one call: TQ_REG_LUT_SYM is dropped unless every 4-bit codebook
-    it would be used on is symmetric (the result is cached per codebook tensor version)."""
-    if "TQ_REG_LUT_SYM=1" not in defines:
-        return tuple(defines)
+    """The split kernel's macros for one call: the symmetric register codebooks (TQ_REG_LUT_SYM=1,
+    8 stored entries + sign flip) are added when every 4-bit codebook they would serve is symmetric
+    (the Lloyd-Max ones are; cached per codebook tensor version) and dropped when one is not; a
+    caller's explicit TQ_REG_LUT_SYM=0 stays."""
+    defines = tuple(defines)
+    if "TQ_REG_LUT_SYM=0" in defines:
+        return defines
     ok = all(bits != 4 or build.derived(cb, f"sym {bf}", lambda t, bf=bf: codebook_is_symmetric(t, bf))
              for bits, cb, bf in ((k_bits, k_codebook, False), (v_bits, v_codebook, v_bf16)))
-    return tuple(defines) if ok else tuple(d for d in defines if not d.startswith("TQ_REG_LUT_SYM"))
+    rest = tuple(d for d in defines if not d.startswith("TQ_REG_LUT_SYM"))
+    return rest + ("TQ_REG_LUT_SYM=1",) if ok else rest
 
 
 def _b(x: bool) -> str:
@@ -163,39 +154,69 @@ def _scaled_rows(x: torch.Tensor, perm: torch.Tensor, rows_pad: int) -> tuple[to
     return q16, sc
 
 
-SPLIT_OVERHEAD_TOKENS = 230  # per-warp fixed cost in tokens (prologue, partial write); fitted, GPU_NOTES run 3
-MERGE_TOKENS_PER_SPLIT = 0.6  # merge cost per split, same unit (rough: 2 points, GPU_NOTES run 3)
+# Split-size model (H200 measurements, benchmarks/GPU_NOTES.md session 2): microseconds one warp
+# needs for a 16-token step when an SM runs 4 / 8 / 16+ of them at once (per-SM throughput grows
+# with resident warps, less and less: the kernel is latency bound), the fixed cost of a warp's
+# prologue and partial write, and the merge's cost per 16 splits (one batch of loads).
+STEP_US = ((4, 1.0), (8, 1.4), (16, 2.2), (24, 3.0))
+WARP_FIXED_US = 2.0
+MERGE_US_PER_16_SPLITS = 1.5
 
 
-def blocks_per_sm(dim: int, rows: int, qjl: bool) -> int:
-    """Resident split-kernel blocks per SM (the kernel's __launch_bounds__ minimum)."""
+def blocks_per_sm(dim: int, rows: int, qjl: bool, num_regs: int | None = None) -> int:
+    """Resident split-kernel blocks per SM: from the compiled kernel's registers when known (65,536
+    per SM, allocated per warp in units of 256), else the kernel's __launch_bounds__ minimum."""
+    if num_regs:
+        per_warp = -(-num_regs * 32 // 256) * 256
+        return max(1, min(16, 65536 // (per_warp * WARPS_PER_BLOCK)))
     if qjl or rows > 8 or not NARROW_ENABLED:
         return 2
     return 4 if dim <= 64 else 3
 
 
-def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, dim: int = 128,
-                            rows: int = 4, qjl: bool = False) -> int:
-    """Split size minimizing waves x (tokens per warp + fixed per-warp cost) + merge cost.
+def _step_us(warps: int) -> float:
+    """Per-warp step time at `warps` resident warps per SM (piecewise linear in STEP_US)."""
+    pts = STEP_US
+    if warps <= pts[0][0]:
+        return pts[0][1]
+    for (w0, t0), (w1, t1) in zip(pts, pts[1:]):
+        if warps <= w1:
+            return t0 + (t1 - t0) * (warps - w0) / (w1 - w0)
+    return pts[-1][1] * warps / pts[-1][0]  # saturated: per-SM throughput stays flat
 
-    Blocks of WARPS_PER_BLOCK warps run in waves of (SMs x resident blocks per SM); a wave lasts
-    about as long as its warps' token count plus a fixed cost; the merge reads every split. The
-    constants are fitted to H200 measurements (benchmarks/GPU_NOTES.md, run 3).
+
+@lru_cache(maxsize=4096)
+def _best_tokens_per_warp(bh_tiles: int, capacity: int, sms: int, per_sm: int) -> int:
+    best, best_cost = 16, None
+    seen = set()
+    for nsplit in range(1, min(MAX_SPLITS, -(-capacity // 16)) + 1):
+        tpw = -(-(-(-capacity // nsplit)) // 16) * 16  # ceil(capacity / nsplit), up to a multiple of 16
+        if tpw in seen:
+            continue
+        seen.add(tpw)
+        n = -(-capacity // tpw)
+        blocks = bh_tiles * -(-n // WARPS_PER_BLOCK)
+        on_sm = -(-blocks // sms)  # blocks the busiest SM runs
+        rounds = -(-on_sm // per_sm)
+        warps = WARPS_PER_BLOCK * min(on_sm, per_sm)
+        cost = rounds * ((tpw / 16) * _step_us(warps) + WARP_FIXED_US) + MERGE_US_PER_16_SPLITS * -(-n // 16)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = tpw, cost
+    return best
+
+
+def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, dim: int = 128,
+                            rows: int = 4, qjl: bool = False, num_regs: int | None = None) -> int:
+    """Split size (tokens per warp, a multiple of 16) minimizing the modelled decode time.
+
+    The busiest SM runs ceil(blocks / SMs) blocks, at most `blocks_per_sm` at once; a round costs its
+    warps' steps at the per-warp step time of that occupancy (STEP_US) plus a fixed per-warp cost,
+    and the merge costs a little per split. Any multiple of 16 may win (not only powers of two):
+    filling the last wave matters more than the split size itself.
     """
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    resident = sms * blocks_per_sm(dim, rows, qjl)
-    best, best_cost = None, None
-    tpw = 64
-    while True:
-        nsplit = -(-capacity // tpw)
-        if nsplit <= MAX_SPLITS:
-            blocks = bh_tiles * -(-nsplit // WARPS_PER_BLOCK)
-            cost = -(-blocks // resident) * (tpw + SPLIT_OVERHEAD_TOKENS) + MERGE_TOKENS_PER_SPLIT * nsplit
-            if best_cost is None or cost < best_cost:
-                best, best_cost = tpw, cost
-        if nsplit == 1:
-            return best
-        tpw *= 2
+    per_sm = blocks_per_sm(dim, rows, qjl, num_regs)
+    return _best_tokens_per_warp(bh_tiles, capacity, sms, per_sm)
 
 
 def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_rotation, v_rotation,
@@ -307,7 +328,11 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     else:
         qs16, qs_scale, qjl_bits, rnorms = q16, row_scale, k_codes, k_norms  # unused by the kernel
 
-    tpw = tokens_per_warp or default_tokens_per_warp(bh * rt, tcap, dev, d, r, qjl)
+    narrow = r <= 8 and NARROW_ENABLED
+    defines = split_defines(KERNEL_DEFINES, k_bits, v_bits, k_codebook, v_codebook, v_bf)
+    split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), defines)
+    tpw = tokens_per_warp or default_tokens_per_warp(bh * rt, tcap, dev, d, r, qjl,
+                                                     getattr(split_fn, "num_regs", None))
     if tpw <= 0 or tpw % 16:
         raise ValueError("tokens_per_warp must be a positive multiple of 16")
     if -(-tcap // tpw) > MAX_SPLITS:
@@ -327,15 +352,8 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     lens = seq_lens.to(dev, torch.int32).clamp(0, tcap).contiguous()
     vrot = _derive(v_rotation, f"f32 {dev}", lambda m: m.to(dev, torch.float32).contiguous())
 
-    narrow = r <= 8 and NARROW_ENABLED
-    defines = split_defines(KERNEL_DEFINES, k_bits, v_bits, k_codebook, v_codebook, v_bf)
-    split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), defines)
-    # prep/merge see the macros too (TQ_FAST_MERGE); the default () builds the proven kernels
     merge_fn = build.get_function(SOURCE, merge_name(d), KERNEL_DEFINES)
     prep_fn = build.get_function(SOURCE, prep_name(d, _QIN[q_in.dtype]), KERNEL_DEFINES)
-    smem = lane_table_bytes(k_bits, v_bits, KERNEL_DEFINES)
-    if smem > 48 * 1024 and getattr(split_fn, "max_dynamic_shared_size_bytes", 0) < smem:
-        split_fn.max_dynamic_shared_size_bytes = smem  # above 48 KB needs the attribute raised
     i32 = np.int32
     with cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev.index or 0):
         prep_fn((bh * rows_pad,), (d,), (q_in.data_ptr(), kr_t.data_ptr(), perm.data_ptr(),
@@ -346,7 +364,7 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
             (q16.data_ptr(), row_scale.data_ptr(), kc.data_ptr(), kn.data_ptr(), vc.data_ptr(), vn.data_ptr(),
              qs16.data_ptr(), qs_scale.data_ptr(), qjl_bits.data_ptr(), rnorms.data_ptr(), kcb.data_ptr(),
              vcb.data_ptr(), lens.data_ptr(), i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit),
-             part_o.data_ptr(), part_ml.data_ptr()), shared_mem=smem)
+             part_o.data_ptr(), part_ml.data_ptr()))
         merge_fn((bh * r,), (d,), (part_o.data_ptr(), part_ml.data_ptr(), vrot.data_ptr(), i32(r), i32(nsplit),
                                    out.data_ptr(), lse.data_ptr()), shared_mem=8 * nsplit)
     return out.reshape(b, hq, ql, d), lse.reshape(b, hq, ql)

@@ -62,9 +62,9 @@ struct TqBits {
 
 // Cache hints of the 16/8-byte code loads (-DTQ_NO_L1=n): 0 plain ld.global.nc; 1 L1::no_allocate
 // (streamed codes do not take L1 lines from the other warps); 2 also L2::256B (L2 prefetches the
-// whole 256-byte sector group: the next tokens' rows).
+// whole 256-byte sector group: the next tokens' rows). Default 1 (measured +8% on an H200).
 #ifndef TQ_NO_L1
-#define TQ_NO_L1 0
+#define TQ_NO_L1 1
 #endif
 #if TQ_NO_L1 == 1
 #define TQ_LDNC "ld.global.nc.L1::no_allocate"

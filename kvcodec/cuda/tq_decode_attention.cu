@@ -2,13 +2,17 @@
 //
 // Kernel 1 (tq_decode_split): one warp owns one (sequence, kv head, 16-row query tile, token split).
 // Per 16-token step it loads the packed key codes, value codes and norms straight from the cache,
-// dequantizes them in registers (codebook in shared memory) into tensor-core fragments and runs
-//   S = Q_rot K_rot^T           (mma.sync m16n8k16, fp16 in, fp32 out; key norms applied in fp32)
-//   online softmax (base 2)
-//   O += (P * value_norms) V_rot (mma.sync, fp16 or bf16 in, fp32 accumulators)
-// All query heads of a GQA group (times q_len) are the 16 rows of the tile, so each K/V byte is read
-// once for the whole group. Partial (O, m, l) go to scratch; kernel 2 (tq_decode_merge) merges the
-// splits with a log-sum-exp and applies the inverse rotation once per output row.
+// dequantizes them in registers into tensor-core fragments (4-bit keys: a register codebook read
+// with prmt; other codes: a shared-memory table) and runs, for "narrow" tiles (<= 8 query rows, e.g.
+// a GQA group of <= 8 heads at q_len 1, the decode case):
+//   S^T = K_rot Q_rot^T          (mma.sync m16n8k16: the 16 tokens are the A rows, the query rows
+//                                 the 8 B columns; fp16 in, fp32 out; key norms applied in fp32)
+//   online softmax (base 2), P^T transposed to the B layout with movmatrix
+//   O^T += V_rot^T (P * value_norms)^T   (values as the A operand, fp32 accumulators)
+// and for wide tiles (9-16 rows) the same with S = Q K^T and O += P V. All query heads of a GQA
+// group (times q_len) share each loaded K/V byte. Partial (O, m, l) go to scratch; kernel 2
+// (tq_decode_merge) merges the splits with a log-sum-exp and applies the inverse rotation once per
+// output row. Measured design choices (H200): benchmarks/GPU_NOTES.md.
 //
 // Dimension bookkeeping. The mma k index is a permutation of the head dimension chosen so that each
 // thread reads a contiguous run of codes: thread t (= lane % 4) of a key row owns coordinates
@@ -50,21 +54,15 @@
 #ifndef TQ_V4_INTERLEAVE
 #define TQ_V4_INTERLEAVE 1
 #endif
-// Per-lane codebook tables, bit 0 = keys, bit 1 = values: every lane gets its own copy of the table,
-// entry e of lane L at word 32 e + L, so a lookup always hits the lane's own bank (no bank
-// conflicts). Costs (entries x 128) bytes of dynamic shared memory per table (32 KB for a 4-bit pair
-// table). Opt-in; -DTQ_LANE_TABLES=n (2 pairs with TQ_REG_LUT=1: keys in registers, values here).
-#ifndef TQ_LANE_TABLES
-#define TQ_LANE_TABLES 0
-#endif
 // Register-resident 4-bit codebooks (no shared-memory lookups in the inner loop; the measured
 // limit of the default kernel is the L1/shared pipe): bit 0 = keys, bit 1 = values (4-bit codes
 // only; values only in the narrow kernel with TQ_V4_INTERLEAVE). Each 16-entry table lives in 8
 // registers as two byte planes and is read with prmt (TqRegLut4: 2.6 ALU ops per code instead of
 // one shared-memory load per two codes). 1 or 2 balance the L1 and ALU pipes; 3 moves everything
-// to the ALU pipe. Opt-in; -DTQ_REG_LUT=n.
+// to the ALU pipe. Default 1 (keys in registers, values in shared memory: fastest on an H200,
+// GPU_NOTES run 5); -DTQ_REG_LUT=n.
 #ifndef TQ_REG_LUT
-#define TQ_REG_LUT 0
+#define TQ_REG_LUT 1
 #endif
 // 1: the register tables use the codebook's sign symmetry (TqRegLut4Sym: 4 registers per table,
 // ~25% fewer ALU ops per code). Only valid for codebooks with cb16[15 - i] == -cb16[i] bitwise: the
@@ -72,19 +70,10 @@
 #ifndef TQ_REG_LUT_SYM
 #define TQ_REG_LUT_SYM 0
 #endif
-// 1: latency fixes in the small launches (query prep, split merge): the serial loops there issued
-// 8 loads per round trip and the merge's per-split `if (w != 0)` kept loads from batching (b1 32k
-// merge: 12.8 us for 128 splits). With it: rotation loops unrolled by 32, merge loads unconditional
-// (the weight is applied with a select, so an empty split's partials never reach the sum) and 8
-// accumulation chains. Opt-in; -DTQ_FAST_MERGE=1 (the launcher passes the split kernel's macros to
-// prep and merge too).
-#ifndef TQ_FAST_MERGE
-#define TQ_FAST_MERGE 0
-#endif
 // 1: running load pointers advanced 16 tokens per step instead of addresses rebuilt from the token
-// index in every step (-DTQ_PTR_STEP=1; costs ~8 registers).
+// index in every step (-DTQ_PTR_STEP=0 to turn off; costs ~8 registers, measured +6%).
 #ifndef TQ_PTR_STEP
-#define TQ_PTR_STEP 0
+#define TQ_PTR_STEP 1
 #endif
 // 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
 // 1 (loads at the top of each step, latency covered by the other warps) measured fastest on an H200:
@@ -92,20 +81,6 @@
 // and deeper rings only cost registers and instruction-cache footprint (benchmarks/GPU_NOTES.md).
 #ifndef TQ_STAGES
 #define TQ_STAGES 1
-#endif
-// 1: narrow tiles compute S^T = K Q^T with the keys as the A operand (m16 = the 16 tokens of a step,
-// n8 = the query rows) instead of S = Q K^T with 8 of the 16 A rows empty: half the score mma's, no
-// zero registers to rebuild, the row rescale factors are local, and the norms of only 2 tokens per
-// thread are loaded; P^T goes back to the B layout of P V with two movmatrix transposes.
-#ifndef TQ_KEYS_A
-#define TQ_KEYS_A 0
-#endif
-// n > 0: L2 prefetch of the codes and norms n steps ahead (one prefetch.global.L2 per lane and step,
-// each lane owning one 128-byte line of the step's K, V or norm bytes): the loads of a step then
-// wait for L2 instead of DRAM, without the registers of a deeper register ring (ncu, run 5: the
-// largest stall is the global-load scoreboard). Not for prod (QJL) keys. -DTQ_PREFETCH=n.
-#ifndef TQ_PREFETCH
-#define TQ_PREFETCH 0
 #endif
 
 namespace tq {
@@ -157,47 +132,6 @@ struct CodeTable {
       return tq_lds_at(pair, tq_field_off<BITS, 2>(a, p) | tq_field_off<BITS, 2 + BITS>(b, p));
     else return __byte_perm(tq_lds_at(single, tq_field_off<BITS, 2>(a, p)),
                             tq_lds_at(single, tq_field_off<BITS, 2>(b, p)), 0x5410);
-  }
-};
-
-// Per-lane replicated codebook tables (TQ_LANE_TABLES): same interface as CodeTable; `base` points
-// at this lane's column (table + 4 * lane), entry e sits 128 * e bytes further.
-template <int BITS, bool BF>
-struct LaneTable {
-  static constexpr bool PAIRED = BITS <= 3 || (BITS == 4 && TQ_PAIR4);
-  static constexpr int N1 = 1 << BITS;
-  static constexpr int N = PAIRED ? (1 << (2 * BITS)) : N1;
-  static constexpr int BYTES = N * 32 * 4;
-  const char* base;
-
-  TQ_DEVI void fill(char* table, const float* __restrict__ cb, int tid, int nthreads, int lane) {
-    tq_u32* w = reinterpret_cast<tq_u32*>(table);
-    for (int i = tid; i < N * 32; i += nthreads) {
-      const int e = i >> 5;
-      w[i] = PAIRED ? tq_pack2(tq_f_to_16<BF>(cb[e & (N1 - 1)]), tq_f_to_16<BF>(cb[e >> BITS]))
-                    : (tq_u32)tq_f_to_16<BF>(cb[e]);
-    }
-    base = table + 4 * lane;
-  }
-  TQ_DEVI tq_u32 at(tq_u32 off) const { return *reinterpret_cast<const tq_u32*>(base + off); }
-  template <int NB>
-  TQ_DEVI tq_u32 adjacent(const TqBits<NB>& b, int p) const {
-    if constexpr (PAIRED) return at(tq_field_off<2 * BITS, 7>(b, p));
-    else return __byte_perm(at(tq_field_off<BITS, 7>(b, p)), at(tq_field_off<BITS, 7>(b, p + BITS)), 0x5410);
-  }
-  template <int NB>
-  TQ_DEVI tq_u32 across(const TqBits<NB>& a, const TqBits<NB>& b, int p) const {
-    if constexpr (PAIRED) return at(tq_field_off<BITS, 7>(a, p) | tq_field_off<BITS, 7 + BITS>(b, p));
-    else return __byte_perm(at(tq_field_off<BITS, 7>(a, p)), at(tq_field_off<BITS, 7>(b, p)), 0x5410);
-  }
-  template <int NB>
-  TQ_DEVI static void interleave4(const TqBits<NB>& a, const TqBits<NB>& b, tq_u32* ev, tq_u32* od) {
-    CodeTable<BITS, BF>::interleave4(a, b, ev, od);
-  }
-  TQ_DEVI tq_u32 interleaved(const tq_u32* ev, const tq_u32* od, int c) const {
-    const tq_u32 x = (c & 1) ? od[c >> 3] : ev[c >> 3];
-    const int k = (c >> 1) & 3;
-    return at(k ? ((x >> (8 * k - 7)) & 0x7F80u) : ((x << 7) & 0x7F80u));
   }
 };
 
@@ -340,27 +274,10 @@ tq_decode_split(
     const int* __restrict__ seq_lens, int Hkv, int R, int RT, int Tcap, int tokens_per_warp,
     int nsplit, float* __restrict__ part_o, float* __restrict__ part_ml) {
   using T = tq::DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
-#if TQ_LANE_TABLES
-  extern __shared__ __align__(16) char tq_lane_smem[];  // K table, then V table (launcher sizes it)
-#endif
-#if TQ_LANE_TABLES & 1
-  tq::LaneTable<BK, false> ktab;
-  ktab.fill(tq_lane_smem, k_codebook, threadIdx.x, blockDim.x, threadIdx.x & 31);
-  constexpr int KLANE_BYTES = tq::LaneTable<BK, false>::BYTES;
-#else
   __shared__ tq::CodeTable<BK, false> ktab;
-  ktab.fill(k_codebook, threadIdx.x, blockDim.x);
-#endif
-#if TQ_LANE_TABLES & 2
-#if !(TQ_LANE_TABLES & 1)
-  constexpr int KLANE_BYTES = 0;
-#endif
-  tq::LaneTable<BV, VBF> vtab;
-  vtab.fill(tq_lane_smem + KLANE_BYTES, v_codebook, threadIdx.x, blockDim.x, threadIdx.x & 31);
-#else
   __shared__ tq::CodeTable<BV, VBF> vtab;
+  ktab.fill(k_codebook, threadIdx.x, blockDim.x);
   vtab.fill(v_codebook, threadIdx.x, blockDim.x);
-#endif
   // register tables (TQ_REG_LUT), filled only where used
 #if TQ_REG_LUT_SYM
   TqRegLut4Sym kreg, vreg;
@@ -404,11 +321,11 @@ tq_decode_split(
       sa[s][2] = *reinterpret_cast<const tq_u32*>(srow0 + 16 * s + 2 * t + 8);
       sa[s][3] = NARROW ? 0u : *reinterpret_cast<const tq_u32*>(srow1 + 16 * s + 2 * t + 8);
     }
-    qjl_scale0 = qs_scale[(long long)bh * rows + rt * 16 + (NARROW && TQ_KEYS_A ? 2 * t : g)];
-    qjl_scale1 = qs_scale[(long long)bh * rows + rt * 16 + (NARROW && TQ_KEYS_A ? 2 * t + 1 : g + 8)];
+    qjl_scale0 = qs_scale[(long long)bh * rows + rt * 16 + (NARROW ? 2 * t : g)];
+    qjl_scale1 = qs_scale[(long long)bh * rows + rt * 16 + (NARROW ? 2 * t + 1 : g + 8)];
   }
-  // KA: this thread's score columns are rows 2t and 2t + 1 (of the 8 narrow rows) instead of g, g + 8
-  constexpr bool KA = NARROW && TQ_KEYS_A;
+  // narrow tiles: this thread's score columns are rows 2t and 2t + 1 (of the 8 rows), not g, g + 8
+  constexpr bool KA = NARROW;
   const int srow0 = KA ? 2 * t : g, srow1 = KA ? 2 * t + 1 : g + 8;
   const float rs0 = row_scale[(long long)bh * rows + rt * 16 + srow0];
   const float rs1 = row_scale[(long long)bh * rows + rt * 16 + srow1];
@@ -566,7 +483,7 @@ tq_decode_split(
       }
       pv_narrow(cur, pb0, pb1);
     } else {
-      // ---- scores: two n8 tiles (tokens base + 0..7 and base + 8..15)
+      // ---- wide tiles (more than 8 rows): S = Q K^T, two n8 tiles (tokens base + 0..7, base + 8..15)
       float sc[2][4];
       float sq[2][4];
 #pragma unroll
@@ -608,24 +525,22 @@ tq_decode_split(
           const bool ok = base + 8 * j + 2 * t + e < end;
           const float knf = tq_16_to_f<KBF>(cur.kn[slot]);
           float x0 = rs0 * knf * sc[j][e];
-          float x1 = NARROW ? 0.f : rs1 * knf * sc[j][2 + e];
+          float x1 = rs1 * knf * sc[j][2 + e];
           if constexpr (QJL) {
             const float rnf = tq_16_to_f<KBF>(cur.rn[slot]);
             x0 += qjl_scale0 * rnf * sq[j][e];
-            if constexpr (!NARROW) x1 += qjl_scale1 * rnf * sq[j][2 + e];
+            x1 += qjl_scale1 * rnf * sq[j][2 + e];
           }
           p[j][e] = ok ? x0 : NEG_INF;
-          p[j][2 + e] = (ok && !NARROW) ? x1 : NEG_INF;
+          p[j][2 + e] = ok ? x1 : NEG_INF;
           mx0 = fmaxf(mx0, p[j][e]);
-          if constexpr (!NARROW) mx1 = fmaxf(mx1, p[j][2 + e]);
+          mx1 = fmaxf(mx1, p[j][2 + e]);
         }
       }
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      if constexpr (!NARROW) {
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      }
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
       const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
       const float mu0 = (mn0 == NEG_INF) ? 0.f : mn0;  // all-masked row so far: avoid inf - inf
       const float mu1 = (mn1 == NEG_INF) ? 0.f : mn1;
@@ -636,48 +551,32 @@ tq_decode_split(
       tq_u32 pa[4];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        float e0 = tq_exp2(p[j][0] - mu0), e1 = tq_exp2(p[j][1] - mu0);
-        float e2 = NARROW ? 0.f : tq_exp2(p[j][2] - mu1), e3 = NARROW ? 0.f : tq_exp2(p[j][3] - mu1);
+        const float e0 = tq_exp2(p[j][0] - mu0), e1 = tq_exp2(p[j][1] - mu0);
+        const float e2 = tq_exp2(p[j][2] - mu1), e3 = tq_exp2(p[j][3] - mu1);
         ps0 += e0 + e1;
         ps1 += e2 + e3;
         const float vn0 = tq_16_to_f<VBF>(cur.vn[2 * j]), vn1 = tq_16_to_f<VBF>(cur.vn[2 * j + 1]);
         pa[2 * j + 0] = tq_pack2(tq_f_to_16<VBF>(e0 * vn0), tq_f_to_16<VBF>(e1 * vn1));
-        pa[2 * j + 1] = NARROW ? 0u : tq_pack2(tq_f_to_16<VBF>(e2 * vn0), tq_f_to_16<VBF>(e3 * vn1));
+        pa[2 * j + 1] = tq_pack2(tq_f_to_16<VBF>(e2 * vn0), tq_f_to_16<VBF>(e3 * vn1));
       }
       l0 = l0 * al0 + ps0;
       l1 = l1 * al1 + ps1;
-      // A fragment order: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..)
-      const tq_u32 pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
-      if constexpr (NARROW) {
-        if (__any_sync(0xffffffffu, al0 != 1.f)) {  // the running max moved: rescale
-          // this thread's accumulator rows are 2t and 2t+1; their factors live in lanes 8t, 8t+4
-          const float a_lo = __shfl_sync(0xffffffffu, al0, 8 * t);
-          const float a_hi = __shfl_sync(0xffffffffu, al0, 8 * t + 4);
-#pragma unroll
-          for (int i = 0; i < NACC; ++i) {
-            acc[i][0] *= a_lo;
-            acc[i][1] *= a_hi;
-            acc[i][2] *= a_lo;
-            acc[i][3] *= a_hi;
-          }
-        }
-        pv_narrow(cur, pa[0], pa[2]);
-      } else {
-        if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max moved: rescale
-#pragma unroll
-          for (int i = 0; i < NACC; ++i) {
-            acc[i][0] *= al0;
-            acc[i][1] *= al0;
-            acc[i][2] *= al1;
-            acc[i][3] *= al1;
-          }
-        }
+      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max moved: rescale
 #pragma unroll
         for (int i = 0; i < NACC; ++i) {
-          const tq_u32 b0 = vtab.across(cur.v[0], cur.v[1], i * BV);
-          const tq_u32 b1 = vtab.across(cur.v[2], cur.v[3], i * BV);
-          tq_mma16816<VBF>(acc[i], pfrag, b0, b1);
+          acc[i][0] *= al0;
+          acc[i][1] *= al0;
+          acc[i][2] *= al1;
+          acc[i][3] *= al1;
         }
+      }
+      // A fragment order: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..)
+      const tq_u32 pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {
+        const tq_u32 b0 = vtab.across(cur.v[0], cur.v[1], i * BV);
+        const tq_u32 b1 = vtab.across(cur.v[2], cur.v[3], i * BV);
+        tq_mma16816<VBF>(acc[i], pfrag, b0, b1);
       }
     }
   };
@@ -696,28 +595,6 @@ tq_decode_split(
 #else
   auto load_next = [&](tq::StepRegs<T>& r, int at) { tq::load_any<T, QJL, KA>(r, at, end, L); };
 #endif
-#if TQ_PREFETCH
-  // this lane's line of the step TQ_PREFETCH steps ahead: K lines, then V lines, then the first and
-  // last byte of the K and V norms of the step (lanes past those prefetch nothing)
-  constexpr int KSTEP = 16 * T::KROW_WORDS * 4, VSTEP = 16 * T::VROW_WORDS * 4;
-  constexpr int NKL = KSTEP / 128 + 1, NVL = VSTEP / 128 + 1;
-  const char* pf = nullptr;
-  int pf_stride = 0;
-  {
-    const long long t0 = tok0 + begin + 16 * TQ_PREFETCH;
-    if (lane < NKL) {
-      pf = reinterpret_cast<const char*>(kcodes) + t0 * (T::KROW_WORDS * 4) + 128 * lane;
-      pf_stride = KSTEP;
-    } else if (lane < NKL + NVL) {
-      pf = reinterpret_cast<const char*>(vcodes) + t0 * (T::VROW_WORDS * 4) + 128 * (lane - NKL);
-      pf_stride = VSTEP;
-    } else if (lane < NKL + NVL + 4) {
-      const int j = lane - NKL - NVL;
-      pf = reinterpret_cast<const char*>((j < 2 ? knorms : vnorms) + t0) + 31 * (j & 1);
-      pf_stride = 32;
-    }
-  }
-#endif
 #pragma unroll
   for (int k = 0; k < STAGES - 1; ++k)
     if (begin + 16 * k < end) load_next(ring[k], begin + 16 * k);
@@ -729,13 +606,6 @@ tq_decode_split(
         const int ahead = here + 16 * (STAGES - 1);
         if (ahead < end)
           load_next(ring[(k + STAGES - 1) % STAGES], ahead);
-#if TQ_PREFETCH
-        if constexpr (!QJL) {
-          if (pf != nullptr && here + 16 * (TQ_PREFETCH + 1) <= end)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(pf));
-          pf += pf_stride;
-        }
-#endif
         step(ring[k], here);
       }
     }
@@ -811,16 +681,9 @@ __global__ void __launch_bounds__(D) tq_decode_prep(
   else if constexpr (QIN == 1) x[d] = tq_h2f(reinterpret_cast<const tq_u16*>(q)[src]);
   else x[d] = tq_bf2f(reinterpret_cast<const tq_u16*>(q)[src]);
   __syncthreads();
-#if TQ_FAST_MERGE
-  float acc4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 32
-  for (int i = 0; i < D; ++i) acc4[i & 3] += x[i] * __ldg(rt + i * D + d);
-  const float acc = (acc4[0] + acc4[1]) + (acc4[2] + acc4[3]);
-#else
   float acc = 0.f;
 #pragma unroll 8
   for (int i = 0; i < D; ++i) acc += x[i] * __ldg(rt + i * D + d);
-#endif
   y[d] = acc;
   float m = fabsf(acc);
 #pragma unroll
@@ -835,7 +698,6 @@ __global__ void __launch_bounds__(D) tq_decode_prep(
   if (d == 0) row_scale[row] = amax * mult;
 }
 
-#if TQ_FAST_MERGE
 // Merge the splits of one output row (log-sum-exp), then undo the rotation: out = y @ rotation.
 // Grid: BH * R blocks of D threads; dynamic shared memory: 2 * nsplit floats (split maxima / weights
 // and sums). Every phase issues its loads in independent batches: the partials and the rotation
@@ -922,71 +784,3 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
   out[(long long)row * D + d] = (o4[0] + o4[1]) + (o4[2] + o4[3]);
   if (d == 0) lse[row] = (L > 0.f) ? (M + __log2f(L)) * 0.69314718055994531f : NEG_INF;
 }
-#else
-// Merge the splits of one output row (log-sum-exp), then undo the rotation: out = y @ rotation.
-// Grid: BH * R blocks of D threads; dynamic shared memory: nsplit floats (the split weights).
-// out: [BH, R, D] fp32; lse: [BH, R] natural log of the sum of exp(softmax_scale * score) over the
-// compressed tokens (-inf when there are none).
-template <int D>
-__global__ void __launch_bounds__(D) tq_decode_merge(
-    const float* __restrict__ part_o, const float* __restrict__ part_ml, const float* __restrict__ rotation,
-    int R, int nsplit, float* __restrict__ out, float* __restrict__ lse) {
-  extern __shared__ float wsplit[];
-  __shared__ float y[D];
-  __shared__ float red[D / 32];
-  const int row = blockIdx.x;  // bh * R + r
-  const int bh = row / R, r = row % R;
-  const int d = threadIdx.x;
-  const float NEG_INF = -__int_as_float(0x7f800000);
-  const float* ml = part_ml + (long long)bh * nsplit * R * 2;
-  // 1. max of the split maxima (splits spread over the threads)
-  float M = NEG_INF;
-  for (int s = d; s < nsplit; s += D) M = fmaxf(M, ml[((long long)s * R + r) * 2]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  if ((d & 31) == 0) red[d >> 5] = M;
-  __syncthreads();
-  M = red[0];
-#pragma unroll
-  for (int w = 1; w < D / 32; ++w) M = fmaxf(M, red[w]);
-  __syncthreads();
-  const float Mu = (M == NEG_INF) ? 0.f : M;
-  // 2. split weights and the total mass
-  float L = 0.f;
-  for (int s = d; s < nsplit; s += D) {
-    const float m = ml[((long long)s * R + r) * 2];
-    const float l = ml[((long long)s * R + r) * 2 + 1];
-    const float w = (l > 0.f) ? tq_exp2(m - Mu) : 0.f;
-    wsplit[s] = w;
-    L += w * l;
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-  if ((d & 31) == 0) red[d >> 5] = L;
-  __syncthreads();
-  L = 0.f;
-#pragma unroll
-  for (int w = 0; w < D / 32; ++w) L += red[w];
-  // 3. weighted sum of the partial outputs, four independent chains
-  const float* po = part_o + ((long long)bh * nsplit * R + r) * D + d;
-  const long long stride = (long long)R * D;
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-  int s = 0;
-  for (; s + 4 <= nsplit; s += 4) {
-    const float w0 = wsplit[s], w1 = wsplit[s + 1], w2 = wsplit[s + 2], w3 = wsplit[s + 3];
-    if (w0 != 0.f) a0 += w0 * po[s * stride];
-    if (w1 != 0.f) a1 += w1 * po[(s + 1) * stride];
-    if (w2 != 0.f) a2 += w2 * po[(s + 2) * stride];
-    if (w3 != 0.f) a3 += w3 * po[(s + 3) * stride];
-  }
-  for (; s < nsplit; ++s)
-    if (wsplit[s] != 0.f) a0 += wsplit[s] * po[s * stride];
-  y[d] = (L > 0.f) ? ((a0 + a1) + (a2 + a3)) / L : 0.f;
-  __syncthreads();
-  float o = 0.f;
-#pragma unroll 8
-  for (int i = 0; i < D; ++i) o += y[i] * __ldg(rotation + i * D + d);
-  out[(long long)row * D + d] = o;
-  if (d == 0) lse[row] = (L > 0.f) ? (M + __log2f(L)) * 0.69314718055994531f : NEG_INF;
-}
-#endif
