@@ -657,6 +657,25 @@ tq_decode_split(
   }
 }
 
+namespace tq {
+// sum_i v[i] * M[i][d] for a shared-memory vector v and a row-major [D, D] matrix in global memory
+// (thread d reads column d: coalesced). The column is loaded in independent batches of 32, so the
+// small launches wait for a few memory round trips instead of one per 8 elements.
+template <int D>
+TQ_DEVI float col_dot(const float* v, const float* __restrict__ M, int d) {
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i0 = 0; i0 < D; i0 += 32) {
+    float m[32];
+#pragma unroll
+    for (int k = 0; k < 32; ++k) m[k] = __ldg(M + (i0 + k) * D + d);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) acc[k & 3] += v[i0 + k] * m[k];
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+}  // namespace tq
+
 // Query preparation, one block of D threads per padded row: y = q @ rotation.T (rt = rotation.T,
 // row-major, so thread j reads rt[i][j] coalesced); q16[k] = y[perm[k]] / max|y| as fp16;
 // row_scale = max|y| * mult. Rows r >= R of a kv head's tile are padding: zeros.
@@ -681,9 +700,7 @@ __global__ void __launch_bounds__(D) tq_decode_prep(
   else if constexpr (QIN == 1) x[d] = tq_h2f(reinterpret_cast<const tq_u16*>(q)[src]);
   else x[d] = tq_bf2f(reinterpret_cast<const tq_u16*>(q)[src]);
   __syncthreads();
-  float acc = 0.f;
-#pragma unroll 8
-  for (int i = 0; i < D; ++i) acc += x[i] * __ldg(rt + i * D + d);
+  const float acc = tq::col_dot<D>(x, rt, d);
   y[d] = acc;
   float m = fabsf(acc);
 #pragma unroll
@@ -771,16 +788,7 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
   }
   y[d] = (L > 0.f) ? ((a[0] + a[1]) + (a[2] + a[3])) / L : 0.f;
   __syncthreads();
-  // 4. out[d] = sum_i y[i] rotation[i][d], the rotation column read in batches of 32
-  float o4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int i0 = 0; i0 < D; i0 += 32) {
-    float rv[32];
-#pragma unroll
-    for (int k = 0; k < 32; ++k) rv[k] = __ldg(rotation + (i0 + k) * D + d);
-#pragma unroll
-    for (int k = 0; k < 32; ++k) o4[k & 3] += y[i0 + k] * rv[k];
-  }
-  out[(long long)row * D + d] = (o4[0] + o4[1]) + (o4[2] + o4[3]);
+  // 4. out[d] = sum_i y[i] rotation[i][d]
+  out[(long long)row * D + d] = tq::col_dot<D>(y, rotation, d);
   if (d == 0) lse[row] = (L > 0.f) ? (M + __log2f(L)) * 0.69314718055994531f : NEG_INF;
 }
