@@ -26,8 +26,13 @@ SPLIT_CONFIGS = [
     (64, 3, 3, False, True, False, False),
     (64, 1, 2, False, False, True, True),
 ]
-PACK_CONFIGS = [(128, 4, 2, False, 1, False), (128, 4, 2, False, 2, True), (128, 3, 1, False, 2, True),
-                (64, 3, 2, True, 2, False), (64, 2, 0, False, 1, True)]
+# (dim, bits, in_code, norm_bf16, rounds, nc): every dim 64/128/256 x bits 2/3/4 x rounds 1/2 x nc, the input
+# types and norm dtypes spread over them, plus the edges (dim 32 / 512 / 1024, bits 1 and 5-8).
+PACK_CONFIGS = [(d, b, (2, 1, 0)[i % 3], i % 4 == 1, r, nc) for i, (d, b, r, nc) in enumerate(
+    (d, b, r, nc) for d in (64, 128, 256) for b in (2, 3, 4) for r in (1, 2) for nc in (False, True))] + [
+    (128, 4, 2, False, 1, False), (32, 3, 2, False, 1, True), (32, 1, 0, False, 2, False), (512, 4, 2, False, 2, True),
+    (1024, 8, 1, True, 1, False), (1024, 4, 0, False, 2, True), (128, 8, 2, False, 1, True), (64, 5, 0, False, 2, True),
+    (128, 6, 2, True, 1, False), (256, 7, 1, False, 2, True)]
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
@@ -492,3 +497,294 @@ def test_split_defines_drop_symmetric_lookups_for_asymmetric_codebooks():
     assert attention.split_defines(d, 4, 4, sym, asym, True) == ("TQ_REG_LUT=3",)
     assert attention.split_defines(d, 4, 2, sym, torch.rand(4), False) == d  # 2-bit side: tables as before
     assert attention.split_defines(("TQ_REG_LUT=1",), 4, 4, asym, asym, False) == ("TQ_REG_LUT=1",)
+
+
+# ---- quantize + pack (tq_pack.cu): the kernel's lane and fragment logic, emulated lane by lane ----------
+
+_LANE = np.arange(32)
+_LG, _LT = _LANE >> 2, _LANE & 3  # g = lane / 4, t = lane % 4
+
+
+def _f32fma(a, b, c):  # float32 fma: exact product in float64, then rounding (double rounding is rare)
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
+
+
+def _mma16816(acc, a, b0, b1, f16):
+    """mma.m16n8k16.row.col with fp32 accumulators from per-lane fragments (a [32, 4], b0/b1 [32])."""
+    def half(u, hi):
+        h = (np.asarray(u, np.int64) >> (16 if hi else 0)) & 0xFFFF
+        return float(np.uint16(h).view(np.float16)) if f16 else float(np.uint32(h << 16).view(np.float32))
+
+    A, Bm = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for i, (r, k) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+            A[r, k], A[r, k + 1] = half(a[lane, i], 0), half(a[lane, i], 1)
+        Bm[2 * t, g], Bm[2 * t + 1, g] = half(b0[lane], 0), half(b0[lane], 1)
+        Bm[2 * t + 8, g], Bm[2 * t + 9, g] = half(b1[lane], 0), half(b1[lane], 1)
+    C = A @ Bm
+    out = acc.astype(np.float64)
+    out += np.stack([C[_LG, 2 * _LT], C[_LG, 2 * _LT + 1], C[_LG + 8, 2 * _LT], C[_LG + 8, 2 * _LT + 1]], 1)
+    return out.astype(np.float32)
+
+
+def _emulate_quant_pack(x, signs, codebook, bits, norm_dtype=torch.float16, norm_correction=False):
+    """tq_quant_pack op for op on the CPU, vectorised over the 32 lanes of a warp: the load layout, the
+    B fragments (prmt), A = H16 in (rho, kappa) order, the mma fragments, the G / segment / round-2
+    levels and shuffles, the cell-table search (and the binary-search fallback), the prmt byte gather,
+    the piece stores and the norms. Returns (codes [N, D*bits/8] uint8, norms)."""
+    u32, f32 = np.uint32, np.float32
+    n_rows, D = x.shape
+    x32, f16 = x.dtype == torch.float32, x.dtype == torch.float16
+    signs = signs.reshape(-1, D).float().numpy()
+    rounds, B = signs.shape[0], bits
+    S = D // 128 if D > 128 else 1
+    LSEG, R = D // S, 8 // S
+    NG = LSEG // 16
+    CH, NCH = 8 // NG, NG // 2
+    NTH = (1 << B) - 1
+    CB = B + 1 if B <= 5 else B + 2
+    M, SUB, H = 1 << CB, 23 - CB, 0x4B000000
+    FOLD = 0 if x32 else 1
+    RB = D * B // 8
+    PAIR = (2 * NG * B) % 8 != 0
+
+    def prmt(a, b, c):
+        return _prmt(np.asarray(a, np.int64), np.asarray(b, np.int64), c)[0].astype(np.int64)
+
+    def gbits(y, a, b):
+        f = np.clip(np.nan_to_num(_f32fma(y, a, b), nan=0.0), 0, 1).astype(f32)
+        return _f32fma(f, 8388607.0, 8388608.0).view(u32).astype(np.int64)
+
+    # block prologue: the map, the mapped thresholds, the cell table (and whether a cell holds two)
+    thr = reference.thresholds_of(codebook.float()).numpy().astype(f32)
+    span = max(f32(thr[NTH - 1] - thr[0]), f32(4.0) * f32(1 / math.sqrt(D)))
+    a_map = f32(f32(M - 3) / f32(span * f32(M - 1)))
+    b_map = f32(f32(0.5) - f32(f32(0.5) * f32(thr[0] + thr[NTH - 1])) * a_map)
+    s_g = gbits(thr, a_map, b_map)
+    cells = (s_g - H) >> SUB
+    W, slow = np.zeros(M, np.int64), False
+    for c in range(M):
+        base, cnt = int((cells < c).sum()), int((cells == c).sum())
+        slow |= cnt > 1
+        pos = int(s_g[base]) & ((1 << SUB) - 1) if cnt else (1 << SUB) - 1
+        W[c] = ((base << 24) + (0xFFFFFF - pos) - (H + (c << SUB))) & 0xFFFFFFFF
+    w_reg = W[(_LANE - (H >> SUB)) & (M - 1)]
+    neg = signs < 0
+    m1 = (np.where(neg[0], 0x80000000, 0) if x32 else np.where(neg[0, 0::2], 0x8000, 0) | np.where(neg[0, 1::2], 0x80000000, 0))
+    m2 = np.where(neg[-1], 0x80000000, 0)
+    cb = codebook.float().numpy().astype(f32)
+
+    def kappa_of(k):
+        t, s = (k >> 1) & 3, (k & 1) | ((k >> 3) << 1)
+        return ((s // CH) * 4 + t) * CH + s % CH
+
+    afr = np.zeros((32, 4), np.int64)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for i in range(4):
+            m, k = g + 8 * (i & 1), 2 * t + 8 * (i >> 1)
+            rk = 2 * m if m < 8 else 2 * (m - 8) + 1  # rho
+            e = [(0x3C00 if f16 else 0x3F80) | ((bin(rk & kappa_of(kk)).count("1") & 1) << 15) for kk in (k, k + 1)]
+            afr[lane, i] = e[0] | (e[1] << 16)
+    afn = afr ^ 0x80008000
+    seg_in = _LG % S
+    rs = f32(1.0 / D) if rounds == 2 else f32(1.0 / math.sqrt(D))
+    a_rs = f32(a_map * rs)
+    xbits = x.numpy().view(np.int32).astype(np.int64) & 0xFFFFFFFF if x32 else x.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    codes, norms = np.zeros((n_rows, RB), np.uint8), np.zeros(n_rows, f32)
+
+    def xor_lane(v, m):
+        return v[_LANE ^ m]
+
+    def row_sum(v):
+        for m in (4, 8, 16) + ((1,) if S >= 4 else ()) + ((2,) if S >= 8 else ()):
+            v = (v + xor_lane(v, m)).astype(f32)
+        return v
+
+    def fwht(v, hmin, hmax):  # v [32, n], levels hmin <= h < hmax
+        h = hmin
+        while h < hmax:
+            for e in range(v.shape[1]):
+                if not e & h:
+                    a, c = v[:, e].copy(), v[:, e + h].copy()
+                    v[:, e], v[:, e + h] = a + c, a - c
+            h <<= 1
+
+    def bfly_lanes(v, m):  # one level across lanes: fma(v, +-1, v of lane ^ m)
+        sgn = np.where(_LANE & m, -1.0, 1.0).astype(f32)[None, :, None]
+        return _f32fma(v, sgn, v[:, _LANE ^ m])
+
+    for row0 in range(0, n_rows, R):
+        rin = row0 + _LG // S
+        ok = rin < n_rows
+        vals = np.zeros((32, NCH, 8), np.int64)  # chunk c of column g: 8 values at (4c + t) * 8
+        for c in range(NCH):
+            for e in range(8):
+                vals[:, c, e] = np.where(ok, xbits[np.minimum(rin, n_rows - 1), seg_in * LSEG + (4 * c + _LT) * 8 + e], 0)
+        acc = np.zeros((32, NG, 4), f32)
+        if not x32:
+            w = vals[:, :, 0::2] | (vals[:, :, 1::2] << 16)
+            for c in range(NCH):
+                for r in range(4):
+                    w[:, c, r] ^= m1[(seg_in * LSEG + (4 * c + _LT) * 8) // 2 + r]
+            bfr = np.zeros((32, NG, 2), np.int64)
+            for G in range(NG):
+                reg = [w[:, s // CH, ((s % CH) * NG + G) >> 1] for s in range(4)]
+                sel = 0x7632 if G & 1 else 0x5410
+                bfr[:, G, 0], bfr[:, G, 1] = prmt(reg[0], reg[1], sel), prmt(reg[2], reg[3], sel)
+            for Gp in range(NG):
+                for gl in range(1 << FOLD):
+                    G = (Gp & ~((1 << FOLD) - 1)) | gl
+                    a = afn if bin(Gp & gl).count("1") & 1 else afr
+                    acc[:, Gp] = _mma16816(acc[:, Gp], a, bfr[:, G, 0], bfr[:, G, 1], f16)
+        else:
+            xf = np.zeros((32, NCH, 8), f32)
+            for c in range(NCH):
+                for e in range(8):
+                    xf[:, c, e] = (vals[:, c, e] ^ m1[seg_in * LSEG + (4 * c + _LT) * 8 + e]).astype(u32).view(f32)
+            for G in range(NG):
+                parts = []
+                for s0 in (0, 2):  # split3: x = hi + mid + lo, bf16 pairs
+                    x0, x1, p = xf[:, s0 // CH, (s0 % CH) * NG + G], xf[:, (s0 + 1) // CH, ((s0 + 1) % CH) * NG + G], []
+                    for _ in range(3):
+                        h = torch.from_numpy(np.stack([x0, x1])).to(torch.bfloat16).view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+                        p.append(h[0] | (h[1] << 16))
+                        x0 = (x0 - (h[0] << 16).astype(u32).view(f32)).astype(f32)
+                        x1 = (x1 - (h[1] << 16).astype(u32).view(f32)).astype(f32)
+                    parts.append(p)
+                for i in (2, 1, 0):
+                    acc[:, G] = _mma16816(acc[:, G], afr, parts[0][i], parts[1][i], False)
+        v = np.zeros((2, 32, 2 * NG), f32)  # [column 2t + col][lane][e = mb * NG + G]
+        v[0, :, :NG], v[1, :, :NG], v[0, :, NG:], v[1, :, NG:] = acc[..., 0], acc[..., 1], acc[..., 2], acc[..., 3]
+        fwht(v[0], 1 << FOLD, NG)
+        fwht(v[1], 1 << FOLD, NG)
+        if S >= 2:
+            v = np.stack([v[0] + v[1], v[0] - v[1]])
+        for sb in range(1, int(math.log2(S))):
+            v = bfly_lanes(v, 1 << (sb - 1))
+        ssp = np.zeros((2, 32), f32)
+        for e in range(2 * NG):
+            ssp = _f32fma(v[:, :, e], v[:, :, e], ssp)
+        ss = (np.stack([row_sum(ssp[0] + ssp[1])] * 2) if S >= 2 else np.stack([row_sum(ssp[0]), row_sum(ssp[1])])) * f32(1.0 / D)
+        if rounds == 2:
+            for c in range(2):
+                seg = (2 * _LT + c) % S
+                for e in range(2 * NG):
+                    v[c, :, e] = (v[c, :, e].view(u32) ^ m2[seg * LSEG + 2 * _LG * NG + e].astype(u32)).view(f32)
+                fwht(v[c], 1, 2 * NG)
+            if S >= 2:
+                v = np.stack([v[0] + v[1], v[0] - v[1]])
+            for lb in range(3 + (S >= 4) + (S >= 8)):
+                v = bfly_lanes(v, 4 << lb if lb < 3 else 1 << (lb - 3))
+        inv = np.where(ss > 0, 1 / np.sqrt(np.maximum(ss, 1e-38).astype(np.float64)), 0).astype(f32)
+        dot = np.zeros((2, 32), f32)
+        for c in range(2):
+            a_row = (a_rs * inv[c]).astype(f32)
+            tops = []
+            for e in range(2 * NG):  # code in the top byte
+                gb = gbits(v[c, :, e], a_row, b_map)
+                if slow:
+                    code = np.zeros(32, np.int64)
+                    for step in range(B - 1, -1, -1):
+                        code = np.where(gb > s_g[code + (1 << step) - 1], code + (1 << step), code)
+                    top = code << 24
+                elif M <= 32:  # shfl: lane index mod 32
+                    top = (w_reg[(gb >> SUB) & 31] + gb) & 0xFFFFFFFF
+                else:
+                    top = (W[(gb >> SUB) & (M - 1)] + gb) & 0xFFFFFFFF
+                if norm_correction:
+                    dot[c] = _f32fma(v[c, :, e], cb[top >> 24], dot[c])
+                tops.append(top)
+            npiece = 2 * NG
+            pw = np.zeros((32, (npiece * B + 31) // 32), np.int64)
+            if 8 % B == 0 and (npiece * B) % 8 == 0:  # prmt byte gather
+                cpb, nby = 8 // B, npiece * B // 8
+                for wi in range(pw.shape[1]):
+                    b0, accw = 4 * wi, 0
+                    nb = min(nby - b0, 4)
+                    for i in range(cpb):
+                        top = [tops[(b0 + k) * cpb + i] for k in range(nb)]
+                        if nb == 1:
+                            r = top[0] >> 24
+                        elif nb == 2:
+                            r = prmt(top[0], top[1], 0x0073)
+                        else:
+                            r = prmt(prmt(top[0], top[1], 0x0073), prmt(top[2], top[3], 0x7300), 0x7610)
+                        accw = r if i == 0 else (accw + (r << (i * B))) & 0xFFFFFFFF
+                    pw[:, wi] = accw
+            else:
+                for j in range(npiece):
+                    code, bit = tops[j] >> 24, j * B
+                    pw[:, bit >> 5] |= (code << (bit & 31)) & 0xFFFFFFFF
+                    if (bit & 31) + B > 32:
+                        pw[:, (bit >> 5) + 1] |= code >> (32 - (bit & 31))
+            n = 2 * _LT + c
+            row = row0 + n // S
+            if PAIR:  # the even lane of a pair writes both pieces (shfl_down by 4)
+                other = np.where(_LANE + 4 < 32, pw[(_LANE + 4) % 32, 0], pw[:, 0])
+                pw = np.stack([(pw[:, 0] | (other << (4 * B))) & 0xFFFFFFFF, other >> (32 - 4 * B)], 1)
+            pby = B if PAIR else npiece * B // 8
+            for lane in range(32):
+                if row[lane] < n_rows and not (PAIR and _LG[lane] % 2):
+                    off = _LG[lane] * B // 2 if PAIR else ((n[lane] % S) * LSEG + 2 * _LG[lane] * NG) * B // 8
+                    codes[row[lane], off:off + pby] = np.frombuffer(pw[lane].astype("<u4").tobytes()[:pby], np.uint8)
+        if norm_correction:
+            dot = np.stack([row_sum(dot[0] + dot[1])] * 2) if S >= 2 else np.stack([row_sum(dot[0]), row_sum(dot[1])])
+        for c in range(2):
+            n = 2 * _LT + c
+            for lane in np.nonzero((_LG == 0) & (n % S == 0) & (row0 + n // S < n_rows))[0]:
+                nrm = f32(np.sqrt(ss[c, lane]))
+                d = f32(f32(dot[c, lane] * rs) * inv[c, lane])
+                norms[row0 + n[lane] // S] = f32(nrm / d) if norm_correction and d > 0 else nrm
+    return torch.from_numpy(codes), torch.from_numpy(norms).to(norm_dtype), slow
+
+
+@pytest.mark.parametrize("dim,bits,dtype,rounds,nc", [
+    (128, 4, torch.bfloat16, 1, False), (128, 4, torch.bfloat16, 2, True), (64, 3, torch.float16, 1, True),
+    (128, 2, torch.float32, 1, False), (256, 4, torch.bfloat16, 1, False), (256, 3, torch.float32, 2, True),
+    (512, 4, torch.bfloat16, 2, False), (1024, 2, torch.float16, 1, True), (32, 3, torch.bfloat16, 1, False),
+    (32, 1, torch.float32, 2, True), (64, 5, torch.bfloat16, 1, True), (256, 8, torch.float16, 2, True),
+    (32, 2, torch.float16, 2, False), (128, 6, torch.bfloat16, 1, True),
+])
+def test_quant_pack_kernel_logic_matches_reference(dim, bits, dtype, rounds, nc):
+    """The emulated kernel (layout, mma fragments, levels, cell-table search, packing, norms) gives the
+    bytes of quantize_reference: codes may differ by one level at float-rounding ties only."""
+    g = torch.Generator().manual_seed(dim * 10 + bits)
+    x = (torch.randn(24 if dim >= 512 else 40, dim, generator=g) * 3).to(dtype)
+    x[3] = 0  # a zero row: y = 0, codes = #{thresholds < 0}
+    h = reference.hadamard_matrix(dim)
+    s = (torch.randint(0, 2, (rounds, dim), generator=g) * 2 - 1).float()
+    rot = (h * s[0].double() / math.sqrt(dim)) if rounds == 1 else (h * s[1].double()) @ (h * s[0].double()) / dim
+    cb = reference.codebook_tensor(bits, dim)
+    codes, norms, slow = _emulate_quant_pack(x, s, cb, bits, torch.float16, nc)
+    ref_codes, ref_norms = reference.quantize_reference(x, rot.float(), cb, bits, torch.float16, nc)
+    diff = (reference.unpack_codes(codes, bits, dim) - reference.unpack_codes(ref_codes, bits, dim)).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+    rel = (norms.float() - ref_norms.float()).abs() / ref_norms.float().abs().clamp_min(1e-30)
+    assert float(rel.max()) < 2e-3  # fp16 rounding of the same float32 norm
+    assert not slow  # Lloyd-Max codebooks: at most one threshold per cell
+
+
+def test_quant_pack_kernel_logic_binary_search_fallback():
+    """A codebook with clustered and tied centroids puts two thresholds in one cell: the kernel's
+    binary search (same integers) gives the same codes."""
+    cb = torch.sort(torch.cat([torch.randn(12, generator=torch.Generator().manual_seed(0)) * 0.05,
+                               torch.tensor([0.01, 0.01, 0.0101, 0.3])])).values
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    rot = reference.hadamard_rotation(128, 4)
+    codes, norms, slow = _emulate_quant_pack(x, reference.hadamard_signs(rot)[None], cb, 4, torch.float16, True)
+    ref_codes, ref_norms = reference.quantize_reference(x, rot, cb, 4, torch.float16, True)
+    assert slow
+    diff = (reference.unpack_codes(codes, 4, 128) - reference.unpack_codes(ref_codes, 4, 128)).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+    assert float(((norms.float() - ref_norms.float()).abs() / ref_norms.float()).max()) < 2e-3
+
+
+def test_pack_launch_geometry():
+    """Rows per warp follow Geo<D>::R; the grid is one resident wave at most."""
+    assert [pack.rows_per_warp(d) for d in (32, 64, 128, 256, 512, 1024)] == [8, 8, 8, 4, 2, 1]
+    assert pack.grid_blocks(64, 128, 132, 64) == 1
+    assert pack.grid_blocks(1 << 21, 128, 132, 64) == 132 * 4
+    assert pack.grid_blocks(1 << 21, 128, 132, 80) == 132 * 3
+    assert pack.grid_blocks(1 << 21, 256, 132, None) == 132 * 3

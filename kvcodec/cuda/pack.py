@@ -2,8 +2,8 @@
 
 ``quantize_pack(x, rotation, codebook, bits)`` returns (codes uint8 [..., D*bits/8], norms [...]),
 the same bytes as ``reference.quantize_reference`` except where a coordinate lies within float
-rounding of a decision threshold (the kernel rotates with a Hadamard butterfly, the reference with
-a float32 matmul; see docs/cuda.md for the measured mismatch rate). The kernel takes the
+rounding of a decision threshold (the kernel rotates with tensor cores and butterflies, the reference
+with a float32 matmul; see docs/cuda.md, "How quantize + pack works"). The kernel takes the
 randomized Hadamard rotations ("hadamard": H diag(s)/sqrt(D); "hadamard2": H diag(s2) H diag(s1)/D,
 kvcodec.quant's default for power-of-two head_dim); other rotations (e.g. "qr"), CPU tensors and
 head_dims the kernel does not take use the torch reference. x must already be preconditioned
@@ -18,7 +18,7 @@ import torch
 from kvcodec.cuda import build, reference
 
 SOURCE = "tq_pack.cu"
-ROWS_PER_BLOCK = 8
+WARPS_PER_BLOCK = 8  # tqp::WARPS in tq_pack.cu: blocks of 256 threads
 SIGNATURE = "(const void*, long long, const float*, const float*, const float*, int, tq_u8*, tq_u16*)"
 _IN_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -33,6 +33,30 @@ def instance_declarations(configs) -> list[str]:
     return [f"__global__ void {pack_name(*c)}{SIGNATURE}" for c in configs]
 
 
+def rows_per_warp(dim: int) -> int:
+    """Rows one warp quantizes per step (Geo<D>::R in tq_pack.cu): 8 columns of the mma, a column is a
+    row for dim <= 128 and a 128-wide segment of a row above."""
+    return 8 // max(1, dim // 128)
+
+
+def rows_per_block(dim: int) -> int:
+    return WARPS_PER_BLOCK * rows_per_warp(dim)
+
+
+def grid_blocks(n_rows: int, dim: int, sms: int, num_regs: int | None) -> int:
+    """Blocks to launch: one per 8 warps of row groups, capped at one resident wave (the kernel
+    strides over the rest, so every block does the same work and the per-block table setup is paid
+    once per block). Residency from the kernel's registers (65,536 per SM, allocated per warp in units
+    of 256), else the __launch_bounds__ minimum of 3."""
+    need = -(-n_rows // rows_per_block(dim))
+    per_sm = 3
+    if num_regs:
+        per_warp = -(-num_regs * 32 // 256) * 256
+        per_sm = max(1, min(2048 // (32 * WARPS_PER_BLOCK), 65536 // (per_warp * WARPS_PER_BLOCK)))
+    return max(1, min(need, sms * per_sm))
+
+
+_sm_count: dict[int, int] = {}
 _signs_cache: dict[tuple, tuple] = {}
 
 
@@ -92,8 +116,12 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
         fn = build.get_function(SOURCE, pack_name(d, bits, _IN_CODE[x.dtype], norm_dtype == torch.bfloat16, rounds,
                                                   norm_correction))
         cbf = build.derived(codebook, f"f32 {x.device}", lambda c: c.to(x.device, torch.float32).contiguous())
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if dev not in _sm_count:
+            _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+        grid = grid_blocks(n, d, _sm_count[dev], getattr(fn, "num_regs", None))
         with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, x.device.index or 0):
-            fn((-(-n // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,),
+            fn((grid,), (32 * WARPS_PER_BLOCK,),
                (rows.data_ptr(), np.int64(rows.stride(0)), signs.data_ptr(), thr.data_ptr(), cbf.data_ptr(), np.int32(n),
                 codes.data_ptr(), norms.data_ptr()))
     return codes.reshape(*x.shape[:-1], -1), norms.reshape(x.shape[:-1])
