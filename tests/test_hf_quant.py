@@ -137,23 +137,27 @@ def test_prod_keys_need_two_bits():
         CompressedCache(tiny_model().config, method="turboquant", key_mode="prod", key_bits=1)
 
 
-@pytest.mark.parametrize("key_mode,kpre,vpre", [("mse", "scale", "none"), ("prod", "scale", "scale")])
-def test_fused_kernel_wiring_matches_torch_path(monkeypatch, key_mode, kpre, vpre):
-    """The kvcodec.cuda launcher (run here through its CPU float64 reference) plus the lse merge with
-    the exact window give the same attention as the torch path on the same packed blocks."""
+@pytest.mark.parametrize("key_mode,kpre,vpre,sink,tq,q_chunk", [
+    ("mse", "scale", "none", 3, 2, 128), ("prod", "scale", "scale", 3, 2, 128), ("mse", "none", "center", 0, 1, 128),
+    ("mse", "center", "scale", 1, 7, 3)])
+def test_fused_kernel_wiring_matches_torch_path(monkeypatch, key_mode, kpre, vpre, sink, tq, q_chunk):
+    """The kvcodec.cuda launcher (run here through its CPU float64 reference) plus the one-softmax
+    merge with the exact sink and window give the same attention as the torch path on the same packed
+    blocks (queries laid out as HF passes them: [B, Tq, H, D] transposed; chunked queries too)."""
     import kvcodec.hf.attention as attn
 
     pytest.importorskip("kvcodec.cuda")
+    monkeypatch.setattr(attn, "Q_CHUNK", q_chunk)
     model = tiny_model("llama", 8, 2, 64)
     cache = CompressedCache(model.config, method="turboquant", key_bits=4, value_bits=3, key_mode=key_mode,
-                            residual=8, block_size=16, key_precondition=kpre, value_precondition=vpre, sink=3)
+                            residual=8, block_size=16, key_precondition=kpre, value_precondition=vpre, sink=sink)
     layer = cache.layers[0]
     torch.manual_seed(3)
-    k, v = torch.randn(2, 2, 60, 64) + torch.linspace(-2, 2, 64), torch.randn(2, 2, 60, 64)
+    k, v = torch.randn(2, 2, 60, 64) + torch.linspace(-2, 2, 64), torch.randn(2, 2, 60, 64) + 0.5
     layer.lazy_initialization(k, v)
     layer.store.append(k, v)
     layer.store.compact()
-    q = torch.randn(2, 8, 2, 64)
+    q = torch.randn(2, tq, 8, 64).transpose(1, 2)
     torch_path = attend_store(layer.store, q, None, 0.125, 2)
     assert attn.fused_compressed(layer.store, q, None, 0.125) is None  # CPU: no fused kernel
     monkeypatch.setattr(attn, "FUSED_ON_CPU", True)
@@ -161,6 +165,55 @@ def test_fused_kernel_wiring_matches_torch_path(monkeypatch, key_mode, kpre, vpr
     assert fused is not None
     out = attend_store(layer.store, q, None, 0.125, 2, compressed=fused)
     torch.testing.assert_close(out, torch_path, atol=2e-5, rtol=2e-5)
+
+
+def test_fused_decode_step_stays_lean(monkeypatch):
+    """Host-overhead guard: a one-token decode step through the fused wiring makes ~30 torch calls
+    per layer besides the kernel launcher (views and attribute reads included; ~10 of them launch
+    work), and the per-block constants are built once per block, not per step."""
+    import kvcodec.cuda as kcuda
+    import kvcodec.hf.attention as attn
+    from torch.overrides import TorchFunctionMode
+    from transformers import AttentionInterface
+
+    monkeypatch.setattr(attn, "FUSED_ON_CPU", True)
+    model = tiny_model("llama", 6, 2, 64)
+    cache = CompressedCache(model, method="turboquant", residual=16, block_size=64)
+    _logits(model, prompt(1, 100), cache)  # 1 sink + 64 compressed + 35 exact: no compaction for 2 steps
+    calls, in_kernel = [], []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if not in_kernel:
+                calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    real_kernel, real_attention = kcuda.decode_attention, attn.compressed_attention
+
+    def kernel(*a, **kw):
+        in_kernel.append(1)
+        try:
+            return real_kernel(*a, **kw)
+        finally:
+            in_kernel.pop()
+
+    def counted_attention(*a, **kw):
+        with Count():
+            return real_attention(*a, **kw)
+
+    monkeypatch.setattr(kcuda, "decode_attention", kernel)
+    AttentionInterface.register(attn.NAME, counted_attention)
+    try:
+        _logits(model, prompt(1, 1, seed=9), cache)
+        consts = [layer.store.attn_consts for layer in cache.layers]
+        calls.clear()
+        _logits(model, prompt(1, 1, seed=10), cache)
+    finally:
+        AttentionInterface.register(attn.NAME, real_attention)
+    assert all(c is not None for c in consts)
+    assert all(layer.store.attn_consts is c for layer, c in zip(cache.layers, consts))  # reused, not rebuilt
+    assert "repeat_interleave" not in calls and "full" not in calls
+    assert len(calls) / len(cache.layers) <= 40, calls
 
 
 def _cuda_ready():

@@ -13,6 +13,11 @@ and leaves the function a weak reference to it. The function then runs one joint
 * online (flash-style) softmax over the parts, chunked over query rows and key tokens so the
   working memory stays bounded; GQA by viewing the queries as [B, H_kv, G*Tq, D].
 
+On CUDA (TurboQuant, no padding mask) the compressed tokens go through the fused kernel instead
+(:func:`fused_compressed`) and the exact tokens join them in one softmax
+(:func:`_attend_with_compressed`): about ten torch kernels per layer and step besides the kernel's
+own, because a decode step is host-bound (launch overhead, not GPU time, sets its speed).
+
 Prefill (no compressed block yet) and the exact codecs ("none", "lossless") attend with
 transformers' own SDPA over the exact/decoded K/V: the prompt is attended at full precision (best
 quality) and only then compressed, and the lossless cache reproduces DynamicCache bit for bit.
@@ -21,9 +26,12 @@ quality) and only then compressed, and the lossless cache reproduces DynamicCach
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvcodec.hf.storage import Block, Segment
 
 NAME = "kvcodec"
 Q_CHUNK = 128  # query tokens per pass (times the GQA group)
@@ -118,8 +126,9 @@ def compressed_attention(module, query, key, value, attention_mask, scaling=None
 def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads: int, compressed=None) -> torch.Tensor:
     """Softmax attention of ``query`` [B, H, Tq, D] over every token of ``store`` (which ends with the
     Tq query tokens themselves). ``mask``: None (causal), bool [B, 1|H, Tq, Tkv] (True = attend) or an
-    additive float mask. ``compressed``: optional (out, lse) of the compressed tokens already computed
-    (by the fused CUDA kernel); then only the exact parts are attended here and merged by lse.
+    additive float mask. ``compressed``: optional :class:`CompressedPart` of the compressed tokens
+    already computed by the fused kernel (``fused_compressed``, which takes no padding mask); then only
+    the exact parts are attended here, merged with it in one softmax (:func:`_attend_with_compressed`).
     Returns [B, Tq, H, D] in the query dtype."""
     B, H, Tq, D = query.shape
     if H % num_kv_heads:
@@ -129,6 +138,9 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
     past = total - Tq
     if mask is not None and mask.shape[-1] != total:
         raise ValueError(f"attention mask covers {mask.shape[-1]} keys but the cache holds {total}")
+    if compressed is not None:
+        out = _attend_with_compressed(store, mask, compressed, G, Tq)
+        return out.reshape(B, H, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
     parts = _split(store, KV_CHUNK, COMPRESSED_CHUNK)
     q = query.float().reshape(B, num_kv_heads, G, Tq, D)
     out = torch.empty(B, num_kv_heads, G, Tq, D, dtype=torch.float32, device=query.device)
@@ -138,15 +150,7 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
         m = torch.full((B, num_kv_heads, G * n, 1), float("-inf"), device=query.device)
         l = torch.zeros_like(m)
         acc = torch.zeros(B, num_kv_heads, G * n, D, device=query.device)
-        if compressed is not None:  # start from the kernel's normalized output: m = lse, l = 1
-            c_out, c_lse = compressed
-            m = c_lse.reshape(B, num_kv_heads, G, Tq)[:, :, :, q0 : q0 + n].reshape(B, num_kv_heads, G * n, 1).float()
-            acc = c_out.reshape(B, num_kv_heads, G, Tq, D)[:, :, :, q0 : q0 + n].reshape(B, num_kv_heads, G * n, D).float()
-            l = torch.where(torch.isfinite(m), torch.ones_like(m), torch.zeros_like(m))
-            m = m.clone()
         for seg in parts:
-            if compressed is not None and not seg.exact:
-                continue
             s = qc @ seg.key.float().transpose(-1, -2) if seg.exact else store.key_codec.scores(seg.key, qc)
             s = _apply_mask(s, seg.start, seg.length, mask, q0, n, past, G, num_kv_heads)
             if s is None:  # every key of this part lies after every query of the chunk
@@ -163,11 +167,67 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
     return out.reshape(B, H, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
 
 
-def fused_compressed(store, query: torch.Tensor, mask, scaling: float):
-    """(out [B, H, Tq, D], lse [B, H, Tq]) of the compressed tokens from ``kvcodec.cuda.decode_attention``
-    (packed codes read by the fused kernel), or None when it does not apply: CPU tensors, padding
+@dataclass(eq=False)
+class CompressedPart:
+    """Attention over a layer's compressed tokens from the fused kernel, in the GQA layout
+    [B, H_kv, G*Tq, ...] (query head h = kv * G + g, HF repeat_kv order) and the kernel's domain:
+
+    * ``q``: the queries the kernel saw (key preconditioner folded in: q * key scale), float32;
+    * ``out``: their normalized output over the compressed tokens (value preconditioner undone);
+    * ``lse``: [.., 1] log-sum-exp of the scores ``scaling * q . k'`` with k' = (k - center) / scale:
+      the true scores minus the per-query constant ``scaling * q . center``;
+    * ``consts``: the layer's :class:`_FusedConsts` (maps exact keys into the same domain)."""
+
+    q: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    consts: "_FusedConsts"
+
+
+@dataclass(eq=False)
+class _FusedConsts:
+    """Per-block constants of the fused decode path, built once per compressed block (the side data
+    and the token count only change when a compaction, crop or beam reorder makes a new block)
+    instead of once per layer and step: float32 copies of the preconditioners laid out for the
+    [B, H_kv, ...] views, and the kernel's ``seq_lens``."""
+
+    block: weakref.ref  # the Block they were built from (weak: a replaced block's codes are freed at once)
+    scaling: float
+    q_scale: torch.Tensor | None  # [B|1, H, 1, D] (per query head): kernel query = q * key scale
+    k_mul: torch.Tensor  # [B|1, H_kv, 1, D]: exact key k -> k * k_mul + k_add = scaling * (k - center) / scale
+    k_add: torch.Tensor
+    v_scale: torch.Tensor | None  # [B|1, H_kv, 1, D]: output = out' * v_scale + v_center
+    v_center: torch.Tensor | None
+    seq_lens: torch.Tensor  # [B] int32, compressed tokens per sequence
+
+    @classmethod
+    def of(cls, store, block: Block, scaling: float, query: torch.Tensor) -> "_FusedConsts":
+        """The store's cached constants for ``block``, rebuilt only when the block changed."""
+        batch, heads, device = query.shape[0], query.shape[1], query.device
+        c = store.attn_consts
+        if c is not None and c.block() is block and c.scaling == scaling and c.seq_lens.shape[0] == batch:
+            return c
+        ck, cv = block.key, block.value
+        f32 = lambda t: None if t is None else t.to(device, torch.float32)  # noqa: E731
+        k_scale, k_center = f32(ck.side.get("scale")), f32(ck.side.get("center"))
+        if k_scale is None:
+            k_mul = torch.full((1, ck.lead_shape[1], 1, ck.dim), scaling, device=device)
+        else:
+            k_mul = scaling / k_scale
+        k_add = torch.zeros_like(k_mul) if k_center is None else -k_center * k_mul
+        q_scale = None if k_scale is None else k_scale.repeat_interleave(heads // ck.lead_shape[1], dim=1)
+        c = cls(weakref.ref(block), scaling, q_scale, k_mul, k_add,
+                f32(cv.side.get("scale")), f32(cv.side.get("center")),
+                torch.full((batch,), ck.num_tokens, dtype=torch.int32, device=device))
+        store.attn_consts = c
+        return c
+
+
+def fused_compressed(store, query: torch.Tensor, mask, scaling: float) -> CompressedPart | None:
+    """The compressed tokens' attention from ``kvcodec.cuda.decode_attention`` (packed codes read by the
+    fused kernel) as a :class:`CompressedPart`, or None when it does not apply: CPU tensors, padding
     masks, non-TurboQuant codecs, bits > 4 or a head_dim the kernel does not take. The exact sink and
-    window are attended by the caller and merged by lse."""
+    window are attended by ``attend_store`` and merged with it."""
     if not USE_FUSED or not (query.is_cuda or FUSED_ON_CPU) or len(store.blocks) != 1:
         return None
     kq, vq = getattr(store.key_codec, "q", None), getattr(store.value_codec, "q", None)
@@ -180,7 +240,7 @@ def fused_compressed(store, query: torch.Tensor, mask, scaling: float):
         return None
     if kmethod == "turboquant_prod" and tuple(kq.qjl_matrix.shape) != (D, D):
         return None
-    if mask is not None and not (mask.dtype == torch.bool and bool(mask.all())):
+    if mask is not None and not (mask.dtype == torch.bool and bool(mask.all())):  # host sync, only with a mask
         return None
     try:
         import kvcodec.cuda as kcuda
@@ -188,43 +248,68 @@ def fused_compressed(store, query: torch.Tensor, mask, scaling: float):
         return None
     if query.is_cuda and not kcuda.is_available():
         return None
-    from kvcodec.quant.precondition import ChannelPreconditioner
 
     block = store.blocks[0]
     ck, cv = block.key, block.value
-    B, H = query.shape[:2]
-    G = H // ck.lead_shape[1]
-
-    def per_q_head(t):  # side data [B|1, Hkv, 1, D] -> [B|1, H, 1, D] (HF repeat_kv order)
-        return None if t is None else t.float().repeat_interleave(G, dim=1)
-
-    pk, pv = ChannelPreconditioner.from_side(ck.side), ChannelPreconditioner.from_side(cv.side)
-    q = query.float()
-    k_scale, k_center = per_q_head(pk.scale), per_q_head(pk.center)
-    q_in = q * k_scale if k_scale is not None else q  # (q * s) . x' = q . x - q . center
+    B, H, Tq, _ = query.shape
+    Hkv = ck.lead_shape[1]
+    G = H // Hkv
+    c = _FusedConsts.of(store, block, scaling, query)
+    # (q * s) . x' = q . x - q . center: the kernel's scores lack the per-query q . center, and so do the
+    # exact keys mapped by k_mul/k_add in the merge, so the joint softmax is unchanged
+    q_in = (query * c.q_scale if c.q_scale is not None else query.float()).contiguous()
     extra = {}
     if kmethod == "turboquant_prod":
         extra = dict(k_qjl=ck.token["qjl"], k_rnorms=ck.token["rnorms"], qjl_matrix=kq.qjl_matrix)
-    seq_lens = torch.full((B,), ck.num_tokens, dtype=torch.int32, device=query.device)
     out, lse = kcuda.decode_attention(
-        q_in, ck.token["codes"], ck.token["norms"], cv.token["codes"], cv.token["norms"], seq_lens,
+        q_in, ck.token["codes"], ck.token["norms"], cv.token["codes"], cv.token["norms"], c.seq_lens,
         k_rotation=kq.rotation, v_rotation=vq.rotation, k_codebook=kq.codebook, v_codebook=vq.codebook,
         k_bits=k_bits, v_bits=vq.bits, scale=scaling, return_lse=True, **extra)
-    out = out.float()
-    if k_center is not None:  # restore the softmax-invariant q . center so lse matches the exact parts
-        lse = lse + scaling * (q * k_center).sum(-1)
-    v_scale, v_center = per_q_head(pv.scale), per_q_head(pv.center)
-    if v_scale is not None:
-        out = out * v_scale
-    if v_center is not None:
-        out = out + v_center
-    return out, lse
+    out = out.reshape(B, Hkv, G * Tq, D)  # float32: the kernel returns the query's dtype
+    if c.v_scale is not None and c.v_center is not None:
+        out = torch.addcmul(c.v_center, out, c.v_scale)
+    elif c.v_scale is not None:
+        out = out * c.v_scale
+    elif c.v_center is not None:
+        out = out + c.v_center
+    return CompressedPart(q_in.view(B, Hkv, G * Tq, D), out, lse.reshape(B, Hkv, G * Tq, 1), c)
+
+
+def _attend_with_compressed(store, mask, part: CompressedPart, G: int, Tq: int) -> torch.Tensor:
+    """[B, H_kv, G*Tq, D] float32 attention over every token when the compressed ones come from the
+    fused kernel: one softmax (per chunk of queries) over [compressed | sink | window], in which the
+    compressed tokens are a single pseudo-key with score ``lse`` and value ``out`` (exactly their
+    log-sum-exp merge) and the exact tokens (one contiguous buffer) are keys mapped into the kernel's
+    query domain, so the kernel's queries are used as they are. ``mask``: None (causal inside the
+    window) or all True (checked by ``fused_compressed``: nothing to mask)."""
+    B, Hkv, _, D = part.q.shape
+    c = part.consts
+    keys = torch.addcmul(c.k_add, store.exact_k, c.k_mul)  # [B, H_kv, E, D] float32
+    values = store.exact_v.float()
+    E = keys.shape[-2]
+    chunks = []
+    for q0 in range(0, Tq, Q_CHUNK):
+        n = min(Q_CHUNK, Tq - q0)
+        s = _query_rows(part.q, G, Tq, q0, n) @ keys.transpose(-1, -2)
+        if mask is None and Tq > 1:  # exact index order is token order: the queries are the last Tq
+            s = _apply_mask(s, 0, E, None, q0, n, E - Tq, G, Hkv)
+        p = torch.softmax(torch.cat([_query_rows(part.lse, G, Tq, q0, n), s], dim=-1), dim=-1)
+        chunks.append(torch.addcmul(p[..., 1:] @ values, p[..., :1], _query_rows(part.out, G, Tq, q0, n)))
+    if len(chunks) == 1:
+        return chunks[0]
+    return torch.cat([ch.view(B, Hkv, G, -1, D) for ch in chunks], dim=3).view(B, Hkv, G * Tq, D)
+
+
+def _query_rows(t: torch.Tensor, G: int, Tq: int, q0: int, n: int) -> torch.Tensor:
+    """Rows of queries q0..q0+n-1 of every group member from t [B, H_kv, G*Tq, X] (a view when n == Tq)."""
+    if n == Tq:
+        return t
+    B, Hkv, _, X = t.shape
+    return t.view(B, Hkv, G, Tq, X)[:, :, :, q0 : q0 + n].reshape(B, Hkv, G * n, X)
 
 
 def _split(store, exact_chunk: int, compressed_chunk: int):
     """The store's segments cut into bounded runs (views, no copies), so the scores stay small."""
-    from kvcodec.hf.storage import Segment
-
     out = []
     for seg in store.segments():
         chunk = exact_chunk if seg.exact else compressed_chunk

@@ -119,6 +119,7 @@ def _restore_layer(layer, blob: bytes, spec, device) -> None:
         raise CorruptStreamError(f"saved cache layer has a bad dtype {meta.get('dtype')!r}")
     layer.lazy_initialization(torch.empty(0, dtype=dtype, device=device), None)
     store = layer.store
+    exact = {}
     for a, b in (("sink_k", "sink_v"), ("win_k", "win_v")):
         k, v = tensors.get(a), tensors.get(b)
         if (k is None) != (v is None):
@@ -130,8 +131,10 @@ def _restore_layer(layer, blob: bytes, spec, device) -> None:
                 raise CorruptStreamError(f"saved {a}/{b} must be 4-D {dtype} tensors")
             if t.shape[1:] != (spec.num_kv_heads, k.shape[2], spec.head_dim) or t.shape[0] != k.shape[0]:
                 raise CorruptStreamError(f"saved {a}/{b} tensors have the wrong shape {tuple(t.shape)}")
-        setattr(store, a, k.to(device))
-        setattr(store, b, v.to(device))
+        exact[a], exact[b] = k.to(device), v.to(device)
+    if len({t.shape[0] for t in exact.values()}) > 1:
+        raise CorruptStreamError("saved sink and window differ in batch size")
+    store.set_exact(**exact)
     codec_meta = _dict(meta.get("codecs", {}))
     for tag, codec in (("kc", store.key_codec), ("vc", store.value_codec)):
         side = {n.split(".", 1)[1]: t for n, t in tensors.items() if n.startswith(f"{tag}.")}

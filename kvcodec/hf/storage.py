@@ -7,6 +7,10 @@ recent ``residual`` tokens are always exact and no token is ever compressed twic
 never re-quantized as a whole). Codecs whose packed form concatenates (quantizers, exact) keep a
 single growing block per layer, so attention makes two quantizer calls per layer and step, and
 the first compaction (normally the prompt) fits the layer's side data on all of its tokens.
+
+The exact tokens (sink and window) live in one buffer ``exact_k``/``exact_v`` = [sink | window]:
+appending a step's tokens costs one ``cat`` as before, and the decode path attends both parts with
+one matmul instead of one per part (``sink_k``/``win_k`` are views of it).
 """
 
 from __future__ import annotations
@@ -52,18 +56,39 @@ class LayerStore:
     def clear(self) -> None:
         self.key_codec.reset()
         self.value_codec.reset()
-        self.sink_k = self.sink_v = None
+        self.exact_k = self.exact_v = None  # [sink | window], [B, H_kv, sink_len + window_len, D]
+        self.sink_len = 0
         self.blocks: list[Block] = []
-        self.win_k = self.win_v = None
+        self.attn_consts = None  # per-block constants of the attention function (kvcodec.hf.attention)
+
+    # ------------------------------------------------------------------ exact parts (views of one buffer)
+    @property
+    def sink_k(self) -> torch.Tensor | None:
+        return _rows(self.exact_k, 0, self.sink_len)
+
+    @property
+    def sink_v(self) -> torch.Tensor | None:
+        return _rows(self.exact_v, 0, self.sink_len)
+
+    @property
+    def win_k(self) -> torch.Tensor | None:
+        return _rows(self.exact_k, self.sink_len, None)
+
+    @property
+    def win_v(self) -> torch.Tensor | None:
+        return _rows(self.exact_v, self.sink_len, None)
+
+    def set_exact(self, sink_k=None, sink_v=None, win_k=None, win_v=None) -> None:
+        """Replace the sink and the window (each pair may be None): truncation and loading."""
+        self.sink_len = 0 if sink_k is None else sink_k.shape[-2]
+        ks, vs = [t for t in (sink_k, win_k) if t is not None], [t for t in (sink_v, win_v) if t is not None]
+        self.exact_k = torch.cat(ks, dim=-2) if ks else None
+        self.exact_v = torch.cat(vs, dim=-2) if vs else None
 
     # ------------------------------------------------------------------ sizes
     @property
-    def sink_len(self) -> int:
-        return 0 if self.sink_k is None else self.sink_k.shape[-2]
-
-    @property
     def window_len(self) -> int:
-        return 0 if self.win_k is None else self.win_k.shape[-2]
+        return 0 if self.exact_k is None else self.exact_k.shape[-2] - self.sink_len
 
     @property
     def compressed_len(self) -> int:
@@ -77,14 +102,11 @@ class LayerStore:
         """Add new tokens: first into the sink until it holds ``sink`` tokens, the rest to the window."""
         if self.dtype is None:
             self.dtype = k.dtype
-        take = min(max(self.sink - self.sink_len, 0), k.shape[-2]) if not self.blocks and self.window_len == 0 else 0
-        if take:
-            self.sink_k = _cat(self.sink_k, k[..., :take, :])
-            self.sink_v = _cat(self.sink_v, v[..., :take, :])
-            k, v = k[..., take:, :], v[..., take:, :]
+        if not self.blocks and self.window_len == 0:  # the sink is still filling up
+            self.sink_len += min(max(self.sink - self.sink_len, 0), k.shape[-2])
         if k.shape[-2]:
-            self.win_k = _cat(self.win_k, k)
-            self.win_v = _cat(self.win_v, v)
+            self.exact_k = _cat(self.exact_k, k)
+            self.exact_v = _cat(self.exact_v, v)
 
     def compact(self) -> int:
         """Compress whole blocks out of the window's oldest end; returns how many tokens moved."""
@@ -93,9 +115,10 @@ class LayerStore:
             return 0
         moved = n_blocks * self.block_size
         kc, vc = self.key_codec, self.value_codec
+        win_k, win_v = self.win_k, self.win_v
         if kc.mergeable and vc.mergeable:
             # one encode for everything that leaves the window, appended to the layer's single block
-            new = Block(kc.encode(self.win_k[..., :moved, :]), vc.encode(self.win_v[..., :moved, :]), moved)
+            new = Block(kc.encode(win_k[..., :moved, :]), vc.encode(win_v[..., :moved, :]), moved)
             if self.blocks:
                 old = self.blocks[-1]
                 new = Block(kc.cat(old.key, new.key), vc.cat(old.value, new.value), old.length + moved)
@@ -105,9 +128,9 @@ class LayerStore:
         else:
             for i in range(n_blocks):
                 a, b = i * self.block_size, (i + 1) * self.block_size
-                self.blocks.append(Block(kc.encode(self.win_k[..., a:b, :]), vc.encode(self.win_v[..., a:b, :]), b - a))
-        self.win_k = self.win_k[..., moved:, :].contiguous()
-        self.win_v = self.win_v[..., moved:, :].contiguous()
+                self.blocks.append(Block(kc.encode(win_k[..., a:b, :]), vc.encode(win_v[..., a:b, :]), b - a))
+        a, b = self.sink_len, self.sink_len + moved
+        self.exact_k, self.exact_v = _drop_rows(self.exact_k, a, b), _drop_rows(self.exact_v, a, b)
         return moved
 
     # ------------------------------------------------------------------ reading
@@ -142,9 +165,8 @@ class LayerStore:
         if n >= len(self):
             return
         if n <= self.sink_len:
-            self.sink_k = self.sink_k[..., :n, :] if n else None
-            self.sink_v = self.sink_v[..., :n, :] if n else None
-            self.blocks, self.win_k, self.win_v = [], None, None
+            self.blocks = []
+            self.set_exact(*((self.sink_k[..., :n, :], self.sink_v[..., :n, :]) if n else ()))
             return
         keep = n - self.sink_len
         blocks, tail = [], None
@@ -161,14 +183,12 @@ class LayerStore:
                     blocks.append(Block(self.key_codec.truncate(b.key, cut), self.value_codec.truncate(b.value, cut), cut))
             keep -= min(b.length, keep)
         self.blocks = blocks
-        if keep <= 0:
-            self.win_k = self.win_v = None
-        else:
-            self.win_k = self.win_k[..., :keep, :].contiguous()
-            self.win_v = self.win_v[..., :keep, :].contiguous()
-        if tail is not None:
-            self.win_k = tail[0] if self.win_k is None else torch.cat([tail[0], self.win_k], dim=-2)
-            self.win_v = tail[1] if self.win_v is None else torch.cat([tail[1], self.win_v], dim=-2)
+        win = [tail] if tail is not None else []
+        if keep > 0:
+            win.append((self.win_k[..., :keep, :], self.win_v[..., :keep, :]))
+        win_k = torch.cat([k for k, _ in win], dim=-2) if win else None
+        win_v = torch.cat([v for _, v in win], dim=-2) if win else None
+        self.set_exact(self.sink_k, self.sink_v, win_k, win_v)
 
     def _decoded(self, block: Block, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.key_codec.decode(self.key_codec.view(block.key, start, stop))
@@ -177,12 +197,9 @@ class LayerStore:
 
     def select_batch(self, idx: torch.Tensor) -> None:
         """Keep / reorder / repeat batch rows ``idx`` everywhere (beam search, batch filtering)."""
-        if self.sink_k is not None:
-            self.sink_k = self.sink_k.index_select(0, idx.to(self.sink_k.device))
-            self.sink_v = self.sink_v.index_select(0, idx.to(self.sink_v.device))
-        if self.win_k is not None:
-            self.win_k = self.win_k.index_select(0, idx.to(self.win_k.device))
-            self.win_v = self.win_v.index_select(0, idx.to(self.win_v.device))
+        if self.exact_k is not None:
+            self.exact_k = self.exact_k.index_select(0, idx.to(self.exact_k.device))
+            self.exact_v = self.exact_v.index_select(0, idx.to(self.exact_v.device))
         self.blocks = [
             Block(self.key_codec.select(b.key, idx), self.value_codec.select(b.value, idx), b.length)
             for b in self.blocks
@@ -192,10 +209,7 @@ class LayerStore:
 
     @property
     def batch_size(self) -> int | None:
-        for t in (self.sink_k, self.win_k):
-            if t is not None:
-                return t.shape[0]
-        return None
+        return None if self.exact_k is None else self.exact_k.shape[0]
 
     # ------------------------------------------------------------------ accounting
     def memory(self) -> dict:
@@ -214,3 +228,18 @@ class LayerStore:
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b.contiguous() if a is None else torch.cat([a, b], dim=-2)
+
+
+def _rows(t: torch.Tensor | None, start: int, stop: int | None) -> torch.Tensor | None:
+    """Tokens [start, stop) of t as a view, or None when there are none."""
+    if t is None:
+        return None
+    stop = t.shape[-2] if stop is None else stop
+    return t[..., start:stop, :] if stop > start else None
+
+
+def _drop_rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+    """t without tokens [start, stop), in a fresh buffer (so the dropped tokens are freed)."""
+    if start == 0:
+        return t[..., stop:, :].contiguous() if stop < t.shape[-2] else None
+    return torch.cat([t[..., :start, :], t[..., stop:, :]], dim=-2)

@@ -32,7 +32,8 @@ CONTAINER_KIND = "kvcodec.quant.v1"
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b.to(a.device))
+    """Equal tensors; shared ones (the HF cache's side data) without the host sync of torch.equal."""
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b.to(a.device)))
 
 
 @dataclass
