@@ -209,11 +209,16 @@ def run_quant_checks() -> list[dict]:
 
 def run_pack_checks() -> list[dict]:
     rows = []
-    for d, bits, dtype in ((128, 4, torch.bfloat16), (128, 3, torch.float16), (128, 2, torch.float32),
-                           (64, 4, torch.bfloat16), (64, 3, torch.bfloat16)):
-        row = {"pack_check": f"d{d} b{bits} {str(dtype)[6:]}"}
+    for d, bits, dtype, strided in ((128, 4, torch.bfloat16, False), (128, 3, torch.float16, False),
+                                    (128, 2, torch.float32, False), (64, 4, torch.bfloat16, False),
+                                    (64, 3, torch.bfloat16, False), (32, 4, torch.bfloat16, False),
+                                    (256, 4, torch.float32, False), (512, 3, torch.float16, False),
+                                    (1024, 2, torch.bfloat16, False), (128, 4, torch.bfloat16, True),
+                                    (64, 5, torch.float16, True)):
+        row = {"pack_check": f"d{d} b{bits} {str(dtype)[6:]}" + (" strided" if strided else "")}
         try:
-            x = (torch.randn(1 << 16, d, device="cuda") * 3).to(dtype)
+            x = (torch.randn(1 << 16, d + strided, device="cuda") * 3).to(dtype)
+            x = x[:, 1:] if strided else x  # a row stride of d + 1 elements: not 16-byte aligned
             rot = reference.hadamard_rotation(d, 7).cuda()
             cb = codebook(bits, d).cuda()
             reference.poison_allocator()

@@ -60,7 +60,7 @@
 // registers as two byte planes and is read with prmt (TqRegLut4: 2.6 ALU ops per code instead of
 // one shared-memory load per two codes). 1 or 2 balance the L1 and ALU pipes; 3 moves everything
 // to the ALU pipe. Default 1 (keys in registers, values in shared memory: fastest on an H200,
-// GPU_NOTES run 5); -DTQ_REG_LUT=n.
+// GPU_NOTES runs 4-5); -DTQ_REG_LUT=n.
 #ifndef TQ_REG_LUT
 #define TQ_REG_LUT 1
 #endif
@@ -77,8 +77,8 @@
 #endif
 // 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
 // 1 (loads at the top of each step, latency covered by the other warps) measured fastest on an H200:
-// the kernel is bound by the L1/shared-memory pipe (ncu: 88% L1/TEX throughput), not by latency,
-// and deeper rings only cost registers and instruction-cache footprint (benchmarks/GPU_NOTES.md).
+// the kernel is issue/dependency bound, not waiting on memory (deeper register rings, L2 prefetch
+// and a cp.async shared-memory ring all measured slower: benchmarks/GPU_NOTES.md, session 2).
 #ifndef TQ_STAGES
 #define TQ_STAGES 1
 #endif
@@ -411,22 +411,19 @@ tq_decode_split(
       // token base + 8 + g), B = query rows; s4 = (slot g | rows 2t, 2t+1), (slot g + 8 | same rows)
       // two accumulators (even / odd k-steps): two mma dependency chains of KS / 2 instead of one of KS
       float s4[2][4] = {}, q4[2][4] = {};
-      tq_u32 kb0[T::KREG ? T::KS / 2 : 1][4], kb1[T::KREG ? T::KS / 2 : 1][4];
-      if constexpr (T::KREG) {
-#pragma unroll
-        for (int w = 0; w < T::KS / 2; ++w) {
-          kreg.lut8(cur.k[0].w[w], kb0[w]);
-          kreg.lut8(cur.k[1].w[w], kb1[w]);
-        }
-      }
+      tq_u32 kw0[4], kw1[4];  // KREG: the 8 codes of word s / 2 of both key rows, looked up per word
 #pragma unroll
       for (int s = 0; s < T::KS; ++s) {
         tq_u32 ka[4];
         if constexpr (T::KREG) {
-          ka[0] = kb0[s >> 1][2 * (s & 1)];
-          ka[1] = kb1[s >> 1][2 * (s & 1)];
-          ka[2] = kb0[s >> 1][2 * (s & 1) + 1];
-          ka[3] = kb1[s >> 1][2 * (s & 1) + 1];
+          if ((s & 1) == 0) {
+            kreg.lut8(cur.k[0].w[s >> 1], kw0);
+            kreg.lut8(cur.k[1].w[s >> 1], kw1);
+          }
+          ka[0] = kw0[2 * (s & 1)];
+          ka[1] = kw1[2 * (s & 1)];
+          ka[2] = kw0[2 * (s & 1) + 1];
+          ka[3] = kw1[2 * (s & 1) + 1];
         } else {
           ka[0] = ktab.adjacent(cur.k[0], (4 * s) * BK);
           ka[1] = ktab.adjacent(cur.k[1], (4 * s) * BK);
@@ -589,7 +586,7 @@ tq_decode_split(
   tq::advance<T, QJL>(Lrun, begin);
   auto load_next = [&](tq::StepRegs<T>& r, int at) {
     if (at + 16 <= end) tq::load_step<T, QJL, true, KA>(r, 0, end, Lrun);
-    else tq::load_step<T, QJL, false, KA>(r, at, end, L);
+    else tq::load_step<T, QJL, false, KA>(r, 0, end - at, Lrun);  // Lrun is at token `at`
     tq::advance<T, QJL>(Lrun, 16);
   };
 #else
