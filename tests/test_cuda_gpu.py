@@ -99,6 +99,10 @@ def test_quantize_pack_matches_quant_package_hadamard2():
     x = torch.randn(4096, 128, device="cuda", dtype=torch.bfloat16)
     qt = qz.quantize(x)
     codes, norms = kc.quantize_pack(x, qz.rotation.cuda(), qz.codebook.cuda(), 4, norm_correction=True)
-    assert ((norms.float() - qt.token["norms"].float()).abs() <= qt.token["norms"].float() * 2e-3).all()
     got, want = reference.unpack_codes(codes, 4, 128), reference.unpack_codes(qt.token["codes"], 4, 128)
     assert (got != want).float().mean().item() < 1e-3 and ((got - want).abs() <= 1).all()
+    # the corrected norm is ||x|| / <y, c>: rows with the same codes agree to fp16 rounding; a code one
+    # level off at a float-rounding tie moves <y, c> (and the norm) by up to a few percent
+    rel = (norms.float() - qt.token["norms"].float()).abs() / qt.token["norms"].float()
+    same = (got == want).all(-1)
+    assert (rel[same] <= 2e-3).all() and (rel <= 0.05).all()
