@@ -1,6 +1,7 @@
 """``kvcodec bench`` writes schema-valid JSON for every suite present; report.py renders it."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,9 +52,10 @@ def test_bench_suite_quick_writes_valid_json(suite, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_gpu_quick(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}  # $OUT would also receive the results
     proc = subprocess.run(
         [sys.executable, "-m", "kvcodec.cli", "bench", "--suite", "gpu", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for f in tmp_path.glob("*.json"):
