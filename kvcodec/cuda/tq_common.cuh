@@ -149,6 +149,24 @@ TQ_DEVI tq_u32 tq_prmt(tq_u32 a, tq_u32 b, tq_u32 c) {
   return d;
 }
 
+// The first 4 * W codebook entries as 16-bit floats in W register pairs of byte planes: byte j of
+// lo[i] / hi[i] is the low / high byte of entry 4i + j (the prmt tables below).
+template <bool BF, int W>
+TQ_DEVI void tq_byte_planes(const float* __restrict__ cb, tq_u32 (&lo)[W], tq_u32 (&hi)[W]) {
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    tq_u32 l = 0u, h = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const tq_u32 e = tq_f_to_16<BF>(__ldg(cb + 4 * i + j));
+      l |= (e & 0xFFu) << (8 * j);
+      h |= (e >> 8) << (8 * j);
+    }
+    lo[i] = l;
+    hi[i] = h;
+  }
+}
+
 // A 16-entry table of 16-bit values (4-bit codebook, fp16 or bf16 patterns) held in 8 registers as
 // two byte planes: lo[i] byte j = low byte of entry 4i + j, hi[i] the high bytes. Lookup of four
 // 4-bit codes (one 16-bit half of a packed word, code k in bits 4k..4k+3) without shared memory:
@@ -161,20 +179,7 @@ TQ_DEVI tq_u32 tq_prmt(tq_u32 a, tq_u32 b, tq_u32 c) {
 struct TqRegLut4 {
   tq_u32 lo[4], hi[4];
   template <bool BF>
-  TQ_DEVI void fill(const float* __restrict__ cb) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      tq_u32 l = 0u, h = 0u;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const tq_u32 e = tq_f_to_16<BF>(__ldg(cb + 4 * i + j));
-        l |= (e & 0xFFu) << (8 * j);
-        h |= (e >> 8) << (8 * j);
-      }
-      lo[i] = l;
-      hi[i] = h;
-    }
-  }
+  TQ_DEVI void fill(const float* __restrict__ cb) { tq_byte_planes<BF, 4>(cb, lo, hi); }
   // selectors of the 8 codes of a word: a = level 1 (low half: codes 0-3), s2 = level 2
   TQ_DEVI static tq_u32 sel1(tq_u32 x) { return x & 0x77777777u; }
   TQ_DEVI static tq_u32 sel2(tq_u32 x) { return ((x >> 1) & 0x44444444u) | 0x32103210u; }
@@ -203,20 +208,7 @@ struct TqRegLut4 {
 struct TqRegLut4Sym {
   tq_u32 lo[2], hi[2];
   template <bool BF>
-  TQ_DEVI void fill(const float* __restrict__ cb) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      tq_u32 l = 0u, h = 0u;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const tq_u32 e = tq_f_to_16<BF>(__ldg(cb + 4 * i + j));
-        l |= (e & 0xFFu) << (8 * j);
-        h |= (e >> 8) << (8 * j);
-      }
-      lo[i] = l;
-      hi[i] = h;
-    }
-  }
+  TQ_DEVI void fill(const float* __restrict__ cb) { tq_byte_planes<BF, 2>(cb, lo, hi); }
   TQ_DEVI void lut8(tq_u32 x, tq_u32 (&o)[4]) const {
     const tq_u32 a = (x ^ (((x >> 3) & 0x11111111u) * 7u)) & 0x77777777u;
     const tq_u32 xs = x << 4;

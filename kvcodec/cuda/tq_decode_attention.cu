@@ -135,6 +135,29 @@ struct CodeTable {
   }
 };
 
+// Online softmax, one row: the running max m takes the step's max mx; returns the factor
+// exp2(m_old - m_new) for what was accumulated so far, and in mu the max to subtract from this
+// step's logits (0 while the row has seen only masked tokens: no inf - inf).
+TQ_DEVI float update_max(float& m, float mx, float& mu) {
+  const float mn = fmaxf(m, mx);
+  mu = (mn == -__int_as_float(0x7f800000)) ? 0.f : mn;
+  const float alpha = tq_exp2(m - mu);
+  m = mn;
+  return alpha;
+}
+
+// Online-softmax rescale of mma accumulators: element e of every fragment times f[e].
+template <int N>
+TQ_DEVI void rescale(float (&acc)[N][4], float f0, float f1, float f2, float f3) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    acc[i][0] *= f0;
+    acc[i][1] *= f1;
+    acc[i][2] *= f2;
+    acc[i][3] *= f3;
+  }
+}
+
 // +-1 as 16-bit floats from QJL sign bits (bit 1 = +1).
 TQ_DEVI tq_u32 qjl_pair(tq_u32 two_bits) {
   const tq_u32 lo = 0x3C00u | (((two_bits & 1u) ^ 1u) << 15);
@@ -455,12 +478,8 @@ tq_decode_split(
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
       }
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float mu0 = (mn0 == NEG_INF) ? 0.f : mn0;  // all-masked row so far: avoid inf - inf
-      const float mu1 = (mn1 == NEG_INF) ? 0.f : mn1;
-      const float al0 = tq_exp2(m0 - mu0), al1 = tq_exp2(m1 - mu1);
-      m0 = mn0;
-      m1 = mn1;
+      float mu0, mu1;
+      const float al0 = tq::update_max(m0, mx0, mu0), al1 = tq::update_max(m1, mx1, mu1);
       const float e0 = tq_exp2(x[0] - mu0), e1 = tq_exp2(x[1] - mu1);
       const float e2 = tq_exp2(x[2] - mu0), e3 = tq_exp2(x[3] - mu1);
       l0 = l0 * al0 + (e0 + e2);  // this thread's tokens only; summed over the lanes at the end
@@ -469,15 +488,8 @@ tq_decode_split(
       // (slot | row 2t, 2t+1) pairs, transposed to (row g | slots 2t, 2t+1): the B fragments of O^T
       const tq_u32 pb0 = tq_movmatrix_t(tq_pack2(tq_f_to_16<VBF>(e0 * vn0), tq_f_to_16<VBF>(e1 * vn0)));
       const tq_u32 pb1 = tq_movmatrix_t(tq_pack2(tq_f_to_16<VBF>(e2 * vn1), tq_f_to_16<VBF>(e3 * vn1)));
-      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // a running max moved: rescale
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) {
-          acc[i][0] *= al0;
-          acc[i][1] *= al1;
-          acc[i][2] *= al0;
-          acc[i][3] *= al1;
-        }
-      }
+      // a running max moved: rescale (accumulator columns are rows 2t, 2t + 1)
+      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) tq::rescale(acc, al0, al1, al0, al1);
       pv_narrow(cur, pb0, pb1);
     } else {
       // ---- wide tiles (more than 8 rows): S = Q K^T, two n8 tiles (tokens base + 0..7, base + 8..15)
@@ -538,12 +550,8 @@ tq_decode_split(
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float mu0 = (mn0 == NEG_INF) ? 0.f : mn0;  // all-masked row so far: avoid inf - inf
-      const float mu1 = (mn1 == NEG_INF) ? 0.f : mn1;
-      const float al0 = tq_exp2(m0 - mu0), al1 = tq_exp2(m1 - mu1);
-      m0 = mn0;
-      m1 = mn1;
+      float mu0, mu1;
+      const float al0 = tq::update_max(m0, mx0, mu0), al1 = tq::update_max(m1, mx1, mu1);
       float ps0 = 0.f, ps1 = 0.f;
       tq_u32 pa[4];
 #pragma unroll
@@ -558,15 +566,8 @@ tq_decode_split(
       }
       l0 = l0 * al0 + ps0;
       l1 = l1 * al1 + ps1;
-      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max moved: rescale
-#pragma unroll
-        for (int i = 0; i < NACC; ++i) {
-          acc[i][0] *= al0;
-          acc[i][1] *= al0;
-          acc[i][2] *= al1;
-          acc[i][3] *= al1;
-        }
-      }
+      // the running max moved: rescale (accumulator rows g, g + 8)
+      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) tq::rescale(acc, al0, al0, al1, al1);
       // A fragment order: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..)
       const tq_u32 pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
 #pragma unroll
