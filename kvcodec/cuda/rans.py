@@ -1,0 +1,360 @@
+"""Batched GPU decoding of 32-state interleaved rANS streams (``rans_decode.cu``), bit-exact.
+
+A stream from ``kvcodec.entropy.encode(x, coder="rans", streams=32)`` decodes on a GPU with one warp
+per stream (lane k owns state k; see ``kvcodec/entropy/rans.py`` for the format). A GPU needs
+thousands of warps, so decode *many* streams per call: ``encode_chunks`` splits a big array into
+independent 32-state streams (64-256 KiB of symbols each) with the CPU encoder.
+
+    blobs = encode_chunks(x, 1 << 16)                 # list of self-describing streams
+    ys = decode_batch(blobs)                          # list of uint8/uint16 CUDA tensors
+    y = decode_concat(blobs)                          # or one flat tensor, the chunks back to back
+
+Headers are parsed (and CRC-checked) on the host with ``kvcodec.entropy.stream.parse``; the payloads
+go to the device in one buffer, one decode table per distinct (dtype, precision, frequencies), and a
+single kernel launch on torch's current stream decodes everything. Every payload gets a status; a bad
+one raises ``CorruptStreamError`` naming the stream. ``RansBatch`` keeps the uploaded batch for
+repeated launches (benchmarks) and also accepts payloads already on the device
+(``RansBatch.from_device``).
+
+Streams that are not rANS or not 32-state raise ``ValueError`` unless ``cpu_fallback=True`` (then
+they decode with ``kvcodec.entropy.decode`` on the host and are copied to the device).
+Decode tables (see the .cu file for the byte layouts): mode 0, one shared-memory u32 per slot, for
+precision <= 12 and at most 256 used symbols (bf16 sign/exponent planes); mode 1, a shared-memory
+slot -> symbol index table plus a per-symbol (freq, cum) table, when both fit in 48 KiB (bytes up to
+precision 15, small uint16 alphabets); mode 2, the same information as two slot-indexed arrays in
+global memory (precision 16 bytes, big uint16 alphabets), read through L1/L2.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcodec.errors import CorruptStreamError
+
+SOURCE = "rans_decode.cu"
+WARPS = 4  # warps (payloads) per block
+KERNEL = f"rans32_decode<{WARPS}>"
+SIGNATURE = ("(const unsigned char*, const long long*, const int*, const int*, const long long*, "
+             "const unsigned char*, unsigned char*, int*)")
+STATES = 32
+SMEM_MAX = 48 * 1024  # shared-memory tables up to this size (no opt-in needed)
+HEAD = 4 * STATES
+STATUS_TEXT = {
+    1: "rANS payload has a bad length",
+    2: "rANS initial state out of range",
+    3: "rANS payload ends early",
+    4: "rANS payload does not end where its symbols do",
+}
+_ALIGN = 16
+
+
+def instance_declarations(warps=(WARPS,)) -> list[str]:
+    """Explicit-instantiation declarations for the nvcc compile check."""
+    return [f"__global__ void rans32_decode<{w}>{SIGNATURE}" for w in warps]
+
+
+# ------------------------------------------------------------------------------------- tables
+@dataclass(frozen=True)
+class Table:
+    """A decode table: its bytes (uploaded once per batch) and the fields of its tdesc row."""
+
+    data: np.ndarray  # uint8, length a multiple of 16
+    mode: int
+    precision: int
+    lo: int
+    smem_words: int  # u32 words copied to shared memory (0 for mode 2)
+    aux: int  # mode 1: byte offset of fc[]; mode 2: byte offset of sym[]
+    symbytes: int
+
+
+def build_table(freqs, precision: int, dtype, mode: int | None = None) -> Table:
+    """The kernel's decode table for one frequency table (``freqs`` over the alphabet, summing to
+    2**precision); the layouts are documented in rans_decode.cu. ``mode`` forces a layout (0, 1 or 2;
+    for tests and benchmarks) where it is possible; None picks the first of 0, 1, 2 that fits."""
+    f = np.asarray(freqs, dtype=np.int64)
+    p = int(precision)
+    m = 1 << p
+    if not 1 <= p <= 16 or f.ndim != 1 or f.min(initial=0) < 0 or int(f.sum()) != m:
+        raise ValueError("frequencies must be non-negative and sum to 2**precision (1..16)")
+    symbytes = np.dtype(dtype).itemsize
+    nz = np.flatnonzero(f)
+    lo, hi = int(nz[0]), int(nz[-1])
+    span = hi - lo + 1
+    fs = f[lo: hi + 1]
+    cum = np.concatenate(([0], np.cumsum(fs)[:-1]))
+    idx = np.repeat(np.arange(span, dtype=np.int64), fs)  # slot -> sym - lo
+    slots = np.arange(m, dtype=np.int64)
+    bias = slots - cum[idx]
+    sym_t = np.uint8 if symbytes == 1 else np.uint16
+    fits0 = p <= 12 and span <= 256
+    fits1 = _align(m * symbytes, 4) + 4 * span <= SMEM_MAX
+    if mode is None:
+        mode = 0 if fits0 else 1 if fits1 else 2
+    if mode not in (0, 1, 2) or (mode == 0 and not fits0) or (mode == 1 and not fits1):
+        raise ValueError(f"table mode {mode} does not fit precision {p} with {span} symbols")
+    if mode == 0:
+        e = (idx << 24) | ((fs[idx] - 1) << 12) | bias
+        body, aux = e.astype("<u4").tobytes(), 0
+    elif mode == 1:
+        aux = _align(m * symbytes, 4)
+        fc = ((fs - 1) << 16) | cum
+        body = idx.astype(sym_t).tobytes().ljust(aux, b"\0") + fc.astype("<u4").tobytes()
+    else:
+        e = ((fs[idx] - 1) << 16) | bias
+        aux = 4 * m
+        body = e.astype("<u4").tobytes() + (idx + lo).astype(sym_t).tobytes()
+    data = np.frombuffer(body.ljust(_align(len(body), _ALIGN), b"\0"), dtype=np.uint8)
+    smem_words = 0 if mode == 2 else _align(len(body), 4) // 4
+    return Table(data, mode, p, lo, smem_words, aux, symbytes)
+
+
+def _align(v: int, a: int) -> int:
+    return -(-v // a) * a
+
+
+# ------------------------------------------------------------------------------------- batch
+@dataclass
+class _Item:
+    index: int  # position in the caller's list
+    n: int
+    dtype: np.dtype
+    table: int  # index into the batch's tables (-1: no GPU work)
+    payload_len: int
+
+
+class RansBatch:
+    """Streams parsed, tables built and everything uploaded once; ``launch`` decodes the whole batch
+    with one kernel on torch's current stream (any number of times)."""
+
+    def __init__(self, blobs, device="cuda", cpu_fallback: bool = False, table_mode: int | None = None):
+        from kvcodec.entropy import stream
+
+        blobs = list(blobs)
+        self.device = torch.device(device)
+        headers, payloads, self._fallback = [], [], {}
+        for i, blob in enumerate(blobs):
+            h, payload = stream.parse(blob)
+            if h.n and (h.coder != "rans" or h.streams != STATES):
+                if not cpu_fallback:
+                    raise ValueError(f"stream {i} is {h.coder} with {h.streams} state(s); the GPU decoder takes "
+                                     f"rANS with {STATES} states (encode with streams=32, or cpu_fallback=True)")
+                from kvcodec import entropy
+
+                self._fallback[i] = entropy.decode(blob)
+            headers.append(h)
+            payloads.append(payload)
+        offsets = []
+        total = 0
+        gpu = [h.n > 0 and i not in self._fallback for i, h in enumerate(headers)]
+        for h, g in zip(headers, gpu):
+            offsets.append(total)
+            if g:
+                total += _align(h.payload_len, _ALIGN)
+        host = np.zeros(max(total, _ALIGN), dtype=np.uint8)
+        for h, pl, off, g in zip(headers, payloads, offsets, gpu):
+            if g:
+                host[off: off + h.payload_len] = np.frombuffer(pl, dtype=np.uint8)
+        data = torch.from_numpy(host).to(self.device)
+        self._setup(headers, data, offsets, table_mode)
+
+    @classmethod
+    def from_device(cls, data: torch.Tensor, offsets, headers, table_mode: int | None = None) -> "RansBatch":
+        """Payloads already on the device: ``data`` a uint8 CUDA tensor, ``offsets[i]`` the byte
+        offset of payload i in it (its length is ``headers[i].payload_len``; the address must be a
+        multiple of 4), ``headers`` the ``StreamHeader``s from ``kvcodec.entropy.stream.parse``."""
+        if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_cuda:
+            raise ValueError("data must be a 1-D uint8 CUDA tensor")
+        headers = list(headers)
+        offsets = [int(o) for o in offsets]
+        if len(offsets) != len(headers):
+            raise ValueError("one offset per header")
+        for h, o in zip(headers, offsets):
+            if h.n and (h.coder != "rans" or h.streams != STATES):
+                raise ValueError(f"the GPU decoder takes rANS streams with {STATES} states")
+            if h.n and (o < 0 or o + h.payload_len > data.numel() or (data.data_ptr() + o) % 4):
+                raise ValueError("each payload must lie inside data and start at a 4-byte aligned address")
+        self = cls.__new__(cls)
+        self.device = data.device
+        self._fallback = {}
+        self._setup(headers, data, offsets, table_mode)
+        return self
+
+    def _setup(self, headers, data: torch.Tensor, offsets, table_mode: int | None = None) -> None:
+        self.data = data
+        self.items: list[_Item] = []
+        tables: list[Table] = []
+        table_ids: dict[tuple, int] = {}
+        pdesc, out_off = [], 0
+        self.out_offsets = []
+        for i, h in enumerate(headers):
+            if h.n == 0 or i in self._fallback:
+                self.items.append(_Item(i, h.n, h.dtype, -1, 0))
+                self.out_offsets.append(0)
+                continue
+            key = (h.dtype.itemsize, h.param, h.freqs.tobytes())
+            t = table_ids.get(key)
+            if t is None:
+                t = table_ids[key] = len(tables)
+                tables.append(build_table(h.freqs, h.param, h.dtype, table_mode))
+            out_off = _align(out_off, h.dtype.itemsize)
+            self.items.append(_Item(i, h.n, h.dtype, t, h.payload_len))
+            self.out_offsets.append(out_off)
+            pdesc.append((offsets[i], h.payload_len, out_off, h.n))
+            out_off += h.n * h.dtype.itemsize
+        self.out_bytes = out_off
+        self.tables = tables
+        work = [it for it in self.items if it.table >= 0]
+        self.n_symbols = sum(it.n for it in work)
+        self.n_payloads = len(work)
+        self._pidx = {it.index: k for k, it in enumerate(work)}  # caller index -> payload id
+        # payloads grouped by table (a block shares one table), biggest first within a table
+        order = sorted(range(len(work)), key=lambda k: (work[k].table, -work[k].n))
+        blocks = []
+        k = 0
+        while k < len(order):
+            t = work[order[k]].table
+            j = k
+            while j < len(order) and j - k < WARPS and work[order[j]].table == t:
+                j += 1
+            blocks.append((t, k, j - k, 0))
+            k = j
+        toff, tbytes = [], 0
+        for tb in tables:
+            toff.append(tbytes)
+            tbytes += tb.data.size
+        tdesc = [(o, tb.mode, tb.precision, tb.lo, tb.smem_words, tb.aux, tb.symbytes, 0) for o, tb in zip(toff, tables)]
+        tab_host = np.zeros(max(tbytes, _ALIGN), dtype=np.uint8)
+        for o, tb in zip(toff, tables):
+            tab_host[o: o + tb.data.size] = tb.data
+        self.smem_bytes = max([4 * tb.smem_words for tb in tables] + [0])
+        dev = self.device
+        self.pdesc = torch.tensor(np.array(pdesc, dtype=np.int64).reshape(-1, 4)).to(dev)
+        self.order = torch.tensor(np.array(order, dtype=np.int32)).to(dev)
+        self.blocks = torch.tensor(np.array(blocks, dtype=np.int32).reshape(-1, 4)).to(dev)
+        self.tdesc = torch.tensor(np.array(tdesc, dtype=np.int64).reshape(-1, 8)).to(dev)
+        self.table_data = torch.from_numpy(tab_host).to(dev)
+        self.n_blocks = len(blocks)
+        self.compressed_bytes = sum(it.payload_len for it in work)
+
+    # ----------------------------------------------------------------------------- launching
+    def launch(self, out: torch.Tensor | None = None, status: torch.Tensor | None = None):
+        """Decode every payload into ``out`` (uint8, ``out_bytes`` long) on torch's current stream;
+        returns (out, status [n_payloads] int32). Does not synchronize or check the status."""
+        if out is None:
+            out = torch.empty(max(self.out_bytes, 1), dtype=torch.uint8, device=self.device)
+        if status is None:
+            status = torch.empty(max(self.n_payloads, 1), dtype=torch.int32, device=self.device)
+        if self.n_blocks:
+            import cupy
+
+            from kvcodec.cuda import build
+
+            fn = build.get_function(SOURCE, KERNEL)
+            with cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream,
+                                          self.device.index or 0):
+                fn((self.n_blocks,), (32 * WARPS,),
+                   (self.data.data_ptr(), self.pdesc.data_ptr(), self.order.data_ptr(), self.blocks.data_ptr(),
+                    self.tdesc.data_ptr(), self.table_data.data_ptr(), out.data_ptr(), status.data_ptr()),
+                   shared_mem=self.smem_bytes)
+        return out, status
+
+    def check(self, status: torch.Tensor) -> None:
+        """Raise CorruptStreamError for the first payload whose status is not 0 (synchronizes)."""
+        if not self.n_payloads:
+            return
+        st = status[: self.n_payloads].cpu().numpy()
+        bad = np.flatnonzero(st)
+        if bad.size:
+            inv = {k: i for i, k in self._pidx.items()}
+            k = int(bad[0])
+            raise CorruptStreamError(f"stream {inv[k]}: {STATUS_TEXT.get(int(st[k]), f'status {int(st[k])}')}"
+                                     + (f" ({bad.size} bad streams)" if bad.size > 1 else ""))
+
+    def split(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """Per-stream tensors (views of ``out``; CPU-fallback streams are separate tensors)."""
+        res = []
+        for it, off in zip(self.items, self.out_offsets):
+            if it.index in self._fallback:
+                a = self._fallback[it.index]
+                t = torch.from_numpy(a.view(np.int16) if a.dtype == np.uint16 else a).to(self.device)
+                res.append(t.view(torch.uint16) if it.dtype.itemsize == 2 else t)
+                continue
+            nb = it.n * it.dtype.itemsize
+            v = out[off: off + nb]
+            res.append(v.view(torch.uint16) if it.dtype.itemsize == 2 else v)
+        return res
+
+
+def decode_batch(blobs, device="cuda", cpu_fallback: bool = False) -> list[torch.Tensor]:
+    """Decode many 32-state rANS streams on the GPU with one kernel launch; returns one uint8/uint16
+    tensor per stream (views into one output buffer), bit-exact with ``kvcodec.entropy.decode``.
+
+    Raises CorruptStreamError for a malformed or inconsistent stream (header/CRC on the host,
+    payload on the device) and ValueError for streams the GPU path does not take (see module doc).
+    """
+    batch = RansBatch(blobs, device, cpu_fallback)
+    out, status = batch.launch()
+    batch.check(status)
+    return batch.split(out)
+
+
+def decode_concat(blobs, device="cuda") -> torch.Tensor:
+    """Decode streams of one dtype into one flat tensor, the streams' symbols back to back (the
+    inverse of ``encode_chunks``)."""
+    batch = RansBatch(blobs, device)
+    dts = {it.dtype for it in batch.items if it.n}
+    if len(dts) > 1:
+        raise ValueError("decode_concat needs streams of one dtype")
+    out, status = batch.launch()
+    batch.check(status)
+    dt = dts.pop() if dts else np.dtype(np.uint8)
+    flat = out[: batch.out_bytes]
+    return flat.view(torch.uint16) if dt.itemsize == 2 else flat
+
+
+# ------------------------------------------------------------------------------------- encoding
+def encode_chunks(x, chunk_symbols: int = 1 << 16, precision: int | None = None,
+                  shared_table: bool = False, workers: int | None = None) -> list[bytes]:
+    """Split a 1-D uint8/uint16 array into chunks of ``chunk_symbols`` symbols (the last may be
+    shorter) and encode each as an independent 32-state rANS stream with the CPU (numba) encoder.
+
+    shared_table: one frequency table from the whole array for every chunk (the GPU then uploads a
+    single table; headers still carry it); otherwise each chunk gets its own (smaller output).
+    workers: encoder threads (numba releases the GIL), default all cores.
+    """
+    from kvcodec import entropy
+    from kvcodec.entropy import freq, rans_fast, stream
+
+    x = np.ascontiguousarray(x)
+    if x.ndim != 1 or x.dtype not in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        raise ValueError("x must be a 1-D uint8 or uint16 array")
+    if not isinstance(chunk_symbols, (int, np.integer)) or chunk_symbols < 1:
+        raise ValueError("chunk_symbols must be a positive int")
+    starts = list(range(0, x.size, int(chunk_symbols))) or [0]
+    chunks = [x[s: s + chunk_symbols] for s in starts]
+    if shared_table and x.size:
+        counts = freq.count_symbols(x)
+        p = freq.choose_precision(int(np.count_nonzero(counts))) if precision is None else int(precision)
+        freqs = freq.quantize_frequencies(counts, p)
+
+        def enc(c):
+            if c.size == 0:
+                return stream.pack("rans", x.dtype, 0, 0, 0, None, b"")
+            return stream.pack("rans", x.dtype, c.size, p, STATES, freqs, rans_fast.encode_table(c, freqs, p, STATES))
+    else:
+        def enc(c):
+            return entropy.encode(c, coder="rans", streams=STATES, precision=precision)
+
+    workers = workers or os.cpu_count() or 1
+    if workers == 1 or len(chunks) == 1:
+        return [enc(c) for c in chunks]
+    with ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(enc, chunks))
+
+
+__all__ = ["RansBatch", "build_table", "decode_batch", "decode_concat", "encode_chunks"]
