@@ -7,7 +7,7 @@ Data: the shipped SmolLM2 KV sample (keys + values + their fp8-predictor twins, 
 MB per plane: the high byte (sign + 7 exponent bits: few symbols, precision 12, shared-memory table
 mode 0), the low byte (exponent bit + mantissa: near-uniform, precision 14, mode 1), and the bf16
 values as uint16 symbols (precision 16, global-memory table mode 2). Each is split into chunks of 64 KiB
-and 256 KiB symbols, encoded on the host (numba, all cores) as independent 32-state streams. GPU time is
+and 256 KiB of symbols (bytes), encoded on the host (numba, all cores) as independent 32-state streams. GPU time is
 one kernel launch for all chunks (CUDA events, warm-up, median of rounds); the check compares every
 decoded byte with the input. CPU: the numba decoder on the same payloads (headers pre-parsed), one
 thread and all cores. Writes gpu_rans.json/.md under --out and $OUT; prints a table last.
@@ -124,10 +124,11 @@ def run(out_dir: str, mb: int, quick: bool) -> dict:
     warm = np.arange(1000, dtype=np.uint8) % 5  # compile the kernel (NVRTC) before any timing
     gr.decode_batch([entropy.encode(warm, coder="rans", streams=32)])
     data = planes(mb)
-    chunks = (1 << 16, 1 << 18)
+    chunk_bytes = (64 << 10, 256 << 10)  # chunk sizes in bytes of decoded symbols
     rows = []
     for name, x in data.items():
-        for chunk in chunks:
+        for cb in chunk_bytes:
+            chunk = cb // x.itemsize
             t0 = time.perf_counter()
             blobs = gr.encode_chunks(x, chunk, workers=cores)
             enc_s = time.perf_counter() - t0
