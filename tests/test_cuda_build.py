@@ -788,3 +788,34 @@ def test_pack_launch_geometry():
     assert pack.grid_blocks(1 << 21, 128, 132, 64) == 132 * 4
     assert pack.grid_blocks(1 << 21, 128, 132, 80) == 132 * 3
     assert pack.grid_blocks(1 << 21, 256, 132, None) == 132 * 3
+
+
+def test_decode_plan_is_cached_on_the_call_invariants(monkeypatch):
+    """The CUDA launcher's host-side plan (pure Python, built here on CPU tensors with the compiler and
+    device queries stubbed): reused for a repeated call, rebuilt when a codebook is edited in place or
+    the cache grows, and a bad argument still raises."""
+    monkeypatch.setattr(build, "get_function", lambda *a, **k: object())
+    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(attention, "_plans", {})
+    cache = _random_cache(1, 2, 40, 32, 4, 4)
+    rot, cb = reference.hadamard_rotation(32), torch.linspace(-0.3, 0.3, 16)
+    q = torch.randn(1, 4, 1, 32)
+
+    def plan(c=cache, norms=cache["k_norms"], lens=torch.tensor([40])):
+        return attention.decode_plan(q, c["k_codes"], norms, c["v_codes"], c["v_norms"], lens, rot, rot, cb, cb,
+                                     4, 4, 0.125, None, None, None, None, None, None)
+
+    p = plan()
+    assert plan() is p and plan(lens=None) is p
+    assert p.tcap == 40 and p.full_lens.tolist() == [40] and p.rows == 2
+    cb.mul_(1.0)  # in-place edit: new version, new plan
+    assert plan() is not p
+    shorter = _random_cache(1, 2, 32, 32, 4, 4)
+    assert plan(shorter, shorter["k_norms"], torch.tensor([32])).tcap == 32
+    with pytest.raises(ValueError):
+        plan(norms=cache["k_norms"].float())
+    # seq_lens=None means all Tcap slots (CPU reference path)
+    kw = dict(k_rotation=rot, v_rotation=rot, k_codebook=cb, v_codebook=cb, k_bits=4, v_bits=4, return_lse=True)
+    args = (q, cache["k_codes"], cache["k_norms"], cache["v_codes"], cache["v_norms"])
+    for a, b in zip(decode_attention(*args, torch.tensor([40]), **kw), decode_attention(*args, None, **kw)):
+        assert torch.equal(a, b)

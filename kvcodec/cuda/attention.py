@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -205,6 +206,17 @@ def _best_tokens_per_warp(bh_tiles: int, capacity: int, sms: int, per_sm: int) -
     return best
 
 
+_sm_counts: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device, queried once per device."""
+    n = _sm_counts.get(device)
+    if n is None:
+        n = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
 def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, dim: int = 128,
                             rows: int = 4, qjl: bool = False, num_regs: int | None = None) -> int:
     """Split size (tokens per warp, a multiple of 16) minimizing the modelled decode time.
@@ -214,31 +226,13 @@ def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, 
     and the merge costs a little per split. Any multiple of 16 may win (not only powers of two):
     filling the last wave matters more than the split size itself.
     """
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = blocks_per_sm(dim, rows, qjl, num_regs)
-    return _best_tokens_per_warp(bh_tiles, capacity, sms, per_sm)
+    return _best_tokens_per_warp(bh_tiles, capacity, sm_count(device), per_sm)
 
 
-def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_rotation, v_rotation,
-                     k_codebook, v_codebook, k_bits, v_bits, scale=None, k_qjl=None, k_rnorms=None,
-                     qjl_matrix=None, window_k=None, window_v=None, window_lens=None, causal=True,
-                     tokens_per_warp=None, return_lse=False):
-    """Attention of a few new queries over a compressed cache (+ optional full-precision window).
-
-    query        [B, Hq, q_len, D] (after any query-side key transform, e.g. channel scales); Hq is a
-                 multiple of Hkv and query head h uses kv head h // (Hq // Hkv) (HF repeat_kv order)
-    k_codes      [B, Hkv, Tcap, D*k_bits/8] uint8; k_norms [B, Hkv, Tcap] float16/bfloat16
-    v_codes      [B, Hkv, Tcap, D*v_bits/8] uint8; v_norms [B, Hkv, Tcap] float16/bfloat16
-    seq_lens     [B] int: compressed tokens per sequence (slots past it are ignored, may hold anything)
-    k_rotation, v_rotation  [D, D] float32 with y = x @ rotation.T; k_codebook/v_codebook float32 [2^b]
-    k_qjl, k_rnorms, qjl_matrix  prod keys: sign bits [B, Hkv, Tcap, D/8], ||r|| [B, Hkv, Tcap] and
-                 S [m=D, D]; the score adds ||r|| * sqrt(pi/2)/m * <S q_rot, signs>
-    window_k, window_v  [B, Hkv, W, D] full-precision recent tokens (after all compressed ones);
-                 window_lens [B] valid window tokens (default W); with q_len > 1 and causal=True, query
-                 i sees window tokens j < window_len - (q_len - 1) + i (the queries are the last q_len)
-    Returns out [B, Hq, q_len, D] in query.dtype (values in their original space, before any
-    value-side inverse transform) and, with return_lse=True, the float32 log-sum-exp [B, Hq, q_len].
-    """
+def _validate(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_codebook, v_codebook, k_bits, v_bits,
+              k_qjl, k_rnorms, qjl_matrix, window_k, window_v) -> None:
+    """Raise ValueError for arguments ``decode_attention`` does not take (any device)."""
     if query.dim() != 4:
         raise ValueError("query must be [B, Hq, q_len, D]")
     b, hq, ql, d = query.shape
@@ -257,76 +251,181 @@ def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_r
     for t, what in ((k_norms, "k_norms"), (v_norms, "v_norms")):
         if tuple(t.shape) != (b, hkv, tcap):
             raise ValueError(f"{what} has shape {tuple(t.shape)}, expected {(b, hkv, tcap)}")
-    k_bf, v_bf = _norm_is_bf16(k_norms, "k_norms"), _norm_is_bf16(v_norms, "v_norms")
-    if tuple(seq_lens.shape) != (b,):
-        raise ValueError("seq_lens must be [B]")
+    _norm_is_bf16(k_norms, "k_norms")  # raises for other dtypes
+    _norm_is_bf16(v_norms, "v_norms")
     qjl = k_qjl is not None
     if qjl and (k_rnorms is None or qjl_matrix is None):
         raise ValueError("prod keys need k_qjl, k_rnorms and qjl_matrix together")
     if qjl and (tuple(qjl_matrix.shape) != (d, d) or tuple(k_qjl.shape) != (b, hkv, tcap, d // 8)):
         raise ValueError("QJL: qjl_matrix must be [D, D] and k_qjl [B, Hkv, Tcap, D/8]")
-    if (window_k is None) != (window_v is None):
-        raise ValueError("window_k and window_v go together")
     if len(k_codebook) != 1 << k_bits or len(v_codebook) != 1 << v_bits:
         raise ValueError("codebook sizes must be 2^bits")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    _check_per_call(b, seq_lens, window_k, window_v)
 
-    if query.is_cuda and not _cupy_ok():
-        warnings.warn("kvcodec.cuda: CuPy is not installed (pip install 'kvcodec[cuda]'); "
-                      "using the slow torch reference on the GPU", RuntimeWarning, stacklevel=2)
-    if not query.is_cuda or not _cupy_ok():
+
+def _check_per_call(batch: int, seq_lens, window_k, window_v) -> None:
+    """The checks a cached plan does not cover (these arguments are not part of its key)."""
+    if seq_lens is not None and tuple(seq_lens.shape) != (batch,):
+        raise ValueError("seq_lens must be [B]")
+    if (window_k is None) != (window_v is None):
+        raise ValueError("window_k and window_v go together")
+
+
+def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_rotation, v_rotation,
+                     k_codebook, v_codebook, k_bits, v_bits, scale=None, k_qjl=None, k_rnorms=None,
+                     qjl_matrix=None, window_k=None, window_v=None, window_lens=None, causal=True,
+                     tokens_per_warp=None, return_lse=False):
+    """Attention of a few new queries over a compressed cache (+ optional full-precision window).
+
+    query        [B, Hq, q_len, D] (after any query-side key transform, e.g. channel scales); Hq is a
+                 multiple of Hkv and query head h uses kv head h // (Hq // Hkv) (HF repeat_kv order)
+    k_codes      [B, Hkv, Tcap, D*k_bits/8] uint8; k_norms [B, Hkv, Tcap] float16/bfloat16
+    v_codes      [B, Hkv, Tcap, D*v_bits/8] uint8; v_norms [B, Hkv, Tcap] float16/bfloat16
+    seq_lens     [B] int: compressed tokens per sequence (slots past it are ignored, may hold anything);
+                 None: every sequence uses all Tcap slots (no per-call clamp of a length tensor)
+    k_rotation, v_rotation  [D, D] float32 with y = x @ rotation.T; k_codebook/v_codebook float32 [2^b]
+    k_qjl, k_rnorms, qjl_matrix  prod keys: sign bits [B, Hkv, Tcap, D/8], ||r|| [B, Hkv, Tcap] and
+                 S [m=D, D]; the score adds ||r|| * sqrt(pi/2)/m * <S q_rot, signs>
+    window_k, window_v  [B, Hkv, W, D] full-precision recent tokens (after all compressed ones);
+                 window_lens [B] valid window tokens (default W); with q_len > 1 and causal=True, query
+                 i sees window tokens j < window_len - (q_len - 1) + i (the queries are the last q_len)
+    Returns out [B, Hq, q_len, D] in query.dtype (values in their original space, before any
+    value-side inverse transform) and, with return_lse=True, the float32 log-sum-exp [B, Hq, q_len].
+    """
+    if scale is not None:
+        scale = float(scale)
+    elif query.dim() == 4:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    if query.is_cuda and _cupy_ok():
+        plan = decode_plan(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation,
+                           k_codebook, v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix,
+                           window_k, window_v, tokens_per_warp)
+        _check_per_call(plan.batch, seq_lens, window_k, window_v)
+        out, lse = _compressed_part(plan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms)
+        if window_k is not None:
+            out, lse = _merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal)
+    else:
+        _validate(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_codebook, v_codebook, k_bits, v_bits,
+                  k_qjl, k_rnorms, qjl_matrix, window_k, window_v)
+        if seq_lens is None:
+            seq_lens = torch.full((query.shape[0],), k_codes.shape[2], dtype=torch.int32, device=query.device)
+        if query.is_cuda:
+            warnings.warn("kvcodec.cuda: CuPy is not installed (pip install 'kvcodec[cuda]'); "
+                          "using the slow torch reference on the GPU", RuntimeWarning, stacklevel=2)
         out, lse = reference.decode_attention_reference(
             query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation=k_rotation, v_rotation=v_rotation,
             k_codebook=k_codebook, v_codebook=v_codebook, k_bits=k_bits, v_bits=v_bits, scale=scale,
             k_qjl=k_qjl, k_rnorms=k_rnorms, qjl_matrix=qjl_matrix, window_k=window_k, window_v=window_v,
             window_lens=window_lens, causal=causal)
-        out = out.to(query.dtype)
-        return (out, lse.to(torch.float32)) if return_lse else out
-
-    if d % 32 or not 32 <= d <= 256:
-        raise ValueError(f"CUDA kernel needs head_dim a multiple of 32 in [32, 256], got {d}")
-    if tcap * d * max(k_bits, v_bits) // 32 >= 2**31:
-        raise ValueError("cache too long for the kernel's 32-bit row offsets (Tcap * row words >= 2^31)")
-    out, lse = _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation,
-                                k_codebook, v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix,
-                                tokens_per_warp)
-    if window_k is not None:
-        out, lse = _merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal)
+        lse = lse.to(torch.float32)
     out = out.to(query.dtype)
     return (out, lse) if return_lse else out
 
 
-def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation, k_codebook,
-                     v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, tokens_per_warp):
-    import cupy
+@dataclass(eq=False)
+class DecodePlan:
+    """Everything the CUDA launcher derives from a call's invariants, built once per configuration.
 
+    A decode step is host bound (batch-1 decode: ~1 ms of GPU time per step against several ms of
+    Python), and per layer and step the launcher used to re-validate the arguments, look up the
+    device copies of rotations/codebooks, check codebook symmetry, fetch three compiled kernels, ask
+    the device for its SM count, run the split-size model and build the scalar launch arguments.
+    All of that depends only on the plan key (``_plan_key``: shapes and dtypes of every argument the
+    checks read, bits, scale, the identity and ``_version`` of the rotation/codebook/QJL tensors,
+    the device, ``KERNEL_DEFINES``, ``NARROW_ENABLED`` and ``tokens_per_warp``), so a repeated call
+    only reads the per-call tensors' pointers, allocates its outputs and launches. The plan holds the
+    key's tensors, so their ids cannot be reused while it is cached. A new plan is built when the
+    cache grows (new Tcap: once per compaction in the HF cache) or a rotation/codebook changes.
+    """
+
+    batch: int
+    out_shape: tuple  # [B, Hq, q_len, D] == [B*Hkv, rows, D] in memory
+    lse_shape: tuple
+    qjl: bool
+    q_cast: bool  # the query dtype is not one the prep kernel reads: cast to float32 first
+    rows: int  # query rows per (sequence, kv head): GQA group size x q_len
+    row_tiles: int  # 16-row tiles
+    tcap: int
+    full_lens: torch.Tensor  # [B] int32 filled with Tcap: the lengths when the call passes seq_lens=None
+    scale: float
+    keep: tuple  # the key's tensors (ids stay unique) and the device tensors behind ``pointers``
+    perm: torch.Tensor  # key_permutation on the device (int32)
+    kr: torch.Tensor  # key rotation, float32 on the device
+    kr_t: torch.Tensor  # its transpose, contiguous (the prep kernel's layout)
+    qjl_matrix: torch.Tensor | None  # S, float32 on the device
+    qjl_scale: float  # the QJL score factor folded into the S q row scales
+    pointers: tuple  # device pointers of (kr_t, perm, k codebook, v codebook, v rotation)
+    prep_fn: object
+    split_fn: object
+    merge_fn: object
+    prep_launch: tuple  # (grid, block, scalar args after the two pointers)
+    split_launch: tuple  # (grid, block, scalar args)
+    merge_launch: tuple  # (grid, block, scalar args, shared memory bytes)
+    scratch: tuple  # byte offsets of q16, row scales, partial outputs, partial (m, l); total bytes
+
+
+_plans: dict = {}
+MAX_PLANS = 256  # live plans: one per (layer, cache length) in use; the cache is cleared when full
+
+
+def _tensor_key(t):
+    return None if t is None else (id(t), t._version)
+
+
+def _plan_key(query, k_codes, k_norms, v_codes, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
+              k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, tokens_per_warp) -> tuple:
+    """Everything a plan (and the argument checks) depends on; see DecodePlan."""
+    qjl = None if k_qjl is None else (k_qjl.shape, None if k_rnorms is None else k_rnorms.dtype,
+                                      _tensor_key(qjl_matrix), None if qjl_matrix is None else qjl_matrix.shape)
+    return (query.shape, query.dtype, query.device, k_codes.shape, k_codes.dtype, k_norms.shape, k_norms.dtype,
+            v_codes.shape, v_codes.dtype, v_norms.shape, v_norms.dtype, k_bits, v_bits, scale,
+            _tensor_key(k_rotation), _tensor_key(v_rotation), _tensor_key(k_codebook), _tensor_key(v_codebook),
+            qjl, KERNEL_DEFINES, NARROW_ENABLED, tokens_per_warp)
+
+
+def decode_plan(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation, k_codebook,
+                v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, window_k, window_v,
+                tokens_per_warp) -> DecodePlan:
+    """The cached DecodePlan of a CUDA call (validating the arguments and building it on a miss).
+    Pure host work: with ``build.get_function`` and ``sm_count`` stubbed it runs on CPU tensors."""
+    key = _plan_key(query, k_codes, k_norms, v_codes, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
+                    k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, tokens_per_warp)
+    plan = _plans.get(key)
+    if plan is None:
+        _validate(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_codebook, v_codebook, k_bits, v_bits,
+                  k_qjl, k_rnorms, qjl_matrix, window_k, window_v)
+        plan = _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
+                           k_bits, v_bits, scale, k_qjl is not None, k_rnorms, qjl_matrix, tokens_per_warp)
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_codebook, v_codebook, k_bits,
+                v_bits, scale, qjl, k_rnorms, qjl_matrix, tokens_per_warp) -> DecodePlan:
     b, hq, ql, d = query.shape
     hkv, tcap = k_codes.shape[1], k_codes.shape[2]
-    g = hq // hkv
-    r = g * ql
+    if d % 32 or not 32 <= d <= 256:
+        raise ValueError(f"CUDA kernel needs head_dim a multiple of 32 in [32, 256], got {d}")
+    if tcap * d * max(k_bits, v_bits) // 32 >= 2**31:
+        raise ValueError("cache too long for the kernel's 32-bit row offsets (Tcap * row words >= 2^31)")
+    r = (hq // hkv) * ql
     rt = -(-r // 16)
+    rows_pad = rt * 16
     bh = b * hkv
     dev = query.device
-    qjl = k_qjl is not None
     k_bf, v_bf = _norm_is_bf16(k_norms, "k_norms"), _norm_is_bf16(v_norms, "v_norms")
+    if qjl and _norm_is_bf16(k_rnorms, "k_rnorms") != k_bf:
+        raise ValueError("k_rnorms must have the dtype of k_norms")
 
     perm = _perm_on(d, dev)
     kr = _derive(k_rotation, f"f32 {dev}", lambda m: m.to(dev, torch.float32).contiguous())
-    rows_pad = rt * 16
-    q_in = query if query.dtype in _QIN else query.to(torch.float32)
-    q_in = q_in.contiguous()
-    q16 = torch.empty(bh, rows_pad, d, device=dev, dtype=torch.float16)
-    row_scale = torch.empty(bh, rows_pad, device=dev, dtype=torch.float32)
     kr_t = _derive(kr, "T", lambda m: m.T.contiguous())
-    if qjl:
-        if _norm_is_bf16(k_rnorms, "k_rnorms") != k_bf:
-            raise ValueError("k_rnorms must have the dtype of k_norms")
-        q_rot = (query.to(torch.float32) @ kr.T).reshape(bh, r, d)
-        qs16, qs_scale = _scaled_rows(q_rot @ qjl_matrix.to(dev, torch.float32).T, perm, rt * 16)
-        qs_scale *= scale * LOG2E * math.sqrt(math.pi / 2) / d
-        qjl_bits, rnorms = k_qjl.contiguous(), k_rnorms.contiguous()
-    else:
-        qs16, qs_scale, qjl_bits, rnorms = q16, row_scale, k_codes, k_norms  # unused by the kernel
+    kcb = _derive(k_codebook, f"f32 {dev}", lambda c: c.to(dev, torch.float32).contiguous())
+    vcb = _derive(v_codebook, f"f32 {dev}", lambda c: c.to(dev, torch.float32).contiguous())
+    vrot = _derive(v_rotation, f"f32 {dev}", lambda m: m.to(dev, torch.float32).contiguous())
+    qin = query.dtype if query.dtype in _QIN else torch.float32
 
     narrow = r <= 8 and NARROW_ENABLED
     defines = split_defines(KERNEL_DEFINES, k_bits, v_bits, k_codebook, v_codebook, v_bf)
@@ -338,36 +437,89 @@ def _compressed_part(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rota
     if -(-tcap // tpw) > MAX_SPLITS:
         raise ValueError(f"tokens_per_warp too small: more than {MAX_SPLITS} splits")
     nsplit = max(1, -(-tcap // tpw))
-    part_o = torch.empty(bh, nsplit, r, d, device=dev, dtype=torch.float32)
-    part_ml = torch.empty(bh, nsplit, r, 2, device=dev, dtype=torch.float32)
-    out = torch.empty(bh, r, d, device=dev, dtype=torch.float32)
-    lse = torch.empty(bh, r, device=dev, dtype=torch.float32)
 
+    # one scratch allocation per call: q16 [BH, rows_pad, D] fp16, row scales [BH, rows_pad] fp32,
+    # partial outputs [BH, nsplit, rows, D] and (m, l) [BH, nsplit, rows, 2] fp32 (256-byte aligned)
+    offsets, total = [], 0
+    for nbytes in (bh * rows_pad * d * 2, bh * rows_pad * 4, bh * nsplit * r * d * 4, bh * nsplit * r * 2 * 4):
+        offsets.append(total)
+        total += -(-nbytes // 256) * 256
+
+    i32 = np.int32
+    return DecodePlan(
+        batch=b, out_shape=(b, hq, ql, d), lse_shape=(b, hq, ql), qjl=qjl, q_cast=query.dtype not in _QIN,
+        rows=r, row_tiles=rt, tcap=tcap, full_lens=torch.full((b,), tcap, dtype=torch.int32, device=dev),
+        scale=scale,
+        keep=(k_rotation, v_rotation, k_codebook, v_codebook, qjl_matrix, kcb, vcb, vrot),
+        perm=perm, kr=kr, kr_t=kr_t,
+        qjl_matrix=qjl_matrix.to(dev, torch.float32) if qjl else None,
+        qjl_scale=scale * LOG2E * math.sqrt(math.pi / 2) / d,
+        pointers=(kr_t.data_ptr(), perm.data_ptr(), kcb.data_ptr(), vcb.data_ptr(), vrot.data_ptr()),
+        prep_fn=build.get_function(SOURCE, prep_name(d, _QIN[qin]), KERNEL_DEFINES),
+        split_fn=split_fn,
+        merge_fn=build.get_function(SOURCE, merge_name(d), KERNEL_DEFINES),
+        prep_launch=((bh * rows_pad,), (d,), (np.float32(scale * LOG2E), i32(r), i32(rows_pad))),
+        split_launch=((-(-nsplit // WARPS_PER_BLOCK), bh, rt), (32 * WARPS_PER_BLOCK,),
+                      (i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit))),
+        merge_launch=((bh * r,), (d,), (i32(r), i32(nsplit)), 8 * nsplit),
+        scratch=(*offsets, total),
+    )
+
+
+_streams: dict = {}
+# torch's current cudaStream_t without building a torch.cuda.Stream object (what torch's own generated
+# code uses; CUDA builds of torch have it): the value of torch.cuda.current_stream(device).cuda_stream
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _cupy_stream(device: torch.device):
+    """CuPy's handle of torch's current stream on ``device``, one object per (stream, device)."""
+    ptr = _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
+    stream = _streams.get((ptr, device.index))
+    if stream is None:
+        import cupy
+
+        if len(_streams) >= 64:
+            _streams.clear()
+        stream = _streams[(ptr, device.index)] = cupy.cuda.ExternalStream(ptr, device.index or 0)
+    return stream
+
+
+def _compressed_part(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms):
+    """Launch prep, split and merge for one call on torch's current stream; returns (out, lse) float32
+    [B, Hq, q_len, D] and [B, Hq, q_len]."""
+    dev = query.device
+    q_in = (query.to(torch.float32) if plan.q_cast else query).contiguous()
     kc, kn, vc, vn = k_codes.contiguous(), k_norms.contiguous(), v_codes.contiguous(), v_norms.contiguous()
     # the kernel reads code chunks with 16-byte vector loads: a misaligned view gets an aligned copy
     kc = kc if kc.data_ptr() % 16 == 0 else kc.clone()
     vc = vc if vc.data_ptr() % 16 == 0 else vc.clone()
-    kcb = _derive(k_codebook, f"f32 {dev}", lambda c: c.to(dev, torch.float32).contiguous())
-    vcb = _derive(v_codebook, f"f32 {dev}", lambda c: c.to(dev, torch.float32).contiguous())
-    lens = seq_lens.to(dev, torch.int32).clamp(0, tcap).contiguous()
-    vrot = _derive(v_rotation, f"f32 {dev}", lambda m: m.to(dev, torch.float32).contiguous())
-
-    merge_fn = build.get_function(SOURCE, merge_name(d), KERNEL_DEFINES)
-    prep_fn = build.get_function(SOURCE, prep_name(d, _QIN[q_in.dtype]), KERNEL_DEFINES)
-    i32 = np.int32
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev.index or 0):
-        prep_fn((bh * rows_pad,), (d,), (q_in.data_ptr(), kr_t.data_ptr(), perm.data_ptr(),
-                                         np.float32(scale * LOG2E), i32(r), i32(rows_pad), q16.data_ptr(),
-                                         row_scale.data_ptr()))
-        split_fn(
-            (-(-nsplit // WARPS_PER_BLOCK), bh, rt), (32 * WARPS_PER_BLOCK,),
-            (q16.data_ptr(), row_scale.data_ptr(), kc.data_ptr(), kn.data_ptr(), vc.data_ptr(), vn.data_ptr(),
-             qs16.data_ptr(), qs_scale.data_ptr(), qjl_bits.data_ptr(), rnorms.data_ptr(), kcb.data_ptr(),
-             vcb.data_ptr(), lens.data_ptr(), i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit),
-             part_o.data_ptr(), part_ml.data_ptr()))
-        merge_fn((bh * r,), (d,), (part_o.data_ptr(), part_ml.data_ptr(), vrot.data_ptr(), i32(r), i32(nsplit),
-                                   out.data_ptr(), lse.data_ptr()), shared_mem=8 * nsplit)
-    return out.reshape(b, hq, ql, d), lse.reshape(b, hq, ql)
+    lens = plan.full_lens if seq_lens is None else seq_lens.to(dev, torch.int32).clamp(0, plan.tcap).contiguous()
+    o_q16, o_scale, o_part, o_ml, nbytes = plan.scratch
+    scratch = torch.empty(nbytes, device=dev, dtype=torch.uint8)  # alive until the launches are queued
+    base = scratch.data_ptr()
+    q16, row_scale, part_o, part_ml = base + o_q16, base + o_scale, base + o_part, base + o_ml
+    out = torch.empty(plan.out_shape, device=dev, dtype=torch.float32)
+    lse = torch.empty(plan.lse_shape, device=dev, dtype=torch.float32)
+    if plan.qjl:
+        q_rot = (query.to(torch.float32) @ plan.kr.T).reshape(-1, plan.rows, query.shape[-1])
+        qs16, qs_scale = _scaled_rows(q_rot @ plan.qjl_matrix.T, plan.perm, plan.row_tiles * 16)
+        qs_scale *= plan.qjl_scale
+        qjl_bits, rnorms = k_qjl.contiguous(), k_rnorms.contiguous()
+        qjl_ptrs = (qs16.data_ptr(), qs_scale.data_ptr(), qjl_bits.data_ptr(), rnorms.data_ptr())
+    else:
+        qjl_ptrs = (q16, row_scale, kc.data_ptr(), kn.data_ptr())  # unused by the kernel
+    kr_t, perm, kcb, vcb, vrot = plan.pointers
+    grid, block, scalars = plan.prep_launch
+    with _cupy_stream(dev):
+        plan.prep_fn(grid, block, (q_in.data_ptr(), kr_t, perm, *scalars, q16, row_scale))
+        grid, block, scalars = plan.split_launch
+        plan.split_fn(grid, block, (q16, row_scale, kc.data_ptr(), kn.data_ptr(), vc.data_ptr(), vn.data_ptr(),
+                                    *qjl_ptrs, kcb, vcb, lens.data_ptr(), *scalars, part_o, part_ml))
+        grid, block, scalars, smem = plan.merge_launch
+        plan.merge_fn(grid, block, (part_o, part_ml, vrot, *scalars, out.data_ptr(), lse.data_ptr()),
+                      shared_mem=smem)
+    return out, lse
 
 
 def _merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal):

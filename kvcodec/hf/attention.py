@@ -198,14 +198,15 @@ class _FusedConsts:
     k_add: torch.Tensor
     v_scale: torch.Tensor | None  # [B|1, H_kv, 1, D]: output = out' * v_scale + v_center
     v_center: torch.Tensor | None
-    seq_lens: torch.Tensor  # [B] int32, compressed tokens per sequence
+    batch: int
+    seq_lens: torch.Tensor | None  # [B] int32 compressed tokens per sequence; None: all the block's slots
 
     @classmethod
     def of(cls, store, block: Block, scaling: float, query: torch.Tensor) -> "_FusedConsts":
         """The store's cached constants for ``block``, rebuilt only when the block changed."""
         batch, heads, device = query.shape[0], query.shape[1], query.device
         c = store.attn_consts
-        if c is not None and c.block() is block and c.scaling == scaling and c.seq_lens.shape[0] == batch:
+        if c is not None and c.block() is block and c.scaling == scaling and c.batch == batch:
             return c
         ck, cv = block.key, block.value
         f32 = lambda t: None if t is None else t.to(device, torch.float32)  # noqa: E731
@@ -216,9 +217,12 @@ class _FusedConsts:
             k_mul = scaling / k_scale
         k_add = torch.zeros_like(k_mul) if k_center is None else -k_center * k_mul
         q_scale = None if k_scale is None else k_scale.repeat_interleave(heads // ck.lead_shape[1], dim=1)
+        # every sequence holds all of the block's tokens: when the packed tensors have exactly that many
+        # slots, seq_lens=None lets the kernel use its cached full lengths (no per-call clamp kernel)
+        full = ck.token["codes"].shape[-2] == ck.num_tokens
         c = cls(weakref.ref(block), scaling, q_scale, k_mul, k_add,
-                f32(cv.side.get("scale")), f32(cv.side.get("center")),
-                torch.full((batch,), ck.num_tokens, dtype=torch.int32, device=device))
+                f32(cv.side.get("scale")), f32(cv.side.get("center")), batch,
+                None if full else torch.full((batch,), ck.num_tokens, dtype=torch.int32, device=device))
         store.attn_consts = c
         return c
 
