@@ -38,7 +38,7 @@ OVERVIEW_PNG = "overview_rd.png"
 MAX_COLUMNS = 12
 README_ROWS = 8
 # Suites shown first, in this order; any other suite follows alphabetically.
-ORDER = ["demo", "bench_lossless", "bench_lossless_kv", "bench_quant", "bench_entropy", "bench_entropy_models", "bench_hf", "gpu_kernels", "gpu_hf_decode"]
+ORDER = ["demo", "bench_lossless", "bench_lossless_kv", "bench_quant", "bench_entropy", "bench_entropy_models", "bench_hf", "gpu_kernels", "gpu_hf_decode", "gpu_rans"]
 
 
 def fmt(value) -> str:
