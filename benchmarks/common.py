@@ -102,6 +102,13 @@ def save(result: dict, out_dir: str | os.PathLike, columns: list[str] | None = N
     return path
 
 
+
+def save_with_out(result: dict, out_dir: str | os.PathLike, columns: list[str] | None = None) -> None:
+    """``save`` into ``out_dir`` and, when set, into ``$OUT`` too (the device machine sends back only
+    what lands under ``$OUT``)."""
+    for d in dict.fromkeys(filter(None, (str(out_dir), os.environ.get("OUT")))):
+        save(result, d, columns=columns)
+
 def constriction_categorical(symbols, probs, repeat: int = 5):
     """Time constriction's stack ANS and queue range coder on one categorical model.
 

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import gc
 import io
-import os
 import sys
 import time
 import traceback
@@ -37,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_hf import dynamic_bytes  # noqa: E402
-from benchmarks.common import machine_record, markdown_table, save  # noqa: E402
+from benchmarks.common import machine_record, markdown_table, save_with_out  # noqa: E402
 from benchmarks.gpu_kernels import log  # noqa: E402
 
 SUITE = "gpu_hf_decode"
@@ -327,9 +326,8 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", *, device: str
         f"total {time.time() - t_start:.0f}s",
     ]
     result = {"suite": SUITE, "rows": rows, "machine": rec, "notes": notes, "columns": COLUMNS}
-    for d in filter(None, {out_dir, os.environ.get("OUT")}):
-        with contextlib.redirect_stdout(io.StringIO()):  # printed once, below
-            save(result, d, columns=COLUMNS)
+    with contextlib.redirect_stdout(io.StringIO()):  # printed once, below
+        save_with_out(result, out_dir, columns=COLUMNS)
     print("".join(f"- {n}\n" for n in notes))
     print(markdown_table(rows, COLUMNS), flush=True)
     return result

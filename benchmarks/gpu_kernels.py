@@ -11,7 +11,6 @@ codes, their norms (and QJL bits/norms), for every valid token; SDPA reads bf16 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine_record, save  # noqa: E402
+from benchmarks.common import machine_record, save_with_out  # noqa: E402
 from kvcodec.cuda import attention, reference  # noqa: E402
 import kvcodec.cuda as kc  # noqa: E402
 
@@ -539,8 +538,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
                   f"total {time.time() - t0:.0f}s"],
     }
     cols = ["batch", "ctx", "heads", "d", "bits", "fused_ms", "fused_TBps", "pct_copy_bw", "sdpa_ms", "speedup"]
-    for d in filter(None, {out_dir, os.environ.get("OUT")}):
-        save(result, d, columns=cols)
+    save_with_out(result, out_dir, columns=cols)
     return result
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine_record, save  # noqa: E402
+from benchmarks.common import machine_record, save_with_out  # noqa: E402
 
 
 def log(*a):
@@ -210,8 +210,7 @@ def run(out_dir: str, mb: int, quick: bool) -> dict:
     }
     cols = ["data", "chunk_KiB", "payloads", "table_mode", "forced", "ratio", "gpu_ms", "gpu_GBps", "gpu_comp_GBps",
             "cpu1_GBps", "cpuN_GBps", "speedup_vs_cpuN", "exact"]
-    for d in filter(None, {out_dir, os.environ.get("OUT")}):
-        save(result, d, columns=cols)
+    save_with_out(result, out_dir, columns=cols)
     return result
 
 
