@@ -49,8 +49,8 @@ def test_kernels_compile_with_nvcc(arch, tmp_path):
         assert (tmp_path / f"{source.split('.')[0]}_{arch}.cubin").stat().st_size > 1000
 
 
-# Round-2 variants (benchmarks/gpu_kernels.py VARIANTS / ADDONS / CHECK_MODES): every macro set the
-# next GPU run may pick must build for both targets without spills, on the instances it times/checks.
+# Tuning variants (benchmarks/gpu_kernels.py VARIANTS / ADDONS / CHECK_MODES): every macro set a GPU
+# run may time, check or pick must build for both targets without spills, on the instances it uses.
 VARIANT_CONFIGS = [
     (128, 4, 4, False, False, False, True),
     (128, 4, 4, False, False, False, False),
@@ -74,7 +74,7 @@ VARIANT_DEFINES = [
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
 @pytest.mark.parametrize("defines", VARIANT_DEFINES, ids=lambda d: "+".join(x.replace("TQ_", "") for x in d))
-def test_round2_variants_compile_without_spills(arch, defines, tmp_path):
+def test_tuning_variants_compile_without_spills(arch, defines, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed: CUDA compile check skipped")
     decls = attention.instance_declarations(VARIANT_CONFIGS)
