@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvcodec import CorruptStreamError, container
 from kvcodec.lossless import api, planes, registry
-from kvcodec.lossless.api import compress, decompress
+from kvcodec.lossless.api import compress, decode_blob_chunk, decompress
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 OTHER_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float64, torch.bool]
@@ -125,9 +125,9 @@ def test_single_chunk_decodes_alone():
         assert_bit_exact(codec.decode_chunk(meta["codec_meta"], sections, c), flat[c * 2048 : (c + 1) * 2048])
     with pytest.raises(ValueError):
         codec.decode_chunk(meta["codec_meta"], sections, 5)
-    assert_bit_exact(planes.decode_blob_chunk(blob, 2), flat[2 * 2048 : 3 * 2048])
+    assert_bit_exact(decode_blob_chunk(blob, 2), flat[2 * 2048 : 3 * 2048])
     with pytest.raises(ValueError):
-        planes.decode_blob_chunk(compress(t, codec="raw"), 0)
+        decode_blob_chunk(compress(t, codec="raw"), 0)
 
 
 def test_describe():

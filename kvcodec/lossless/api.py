@@ -9,7 +9,6 @@ decoder checks that crc, so a wrong prediction (or any stream damage the codec c
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,14 @@ import torch
 from kvcodec import container
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import registry
+from kvcodec.lossless.tensor_meta import (
+    DEFAULT_MAX_OUTPUT_BYTES,
+    check_output_cap,
+    checked_shape,
+    dtype_from_name,
+    nbytes,
+)
+from kvcodec.lossless.threads import resolve_threads
 
 KIND = "kvcodec.tensor"
 _META_KEYS = {"codec", "dtype", "shape", "device", "crc32", "uses_prediction", "codec_meta"}
@@ -75,7 +82,7 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
     layout = opts.pop("layout", None)
     if layout not in (None, "kv"):
         raise ValueError(f"layout must be None or 'kv', got {layout!r}")
-    registry.resolve_threads(threads)
+    resolve_threads(threads)
     dtype_name = container.torch_dtype_name(tensor.dtype)
     device = str(tensor.device)
     t = _as_cpu(tensor)
@@ -99,7 +106,7 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         "dtype": dtype_name,
         "shape": list(t.shape),
         "device": device,
-        "crc32": container.crc32_parallel(tensor_bytes(t), registry.resolve_threads(threads)),
+        "crc32": container.crc32_parallel(tensor_bytes(t), resolve_threads(threads)),
         "uses_prediction": pred is not None,
         "codec_meta": codec_meta,
     }
@@ -107,19 +114,21 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
 
 
 def _checked_meta(meta: dict) -> dict:
-    if set(meta) != _META_KEYS:
+    if not isinstance(meta, dict) or set(meta) != _META_KEYS:
         raise CorruptStreamError("tensor blob meta has the wrong keys")
-    if meta["dtype"] not in container.torch_dtypes():
-        raise CorruptStreamError(f"tensor blob has unknown dtype {meta['dtype']!r}")
-    shape = meta["shape"]
-    if not isinstance(shape, list) or len(shape) > container.MAX_NDIM or any(
-        type(d) is not int or d < 0 for d in shape
-    ):
-        raise CorruptStreamError("tensor blob has a bad shape")
+    dtype_from_name(meta["dtype"])
+    checked_shape(meta["shape"])
     if type(meta["crc32"]) is not int or not isinstance(meta["device"], str):
         raise CorruptStreamError("tensor blob has a bad crc32 or device")
     if not isinstance(meta["uses_prediction"], bool) or not isinstance(meta["codec_meta"], dict):
         raise CorruptStreamError("tensor blob has bad codec fields")
+    if not isinstance(meta["codec"], str):
+        raise CorruptStreamError("tensor blob has a bad codec name")
+    # The codec's own dtype/shape drive its allocations: they must be the ones checked above.
+    inner = meta["codec_meta"]
+    for key in ("dtype", "shape"):
+        if key in inner and inner[key] != meta[key]:
+            raise CorruptStreamError(f"tensor blob's codec meta declares another {key}")
     return meta
 
 
@@ -129,15 +138,53 @@ def describe(blob) -> dict[str, Any]:
     if header["kind"] != KIND:
         raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
     meta = _checked_meta(header["meta"])
-    itemsize = container.torch_dtypes()[meta["dtype"]].itemsize
+    dtype = dtype_from_name(meta["dtype"])
     return {
         "codec": meta["codec"],
         "dtype": meta["dtype"],
         "shape": tuple(meta["shape"]),
-        "raw_bytes": math.prod(meta["shape"]) * itemsize,
+        "raw_bytes": nbytes(tuple(meta["shape"]), dtype),
         "compressed_bytes": mv.nbytes,
         "uses_prediction": meta["uses_prediction"],
     }
+
+
+def _load(blob, max_output_bytes) -> tuple[dict, dict]:
+    """Parse a tensor blob and check its meta and declared size (nothing decoded yet)."""
+    if max_output_bytes is not None and (isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int)):
+        raise ValueError(f"max_output_bytes must be a non-negative int or None, got {max_output_bytes!r}")
+    _, meta, sections = container.loads(blob, expect_kind=KIND)
+    meta = _checked_meta(meta)
+    check_output_cap(nbytes(tuple(meta["shape"]), dtype_from_name(meta["dtype"])), max_output_bytes, "tensor blob")
+    return meta, sections
+
+
+def validate(blob, max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> dict[str, Any]:
+    """Check everything about a blob that can be checked without decoding its payload.
+
+    The container and its section checksums, the meta (types, dtype allow-list, shape, the codec's
+    own dtype/shape equal to the outer ones), the declared size against ``max_output_bytes``, and
+    the codec's metadata against the sections present (for codecs with a ``validate`` method).
+    Returns :func:`describe`'s dict; raises CorruptStreamError. :func:`decompress` runs the same
+    checks first, so a fuzzer can call either.
+    """
+    meta, sections = _load(blob, max_output_bytes)
+    impl = registry.get_for_decoding(meta["codec"])
+    check = getattr(impl, "validate", None)
+    if check is not None:
+        check(meta["codec_meta"], sections)
+    return describe(blob)
+
+
+def decode_blob_chunk(blob, c: int) -> torch.Tensor:
+    """Decode chunk ``c`` of a ``compress(..., codec="planes")`` blob alone (flat elements
+    ``[c * chunk, (c + 1) * chunk)``), e.g. to read part of a huge tensor. The whole-tensor crc32
+    cannot be checked on a part; the container's section checksums still are."""
+    _, meta, sections = container.loads(blob, expect_kind=KIND)
+    if not isinstance(meta, dict) or meta.get("codec") != "planes" or not isinstance(meta.get("codec_meta"), dict):
+        raise ValueError("not a blob of the planes codec")
+    meta = _checked_meta(meta)
+    return registry.get("planes").decode_chunk(meta["codec_meta"], sections, c)
 
 
 def _target_device(stored: str, prediction: torch.Tensor | None, device) -> torch.device:
@@ -155,24 +202,20 @@ def _target_device(stored: str, prediction: torch.Tensor | None, device) -> torc
 
 
 def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, device=None,
-               max_output_bytes: int | None = None) -> torch.Tensor:
+               max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> torch.Tensor:
     """Restore the tensor from :func:`compress`'s bytes, bit for bit.
 
     Pass the same ``prediction`` that was given to ``compress`` (if one was). The result goes to
     ``device`` if given, else the prediction's device, else the original device when this machine
     has it, else the CPU. Raises CorruptStreamError on damaged input or a wrong prediction.
-    ``max_output_bytes``: refuse (CorruptStreamError) blobs that declare a bigger tensor; set it
-    for untrusted input, since a constant tensor legitimately compresses to a few hundred bytes
-    whatever its size.
+    ``max_output_bytes``: refuse (CorruptStreamError) blobs that declare a bigger tensor, before
+    anything is allocated (default ``DEFAULT_MAX_OUTPUT_BYTES`` = 4 GiB; ``None`` = no cap): a
+    constant tensor legitimately compresses to a few hundred bytes whatever its size. Every
+    metadata field is validated before the codec allocates or loops (:func:`validate`).
     """
-    registry.resolve_threads(threads)
-    _, meta, sections = container.loads(blob, expect_kind=KIND)
-    meta = _checked_meta(meta)
+    resolve_threads(threads)
+    meta, sections = _load(blob, max_output_bytes)
     shape = tuple(meta["shape"])
-    if max_output_bytes is not None:
-        declared = math.prod(shape) * container.torch_dtypes()[meta["dtype"]].itemsize
-        if declared > max_output_bytes:
-            raise CorruptStreamError(f"blob declares a {declared}-byte tensor, over max_output_bytes={max_output_bytes}")
     pred = None
     if meta["uses_prediction"]:
         if prediction is None:
@@ -182,11 +225,11 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
         pred = _as_cpu(prediction)
     impl = registry.get_for_decoding(meta["codec"])
     out = impl.decode(meta["codec_meta"], sections, pred, threads)
-    dtype = container.torch_dtypes()[meta["dtype"]]
+    dtype = dtype_from_name(meta["dtype"])
     if not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape:
         raise CorruptStreamError("codec output does not match the stored dtype/shape")
     out = out.contiguous()
-    if container.crc32_parallel(tensor_bytes(out), registry.resolve_threads(threads)) != meta["crc32"]:
+    if container.crc32_parallel(tensor_bytes(out), resolve_threads(threads)) != meta["crc32"]:
         raise CorruptStreamError(
             "decoded tensor fails its checksum: wrong prediction, or a corrupted stream"
         )

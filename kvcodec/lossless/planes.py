@@ -48,6 +48,8 @@ from kvcodec import container
 from kvcodec.entropy.freq import quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import registry
+from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
+from kvcodec.lossless.threads import resolve_threads
 
 PREC = 12
 M = 1 << PREC
@@ -402,7 +404,7 @@ def merge_planes(planes: list[np.ndarray], layout: str, itemsize: int, out: np.n
 # --------------------------------------------------------------------------- the codec
 def _pool_map(fn, items, threads: int):
     items = list(items)
-    workers = min(registry.resolve_threads(threads), len(items))
+    workers = min(resolve_threads(threads), len(items))
     if workers <= 1:
         return [fn(x) for x in items]
     with ThreadPoolExecutor(workers) as ex:
@@ -556,6 +558,11 @@ class PlaneCodec:
             raise CorruptStreamError(f"planes: rANS stream of chunk {c} is corrupt")
         return out
 
+    def validate(self, meta, sections) -> None:
+        """Check meta and sections against each other (CorruptStreamError) without decoding."""
+        dtype, shape = _dtype_shape(meta)
+        self._prepare(meta, sections, dtype, shape)
+
     def decode(self, meta, sections, prediction, threads: int) -> torch.Tensor:
         dtype, shape = _dtype_shape(meta)
         n = math.prod(shape)
@@ -585,28 +592,10 @@ class PlaneCodec:
         return torch.from_numpy(out).view(dtype)
 
 
-def decode_blob_chunk(blob, c: int) -> torch.Tensor:
-    """Decode chunk ``c`` of a ``compress(..., codec="planes")`` blob alone (flat elements
-    ``[c * chunk, (c + 1) * chunk)``), e.g. to read part of a huge tensor. The whole-tensor crc32
-    cannot be checked on a part; the container's section checksums still are."""
-    from kvcodec.lossless.api import KIND
-
-    _, meta, sections = container.loads(blob, expect_kind=KIND)
-    if not isinstance(meta, dict) or meta.get("codec") != PlaneCodec.name or not isinstance(meta.get("codec_meta"), dict):
-        raise ValueError("not a blob of the planes codec")
-    return PlaneCodec().decode_chunk(meta["codec_meta"], sections, c)
-
-
 def _dtype_shape(meta) -> tuple[torch.dtype, tuple[int, ...]]:
     if not isinstance(meta, dict):
         raise CorruptStreamError("codec meta is not an object")
-    dtype = container.torch_dtypes().get(meta.get("dtype")) if isinstance(meta.get("dtype"), str) else None
-    shape = meta.get("shape")
-    if dtype is None or not isinstance(shape, list) or len(shape) > container.MAX_NDIM or any(
-        type(d) is not int or d < 0 for d in shape
-    ):
-        raise CorruptStreamError("codec meta has a bad dtype or shape")
-    return dtype, tuple(shape)
+    return dtype_from_name(meta.get("dtype"), "codec meta"), checked_shape(meta.get("shape"), "codec meta")
 
 
 class RawCodec:

@@ -44,6 +44,8 @@ import torch
 from numba import njit, prange
 
 from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
+from kvcodec.lossless.threads import resolve_threads
 
 FORMAT_VERSION = 1
 PREDICTORS = ("external", "previous_token", "neighbour_layer", "none")
@@ -595,8 +597,6 @@ class _Threads:
     """Run numba kernels on ``threads`` workers (0 = all), restoring the previous count after."""
 
     def __init__(self, threads: int):
-        from kvcodec.lossless.registry import resolve_threads
-
         self.n = min(resolve_threads(threads), numba.config.NUMBA_NUM_THREADS)
 
     def __enter__(self):
@@ -705,13 +705,8 @@ def _section(sections, name, dtype, n=None) -> np.ndarray:
 def _meta_dtype_shape(meta) -> tuple[torch.dtype, tuple[int, ...]]:
     if not isinstance(meta, dict) or meta.get("v") != FORMAT_VERSION:
         raise CorruptStreamError("predictive stream has an unknown format version")
-    name = meta.get("dtype")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptStreamError(f"predictive stream names an unknown dtype {name!r}")
-    shape = meta.get("shape")
-    if not isinstance(shape, list) or len(shape) > 16 or any(type(n) is not int or n < 0 for n in shape):
-        raise CorruptStreamError("predictive stream has a bad shape")
+    dtype = dtype_from_name(meta.get("dtype"), "predictive stream")
+    shape = checked_shape(meta.get("shape"), "predictive stream")
     if math.prod(shape) > _MAX_NUMEL:
         raise CorruptStreamError("predictive stream claims an implausibly large tensor")
     return dtype, tuple(shape)

@@ -9,16 +9,18 @@ A codec is any object with
 - ``decode(meta, sections, prediction, threads) -> torch.Tensor`` (same dtype and shape as encoded).
   It must raise :class:`kvcodec.CorruptStreamError` for malformed ``meta``/``sections``.
 
-Codecs of other modules register themselves on import (``register(MyCodec())``); ``get`` imports
-the module of a known built-in name on first use, so decoding never depends on import order.
+Codecs register themselves when their module is imported (``register(MyCodec())``); the built-in
+ones (``planes``, ``raw``, ``kvctx``, ``predictive``) are imported by ``kvcodec.lossless``'s
+``__init__``, which runs before any of its submodules, so decoding never depends on import order.
+The registry imports no codec: codecs depend on it, never the reverse.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Protocol
 
 from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless.threads import resolve_threads  # noqa: F401  (kept importable from here)
 
 
 class Codec(Protocol):
@@ -28,14 +30,6 @@ class Codec(Protocol):
 
     def decode(self, meta: dict, sections: dict[str, Any], prediction, threads: int): ...
 
-
-# Built-in codec name -> module that registers it when imported.
-_BUILTIN_MODULES = {
-    "planes": "kvcodec.lossless.planes",
-    "raw": "kvcodec.lossless.planes",
-    "kvctx": "kvcodec.lossless.kv_context",
-    "predictive": "kvcodec.lossless.predictive",
-}
 
 _codecs: dict[str, Codec] = {}
 
@@ -55,13 +49,7 @@ def register(codec: Codec, *, replace: bool = False) -> Codec:
 
 
 def get(name: str) -> Codec:
-    """The codec registered as ``name`` (importing its built-in module if needed); KeyError if none."""
-    if name not in _codecs and name in _BUILTIN_MODULES:
-        try:
-            importlib.import_module(_BUILTIN_MODULES[name])
-        except ModuleNotFoundError as exc:
-            if exc.name != _BUILTIN_MODULES[name]:
-                raise
+    """The codec registered as ``name``; KeyError if none."""
     if name not in _codecs:
         raise KeyError(f"no lossless codec named {name!r} (registered: {', '.join(sorted(_codecs)) or 'none'})")
     return _codecs[name]
@@ -78,34 +66,10 @@ def get_for_decoding(name: Any) -> Codec:
 
 
 def has(name: str) -> bool:
-    """Whether ``get(name)`` would succeed. A built-in module that fails to import counts as absent
-    (with a warning), so one broken optional codec never stops the others."""
-    try:
-        get(name)
-    except KeyError:
-        return False
-    except ImportError as exc:
-        import warnings
-
-        warnings.warn(f"lossless codec {name!r} is unavailable: {exc}", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    """Whether a codec is registered as ``name``."""
+    return name in _codecs
 
 
 def available() -> list[str]:
-    """Names of the usable codecs (importing the built-in modules)."""
-    return sorted(set(_codecs) | {n for n in _BUILTIN_MODULES if has(n)})
-
-
-def resolve_threads(threads: int) -> int:
-    """Worker count for a ``threads`` argument: 0 means every core this process may use."""
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-        raise ValueError(f"threads must be a non-negative integer, got {threads!r}")
-    if threads:
-        return threads
-    import os
-
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
+    """Names of the registered codecs."""
+    return sorted(_codecs)
