@@ -105,9 +105,8 @@ def cache_configs(model, residual: int, quick: bool) -> list[dict]:
 def _quant_settings(quick: bool) -> dict:
     """(key_bits, value_bits, extra kwargs) per kvcodec quantized method."""
     from kvcodec.hf.methods import QUANT_METHODS
-    from kvcodec.hf.quant_codecs import available_methods
 
-    have = [m for m in QUANT_METHODS if m in available_methods()]
+    have = list(QUANT_METHODS)
     grid = {
         "turboquant": [(4, 4, {}), (4, 3, {}), (3, 3, {}), (3, 2, {}), (2, 2, {})]
         + ([] if quick else [(4, 4, {"key_mode": "prod"}), (3, 3, {"key_mode": "prod"})]),

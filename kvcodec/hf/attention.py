@@ -3,7 +3,7 @@
 transformers calls ``fn(module, query, key, value, attention_mask, scaling=..., dropout=...)``
 but never passes the cache. A forward pre-hook on every attention module (installed by
 :func:`enable`) sees ``past_key_values`` in the module's kwargs, *arms* the module's
-:class:`~kvcodec.hf.cache.CompressedLayer` (so its ``update`` returns only the new exact K/V)
+:class:`~kvcodec.hf.layer.CompressedLayer` (so its ``update`` returns only the new exact K/V)
 and leaves the function a weak reference to it. The function then runs one joint softmax over
 ``[sink | compressed blocks | full-precision window (which ends with the new tokens)]``:
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvcodec.hf.layer import CompressedLayer
 from kvcodec.hf.storage import Block, Segment
 
 NAME = "kvcodec"
@@ -87,15 +88,15 @@ def disable(model: torch.nn.Module, attn_implementation: str = "sdpa") -> torch.
 
 
 def _arm_layer(module, args, kwargs):
-    from kvcodec.hf.cache import CompressedCache
-
-    cache = kwargs.get("past_key_values")
+    """Pre-hook: arm the module's layer when ``past_key_values`` is a compressed cache (its layers are
+    :class:`CompressedLayer`; a CompressedCache holds nothing else)."""
+    layers = getattr(kwargs.get("past_key_values"), "layers", None)
     config = getattr(module, "config", None)
     setattr(module, _LAYER_ATTR, None)
-    if isinstance(cache, CompressedCache) and getattr(config, "_attn_implementation", None) == NAME:
+    if isinstance(layers, list) and getattr(config, "_attn_implementation", None) == NAME:
         idx = module.layer_idx
-        if idx < len(cache.layers):
-            layer = cache.layers[idx]
+        if idx < len(layers) and isinstance(layers[idx], CompressedLayer):
+            layer = layers[idx]
             layer.armed = True
             setattr(module, _LAYER_ATTR, weakref.ref(layer))
     return None

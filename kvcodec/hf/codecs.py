@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless import api as lossless_api
 
 
 class NoSideData:
@@ -108,18 +109,13 @@ class LosslessCodec(NoSideData):
     mergeable = False  # one entropy-coded blob per block and batch row
     token_multiple = 1
 
-    def __init__(self):
-        from kvcodec.lossless import api  # imported here: the lossless package is optional at import time
-
-        self._api = api
-
     def encode(self, x: torch.Tensor) -> LosslessBlock:
         cpu = x.detach().to("cpu").contiguous()
-        blobs = [self._api.compress(cpu[b : b + 1].contiguous(), layout="kv") for b in range(cpu.shape[0])]
+        blobs = [lossless_api.compress(cpu[b : b + 1].contiguous(), layout="kv") for b in range(cpu.shape[0])]
         return LosslessBlock(blobs, x.shape[-2], x.device)
 
     def decode(self, block: LosslessBlock) -> torch.Tensor:
-        rows = [self._api.decompress(blob) for blob in block.blobs]
+        rows = [lossless_api.decompress(blob) for blob in block.blobs]
         return torch.cat([torch.as_tensor(r) for r in rows], dim=0).to(block.device)
 
     def scores(self, block: LosslessBlock, q: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcodec.hf.codecs import ExactCodec, LosslessCodec
+from kvcodec.hf.quant_codecs import make_quant_codecs
 
 QUANT_METHODS = ("turboquant", "qjl", "kivi")
 METHODS = QUANT_METHODS + ("lossless", "none")
@@ -59,8 +60,6 @@ class CacheSpec:
             return ExactCodec(), ExactCodec()
         if self.method == "lossless":
             return LosslessCodec(), LosslessCodec()
-        from kvcodec.hf.quant_codecs import make_quant_codecs
-
         return make_quant_codecs(self, layer_idx)
 
 
@@ -122,6 +121,4 @@ def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, bloc
                      n_layers, n_kv, head_dim, key_precondition, value_precondition)
     if method in QUANT_METHODS:
         spec.make_codecs(0)  # surfaces the quantizer's own ValueError (e.g. head_dim it cannot rotate) now
-    elif method == "lossless":
-        spec.make_codecs(0)  # fails now if the lossless codec is not importable
     return spec

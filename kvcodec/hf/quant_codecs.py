@@ -16,36 +16,7 @@ import math
 import torch
 
 from kvcodec.errors import CorruptStreamError
-
-
-def _quant_classes() -> dict:
-    """The kvcodec.quant classes importable in this installation, by name."""
-    found = {}
-    for module, names in (
-        ("kvcodec.quant.turboquant", ("TurboQuantMSE", "TurboQuantProd")),
-        ("kvcodec.quant.qjl", ("QJL",)),
-        ("kvcodec.quant.kivi", ("KIVI",)),
-        ("kvcodec.quant.outliers", ("TurboQuantOutlier",)),
-    ):
-        try:
-            mod = __import__(module, fromlist=list(names))
-        except ImportError:
-            continue
-        found.update({n: getattr(mod, n) for n in names if hasattr(mod, n)})
-    return found
-
-
-def available_methods() -> tuple[str, ...]:
-    """The quantized cache methods whose quantizers are importable in this installation."""
-    have = _quant_classes()
-    out = []
-    if "TurboQuantMSE" in have and "TurboQuantProd" in have:
-        out.append("turboquant")
-    if "QJL" in have and "TurboQuantMSE" in have:
-        out.append("qjl")
-    if "KIVI" in have:
-        out.append("kivi")
-    return tuple(out)
+from kvcodec.quant import KIVI, QJL, ChannelPreconditioner, QuantizedTensor, TurboQuantMSE, TurboQuantOutlier, TurboQuantProd
 
 
 def layer_seed(seed: int, layer_idx: int, part: int) -> int:
@@ -64,38 +35,33 @@ def make_quantizers(spec, layer_idx: int):
     ``outliers=k`` both use the paper's outlier split (k channels at bits+1, the rest at bits).
     qjl: QJL keys with m = key_bits * head_dim sign bits, TurboQuantMSE values.
     kivi: keys per-channel and values per-token, groups of 32 (the KIVI paper's layout)."""
-    if spec.method not in available_methods():
-        raise ValueError(f"method {spec.method!r} needs kvcodec.quant, which does not provide it in this installation")
-    q = _quant_classes()
     d = spec.head_dim
     ks, vs = layer_seed(spec.seed, layer_idx, 0), layer_seed(spec.seed, layer_idx, 1)
     if spec.method == "kivi":
-        return (q["KIVI"](spec.key_bits, group_size=KIVI_GROUP, axis="channel", dim=d),
-                q["KIVI"](spec.value_bits, group_size=KIVI_GROUP, axis="token", dim=d))
+        return (KIVI(spec.key_bits, group_size=KIVI_GROUP, axis="channel", dim=d),
+                KIVI(spec.value_bits, group_size=KIVI_GROUP, axis="token", dim=d))
     if spec.outliers:
-        if "TurboQuantOutlier" not in q:
-            raise ValueError("outliers needs kvcodec.quant.TurboQuantOutlier, not available in this installation")
-        values = _outlier(q, d, spec.outliers, spec.value_bits, vs, spec.value_precondition)
+        values = _outlier(d, spec.outliers, spec.value_bits, vs, spec.value_precondition)
     else:
-        values = q["TurboQuantMSE"](d, spec.value_bits, seed=vs, precondition=spec.value_precondition)
+        values = TurboQuantMSE(d, spec.value_bits, seed=vs, precondition=spec.value_precondition)
     if spec.method == "qjl":
-        return q["QJL"](d, m=spec.key_bits * d, seed=ks), values
+        return QJL(d, m=spec.key_bits * d, seed=ks), values
     if spec.key_mode == "prod":
         if spec.key_bits < 2:
             raise ValueError("key_mode='prod' needs key_bits >= 2 (bits-1 MSE bits + 1 QJL bit)")
         if spec.outliers:
             raise ValueError("outliers is supported with key_mode='mse' only")
-        return q["TurboQuantProd"](d, spec.key_bits, seed=ks, precondition=spec.key_precondition), values
+        return TurboQuantProd(d, spec.key_bits, seed=ks, precondition=spec.key_precondition), values
     if spec.outliers:
-        return _outlier(q, d, spec.outliers, spec.key_bits, ks, spec.key_precondition), values
-    return q["TurboQuantMSE"](d, spec.key_bits, seed=ks, precondition=spec.key_precondition), values
+        return _outlier(d, spec.outliers, spec.key_bits, ks, spec.key_precondition), values
+    return TurboQuantMSE(d, spec.key_bits, seed=ks, precondition=spec.key_precondition), values
 
 
-def _outlier(q, dim, k, bits, seed, precondition):
+def _outlier(dim, k, bits, seed, precondition):
     if bits >= 8:
         raise ValueError("with outliers, bits must be <= 7 (outlier channels get bits + 1)")
     pre = "none" if precondition == "none" else "center"  # the split supports centering only
-    return q["TurboQuantOutlier"](dim, k, bits + 1, bits, seed=seed, precondition=pre)
+    return TurboQuantOutlier(dim, k, bits + 1, bits, seed=seed, precondition=pre)
 
 
 def make_quant_codecs(spec, layer_idx: int):
@@ -190,8 +156,6 @@ class QuantCodec:
         return d["meta"], d["tensors"]
 
     def restore(self, meta: dict, tensors: dict):
-        from kvcodec.quant.compressed import QuantizedTensor
-
         block = QuantizedTensor.from_dict({"meta": meta, "tensors": tensors})
         if block.config != self.q_config():
             raise CorruptStreamError("saved block was quantized with another configuration than this cache's")
@@ -322,6 +286,4 @@ class FastTurboQuant:
 
 
 def _precond(c):
-    from kvcodec.quant.precondition import ChannelPreconditioner
-
     return ChannelPreconditioner.from_side(c.side)

@@ -13,9 +13,12 @@ from kvcodec.quant.outliers import TurboQuantOutlier
 from kvcodec.quant.packing import pack_bits, packed_width, unpack_bits
 from kvcodec.quant.precondition import ChannelPreconditioner, calibrate
 from kvcodec.quant.qjl import QJL
-from kvcodec.quant.registry import quantizer_from_config
+from kvcodec.quant.registry import quantizer_from_config, register
 from kvcodec.quant.rotations import rotation_matrix
 from kvcodec.quant.turboquant import TurboQuantMSE, TurboQuantProd, qjl_matrix
+
+# every quantizer a QuantizedTensor's config may name (registry.py is a leaf: it imports none of them)
+register(TurboQuantMSE, TurboQuantProd, QJL, KIVI, TurboQuantOutlier)
 
 __all__ = [
     "TurboQuantMSE", "TurboQuantProd", "QJL", "KIVI", "TurboQuantOutlier", "QuantizedTensor",

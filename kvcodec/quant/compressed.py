@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcodec import container
 from kvcodec.errors import CorruptStreamError
+from kvcodec.quant.registry import quantizer_from_config
 
 _DTYPES = {
     "uint8": torch.uint8,
@@ -103,8 +105,6 @@ class QuantizedTensor:
     # ----------------------------------------------------------------- quantizer
     @property
     def quantizer(self):
-        from kvcodec.quant.registry import quantizer_from_config
-
         return quantizer_from_config(self.config)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -248,15 +248,11 @@ class QuantizedTensor:
 
     def to_bytes(self) -> bytes:
         """Serialize through kvcodec.container (the library's one container format)."""
-        from kvcodec import container
-
         d = self.to_dict()
         return container.dumps(CONTAINER_KIND, d["meta"], d["tensors"])
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> "QuantizedTensor":
-        from kvcodec import container
-
         kind, meta, tensors = container.loads(blob)
         if kind != CONTAINER_KIND:
             raise CorruptStreamError(f"not a quantized tensor (container kind {kind!r})")

@@ -1,4 +1,8 @@
-"""Rebuild a quantizer from the JSON-able config a QuantizedTensor carries (cached)."""
+"""Rebuild a quantizer from the JSON-able config a QuantizedTensor carries (cached).
+
+A leaf module: quantizer classes are registered by ``kvcodec.quant`` when the package is imported
+(``register``), so this module, and ``QuantizedTensor`` which uses it, import no quantizer.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +11,20 @@ from functools import lru_cache
 
 from kvcodec.errors import CorruptStreamError
 
+_classes: dict[str, type] = {}
 
-def _classes() -> dict:
-    from kvcodec.quant.kivi import KIVI
-    from kvcodec.quant.outliers import TurboQuantOutlier
-    from kvcodec.quant.qjl import QJL
-    from kvcodec.quant.turboquant import TurboQuantMSE, TurboQuantProd
 
-    return {c.method: c for c in (TurboQuantMSE, TurboQuantProd, QJL, KIVI, TurboQuantOutlier)}
+def register(*classes: type) -> None:
+    """Make quantizer classes rebuildable from their config, under their ``method`` name."""
+    for cls in classes:
+        _classes[cls.method] = cls
+    _build.cache_clear()
 
 
 @lru_cache(maxsize=128)
 def _build(cfg_json: str):
     cfg = json.loads(cfg_json)
-    cls = _classes().get(cfg.pop("method", None))
+    cls = _classes.get(cfg.pop("method", None))
     if cls is None:
         raise CorruptStreamError(f"unknown quantizer method in {cfg_json}")
     try:
