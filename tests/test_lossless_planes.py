@@ -281,3 +281,43 @@ def test_round_trip_property(dtype, shape, seed, scale, chunk_bytes):
     else:
         t = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
     assert_bit_exact(decompress(compress(t, chunk_bytes=chunk_bytes)), t)
+
+
+def test_format_1_blobs_with_8_lanes_still_decode():
+    """Blobs written by format 1 (8 rANS lanes, no "lanes" key) decode bit for bit (the crc32 of
+    the original tensor is checked by decompress)."""
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data"
+    for name, shape, dtype in (("planes_v1_bf16.kvt", (128, 64), torch.bfloat16),
+                               ("planes_v1_fp8.kvt", (40, 33), torch.float8_e4m3fn)):
+        blob = (data / name).read_bytes()
+        meta = container.loads(blob)[1]["codec_meta"]
+        assert meta["v"] == 1 and "lanes" not in meta
+        t = decompress(blob)
+        assert t.dtype == dtype and tuple(t.shape) == shape
+        assert_bit_exact(decompress(compress(t)), t)
+
+
+def test_planes_streams_are_the_spec_rans_with_32_lanes():
+    """A coded plane's chunk stream is byte for byte kvcodec.entropy.rans.encode_ctx (the
+    reference) with 32 lanes and the row contexts expanded per symbol."""
+    from kvcodec.entropy import rans, rans_lanes
+
+    g = torch.Generator().manual_seed(3)
+    t = (torch.randn(96, 64, generator=g) * torch.logspace(-3, 0, 96)[:, None]).to(torch.bfloat16)
+    _, meta, sections = container.loads(compress(t, chunk_bytes=2048))
+    cm = meta["codec_meta"]
+    assert cm["v"] == planes.FORMAT_VERSION and cm["lanes"] == 32
+    p0 = cm["planes"][0]
+    assert p0["mode"] == "rans"
+    exp = ((t.view(torch.int16).numpy().view(np.uint16).ravel() >> 7) & 0xFF).astype(np.uint8)
+    tables = [planes._table_from_json(tb) for tb in p0["tables"]]
+    rowctx = sections["p0.ctx"] if len(tables) > 1 else np.zeros(1, np.uint8)
+    D = 64 if len(tables) > 1 else exp.size
+    chunk, off, words = cm["chunk"], p0["offsets"], sections["p0"]
+    for c in range(len(off) - 1):
+        a, b = c * chunk, min(exp.size, (c + 1) * chunk)
+        ctx = rans_lanes.row_contexts(a, b - a, D, rowctx)
+        ref = rans.encode_ctx(exp[a:b], ctx, tables, rans_lanes.PRECISION, 32)
+        assert words[off[c]:off[c + 1]].tobytes() == ref

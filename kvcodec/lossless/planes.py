@@ -22,17 +22,16 @@ scale) and cut into K = 1, 4, 8 or 16 classes, each with its own table; the enco
 whose estimated size (tables and the one-byte-per-row class map included) is smallest.
 
 The tensor is cut into chunks of ``chunk_bytes`` of input (default 2 MiB); each chunk of a coded
-plane is its own 8-state interleaved rANS stream, so chunks are encoded and decoded in parallel
+plane is its own 32-lane interleaved rANS stream (:mod:`kvcodec.entropy.rans_lanes`, the GPU
+decoder's warp layout; format 1 used 8 lanes and still decodes), so chunks are encoded and decoded in parallel
 (numba ``nogil`` kernels on a thread pool) and one chunk can be decoded alone
 (:meth:`PlaneCodec.decode_chunk`). For 16-bit floats the exponent decode writes the final 16-bit
 values directly (fused with the sign/mantissa plane), so decoding is one pass.
 
-rANS stream format (per chunk, a run of little-endian uint16 words): words 0..15 hold the 8 final
-encoder states (low half, high half), then the renormalization words in decode order. State
-``x`` lives in [2**16, 2**32); symbol ``i`` of the chunk uses state ``i % 8`` and the table of its
-row's class; decode is ``slot = x & 4095; x = f[s] * (x >> 12) + slot - c[s]; if x < 2**16:
-x = x << 16 | next word``. The decoder checks that it consumed exactly the chunk's words and that
-every state ends at 2**16.
+rANS streams: the format of :mod:`kvcodec.entropy.rans_lanes` (states, then 16-bit words in
+decode order), element ``e`` of the tensor coded with the table of its row's class
+``rowctx[e // D]``; the decoder checks that it consumed exactly the chunk's words and that every
+lane ends at 2**16.
 """
 
 from __future__ import annotations
@@ -45,25 +44,26 @@ import torch
 from numba import njit
 
 from kvcodec import container
+from kvcodec.entropy import rans_lanes
 from kvcodec.entropy.freq import quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import registry
 from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
 from kvcodec.lossless.threads import resolve_threads
 
-PREC = 12
-M = 1 << PREC
-RANS_L = 1 << 16
-N_STATES = 8
+PREC = rans_lanes.PRECISION
+M = rans_lanes.M
+LANES = 32  # rANS lanes of new streams: one GPU warp (kvcodec.cuda.rans); format 1 used 8
 DEFAULT_CHUNK_BYTES = 2 << 20
 DEFAULT_MIN_GAIN = 0.02
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the meta names its lane count; 1 (8 lanes, no "lanes" key) still decodes
+_LANES_OF_V1 = 8
 
 _F16 = ("bfloat16", "float16")
-_EMPTY8 = np.zeros(0, np.uint8)
-_EMPTY16 = np.zeros(0, np.uint16)
 # sign/low byte -> its bits in place in a 16-bit float: sign to bit 15, low 7 bits stay
 _SIGN_LOW = np.array([((b & 0x80) << 8) | (b & 0x7F) for b in range(256)], np.uint16)
+# exponent byte -> its bits in place in a 16-bit float
+_EXP_HIGH = (np.arange(256, dtype=np.uint16) << 7).astype(np.uint16)
 
 
 # --------------------------------------------------------------------------- numba kernels
@@ -106,151 +106,6 @@ def _histogram(sym, counts):
 
 
 @njit(nogil=True, cache=True)
-def _rans_encode(sym, a, D, rowctx, freq, cum, words):
-    """Encode ``sym`` (uint8, elements ``a..a+n`` of the tensor) into ``words`` (uint16, filled from
-    the end); element ``e`` uses table ``rowctx[e // D]`` of ``freq``/``cum`` ([K, 256]) and state
-    ``(e - a) % 8``. Returns the start index of the stream in ``words``."""
-    n = sym.size
-    wp = words.size
-    xs = np.full(N_STATES, RANS_L, np.int64)
-    r = (a + n - 1) // D
-    lo = r * D - a  # chunk-relative index where row r starts
-    k = np.int64(rowctx[r]) if n > 0 else 0
-    for i in range(n - 1, -1, -1):
-        while i < lo:
-            r -= 1
-            lo -= D
-            k = np.int64(rowctx[r])
-        s = sym[i]
-        f = freq[k, s]
-        j = i & (N_STATES - 1)
-        x = xs[j]
-        if x >= (f << 20):
-            wp -= 1
-            words[wp] = x & 0xFFFF
-            x >>= 16
-        xs[j] = ((x // f) << PREC) + (x % f) + cum[k, s]
-    for j in range(N_STATES - 1, -1, -1):
-        wp -= 2
-        words[wp] = xs[j] & 0xFFFF
-        words[wp + 1] = xs[j] >> 16
-    return wp
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _step(x, tabs, base, words, pos):
-    """One decode step with a bounds-free read (the caller guarantees ``pos < words.size``)."""
-    d = np.int64(tabs[base + (x & (M - 1))])
-    x = (((d >> 12) & 0xFFF) + 1) * (x >> PREC) + (d & 0xFFF)
-    need = np.int64(x < RANS_L)
-    x = (x << (need << 4)) | (np.int64(words[pos]) & (-need))
-    return x, pos + need, d >> 24
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _state(words, j):
-    return np.int64(words[2 * j]) | (np.int64(words[2 * j + 1]) << 16)
-
-
-def _make_decoder(merge: bool):
-    """The chunk decoder; ``merge`` (fixed at compile time) writes 16-bit floats instead of symbols."""
-
-    @njit(nogil=True, cache=True)
-    def decode(words, a, D, rowctx, tabs, out, p1, u16):
-        """Decode the chunk holding elements ``a..a+n`` (table ``rowctx[e // D]`` for element
-        ``e``; ``tabs``: K x 4096 packed entries) into ``out`` (symbols) or ``u16`` (merged with
-        the sign/low plane ``p1``). Returns 0, or 1 if the stream is malformed."""
-        nw = words.size
-        n = u16.size if merge else out.size
-        if nw < 2 * N_STATES:
-            return 1
-        x0, x1, x2, x3 = _state(words, 0), _state(words, 1), _state(words, 2), _state(words, 3)
-        x4, x5, x6, x7 = _state(words, 4), _state(words, 5), _state(words, 6), _state(words, 7)
-        if min(min(min(x0, x1), min(x2, x3)), min(min(x4, x5), min(x6, x7))) < RANS_L:
-            return 1
-        xs = np.empty(N_STATES, np.int64)
-        pos = 2 * N_STATES
-        r = a // D
-        hi = (r + 1) * D - a  # chunk-relative index where the next row starts
-        base = np.int64(rowctx[r]) * M if n > 0 else 0
-        i = 0
-        while i < n:
-            if i == hi:
-                r += 1
-                hi += D
-                base = np.int64(rowctx[r]) * M
-            end = min(hi, n)
-            if (i & 7) == 0:
-                # fast path: symbols i..i+7 (states 0..7) of one row read at most 8 words, in bounds
-                while i + 8 <= end and pos + 8 < nw:
-                    x0, pos, s0 = _step(x0, tabs, base, words, pos)
-                    x1, pos, s1 = _step(x1, tabs, base, words, pos)
-                    x2, pos, s2 = _step(x2, tabs, base, words, pos)
-                    x3, pos, s3 = _step(x3, tabs, base, words, pos)
-                    x4, pos, s4 = _step(x4, tabs, base, words, pos)
-                    x5, pos, s5 = _step(x5, tabs, base, words, pos)
-                    x6, pos, s6 = _step(x6, tabs, base, words, pos)
-                    x7, pos, s7 = _step(x7, tabs, base, words, pos)
-                    if merge:
-                        u16[i] = (s0 << 7) | _SIGN_LOW[p1[i]]
-                        u16[i + 1] = (s1 << 7) | _SIGN_LOW[p1[i + 1]]
-                        u16[i + 2] = (s2 << 7) | _SIGN_LOW[p1[i + 2]]
-                        u16[i + 3] = (s3 << 7) | _SIGN_LOW[p1[i + 3]]
-                        u16[i + 4] = (s4 << 7) | _SIGN_LOW[p1[i + 4]]
-                        u16[i + 5] = (s5 << 7) | _SIGN_LOW[p1[i + 5]]
-                        u16[i + 6] = (s6 << 7) | _SIGN_LOW[p1[i + 6]]
-                        u16[i + 7] = (s7 << 7) | _SIGN_LOW[p1[i + 7]]
-                    else:
-                        out[i] = s0
-                        out[i + 1] = s1
-                        out[i + 2] = s2
-                        out[i + 3] = s3
-                        out[i + 4] = s4
-                        out[i + 5] = s5
-                        out[i + 6] = s6
-                        out[i + 7] = s7
-                    i += 8
-                if i >= end:
-                    continue
-            # careful path (row edges, chunk tail): one symbol, bounds-checked read
-            xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
-            j = i & 7
-            x = xs[j]
-            d = np.int64(tabs[base + (x & (M - 1))])
-            x = (((d >> 12) & 0xFFF) + 1) * (x >> PREC) + (d & 0xFFF)
-            if x < RANS_L:
-                if pos >= nw:
-                    return 1
-                x = (x << 16) | np.int64(words[pos])
-                pos += 1
-            xs[j] = x
-            x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
-            if merge:
-                u16[i] = ((d >> 24) << 7) | _SIGN_LOW[p1[i]]
-            else:
-                out[i] = d >> 24
-            i += 1
-        if pos != nw or max(max(max(x0, x1), max(x2, x3)), max(max(x4, x5), max(x6, x7))) != RANS_L:
-            return 1
-        if min(min(min(x0, x1), min(x2, x3)), min(min(x4, x5), min(x6, x7))) != RANS_L:
-            return 1
-        return 0
-
-    return decode
-
-
-_decode_symbols = _make_decoder(False)
-_decode_merged16 = _make_decoder(True)
-
-
-def _rans_decode(words, a, D, rowctx, tabs, out, p1, u16) -> int:
-    """Dispatch to the merged (``u16`` given) or symbol decoder; returns 0 or 1 (malformed)."""
-    if u16.size:
-        return _decode_merged16(words, a, D, rowctx, tabs, out, p1, u16)
-    return _decode_symbols(words, a, D, rowctx, tabs, out, p1, u16)
-
-
-@njit(nogil=True, cache=True)
 def _row_stat(plane, D, mask):
     """Mean of ``sym & mask`` per row of length D (the row's 'scale' for context classes)."""
     rows = plane.size // D
@@ -276,21 +131,6 @@ def _class_hist(plane, D, cls, K):
 # --------------------------------------------------------------------------- tables
 MAX_CLASSES = 16
 MAX_CHUNK_ELEMS = 1 << 24
-
-
-def _cum(freq: np.ndarray) -> np.ndarray:
-    c = np.zeros(freq.shape, np.int64)
-    c[..., 1:] = np.cumsum(freq[..., :-1], axis=-1, dtype=np.int64)
-    return c
-
-
-def _decode_table(freq: np.ndarray) -> np.ndarray:
-    """uint32[4096] for one frequency table: symbol << 24 | (freq - 1) << 12 | (slot - cum)."""
-    sym = np.repeat(np.arange(256, dtype=np.int64), freq.astype(np.int64))
-    cum = _cum(freq.astype(np.int64))
-    slot = np.arange(M, dtype=np.int64)
-    f = freq.astype(np.int64)[sym]
-    return ((sym << 24) | ((f - 1) << 12) | (slot - cum[sym])).astype(np.uint32)
 
 
 def _table_json(freq: np.ndarray) -> list[int]:
@@ -438,7 +278,7 @@ class PlaneCodec:
         _pool_map(lambda ab: split_planes(raw[ab[0] * itemsize : ab[1] * itemsize], layout, itemsize,
                                           [p[ab[0] : ab[1]] for p in planes]), bounds, threads)
         meta = {"v": FORMAT_VERSION, "dtype": container.torch_dtype_name(t.dtype), "shape": list(t.shape),
-                "layout": layout, "chunk": chunk, "planes": []}
+                "layout": layout, "chunk": chunk, "lanes": LANES, "planes": []}
         sections: dict[str, np.ndarray] = {}
         for k, plane in enumerate(planes):
             if n and not (plane != plane[0]).any():
@@ -455,12 +295,12 @@ class PlaneCodec:
                 continue
             # one table: the whole tensor is one "row" (no row edges to handle)
             rowctx, Dp = (cls, D) if cls is not None else (np.zeros(1, np.uint8), max(n, 1))
-            cums = _cum(freqs)
+            cums = rans_lanes.cumulative(freqs)
 
             def enc(ab, plane=plane, rowctx=rowctx, Dp=Dp, freqs=freqs, cums=cums):
                 part = plane[ab[0] : ab[1]]
-                words = np.empty(part.size + 2 * N_STATES + 8, np.uint16)  # worst case: one word per symbol + states
-                start = _rans_encode(part, ab[0], Dp, rowctx, freqs, cums, words)
+                words = np.empty(part.size + 2 * LANES, np.uint16)  # worst case: one word per symbol + states
+                start = rans_lanes.encode(part, ab[0], Dp, rowctx, freqs, cums, LANES, words)
                 return words[start:]
 
             streams = _pool_map(enc, bounds, threads)
@@ -476,7 +316,14 @@ class PlaneCodec:
     # ---- decoding
     def _prepare(self, meta, sections, dtype: torch.dtype, shape):
         """Validate meta/sections against dtype and shape; returns what the chunk decoder needs."""
-        if set(meta) != {"v", "dtype", "shape", "layout", "chunk", "planes"} or meta["v"] != FORMAT_VERSION:
+        keys = {"v", "dtype", "shape", "layout", "chunk", "planes"}
+        if meta.get("v") == 1 and set(meta) == keys:
+            lanes = _LANES_OF_V1
+        elif meta.get("v") == FORMAT_VERSION and set(meta) == keys | {"lanes"}:
+            lanes = meta["lanes"]
+            if type(lanes) is not int or lanes not in rans_lanes.LANES:
+                raise CorruptStreamError("planes: bad lane count")
+        else:
             raise CorruptStreamError("planes: bad codec meta")
         n = math.prod(shape)
         itemsize = dtype.itemsize
@@ -514,12 +361,12 @@ class PlaneCodec:
             if (not isinstance(off, list) or len(off) != n_chunks + 1 or any(type(v) is not int for v in off)):
                 raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
             off = np.array(off, np.int64)
-            if off[0] != 0 or off[-1] != data.size or np.any(np.diff(off) < 2 * N_STATES):
+            if off[0] != 0 or off[-1] != data.size or np.any(np.diff(off) < 2 * lanes):
                 raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
             tables = p["tables"]
             if not isinstance(tables, list) or not 1 <= len(tables) <= MAX_CLASSES:
                 raise CorruptStreamError(f"planes: bad table list for plane {k}")
-            tabs = np.concatenate([_decode_table(_table_from_json(tb)) for tb in tables])
+            tabs = rans_lanes.decode_tables(np.stack([_table_from_json(tb) for tb in tables]))
             if len(tables) > 1:
                 expected.add(f"p{k}.ctx")
                 ctx = sections.get(f"p{k}.ctx")
@@ -531,30 +378,31 @@ class PlaneCodec:
                 info.append(("rans", data, off, tabs, np.zeros(1, np.uint8), max(n, 1)))
         if set(sections) != expected:
             raise CorruptStreamError("planes: unexpected or missing sections")
-        return layout, itemsize, chunk, n_chunks, info
+        return layout, itemsize, chunk, n_chunks, info, lanes
 
     def _decode_range(self, prep, c: int, n: int, out: np.ndarray) -> None:
         """Decode chunk ``c`` into ``out`` (the uint8 bytes of that chunk's elements)."""
-        layout, itemsize, chunk, _, info = prep
+        layout, itemsize, chunk, _, info, lanes = prep
         a, b = c * chunk, min(n, (c + 1) * chunk)
         if layout == "f16" and info[0][0] == "rans":
-            p1 = self._plane(info[1], c, a, b)
+            p1 = self._plane(info[1], c, a, b, lanes)
             _, data, off, tabs, ctx, D = info[0]
-            if _rans_decode(data[off[c] : off[c + 1]], a, D, ctx, tabs, _EMPTY8, p1, out.view(np.uint16)):
+            if rans_lanes.decode_merged(data[off[c] : off[c + 1]], a, D, ctx, tabs, lanes, p1, _EXP_HIGH,
+                                        _SIGN_LOW, out.view(np.uint16)):
                 raise CorruptStreamError(f"planes: rANS stream of chunk {c} is corrupt")
             return
-        planes = [self._plane(p, c, a, b) for p in info]
+        planes = [self._plane(p, c, a, b, lanes) for p in info]
         merge_planes(planes, layout, itemsize, out)
 
     @staticmethod
-    def _plane(p, c, a, b) -> np.ndarray:
+    def _plane(p, c, a, b, lanes) -> np.ndarray:
         mode, data, off, tabs, ctx, D = p
         if mode == "raw":
             return data[a:b]
         if mode == "const":
             return np.full(b - a, data, np.uint8)
         out = np.empty(b - a, np.uint8)
-        if _rans_decode(data[off[c] : off[c + 1]], a, D, ctx, tabs, out, _EMPTY8, _EMPTY16):
+        if rans_lanes.decode(data[off[c] : off[c + 1]], a, D, ctx, tabs, lanes, out):
             raise CorruptStreamError(f"planes: rANS stream of chunk {c} is corrupt")
         return out
 
