@@ -47,3 +47,27 @@ def test_rans_lanes_matches_the_reference(n, D, a, k, lanes, seed):
     if stream.size > 2 * lanes:  # any damage is reported, never a crash or a hang
         for bad in (stream[:-1], np.concatenate([stream, stream[-1:]])):
             assert rans_lanes.decode(bad, a, D, rowctx, tabs, lanes, out) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 400), n_sym=st.integers(2, 3000), skew=st.floats(0.0, 30.0), seed=st.integers(0, 2**32 - 1))
+def test_rans64_fast_matches_the_reference(n, n_sym, skew, seed):
+    from kvcodec.entropy import rans64, rans64_fast
+
+    rng = np.random.default_rng(seed)
+    w = np.exp(-skew * rng.random(n_sym))  # from flat to one symbol holding almost all the mass
+    f = 1 + np.floor(w / w.sum() * (rans64.M - n_sym)).astype(np.int64)
+    f[np.argmax(f)] += rans64.M - int(f.sum())
+    cum = np.concatenate([[0], np.cumsum(f)]).astype(np.int64)
+    sym = rng.choice(n_sym, n, p=f / f.sum())
+    model = rans64.CdfModel(lambda i, k: int(cum[k]), n_sym)
+    ref = rans64.encode(sym, model)
+    out = np.empty(n + 2, np.uint32)
+    s0 = rans64_fast.encode_intervals(cum[sym], f[sym], out)
+    assert np.array_equal(out[s0:], ref)
+    assert rans64.decode(ref, n, model) == sym.tolist()
+    dec = np.empty(n, np.int64)
+    assert rans64_fast.decode_table(ref, cum, dec) == 0 and np.array_equal(dec, sym)
+    with pytest.raises(rans64.CorruptStreamError):
+        rans64.decode(ref[:-1] if ref.size > 2 else ref[:1], n, model)
+    assert rans64_fast.decode_table(np.concatenate([ref, ref[-1:]]), cum, dec) == 1

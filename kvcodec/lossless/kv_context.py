@@ -11,7 +11,7 @@ with the probability its rounding bin gets under that model (the engine of
 
 from __future__ import annotations
 
-from kvcodec.lossless.predictive import decode_tensor, encode_tensor
+from kvcodec.lossless.predictive.codec import decode_tensor, encode_tensor
 
 
 class KVContextCodec:

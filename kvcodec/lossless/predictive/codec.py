@@ -1,0 +1,307 @@
+"""The predictive codec: tensor layout, chunking, encode/decode of whole tensors, the codec object.
+
+Format (``meta`` + sections ``model``, ``payload`` and, for float32, ``lo16``): see the package
+docstring. Every field read from a stream is validated before it sizes an allocation or a loop.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numba
+import numpy as np
+import torch
+
+from kvcodec import container
+from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless.predictive.grid import grid_for, inverse_shape_index, value_table
+from kvcodec.lossless.predictive.kernels import decode_chunks, encode_chunks
+from kvcodec.lossless.predictive.params import ChannelParams, estimated_bits, fit_params
+from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
+from kvcodec.lossless.threads import resolve_threads
+
+FORMAT_VERSION = 1
+PREDICTORS = ("external", "previous_token", "neighbour_layer", "none")
+
+_CHUNK_SYMBOLS = 1 << 16  # about this many symbols per independently decodable chunk
+_SHARED_PARAMS_BELOW = 64  # fewer tokens: one parameter set per channel, shared over g
+_PER_CHANNEL_FROM = 1024  # between the two: whichever of shared / per-(g, d) costs less
+_MAX_NUMEL = 1 << 48  # a decoded stream larger than this is taken as forged
+
+
+def kv_layout(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(G, T, D): leading axes flattened, tokens (axis -2), channels (axis -1); 0-/1-d handled."""
+    if len(shape) == 0:
+        return 1, 1, 1
+    if len(shape) == 1:
+        return 1, int(shape[0]), 1
+    return math.prod(int(n) for n in shape[:-2]), int(shape[-2]), int(shape[-1])
+
+
+def token_block(t: int, d: int) -> int:
+    """Tokens per chunk: about ``_CHUNK_SYMBOLS`` symbols, at least one token."""
+    return max(1, min(max(t, 1), _CHUNK_SYMBOLS // max(d, 1)))
+
+
+class _Threads:
+    """Run numba kernels on ``threads`` workers (0 = all), restoring the previous count after."""
+
+    def __init__(self, threads: int):
+        self.n = min(resolve_threads(threads), numba.config.NUMBA_NUM_THREADS)
+
+    def __enter__(self):
+        self.old = numba.get_num_threads()
+        numba.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        numba.set_num_threads(self.old)
+
+
+def _prediction_f32(prediction: torch.Tensor, g: int, t: int, d: int) -> np.ndarray:
+    """The prediction as float32 [G, T, D]: what the kernels use and the checksum covers."""
+    if not isinstance(prediction, torch.Tensor):
+        raise ValueError("a prediction must be a torch.Tensor")
+    if prediction.dtype.is_complex:
+        raise ValueError("a prediction must be real-valued")
+    p = prediction.detach().to("cpu", torch.float32).contiguous()
+    return p.numpy().reshape(g, t, d)
+
+
+def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) -> tuple[dict, dict]:
+    """Encode ``t`` (any dtype and shape); ``source`` is one of PREDICTORS."""
+    if source not in PREDICTORS:
+        raise ValueError(f"predictor must be one of {PREDICTORS}, got {source!r}")
+    if (source == "external") != (prediction is not None):
+        raise ValueError("a prediction tensor goes with source 'external' and only with it")
+    t = t.detach().to("cpu").contiguous()
+    shape = tuple(t.shape)
+    g, tt, d = kv_layout(shape)
+    meta = {"v": FORMAT_VERSION, "source": source, "dtype": container.torch_dtype_name(t.dtype),
+            "shape": list(shape)}
+    if prediction is not None and tuple(prediction.shape) != shape:
+        raise ValueError("prediction must have the same shape as the tensor")
+    if source == "neighbour_layer" and len(shape) < 3:
+        raise ValueError("predictor='neighbour_layer' needs a [layers, ..., tokens, channels] tensor")
+    grid = grid_for(t.dtype)
+    if t.numel() == 0 or (grid is None and t.dtype != torch.float32):
+        meta["mode"] = "raw"
+        raw = t.reshape(-1).view(torch.uint8).numpy().copy() if t.numel() else np.zeros(0, np.uint8)
+        return meta, {"raw": raw}
+    sections: dict = {}
+    if grid is None:  # float32: the upper half is a bf16 pattern; keep the lower half verbatim
+        grid = grid_for(torch.bfloat16)
+        b32 = t.reshape(-1).view(torch.int32).numpy().view(np.uint32)
+        sym_bits = (b32 >> 16).astype(np.uint16)
+        sections["lo16"] = (b32 & 0xFFFF).astype(np.uint16)
+        meta["mode"] = "f32split"
+    else:
+        sym_bits = t.reshape(-1).view(grid.bits_torch).numpy().view(grid.bits_np)
+        meta["mode"] = "grid"
+    kx = grid.k_of_bits[sym_bits].reshape(g, tt, d)
+    tb = token_block(tt, d)
+    if source == "external":
+        with np.errstate(invalid="ignore"):
+            pred = _prediction_f32(prediction, g, tt, d)
+        meta["pred_crc"] = zlib.crc32(pred.reshape(-1).view(np.uint8))
+    elif source == "neighbour_layer":
+        per_layer = g // shape[0]
+        pred = np.zeros((g, tt, d), np.float32)
+        pred[per_layer:] = value_table(grid)[kx[:-per_layer]] if per_layer < g else 0.0
+    else:
+        pred = None
+
+    gain = {"external": "one", "neighbour_layer": "fit"}.get(source, "zero")
+    prev_coef = "one" if source == "previous_token" else "fit"
+    if tt < _SHARED_PARAMS_BELOW:
+        choices = (True,)
+    elif tt < _PER_CHANNEL_FROM:
+        choices = (False, True)
+    else:
+        choices = (False,)
+    models = [fit_params(kx, pred, grid, tb, gain, prev_coef, sh) for sh in choices]
+    model = min(models, key=lambda mdl: estimated_bits(mdl, kx, pred, grid, tb, source))
+    shared = model.shared
+    n_tb = -(-tt // tb)
+    sizes = np.full(g * n_tb, tb * d + 2, np.int64)
+    sizes[n_tb - 1::n_tb] = (tt - (n_tb - 1) * tb) * d + 2
+    caps = np.concatenate([[0], np.cumsum(sizes)])
+    out = np.empty(int(caps[-1]), np.uint32)
+    out_start = np.empty(g * n_tb, np.int64)
+    with _Threads(threads):
+        encode_chunks(kx, pred if pred is not None else np.zeros((1, 1, 1), np.float32), pred is not None,
+                       *model.kernel_args(), grid.edges, grid.valf, grid.finite, tb, caps, out, out_start)
+    lengths = caps[1:] - out_start
+    payload = np.concatenate([out[s0:s1] for s0, s1 in zip(out_start, caps[1:])])
+    meta.update(tb=tb, shared=shared)
+    sections.update(model=np.concatenate([model.pack(source), lengths.astype("<u4").view(np.uint8)]),
+                    payload=payload)
+    return meta, sections
+
+
+def _section(sections, name, dtype, n=None) -> np.ndarray:
+    if not isinstance(sections, dict) or name not in sections:
+        raise CorruptStreamError(f"predictive stream lacks section {name!r}")
+    v = sections[name]
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        v = np.frombuffer(v, np.uint8)
+    elif isinstance(v, torch.Tensor):
+        v = v.numpy()
+    if not isinstance(v, np.ndarray) or v.dtype != np.dtype(dtype) or v.ndim != 1 or (n is not None and v.size != n):
+        raise CorruptStreamError(f"predictive stream section {name!r} has the wrong type or size")
+    return v
+
+
+def _meta_dtype_shape(meta) -> tuple[torch.dtype, tuple[int, ...]]:
+    if not isinstance(meta, dict) or meta.get("v") != FORMAT_VERSION:
+        raise CorruptStreamError("predictive stream has an unknown format version")
+    dtype = dtype_from_name(meta.get("dtype"), "predictive stream")
+    shape = checked_shape(meta.get("shape"), "predictive stream")
+    if math.prod(shape) > _MAX_NUMEL:
+        raise CorruptStreamError("predictive stream claims an implausibly large tensor")
+    return dtype, tuple(shape)
+
+
+def _token_range(tokens, tt: int) -> tuple[int, int]:
+    if tokens is None:
+        return 0, tt
+    try:
+        start, stop = (int(v) for v in tokens)
+    except (TypeError, ValueError):
+        raise ValueError("tokens must be a (start, stop) pair of ints") from None
+    if not 0 <= start <= stop <= tt:
+        raise ValueError(f"tokens ({start}, {stop}) out of range for {tt} tokens")
+    return start, stop
+
+
+def _out_shape(shape: tuple[int, ...], start: int, stop: int) -> tuple[int, ...]:
+    if len(shape) == 0:
+        return shape
+    if len(shape) == 1:
+        return (stop - start,)
+    return (*shape[:-2], stop - start, shape[-1])
+
+
+def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
+                  tokens: tuple[int, int] | None = None) -> torch.Tensor:
+    """Invert :func:`encode_tensor`; every inconsistency raises CorruptStreamError.
+
+    ``tokens=(start, stop)`` decodes only that range of axis -2 (axis 0 of a 1-d tensor): only the
+    chunks holding it are decoded, since every chunk decodes alone.
+    """
+    dtype, shape = _meta_dtype_shape(meta)
+    source = meta.get("source")
+    if source not in PREDICTORS:
+        raise CorruptStreamError("predictive stream names an unknown predictor")
+    g, tt, d = kv_layout(shape)
+    start, stop = _token_range(tokens, tt)
+    out_shape = _out_shape(shape, start, stop)
+    numel = math.prod(shape)
+    mode = meta.get("mode")
+    if mode == "raw":
+        raw = _section(sections, "raw", np.uint8, numel * dtype.itemsize)
+        out = torch.from_numpy(raw.copy()) if numel else torch.empty(0, dtype=torch.uint8)
+        out = out.view(dtype).reshape(shape)
+        if (start, stop) == (0, tt) or not numel:
+            return out if (start, stop) == (0, tt) else torch.empty(out_shape, dtype=dtype)
+        return out.reshape(g, tt, d)[:, start:stop].reshape(out_shape).clone()
+    grid = grid_for(dtype) if mode == "grid" else None
+    if mode == "f32split" and dtype == torch.float32:
+        grid = grid_for(torch.bfloat16)
+    if grid is None or numel == 0:
+        raise CorruptStreamError("predictive stream has a mode that does not fit its dtype")
+    tb, shared = meta.get("tb"), meta.get("shared")
+    if tb != token_block(tt, d) or not isinstance(shared, bool):
+        raise CorruptStreamError("predictive stream has a bad chunking or sharing field")
+    gp = 1 if shared else g
+    n_tb = -(-tt // tb)
+    n_model = ChannelParams.packed_size(source, gp, d)
+    blob = _section(sections, "model", np.uint8, n_model + 4 * g * n_tb)
+    margs = ChannelParams.unpack(blob[:n_model], source, gp, d, shared).kernel_args()
+    lengths = blob[n_model:].copy().view("<u4").astype(np.int64)
+    words = _section(sections, "payload", np.uint32)
+    if int(lengths.sum()) != words.size:
+        raise CorruptStreamError("predictive stream chunk sizes do not add up to its payload")
+    wstart = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+    pred = None
+    if source == "external":
+        if prediction is None:
+            raise ValueError("this stream was coded with a prediction: pass the same prediction to decode")
+        if tuple(prediction.shape) != shape:
+            raise ValueError(f"prediction must have shape {shape}")
+        with np.errstate(invalid="ignore"):
+            pred = _prediction_f32(prediction, g, tt, d)
+        if zlib.crc32(pred.reshape(-1).view(np.uint8)) != meta.get("pred_crc"):
+            raise CorruptStreamError("the prediction differs from the one this stream was coded with")
+    elif prediction is not None:
+        raise ValueError("this stream was coded without a prediction tensor")
+    if start == stop:
+        return torch.empty(out_shape, dtype=dtype)
+
+    b0, b1 = start // tb, -(-stop // tb)
+    out_t0 = b0 * tb
+    kx = np.empty((g, min(tt, b1 * tb) - out_t0, d), np.int32)
+    err = np.zeros(g * (b1 - b0), np.int32)
+    tail = (grid.edges, grid.valf, grid.finite, grid.rank_of_bf16, 1.0 / margs[3],
+            inverse_shape_index(margs[5]), 1.0 / np.diff(margs[5]).astype(np.float64), tb, tt)
+    blocks = np.arange(b0, b1, dtype=np.int64)
+
+    def run(g_first: int, n_groups: int, p, has_p: bool, p_t0: int, e):
+        cg = np.repeat(np.arange(n_groups, dtype=np.int64), b1 - b0)
+        cb = np.tile(blocks, n_groups)
+        ci = (g_first + cg) * n_tb + cb
+        decode_chunks(words, wstart[ci], lengths[ci], cg, cb, p, has_p, p_t0, *margs, *tail, g_first, out_t0,
+                       kx[g_first:g_first + n_groups], e)
+
+    with _Threads(threads):
+        if source == "neighbour_layer":
+            if len(shape) < 3:
+                raise CorruptStreamError("neighbour-layer stream needs a [layers, ..., tokens, channels] shape")
+            per_layer = g // shape[0]
+            values = value_table(grid)
+            p_layer = np.zeros((per_layer, kx.shape[1], d), np.float32)
+            for layer in range(shape[0]):
+                e = err[layer * per_layer * (b1 - b0):(layer + 1) * per_layer * (b1 - b0)]
+                run(layer * per_layer, per_layer, p_layer, True, out_t0, e)
+                if e.any():
+                    break
+                p_layer = values[kx[layer * per_layer:(layer + 1) * per_layer]]
+        else:
+            run(0, g, pred if pred is not None else np.zeros((1, 1, 1), np.float32), pred is not None, 0, err)
+    if err.any():
+        raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
+    kx = kx[:, start - out_t0:stop - out_t0]
+    sym_bits = grid.bits_of_k[kx.reshape(-1)]
+    if mode == "f32split":
+        lo = _section(sections, "lo16", np.uint16, numel).reshape(g, tt, d)[:, start:stop].reshape(-1)
+        out = (sym_bits.astype(np.uint32) << 16) | lo.astype(np.uint32)
+        return torch.from_numpy(out.view(np.int32)).view(torch.float32).reshape(out_shape)
+    return torch.from_numpy(sym_bits.view(grid.bits_np_signed)).view(dtype).reshape(out_shape)
+
+
+class PredictiveCodec:
+    """Codec ``"predictive"``: code a tensor given a prediction both sides have.
+
+    ``encode(t, prediction, threads, predictor=None)``: with a prediction tensor the model is
+    centred on it; without one, ``predictor`` names a built-in source, ``"previous_token"`` or
+    ``"neighbour_layer"``, and decoding needs no prediction either.
+    """
+
+    name = "predictive"
+
+    def encode(self, t, prediction, threads: int = 0, predictor: str | None = None, **opts):
+        if opts:
+            raise ValueError(f"unknown option(s) for the predictive codec: {', '.join(sorted(opts))}")
+        if prediction is not None:
+            if predictor not in (None, "external"):
+                raise ValueError("pass a prediction tensor or a built-in predictor name, not both")
+            return encode_tensor(t, prediction, "external", threads)
+        if predictor not in ("previous_token", "neighbour_layer"):
+            raise ValueError("the predictive codec needs a prediction tensor or "
+                             "predictor='previous_token' / 'neighbour_layer'")
+        return encode_tensor(t, None, predictor, threads)
+
+    def decode(self, meta, sections, prediction, threads: int = 0):
+        return decode_tensor(meta, sections, prediction, threads)
+
