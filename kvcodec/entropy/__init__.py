@@ -9,8 +9,11 @@ them with the chosen coder and wraps the payload in a self-describing, checksumm
 (``stream``; layout in docs/format.md). ``impl="reference"`` runs the pure-Python coders (the
 specification); ``impl="fast"`` (default) the numba ones; both give identical bytes.
 
-Low-level, header-free building blocks for other codecs live in ``rans_fast`` (interleaved and
-context-switched rANS), ``tans_fast`` and ``freq``; see docs/entropy.md.
+Low-level, header-free coders for other codecs (each a pure-Python reference + a numba fast path
+producing the same bytes): ``rans`` / ``rans_fast`` (static interleaved and context-switched rANS),
+``rans_lanes`` (the byte-plane coder: N lanes, per-row context tables, fused 16-bit output),
+``rans64`` / ``rans64_fast`` (64-bit rANS driven by a per-symbol probability model), ``tans`` /
+``tans_fast``, and ``freq`` (frequency quantization); see docs/entropy.md.
 """
 
 from __future__ import annotations
@@ -169,7 +172,7 @@ def _encode_payload(x, coder, impl, freqs, param, n_streams):
 
 
 def _range_coder(impl: str):
-    """The other engineer's static range coder, imported lazily (reference or fast)."""
+    """The static range coder module for ``impl``: ``range_coder`` (reference) or ``range_coder_fast``."""
     name = "kvcodec.entropy.range_coder" if impl == "reference" else "kvcodec.entropy.range_coder_fast"
     return importlib.import_module(name)
 
