@@ -78,8 +78,9 @@ def build_model(name: str, shape: dict, device: torch.device, seed: int = 0):
     return model.eval(), weights
 
 
-def make_cache(model, bits, residual):
-    """DynamicCache (bits None; sdpa attention) or CompressedCache turboquant (kvcodec attention)."""
+def make_cache(model, bits, residual, fused="auto"):
+    """DynamicCache (bits None; sdpa attention) or CompressedCache turboquant (kvcodec attention;
+    ``fused``: kvcodec.hf.AttentionOptions.fused)."""
     from transformers import DynamicCache
 
     import kvcodec.hf as khf
@@ -88,7 +89,8 @@ def make_cache(model, bits, residual):
         khf.disable(model)  # hooks off, back to "sdpa"
         return DynamicCache(config=model.config)
     kw = {} if residual is None else {"residual": residual}
-    return khf.CompressedCache(model, method="turboquant", key_bits=bits[0], value_bits=bits[1], **kw)
+    return khf.CompressedCache(model, method="turboquant", key_bits=bits[0], value_bits=bits[1],
+                               attention=khf.AttentionOptions(fused=fused), **kw)
 
 
 FLASH = "flash"  # DynamicCache with SDPA kept off cuDNN (flash / mem-efficient kernels)
@@ -187,13 +189,13 @@ def decode(model, cache, tok: torch.Tensor, steps: int) -> tuple[torch.Tensor, l
     return tok, out
 
 
-def measure(model, bits, ids, *, n_decode, warmup, residual, prefill_chunk, device) -> dict:
+def measure(model, bits, ids, *, n_decode, warmup, residual, prefill_chunk, fused, device) -> dict:
     """One row: prefill ``ids`` into a fresh cache, warm up, time ``n_decode`` steps."""
     clock = Clock(device)
     row = {}
     reset_peak(device)
     with torch.no_grad(), sdpa_backends(bits):
-        cache = make_cache(model, bits, residual)
+        cache = make_cache(model, bits, residual, fused)
         clock.start()
         tok = prefill(model, cache, ids, prefill_chunk)
         row["prefill_s"] = clock.stop()
@@ -266,7 +268,7 @@ def compare(row: dict, tokens: torch.Tensor, ref: dict, ref_tokens: torch.Tensor
 def run(quick: bool = False, out_dir: str = "benchmarks/results", *, device: str | None = None, tiny: bool = False,
         models: list[str] | None = None, batches=None, contexts=None, long_context: int | None = None,
         bits=((4, 4), (3, 3)), n_decode: int | None = None, warmup: int | None = None, residual: int | None = None,
-        prefill_chunk: int = 0, budget_s: float = 270.0) -> dict:
+        prefill_chunk: int = 0, budget_s: float = 270.0, fused: str = "auto") -> dict:
     t_start = time.time()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = TINY_MODELS if tiny else MODELS
@@ -278,7 +280,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", *, device: str
     n_decode = n_decode or (2 if tiny else 8 if quick else 64)
     warmup = warmup if warmup is not None else (1 if tiny else 2 if quick else 4)
     residual = residual if residual is not None else (16 if tiny else None)
-    opts = dict(n_decode=n_decode, warmup=warmup, residual=residual, prefill_chunk=prefill_chunk)
+    opts = dict(n_decode=n_decode, warmup=warmup, residual=residual, prefill_chunk=prefill_chunk, fused=fused)
     bit_list = [tuple(b) for b in bits]
     rec = machine_record()
     if dev.type == "cuda":
@@ -357,10 +359,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--residual", type=int, default=None, help="CompressedCache residual (default: kvcodec's)")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="prefill tokens per forward (0: all at once)")
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip the remaining groups after this many s")
+    ap.add_argument("--fused", choices=("auto", "off", "cpu-reference"), default="auto",
+                    help="kvcodec.hf.AttentionOptions.fused (cpu-reference: the fused wiring on CPU, for smoke tests)")
     a = ap.parse_args(argv)
     return run(a.quick, a.out, device=a.device, tiny=a.tiny, models=a.models, batches=a.batches, contexts=a.contexts,
                long_context=a.long_context, bits=a.bits, n_decode=a.n_decode, warmup=a.warmup, residual=a.residual,
-               prefill_chunk=a.prefill_chunk, budget_s=a.budget_s)
+               prefill_chunk=a.prefill_chunk, budget_s=a.budget_s, fused=a.fused)
 
 
 if __name__ == "__main__":

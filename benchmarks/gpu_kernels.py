@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine_record, save_with_out  # noqa: E402
-from kvcodec.cuda import attention, reference  # noqa: E402
+from kvcodec.cuda import KernelVariant, reference  # noqa: E402
 import kvcodec.cuda as kc  # noqa: E402
 
 L2_ROTATE_BYTES = 512 << 20  # rotate among input sets until this many bytes: no timing out of L2
@@ -125,9 +125,7 @@ def run_checks(best: str = "default") -> list[dict]:
     if best != "default":
         modes.insert(0, (f"{best}: ", *variant_spec(best)))
     for prefix, defines, narrow in modes:
-        attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
-        rows += _run_checks(prefix)
-    attention.KERNEL_DEFINES, attention.NARROW_ENABLED = (), True
+        rows += _run_checks(prefix, KernelVariant(defines, narrow))
     return rows
 
 
@@ -141,7 +139,7 @@ CHECK_MODES = [("", (), True), ("wide-only: ", (), False),
                ("2 stages, wide-only: ", ("TQ_STAGES=2",), False)]
 
 
-def _run_checks(prefix: str) -> list[dict]:
+def _run_checks(prefix: str, variant: KernelVariant) -> list[dict]:
     rows = []
     for name, shape, opts in CHECKS:
         row = {"check": prefix + name}
@@ -155,7 +153,7 @@ def _run_checks(prefix: str) -> list[dict]:
                 extra["window_k"] = torch.randn(b, hkv, 8, d, device="cuda", dtype=torch.bfloat16)
                 extra["window_v"] = torch.randn(b, hkv, 8, d, device="cuda", dtype=torch.bfloat16)
             reference.poison_allocator()
-            out, lse = kc.decode_attention(**case, **kw, **extra, return_lse=True)
+            out, lse = kc.decode_attention(**case, **kw, **extra, variant=variant, return_lse=True)
             torch.cuda.synchronize()
             ref, ref_lse = reference.decode_attention_reference(
                 **case, **kw, **{k: v for k, v in extra.items() if k != "tokens_per_warp"})
@@ -173,7 +171,7 @@ def _run_checks(prefix: str) -> list[dict]:
     return rows
 
 
-def run_quant_checks() -> list[dict]:
+def run_quant_checks(variant: KernelVariant) -> list[dict]:
     """kvcodec.cuda.quantized.attend on the GPU vs the quant package's own scores + weighted_sum."""
     rows = []
     try:
@@ -193,7 +191,7 @@ def run_quant_checks() -> list[dict]:
             vq = TurboQuantMSE(d, 4, seed=2, precondition=pre)
             kt, vt = kq.quantize(k), vq.quantize(v)
             reference.poison_allocator()
-            out = attend(q, kt, vt, kq, vq).float()
+            out = attend(q, kt, vt, kq, vq, variant=variant).float()
             s = kq.scores(kt, q.float().reshape(b, hkv, g, d)) / math.sqrt(d)
             want = vq.weighted_sum(vt, torch.softmax(s, -1)).reshape(b, hkv * g, 1, d)
             rel = ((out - want).abs().max() / want.abs().max()).item()
@@ -256,7 +254,7 @@ def compressed_bytes(b, hkv, t, d, kb, vb) -> int:
     return b * hkv * t * (d * kb // 8 + d * vb // 8 + 2 + 2)
 
 
-def time_decode(b, t, hq, hkv, d, kb, vb, *, tokens_per_warp=None, sdpa=True) -> dict:
+def time_decode(b, t, hq, hkv, d, kb, vb, *, variant: KernelVariant, tokens_per_warp=None, sdpa=True) -> dict:
     row = dict(batch=b, ctx=t, heads=f"{hq}/{hkv}", d=d, bits=f"{kb}/{vb}")
     per_set = compressed_bytes(b, hkv, t, d, kb, vb)
     nsets = max(1, min(8, L2_ROTATE_BYTES // per_set))
@@ -264,7 +262,8 @@ def time_decode(b, t, hq, hkv, d, kb, vb, *, tokens_per_warp=None, sdpa=True) ->
     for i in range(nsets):
         case, kw = make_case(b, hq, hkv, 1, t, d, kb, vb, [t] * b, seed=i)
         sets.append((case, kw))
-    fns = [lambda c=c, k=k: kc.decode_attention(**c, **k, tokens_per_warp=tokens_per_warp) for c, k in sets]
+    fns = [lambda c=c, k=k: kc.decode_attention(**c, **k, tokens_per_warp=tokens_per_warp, variant=variant)
+           for c, k in sets]
     ms, mode = cuda_time_ms(fns)
     row["fused_ms"] = ms
     row["mode"] = mode
@@ -302,7 +301,7 @@ def time_pack(n_rows, d, bits) -> dict:
                 mode=mode)
 
 
-def sweep(quick: bool):
+def sweep(quick: bool, variant: KernelVariant):
     heads = [(32, 8, 128), (9, 3, 64)]
     bits = [(4, 4), (4, 2), (3, 3)]
     batches = [1, 8] if quick else [1, 8, 32]
@@ -318,7 +317,7 @@ def sweep(quick: bool):
                     continue
                 for kb, vb in bits:
                     try:
-                        row = time_decode(b, t, hq, hkv, d, kb, vb, sdpa=(kb, vb) == (4, 4))
+                        row = time_decode(b, t, hq, hkv, d, kb, vb, variant=variant, sdpa=(kb, vb) == (4, 4))
                     except Exception as e:
                         row = dict(batch=b, ctx=t, heads=f"{hq}/{hkv}", d=d, bits=f"{kb}/{vb}",
                                    error=f"{type(e).__name__}: {e}"[:200])
@@ -361,13 +360,16 @@ def variant_spec(label: str) -> tuple[tuple[str, ...], bool]:
     return defines, narrow
 
 
+def kernel_variant(label: str) -> KernelVariant:
+    return KernelVariant(*variant_spec(label))
+
+
 def _score_variant(label, defines, narrow, rows, tpws=(None,)):
-    attention.KERNEL_DEFINES, attention.NARROW_ENABLED = defines, narrow
     logs = []
     for shp in TUNE_SHAPES:
         for tpw in tpws:
             try:
-                row = time_decode(*shp, tokens_per_warp=tpw, sdpa=False)
+                row = time_decode(*shp, variant=KernelVariant(defines, narrow), tokens_per_warp=tpw, sdpa=False)
                 row.update(variant=label, tpw=tpw or "auto", defines=" ".join(defines))
                 if tpw is None:
                     logs.append(math.log(row["fused_ms"]))
@@ -377,7 +379,6 @@ def _score_variant(label, defines, narrow, rows, tpws=(None,)):
                     logs.append(float("inf"))
             log("variant", row)
             rows.append(row)
-    attention.KERNEL_DEFINES, attention.NARROW_ENABLED = (), True
     return sum(logs) / max(1, len(logs))
 
 
@@ -407,13 +408,13 @@ TPW_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (8, 32768, 32, 8, 128, 4, 4), (32, 3
 TPW_GRID = (256, 512, 1024, 2048)
 
 
-def tpw_sweep() -> list[dict]:
+def tpw_sweep(variant: KernelVariant) -> list[dict]:
     """Split size (tokens per warp) grid with the chosen variant, for fitting the launcher's model."""
     rows = []
     for shp in TPW_SHAPES:
         for tpw in (None,) + TPW_GRID:
             try:
-                row = time_decode(*shp, tokens_per_warp=tpw, sdpa=False)
+                row = time_decode(*shp, variant=variant, tokens_per_warp=tpw, sdpa=False)
                 row["tpw"] = tpw or "auto"
             except Exception as e:
                 row = dict(shape=str(shp), tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
@@ -422,25 +423,21 @@ def tpw_sweep() -> list[dict]:
     return rows
 
 
-def use_variant(label: str) -> None:
-    attention.KERNEL_DEFINES, attention.NARROW_ENABLED = variant_spec(label)
-
-
 def profile_one() -> None:
     """One decode call (b8 t32k 32/8 d128 4/4) for an external profiler (ncu) to look at."""
-    use_variant(os.environ.get("TQ_VARIANT", "default"))
+    variant = kernel_variant(os.environ.get("TQ_VARIANT", "default"))
     case, kw = make_case(8, 32, 8, 1, 32768, 128, 4, 4, [32768] * 8)
     for _ in range(3):
-        kc.decode_attention(**case, **kw)
+        kc.decode_attention(**case, **kw, variant=variant)
     torch.cuda.synchronize()
 
 
-def kernel_breakdown() -> list[dict]:
+def kernel_breakdown(variant: KernelVariant) -> list[dict]:
     """Device time per kernel (torch profiler, CUPTI sees the CuPy launches too) for two shapes."""
-    return _breakdown("")
+    return _breakdown("", variant)
 
 
-def _breakdown(label: str) -> list[dict]:
+def _breakdown(label: str, variant: KernelVariant) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     rows = []
@@ -448,11 +445,11 @@ def _breakdown(label: str) -> list[dict]:
         b, t, hq, hkv, d, kb, vb = shp
         case, kw = make_case(b, hq, hkv, 1, t, d, kb, vb, [t] * b)
         for _ in range(3):
-            kc.decode_attention(**case, **kw)
+            kc.decode_attention(**case, **kw, variant=variant)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
-                kc.decode_attention(**case, **kw)
+                kc.decode_attention(**case, **kw, variant=variant)
             torch.cuda.synchronize()
         row = {"shape": f"{label}b{b} t{t} {hq}/{hkv} d{d} {kb}/{vb}"}
         for ev in prof.key_averages():
@@ -488,24 +485,22 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
     if best != "default" and not passed(best):
         log(f"variant {best!r} failed a check")
         if base not in ("default", best):  # the add-ons broke it: check the variant without them
-            attention.KERNEL_DEFINES, attention.NARROW_ENABLED = variant_spec(base)
-            checks += _run_checks(f"{base}: ")
-            attention.KERNEL_DEFINES, attention.NARROW_ENABLED = (), True
+            checks += _run_checks(f"{base}: ", kernel_variant(base))
         best = base if base not in ("default", best) and passed(base) else "default"
         log(f"falling back to {best!r}")
     log(f"everything below runs with variant {best!r}: macros {variant_spec(best)}")
-    use_variant(best)
+    chosen = kernel_variant(best)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "variant.txt").write_text(best)
     packs = run_pack_checks()
-    quant_checks = run_quant_checks()
+    quant_checks = run_quant_checks(chosen)
     log(f"checks done {time.time() - t0:.0f}s")
     try:
-        breakdown = kernel_breakdown()
+        breakdown = kernel_breakdown(chosen)
     except Exception as e:
         breakdown = [{"error": f"{type(e).__name__}: {e}"[:200]}]
-    tpw_rows = tpw_sweep()
-    timing = sweep(quick)
+    tpw_rows = tpw_sweep(chosen)
+    timing = sweep(quick, chosen)
     pack_rows = []
     for n, d, bits in ((8 * 8 * 32768, 128, 4), (8 * 3 * 32768, 64, 4), (64, 128, 4)):
         try:

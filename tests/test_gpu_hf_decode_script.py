@@ -22,11 +22,8 @@ NUMBERS = ("tok_s", "ms_step", "kv_MiB", "kv_bytes", "speedup", "kv_vs_dynamic",
 
 
 def test_tiny_cpu_run_writes_finite_rows(tmp_path, monkeypatch):
-    import kvcodec.hf.attention as attn
-
     monkeypatch.delenv("OUT", raising=False)
-    monkeypatch.setattr(attn, "FUSED_ON_CPU", True)
-    result = gpu_hf_decode.main(["--tiny", "--device", "cpu", "--out", str(tmp_path)])
+    result = gpu_hf_decode.main(["--tiny", "--device", "cpu", "--fused", "cpu-reference", "--out", str(tmp_path)])
 
     rows = result["rows"]
     assert [(r["batch"], r["cache"]) for r in rows] == [

@@ -46,12 +46,10 @@ def test_matches_dense_attention_causal(hq, hkv, d, tq):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_matches_dense_attention_with_padding_mask_and_chunks(monkeypatch):
-    import kvcodec.hf.attention as attn
+def test_matches_dense_attention_with_padding_mask_and_chunks():
+    from kvcodec.hf.attention import AttentionOptions
 
-    monkeypatch.setattr(attn, "Q_CHUNK", 3)
-    monkeypatch.setattr(attn, "KV_CHUNK", 7)
-    monkeypatch.setattr(attn, "COMPRESSED_CHUNK", 6)
+    chunks = AttentionOptions(q_chunk=3, kv_chunk=7, compressed_chunk=6)
     torch.manual_seed(1)
     B, hq, hkv, d, T, tq = 3, 6, 2, 64, 50, 9
     k, v = torch.randn(B, hkv, T, d), torch.randn(B, hkv, T, d)
@@ -60,7 +58,7 @@ def test_matches_dense_attention_with_padding_mask_and_chunks(monkeypatch):
     causal = torch.arange(T)[None, :] <= (T - tq + torch.arange(tq))[:, None]
     mask = causal[None, None] & (torch.arange(T)[None, :] >= pad[:, None])[:, None, None, :]
     st = _store(k, v, residual=5, block=10, sink=0)
-    out = attend_store(st, q, mask, 0.125, hkv)
+    out = attend_store(st, q, mask, 0.125, hkv, options=chunks)
     torch.testing.assert_close(out.double(), _dense_reference(q, k, v, mask, 0.125), atol=1e-5, rtol=1e-5)
 
 

@@ -139,14 +139,14 @@ def test_prod_keys_need_two_bits():
 @pytest.mark.parametrize("key_mode,kpre,vpre,sink,tq,q_chunk", [
     ("mse", "scale", "none", 3, 2, 128), ("prod", "scale", "scale", 3, 2, 128), ("mse", "none", "center", 0, 1, 128),
     ("mse", "center", "scale", 1, 7, 3)])
-def test_fused_kernel_wiring_matches_torch_path(monkeypatch, key_mode, kpre, vpre, sink, tq, q_chunk):
+def test_fused_kernel_wiring_matches_torch_path(key_mode, kpre, vpre, sink, tq, q_chunk):
     """The kvcodec.cuda launcher (run here through its CPU float64 reference) plus the one-softmax
     merge with the exact sink and window give the same attention as the torch path on the same packed
     blocks (queries laid out as HF passes them: [B, Tq, H, D] transposed; chunked queries too)."""
     import kvcodec.hf.attention as attn
 
-    pytest.importorskip("kvcodec.cuda")
-    monkeypatch.setattr(attn, "Q_CHUNK", q_chunk)
+    chunked = attn.AttentionOptions(q_chunk=q_chunk)
+    on_cpu = attn.AttentionOptions(q_chunk=q_chunk, fused="cpu-reference")
     model = tiny_model("llama", 8, 2, 64)
     cache = CompressedCache(model.config, method="turboquant", key_bits=4, value_bits=3, key_mode=key_mode,
                             residual=8, block_size=16, key_precondition=kpre, value_precondition=vpre, sink=sink)
@@ -157,12 +157,11 @@ def test_fused_kernel_wiring_matches_torch_path(monkeypatch, key_mode, kpre, vpr
     layer.store.append(k, v)
     layer.store.compact()
     q = torch.randn(2, tq, 8, 64).transpose(1, 2)
-    torch_path = attend_store(layer.store, q, None, 0.125, 2)
-    assert attn.fused_compressed(layer.store, q, None, 0.125) is None  # CPU: no fused kernel
-    monkeypatch.setattr(attn, "FUSED_ON_CPU", True)
-    fused = attn.fused_compressed(layer.store, q, None, 0.125)
+    torch_path = attend_store(layer.store, q, None, 0.125, 2, options=chunked)
+    assert attn.fused_compressed(layer.store, q, None, 0.125, chunked) is None  # CPU: no fused kernel
+    fused = attn.fused_compressed(layer.store, q, None, 0.125, on_cpu)
     assert fused is not None
-    out = attend_store(layer.store, q, None, 0.125, 2, compressed=fused)
+    out = attend_store(layer.store, q, None, 0.125, 2, compressed=fused, options=on_cpu)
     torch.testing.assert_close(out, torch_path, atol=2e-5, rtol=2e-5)
 
 
@@ -175,9 +174,9 @@ def test_fused_decode_step_stays_lean(monkeypatch):
     from torch.overrides import TorchFunctionMode
     from transformers import AttentionInterface
 
-    monkeypatch.setattr(attn, "FUSED_ON_CPU", True)
     model = tiny_model("llama", 6, 2, 64)
-    cache = CompressedCache(model, method="turboquant", residual=16, block_size=64)
+    cache = CompressedCache(model, method="turboquant", residual=16, block_size=64,
+                            attention=attn.AttentionOptions(fused="cpu-reference"))
     _logits(model, prompt(1, 100), cache)  # 1 sink + 64 compressed + 35 exact: no compaction for 2 steps
     calls, in_kernel = [], []
 
@@ -234,7 +233,6 @@ def test_fused_kernel_on_gpu_matches_torch_path(monkeypatch, key_mode, sink):
     ids = prompt(1, 300).cuda()
     logits = {}
     for fused in (True, False):
-        monkeypatch.setattr(attn, "USE_FUSED", fused)
         used = []
         real = attn.fused_compressed
 
@@ -245,7 +243,8 @@ def test_fused_kernel_on_gpu_matches_torch_path(monkeypatch, key_mode, sink):
 
         monkeypatch.setattr(attn, "fused_compressed", spy)
         cache = CompressedCache(model, method="turboquant", key_bits=4, value_bits=3, key_mode=key_mode,
-                                residual=32, block_size=32, sink=sink)
+                                residual=32, block_size=32, sink=sink,
+                                attention=attn.AttentionOptions(fused="auto" if fused else "off"))
         out = [_logits(model, ids, cache)[:, -1]]
         for t in range(4):
             out.append(_logits(model, ids[:, t : t + 1], cache)[:, -1])

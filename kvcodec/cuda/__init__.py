@@ -7,7 +7,7 @@
 Importing needs only torch and numpy; CuPy is loaded on the first CUDA launch.
 """
 
-from kvcodec.cuda.attention import decode_attention, key_permutation
+from kvcodec.cuda.attention import KernelVariant, decode_attention, key_permutation
 from kvcodec.cuda.pack import quantize_pack
 
 
@@ -24,4 +24,4 @@ def is_available() -> bool:
     return True
 
 
-__all__ = ["decode_attention", "quantize_pack", "key_permutation", "is_available"]
+__all__ = ["decode_attention", "KernelVariant", "quantize_pack", "key_permutation", "is_available"]

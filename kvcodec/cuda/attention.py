@@ -23,8 +23,6 @@ from kvcodec.cuda import build, reference
 SOURCE = "tq_decode_attention.cu"
 LOG2E = 1.4426950408889634
 WARPS_PER_BLOCK = 4
-KERNEL_DEFINES: tuple[str, ...] = ()  # tuning macros for the split kernel (benchmarks set these)
-NARROW_ENABLED = True  # use the transposed-P.V kernel when a tile has <= 8 query rows
 
 SPLIT_SIGNATURE = (
     "(const tq_u16*, const float*, const tq_u8*, const tq_u16*, const tq_u8*, const tq_u16*, "
@@ -35,6 +33,21 @@ MERGE_SIGNATURE = "(const float*, const float*, const float*, int, int, float*, 
 PREP_SIGNATURE = "(const void*, const float*, const int*, float, int, int, tq_u16*, float*)"
 MAX_SPLITS = 4096  # the merge keeps one weight per split in shared memory
 _QIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """A build of the decode kernels: the default is the shipped one; benchmarks compare others.
+
+    ``defines``: extra ``NAME=value`` macros for the kernels (tuning knobs such as ``TQ_REG_LUT=0``);
+    ``narrow``: let tiles of <= 8 query rows use the transposed-P.V split kernel (off: always the
+    general one)."""
+
+    defines: tuple[str, ...] = ()
+    narrow: bool = True
+
+
+DEFAULT_VARIANT = KernelVariant()
 
 
 def codebook_is_symmetric(codebook: torch.Tensor, bf16: bool) -> bool:
@@ -164,13 +177,13 @@ WARP_FIXED_US = 2.0
 MERGE_US_PER_16_SPLITS = 1.5
 
 
-def blocks_per_sm(dim: int, rows: int, qjl: bool, num_regs: int | None = None) -> int:
+def blocks_per_sm(dim: int, rows: int, qjl: bool, num_regs: int | None = None, narrow: bool = True) -> int:
     """Resident split-kernel blocks per SM: from the compiled kernel's registers when known (65,536
     per SM, allocated per warp in units of 256), else the kernel's __launch_bounds__ minimum."""
     if num_regs:
         per_warp = -(-num_regs * 32 // 256) * 256
         return max(1, min(16, 65536 // (per_warp * WARPS_PER_BLOCK)))
-    if qjl or rows > 8 or not NARROW_ENABLED:
+    if qjl or rows > 8 or not narrow:
         return 2
     return 4 if dim <= 64 else 3
 
@@ -218,7 +231,8 @@ def sm_count(device: torch.device) -> int:
 
 
 def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, dim: int = 128,
-                            rows: int = 4, qjl: bool = False, num_regs: int | None = None) -> int:
+                            rows: int = 4, qjl: bool = False, num_regs: int | None = None,
+                            narrow: bool = True) -> int:
     """Split size (tokens per warp, a multiple of 16) minimizing the modelled decode time.
 
     The busiest SM runs ceil(blocks / SMs) blocks, at most `blocks_per_sm` at once; a round costs its
@@ -226,7 +240,7 @@ def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, 
     and the merge costs a little per split. Any multiple of 16 may win (not only powers of two):
     filling the last wave matters more than the split size itself.
     """
-    per_sm = blocks_per_sm(dim, rows, qjl, num_regs)
+    per_sm = blocks_per_sm(dim, rows, qjl, num_regs, narrow)
     return _best_tokens_per_warp(bh_tiles, capacity, sm_count(device), per_sm)
 
 
@@ -274,7 +288,7 @@ def _check_per_call(batch: int, seq_lens, window_k, window_v) -> None:
 def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_rotation, v_rotation,
                      k_codebook, v_codebook, k_bits, v_bits, scale=None, k_qjl=None, k_rnorms=None,
                      qjl_matrix=None, window_k=None, window_v=None, window_lens=None, causal=True,
-                     tokens_per_warp=None, return_lse=False):
+                     tokens_per_warp=None, variant: KernelVariant = DEFAULT_VARIANT, return_lse=False):
     """Attention of a few new queries over a compressed cache (+ optional full-precision window).
 
     query        [B, Hq, q_len, D] (after any query-side key transform, e.g. channel scales); Hq is a
@@ -299,7 +313,7 @@ def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_r
     if query.is_cuda and _cupy_ok():
         plan = decode_plan(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation,
                            k_codebook, v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix,
-                           window_k, window_v, tokens_per_warp)
+                           window_k, window_v, tokens_per_warp, variant)
         _check_per_call(plan.batch, seq_lens, window_k, window_v)
         out, lse = _compressed_part(plan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms)
         if window_k is not None:
@@ -332,7 +346,7 @@ class DecodePlan:
     the device for its SM count, run the split-size model and build the scalar launch arguments.
     All of that depends only on the plan key (``_plan_key``: shapes and dtypes of every argument the
     checks read, bits, scale, the identity and ``_version`` of the rotation/codebook/QJL tensors,
-    the device, ``KERNEL_DEFINES``, ``NARROW_ENABLED`` and ``tokens_per_warp``), so a repeated call
+    the device, the kernel variant and ``tokens_per_warp``), so a repeated call
     only reads the per-call tensors' pointers, allocates its outputs and launches. The plan holds the
     key's tensors, so their ids cannot be reused while it is cached. A new plan is built when the
     cache grows (new Tcap: once per compaction in the HF cache) or a rotation/codebook changes.
@@ -373,29 +387,29 @@ def _tensor_key(t):
 
 
 def _plan_key(query, k_codes, k_norms, v_codes, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
-              k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, tokens_per_warp) -> tuple:
+              k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, tokens_per_warp, variant) -> tuple:
     """Everything a plan (and the argument checks) depends on; see DecodePlan."""
     qjl = None if k_qjl is None else (k_qjl.shape, None if k_rnorms is None else k_rnorms.dtype,
                                       _tensor_key(qjl_matrix), None if qjl_matrix is None else qjl_matrix.shape)
     return (query.shape, query.dtype, query.device, k_codes.shape, k_codes.dtype, k_norms.shape, k_norms.dtype,
             v_codes.shape, v_codes.dtype, v_norms.shape, v_norms.dtype, k_bits, v_bits, scale,
             _tensor_key(k_rotation), _tensor_key(v_rotation), _tensor_key(k_codebook), _tensor_key(v_codebook),
-            qjl, KERNEL_DEFINES, NARROW_ENABLED, tokens_per_warp)
+            qjl, variant, tokens_per_warp)
 
 
 def decode_plan(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation, k_codebook,
                 v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, window_k, window_v,
-                tokens_per_warp) -> DecodePlan:
+                tokens_per_warp, variant: KernelVariant = DEFAULT_VARIANT) -> DecodePlan:
     """The cached DecodePlan of a CUDA call (validating the arguments and building it on a miss).
     Pure host work: with ``build.get_function`` and ``sm_count`` stubbed it runs on CPU tensors."""
     key = _plan_key(query, k_codes, k_norms, v_codes, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
-                    k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, tokens_per_warp)
+                    k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, tokens_per_warp, variant)
     plan = _plans.get(key)
     if plan is None:
         _validate(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_codebook, v_codebook, k_bits, v_bits,
                   k_qjl, k_rnorms, qjl_matrix, window_k, window_v)
         plan = _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
-                           k_bits, v_bits, scale, k_qjl is not None, k_rnorms, qjl_matrix, tokens_per_warp)
+                           k_bits, v_bits, scale, k_qjl is not None, k_rnorms, qjl_matrix, tokens_per_warp, variant)
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
@@ -403,7 +417,7 @@ def decode_plan(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation,
 
 
 def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_codebook, v_codebook, k_bits,
-                v_bits, scale, qjl, k_rnorms, qjl_matrix, tokens_per_warp) -> DecodePlan:
+                v_bits, scale, qjl, k_rnorms, qjl_matrix, tokens_per_warp, variant) -> DecodePlan:
     b, hq, ql, d = query.shape
     hkv, tcap = k_codes.shape[1], k_codes.shape[2]
     if d % 32 or not 32 <= d <= 256:
@@ -427,11 +441,11 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
     vrot = _derive(v_rotation, f"f32 {dev}", lambda m: m.to(dev, torch.float32).contiguous())
     qin = query.dtype if query.dtype in _QIN else torch.float32
 
-    narrow = r <= 8 and NARROW_ENABLED
-    defines = split_defines(KERNEL_DEFINES, k_bits, v_bits, k_codebook, v_codebook, v_bf)
+    narrow = r <= 8 and variant.narrow
+    defines = split_defines(variant.defines, k_bits, v_bits, k_codebook, v_codebook, v_bf)
     split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), defines)
     tpw = tokens_per_warp or default_tokens_per_warp(bh * rt, tcap, dev, d, r, qjl,
-                                                     getattr(split_fn, "num_regs", None))
+                                                     getattr(split_fn, "num_regs", None), variant.narrow)
     if tpw <= 0 or tpw % 16:
         raise ValueError("tokens_per_warp must be a positive multiple of 16")
     if -(-tcap // tpw) > MAX_SPLITS:
@@ -455,9 +469,9 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
         qjl_matrix=qjl_matrix.to(dev, torch.float32) if qjl else None,
         qjl_scale=scale * LOG2E * math.sqrt(math.pi / 2) / d,
         pointers=(kr_t.data_ptr(), perm.data_ptr(), kcb.data_ptr(), vcb.data_ptr(), vrot.data_ptr()),
-        prep_fn=build.get_function(SOURCE, prep_name(d, _QIN[qin]), KERNEL_DEFINES),
+        prep_fn=build.get_function(SOURCE, prep_name(d, _QIN[qin]), variant.defines),
         split_fn=split_fn,
-        merge_fn=build.get_function(SOURCE, merge_name(d), KERNEL_DEFINES),
+        merge_fn=build.get_function(SOURCE, merge_name(d), variant.defines),
         prep_launch=((bh * rows_pad,), (d,), (np.float32(scale * LOG2E), i32(r), i32(rows_pad))),
         split_launch=((-(-nsplit // WARPS_PER_BLOCK), bh, rt), (32 * WARPS_PER_BLOCK,),
                       (i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit))),

@@ -47,7 +47,7 @@ def _side_per_query_head(side: torch.Tensor | None, b: int, hq: int, hkv: int, d
 
 def attend(query: torch.Tensor, keys, values, k_quantizer, v_quantizer, seq_lens: torch.Tensor | None = None, *,
            scale: float | None = None, window_k=None, window_v=None, window_lens=None, causal: bool = True,
-           return_lse: bool = False):
+           variant: attention.KernelVariant = attention.DEFAULT_VARIANT, return_lse: bool = False):
     """Attention of query [B, Hq, q_len, D] over compressed keys/values (+ optional full-precision window).
 
     keys/values: QuantizedTensor with lead_shape (B, Hkv) and the same number of token slots;
@@ -80,7 +80,7 @@ def attend(query: torch.Tensor, keys, values, k_quantizer, v_quantizer, seq_lens
         v_codebook=vp["codebook"], k_bits=kp["bits"], v_bits=vp["bits"], scale=scale,
         k_qjl=tok_k.get("qjl") if "qjl_matrix" in kp else None,
         k_rnorms=tok_k.get("rnorms") if "qjl_matrix" in kp else None, qjl_matrix=kp.get("qjl_matrix"),
-        return_lse=True)
+        variant=variant, return_lse=True)
     out = out.to(torch.float32)
     if k_center is not None:  # every compressed score is short of scale * q.center
         lse = lse + scale * (qf * k_center).sum(-1)

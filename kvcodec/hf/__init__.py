@@ -6,11 +6,12 @@
     cache.nbytes(), cache.memory_report(), cache.save("prefix.kvc")
 """
 
-from kvcodec.hf.attention import NAME, compressed_attention, disable, enable, register
+from kvcodec.hf.attention import NAME, AttentionOptions, compressed_attention, disable, enable, register
 from kvcodec.hf.cache import CompressedCache, CompressedLayer
 from kvcodec.hf.methods import METHODS
 
 __all__ = [
+    "AttentionOptions",
     "CompressedCache",
     "CompressedLayer",
     "METHODS",

@@ -35,13 +35,36 @@ from kvcodec.hf.layer import CompressedLayer
 from kvcodec.hf.storage import Block, Segment
 
 NAME = "kvcodec"
-Q_CHUNK = 128  # query tokens per pass (times the GQA group)
-KV_CHUNK = 1024  # exact key tokens per pass
-COMPRESSED_CHUNK = 4096  # compressed key tokens per quantizer call
-USE_FUSED = True  # call kvcodec.cuda's fused decode kernel on CUDA tensors when it applies
-FUSED_ON_CPU = False  # tests set this to run the fused-kernel wiring through kvcodec.cuda's CPU reference
+FUSED_MODES = ("auto", "off", "cpu-reference")
 _HOOK_ATTR = "_kvcodec_pre_hook"
 _LAYER_ATTR = "_kvcodec_layer"
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How the attention function runs on one cache (``CompressedCache(..., attention=...)``).
+
+    ``fused``: "auto" runs the compressed tokens through kvcodec.cuda's fused kernel on CUDA tensors
+    when it applies (TurboQuant, no padding mask); "off" always takes the torch path; "cpu-reference"
+    also takes the fused wiring on CPU, through the kernel's float64 reference (tests, CPU smoke runs).
+    ``q_chunk`` query tokens per pass (times the GQA group), ``kv_chunk`` exact and
+    ``compressed_chunk`` compressed key tokens per pass: they bound the working memory."""
+
+    fused: str = "auto"
+    q_chunk: int = 128
+    kv_chunk: int = 1024
+    compressed_chunk: int = 4096
+
+    def __post_init__(self):
+        if self.fused not in FUSED_MODES:
+            raise ValueError(f"fused must be one of {FUSED_MODES}, got {self.fused!r}")
+        for name in ("q_chunk", "kv_chunk", "compressed_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+DEFAULT_OPTIONS = AttentionOptions()
 
 
 def register() -> None:
@@ -114,23 +137,27 @@ def compressed_attention(module, query, key, value, attention_mask, scaling=None
         raise ValueError("kvcodec attention is for inference; dropout is not supported")
     scaling = module.scaling if scaling is None else scaling
     store = layer.store
+    options = layer.attention_options or DEFAULT_OPTIONS
     try:
         if store.key_codec.decoded_attention or not store.blocks:
             k, v = store.materialize(query.dtype)
             return sdpa_attention_forward(module, query, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
-        fused = fused_compressed(store, query, attention_mask, scaling)
-        return attend_store(store, query, attention_mask, scaling, layer.spec.num_kv_heads, compressed=fused), None
+        fused = fused_compressed(store, query, attention_mask, scaling, options)
+        out = attend_store(store, query, attention_mask, scaling, layer.spec.num_kv_heads, compressed=fused,
+                           options=options)
+        return out, None
     finally:
         layer.finish_step()
 
 
-def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads: int, compressed=None) -> torch.Tensor:
+def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads: int, compressed=None,
+                 options: AttentionOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """Softmax attention of ``query`` [B, H, Tq, D] over every token of ``store`` (which ends with the
     Tq query tokens themselves). ``mask``: None (causal), bool [B, 1|H, Tq, Tkv] (True = attend) or an
     additive float mask. ``compressed``: optional :class:`CompressedPart` of the compressed tokens
     already computed by the fused kernel (``fused_compressed``, which takes no padding mask); then only
     the exact parts are attended here, merged with it in one softmax (:func:`_attend_with_compressed`).
-    Returns [B, Tq, H, D] in the query dtype."""
+    ``options``: the chunk sizes. Returns [B, Tq, H, D] in the query dtype."""
     B, H, Tq, D = query.shape
     if H % num_kv_heads:
         raise ValueError(f"{H} query heads do not group over {num_kv_heads} KV heads")
@@ -140,13 +167,13 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
     if mask is not None and mask.shape[-1] != total:
         raise ValueError(f"attention mask covers {mask.shape[-1]} keys but the cache holds {total}")
     if compressed is not None:
-        out = _attend_with_compressed(store, mask, compressed, G, Tq)
+        out = _attend_with_compressed(store, mask, compressed, G, Tq, options.q_chunk)
         return out.reshape(B, H, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
-    parts = _split(store, KV_CHUNK, COMPRESSED_CHUNK)
+    parts = _split(store, options.kv_chunk, options.compressed_chunk)
     q = query.float().reshape(B, num_kv_heads, G, Tq, D)
     out = torch.empty(B, num_kv_heads, G, Tq, D, dtype=torch.float32, device=query.device)
-    for q0 in range(0, Tq, Q_CHUNK):
-        n = min(Q_CHUNK, Tq - q0)
+    for q0 in range(0, Tq, options.q_chunk):
+        n = min(options.q_chunk, Tq - q0)
         qc = (q[:, :, :, q0 : q0 + n] * scaling).reshape(B, num_kv_heads, G * n, D)
         m = torch.full((B, num_kv_heads, G * n, 1), float("-inf"), device=query.device)
         l = torch.zeros_like(m)
@@ -228,12 +255,14 @@ class _FusedConsts:
         return c
 
 
-def fused_compressed(store, query: torch.Tensor, mask, scaling: float) -> CompressedPart | None:
+def fused_compressed(store, query: torch.Tensor, mask, scaling: float,
+                     options: AttentionOptions = DEFAULT_OPTIONS) -> CompressedPart | None:
     """The compressed tokens' attention from ``kvcodec.cuda.decode_attention`` (packed codes read by the
     fused kernel) as a :class:`CompressedPart`, or None when it does not apply: CPU tensors, padding
-    masks, non-TurboQuant codecs, bits > 4 or a head_dim the kernel does not take. The exact sink and
+    masks, non-TurboQuant codecs, bits > 4, a head_dim the kernel does not take, or ``options.fused``
+    says so (see AttentionOptions). The exact sink and
     window are attended by ``attend_store`` and merged with it."""
-    if not USE_FUSED or not (query.is_cuda or FUSED_ON_CPU) or len(store.blocks) != 1:
+    if options.fused == "off" or not (query.is_cuda or options.fused == "cpu-reference") or len(store.blocks) != 1:
         return None
     kq, vq = getattr(store.key_codec, "q", None), getattr(store.value_codec, "q", None)
     kmethod, vmethod = getattr(kq, "method", ""), getattr(vq, "method", "")
@@ -280,7 +309,7 @@ def fused_compressed(store, query: torch.Tensor, mask, scaling: float) -> Compre
     return CompressedPart(q_in.view(B, Hkv, G * Tq, D), out, lse.reshape(B, Hkv, G * Tq, 1), c)
 
 
-def _attend_with_compressed(store, mask, part: CompressedPart, G: int, Tq: int) -> torch.Tensor:
+def _attend_with_compressed(store, mask, part: CompressedPart, G: int, Tq: int, q_chunk: int) -> torch.Tensor:
     """[B, H_kv, G*Tq, D] float32 attention over every token when the compressed ones come from the
     fused kernel: one softmax (per chunk of queries) over [compressed | sink | window], in which the
     compressed tokens are a single pseudo-key with score ``lse`` and value ``out`` (exactly their
@@ -293,8 +322,8 @@ def _attend_with_compressed(store, mask, part: CompressedPart, G: int, Tq: int) 
     values = store.exact_v.float()
     E = keys.shape[-2]
     chunks = []
-    for q0 in range(0, Tq, Q_CHUNK):
-        n = min(Q_CHUNK, Tq - q0)
+    for q0 in range(0, Tq, q_chunk):
+        n = min(q_chunk, Tq - q0)
         s = _query_rows(part.q, G, Tq, q0, n) @ keys.transpose(-1, -2)
         if mask is None and Tq > 1:  # exact index order is token order: the queries are the last Tq
             s = _apply_mask(s, 0, E, None, q0, n, E - Tq, G, Hkv)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from kvcodec.hf.attention import enable
+from kvcodec.hf.attention import AttentionOptions, enable
 from kvcodec.hf.layer import CompressedLayer
 from kvcodec.hf.methods import build_spec
 
@@ -41,6 +41,8 @@ class CompressedCache(Cache):
         seed: seeds rotations / sketches (each layer derives its own from it).
         key_precondition / value_precondition: "none", "center" or "scale": per-(layer, head)
             channel transform fitted on the first compressed tokens (TurboQuant methods).
+        attention: :class:`~kvcodec.hf.attention.AttentionOptions` (fused kernel on/off, chunk sizes);
+            default: the fused kernel on CUDA where it applies.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class CompressedCache(Cache):
         seed: int = 0,
         key_precondition: str = "scale",
         value_precondition: str = "none",
+        attention: AttentionOptions | None = None,
     ):
         model = None
         config = config_or_model
@@ -77,7 +80,8 @@ class CompressedCache(Cache):
             key_precondition=key_precondition,
             value_precondition=value_precondition,
         )
-        layers = [CompressedLayer(self.spec, i) for i in range(self.spec.num_layers)]
+        self.attention_options = attention or AttentionOptions()
+        layers = [CompressedLayer(self.spec, i, self.attention_options) for i in range(self.spec.num_layers)]
         super().__init__(layers=layers)
         if model is not None:
             enable(model)

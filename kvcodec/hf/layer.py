@@ -31,10 +31,11 @@ class CompressedLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, spec: CacheSpec, layer_idx: int):
+    def __init__(self, spec: CacheSpec, layer_idx: int, attention_options=None):
         super().__init__()
         self.spec = spec
         self.layer_idx = layer_idx
+        self.attention_options = attention_options  # kvcodec.hf.attention.AttentionOptions; None: defaults
         self.store: LayerStore | None = None
         self.armed = False
         self.pending = 0
