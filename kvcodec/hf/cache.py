@@ -45,6 +45,14 @@ class CompressedCache(Cache):
             default: the fused kernel on CUDA where it applies.
     """
 
+    def __new__(cls, *args, max_cache_len: int | None = None, **kwargs):
+        """``max_cache_len=N`` gives the static, graph-capturable mode (kvcodec.hf.static_cache)."""
+        if max_cache_len is None:
+            return super().__new__(cls)
+        from kvcodec.hf.static_cache import StaticCompressedCache
+
+        return StaticCompressedCache(*args, max_cache_len=max_cache_len, **kwargs)
+
     def __init__(
         self,
         config_or_model,
@@ -61,6 +69,7 @@ class CompressedCache(Cache):
         key_precondition: str = "scale",
         value_precondition: str = "none",
         attention: AttentionOptions | None = None,
+        max_cache_len: None = None,  # not None: __new__ returned a StaticCompressedCache instead
     ):
         model = None
         config = config_or_model

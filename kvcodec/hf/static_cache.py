@@ -1,0 +1,448 @@
+"""Static compressed cache: pre-allocated buffers, device-side lengths, a decode step a CUDA graph can hold.
+
+``CompressedCache(model, method="turboquant", key_bits=4, value_bits=4, max_cache_len=N)`` builds a
+:class:`StaticCompressedCache`. Per layer it allocates, once, on the first (prefill) call:
+
+* ``codes``/``norms`` of keys and values for ``max_cache_len`` tokens (+ one block of slack),
+* ``exact_k``/``exact_v`` [B, H_kv, sink + W, D]: the full-precision sink, then a ring of ``W =
+  residual + 2 * block_size`` window slots (token p >= sink lives in slot ``sink + (p - sink) % W``),
+  with ``key_pos`` [sink + W] the position each slot holds,
+* the key/value channel preconditioners (centre, scale) [B, H_kv, 1, D],
+* device scalars ``seen`` (tokens held) and ``comp`` (compressed tokens), ``comp_lens`` [B] int32.
+
+The semantics are the eager cache's (``kvcodec.hf.storage.LayerStore``) token for token: the prompt
+is attended exactly and its compaction (and the preconditioner fit) is the eager encode itself; after
+that, a block of ``block_size`` tokens leaves the window exactly when the eager store would move it,
+and is quantized as one [B, H_kv, block_size, D] batch like there, so the cache holds the same bytes
+(CPU: identical; CUDA: the quantize kernel vs torch's matmul differ on ~1e-6 of the codes, at float
+ties). What is data-dependent in the eager store is arithmetic on device tensors here: every decode
+step gathers the block that would leave the window, quantizes it and writes it to the slots after
+the compressed tokens; ``comp`` only grows when the block really left (``window >= residual +
+block_size``), and slots past ``comp`` are never read, so the writes of the other steps are harmless.
+No host synchronisation, no Python branch on data: the step is capturable by ``torch.cuda.CUDAGraph``
+and compiles with ``torch.compile(fullgraph=True)`` (the kernels are ``kvcodec.cuda.ops`` custom ops).
+
+Attention of a step: the compressed tokens by ``tq_attention`` (fused kernel on CUDA, float64
+reference on CPU) returning (out, lse), the sink and ring by one masked matmul in the kernel's query
+domain, merged in one softmax where the compressed part is a single pseudo-key (its lse). The prefill
+(first call) is transformers' SDPA on the exact prompt, as in the eager cache.
+
+Limits (ValueError): method "turboquant" with key_mode "mse", 1-4 bits, no outliers; the model must
+be passed (its attention is switched to ``"kvcodec_static"``); no padded batches; after the prefill at
+most ``block_size`` tokens per forward; ``max_cache_len`` is a hard limit. When the prompt is too
+short for its own compaction, the key preconditioner is fitted on the device, on the first block
+that leaves the window (as the eager store does).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvcodec.cuda import ops
+from kvcodec.hf.methods import build_spec
+
+NAME = "kvcodec_static"
+_FP16_MAX = 65504.0
+
+
+class _Active:
+    """The layer whose ``update`` ran last: transformers does not pass the cache to attention
+    functions, and the attention of a layer always follows its ``update`` in the same forward."""
+
+    layer = None
+
+
+_ACTIVE = _Active()
+
+
+def _check_supported(spec) -> None:
+    if spec.method != "turboquant" or spec.key_mode != "mse" or spec.outliers:
+        raise ValueError("max_cache_len (static mode) supports method='turboquant' with key_mode='mse' and no outliers")
+    for name, bits in (("key_bits", spec.key_bits), ("value_bits", spec.value_bits)):
+        if not 1 <= bits <= 4:
+            raise ValueError(f"static mode takes {name} in 1..4 (the fused kernel's range), got {bits}")
+
+
+class StaticCompressedLayer(CacheLayerMixin):
+    """One layer's static buffers and its append / compaction / attention (see the module doc)."""
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = True
+
+    def __init__(self, spec, layer_idx: int, max_cache_len: int):
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        self.max_cache_len = max_cache_len
+        self.sink, self.residual, self.block = spec.sink, spec.residual, spec.block_size
+        self.ring = spec.residual + 2 * spec.block_size
+        self.kc, self.vc = spec.make_codecs(layer_idx)  # the eager codecs: prefill encodes are theirs
+        self.prefill_now = False
+        self.device_fit = False  # True when the preconditioner is still to be fitted on the device
+        self.seen = torch.tensor(0, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ buffers
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        dev, dt = key_states.device, key_states.dtype
+        self.dtype, self.device, self.batch_size, self.num_heads, self.head_dim = dt, dev, B, H, D
+        cap = max(self.max_cache_len - self.sink, 0) + self.block
+        self.capacity = cap
+        e = self.sink + self.ring
+        self.exact_k = torch.zeros(B, H, e, D, dtype=dt, device=dev)
+        self.exact_v = torch.zeros(B, H, e, D, dtype=dt, device=dev)
+        self.key_pos = torch.cat([torch.arange(self.sink), torch.full((self.ring,), -1)]).to(dev)
+        kb, vb = self.spec.key_bits, self.spec.value_bits
+        self.k_codes = torch.zeros(B, H, cap, (D * kb + 7) // 8, dtype=torch.uint8, device=dev)
+        self.v_codes = torch.zeros(B, H, cap, (D * vb + 7) // 8, dtype=torch.uint8, device=dev)
+        self.k_norms = torch.zeros(B, H, cap, dtype=torch.float16, device=dev)
+        self.v_norms = torch.zeros(B, H, cap, dtype=torch.float16, device=dev)
+        self.pre = {}
+        for side, q in (("k", self.kc.q), ("v", self.vc.q)):
+            if q.precondition != "none":
+                self.pre[side + "_center"] = torch.zeros(B, H, 1, D, dtype=torch.float16, device=dev)
+            if q.precondition == "scale":
+                self.pre[side + "_scale"] = torch.ones(B, H, 1, D, dtype=torch.float16, device=dev)
+        self.fitted = torch.zeros((), dtype=torch.bool, device=dev)
+        self.seen = torch.zeros((), dtype=torch.int64, device=dev)
+        self.comp = torch.zeros((), dtype=torch.int64, device=dev)
+        self.comp_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.consts = {side: _quant_consts(q, dev) for side, q in (("k", self.kc.q), ("v", self.vc.q))}
+        for t in self._state_tensors():
+            _mark_static(t)
+        self.is_initialized = True
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [self.exact_k, self.exact_v, self.key_pos, self.k_codes, self.v_codes, self.k_norms, self.v_norms,
+                self.fitted, self.seen, self.comp, self.comp_lens, *self.pre.values()]
+
+    # ------------------------------------------------------------------ contract
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        _ACTIVE.layer = self
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._prefill(key_states, value_states)
+            self.prefill_now = True
+            return key_states, value_states
+        self.prefill_now = False
+        q = key_states.shape[-2]
+        if q > self.block:
+            raise ValueError(f"static compressed cache: at most block_size={self.block} tokens per forward "
+                             f"after the prefill, got {q}")
+        self._compact()
+        self._check_room(q)
+        pos = self.seen + torch.arange(q, device=self.device)
+        slots = self.sink + (pos - self.sink) % self.ring
+        self.exact_k.index_copy_(2, slots, key_states.to(self.dtype))
+        self.exact_v.index_copy_(2, slots, value_states.to(self.dtype))
+        self.key_pos.index_copy_(0, slots, pos)
+        self.seen.add_(q)
+        return key_states, value_states
+
+    def _check_room(self, q: int) -> None:
+        """max_cache_len is a hard limit; checked on the host only outside compiled/captured code
+        (the host count is read with one sync; a captured step relies on the check of its warm-up)."""
+        if torch.compiler.is_compiling() or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        if int(self.seen) + q > self.max_cache_len:
+            raise ValueError(f"static compressed cache is full: {int(self.seen)} + {q} tokens > max_cache_len="
+                             f"{self.max_cache_len}")
+
+    def _prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Host-side first call: the eager store's append + compaction of the prompt, into the buffers."""
+        T = k.shape[-2]
+        if T < self.sink:
+            raise ValueError(f"static compressed cache: the first call needs at least sink={self.sink} tokens")
+        if T > self.max_cache_len:
+            raise ValueError(f"static compressed cache is full: prompt of {T} tokens > max_cache_len={self.max_cache_len}")
+        S = self.sink
+        self.exact_k[:, :, :S] = k[:, :, :S]
+        self.exact_v[:, :, :S] = v[:, :, :S]
+        window = T - S
+        c = (window - self.residual) // self.block * self.block if window >= self.residual + self.block else 0
+        if c:
+            kb, vb = self.kc.encode(k[..., S:S + c, :]), self.vc.encode(v[..., S:S + c, :])  # fits the preconditioner
+            for side, blk in (("k", kb), ("v", vb)):
+                codes, norms = getattr(self, side + "_codes"), getattr(self, side + "_norms")
+                codes[:, :, :c] = blk.token["codes"]
+                if blk.token["norms"].dtype != norms.dtype:  # the prompt needed bf16 norms: keep them for good
+                    setattr(self, side + "_norms", norms.to(blk.token["norms"].dtype))
+                    _mark_static(getattr(self, side + "_norms"))
+                getattr(self, side + "_norms")[:, :, :c] = blk.token["norms"]
+                for name, t in blk.side.items():
+                    self.pre[f"{side}_{name}"].copy_(t.expand_as(self.pre[f"{side}_{name}"]))
+            self.fitted.fill_(True)
+        self.device_fit = not c and bool(self.pre)
+        pos = torch.arange(S + c, T, device=self.device)
+        slots = S + (pos - S) % self.ring
+        self.exact_k.index_copy_(2, slots, k[:, :, S + c:])
+        self.exact_v.index_copy_(2, slots, v[:, :, S + c:])
+        self.key_pos.index_copy_(0, slots, pos)
+        self.seen.fill_(T)
+        self.comp.fill_(c)
+        self.comp_lens.fill_(c)
+
+    def _compact(self) -> None:
+        """Move the window's oldest block into the compressed slots when the eager store would
+        (window >= residual + block_size): always computed, committed by growing ``comp``."""
+        S, bs = self.sink, self.block
+        pos = S + self.comp + torch.arange(bs, device=self.device)
+        slots = S + (pos - S) % self.ring
+        dest = self.comp + torch.arange(bs, device=self.device)
+        move = (self.seen - S - self.comp) >= self.residual + bs
+        for side, exact in (("k", self.exact_k), ("v", self.exact_v)):
+            x = exact.index_select(2, slots)
+            center, scale = self._precond(side, x, move)
+            xp = x.float()
+            if center is not None:
+                xp = xp - center.float()
+            if scale is not None:
+                xp = xp / scale.float()
+            c = self.consts[side]
+            codes, norms = ops.tq_quantize(xp, c["rot"], c["cb"], c["bits"], c["nc"],
+                                           getattr(self, side + "_norms").dtype == torch.bfloat16)
+            getattr(self, side + "_codes").index_copy_(2, dest, codes)
+            getattr(self, side + "_norms").index_copy_(2, dest, norms)
+        if self.device_fit:
+            self.fitted.logical_or_(move)
+        self.comp.add_(move.to(torch.int64) * bs)
+        self.comp_lens.copy_(self.comp.to(torch.int32).expand_as(self.comp_lens))
+
+    def _precond(self, side: str, x: torch.Tensor, move: torch.Tensor):
+        """(centre, scale) for the block x: the stored ones, or, before the first fit (device_fit), the
+        eager fit on this block (``calibrate``), which is stored when the block really moves."""
+        center, scale = self.pre.get(side + "_center"), self.pre.get(side + "_scale")
+        if not self.device_fit or center is None:
+            return center, scale
+        from kvcodec.quant.precondition import calibrate
+
+        q = (self.kc if side == "k" else self.vc).q
+        fit = calibrate(x, q.precondition)
+        keep = self.fitted
+        new_center = torch.where(keep, center, fit.center)
+        store = keep | move
+        center.copy_(torch.where(store, new_center, center))
+        if scale is not None:
+            new_scale = torch.where(keep, scale, fit.scale)
+            scale.copy_(torch.where(store, new_scale, scale))
+            return new_center, new_scale
+        return new_center, None
+
+    # ------------------------------------------------------------------ attention
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of query [B, Hq, Tq, D] over every held token (the Tq newest are the queries'
+        own); returns [B, Tq, Hq, D] in the query dtype."""
+        B, Hq, Tq, D = query.shape
+        H = self.num_heads
+        G = Hq // H
+        k_scale, k_center = self.pre.get("k_scale"), self.pre.get("k_center")
+        v_scale, v_center = self.pre.get("v_scale"), self.pre.get("v_center")
+        q_in = query.float()
+        if k_scale is not None:
+            q_in = q_in * k_scale.float().repeat_interleave(G, dim=1)
+        q_in = q_in.contiguous()
+        kc, vc = self.consts["k"], self.consts["v"]
+        out_c, lse = ops.tq_attention(q_in, self.k_codes, self.k_norms, self.v_codes, self.v_norms,
+                                      self.comp_lens, kc["rot"], vc["rot"], kc["cb"], vc["cb"], kc["bits"], vc["bits"],
+                                      float(scaling))
+        out_c = out_c.view(B, H, G * Tq, D)
+        if v_scale is not None:
+            out_c = out_c * v_scale.float()
+        if v_center is not None:
+            out_c = out_c + v_center.float()
+        # exact sink + ring in the kernel's domain: scaling * (k - centre) / scale, so q_in . k' differs
+        # from the true score by the same per-query constant as the compressed part's
+        keys = self.exact_k.float()
+        if k_center is not None:
+            keys = keys - k_center.float()
+        keys = keys * (scaling / k_scale.float() if k_scale is not None else scaling)
+        s = q_in.view(B, H, G * Tq, D) @ keys.transpose(-1, -2)  # [B, H, G*Tq, E]
+        q_pos = self.seen - Tq + torch.arange(Tq, device=query.device)
+        lo = self.sink + self.comp  # ring slots hold window tokens from position lo on
+        kp = self.key_pos
+        valid = ((kp < self.sink) | (kp >= lo)) & (kp >= 0)
+        allowed = valid[None, :] & (kp[None, :] <= q_pos[:, None])  # [Tq, E]
+        s = s.masked_fill(~allowed.repeat(G, 1), float("-inf"))
+        p = torch.softmax(torch.cat([lse.view(B, H, G * Tq, 1), s], dim=-1), dim=-1)
+        out = p[..., 1:] @ self.exact_v.float() + p[..., :1] * out_c
+        return out.view(B, H, G, Tq, D).reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
+
+    # ------------------------------------------------------------------ sizes and edits
+    def get_seq_length(self) -> int:
+        return self.seen if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if not self.is_initialized:
+            return
+        for t in self._state_tensors():
+            t.zero_()
+        self.key_pos.copy_(torch.cat([torch.arange(self.sink), torch.full((self.ring,), -1)]).to(self.device))
+        for name, t in self.pre.items():
+            t.fill_(1.0 if name.endswith("scale") else 0.0)
+        self.kc.reset()
+        self.vc.reset()
+        self.is_initialized = False  # the next call is a prefill again (buffers are reallocated)
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first n tokens (negative: remove that many), as the eager store's ``truncate``:
+        compressed tokens past n are dropped, never decompressed back into the window."""
+        if not self.is_initialized or max_length == 0:
+            return
+        self._compact()
+        n = int(self.seen)
+        keep = max(n + max_length if max_length < 0 else max_length, 0)
+        if keep >= n:
+            return
+        c = min(int(self.comp), max(keep - self.sink, 0))
+        self.seen.fill_(keep)
+        self.comp.fill_(c)
+        self.comp_lens.fill_(c)
+        self.key_pos.masked_fill_(self.key_pos >= keep, -1)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: batch rows follow ``beam_idx`` in place (same size: the buffers keep their addresses)."""
+        if self.is_initialized:
+            idx = beam_idx.to(self.device, torch.long)
+            for t in self._batch_tensors():
+                t.copy_(t.index_select(0, idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            indices = torch.as_tensor(indices)
+            if indices.dtype == torch.bool:
+                indices = indices.nonzero().flatten()
+            self._resize_batch(indices.to(self.device, torch.long))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._resize_batch(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+
+    def _batch_tensors(self) -> list[torch.Tensor]:
+        return [self.exact_k, self.exact_v, self.k_codes, self.v_codes, self.k_norms, self.v_norms,
+                *self.pre.values()]
+
+    def _resize_batch(self, idx: torch.Tensor) -> None:
+        """A batch of another size: new buffers (a compiled step recompiles for the new shapes)."""
+        for name in ("exact_k", "exact_v", "k_codes", "v_codes", "k_norms", "v_norms"):
+            setattr(self, name, getattr(self, name).index_select(0, idx))
+        self.pre = {name: t.index_select(0, idx) for name, t in self.pre.items()}
+        self.batch_size = int(idx.numel())
+        self.comp_lens = self.comp.to(torch.int32).expand(self.batch_size).clone()
+        for t in self._state_tensors():
+            _mark_static(t)
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    # ------------------------------------------------------------------ accounting
+    def memory(self) -> dict:
+        """Bytes allocated by the layer's static buffers (they do not grow with the tokens held)."""
+        if not self.is_initialized:
+            return {"tokens": 0, "exact": 0, "compressed_keys": 0, "compressed_values": 0, "side": 0, "total": 0}
+        nb = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        rep = {"tokens": int(self.seen), "exact": nb(self.exact_k, self.exact_v),
+               "compressed_keys": nb(self.k_codes, self.k_norms), "compressed_values": nb(self.v_codes, self.v_norms),
+               "side": nb(*self.pre.values())}
+        rep["total"] = sum(v for k, v in rep.items() if k != "tokens")
+        return rep
+
+
+def _quant_consts(q, device) -> dict:
+    """What the ops need of a TurboQuantMSE quantizer, on the cache's device."""
+    return {"rot": q.rotation.to(device, torch.float32).contiguous(),
+            "cb": q.codebook.to(device, torch.float32).contiguous(),
+            "bits": int(q.bits), "nc": bool(q.norm_correction)}
+
+
+def _mark_static(t: torch.Tensor) -> None:
+    """Tell dynamo the buffer keeps its address, so cudagraph trees do not copy it every replay."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(t)
+
+
+class StaticCompressedCache(Cache):
+    """Static-shape compressed cache (``CompressedCache(..., max_cache_len=N)``); see the module doc.
+
+    Same arguments as :class:`kvcodec.hf.CompressedCache` plus ``max_cache_len``, the most tokens a
+    sequence may hold (prompt + generated). ``config_or_model`` must be the model."""
+
+    def __init__(self, config_or_model, method: str = "turboquant", key_bits: int = 4, value_bits: int | None = None,
+                 *, max_cache_len: int, key_mode: str = "mse", residual: int = 128, block_size: int | None = None,
+                 sink: int = 1, outliers: int = 0, seed: int = 0, key_precondition: str = "scale",
+                 value_precondition: str = "none"):
+        if not isinstance(config_or_model, torch.nn.Module) or not hasattr(config_or_model, "config"):
+            raise ValueError("max_cache_len (static mode) needs the model, not only its config: "
+                             "CompressedCache(model, ..., max_cache_len=N)")
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+        model = config_or_model
+        self.spec = build_spec(model.config, method=method, key_bits=key_bits, value_bits=value_bits,
+                               key_mode=key_mode, residual=residual, block_size=block_size, sink=sink,
+                               outliers=outliers, seed=seed, key_precondition=key_precondition,
+                               value_precondition=value_precondition)
+        _check_supported(self.spec)
+        self.max_cache_len = max_cache_len
+        super().__init__(layers=[StaticCompressedLayer(self.spec, i, max_cache_len) for i in range(self.spec.num_layers)])
+        enable_static(model)
+
+    def nbytes(self) -> int:
+        """Bytes allocated by the static buffers (codes, norms, side data, sink and window ring)."""
+        return sum(layer.memory()["total"] for layer in self.layers)
+
+    def memory_report(self) -> list[dict]:
+        return [{"layer": i, **layer.memory()} for i, layer in enumerate(self.layers)]
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers hooks: the attention function and its mask function
+
+
+def static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface ``"kvcodec_static"``: the active static layer's attention; transformers' SDPA
+    for the prefill (exact prompt, like the eager cache) and when no static layer is active."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layer = _ACTIVE.layer
+    scaling = module.scaling if scaling is None else scaling
+    if layer is None or layer.layer_idx != module.layer_idx or layer.prefill_now:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return layer.attend(query, scaling), None
+
+
+def static_mask(*args, **kwargs):
+    """Mask function of ``"kvcodec_static"``: causality comes from the cache's token positions, so no
+    mask is built; padded batches are refused (checked outside compiled or captured code)."""
+    mask = kwargs.get("attention_mask")
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if mask is not None and mask.dim() == 2 and not torch.compiler.is_compiling() and not capturing:
+        if not bool(mask.all()):
+            raise ValueError("the static compressed cache does not support padded batches")
+    return None
+
+
+def enable_static(model: torch.nn.Module) -> torch.nn.Module:
+    """Register ``"kvcodec_static"`` with transformers and switch ``model`` to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, static_attention)
+    AttentionMaskInterface.register(NAME, static_mask)
+    model.set_attn_implementation(NAME)
+    return model

@@ -1,0 +1,174 @@
+"""Static compressed cache (CompressedCache(..., max_cache_len=N)) against the eager compressed cache, on CPU."""
+
+import pytest
+import torch
+
+from kvcodec.cuda import ops
+from kvcodec.hf import CompressedCache
+from kvcodec.hf.static_cache import StaticCompressedCache
+
+from test_hf_cache import VOCAB, tiny_model
+
+KW = dict(method="turboquant", key_bits=4, value_bits=3, residual=4, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(heads=4, kv_heads=2, head_dim=32, layers=2)
+
+
+def _tokens(batch, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (batch, length), generator=g)
+
+
+def _step(model, cache, tok):
+    return model(tok, past_key_values=cache, use_cache=True).logits[:, -1].float()
+
+
+def _decode(model, cache, tok, n):
+    """Greedy steps from ``tok`` [B, 1]; the logits of every step."""
+    out = []
+    for _ in range(n):
+        logits = _step(model, cache, tok)
+        out.append(logits)
+        tok = logits.argmax(-1, keepdim=True)
+    return torch.stack(out), tok
+
+
+def _pair(model, ids, max_len=64, **kw):
+    """Eager and static caches prefilled with ``ids`` (each cache switches the model's attention to
+    its own implementation, so the two are always stepped through ``_both``)."""
+    opts = {**KW, **kw}
+    eager = CompressedCache(model, **opts)
+    e0 = model(ids, past_key_values=eager).logits[:, -1].float()
+    static = CompressedCache(model, **opts, max_cache_len=max_len)
+    s0 = model(ids, past_key_values=static).logits[:, -1].float()
+    assert isinstance(static, StaticCompressedCache)
+    torch.testing.assert_close(s0, e0, rtol=0, atol=1e-5)
+    return eager, static, e0.argmax(-1, keepdim=True)
+
+
+def _both(model, eager, static, tok, n):
+    from kvcodec.hf import enable
+    from kvcodec.hf.static_cache import enable_static
+
+    enable(model)
+    le, _ = _decode(model, eager, tok, n)
+    enable_static(model)
+    ls, _ = _decode(model, static, tok, n)
+    return le, ls
+
+
+def _eager_compressed(layer):
+    """(tokens, key codes, key norms, value codes, value norms) of an eager layer's compressed block."""
+    store = layer.store
+    if not store.blocks:
+        return 0, None, None, None, None
+    b = store.blocks[0]
+    return (b.length, b.key.token["codes"], b.key.token["norms"], b.value.token["codes"], b.value.token["norms"])
+
+
+def _assert_same_bytes(eager, static):
+    for ls in static.layers:
+        ls._compact()  # the static cache defers the last step's compaction to its next update
+    for le, ls in zip(eager.layers, static.layers):
+        n, kc, kn, vc, vn = _eager_compressed(le)
+        assert int(ls.comp) == n
+        if n:
+            assert torch.equal(ls.k_codes[:, :, :n], kc) and torch.equal(ls.v_codes[:, :, :n], vc)
+            assert torch.equal(ls.k_norms[:, :, :n], kn) and torch.equal(ls.v_norms[:, :, :n], vn)
+            for side, qz in (("k", le.store.key_codec), ("v", le.store.value_codec)):
+                for name, t in qz.precond.side.items():
+                    assert torch.equal(ls.pre[f"{side}_{name}"], t.expand_as(ls.pre[f"{side}_{name}"]))
+
+
+@pytest.mark.parametrize("length", [5, 10, 11, 12])  # window after the sink: 4 (fit on the device), 9, 10, 11
+def test_rollover_at_every_position_matches_eager(model, length):
+    """Blocks leave the window at every offset modulo block_size; same logits and same bytes as eager."""
+    with torch.no_grad():
+        ids = _tokens(2, length, length)
+        eager, static, tok = _pair(model, ids)
+        le, ls = _both(model, eager, static, tok, 6)
+    torch.testing.assert_close(ls, le, rtol=0, atol=1e-5)
+    _assert_same_bytes(eager, static)
+
+
+def test_crop_reorder_and_batch_select_follow_eager(model):
+    with torch.no_grad():
+        eager, static, tok = _pair(model, _tokens(3, 11, 7))
+        le, ls = _both(model, eager, static, tok, 3)
+        torch.testing.assert_close(ls, le, rtol=0, atol=1e-5)
+        tok = le[-1].argmax(-1, keepdim=True)
+        idx = torch.tensor([2, 0, 0])
+        eager.reorder_cache(idx)
+        static.reorder_cache(idx)
+        tok = tok[idx]
+        le, ls = _both(model, eager, static, tok, 3)
+        torch.testing.assert_close(ls, le, rtol=0, atol=1e-5)
+        for c in (eager, static):
+            c.crop(-6)  # reaches into the compressed tokens
+        assert int(static.get_seq_length()) == eager.get_seq_length()
+        le, ls = _both(model, eager, static, tok, 2)
+        torch.testing.assert_close(ls, le, rtol=0, atol=1e-5)
+        for c in (eager, static):
+            c.batch_select_indices(torch.tensor([True, False, True]))
+        le, ls = _both(model, eager, static, tok[[0, 2]], 5)
+    torch.testing.assert_close(ls, le, rtol=0, atol=1e-5)
+    _assert_same_bytes(eager, static)
+
+
+def test_max_cache_len_is_a_hard_limit(model):
+    with torch.no_grad():
+        cache = CompressedCache(model, **KW, max_cache_len=12)
+        with pytest.raises(ValueError, match="max_cache_len"):
+            model(_tokens(1, 13, 0), past_key_values=cache)
+        cache = CompressedCache(model, **KW, max_cache_len=12)
+        model(_tokens(1, 10, 0), past_key_values=cache)
+        model(_tokens(1, 2, 1), past_key_values=cache)
+        with pytest.raises(ValueError, match="max_cache_len"):
+            model(_tokens(1, 1, 2), past_key_values=cache)
+
+
+def test_static_mode_rejects_what_it_cannot_hold(model):
+    with pytest.raises(ValueError, match="needs the model"):
+        CompressedCache(model.config, max_cache_len=16)
+    with pytest.raises(ValueError, match="turboquant"):
+        CompressedCache(model, method="kivi", block_size=32, max_cache_len=64)
+    with pytest.raises(ValueError, match="1..4"):
+        CompressedCache(model, key_bits=6, max_cache_len=64)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        CompressedCache(model, max_cache_len=0)
+    with torch.no_grad(), pytest.raises(ValueError, match="padded"):
+        cache = CompressedCache(model, **KW, max_cache_len=32)
+        model(_tokens(2, 6, 0), attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1], [1] * 6]), past_key_values=cache)
+
+
+def test_generate_with_the_static_cache_matches_eager(model):
+    ids = _tokens(1, 9, 3)
+    eager = model.generate(ids, past_key_values=CompressedCache(model, **KW), max_new_tokens=8, do_sample=False)
+    static = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=32), max_new_tokens=8,
+                            do_sample=False)
+    assert torch.equal(eager, static)
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="torch.library.custom_op needs torch >= 2.4")
+def test_decode_step_compiles_with_fullgraph(model):
+    """The decode step traces as one graph (the kernels are opaque custom ops); no recompilation."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        cache = CompressedCache(model, **KW, max_cache_len=40)
+        tok = model(_tokens(1, 10, 5), past_key_values=cache).logits[:, -1:].argmax(-1)
+        step = torch.compile(lambda t: model(t, past_key_values=cache).logits, fullgraph=True, backend="eager")
+        ref = CompressedCache(model, **KW, max_cache_len=40)
+        model(_tokens(1, 10, 5), past_key_values=ref)
+        compiled, plain = [], []
+        t1 = t2 = tok
+        for _ in range(6):  # crosses a block boundary
+            compiled.append(step(t1)[:, -1])
+            plain.append(model(t2, past_key_values=ref).logits[:, -1])
+            t1, t2 = compiled[-1].argmax(-1, keepdim=True), plain[-1].argmax(-1, keepdim=True)
+    torch.testing.assert_close(torch.stack(compiled), torch.stack(plain), rtol=0, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # first step + steady state at most
