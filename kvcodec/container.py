@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from kvcodec import validate
 from kvcodec.errors import CorruptStreamError
 
 try:  # ISA-L's crc32 is the same CRC-32 as zlib's, about 6x faster (pclmul); zlib is the fallback
@@ -233,6 +234,13 @@ def _reject_constant(name: str):
     raise CorruptStreamError(f"container header contains non-JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf; dumps never writes it (allow_nan=False)
+        raise CorruptStreamError(f"container header holds a non-finite number {text[:40]}")
+    return value
+
+
 def _no_duplicates(pairs):
     d = {}
     for k, v in pairs:
@@ -274,6 +282,7 @@ def read_header(blob) -> tuple[dict, memoryview]:
         header = json.loads(
             bytes(raw_header).decode("utf-8"),
             parse_constant=_reject_constant,
+            parse_float=_finite_float,
             object_pairs_hook=_no_duplicates,
         )
     except CorruptStreamError:
@@ -296,10 +305,11 @@ def _check_section(desc, pos: int, n: int) -> tuple[str, str, str, tuple[int, ..
     offset, nbytes, crc = desc["offset"], desc["nbytes"], desc["crc32"]
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
         raise CorruptStreamError("bad section name")
-    for v in (offset, nbytes, crc):
+    for v in (offset, nbytes):
         if type(v) is not int or v < 0:
-            raise CorruptStreamError(f"section {name!r}: offset/nbytes/crc32 must be non-negative integers")
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or any(type(d) is not int or d < 0 for d in shape):
+            raise CorruptStreamError(f"section {name!r}: offset/nbytes must be non-negative integers")
+    validate.require_int(crc, 0, 0xFFFFFFFF, f"section {name!r}: crc32")
+    if type(shape) is not list:
         raise CorruptStreamError(f"section {name!r}: bad shape")
     if typ == "bytes":
         if dtype != "uint8" or len(shape) != 1:
@@ -316,11 +326,12 @@ def _check_section(desc, pos: int, n: int) -> tuple[str, str, str, tuple[int, ..
         itemsize = tdt.itemsize
     else:
         raise CorruptStreamError(f"section {name!r}: unknown type {typ!r}")
-    if math.prod(shape) * itemsize != nbytes:
+    shape = validate.check_shape(shape, f"section {name!r}", itemsize, MAX_NDIM)
+    if validate.numel(shape) * itemsize != nbytes:
         raise CorruptStreamError(f"section {name!r}: shape {shape} does not match {nbytes} bytes")
     if offset != _align(pos) or offset + nbytes > n:
         raise CorruptStreamError(f"section {name!r}: offset/size out of bounds (container truncated?)")
-    return name, typ, dtype, tuple(shape), offset, nbytes, crc
+    return name, typ, dtype, shape, offset, nbytes, crc
 
 
 def loads(blob, expect_kind: str | None = None) -> tuple[str, dict, dict[str, Any]]:

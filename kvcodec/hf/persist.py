@@ -4,8 +4,9 @@ cache computed once can be reused by another process.
 Format: one kvcodec container (``kvcodec.container``) of kind ``kvcodec.hf.cache`` whose meta holds
 the cache options and model shape and whose sections are one nested container per layer
 (kind ``kvcodec.hf.layer``): sink and window tensors plus each block's key/value state. Every
-malformed, truncated or mismatched file raises :class:`kvcodec.CorruptStreamError`; a file saved
-for another model shape raises ``ValueError``.
+malformed, truncated or mismatched file (including one saved for another model shape) raises
+:class:`kvcodec.CorruptStreamError` (a ``ValueError``), checked before anything of the size the
+file declares is allocated; ``max_output_bytes`` caps the cache's decoded size.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvcodec import container
+from kvcodec import container, validate
 from kvcodec.errors import CorruptStreamError
 from kvcodec.hf.storage import Block
 
@@ -74,52 +75,125 @@ def _cpu(t):
     return t.detach().to("cpu").contiguous() if isinstance(t, torch.Tensor) else t
 
 
-def load_cache(cls, path, config_or_model, device="cpu"):
+def load_cache(cls, path, config_or_model, device="cpu", max_output_bytes: int | None = None):
     data = Path(path).read_bytes()
-    return cache_from_bytes(cls, data, config_or_model, device=device)
+    return cache_from_bytes(cls, data, config_or_model, device=device, max_output_bytes=max_output_bytes)
 
 
-def cache_from_bytes(cls, data: bytes, config_or_model, device="cpu"):
-    kind, meta, sections = container.loads(data)
-    if kind != CACHE_KIND:
-        raise CorruptStreamError(f"not a saved kvcodec cache (container kind {kind!r})")
-    if meta.get("version") != FORMAT_VERSION:
-        raise CorruptStreamError(f"unsupported saved-cache version {meta.get('version')!r}")
-    options = meta.get("options")
-    if not isinstance(options, dict):
-        raise CorruptStreamError("saved cache lacks its options")
+# ------------------------------------------------------------------------------------- loading
+# A saved cache is untrusted input: every meta field is checked against what cache_to_bytes
+# writes and against this model's shape before a cache is built or a block decoded, and the
+# decoded size of the cache (batch x heads x tokens x head_dim, keys and values, every layer) is
+# checked against ``max_output_bytes`` (kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES unless raised).
+
+_KV_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_MAX_TOKENS = 1 << 31  # a cache never holds more tokens per layer
+_NOT_SAVED = {"self", "config_or_model", "attention", "max_cache_len"}  # constructor args no file carries
+
+
+def _checked_options(cls, options) -> dict:
+    """Constructor options of a saved cache: known names, JSON scalars (or per-layer int lists), bounded ints."""
+    import inspect
+
+    known = set(inspect.signature(cls.__init__).parameters) - _NOT_SAVED
+    if type(options) is not dict or not set(options) <= known:
+        raise CorruptStreamError(f"saved cache options must be an object with keys among {sorted(known)}")
+    for k, v in options.items():
+        items = v if type(v) is list and len(v) <= 4096 else [v]
+        for x in items:
+            if type(x) not in (str, int, bool, type(None)) or (type(x) is str and len(x) > 64):
+                raise CorruptStreamError(f"saved cache option {k!r} is not a short JSON scalar")
+            if type(x) is int:
+                validate.require_int(x, 0, (1 << 63) - 1 if k == "seed" else _MAX_TOKENS, f"saved cache option {k!r}")
+    return options
+
+
+def cache_from_bytes(cls, data: bytes, config_or_model, device="cpu", max_output_bytes: int | None = None):
+    """Rebuild a cache from :func:`cache_to_bytes` output. CorruptStreamError (a ValueError) for a
+    malformed file, one saved for another model shape, or one whose decoded KV exceeds
+    ``max_output_bytes`` (default 4 GiB)."""
+    cap = validate.resolve_max_output(max_output_bytes)
+    _, meta, sections = container.loads(data, expect_kind=CACHE_KIND)
+    validate.require_keys(meta, ("version", "options", "shape"), "saved cache meta")
+    if meta["version"] != FORMAT_VERSION or type(meta["version"]) is not int:
+        raise CorruptStreamError(f"unsupported saved-cache version {str(meta['version'])[:40]}")
+    options = _checked_options(cls, meta["options"])
     try:
         cache = cls(config_or_model, **options)
-    except TypeError as exc:
-        raise CorruptStreamError(f"saved cache options are malformed: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise CorruptStreamError(f"saved cache options are malformed: {str(exc)[:200]}") from exc
     spec = cache.spec
-    shape = meta.get("shape")
+    shape = meta["shape"]
     want = {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
-    if shape != want:
-        raise ValueError(f"saved cache is for a model shaped {shape}, this model is {want}")
+    if shape != want or any(type(v) is not int for v in shape.values()):
+        raise CorruptStreamError(f"saved cache is for a model shaped {str(shape)[:200]}, this model is {want}")
+    if set(sections) != {f"layer{i}" for i in range(spec.num_layers)}:
+        raise CorruptStreamError("saved cache sections are not exactly one per layer")
+    budget, batches = [cap], set()
     for i, layer in enumerate(cache.layers):
-        blob = sections.get(f"layer{i}")
-        if not isinstance(blob, (bytes, bytearray, memoryview)):
-            raise CorruptStreamError(f"saved cache lacks layer {i}")
-        _restore_layer(layer, bytes(blob), spec, torch.device(device))
+        blob = sections[f"layer{i}"]
+        if not isinstance(blob, memoryview):
+            raise CorruptStreamError(f"saved cache layer {i} is not a bytes section")
+        batches |= _restore_layer(layer, bytes(blob), spec, torch.device(device), budget)
     lengths = {layer.get_seq_length() for layer in cache.layers}
     if len(lengths) > 1:
         raise CorruptStreamError(f"saved layers disagree on the sequence length: {sorted(lengths)}")
+    if len(batches) > 1:
+        raise CorruptStreamError(f"saved layers disagree on the batch size: {sorted(batches)}")
     return cache
 
 
-def _restore_layer(layer, blob: bytes, spec, device) -> None:
-    kind, meta, tensors = container.loads(blob)
-    if kind != LAYER_KIND or not isinstance(meta.get("blocks"), list):
-        raise CorruptStreamError("malformed saved cache layer")
-    if not meta.get("initialized"):
-        return
-    dtype = container.torch_dtypes().get(meta.get("dtype"))
-    if dtype is None or not dtype.is_floating_point:
-        raise CorruptStreamError(f"saved cache layer has a bad dtype {meta.get('dtype')!r}")
+def _spend(budget: list, shape, itemsize: int, what: str) -> None:
+    """Charge a block's decoded size (shape [B, H, T, D]) to the cache's output budget."""
+    n = validate.numel(shape) * itemsize
+    if n > budget[0]:
+        raise CorruptStreamError(f"{what}: the saved cache decodes past max_output_bytes (raise it if you trust this file)")
+    budget[0] -= n
+
+
+def _lossless_rows(tensors: dict, bm: dict, kv_shape: tuple, dtype_name: str, what: str) -> None:
+    """Each row blob of a lossless block must declare [1, H, length, D] in the layer dtype, before it is decoded."""
+    from kvcodec.lossless import api
+
+    state = validate.require_type(bm, dict, what)
+    rows = validate.require_int(state.get("rows"), 1, _MAX_TOKENS, f"{what} rows")
+    if set(tensors) != {f"row{r}" for r in range(rows)}:
+        raise CorruptStreamError(f"{what}: sections do not match its {rows} rows")
+    for r in range(rows):
+        blob = tensors[f"row{r}"]
+        if not isinstance(blob, memoryview):
+            raise CorruptStreamError(f"{what}: row {r} is not a bytes section")
+        info = api.describe(blob)
+        if info["shape"] != (1, *kv_shape) or info["dtype"] != dtype_name:
+            raise CorruptStreamError(f"{what}: row {r} declares {info['dtype']} {info['shape']}, "
+                                     f"expected {dtype_name} {(1, *kv_shape)}")
+
+
+def _block_shape(blk) -> tuple:
+    """[B, H, T, D] of a restored block of any codec."""
+    if isinstance(blk, torch.Tensor):
+        return tuple(blk.shape)
+    if hasattr(blk, "lead_shape"):  # QuantizedTensor
+        return (*blk.lead_shape, blk.num_tokens, blk.dim)
+    return (len(blk.blobs), None, blk.length, None)  # LosslessBlock: rows checked by _lossless_rows
+
+
+def _restore_layer(layer, blob: bytes, spec, device, budget: list) -> set:
+    """Restore one layer; return the batch sizes it holds (one, or none if empty)."""
+    _, meta, tensors = container.loads(blob, expect_kind=LAYER_KIND)
+    validate.require_keys(meta, ("initialized", "blocks", "codecs"), "saved cache layer meta", optional=("dtype",))
+    validate.require_type(meta["blocks"], list, "saved cache layer blocks")
+    if validate.require_type(meta["initialized"], bool, "saved cache layer 'initialized'") is False:
+        if tensors or meta["blocks"] or "dtype" in meta:
+            raise CorruptStreamError("an uninitialized saved cache layer holds data")
+        return set()
+    dtype_name = meta.get("dtype")
+    dtype = validate.lookup(dtype_name, {n: getattr(torch, n) for n in _KV_DTYPES}, "saved cache layer dtype")
+    itemsize = dtype.itemsize
+    H, D = spec.num_kv_heads, spec.head_dim
     layer.lazy_initialization(torch.empty(0, dtype=dtype, device=device), None)
     store = layer.store
-    exact = {}
+    exact, batch = {}, set()
     for a, b in (("sink_k", "sink_v"), ("win_k", "win_v")):
         k, v = tensors.get(a), tensors.get(b)
         if (k is None) != (v is None):
@@ -129,29 +203,59 @@ def _restore_layer(layer, blob: bytes, spec, device) -> None:
         for t in (k, v):
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.ndim != 4:
                 raise CorruptStreamError(f"saved {a}/{b} must be 4-D {dtype} tensors")
-            if t.shape[1:] != (spec.num_kv_heads, k.shape[2], spec.head_dim) or t.shape[0] != k.shape[0]:
+            if t.shape[1:] != (H, k.shape[2], D) or t.shape[0] != k.shape[0]:
                 raise CorruptStreamError(f"saved {a}/{b} tensors have the wrong shape {tuple(t.shape)}")
+            _spend(budget, t.shape, itemsize, f"saved {a}")
         exact[a], exact[b] = k.to(device), v.to(device)
-    if len({t.shape[0] for t in exact.values()}) > 1:
-        raise CorruptStreamError("saved sink and window differ in batch size")
+        batch.add(k.shape[0])
     store.set_exact(**exact)
-    codec_meta = _dict(meta.get("codecs", {}))
+    codec_meta = validate.require_type(meta["codecs"], dict, "saved cache codec side state")
+    if not set(codec_meta) <= {"kc", "vc"}:
+        raise CorruptStreamError("saved cache codec side state has unknown entries")
+    prefixes = ("sink_k", "sink_v", "win_k", "win_v", "kc.", "vc.")
+    for n in tensors:
+        if not n.startswith(prefixes) and not _is_block_tensor(n, len(meta["blocks"])):
+            raise CorruptStreamError(f"saved cache layer has an unexpected section {n[:80]!r}")
     for tag, codec in (("kc", store.key_codec), ("vc", store.value_codec)):
         side = {n.split(".", 1)[1]: t for n, t in tensors.items() if n.startswith(f"{tag}.")}
         codec.load_side_state(_dict(codec_meta.get(tag, {})), _to(side, device))
     for j, bm in enumerate(meta["blocks"]):
-        if not isinstance(bm, dict) or not isinstance(bm.get("length"), int) or bm["length"] <= 0:
-            raise CorruptStreamError(f"saved block {j} is malformed")
-        kt = {n.split(".", 2)[2]: t for n, t in tensors.items() if n.startswith(f"b{j}.k.")}
-        vt = {n.split(".", 2)[2]: t for n, t in tensors.items() if n.startswith(f"b{j}.v.")}
-        key = store.key_codec.restore(_dict(bm.get("key")), _to(kt, device))
-        value = store.value_codec.restore(_dict(bm.get("value")), _to(vt, device))
-        for codec, blk in ((store.key_codec, key), (store.value_codec, value)):
-            if codec.length(blk) != bm["length"]:
-                raise CorruptStreamError(f"saved block {j} holds {codec.length(blk)} tokens, meta says {bm['length']}")
-        store.blocks.append(Block(key, value, bm["length"]))
+        validate.require_keys(bm, ("length", "key", "value"), f"saved block {j}")
+        length = validate.require_int(bm["length"], 1, _MAX_TOKENS, f"saved block {j} length")
+        restored = []
+        for tag, codec in (("k", store.key_codec), ("v", store.value_codec)):
+            state = _dict(bm["key" if tag == "k" else "value"])
+            part = {n.split(".", 2)[2]: t for n, t in tensors.items() if n.startswith(f"b{j}.{tag}.")}
+            what = f"saved block {j} ({'key' if tag == 'k' else 'value'})"
+            if codec.name == "lossless":
+                _lossless_rows(part, state, (H, length, D), dtype_name, what)
+                _spend(budget, (state["rows"], H, length, D), itemsize, what)
+            try:
+                blk = codec.restore(state, _to(part, device))
+            except CorruptStreamError:
+                raise
+            except (ValueError, TypeError, KeyError, RuntimeError, IndexError, OverflowError) as exc:
+                raise CorruptStreamError(f"{what} does not restore: {str(exc)[:200]}") from exc
+            B, h, T, d = _block_shape(blk)
+            if (h not in (None, H) or d not in (None, D) or T != length or codec.length(blk) != length
+                    or (isinstance(blk, torch.Tensor) and blk.dtype != dtype)):
+                raise CorruptStreamError(f"{what} has shape {(B, h, T, d)}, expected [B, {H}, {length}, {D}]")
+            if codec.name != "lossless":
+                _spend(budget, (B, H, length, D), itemsize, what)
+            batch.add(B)
+            restored.append(blk)
+        store.blocks.append(Block(restored[0], restored[1], length))
+    if len(batch) > 1:
+        raise CorruptStreamError(f"saved cache layer mixes batch sizes {sorted(batch)}")
     if store.sink_len and (store.blocks or store.window_len) and store.sink_len != spec.sink:
         raise CorruptStreamError("saved sink is shorter than the cache's sink but tokens follow it")
+    return batch
+
+
+def _is_block_tensor(name: str, n_blocks: int) -> bool:
+    """``b<j>.k.<field>`` / ``b<j>.v.<field>`` with j < n_blocks."""
+    head, _, rest = name.partition(".")
+    return head[:1] == "b" and head[1:].isascii() and head[1:].isdigit() and int(head[1:]) < n_blocks and rest[:2] in ("k.", "v.")
 
 
 def _dict(x) -> dict:

@@ -6,6 +6,13 @@ restores the SAME bytes (header, metadata, tensor order, padding and all). ``rea
 name)`` decodes one tensor without touching the others; ``inspect_file`` lists per-tensor ratios.
 Memory stays near one tensor (plus its compressed copy) in both directions.
 
+Reading is safe on untrusted files: the footer, index and every entry are checked against the
+file's real size before anything is read or allocated, the index's zstd section is decoded with
+a bounded streaming decoder, and ``max_output_bytes`` (default
+``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES``, 4 GiB) caps what one call produces: the restored
+file for :func:`decompress_file`, one tensor for :func:`read_tensor`. Every failure raises
+:class:`kvcodec.CorruptStreamError`.
+
 File layout (integers little-endian; see ``docs/format.md``, "Container" / ``.kvc`` files)::
 
     0      8   b"KVCF" + version u16 (1) + flags u16 (0)
@@ -31,7 +38,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from kvcodec import container
+from kvcodec import container, validate
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import api, registry
 from kvcodec.lossless.planes import DEFAULT_CHUNK_BYTES
@@ -238,7 +245,8 @@ def _compress_to(src: Path, dst: Path, size: int, entries: list, threads: int, p
 
 
 # --------------------------------------------------------------------------- reading
-def _segment_from_record(e: dict, blob: bytes, threads: int) -> memoryview | bytes:
+def _segment_from_record(e: dict, blob: bytes, threads: int, max_output_bytes: int | None = None) -> memoryview | bytes:
+    validate.check_output(e["end"] - e["start"], max_output_bytes, f"segment of {e['name'] or 'a gap'}")
     if e["mode"] == "raw":
         return blob
     t = api.decompress(blob, threads=threads, device="cpu", max_output_bytes=e["end"] - e["start"])
@@ -246,6 +254,34 @@ def _segment_from_record(e: dict, blob: bytes, threads: int) -> memoryview | byt
     if raw.size != e["end"] - e["start"]:
         raise CorruptStreamError(f"tensor {e['name']!r} decodes to the wrong size")
     return memoryview(raw)
+
+
+_ENTRY_KEYS = ("name", "st_dtype", "shape", "start", "end", "mode", "offset", "length", "crc32")
+
+
+def _check_entry(e) -> None:
+    """One index entry: the field types and ranges compress_file writes (positions checked by the caller).
+
+    A "tensor" record always has a name, a safetensors dtype torch has and a shape whose size is
+    the segment's; an unnamed gap is raw with no dtype or shape.
+    """
+    validate.require_keys(e, _ENTRY_KEYS, "kvcodec file index entry")
+    for k in ("start", "end", "offset", "length"):
+        validate.require_int(e[k], 0, validate.MAX_ADDRESSABLE, f"kvcodec file entry {k}")
+    validate.require_int(e["crc32"], 0, 0xFFFFFFFF, "kvcodec file entry crc32")
+    if e["end"] < e["start"] or e["mode"] not in ("tensor", "raw"):
+        raise CorruptStreamError("kvcodec file index: malformed entry")
+    if e["name"] is None:
+        if e["mode"] != "raw" or e["st_dtype"] is not None or e["shape"] is not None:
+            raise CorruptStreamError("kvcodec file index: an unnamed gap must be raw, without dtype or shape")
+    else:
+        if type(e["name"]) is not str or not (e["st_dtype"] is None or type(e["st_dtype"]) is str):
+            raise CorruptStreamError("kvcodec file index: bad tensor name or dtype")
+        validate.check_shape(e["shape"], f"kvcodec file entry {e['name'][:80]!r}", max_ndim=64)
+    if e["mode"] == "raw" and e["length"] != e["end"] - e["start"]:
+        raise CorruptStreamError("kvcodec file index: raw entry has the wrong length")
+    if e["mode"] == "tensor" and _tensor_dtype(e) is None:
+        raise CorruptStreamError("kvcodec file index: tensor entry's dtype/shape do not match its segment")
 
 
 class KvcFile:
@@ -270,8 +306,6 @@ class KvcFile:
         self.close()
 
     def _load_index(self) -> None:
-        import zstandard
-
         f = self._f
         size = os.fstat(f.fileno()).st_size
         if size < _HEAD.size + _FOOTER.size:
@@ -286,12 +320,10 @@ class KvcFile:
         if fmagic != FOOTER_MAGIC or ioff < _HEAD.size or ioff + ilen != size - _FOOTER.size:
             raise CorruptStreamError("kvcodec file footer is corrupt (or the file is truncated)")
         f.seek(ioff)
-        _, meta, sections = container.loads(f.read(ilen), expect_kind=INDEX_KIND)
-        try:
-            st_header = zstandard.ZstdDecompressor().decompress(
-                bytes(sections["header"]), max_output_size=MAX_ST_HEADER + 8)
-        except (KeyError, zstandard.ZstdError):
-            raise CorruptStreamError("kvcodec file index: bad header section") from None
+        _, meta, sections = container.loads(validate.read_exact(f, ilen, "kvcodec file index"), expect_kind=INDEX_KIND)
+        if set(sections) != {"header"} or not isinstance(sections["header"], memoryview):
+            raise CorruptStreamError("kvcodec file index: expected one bytes section 'header'")
+        st_header = validate.zstd_decompress(sections["header"], MAX_ST_HEADER + 8, "kvcodec file index header")
         self.meta = self._check_meta(meta, ioff, len(st_header))
         self.st_header = st_header
         self.entries = self.meta["entries"]
@@ -299,35 +331,26 @@ class KvcFile:
 
     @staticmethod
     def _check_meta(meta: dict, records_end: int, header_len: int) -> dict:
-        keys = {"format", "source_bytes", "source_crc32", "header_bytes", "entries"}
-        if set(meta) != keys or meta["format"] != "safetensors" or meta["header_bytes"] != header_len:
+        """Every index field checked against what compress_file writes and the file's real size."""
+        validate.require_keys(meta, ("format", "source_bytes", "source_crc32", "header_bytes", "entries"),
+                              "kvcodec file index meta")
+        if meta["format"] != "safetensors" or meta["header_bytes"] != header_len:
             raise CorruptStreamError("kvcodec file index: bad meta")
-        ekeys = {"name", "st_dtype", "shape", "start", "end", "mode", "offset", "length", "crc32"}
-        entries = meta["entries"]
-        if not isinstance(entries, list) or type(meta["source_bytes"]) is not int:
-            raise CorruptStreamError("kvcodec file index: bad entries")
+        validate.require_int(meta["source_bytes"], 0, validate.MAX_ADDRESSABLE, "kvcodec file source_bytes")
+        validate.require_int(meta["source_crc32"], 0, 0xFFFFFFFF, "kvcodec file source_crc32")
+        entries = validate.require_type(meta["entries"], list, "kvcodec file index entries")
         data_pos, rec_pos, names = 0, _HEAD.size, set()
         for e in entries:
-            if not isinstance(e, dict) or set(e) != ekeys or e["mode"] not in ("tensor", "raw"):
-                raise CorruptStreamError("kvcodec file index: malformed entry")
-            for k in ("start", "end", "offset", "length", "crc32"):
-                if type(e[k]) is not int or e[k] < 0:
-                    raise CorruptStreamError("kvcodec file index: bad entry numbers")
-            if e["start"] != data_pos or e["end"] < e["start"] or e["offset"] != rec_pos:
+            _check_entry(e)
+            if e["start"] != data_pos or e["offset"] != rec_pos:
                 raise CorruptStreamError("kvcodec file index: entries are not contiguous")
-            if e["mode"] == "raw" and e["length"] != e["end"] - e["start"]:
-                raise CorruptStreamError("kvcodec file index: raw entry has the wrong length")
             if e["name"] is not None:
-                shape_ok = isinstance(e["shape"], list) and len(e["shape"]) <= 64 and all(
-                    type(d) is int and d >= 0 for d in e["shape"])
-                if not shape_ok or not (e["st_dtype"] is None or isinstance(e["st_dtype"], str)):
-                    raise CorruptStreamError("kvcodec file index: bad tensor dtype or shape")
-                if not isinstance(e["name"], str) or e["name"] in names:
-                    raise CorruptStreamError("kvcodec file index: bad or duplicate tensor name")
+                if e["name"] in names:
+                    raise CorruptStreamError("kvcodec file index: duplicate tensor name")
                 names.add(e["name"])
-            elif e["mode"] != "raw":
-                raise CorruptStreamError("kvcodec file index: unnamed entry must be raw")
             data_pos, rec_pos = e["end"], e["offset"] + e["length"]
+            if rec_pos > records_end:
+                raise CorruptStreamError("kvcodec file index: a record runs past the index")
         if rec_pos != records_end or header_len + data_pos != meta["source_bytes"]:
             raise CorruptStreamError("kvcodec file index: sizes do not add up")
         return meta
@@ -352,14 +375,16 @@ class KvcFile:
         codec = header["meta"].get("codec")
         return codec if isinstance(codec, str) else "?"
 
-    def segment_bytes(self, e: dict, threads: int = 0) -> memoryview | bytes:
-        """The original bytes of one entry's segment of the safetensors data buffer."""
-        return _segment_from_record(e, self.record(e), threads)
+    def segment_bytes(self, e: dict, threads: int = 0, max_output_bytes: int | None = None) -> memoryview | bytes:
+        """The original bytes of one entry's segment of the safetensors data buffer (capped, default 4 GiB)."""
+        validate.check_output(e["end"] - e["start"], max_output_bytes, f"segment of {e['name'] or 'a gap'}")
+        return _segment_from_record(e, self.record(e), threads, max_output_bytes)
 
-    def tensor(self, name: str, threads: int = 0) -> torch.Tensor:
+    def tensor(self, name: str, threads: int = 0, max_output_bytes: int | None = None) -> torch.Tensor:
         e = self.by_name.get(name)
         if e is None:
             raise KeyError(f"no tensor named {name!r} in {self.path}")
+        validate.check_output(e["end"] - e["start"], max_output_bytes, f"tensor {name[:80]!r}")
         if e["mode"] == "tensor":
             return api.decompress(self.record(e), threads=threads, device="cpu",
                                   max_output_bytes=e["end"] - e["start"])
@@ -372,26 +397,37 @@ class KvcFile:
         return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(e["shape"])
 
 
-def read_tensor(path: str | os.PathLike, name: str, threads: int = 0) -> torch.Tensor:
-    """Decode one tensor of a ``.kvc`` file by name (KeyError if absent). Dtypes torch lacks come back as uint8 bytes."""
+def read_tensor(path: str | os.PathLike, name: str, threads: int = 0,
+                max_output_bytes: int | None = None) -> torch.Tensor:
+    """Decode one tensor of a ``.kvc`` file by name (KeyError if absent). Dtypes torch lacks come back as uint8 bytes.
+
+    ``max_output_bytes``: refuse (CorruptStreamError) a tensor bigger than this (default 4 GiB).
+    """
     with KvcFile(path) as kf:
-        return kf.tensor(name, threads=threads)
+        return kf.tensor(name, threads=threads, max_output_bytes=max_output_bytes)
 
 
-def iter_tensors(path: str | os.PathLike, threads: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) in file order, one at a time."""
+def iter_tensors(path: str | os.PathLike, threads: int = 0,
+                 max_output_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) in file order, one at a time (each capped by ``max_output_bytes``)."""
     with KvcFile(path) as kf:
         for e in kf.entries:
             if e["name"] is not None:
-                yield e["name"], kf.tensor(e["name"], threads=threads)
+                yield e["name"], kf.tensor(e["name"], threads=threads, max_output_bytes=max_output_bytes)
 
 
-def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int = 0, progress: bool = True) -> dict:
-    """Restore the original safetensors file from a ``.kvc`` file, byte for byte (crc32-checked)."""
+def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int = 0, progress: bool = True,
+                    max_output_bytes: int | None = None) -> dict:
+    """Restore the original safetensors file from a ``.kvc`` file, byte for byte (crc32-checked).
+
+    ``max_output_bytes``: refuse (CorruptStreamError, before ``dst`` is touched) a file that would
+    restore to more bytes than this; default ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES`` (4 GiB).
+    Raise it for bigger model files you trust (CLI: ``--max-output``).
+    """
     src, dst = Path(src), Path(dst)
     tmp = dst.with_name(dst.name + ".partial")
     with KvcFile(src) as kf:
-        total = kf.meta["source_bytes"]
+        total = validate.check_output(kf.meta["source_bytes"], max_output_bytes, f"{src.name}")
         bar = _progress(total, progress, f"decompress {src.name}")
         try:
             with open(tmp, "wb") as out:
@@ -410,7 +446,7 @@ def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: 
                     for e in kf.entries:
                         blob = kf.record(e)
                         big = e["end"] - e["start"] >= 2 * DEFAULT_CHUNK_BYTES
-                        pipe.submit(e, big, lambda th, e=e, blob=blob: _segment_from_record(e, blob, th), emit)
+                        pipe.submit(e, big, lambda th, e=e, blob=blob: _segment_from_record(e, blob, th, total), emit)
                     pipe.drain(emit)
                 finally:
                     pipe.close()
