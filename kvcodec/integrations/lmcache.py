@@ -1,0 +1,320 @@
+"""kvcodec's codecs as LMCache L2 serdes: ``kvcodec_lossless`` and ``kvcodec_turboquant``.
+
+``import kvcodec.integrations.lmcache`` registers both with LMCache's serde factory, after which
+an L2 adapter config names them like LMCache's own ``fp8`` (LMCache 0.5.6 has no plug-in entry
+point for serdes, so the import must run in the process that builds the storage manager;
+``python -m kvcodec.integrations.lmcache server ...`` is ``lmcache server ...`` with them registered):
+
+    {"type": "fs", "base_path": "/kv", "serde": {"type": "kvcodec_lossless"}}
+    {"type": "resp", "host": "10.0.0.5", "port": 6379,
+     "serde": {"type": "kvcodec_turboquant", "head_dim": 128, "key_bits": 4, "value_bits": 4}}
+
+Fixed-size slots. LMCache 0.5.6 allocates the buffer an L2 adapter loads into from
+``estimate_serialized_size`` and its fs and resp adapters count a stored object of any other
+length as a miss ("Incomplete read"). So every object written here fills exactly its estimate:
+a 32-byte frame (magic, version, kind, payload length, crc32), the payload, zero padding.
+The lossless slot is ``raw / slot_ratio`` bytes; a chunk that does not compress into its slot
+is refused (its store fails, LMCache keeps serving it from L1 or recomputes it), never truncated.
+
+Errors. A damaged object (bad frame, checksum, container, or a stored shape/dtype other than
+the one LMCache asks for) raises ``kvcodec.CorruptStreamError`` inside ``deserialize``; LMCache's
+serde processor turns any exception into a failed load, i.e. a miss, never garbage KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import sys
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from lmcache.v1.distributed.serde import (
+    AsyncSerdeProcessor,
+    Deserializer,
+    Serializer,
+    get_registered_serde_types,
+    register_serde_factory,
+)
+
+from kvcodec import container
+from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless.api import compress, decompress
+from kvcodec.quant import QuantizedTensor, TurboQuantMSE, TurboQuantOutlier
+
+log = logging.getLogger(__name__)
+
+MAGIC, VERSION = b"KVLC", 1
+LOSSLESS, TURBOQUANT = 1, 2
+FRAME = struct.Struct("<4sBBHQI12x")  # magic, version, kind, reserved, payload bytes, crc32: 32 bytes
+TQ_KIND = "kvcodec.lmcache.turboquant"
+
+
+class SlotOverflowError(ValueError):
+    """A chunk's payload does not fit the fixed slot its serde allocated (the store is refused)."""
+
+
+# ---------------------------------------------------------------------------------------- frame
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a CPU tensor as a flat uint8 numpy view (no copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"expected a contiguous CPU buffer, got {t.device} contiguous={t.is_contiguous()}")
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def write_frame(dst: torch.Tensor, kind: int, payload) -> int:
+    """Frame ``payload`` into ``dst`` and zero the rest of it; returns ``dst``'s size in bytes
+    (the slot: LMCache stores and later loads exactly that many bytes)."""
+    body = np.frombuffer(payload, np.uint8)
+    slot = dst.numel() * dst.element_size()
+    if FRAME.size + body.size > slot:
+        raise SlotOverflowError(f"payload of {body.size} bytes does not fit a {slot}-byte slot")
+    head = FRAME.pack(MAGIC, VERSION, kind, 0, body.size, 0)
+    crc = container.crc32(body, container.crc32(head[:16]))
+    head = FRAME.pack(MAGIC, VERSION, kind, 0, body.size, crc)
+    host = _bytes_of(dst) if dst.device.type == "cpu" else np.empty(slot, np.uint8)
+    host[:FRAME.size] = np.frombuffer(head, np.uint8)
+    host[FRAME.size:FRAME.size + body.size] = body
+    host[FRAME.size + body.size:] = 0  # never ship stale L1 memory
+    if dst.device.type != "cpu":
+        dst.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(host))
+    return slot
+
+
+def read_frame(src: torch.Tensor, kind: int) -> np.ndarray:
+    """The payload (a view into ``src``) after checking magic, version, kind, length and crc32."""
+    data = _bytes_of(src if src.device.type == "cpu" else src.cpu())
+    if data.size < FRAME.size:
+        raise CorruptStreamError(f"stored object of {data.size} bytes is shorter than its frame")
+    magic, version, got_kind, _, n, crc = FRAME.unpack(data[:FRAME.size].tobytes())
+    if magic != MAGIC:
+        raise CorruptStreamError("stored object is not a kvcodec LMCache frame (bad magic)")
+    if version != VERSION or got_kind != kind:
+        raise CorruptStreamError(f"stored object has version {version}, kind {got_kind}; expected {VERSION}, {kind}")
+    if n > data.size - FRAME.size:
+        raise CorruptStreamError(f"stored object declares {n} payload bytes, holds {data.size - FRAME.size}")
+    body = data[FRAME.size:FRAME.size + n]
+    if container.crc32(body, container.crc32(data[:16])) != crc:
+        raise CorruptStreamError("stored object fails its crc32")
+    return body
+
+
+def _the_tensor(obj, what: str) -> torch.Tensor:
+    t = obj.tensor
+    if t is None:
+        raise ValueError(f"kvcodec serdes need a single-tensor MemoryObj for {what}")
+    return t
+
+
+def _raw_nbytes(layout_desc) -> int:
+    return sum(math.prod(int(d) for d in s) * torch.empty(0, dtype=dt).element_size()
+               for s, dt in zip(layout_desc.shapes, layout_desc.dtypes))
+
+
+def _check_target(shape, dtype_name: str, out: torch.Tensor) -> None:
+    if tuple(shape) != tuple(out.shape) or dtype_name != container.torch_dtype_name(out.dtype):
+        raise CorruptStreamError(f"stored chunk is {dtype_name} {tuple(shape)}, LMCache expects "
+                                 f"{container.torch_dtype_name(out.dtype)} {tuple(out.shape)}")
+
+
+# ------------------------------------------------------------------------------------ lossless
+class LosslessSerializer(Serializer):
+    """Bit-exact: ``kvcodec.compress`` of the chunk, in a slot of ``raw / slot_ratio`` bytes."""
+
+    def __init__(self, codec: str, slot_ratio: float, threads: int):
+        self.codec, self.slot_ratio, self.threads = codec, slot_ratio, threads
+
+    def estimate_serialized_size(self, layout_desc) -> int:
+        return FRAME.size + math.ceil(_raw_nbytes(layout_desc) / self.slot_ratio)
+
+    def serialize(self, src, dst, key) -> int:
+        t = _the_tensor(src, "serialize")
+        blob = compress(t, codec=self.codec, threads=self.threads)
+        try:
+            return write_frame(_the_tensor(dst, "serialize"), LOSSLESS, blob)
+        except SlotOverflowError as exc:
+            raise SlotOverflowError(
+                f"chunk compresses {t.nbytes / len(blob):.3f}x, less than slot_ratio={self.slot_ratio}: "
+                f"not stored ({exc})") from None
+
+
+class LosslessDeserializer(Deserializer):
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def deserialize(self, src, dst, key) -> None:
+        out = _the_tensor(dst, "deserialize")
+        body = read_frame(_the_tensor(src, "deserialize"), LOSSLESS)
+        t = decompress(body, threads=self.threads, device="cpu", max_output_bytes=out.nbytes)
+        _check_target(t.shape, container.torch_dtype_name(t.dtype), out)
+        out.copy_(t)
+
+
+# ---------------------------------------------------------------------------------- turboquant
+@dataclass(frozen=True)
+class TurboQuantOptions:
+    """kvcodec_turboquant's options (the L2 config's ``serde`` keys besides ``type``).
+
+    Chunks are LMCache's KV layout [2, layers, tokens, heads * head_dim]. ``exact_tokens``: the
+    first tokens of every chunk stay exact (the chunk holding position 0 keeps the attention
+    sink; 16 bits per value for those tokens only). ``outliers``: TurboQuant's outlier split
+    (that many channels at bits + 1). Preconditioning as in ``kvcodec.hf.CompressedCache``.
+    """
+
+    head_dim: int = 128
+    key_bits: int = 4
+    value_bits: int = 4
+    exact_tokens: int = 1
+    outliers: int = 0
+    key_precondition: str = "scale"
+    value_precondition: str = "none"
+    seed: int = 0
+
+    def quantizer(self, part: int):
+        bits = (self.key_bits, self.value_bits)[part]
+        pre = (self.key_precondition, self.value_precondition)[part]
+        if self.outliers:
+            return TurboQuantOutlier(self.head_dim, self.outliers, bits + 1, bits, seed=self.seed + part,
+                                     precondition="none" if pre == "none" else "center")
+        return TurboQuantMSE(self.head_dim, bits, seed=self.seed + part, precondition=pre)
+
+
+def _split_kv(kv: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
+    if kv.ndim != 4 or kv.shape[0] != 2 or not kv.is_floating_point():
+        raise ValueError(f"kvcodec_turboquant expects float KV chunks [2, layers, tokens, hidden], got {kv.dtype} {tuple(kv.shape)}")
+    _, n_layers, n_tokens, hidden = kv.shape
+    if hidden % head_dim:
+        raise ValueError(f"hidden size {hidden} is not a multiple of head_dim={head_dim}")
+    return n_layers, n_tokens, hidden // head_dim, head_dim
+
+
+class TurboQuantSerializer(Serializer):
+    """Lossy: TurboQuant codes + norms of every (layer, head), keys and values at their own bits."""
+
+    def __init__(self, opts: TurboQuantOptions):
+        self.opts = opts
+        self.quantizers = (opts.quantizer(0), opts.quantizer(1))
+        self._slots: dict = {}
+
+    def payload(self, kv: torch.Tensor) -> bytes:
+        n_layers, n_tokens, n_heads, d = _split_kv(kv, self.opts.head_dim)
+        e = min(self.opts.exact_tokens, n_tokens)
+        meta = {"shape": list(kv.shape), "dtype": container.torch_dtype_name(kv.dtype), "exact_tokens": e}
+        tensors = {"exact": kv[:, :, :e].contiguous()}
+        if n_tokens > e:
+            heads = kv[:, :, e:].reshape(2, n_layers, n_tokens - e, n_heads, d).transpose(2, 3)
+            for part, name in enumerate("kv"):
+                q = self.quantizers[part].quantize(heads[part]).to_dict()
+                meta[name] = q["meta"]
+                tensors.update({f"{name}.{k}": t for k, t in q["tensors"].items()})
+        return container.dumps(TQ_KIND, meta, tensors)
+
+    def estimate_serialized_size(self, layout_desc) -> int:
+        """Exact for the layout (probed once on zeros) plus room for the JSON header's digits."""
+        key = (tuple(tuple(s) for s in layout_desc.shapes), tuple(layout_desc.dtypes))
+        if key not in self._slots:
+            if len(layout_desc.shapes) != 1:
+                raise ValueError("kvcodec_turboquant handles single-tensor KV chunks")
+            probe = torch.zeros(tuple(layout_desc.shapes[0]), dtype=layout_desc.dtypes[0])
+            self._slots[key] = FRAME.size + len(self.payload(probe)) + 1024
+        return self._slots[key]
+
+    def serialize(self, src, dst, key) -> int:
+        return write_frame(_the_tensor(dst, "serialize"), TURBOQUANT, self.payload(_the_tensor(src, "serialize")))
+
+
+class TurboQuantDeserializer(Deserializer):
+    def deserialize(self, src, dst, key) -> None:
+        out = _the_tensor(dst, "deserialize")
+        body = read_frame(_the_tensor(src, "deserialize"), TURBOQUANT)
+        _, meta, tensors = container.loads(body, expect_kind=TQ_KIND)
+        if not isinstance(meta, dict) or not {"shape", "dtype", "exact_tokens"} <= set(meta):
+            raise CorruptStreamError("turboquant chunk meta lacks shape/dtype/exact_tokens")
+        _check_target(meta["shape"], meta["dtype"], out)
+        e = meta["exact_tokens"]
+        n_tokens = out.shape[2]
+        exact = tensors.get("exact")
+        if (type(e) is not int or not 0 <= e <= n_tokens or not isinstance(exact, torch.Tensor)
+                or exact.dtype != out.dtype or tuple(exact.shape) != (*out.shape[:2], e, out.shape[3])):
+            raise CorruptStreamError("turboquant chunk's exact tokens do not fit the chunk")
+        out[:, :, :e] = exact
+        for part, name in enumerate("kv"):
+            if e == n_tokens:
+                break
+            q = QuantizedTensor.from_dict({"meta": meta.get(name), "tensors": {
+                k[2:]: t for k, t in tensors.items() if k.startswith(name + ".")}})
+            d = q.dim
+            want = (out.shape[1], out.shape[3] // d, n_tokens - e, d) if d and out.shape[3] % d == 0 else None
+            if want is None or (*q.lead_shape, q.num_tokens, q.dim) != want:
+                raise CorruptStreamError(f"turboquant {name} codes do not fit the chunk {tuple(out.shape)}")
+            rec = q.dequantize(torch.float32)  # [layers, heads, tokens, d]
+            out[part, :, e:] = rec.transpose(1, 2).reshape(out.shape[1], n_tokens - e, out.shape[3]).to(out.dtype)
+
+
+# ------------------------------------------------------------------------------ registration
+def _options(cls, kwargs: dict, name: str, extra=("max_workers", "threads")) -> dict:
+    allowed = {f.name for f in fields(cls)} if cls else set()
+    unknown = set(kwargs) - allowed - set(extra)
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed | set(extra))}")
+    return {k: v for k, v in kwargs.items() if k in allowed}
+
+
+def _int(kwargs: dict, key: str, default: int, lo: int) -> int:
+    v = kwargs.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{key} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def lossless_serde(kwargs: dict):
+    """Factory for ``{"type": "kvcodec_lossless", "codec": "planes", "slot_ratio": 1.4, "threads": 1, "max_workers": 1}``."""
+    _options(None, {k: v for k, v in kwargs.items() if k not in ("codec", "slot_ratio")}, "kvcodec_lossless")
+    codec = kwargs.get("codec", "planes")
+    if codec not in ("planes", "kvctx"):
+        raise ValueError(f"kvcodec_lossless: codec must be 'planes' or 'kvctx', got {codec!r}")
+    ratio = kwargs.get("slot_ratio", DEFAULT_SLOT_RATIO)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1.0:
+        raise ValueError(f"kvcodec_lossless: slot_ratio must be a number >= 1.0, got {ratio!r}")
+    threads = _int(kwargs, "threads", 1, 1)
+    return AsyncSerdeProcessor(LosslessSerializer(codec, float(ratio), threads), LosslessDeserializer(threads),
+                               max_workers=_int(kwargs, "max_workers", 1, 1))
+
+
+def turboquant_serde(kwargs: dict):
+    """Factory for ``{"type": "kvcodec_turboquant", **TurboQuantOptions fields, "max_workers": 1}``."""
+    opts = TurboQuantOptions(**_options(TurboQuantOptions, kwargs, "kvcodec_turboquant"))
+    for f in ("head_dim", "key_bits", "value_bits", "exact_tokens", "outliers", "seed"):
+        _int({f: getattr(opts, f)}, f, 0, 0)
+    ser = TurboQuantSerializer(opts)  # builds the quantizers: bad bits/head_dim fail here, at config time
+    log.info("kvcodec_turboquant is lossy: keys %d bits, values %d bits per value (+ norms); "
+             "measured attention-output error in kvcodec's docs/lmcache.md", opts.key_bits, opts.value_bits)
+    return AsyncSerdeProcessor(ser, TurboQuantDeserializer(), max_workers=_int(kwargs, "max_workers", 1, 1))
+
+
+DEFAULT_SLOT_RATIO = 1.4
+SERDES = {"kvcodec_lossless": lossless_serde, "kvcodec_turboquant": turboquant_serde}
+
+
+def register() -> None:
+    """Register the kvcodec serdes with LMCache (idempotent; runs on import)."""
+    known = set(get_registered_serde_types())
+    for name, factory in SERDES.items():
+        if name not in known:
+            register_serde_factory(name, factory)
+
+
+register()
+
+
+def main(argv=None) -> None:
+    """``python -m kvcodec.integrations.lmcache <lmcache CLI args>``: LMCache's CLI with these serdes registered."""
+    from lmcache.cli.main import main as lmcache_main
+
+    lmcache_main(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    main()
