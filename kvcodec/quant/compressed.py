@@ -12,12 +12,11 @@ data) and a JSON-able config that rebuilds its quantizer. Its fields come in thr
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import torch
 
-from kvcodec import container
+from kvcodec import container, validate
 from kvcodec.errors import CorruptStreamError
 from kvcodec.quant.registry import quantizer_from_config
 
@@ -220,30 +219,29 @@ class QuantizedTensor:
         return {"meta": self.meta(), "tensors": {k: v.detach().cpu().contiguous() for k, v in self.tensors().items()}}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "QuantizedTensor":
-        """Rebuild from to_dict's output; any inconsistency raises CorruptStreamError."""
-        try:
-            meta, tensors = d["meta"], d["tensors"]
-            json.dumps(meta)
-            qt = cls(config=dict(meta["config"]), lead_shape=tuple(int(x) for x in meta["lead_shape"]),
-                     num_tokens=int(meta["num_tokens"]), dim=int(meta["dim"]), group_size=int(meta["group_size"]))
-            for name, t in tensors.items():
-                kind, _, key = name.partition(".")
-                if kind not in ("token", "side", "grouped") or not key or not isinstance(t, torch.Tensor):
-                    raise CorruptStreamError(f"unexpected tensor entry {name!r}")
-                getattr(qt, kind)[key] = t
-        except CorruptStreamError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CorruptStreamError(f"malformed quantized tensor: {e}") from e
-        if qt.num_tokens < 0 or qt.dim < 1 or any(x < 0 for x in qt.lead_shape):
-            raise CorruptStreamError("negative sizes in quantized tensor metadata")
+    def from_dict(cls, d: dict, max_output_bytes: int | None = None) -> "QuantizedTensor":
+        """Rebuild from to_dict's output; any inconsistency raises CorruptStreamError.
+
+        Every meta field is checked (types, ranges, the quantizer's cost) before the quantizer is
+        built or a tensor is touched; ``max_output_bytes`` (default
+        ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES``) caps the float32 tensor it dequantizes to.
+        """
+        if type(d) is not dict or set(d) != {"meta", "tensors"} or type(d["tensors"]) is not dict:
+            raise CorruptStreamError("malformed quantized tensor: expected {'meta', 'tensors'}")
+        meta, tensors = _checked_meta(d["meta"], max_output_bytes), d["tensors"]
+        qt = cls(config=dict(meta["config"]), lead_shape=tuple(meta["lead_shape"]), num_tokens=meta["num_tokens"],
+                 dim=meta["dim"], group_size=meta["group_size"])
+        for name, t in tensors.items():
+            kind, _, key = name.partition(".") if type(name) is str else ("", "", "")
+            if kind not in ("token", "side", "grouped") or not key or not isinstance(t, torch.Tensor):
+                raise CorruptStreamError(f"unexpected tensor entry {str(name)[:80]!r}")
+            getattr(qt, kind)[key] = t
         try:
             qt.quantizer.validate(qt)
         except CorruptStreamError:
             raise
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptStreamError(f"quantized tensor does not match its config: {e}") from e
+        except (ValueError, KeyError, TypeError, RuntimeError, IndexError, OverflowError) as e:
+            raise CorruptStreamError(f"quantized tensor does not match its config: {str(e)[:200]}") from e
         return qt
 
     def to_bytes(self) -> bytes:
@@ -252,8 +250,52 @@ class QuantizedTensor:
         return container.dumps(CONTAINER_KIND, d["meta"], d["tensors"])
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> "QuantizedTensor":
+    def from_bytes(cls, blob: bytes, max_output_bytes: int | None = None) -> "QuantizedTensor":
+        """Parse :meth:`to_bytes` output (untrusted input: see :meth:`from_dict`)."""
         kind, meta, tensors = container.loads(blob)
         if kind != CONTAINER_KIND:
             raise CorruptStreamError(f"not a quantized tensor (container kind {kind!r})")
-        return cls.from_dict({"meta": meta, "tensors": tensors})
+        return cls.from_dict({"meta": meta, "tensors": tensors}, max_output_bytes)
+
+
+# --------------------------------------------------------------------- untrusted metadata
+#: Largest vector dimension a saved quantizer may have: building its rotation (a QR of dim x dim)
+#: and codebook takes ~0.2 s at 1024 on one core, 1.8 s at 2048; head dims are 64-512.
+MAX_QUANT_DIM = 1024
+#: Largest QJL sketch (m x dim float32 entries, m/dim QR blocks) a saved quantizer may ask for:
+#: 8 bits per coordinate at dim 256, 2 at dim 1024 (a QJL m = 2^30 would take minutes to build).
+MAX_SKETCH_ELEMENTS = 1 << 21
+_MAX_TOKENS = 1 << 40
+_MAX_CONFIG_KEYS = 32
+
+
+def _checked_config(cfg, dim: int) -> dict:
+    """Config fields a quantizer is rebuilt from: JSON scalars, with the sizes that cost memory
+    and time (dim, m) bounded before anything is built. The quantizer's own constructor checks
+    the rest (bits ranges, rotation names) and raises CorruptStreamError through the registry."""
+    if type(cfg) is not dict or len(cfg) > _MAX_CONFIG_KEYS or type(cfg.get("method")) is not str:
+        raise CorruptStreamError("quantized tensor config must be an object with a method name")
+    for k, v in cfg.items():
+        if type(v) not in (str, int, bool, type(None)) or (type(v) is str and len(v) > 64):
+            raise CorruptStreamError(f"quantized tensor config field {k!r} is not a short JSON scalar")
+        if type(v) is int:
+            validate.require_int(v, -(1 << 63), (1 << 63) - 1, f"quantizer config {k!r}")
+    cdim = cfg.get("dim")
+    if cdim is not None and cdim != dim:
+        raise CorruptStreamError(f"quantizer config dim {cdim!r} differs from the tensor's dim {dim}")
+    m = cfg.get("m")
+    if m is not None and (type(m) is not int or not 1 <= m or m * dim > MAX_SKETCH_ELEMENTS):
+        raise CorruptStreamError(f"QJL sketch size m={m!r} at dim {dim} is out of range")
+    return cfg
+
+
+def _checked_meta(meta, max_output_bytes: int | None) -> dict:
+    """QuantizedTensor meta with every field type- and range-checked (see to_dict)."""
+    validate.require_keys(meta, ("config", "lead_shape", "num_tokens", "dim", "group_size"), "quantized tensor meta")
+    dim = validate.require_int(meta["dim"], 1, MAX_QUANT_DIM, "quantized tensor dim")
+    num_tokens = validate.require_int(meta["num_tokens"], 0, _MAX_TOKENS, "quantized tensor num_tokens")
+    validate.require_int(meta["group_size"], 0, _MAX_TOKENS, "quantized tensor group_size")
+    lead = validate.check_shape(meta["lead_shape"], "quantized tensor lead_shape", max_ndim=8)
+    validate.checked_nbytes([*lead, num_tokens, dim], 4, "dequantized tensor", max_output_bytes)
+    _checked_config(meta["config"], dim)
+    return meta
