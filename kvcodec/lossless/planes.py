@@ -48,7 +48,7 @@ from kvcodec.entropy import rans_lanes
 from kvcodec.entropy.freq import quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import registry
-from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
+from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name, int_list
 from kvcodec.lossless.threads import resolve_threads
 
 PREC = rans_lanes.PRECISION
@@ -142,11 +142,11 @@ def _table_json(freq: np.ndarray) -> list[int]:
 
 
 def _table_from_json(flat) -> np.ndarray:
-    if (not isinstance(flat, list) or not flat or len(flat) % 2 or len(flat) > 512
-            or any(type(v) is not int for v in flat)):
+    flat = int_list(flat, 0, M, "planes: frequency table", 512)
+    if not flat.size or flat.size % 2:
         raise CorruptStreamError("planes: bad frequency table")
-    sym, f = np.array(flat[0::2], np.int64), np.array(flat[1::2], np.int64)
-    if sym.min() < 0 or sym.max() > 255 or np.any(np.diff(sym) <= 0) or f.min() < 1 or f.sum() != M:
+    sym, f = flat[0::2], flat[1::2]
+    if sym.max() > 255 or np.any(np.diff(sym) <= 0) or f.min() < 1 or f.sum() != M:
         raise CorruptStreamError("planes: invalid frequency table")
     freq = np.zeros(256, np.int64)
     freq[sym] = f
@@ -358,9 +358,9 @@ class PlaneCodec:
             if not isinstance(data, np.ndarray) or data.dtype != np.uint16 or data.ndim != 1:
                 raise CorruptStreamError(f"planes: coded plane {k} is not a uint16 stream")
             off = p["offsets"]
-            if (not isinstance(off, list) or len(off) != n_chunks + 1 or any(type(v) is not int for v in off)):
+            if not isinstance(off, list) or len(off) != n_chunks + 1:
                 raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
-            off = np.array(off, np.int64)
+            off = int_list(off, 0, 1 << 62, f"planes: chunk offsets of plane {k}")
             if off[0] != 0 or off[-1] != data.size or np.any(np.diff(off) < 2 * lanes):
                 raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
             tables = p["tables"]

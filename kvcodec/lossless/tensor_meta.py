@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from kvcodec import container
@@ -54,3 +55,12 @@ def check_output_cap(n_bytes: int, max_output_bytes: int | None, what: str = "bl
         raise CorruptStreamError(
             f"{what} declares {n_bytes} output bytes, over max_output_bytes={max_output_bytes}"
         )
+
+
+def int_list(v, lo: int, hi: int, what: str, max_len: int | None = None) -> np.ndarray:
+    """A stored list of ints, each in ``[lo, hi]``, as int64 (checked before numpy sees a value, so
+    a huge or non-int entry is a CorruptStreamError, never an OverflowError)."""
+    if (not isinstance(v, list) or (max_len is not None and len(v) > max_len)
+            or any(type(x) is not int or not lo <= x <= hi for x in v)):
+        raise CorruptStreamError(f"{what} is not a list of ints in [{lo}, {hi}]")
+    return np.array(v, np.int64)
