@@ -1,0 +1,389 @@
+"""Transform coding (kvcodec.transform, KVTC-class) on real SmolLM2-135M KV: true bits vs quality.
+
+Protocol. Text: ``kvcodec.smollm2.real_text("mixed")`` (what bench_hf and the shipped KV sample
+use). Calibration: KV of ``n_calib`` sequences of ``calib_len`` tokens taken from the *end* of the
+text; evaluation: ``n_texts`` windows of ``prefix + scored + 1`` tokens from its *start*, so the
+calibration never saw an evaluated token. Per window: prefill ``prefix`` tokens (bf16), store the
+prefix KV with each codec, reload it into a fresh DynamicCache and score the next ``scored``
+tokens (teacher-forced, one forward). Reported per codec (the same windows for all, one run):
+
+* ``bits_per_value``: stored bytes * 8 / (2 * layers * kv_heads * prefix * head_dim), everything
+  counted (exact sinks/window, side data, headers); ``x_vs_bf16`` = 16 / bits_per_value;
+* ``ppl_delta_pct``: perplexity change vs the exact cache over all scored tokens, with a 95%
+  bootstrap interval over blocks of 64 scored tokens (paired: same tokens for every codec);
+* ``attn_err``: relative error of the attention outputs of the scored tokens' real queries (every
+  layer and head; keys/values of the scored tokens exact, of the prefix reconstructed);
+* ``enc_MBps`` / ``dec_MBps``: MB of bf16 prefix KV per second (CPU, this machine; shared and
+  loaded, so provisional).
+
+Every non-transform codec stores the same exact sinks + window (lossless) and codes only the
+tokens in between, so rows differ only in how the middle is coded.
+
+Run: python benchmarks/bench_transform.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save  # noqa: E402
+
+SUITE = "bench_transform"
+CACHE_DIR = Path("benchmarks/results/cache")
+CAPTURE = "kvcodec_transform_capture"
+_CAPTURED: dict = {}
+
+
+# ------------------------------------------------------------------------------------- data
+def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    """Record each layer's query and key/value (as the cache returns them), then run SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _CAPTURED.get("on"):
+        _CAPTURED[module.layer_idx] = (query.detach().clone(), key.detach().clone(), value.detach().clone())
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_capture():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(CAPTURE, _capture_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE, sdpa_mask)
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[0].double(), targets, reduction="none")
+
+
+@torch.no_grad()
+def prepare(model, tok, prefix: int, scored: int, n_texts: int, n_calib: int, calib_len: int) -> dict:
+    """Calibration KV, evaluation prefix KV, scored tokens' queries/KV and exact NLLs (cached on disk)."""
+    from kvcodec import smollm2
+    from kvcodec.transform.hf import cache_tensors
+
+    path = CACHE_DIR / f"transform_kv_p{prefix}_s{scored}_n{n_texts}_c{n_calib}x{calib_len}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=True)
+    ids = tok(smollm2.real_text("mixed"), return_tensors="pt").input_ids
+    span = prefix + scored + 1
+    if n_texts * span + n_calib * calib_len > ids.shape[1]:
+        raise ValueError("text too short for these windows")
+    data = {"calib_keys": [], "calib_values": [], "windows": [],
+            "calib_first_token": int(ids.shape[1] - n_calib * calib_len)}
+    for c in range(n_calib):
+        s0 = ids.shape[1] - (n_calib - c) * calib_len
+        out = model(ids[:, s0: s0 + calib_len], use_cache=True)
+        k, v = cache_tensors(out.past_key_values)
+        data["calib_keys"].append(k.clone())
+        data["calib_values"].append(v.clone())
+    _register_capture()
+    for i in range(n_texts):
+        w = ids[:, i * span: (i + 1) * span]
+        out = model(w[:, :prefix], use_cache=True)
+        k, v = cache_tensors(out.past_key_values)
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(CAPTURE)
+        _CAPTURED.clear()
+        _CAPTURED["on"] = True
+        try:
+            logits = model(w[:, prefix: prefix + scored], past_key_values=out.past_key_values, use_cache=True).logits
+        finally:
+            _CAPTURED["on"] = False
+            model.set_attn_implementation(previous)
+        L = k.shape[0]
+        data["windows"].append({
+            "ids": w.clone(), "keys": k.clone(), "values": v.clone(),
+            "queries": torch.stack([_CAPTURED[l][0][0] for l in range(L)]),
+            "cont_keys": torch.stack([_CAPTURED[l][1][0, :, prefix:] for l in range(L)]),
+            "cont_values": torch.stack([_CAPTURED[l][2][0, :, prefix:] for l in range(L)]),
+            "nll": _nll(logits, w[0, prefix + 1: prefix + scored + 1]),
+        })
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+# ----------------------------------------------------------------------------------- metrics
+@torch.no_grad()
+def score(model, window: dict, keys: torch.Tensor, values: torch.Tensor, prefix: int, scored: int) -> torch.Tensor:
+    """NLL of the scored tokens with the prefix cache reloaded from ``keys``/``values``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i in range(keys.shape[0]):
+        cache.update(keys[i][None].to(torch.bfloat16), values[i][None].to(torch.bfloat16), i)
+    w = window["ids"]
+    logits = model(w[:, prefix: prefix + scored], past_key_values=cache, use_cache=True).logits
+    return _nll(logits, w[0, prefix + 1: prefix + scored + 1])
+
+
+def attention_sq_error(window: dict, keys: torch.Tensor, values: torch.Tensor) -> tuple[float, float]:
+    """(sum ||O_hat - O||^2, sum ||O||^2) over layers, heads and scored queries."""
+    from kvcodec.data import causal_gqa_attention
+
+    num = den = 0.0
+    for l in range(keys.shape[0]):
+        q = window["queries"][l]
+        full = lambda a, b: torch.cat([a, b], dim=1)  # noqa: E731
+        ref = causal_gqa_attention(q, full(window["keys"][l], window["cont_keys"][l]),
+                                   full(window["values"][l], window["cont_values"][l]))
+        out = causal_gqa_attention(q, full(keys[l].to(torch.bfloat16), window["cont_keys"][l]),
+                                   full(values[l].to(torch.bfloat16), window["cont_values"][l]))
+        num += float((out - ref).pow(2).sum())
+        den += float(ref.pow(2).sum())
+    return num, den
+
+
+def bootstrap_ci(delta_nll: np.ndarray, block: int = 64, n_boot: int = 2000) -> tuple[float, float]:
+    """95% interval of the perplexity change (%) by a block bootstrap over scored tokens."""
+    rng = np.random.default_rng(0)
+    nb = len(delta_nll) // block
+    d = delta_nll[: nb * block].reshape(nb, block).mean(1)
+    idx = rng.integers(0, nb, size=(n_boot, nb))
+    lo, hi = np.percentile((np.exp(d[idx].mean(1)) - 1) * 100, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+# ------------------------------------------------------------------------------------ codecs
+SINKS, WINDOW = 4, 128
+
+
+def split_exact(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact tokens [.., sinks + window, D], middle tokens) of a [L, H, T, D] tensor."""
+    T = x.shape[2]
+    return torch.cat([x[:, :, :SINKS], x[:, :, T - WINDOW:]], dim=2), x[:, :, SINKS: T - WINDOW]
+
+
+def join_exact(exact: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+    return torch.cat([exact[:, :, :SINKS], middle.to(exact.dtype), exact[:, :, SINKS:]], dim=2)
+
+
+def middle_codec(code_one):
+    """A codec that stores sinks + window losslessly (kvcodec kvctx, like the transform blob) and
+    codes the middle with ``code_one(x, is_key) -> (x_hat, bytes)``."""
+
+    def run(K, V):
+        import kvcodec
+
+        (ek, mk), (ev, mv) = split_exact(K), split_exact(V)
+        exact_bytes = len(kvcodec.compress(torch.stack([ek, ev]), layout="kv"))
+        kh, kb = code_one(mk, True)
+        vh, vb = code_one(mv, False)
+        return join_exact(ek, kh), join_exact(ev, vh), exact_bytes + kb + vb
+
+    return run
+
+
+def fp8_one(x, is_key):
+    return x.to(torch.float8_e4m3fn).to(torch.bfloat16), x.numel()
+
+
+def quant_one(make, entropy_coded: bool = False):
+    """kvcodec.quant quantizer (fresh per call, calibrated on the tokens it codes); with
+    ``entropy_coded`` its packed indices are replaced by an rANS stream of the indices."""
+
+    def one(x, is_key):
+        q = make(is_key)
+        c = q.quantize(x)
+        xh = q.dequantize(c, torch.bfloat16)
+        if not entropy_coded:
+            return xh, c.nbytes
+        from kvcodec import entropy
+        from kvcodec.quant.packing import unpack_bits
+
+        idx = unpack_bits(c.token["codes"], q.bits, x.shape[-1]).to(torch.uint8).flatten().numpy()
+        other = c.nbytes - c.token["codes"].numel()
+        return xh, other + len(entropy.encode(idx))
+
+    return one
+
+
+def lossless(K, V):
+    import kvcodec
+
+    blob = kvcodec.compress(torch.stack([K, V]), layout="kv")
+    out = kvcodec.decompress(blob)
+    return out[0], out[1], len(blob)
+
+
+def transform_codec(calib, **kw):
+    from kvcodec import transform
+
+    def run(K, V):
+        blob = transform.encode(K, V, calib, sinks=SINKS, window=WINDOW, **kw)
+        k, v = transform.decode(blob, calib)
+        return k, v, len(blob)
+
+    return run
+
+
+def codecs(calib, quick: bool) -> list[tuple[str, dict, object]]:
+    """(name, setting, codec) for every row, in table order."""
+    from kvcodec.quant import KIVI, TurboQuantMSE
+
+    D = calib.head_dim
+    rows = [("bf16 (exact)", {}, None), ("lossless (kvcodec kvctx)", {}, lossless),
+            ("fp8 e4m3", {}, middle_codec(fp8_one))]
+    for b in ((2, 4) if quick else (2, 3, 4)):
+        rows.append(("TurboQuant-MSE", {"bits": b}, middle_codec(quant_one(lambda k, b=b: TurboQuantMSE(D, b)))))
+        rows.append(("TurboQuant-MSE + rANS indices", {"bits": b},
+                     middle_codec(quant_one(lambda k, b=b: TurboQuantMSE(D, b), entropy_coded=True))))
+    for b in (2, 4):
+        rows.append(("KIVI g32", {"bits": b},
+                     middle_codec(quant_one(lambda k, b=b: KIVI(b, 32, "channel" if k else "token")))))
+    for bits in ((2.0, 1.2) if quick else (3.0, 2.5, 2.0, 1.6, 1.3, 1.0)):
+        rows.append(("transform (kvcodec.transform)", {"bits": bits}, transform_codec(calib, bits=bits)))
+    return rows
+
+
+# -------------------------------------------------------------------------------------- run
+def settings(quick: bool) -> dict:
+    if quick:
+        return {"prefix": 512, "scored": 128, "n_texts": 2, "n_calib": 1, "calib_len": 512}
+    return {"prefix": 2048, "scored": 512, "n_texts": 4, "n_calib": 3, "calib_len": 1024}
+
+
+def load(quick: bool):
+    from kvcodec import smollm2
+
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    model, tok = smollm2.load_model(), smollm2.load_tokenizer()
+    cfg = settings(quick)
+    return model, cfg, prepare(model, tok, **cfg)
+
+
+def fit_calibration(model, data: dict, **kw):
+    from kvcodec import transform
+
+    rope = transform.RoPE.from_model(model)
+    return transform.fit(data["calib_keys"], data["calib_values"], rope, **kw)
+
+
+def run(quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
+    model, cfg, data = load(quick)
+    calib = fit_calibration(model, data)
+    prefix, scored = cfg["prefix"], cfg["scored"]
+    windows = data["windows"]
+    rows = []
+    ref_nll = torch.cat([w["nll"] for w in windows]).numpy()
+    ref_ppl = float(np.exp(ref_nll.mean()))
+    for name, setting, codec in codecs(calib, quick):
+        nll, num, den, nbytes, t_enc = [], 0.0, 0.0, 0, 0.0
+        for w in windows:
+            K, V = w["keys"], w["values"]
+            if codec is None:
+                nll.append(w["nll"])
+                nbytes += 2 * K.numel() * 2
+                continue
+            t0 = time.perf_counter()
+            kh, vh, nb = codec(K, V)
+            t_enc += time.perf_counter() - t0
+            nbytes += nb
+            nll.append(score(model, w, kh, vh, prefix, scored))
+            a, b = attention_sq_error(w, kh, vh)
+            num, den = num + a, den + b
+        nll = torch.cat(nll).numpy()
+        n_values = sum(2 * w["keys"].numel() for w in windows)
+        ppl = float(np.exp(nll.mean()))
+        lo, hi = bootstrap_ci(nll - ref_nll)
+        bits = nbytes * 8 / n_values
+        rows.append({"codec": name, **{"setting": str(setting.get("bits", ""))},
+                     "bits_per_value": bits, "x_vs_bf16": 16 / bits, "ppl": ppl,
+                     "ppl_delta_pct": (ppl / ref_ppl - 1) * 100, "ci95_lo": lo, "ci95_hi": hi,
+                     "attn_err": math.sqrt(num / den) if den else 0.0,
+                     "codec_s_per_window": t_enc / len(windows) if codec else 0.0})
+        print(rows[-1], flush=True)
+    rows += speed_rows(calib, windows[0])
+    notes = [
+        f"SmolLM2-135M-Instruct (bf16, CPU). {len(windows)} windows of real_text('mixed') from its start: prefix "
+        f"{prefix} tokens stored, {scored} scored per window ({scored * len(windows)} scored tokens); calibration: "
+        f"{cfg['n_calib']} x {cfg['calib_len']} tokens from token {data['calib_first_token']} on (disjoint).",
+        f"Exact sinks {SINKS} + window {WINDOW} (lossless, counted) in every stored row: "
+        f"{(SINKS + WINDOW) / prefix:.1%} of the prefix tokens.",
+        f"Reference perplexity {ref_ppl:.4f}. CI: 95% block bootstrap (64-token blocks) of the paired NLL change.",
+        "Transform rows: calibration per layer, heads concatenated (192-dim), 'relative' weighting; "
+        "bits = the rate parameter passed to encode (whole blob, everything counted).",
+    ]
+    result = {"suite": SUITE, "rows": rows, "notes": notes, "config": {**cfg, "sinks": SINKS, "window": WINDOW}}
+    save(result, out_dir)
+    plot(rows, Path(out_dir) / f"{SUITE}.png")
+    return result
+
+
+def speed_rows(calib, window) -> list[dict]:
+    """CPU encode/decode MB/s (bf16 prefix KV bytes per second, best of 3) at two rates."""
+    from kvcodec import transform
+
+    K, V = window["keys"], window["values"]
+    mb = 2 * K.numel() * 2 / 1e6
+    out = []
+    for bits in (2.0, 1.3):
+        t_enc = t_dec = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            blob = transform.encode(K, V, calib, bits=bits, sinks=SINKS, window=WINDOW)
+            t1 = time.perf_counter()
+            transform.decode(blob, calib)
+            t2 = time.perf_counter()
+            t_enc, t_dec = min(t_enc, t1 - t0), min(t_dec, t2 - t1)
+        out.append({"codec": "transform speed (CPU)", "setting": str(bits), "bits_per_value": len(blob) * 8 / (mb * 8e6 / 16),
+                    "enc_MBps": mb / t_enc, "dec_MBps": mb / t_dec})
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    groups: dict = {}
+    for r in rows:
+        if "ppl_delta_pct" in r and r["codec"] != "bf16 (exact)":
+            groups.setdefault(r["codec"], []).append(r)
+    for name, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["bits_per_value"])
+        x = [r["bits_per_value"] for r in rs]
+        axes[0].plot(x, [max(r["attn_err"], 1e-4) for r in rs], "o-", label=name)
+        axes[1].plot(x, [r["ppl_delta_pct"] for r in rs], "o-", label=name)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("attention output rel. error")
+    axes[1].set_ylabel("perplexity change (%)")
+    axes[1].set_yscale("symlog", linthresh=1)
+    for ax in axes:
+        ax.set_xlabel("true bits per value (stored prefix, all counted)")
+        ax.grid(alpha=0.3)
+    axes[1].axhline(1, color="gray", lw=0.8, ls="--")
+    axes[1].axhline(3, color="gray", lw=0.8, ls=":")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M prefix KV: rate vs distortion (kvcodec.transform vs peers)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prepare-only", action="store_true", help="compute and cache the KV, then stop")
+    ap.add_argument("--out", default="benchmarks/results")
+    a = ap.parse_args(argv)
+    if a.prepare_only:
+        load(a.quick)
+        return
+    run(a.quick, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""kvcodec.transform: RoPE undo/redo, calibration fit + safe files, rate/distortion control,
+round trips on random and real KV, corrupt blobs, HF cache save/load."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcodec import container
+from kvcodec import transform as T
+from kvcodec.errors import CorruptStreamError
+from kvcodec.transform import blob as fmt
+
+L, H, D = 2, 2, 16
+
+
+def synthetic_kv(tokens: int, seed: int, rope: T.RoPE | None = None, start: int = 0):
+    """K/V with a decaying spectrum in a fixed random basis (what PCA should find), keys post-RoPE."""
+    g = torch.Generator().manual_seed(1234)  # the same "model" for every seed
+    basis = torch.linalg.qr(torch.randn(L, 2, H * D, H * D, generator=g))[0]
+    scale = 3.0 * 0.8 ** torch.arange(H * D, dtype=torch.float32)
+    mean = torch.randn(L, 2, H * D, generator=g)
+    z = torch.randn(L, 2, tokens, H * D, generator=torch.Generator().manual_seed(seed)) * scale
+    x = z @ basis.transpose(-1, -2) + mean[:, :, None]
+    x = x.reshape(L, 2, tokens, H, D).permute(0, 1, 3, 2, 4)
+    k, v = x[:, 0].contiguous(), x[:, 1].contiguous()
+    if rope is not None:
+        k = rope.apply(k, torch.arange(start, start + tokens))
+    return k.to(torch.bfloat16), v.to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def rope():
+    return T.RoPE.default(D, 10000.0)
+
+
+@pytest.fixture(scope="module")
+def calib(rope):
+    k, v = synthetic_kv(600, seed=1, rope=rope)
+    return T.fit(k, v, rope)
+
+
+def true_bits(blob, k) -> float:
+    return len(blob) * 8 / (2 * k.numel())
+
+
+def rel_sq_error(a, b) -> float:
+    return float((a.double() - b.double()).pow(2).sum() / b.double().pow(2).sum())
+
+
+# ------------------------------------------------------------------------------------ RoPE
+def test_rope_matches_transformers_and_inverts():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rope = T.RoPE.default(64, 1e5)
+    x = torch.randn(3, 50, 64)
+    pos = torch.arange(7, 57)
+    f = torch.tensor(rope.inv_freq, dtype=torch.float64)
+    ang = torch.cat([pos[:, None] * f, pos[:, None] * f], dim=-1)
+    ref, _ = apply_rotary_pos_emb(x, x, ang.cos().float(), ang.sin().float(), unsqueeze_dim=0)
+    torch.testing.assert_close(rope.apply(x, pos), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rope.undo(rope.apply(x, pos), pos), x, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        T.RoPE.default(63, 1e5)
+
+
+# ----------------------------------------------------------------------------- calibration
+def test_fit_finds_an_orthonormal_basis_by_falling_variance(calib):
+    b = calib.basis.astype(np.float64)
+    assert np.allclose(np.einsum("lcgij,lcgik->lcgjk", b, b), np.eye(H * D), atol=1e-4)
+    ev = calib.eigenvalues
+    assert np.all(np.diff(ev, axis=-1) <= 1e-9)
+    assert ev[..., 0].min() > 5 * ev[..., -1].max()  # the decaying spectrum was found
+    per_head = T.fit(*synthetic_kv(300, 2), None, per_head=True)
+    assert per_head.basis.shape == (L, 2, H, D, D)
+
+
+def test_calibration_file_round_trip_and_validation(calib, tmp_path):
+    path = tmp_path / "model.kvtc"
+    calib.save(path)
+    back = T.Calibration.load(path)
+    assert back.fingerprint == calib.fingerprint and back.rope == calib.rope
+    raw = path.read_bytes()
+    # any flipped byte is detected (container CRCs)
+    for pos in (0, 5, 20, len(raw) // 2, len(raw) - 1):
+        bad = bytearray(raw)
+        bad[pos] ^= 0x10
+        with pytest.raises(CorruptStreamError):
+            T.Calibration.from_bytes(bytes(bad))
+    # a well-formed file with the wrong version, a non-orthonormal basis, or extra arrays is refused
+    meta, arrays = calib.meta(), calib.arrays()
+    cases = [({**meta, "version": 2}, arrays),
+             (meta, {**arrays, "basis": arrays["basis"] * 1.5}),
+             (meta, {**arrays, "extra": np.zeros(3, np.float32)}),
+             ({**meta, "n_layers": 3}, arrays)]
+    for m, a in cases:
+        with pytest.raises(CorruptStreamError):
+            T.Calibration.from_bytes(container.dumps("kvcodec.transform.calibration", m, a))
+    # not a container (e.g. a pickle or an npz) is refused, never unpickled
+    import pickle
+
+    with pytest.raises(CorruptStreamError):
+        T.Calibration.from_bytes(pickle.dumps({"basis": 1}))
+
+
+# ------------------------------------------------------------------------------ round trips
+@pytest.mark.parametrize("bits", [4.0, 2.0, 1.0])
+def test_rate_is_honoured_on_random_kv(calib, rope, bits):
+    k, v = synthetic_kv(1500, seed=7, rope=rope)
+    blob = T.encode(k, v, calib, bits=bits, window=32)
+    assert abs(true_bits(blob, k) / bits - 1) <= 0.02
+    info = T.inspect(blob)
+    assert info["bytes"] == len(blob) and abs(info["bits_per_value"] - true_bits(blob, k)) < 1e-12
+
+
+def test_distortion_target_and_exact_tokens(calib, rope):
+    k, v = synthetic_kv(800, seed=8, rope=rope, start=5)
+    blob = T.encode(k, v, calib, distortion=0.01, sinks=4, window=20, positions_start=5)
+    kh, vh = T.decode(blob, calib)
+    assert kh.dtype == torch.bfloat16 and kh.shape == k.shape
+    # exact tokens are bit-exact
+    for a, b in ((kh, k), (vh, v)):
+        assert torch.equal(a[:, :, :4].view(torch.int16), b[:, :, :4].view(torch.int16))
+        assert torch.equal(a[:, :, -20:].view(torch.int16), b[:, :, -20:].view(torch.int16))
+    mid = slice(4, 800 - 20)
+    err = (rel_sq_error(kh[:, :, mid], k[:, :, mid]) * k[:, :, mid].float().pow(2).sum()
+           + rel_sq_error(vh[:, :, mid], v[:, :, mid]) * v[:, :, mid].float().pow(2).sum())
+    err = float(err / (k[:, :, mid].float().pow(2).sum() + v[:, :, mid].float().pow(2).sum()))
+    assert 0.003 < err < 0.013  # within the stated distortion (bf16 output rounding included)
+    # more bits, less error: the rate parameter is monotone in quality
+    errs = [rel_sq_error(T.decode(T.encode(k, v, calib, bits=b, window=20), calib)[0], k) for b in (1.0, 2.0, 4.0)]
+    assert errs[0] > errs[1] > errs[2]
+
+
+def test_short_sequences_are_all_exact(calib, rope):
+    k, v = synthetic_kv(30, seed=3, rope=rope)
+    blob = T.encode(k, v, calib, distortion=0.1, sinks=4, window=128)
+    kh, vh = T.decode(blob, calib)
+    assert torch.equal(kh.view(torch.int16), k.view(torch.int16)) and torch.equal(vh.view(torch.int16), v.view(torch.int16))
+    with pytest.raises(ValueError, match="does not cover"):
+        T.encode(k, v, calib, bits=2.0)  # 30 exact tokens cost more than 2 bits/value
+
+
+def test_bad_arguments(calib, rope):
+    k, v = synthetic_kv(200, seed=4, rope=rope)
+    for kw in ({"bits": 0}, {"bits": 20}, {"distortion": 1.5}, {"bits": 2, "distortion": 0.1}, {"window": -1},
+               {"rounding": 0.5}):
+        with pytest.raises(ValueError):
+            T.encode(k, v, calib, **kw)
+    with pytest.raises(ValueError):
+        T.encode(k[:1], v[:1], calib)
+    with pytest.raises(ValueError):
+        T.encode(k.int(), v.int(), calib)
+    other = T.fit(*synthetic_kv(300, 9), None)
+    blob = T.encode(k, v, calib, distortion=0.05, window=16)
+    with pytest.raises(ValueError, match="calibration"):
+        T.decode(blob, other)
+
+
+def test_real_smollm2_kv():
+    from kvcodec.data import attention_error, load_kv_sample
+
+    s = load_kv_sample()
+    cal = T.fit(s.keys[:, :, :128], s.values[:, :, :128], T.RoPE.default(64, s.meta["rope_theta"]))
+    blob = T.encode(s.keys, s.values, cal, bits=3.0, window=16)
+    assert abs(true_bits(blob, s.keys) / 3.0 - 1) <= 0.02
+    k, v = T.decode(blob, cal)
+    err = attention_error(s, k, v)
+    assert err < 0.2  # measured 0.11 (calibration on 128 tokens of the same text, 20 exact tokens)
+    # the basis matters: a wrong RoPE makes the same rate much worse
+    bad = T.fit(s.keys[:, :, :128], s.values[:, :, :128], None)
+    k2, v2 = T.decode(T.encode(s.keys, s.values, bad, bits=3.0, window=16), bad)
+    assert attention_error(s, k2, v2) > err
+
+
+def test_hf_dynamic_cache_round_trip(calib, rope):
+    from transformers import DynamicCache
+
+    k, v = synthetic_kv(300, seed=5, rope=rope)
+    cache = DynamicCache()
+    for i in range(L):
+        cache.update(k[i][None], v[i][None], i)
+    blob = T.encode_cache(cache, calib, distortion=0.01, window=16)
+    back = T.decode_cache(blob, calib)
+    assert back.get_seq_length() == 300 and len(back.layers) == L
+    kh, _ = T.decode(blob, calib)
+    assert torch.equal(back.layers[1].keys[0], kh[1])
+    with pytest.raises(ValueError):
+        T.encode_cache(DynamicCache(), calib)
+
+
+# ------------------------------------------------------------------------------ corruption
+@pytest.fixture(scope="module")
+def small_blob(calib, rope):
+    k, v = synthetic_kv(260, seed=6, rope=rope)
+    return T.encode(k, v, calib, distortion=0.02, window=16, chunk=1024)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_corrupted_blobs_raise(small_blob, calib, data):
+    blob = bytearray(small_blob)
+    kind = data.draw(st.sampled_from(["flip", "truncate", "extend"]))
+    if kind == "flip":
+        pos = data.draw(st.integers(0, len(blob) - 1))
+        blob[pos] ^= data.draw(st.integers(1, 255))
+    elif kind == "truncate":
+        blob = blob[: data.draw(st.integers(0, len(blob) - 1))]
+    else:
+        blob += bytes(data.draw(st.integers(1, 64)))
+    with pytest.raises(CorruptStreamError):
+        T.decode(bytes(blob), calib)
+
+
+def _remeta(blob, **changes) -> bytes:
+    """A well-formed container (valid CRCs) whose transform meta is edited: the semantic checks must catch it."""
+    _, meta, sections = container.loads(blob)
+    return container.dumps(fmt.KIND, {**meta, **changes}, {k: bytes(v) if isinstance(v, memoryview) else v
+                                                           for k, v in sections.items()})
+
+
+def test_forged_headers_are_refused_before_allocation(small_blob, calib):
+    meta = container.loads(small_blob)[1]
+    L_, H_, T_, D_ = meta["shape"]
+    forged = [
+        {"shape": [L_, H_, 1 << 24, D_]},  # would allocate gigabytes
+        {"shape": [L_, H_, T_ + 1, D_]},
+        {"version": 2}, {"dtype": "int8"}, {"step": -1.0}, {"chunk": 0},
+        {"classes": meta["classes"][:-1]}, {"classes": [[300, 0, 1, 1, 1]]}, {"sinks": 3},
+    ]
+    for change in forged:
+        with pytest.raises(CorruptStreamError):
+            T.decode(_remeta(small_blob, **change), calib, max_output_bytes=1 << 26)
+    with pytest.raises(CorruptStreamError):
+        T.decode(_remeta(small_blob, shape=[L_ + 1, H_, T_, D_]), calib)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_matches_cpu(calib, rope):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    k, v = synthetic_kv(3000, seed=11, rope=rope)
+    blob = T.encode(k, v, calib, bits=2.0, chunk=4096)
+    kc, vc = T.decode(blob, calib)
+    kg, vg = T.decode(blob, calib, device="cuda")
+    for a, b in ((kc, kg), (vc, vg)):
+        assert (a.float() - b.float().cpu()).abs().max() <= 0.02 * a.float().abs().max()
+    # the same blob encoded from CUDA tensors honours the rate
+    blob_g = T.encode(k.cuda(), v.cuda(), calib, bits=2.0)
+    assert abs(true_bits(blob_g, k) / 2.0 - 1) <= 0.02
