@@ -132,7 +132,8 @@ class StaticCompressedLayer(CacheLayerMixin):
             raise ValueError(f"static compressed cache: at most block_size={self.block} tokens per forward "
                              f"after the prefill, got {q}")
         self._compact()
-        self._check_room(q)
+        if self.layer_idx == 0:  # once per forward: every layer holds the same tokens
+            self._check_room(q)
         pos = self.seen + torch.arange(q, device=self.device)
         slots = self.sink + (pos - self.sink) % self.ring
         self.exact_k.index_copy_(2, slots, key_states.to(self.dtype))

@@ -1,0 +1,347 @@
+"""GPU decode step of a Hugging Face model on every cache, same run: HF baselines vs kvcodec eager and static.
+
+Random-weight 8B-Llama-shaped model (hidden 4096, 32/8 heads, head_dim 128, bf16), 4 layers (and all
+32 where memory and time allow). Per (batch, context) each cache is filled with the same random bf16
+K/V through its own ``update`` (a prefill forward at 128k x 32 would take minutes and is not what is
+measured), then greedy one-token steps ``model(input_ids, position_ids, cache_position,
+past_key_values)`` are timed with CUDA events after warm-up steps. Caches:
+
+* ``dynamic``: DynamicCache, eager, SDPA kept on flash / mem-efficient (not cuDNN);
+* ``static+graph``: HF StaticCache, the eager step captured in a ``torch.cuda.CUDAGraph`` (what
+  ``torch.compile(mode="reduce-overhead")`` does, without inductor's fusion);
+* ``static+compile``: HF StaticCache, ``torch.compile(model.forward, mode="reduce-overhead",
+  fullgraph=True)`` (``--compile-shapes`` only: each shape recompiles);
+* ``quanto``: HF QuantizedCache (optimum-quanto, 4-bit, residual 128), eager, if importable;
+* ``kvc eager``: kvcodec CompressedCache turboquant 4/4 (fused kernel, eager host path);
+* ``kvc static+graph`` / ``kvc static+compile``: ``CompressedCache(..., max_cache_len=N)`` (static mode)
+  captured in a CUDA graph / compiled like HF's StaticCache.
+
+Speed-ups are against the best HF row of the same (model, batch, context). Memory: the cache's bytes,
+peak CUDA memory of the decode, and the largest batch x context that fits in 80 GB for the 32-layer
+model, from the measured bytes per token. ``--kernels`` adds the attention-kernel table (fused
+decode, CUDA-graph timed, vs bf16 flash SDPA and % of copy bandwidth on the compressed bytes).
+
+    PYTHONPATH=. python3 benchmarks/gpu_generate.py --out $OUT         # H200, ~6 min
+    PYTHONPATH=. python3 benchmarks/gpu_generate.py --tiny --device cpu # smoke test (tests/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import machine_record, save_with_out  # noqa: E402
+from benchmarks.gpu_hf_decode import GiB, MiB, MODELS, TINY_MODELS, build_model  # noqa: E402
+from benchmarks.gpu_kernels import log  # noqa: E402
+
+SUITE = "gpu_generate"
+HF_ROWS = ("dynamic", "static+graph", "static+compile", "quanto")
+ALL_ROWS = HF_ROWS + ("kvc eager", "kvc static+graph", "kvc static+compile")
+COLUMNS = ["model", "layers", "batch", "ctx", "cache", "ms_step", "tok_s", "speedup_vs_best_hf", "kv_MiB",
+           "peak_GiB", "agree", "error"]
+BITS = (4, 4)
+RESIDUAL = 128
+LIMIT_80GB = 80e9
+QUANTO_MAX_TOKENS = 8 * 32768
+
+
+# ------------------------------------------------------------------------------------ caches
+def make_cache(kind: str, model, batch: int, max_len: int):
+    from transformers import DynamicCache, StaticCache
+
+    import kvcodec.hf as khf
+
+    if kind.startswith("kvc"):
+        kw = dict(method="turboquant", key_bits=BITS[0], value_bits=BITS[1], residual=RESIDUAL)
+        if kind == "kvc eager":
+            return khf.CompressedCache(model, **kw)
+        return khf.CompressedCache(model, **kw, max_cache_len=max_len)
+    khf.disable(model)  # back to sdpa
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    if kind == "quanto":
+        from transformers import QuantizedCache
+
+        return QuantizedCache(backend="quanto", config=model.config, nbits=4, residual_length=RESIDUAL)
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def fill(cache, kind: str, model, batch: int, ctx: int, seed: int) -> None:
+    """The same random K/V [B, H_kv, ctx, D] (bf16) into every layer, through the cache's update."""
+    cfg = model.config
+    dev = model.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    shape = (batch, cfg.num_key_value_heads, ctx, cfg.head_dim)
+    for i in range(cfg.num_hidden_layers):
+        k = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=g)
+        if kind == "kvc eager":  # the eager layer compresses after its attention: arm it, then finish
+            layer = cache.layers[i]
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            layer.armed = True
+            layer.update(k, v)
+            layer.finish_step()
+        else:
+            cache.update(k, v, i, {"cache_position": torch.arange(ctx, device=dev)})
+        del k, v
+
+
+def step_fn(model, cache, batch: int):
+    """One greedy decode step on fixed buffers (token, position): the callable that is timed,
+    captured or compiled. Returns (step, tok buffer, position buffer)."""
+    dev = model.device
+    tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def step(forward=model.forward):
+        logits = forward(input_ids=tok, position_ids=pos.view(1, 1).expand(batch, 1), cache_position=pos,
+                         past_key_values=cache, use_cache=True).logits
+        tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        pos.add_(1)
+
+    return step, tok, pos
+
+
+def capture(step):
+    """``step`` as a CUDA graph replay (two warm-up steps on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def measure(kind: str, model, batch: int, ctx: int, n_steps: int, seed: int) -> dict:
+    dev = model.device
+    cuda = dev.type == "cuda"
+    max_len = ctx + n_steps + 16
+    row = {}
+    with torch.no_grad(), _sdpa_flash(cuda):
+        cache = make_cache(kind, model, batch, max_len)
+        fill(cache, kind, model, batch, ctx, seed)
+        step, tok, pos = step_fn(model, cache, batch)
+        pos.fill_(ctx)
+        tok.fill_(7)
+        if kind.endswith("+compile"):
+            forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            run = lambda: step(forward)  # noqa: E731
+        elif kind.endswith("+graph"):
+            run = capture(step) if cuda else step
+        else:
+            run = step
+        for _ in range(3):  # warm-up (compile, capture, first launches)
+            run()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        toks = []
+        t0 = time.perf_counter()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        for _ in range(n_steps):
+            run()
+            toks.append(tok.clone())
+        if cuda:
+            b.record()
+            b.synchronize()
+            secs = a.elapsed_time(b) / 1e3
+        else:
+            secs = time.perf_counter() - t0
+    held = _cache_bytes(cache)
+    row.update(ms_step=1e3 * secs / n_steps, tok_s=batch * n_steps / secs, kv_bytes=held, kv_MiB=held / MiB,
+               peak_GiB=torch.cuda.max_memory_allocated() / GiB if cuda else None,
+               tokens=torch.cat(toks, dim=1).cpu())
+    del cache, run, step
+    return row
+
+
+def _cache_bytes(cache) -> int:
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+            elif t is not None and hasattr(t, "_data"):  # quanto QTensor: data + scale + shift
+                total += sum(x.numel() * x.element_size() for x in (t._data, getattr(t, "_scale", None),
+                                                                    getattr(t, "_shift", None)) if x is not None)
+    return total
+
+
+class _sdpa_flash:
+    """SDPA without cuDNN (its per-call host cost dominates a decode step on torch 2.11)."""
+
+    def __init__(self, cuda: bool):
+        self.ctx = None
+        if cuda:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            self.ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+    def __enter__(self):
+        return self.ctx.__enter__() if self.ctx else None
+
+    def __exit__(self, *a):
+        return self.ctx.__exit__(*a) if self.ctx else None
+
+
+# ------------------------------------------------------------------------------------ sweep
+def run_shape(model, name, layers, batch, ctx, kinds, n_steps, deadline) -> list[dict]:
+    rows = []
+    for kind in kinds:
+        row = {"model": name, "layers": layers, "batch": batch, "ctx": ctx, "cache": kind}
+        if time.time() > deadline:
+            row["error"] = "skipped: time budget"
+        else:
+            try:
+                row.update(measure(kind, model, batch, ctx, n_steps, seed=batch * 131 + ctx))
+            except Exception as e:  # OOM, missing package, a bug: record it, go on
+                row["error"] = f"{type(e).__name__}: {e}"[:240]
+                traceback.print_exc()
+        gc.collect()
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch._dynamo.reset()
+        log("row", {k: v for k, v in row.items() if k != "tokens"})
+        rows.append(row)
+    hf = [r for r in rows if r["cache"] in HF_ROWS and "ms_step" in r]
+    best = min(hf, key=lambda r: r["ms_step"]) if hf else None
+    ref = next((r["tokens"] for r in rows if r["cache"] == "dynamic" and "tokens" in r), None)
+    for r in rows:
+        if best and "ms_step" in r:
+            r["speedup_vs_best_hf"] = best["ms_step"] / r["ms_step"]
+        tokens = r.pop("tokens", None)
+        if ref is not None and tokens is not None:  # random weights: a sanity number only
+            r["agree"] = float((tokens == ref).float().mean())
+    return rows
+
+
+def fits_80gb(rows: list[dict], weights_32: float) -> list[str]:
+    """Largest batch x context per cache for the 32-layer model in 80 GB, from bytes per token."""
+    notes = []
+    for kind in ALL_ROWS:
+        per_tok = [r["kv_bytes"] / (r["batch"] * r["ctx"] * r["layers"]) for r in rows
+                   if r["cache"] == kind and r.get("kv_bytes")]
+        if per_tok:
+            tokens = (LIMIT_80GB - weights_32) / (min(per_tok) * 32)
+            notes.append(f"{kind}: {min(per_tok):.0f} B per token per layer -> about {tokens / 1e6:.2f}M tokens "
+                         f"(batch x context) fit in 80 GB beside the 32-layer model's {weights_32 / 1e9:.1f} GB of weights")
+    return notes
+
+
+def run(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, kinds=ALL_ROWS, n_steps=None,
+        compile_shapes=((1, 32768), (8, 32768)), full_model_shapes=((1, 32768), (8, 32768)), kernels=True,
+        budget_s=420.0) -> dict:
+    t0 = time.time()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    name = "tiny-llama" if tiny else "llama8b-like"
+    shape = dict((TINY_MODELS if tiny else MODELS)[name])
+    shapes = shapes or ([(1, 40)] if tiny else
+                        [(1, 32768), (8, 32768), (32, 32768), (1, 8192), (8, 8192), (32, 8192), (1, 131072),
+                         (8, 131072), (32, 131072)])
+    n_steps = n_steps or (2 if tiny else 20)
+    compile_shapes = set(map(tuple, compile_shapes)) if not tiny else set()  # CPU smoke test: no inductor
+    rec = machine_record()
+    if cuda:
+        rec["gpu"] = torch.cuda.get_device_name(dev)
+    model, weights = build_model(name, shape, dev)
+    rows = []
+    deadline = t0 + budget_s
+    for batch, ctx in shapes:
+        ks = [k for k in kinds if not k.endswith("+compile") or (batch, ctx) in compile_shapes]
+        if not cuda or batch * ctx > QUANTO_MAX_TOKENS:  # quanto dequantizes the whole cache every step
+            ks = [k for k in ks if k != "quanto"]
+        rows += run_shape(model, name, shape["num_hidden_layers"], batch, ctx, ks, n_steps, deadline)
+    del model
+    gc.collect()
+    weights_32 = weights / shape["num_hidden_layers"] * 32 if tiny else None
+    if not tiny and cuda and time.time() < deadline:
+        full = dict(shape, num_hidden_layers=32)
+        try:
+            model, weights_32 = build_model(name + "-32L", full, dev)
+            for batch, ctx in full_model_shapes:
+                rows += run_shape(model, name, 32, batch, ctx, ["dynamic", "static+graph", "kvc eager",
+                                                                "kvc static+graph"], n_steps, deadline)
+            del model
+        except Exception as e:
+            log(f"32-layer model skipped: {type(e).__name__}: {e}")
+        gc.collect()
+        torch.cuda.empty_cache()
+    weights_32 = weights_32 or weights / shape["num_hidden_layers"] * 32
+    notes = fits_80gb(rows, weights_32)
+    kernel_rows = kernel_table(dev) if kernels and cuda and time.time() < deadline + 60 else []
+    result = {"suite": SUITE, "machine": rec, "rows": rows, "kernel_rows": kernel_rows,
+              "notes": notes + [f"{n_steps} timed decode steps per row after 3 warm-up steps; bits {BITS}, residual {RESIDUAL}",
+                                f"elapsed {time.time() - t0:.0f} s"]}
+    save_with_out(result, out_dir, COLUMNS)
+    if kernel_rows:
+        from benchmarks.common import markdown_table
+
+        print(markdown_table(kernel_rows))
+    return result
+
+
+def kernel_table(dev) -> list[dict]:
+    """Fused decode attention (default launcher) vs bf16 flash SDPA, CUDA-graph timed, batch 1-32."""
+    import torch.nn.functional as F
+
+    from benchmarks.gpu_kernels import copy_bandwidth, cuda_time_ms
+    from kvcodec.cuda import decode_attention, reference
+
+    bw = copy_bandwidth()
+    rows = []
+    for b, t in ((1, 32768), (8, 32768), (32, 32768), (1, 131072), (8, 131072)):
+        case, kw = reference.random_decode_case(b, 32, 8, 1, t, 128, 4, 4, [t] * b, device="cuda")
+        nbytes = sum(case[k].numel() * case[k].element_size() for k in ("k_codes", "v_codes", "k_norms", "v_norms"))
+        fused = lambda: decode_attention(**case, **kw)  # noqa: E731
+        ms, mode = cuda_time_ms(fused)
+        q = case["query"]
+        kk = torch.randn(b, 8, t, 128, device="cuda", dtype=torch.bfloat16)
+        vv = torch.randn_like(kk)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
+
+        sdpa_ms, _ = cuda_time_ms(sdpa)
+        rows.append({"batch": b, "ctx": t, "fused_ms": ms, "sdpa_bf16_ms": sdpa_ms, "speedup": sdpa_ms / ms,
+                     "TB_s": nbytes / ms / 1e9, "pct_copy_bw": 100 * nbytes / ms / 1e9 / bw, "timing": mode})
+        log("kernel", rows[-1])
+        del case, kk, vv
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny model, small contexts (CPU smoke test)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--no-kernels", action="store_true")
+    a = ap.parse_args(argv)
+    return run(a.out, device=a.device, tiny=a.tiny, n_steps=a.steps, kernels=not a.no_kernels, budget_s=a.budget_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Static compressed cache on CUDA: graph replay and torch.compile against the eager step (skipped without a GPU)."""
+
+import pytest
+import torch
+
+from kvcodec.cuda import is_available, ops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not is_available(), reason="needs CUDA and CuPy")]
+
+KW = dict(method="turboquant", key_bits=4, value_bits=4, residual=16, block_size=16)
+
+
+def _model(heads, kv_heads, head_dim, layers=2, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=heads * head_dim, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=1)
+    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+
+
+def _stepper(model, cache, batch):
+    """A decode step on fixed token/position buffers (what a graph or compiled step replays)."""
+    tok = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+    logits = torch.zeros(batch, model.config.vocab_size, device="cuda")
+
+    def step(forward=model.forward):
+        out = forward(input_ids=tok, position_ids=pos.view(1, 1).expand(batch, 1), cache_position=pos,
+                      past_key_values=cache, use_cache=True).logits
+        logits.copy_(out[:, -1].float())
+        tok.copy_(out[:, -1].argmax(-1, keepdim=True))
+        pos.add_(1)
+
+    return step, tok, pos, logits
+
+
+def _prefilled(model, ids, max_len):
+    from kvcodec.hf import CompressedCache
+
+    cache = CompressedCache(model, **KW, max_cache_len=max_len)
+    first = model(ids, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+    return cache, first
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_graph_replay_equals_the_eager_static_step(seed):
+    g = torch.Generator().manual_seed(seed)
+    heads, kv, d = [(4, 2, 64), (8, 2, 128), (6, 6, 64)][seed]
+    batch = int(torch.randint(1, 4, (1,), generator=g))
+    length = int(torch.randint(20, 90, (1,), generator=g))
+    n = 40  # crosses at least two block boundaries
+    model = _model(heads, kv, d, seed=seed)
+    ids = torch.randint(2, 256, (batch, length), generator=g).cuda()
+    with torch.no_grad():
+        plain, first = _prefilled(model, ids, length + n + 8)
+        step, tok, pos, logits = _stepper(model, plain, batch)
+        tok.copy_(first)
+        pos.fill_(length)
+        ref = []
+        for _ in range(n):
+            step()
+            ref.append(logits.clone())
+        graphed, first = _prefilled(model, ids, length + n + 8)
+        step, tok, pos, logits = _stepper(model, graphed, batch)
+        tok.copy_(first)
+        pos.fill_(length)
+        step()  # eager first step (plans, kernels compiled), then capture the next one
+        got = [logits.clone()]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(n - 1):
+            graph.replay()
+            got.append(logits.clone())
+    torch.testing.assert_close(torch.stack(got), torch.stack(ref), rtol=0, atol=0)
+    layer = graphed.layers[0]
+    assert int(layer.seen) == length + n and int(layer.comp) > 0
+
+
+def test_static_step_matches_the_eager_compressed_cache():
+    """Same tokens through the static cache (kernels as custom ops) and the eager cache: logits agree to
+    bf16 rounding (the quantize kernel and torch's quantizer differ on ~1e-6 of the codes)."""
+    from kvcodec.hf import CompressedCache, enable
+    from kvcodec.hf.static_cache import enable_static
+
+    model = _model(8, 2, 128)
+    ids = torch.randint(2, 256, (2, 70), generator=torch.Generator().manual_seed(5)).cuda()
+    with torch.no_grad():
+        eager = CompressedCache(model, **KW)
+        e = [model(ids, past_key_values=eager).logits[:, -1].float()]
+        static, _ = _prefilled(model, ids, 128)
+        s = []
+        toks = torch.randint(2, 256, (2, 30), generator=torch.Generator().manual_seed(6)).cuda()
+        for i in range(30):
+            enable(model)
+            e.append(model(toks[:, i:i + 1], past_key_values=eager).logits[:, -1].float())
+            enable_static(model)
+            s.append(model(toks[:, i:i + 1], past_key_values=static).logits[:, -1].float())
+    e, s = torch.stack(e[1:]), torch.stack(s)
+    assert float((e - s).abs().max() / e.abs().max()) < 2e-2
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="needs torch.library.custom_op")
+def test_compile_fullgraph_reduce_overhead_matches_eager():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _model(8, 2, 128)
+    ids = torch.randint(2, 256, (2, 50), generator=torch.Generator().manual_seed(7)).cuda()
+    n = 24
+    with torch.no_grad():
+        plain, first = _prefilled(model, ids, 50 + n + 8)
+        step, tok, pos, logits = _stepper(model, plain, 2)
+        tok.copy_(first)
+        pos.fill_(50)
+        ref = []
+        for _ in range(n):
+            step()
+            ref.append(logits.clone())
+        comp, first = _prefilled(model, ids, 50 + n + 8)
+        step, tok, pos, logits = _stepper(model, comp, 2)
+        tok.copy_(first)
+        pos.fill_(50)
+        forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)  # raises on a graph break
+        got = []
+        for _ in range(n):
+            step(forward)
+            got.append(logits.clone())
+    # inductor fuses the model's elementwise ops differently: bf16 rounding, not bits
+    got, ref = torch.stack(got), torch.stack(ref)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="needs torch.library.custom_op")
+def test_generate_compiles_the_static_cache_through_compile_config():
+    """HF's own route: generate() sees a compileable cache on CUDA and compiles the decode step."""
+    from transformers import CompileConfig
+
+    from kvcodec.hf import CompressedCache
+
+    model = _model(8, 2, 128)
+    ids = torch.randint(2, 256, (1, 40), generator=torch.Generator().manual_seed(8)).cuda()
+    plain = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=80), max_new_tokens=20,
+                           do_sample=False, disable_compile=True)
+    compiled = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=80), max_new_tokens=20,
+                              do_sample=False, compile_config=CompileConfig(fullgraph=True))
+    assert (plain == compiled).float().mean() > 0.9  # greedy on random weights: near-ties may flip late tokens
