@@ -272,3 +272,58 @@ def test_short_caches_choose_shared_or_per_channel_parameters():
         meta, sections = KVCTX.encode(t, None, 1)
         assert meta["shared"] is shared
         assert_bit_exact(KVCTX.decode(meta, sections, None, 1), t)
+
+
+def test_kvctx_streams_are_the_reference_rans64_driven_by_the_model():
+    """The model/coder split: chunk 0 of a kvctx stream is exactly what the pure-Python rANS64
+    reference writes when a CdfModel asks the predictive CDF (cdf.cum) for each symbol's interval,
+    and the reference decodes it back with the same model."""
+    from kvcodec.entropy import rans64
+    from kvcodec.lossless.predictive import cdf as pcdf
+    from kvcodec.lossless.predictive import grid_for, kv_layout
+    from kvcodec.lossless.predictive.params import ChannelParams
+
+    t = kv_like(torch.bfloat16, (2, 12, 6), 4)
+    meta, sections = KVCTX.encode(t, None, 1)
+    g_n, t_n, d_n = kv_layout(tuple(t.shape))
+    grid = grid_for(torch.bfloat16)
+    gp = 1 if meta["shared"] else g_n
+    n_model = ChannelParams.packed_size("none", gp, d_n)
+    m, c, a, rs, shared, shape = ChannelParams.unpack(sections["model"][:n_model], "none", gp, d_n,
+                                                      meta["shared"]).kernel_args()
+    n0 = int(sections["model"][n_model:n_model + 4].view("<u4")[0])  # chunk 0's word count
+    ks = grid.k_of_bits[t.reshape(-1).view(torch.int16).numpy().view(np.uint16)].reshape(g_n, t_n, d_n)[0]
+    a_mass = np.int64(rans64.M - grid.n)
+
+    def model_for(symbols):
+        """cdf(i, k) for chunk 0 (g = 0, every token): mu uses the previous token's value."""
+        dev = np.zeros(d_n)
+
+        def cdf(i, k):
+            tok, d = divmod(i, d_n)
+            if tok and d == 0 and cdf.last_tok != tok:  # entering a token: residuals of the previous one
+                for dd in range(d_n):
+                    kp = symbols[(tok - 1) * d_n + dd]
+                    base = m[0, dd] + c[0, dd] * 0.0
+                    dev[dd] = grid.valf[kp] - base if grid.finite[kp] else 0.0
+                cdf.last_tok = tok
+            _, mu = pcdf.location(m[0, d], c[0, d], 0.0, a[0, d], dev[d])
+            return int(pcdf.cum(k, mu, rs[0, d], grid.edges, shape, a_mass))
+
+        cdf.last_tok = 0
+        return rans64.CdfModel(cdf, grid.n)
+
+    flat = ks.reshape(-1).tolist()
+    words = rans64.encode(flat, model_for(flat))
+    assert np.array_equal(words, sections["payload"][:n0])
+    decoded = []
+    model = model_for(decoded)  # the decoder's model sees the symbols as they are decoded
+    orig_find = model.find
+
+    def find(i, slot):
+        s = orig_find(i, slot)
+        decoded.append(s[0])
+        return s
+
+    model.find = find
+    assert rans64.decode(words, len(flat), model) == flat
