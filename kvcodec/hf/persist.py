@@ -127,8 +127,8 @@ def cache_from_bytes(cls, data: bytes, config_or_model, device="cpu", max_output
     want = {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
     if shape != want or any(type(v) is not int for v in shape.values()):
         raise CorruptStreamError(f"saved cache is for a model shaped {str(shape)[:200]}, this model is {want}")
-    if set(sections) != {f"layer{i}" for i in range(spec.num_layers)}:
-        raise CorruptStreamError("saved cache sections are not exactly one per layer")
+    if list(sections) != [f"layer{i}" for i in range(spec.num_layers)]:
+        raise CorruptStreamError("saved cache sections are not exactly one per layer, in order")
     budget, batches = [cap], set()
     for i, layer in enumerate(cache.layers):
         blob = sections[f"layer{i}"]

@@ -245,11 +245,20 @@ def _compress_to(src: Path, dst: Path, size: int, entries: list, threads: int, p
 
 
 # --------------------------------------------------------------------------- reading
+def _decode_record(e: dict, blob: bytes, threads: int) -> torch.Tensor:
+    """A tensor record's tensor, after checking its header says what the index entry says
+    (compress_file writes the entry's dtype and shape, and never a prediction)."""
+    info = api.describe(blob)
+    if info["uses_prediction"] or info["shape"] != tuple(e["shape"]) or info["dtype"] != ST_DTYPES[e["st_dtype"]]:
+        raise CorruptStreamError(f"record of {e['name']!r} does not match its index entry")
+    return api.decompress(blob, threads=threads, device="cpu", max_output_bytes=e["end"] - e["start"])
+
+
 def _segment_from_record(e: dict, blob: bytes, threads: int, max_output_bytes: int | None = None) -> memoryview | bytes:
     validate.check_output(e["end"] - e["start"], max_output_bytes, f"segment of {e['name'] or 'a gap'}")
     if e["mode"] == "raw":
         return blob
-    t = api.decompress(blob, threads=threads, device="cpu", max_output_bytes=e["end"] - e["start"])
+    t = _decode_record(e, blob, threads)
     raw = api.tensor_bytes(t)
     if raw.size != e["end"] - e["start"]:
         raise CorruptStreamError(f"tensor {e['name']!r} decodes to the wrong size")
@@ -386,8 +395,7 @@ class KvcFile:
             raise KeyError(f"no tensor named {name!r} in {self.path}")
         validate.check_output(e["end"] - e["start"], max_output_bytes, f"tensor {name[:80]!r}")
         if e["mode"] == "tensor":
-            return api.decompress(self.record(e), threads=threads, device="cpu",
-                                  max_output_bytes=e["end"] - e["start"])
+            return _decode_record(e, self.record(e), threads)
         dtype = _tensor_dtype(e)
         raw = bytearray(self.record(e))
         if dtype is None:  # a dtype torch lacks (or an inconsistent entry): the raw bytes
