@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcodec.cuda import attention, build, pack, reference
-from kvcodec.cuda.attention import decode_attention, key_permutation
+from kvcodec.cuda import attention, build, decode_kernels, pack, reference, split_size
+from kvcodec.cuda.attention import decode_attention
+from kvcodec.cuda.decode_kernels import key_permutation
 
 # The template instances the launchers use most; each is compiled for both targets.
 SPLIT_CONFIGS = [
@@ -40,7 +41,7 @@ def test_kernels_compile_with_nvcc(arch, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed: CUDA compile check skipped")
     for source, decls in (
-        (attention.SOURCE, attention.instance_declarations(SPLIT_CONFIGS)),
+        (decode_kernels.SOURCE, decode_kernels.instance_declarations(SPLIT_CONFIGS)),
         (pack.SOURCE, pack.instance_declarations(PACK_CONFIGS)),
     ):
         proc = build.nvcc_compile(source, decls, arch, tmp_path, extra=("-Xptxas", "-warn-spills"))
@@ -77,13 +78,13 @@ VARIANT_DEFINES = [
 def test_tuning_variants_compile_without_spills(arch, defines, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed: CUDA compile check skipped")
-    decls = attention.instance_declarations(VARIANT_CONFIGS)
-    proc = build.nvcc_compile(attention.SOURCE, decls, arch, tmp_path,
+    decls = decode_kernels.instance_declarations(VARIANT_CONFIGS)
+    proc = build.nvcc_compile(decode_kernels.SOURCE, decls, arch, tmp_path,
                               extra=tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     spills = [line for line in proc.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
     assert not spills, "\n".join(spills)
-    assert "prmt.b32" in build.source_text(attention.SOURCE)
+    assert "prmt.b32" in build.source_text(decode_kernels.SOURCE)
 
 
 def test_benchmark_variant_macros_are_compiled_here():
@@ -104,7 +105,7 @@ def test_benchmark_variant_macros_are_compiled_here():
 
 
 def test_source_text_inlines_common_header():
-    text = build.source_text(attention.SOURCE)
+    text = build.source_text(decode_kernels.SOURCE)
     assert '#include "tq_common.cuh"' not in text
     assert "tq_mma16816" in text and "tq_decode_split" in text
 
@@ -475,9 +476,9 @@ def test_symmetric_register_lut_emulation(bf16):
     cbf = torch.tensor(lloyd_max_codebook(128, 4), dtype=torch.float32)
     cb = (cbf.to(torch.bfloat16 if bf16 else torch.float16).view(torch.int16).numpy().astype(np.int64) & 0xFFFF)
     cb = cb.astype(np.uint64)
-    assert attention.codebook_is_symmetric(cbf, bf16)
-    assert not attention.codebook_is_symmetric(cbf + 0.01, bf16)
-    assert not attention.codebook_is_symmetric(torch.rand(16), bf16)
+    assert decode_kernels.codebook_is_symmetric(cbf, bf16)
+    assert not decode_kernels.codebook_is_symmetric(cbf + 0.01, bf16)
+    assert not decode_kernels.codebook_is_symmetric(torch.rand(16), bf16)
     w = np.concatenate([np.arange(1 << 16, dtype=np.uint64) * np.uint64(0x10001),
                         np.random.default_rng(2).integers(0, 1 << 32, size=50000, dtype=np.uint64)])
     out = _lut8_sym(cb, w)
@@ -493,10 +494,10 @@ def test_split_defines_drop_symmetric_lookups_for_asymmetric_codebooks():
     sym = torch.tensor(lloyd_max_codebook(128, 4), dtype=torch.float32)
     asym = torch.sort(torch.rand(16)).values
     d = ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1")
-    assert attention.split_defines(d, 4, 4, sym, sym, False) == d
-    assert attention.split_defines(d, 4, 4, sym, asym, True) == ("TQ_REG_LUT=3",)
-    assert attention.split_defines(d, 4, 2, sym, torch.rand(4), False) == d  # 2-bit side: tables as before
-    assert attention.split_defines(("TQ_REG_LUT=1",), 4, 4, asym, asym, False) == ("TQ_REG_LUT=1",)
+    assert decode_kernels.split_defines(d, 4, 4, sym, sym, False) == d
+    assert decode_kernels.split_defines(d, 4, 4, sym, asym, True) == ("TQ_REG_LUT=3",)
+    assert decode_kernels.split_defines(d, 4, 2, sym, torch.rand(4), False) == d  # 2-bit side: tables as before
+    assert decode_kernels.split_defines(("TQ_REG_LUT=1",), 4, 4, asym, asym, False) == ("TQ_REG_LUT=1",)
 
 
 # ---- quantize + pack (tq_pack.cu): the kernel's lane and fragment logic, emulated lane by lane ----------
@@ -795,14 +796,14 @@ def test_decode_plan_is_cached_on_the_call_invariants(monkeypatch):
     device queries stubbed): reused for a repeated call, rebuilt when a codebook is edited in place or
     the cache grows, and a bad argument still raises."""
     monkeypatch.setattr(build, "get_function", lambda *a, **k: object())
-    monkeypatch.setattr(attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(split_size, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention, "_plans", {})
     cache = _random_cache(1, 2, 40, 32, 4, 4)
     rot, cb = reference.hadamard_rotation(32), torch.linspace(-0.3, 0.3, 16)
     q = torch.randn(1, 4, 1, 32)
 
     def plan(c=cache, norms=cache["k_norms"], lens=torch.tensor([40])):
-        return attention.decode_plan(q, c["k_codes"], norms, c["v_codes"], c["v_norms"], lens, rot, rot, cb, cb,
+        return attention.plan(q, c["k_codes"], norms, c["v_codes"], c["v_norms"], lens, rot, rot, cb, cb,
                                      4, 4, 0.125, None, None, None, None, None, None)
 
     p = plan()

@@ -169,7 +169,7 @@ def test_fused_decode_step_stays_lean(monkeypatch):
     """Host-overhead guard: a one-token decode step through the fused wiring makes ~30 torch calls
     per layer besides the kernel launcher (views and attribute reads included; ~10 of them launch
     work), and the per-block constants are built once per block, not per step."""
-    import kvcodec.cuda as kcuda
+    import kvcodec.cuda.attention as kernel_launcher
     import kvcodec.hf.attention as attn
     from torch.overrides import TorchFunctionMode
     from transformers import AttentionInterface
@@ -186,7 +186,7 @@ def test_fused_decode_step_stays_lean(monkeypatch):
                 calls.append(getattr(func, "__name__", str(func)))
             return func(*args, **(kwargs or {}))
 
-    real_kernel, real_attention = kcuda.decode_attention, attn.compressed_attention
+    real_kernel, real_attention = kernel_launcher.decode_attention, attn.compressed_attention
 
     def kernel(*a, **kw):
         in_kernel.append(1)
@@ -199,7 +199,7 @@ def test_fused_decode_step_stays_lean(monkeypatch):
         with Count():
             return real_attention(*a, **kw)
 
-    monkeypatch.setattr(kcuda, "decode_attention", kernel)
+    monkeypatch.setattr(kernel_launcher, "decode_attention", kernel)
     AttentionInterface.register(attn.NAME, counted_attention)
     try:
         _logits(model, prompt(1, 1, seed=9), cache)

@@ -7,7 +7,8 @@
 Importing needs only torch and numpy; CuPy is loaded on the first CUDA launch.
 """
 
-from kvcodec.cuda.attention import KernelVariant, decode_attention, key_permutation
+from kvcodec.cuda.attention import decode_attention
+from kvcodec.cuda.decode_kernels import KernelVariant, key_permutation
 from kvcodec.cuda.pack import quantize_pack
 
 

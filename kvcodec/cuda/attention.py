@@ -1,11 +1,16 @@
-"""Fused decode attention over a TurboQuant-compressed KV cache (tq layout v1) on CUDA.
+"""The launcher of the fused decode attention over a TurboQuant-compressed KV cache (tq layout v1).
 
-``decode_attention`` is the one entry point (the HF cache plug-in calls it). On CUDA tensors it
-launches ``tq_decode_prep`` (query rotation, scaling, fp16, mma order), ``tq_decode_split`` (reads
-packed codes + norms, dequantizes in registers, tensor-core scores and P.V, online softmax,
-split-KV) and ``tq_decode_merge`` (log-sum-exp merge of the splits and the inverse rotation); the full-precision recent window, if given, is attended with torch and merged
-by log-sum-exp. Everything runs on torch's current stream. On CPU it falls back to the float64 torch
-reference (same arguments, same results up to rounding).
+``decode_attention`` is the one entry point for raw packed tensors (``kvcodec.cuda.quantized`` wraps
+it for quantizer objects). On CUDA tensors it launches ``tq_decode_prep`` (query rotation, scaling,
+fp16, mma order), ``tq_decode_split`` (reads packed codes + norms, dequantizes in registers,
+tensor-core scores and P.V, online softmax, split-KV) and ``tq_decode_merge`` (log-sum-exp merge of
+the splits and the inverse rotation); the full-precision recent window, if given, is attended with
+torch and merged by log-sum-exp (``merge_window``). Everything runs on torch's current stream. On CPU
+it falls back to the float64 torch reference (same arguments, same results up to rounding).
+
+Host work is split in two: ``plan`` validates a call and derives everything that depends only on its
+invariants (cached: ``DecodePlan``), ``run`` launches the three kernels of one call from a plan. The
+kernels' names and build variants live in ``decode_kernels``, the split-size model in ``split_size``.
 """
 
 from __future__ import annotations
@@ -19,105 +24,22 @@ import numpy as np
 import torch
 
 from kvcodec.cuda import build, reference
-
-SOURCE = "tq_decode_attention.cu"
-LOG2E = 1.4426950408889634
-WARPS_PER_BLOCK = 4
-
-SPLIT_SIGNATURE = (
-    "(const tq_u16*, const float*, const tq_u8*, const tq_u16*, const tq_u8*, const tq_u16*, "
-    "const tq_u16*, const float*, const tq_u8*, const tq_u16*, const float*, const float*, const int*, "
-    "int, int, int, int, int, int, float*, float*)"
+from kvcodec.cuda.decode_kernels import (
+    DEFAULT_VARIANT,
+    LOG2E,
+    MAX_SPLITS,
+    SOURCE,
+    WARPS_PER_BLOCK,
+    KernelVariant,
+    key_permutation,
+    merge_name,
+    prep_name,
+    split_defines,
+    split_name,
 )
-MERGE_SIGNATURE = "(const float*, const float*, const float*, int, int, float*, float*)"
-PREP_SIGNATURE = "(const void*, const float*, const int*, float, int, int, tq_u16*, float*)"
-MAX_SPLITS = 4096  # the merge keeps one weight per split in shared memory
+from kvcodec.cuda.split_size import default_tokens_per_warp
+
 _QIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-@dataclass(frozen=True)
-class KernelVariant:
-    """A build of the decode kernels: the default is the shipped one; benchmarks compare others.
-
-    ``defines``: extra ``NAME=value`` macros for the kernels (tuning knobs such as ``TQ_REG_LUT=0``);
-    ``narrow``: let tiles of <= 8 query rows use the transposed-P.V split kernel (off: always the
-    general one)."""
-
-    defines: tuple[str, ...] = ()
-    narrow: bool = True
-
-
-DEFAULT_VARIANT = KernelVariant()
-
-
-def codebook_is_symmetric(codebook: torch.Tensor, bf16: bool) -> bool:
-    """True when the 16-entry codebook, rounded to fp16 (bf16), satisfies cb[15 - i] == -cb[i]
-    bitwise: the condition of the TQ_REG_LUT_SYM lookups (8 stored entries + sign flip)."""
-    c = codebook.detach().reshape(-1).to("cpu", torch.float32)
-    if c.numel() != 16:
-        return False
-    h = c.to(torch.bfloat16 if bf16 else torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
-    return bool(torch.equal(h.flip(0), h ^ 0x8000))
-
-
-def split_defines(defines, k_bits, v_bits, k_codebook, v_codebook, v_bf16) -> tuple[str, ...]:
-    """The split kernel's macros for one call: the symmetric register codebooks (TQ_REG_LUT_SYM=1,
-    8 stored entries + sign flip) are added when every 4-bit codebook they would serve is symmetric
-    (the Lloyd-Max ones are; cached per codebook tensor version) and dropped when one is not; a
-    caller's explicit TQ_REG_LUT_SYM=0 stays."""
-    defines = tuple(defines)
-    if "TQ_REG_LUT_SYM=0" in defines:
-        return defines
-    ok = all(bits != 4 or build.derived(cb, f"sym {bf}", lambda t, bf=bf: codebook_is_symmetric(t, bf))
-             for bits, cb, bf in ((k_bits, k_codebook, False), (v_bits, v_codebook, v_bf16)))
-    rest = tuple(d for d in defines if not d.startswith("TQ_REG_LUT_SYM"))
-    return rest + ("TQ_REG_LUT_SYM=1",) if ok else rest
-
-
-def _b(x: bool) -> str:
-    return "true" if x else "false"
-
-
-def split_name(dim: int, k_bits: int, v_bits: int, k_bf16: bool, v_bf16: bool, qjl: bool, narrow: bool) -> str:
-    """Template instance name of the split kernel for one configuration (narrow: <= 8 rows per tile)."""
-    return f"tq_decode_split<{dim}, {k_bits}, {v_bits}, {_b(k_bf16)}, {_b(v_bf16)}, {_b(qjl)}, {_b(narrow)}>"
-
-
-def merge_name(dim: int) -> str:
-    return f"tq_decode_merge<{dim}>"
-
-
-def prep_name(dim: int, qin: int) -> str:
-    return f"tq_decode_prep<{dim}, {qin}>"
-
-
-def instance_declarations(configs) -> list[str]:
-    """Explicit-instantiation declarations (for nvcc) of the split kernels in ``configs`` + merges."""
-    decls, dims = [], set()
-    for cfg in configs:
-        decls.append(f"__global__ void {split_name(*cfg)}{SPLIT_SIGNATURE}")
-        dims.add(cfg[0])
-    decls += [f"__global__ void {merge_name(d)}{MERGE_SIGNATURE}" for d in sorted(dims)]
-    decls += [f"__global__ void {prep_name(d, qin)}{PREP_SIGNATURE}" for d in sorted(dims) for qin in (0, 1, 2)]
-    return decls
-
-
-@lru_cache(maxsize=None)
-def key_permutation(dim: int) -> np.ndarray:
-    """Order of the head dimension along the mma k index (see the .cu header).
-
-    Entry 16*s + kk is the original coordinate held by thread t = (kk % 8) // 2 in its k-step s:
-    t * dim/4 + 4*s + 2*(kk >= 8) + kk % 2. The query (and S q for QJL) is permuted with it.
-    """
-    ck = dim // 4
-    perm = np.empty(dim, dtype=np.int64)
-    for s in range(dim // 16):
-        for kk in range(16):
-            perm[16 * s + kk] = ((kk % 8) // 2) * ck + 4 * s + 2 * (kk >= 8) + kk % 2
-    assert sorted(perm.tolist()) == list(range(dim))
-    return perm
-
-
 _perm_cache: dict = {}
 
 
@@ -167,81 +89,6 @@ def _scaled_rows(x: torch.Tensor, perm: torch.Tensor, rows_pad: int) -> tuple[to
     sc[:, :r] = amax
     return q16, sc
 
-
-# Split-size model (H200 measurements, benchmarks/GPU_NOTES.md session 2): microseconds one warp
-# needs for a 16-token step when an SM runs 4 / 8 / 16+ of them at once (per-SM throughput grows
-# with resident warps, less and less: the kernel is latency bound), the fixed cost of a warp's
-# prologue and partial write, and the merge's cost per 16 splits (one batch of loads).
-STEP_US = ((4, 1.0), (8, 1.4), (16, 2.2), (24, 3.0))
-WARP_FIXED_US = 2.0
-MERGE_US_PER_16_SPLITS = 1.5
-
-
-def blocks_per_sm(dim: int, rows: int, qjl: bool, num_regs: int | None = None, narrow: bool = True) -> int:
-    """Resident split-kernel blocks per SM: from the compiled kernel's registers when known (65,536
-    per SM, allocated per warp in units of 256), else the kernel's __launch_bounds__ minimum."""
-    if num_regs:
-        per_warp = -(-num_regs * 32 // 256) * 256
-        return max(1, min(16, 65536 // (per_warp * WARPS_PER_BLOCK)))
-    if qjl or rows > 8 or not narrow:
-        return 2
-    return 4 if dim <= 64 else 3
-
-
-def _step_us(warps: int) -> float:
-    """Per-warp step time at `warps` resident warps per SM (piecewise linear in STEP_US)."""
-    pts = STEP_US
-    if warps <= pts[0][0]:
-        return pts[0][1]
-    for (w0, t0), (w1, t1) in zip(pts, pts[1:]):
-        if warps <= w1:
-            return t0 + (t1 - t0) * (warps - w0) / (w1 - w0)
-    return pts[-1][1] * warps / pts[-1][0]  # saturated: per-SM throughput stays flat
-
-
-@lru_cache(maxsize=4096)
-def _best_tokens_per_warp(bh_tiles: int, capacity: int, sms: int, per_sm: int) -> int:
-    best, best_cost = 16, None
-    seen = set()
-    for nsplit in range(1, min(MAX_SPLITS, -(-capacity // 16)) + 1):
-        tpw = -(-(-(-capacity // nsplit)) // 16) * 16  # ceil(capacity / nsplit), up to a multiple of 16
-        if tpw in seen:
-            continue
-        seen.add(tpw)
-        n = -(-capacity // tpw)
-        blocks = bh_tiles * -(-n // WARPS_PER_BLOCK)
-        on_sm = -(-blocks // sms)  # blocks the busiest SM runs
-        rounds = -(-on_sm // per_sm)
-        warps = WARPS_PER_BLOCK * min(on_sm, per_sm)
-        cost = rounds * ((tpw / 16) * _step_us(warps) + WARP_FIXED_US) + MERGE_US_PER_16_SPLITS * -(-n // 16)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = tpw, cost
-    return best
-
-
-_sm_counts: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device, queried once per device."""
-    n = _sm_counts.get(device)
-    if n is None:
-        n = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
-
-
-def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, dim: int = 128,
-                            rows: int = 4, qjl: bool = False, num_regs: int | None = None,
-                            narrow: bool = True) -> int:
-    """Split size (tokens per warp, a multiple of 16) minimizing the modelled decode time.
-
-    The busiest SM runs ceil(blocks / SMs) blocks, at most `blocks_per_sm` at once; a round costs its
-    warps' steps at the per-warp step time of that occupancy (STEP_US) plus a fixed per-warp cost,
-    and the merge costs a little per split. Any multiple of 16 may win (not only powers of two):
-    filling the last wave matters more than the split size itself.
-    """
-    per_sm = blocks_per_sm(dim, rows, qjl, num_regs, narrow)
-    return _best_tokens_per_warp(bh_tiles, capacity, sm_count(device), per_sm)
 
 
 def _validate(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_codebook, v_codebook, k_bits, v_bits,
@@ -311,13 +158,13 @@ def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_r
     elif query.dim() == 4:
         scale = 1.0 / math.sqrt(query.shape[-1])
     if query.is_cuda and _cupy_ok():
-        plan = decode_plan(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation,
-                           k_codebook, v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix,
-                           window_k, window_v, tokens_per_warp, variant)
-        _check_per_call(plan.batch, seq_lens, window_k, window_v)
-        out, lse = _compressed_part(plan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms)
+        p = plan(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation, k_codebook,
+                 v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, window_k, window_v,
+                 tokens_per_warp, variant)
+        _check_per_call(p.batch, seq_lens, window_k, window_v)
+        out, lse = run(p, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms)
         if window_k is not None:
-            out, lse = _merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal)
+            out, lse = merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal)
     else:
         _validate(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_codebook, v_codebook, k_bits, v_bits,
                   k_qjl, k_rnorms, qjl_matrix, window_k, window_v)
@@ -397,23 +244,25 @@ def _plan_key(query, k_codes, k_norms, v_codes, v_norms, k_rotation, v_rotation,
             qjl, variant, tokens_per_warp)
 
 
-def decode_plan(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation, k_codebook,
-                v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, window_k, window_v,
-                tokens_per_warp, variant: KernelVariant = DEFAULT_VARIANT) -> DecodePlan:
+def plan(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation, k_codebook,
+         v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, window_k, window_v,
+         tokens_per_warp, variant: KernelVariant = DEFAULT_VARIANT) -> DecodePlan:
     """The cached DecodePlan of a CUDA call (validating the arguments and building it on a miss).
-    Pure host work: with ``build.get_function`` and ``sm_count`` stubbed it runs on CPU tensors."""
+    Pure host work: with ``build.get_function`` and ``split_size.sm_count`` stubbed it runs on CPU
+    tensors."""
     key = _plan_key(query, k_codes, k_norms, v_codes, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
                     k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, tokens_per_warp, variant)
-    plan = _plans.get(key)
-    if plan is None:
+    cached = _plans.get(key)
+    if cached is None:
         _validate(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_codebook, v_codebook, k_bits, v_bits,
                   k_qjl, k_rnorms, qjl_matrix, window_k, window_v)
-        plan = _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
-                           k_bits, v_bits, scale, k_qjl is not None, k_rnorms, qjl_matrix, tokens_per_warp, variant)
+        cached = _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
+                             k_bits, v_bits, scale, k_qjl is not None, k_rnorms, qjl_matrix, tokens_per_warp,
+                             variant)
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
-        _plans[key] = plan
-    return plan
+        _plans[key] = cached
+    return cached
 
 
 def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_codebook, v_codebook, k_bits,
@@ -499,9 +348,9 @@ def _cupy_stream(device: torch.device):
     return stream
 
 
-def _compressed_part(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms):
-    """Launch prep, split and merge for one call on torch's current stream; returns (out, lse) float32
-    [B, Hq, q_len, D] and [B, Hq, q_len]."""
+def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms):
+    """Launch prep, split and merge for one call on torch's current stream from its ``plan``; returns
+    (out, lse) float32 [B, Hq, q_len, D] and [B, Hq, q_len]."""
     dev = query.device
     q_in = (query.to(torch.float32) if plan.q_cast else query).contiguous()
     kc, kn, vc, vn = k_codes.contiguous(), k_norms.contiguous(), v_codes.contiguous(), v_norms.contiguous()
@@ -536,7 +385,7 @@ def _compressed_part(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms
     return out, lse
 
 
-def _merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal):
+def merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal):
     """Attend the full-precision window with torch and merge it with the compressed part by lse."""
     b, hq, ql, d = query.shape
     hkv, w = window_k.shape[1], window_k.shape[2]

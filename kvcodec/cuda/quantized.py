@@ -1,58 +1,141 @@
-"""Decode attention straight from ``kvcodec.quant`` objects: the entry point for the HF cache.
+"""Packed attention: the fused decode kernel fed from quantizer objects, with their preconditioners.
 
-``attend(query, keys, values, k_quantizer, v_quantizer, seq_lens=None, window_k=..., ...)`` takes the
-compressed K and V as ``QuantizedTensor``s (lead shape [B, Hkv], TurboQuantMSE or TurboQuantProd
-keys, TurboQuantMSE values) and handles what the raw kernel does not know about:
+This is the one path from compressed K/V to ``kvcodec.cuda.decode_attention``: the HF cache
+(``kvcodec.hf.attention``) and ``attend`` below both go through ``attend_packed``. The operands come
+as :class:`~kvcodec.quant.packed.PackedKV` (``quantizer.packed(c)``), so nothing here reads a
+quantizer's private fields. What the raw kernel does not know about is handled around it:
+
 - channel preconditioning (``precondition="center"/"scale"``): the query is multiplied by the key
-  channel scales before rotation; the key centre adds scale * q.center to every score of the
-  compressed part (softmax-invariant, but it matters for the lse used to merge the window); the
-  output is multiplied by the value scales and shifted by the value centre;
+  channel scales (the kernel then sees x' = (x - center) / scale), so its scores lack the per-query
+  constant ``scaling * q.center`` (softmax-invariant; ``PackedConsts`` maps exact keys into the same
+  domain, or ``attend`` adds it back to the log-sum-exp); the output is multiplied by the value scales
+  and shifted by the value centre;
 - prod keys: MSE codes at bits-1 plus QJL sign bits and residual norms (m must equal head_dim).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kvcodec.cuda import attention
+from kvcodec.cuda.decode_kernels import DEFAULT_VARIANT, KernelVariant
+from kvcodec.quant.packed import PackedKV
 
 
-def _quantizer_parts(qz, what: str) -> dict:
-    method = getattr(qz, "method", None)
-    if method not in ("turboquant_mse", "turboquant_prod"):
-        raise ValueError(f"{what}: fused attention takes TurboQuantMSE/TurboQuantProd, got {method!r}")
-    parts = {"rotation": qz.rotation, "codebook": qz.codebook, "bits": qz._mse_bits}
-    if method == "turboquant_prod":
-        if what == "values":
-            raise ValueError("values must use TurboQuantMSE (prod is for keys)")
-        if qz.m != qz.dim:
-            raise ValueError(f"fused attention needs QJL m == head_dim, got m={qz.m}, dim={qz.dim}")
-        parts["qjl_matrix"] = qz.qjl_matrix
-    return parts
+def supported(keys: PackedKV | None, values: PackedKV | None, dim: int) -> bool:
+    """Whether the fused kernel takes these operands: TurboQuant keys (MSE or prod with m == head_dim)
+    and MSE values (None: a quantizer without a packed layout), 1..4 bits, head_dim a multiple of 32
+    in [32, 256]."""
+    if keys is None or values is None or values.prod:
+        return False
+    if not (1 <= keys.bits <= 4 and 1 <= values.bits <= 4) or dim % 32 or not 32 <= dim <= 256:
+        return False
+    return not keys.prod or tuple(keys.qjl_matrix.shape) == (dim, dim)
 
 
-def _side_per_query_head(side: torch.Tensor | None, b: int, hq: int, hkv: int, d: int, dev) -> torch.Tensor | None:
-    """Side data [..., Hkv or 1, 1, D] (leading dims B or 1) -> float32 [B, Hq, 1, D] (or None)."""
+def _per_kv_head(side: torch.Tensor | None, hkv: int, device) -> torch.Tensor | None:
+    """Side data [B|1, Hkv|1, 1, D] (or fewer leading dims) -> float32 [B|1, Hkv, 1, D] on ``device``."""
     if side is None:
         return None
-    s = side.to(dev, torch.float32)
-    s = s.reshape(*([1] * max(0, 4 - s.dim())), *s.shape) if s.dim() < 4 else s
-    s = s.expand(b, hkv, 1, d) if s.shape[1] in (1, hkv) else None
-    if s is None:
+    s = side.to(device, torch.float32)
+    if s.dim() < 4:
+        s = s.reshape(*([1] * (4 - s.dim())), *s.shape)
+    if s.shape[1] not in (1, hkv):
         raise ValueError("side data does not match the kv heads")
-    return s.repeat_interleave(hq // hkv, dim=1)
+    return s if s.shape[1] == hkv else s.expand(s.shape[0], hkv, *s.shape[2:])
+
+
+@dataclass(eq=False)
+class PackedConsts:
+    """Float32 preconditioner constants around the kernel for one pair of compressed K/V, laid out for
+    [B, H_kv, ...] views (the HF cache builds them once per compressed block, ``attend`` per call).
+
+    * ``q_scale`` [B|1, Hq, 1, D] (per query head, HF repeat_kv order): kernel query = q * key scale;
+    * ``k_mul`` / ``k_add`` [B|1, H_kv, 1, D]: an exact key k maps to k * k_mul + k_add =
+      scaling * (k - center) / scale, the kernel's domain, so exact and compressed scores share a softmax;
+    * ``k_center`` [B|1, H_kv, 1, D]: the key centre (the scores' missing ``scaling * q.center``);
+    * ``v_scale`` / ``v_center`` [B|1, H_kv, 1, D]: output = out' * v_scale + v_center."""
+
+    scaling: float
+    q_scale: torch.Tensor | None
+    k_mul: torch.Tensor
+    k_add: torch.Tensor
+    k_center: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    v_center: torch.Tensor | None
+
+    @classmethod
+    def build(cls, keys: PackedKV, values: PackedKV, scaling: float, heads: int, device) -> "PackedConsts":
+        hkv, dim = keys.codes.shape[1], keys.rotation.shape[-1]
+        k_scale, k_center = _per_kv_head(keys.scale, hkv, device), _per_kv_head(keys.center, hkv, device)
+        if k_scale is None:
+            k_mul = torch.full((1, hkv, 1, dim), scaling, device=device)
+        else:
+            k_mul = scaling / k_scale
+        k_add = torch.zeros_like(k_mul) if k_center is None else -k_center * k_mul
+        q_scale = None if k_scale is None else k_scale.repeat_interleave(heads // hkv, dim=1)
+        return cls(scaling, q_scale, k_mul, k_add, k_center,
+                   _per_kv_head(values.scale, hkv, device), _per_kv_head(values.center, hkv, device))
+
+    def unfold_values(self, out: torch.Tensor) -> torch.Tensor:
+        """Kernel output [B, H_kv, G*Tq, D] (float32) back to the values' own space."""
+        if self.v_scale is not None and self.v_center is not None:
+            return torch.addcmul(self.v_center, out, self.v_scale)
+        if self.v_scale is not None:
+            return out * self.v_scale
+        if self.v_center is not None:
+            return out + self.v_center
+        return out
+
+
+def attend_packed(query: torch.Tensor, keys: PackedKV, values: PackedKV, consts: PackedConsts,
+                  seq_lens: torch.Tensor | None = None, variant: KernelVariant = DEFAULT_VARIANT):
+    """The fused kernel over compressed keys/values (lead shape (B, H_kv)) for query [B, Hq, Tq, D].
+
+    Returns (q, out, lse) in the GQA layout [B, H_kv, G*Tq, ...] (query head h = kv * G + g): ``q`` the
+    queries as the kernel saw them (key scale folded in, float32), ``out`` float32 with the value
+    preconditioner undone, ``lse`` [.., 1] the log-sum-exp of the kernel's scores
+    ``scaling * q . (k - center) / scale``, i.e. of the true scores minus ``scaling * q . center``.
+    ``seq_lens`` [B]: valid compressed tokens per sequence; None: every slot."""
+    B, H, Tq, D = query.shape
+    Hkv = keys.codes.shape[1]
+    G = H // Hkv
+    q_in = (query * consts.q_scale if consts.q_scale is not None else query.float()).contiguous()
+    extra = {}
+    if keys.prod:
+        extra = dict(k_qjl=keys.qjl, k_rnorms=keys.rnorms, qjl_matrix=keys.qjl_matrix)
+    out, lse = attention.decode_attention(
+        q_in, keys.codes, keys.norms, values.codes, values.norms, seq_lens,
+        k_rotation=keys.rotation, v_rotation=values.rotation, k_codebook=keys.codebook, v_codebook=values.codebook,
+        k_bits=keys.bits, v_bits=values.bits, scale=consts.scaling, variant=variant, return_lse=True, **extra)
+    out = consts.unfold_values(out.reshape(B, Hkv, G * Tq, D))  # float32: the kernel returns the query's dtype
+    return q_in.view(B, Hkv, G * Tq, D), out, lse.reshape(B, Hkv, G * Tq, 1)
+
+
+def _operands(qz, c, what: str) -> PackedKV:
+    packed = getattr(qz, "packed", None)
+    ops = packed(c) if packed is not None else None
+    if ops is None:
+        raise ValueError(f"{what}: fused attention takes TurboQuantMSE/TurboQuantProd, got {getattr(qz, 'method', None)!r}")
+    if ops.prod and what == "values":
+        raise ValueError("values must use TurboQuantMSE (prod is for keys)")
+    if ops.prod and tuple(ops.qjl_matrix.shape) != (c.dim, c.dim):
+        raise ValueError(f"fused attention needs QJL m == head_dim, got m={ops.qjl_matrix.shape[0]}, dim={c.dim}")
+    return ops
 
 
 def attend(query: torch.Tensor, keys, values, k_quantizer, v_quantizer, seq_lens: torch.Tensor | None = None, *,
            scale: float | None = None, window_k=None, window_v=None, window_lens=None, causal: bool = True,
-           variant: attention.KernelVariant = attention.DEFAULT_VARIANT, return_lse: bool = False):
+           variant: KernelVariant = DEFAULT_VARIANT, return_lse: bool = False):
     """Attention of query [B, Hq, q_len, D] over compressed keys/values (+ optional full-precision window).
 
-    keys/values: QuantizedTensor with lead_shape (B, Hkv) and the same number of token slots;
-    seq_lens [B]: valid compressed tokens per sequence (default: all slots). Output in query.dtype,
-    in the original value space. See ``kvcodec.cuda.decode_attention`` for the window arguments.
+    keys/values: QuantizedTensor with lead_shape (B, Hkv) and the same number of token slots, made by
+    k_quantizer / v_quantizer; seq_lens [B]: valid compressed tokens per sequence (default: all
+    slots). Output in query.dtype, in the original value space; lse (return_lse) of the true scores.
+    See ``kvcodec.cuda.decode_attention`` for the window arguments.
     """
     b, hq, ql, d = query.shape
     if tuple(keys.lead_shape) != tuple(values.lead_shape) or len(keys.lead_shape) != 2:
@@ -60,35 +143,20 @@ def attend(query: torch.Tensor, keys, values, k_quantizer, v_quantizer, seq_lens
     if keys.lead_shape[0] != b or keys.num_tokens != values.num_tokens or keys.dim != d or values.dim != d:
         raise ValueError("keys, values and query disagree on batch, tokens or head_dim")
     hkv = keys.lead_shape[1]
-    dev = query.device
-    kp, vp = _quantizer_parts(k_quantizer, "keys"), _quantizer_parts(v_quantizer, "values")
+    kp, vp = _operands(k_quantizer, keys, "keys"), _operands(v_quantizer, values, "values")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if seq_lens is None:
-        seq_lens = torch.full((b,), keys.num_tokens, device=dev, dtype=torch.int32)
-
-    k_scale = _side_per_query_head(keys.side.get("scale"), b, hq, hkv, d, dev)
-    k_center = _side_per_query_head(keys.side.get("center"), b, hq, hkv, d, dev)
-    v_scale = _side_per_query_head(values.side.get("scale"), b, hq, hkv, d, dev)
-    v_center = _side_per_query_head(values.side.get("center"), b, hq, hkv, d, dev)
-    qf = query.to(torch.float32)
-    q_used = qf * k_scale if k_scale is not None else qf
-
-    tok_k, tok_v = keys.token, values.token
-    out, lse = attention.decode_attention(
-        q_used, tok_k["codes"], tok_k["norms"], tok_v["codes"], tok_v["norms"], seq_lens,
-        k_rotation=kp["rotation"], v_rotation=vp["rotation"], k_codebook=kp["codebook"],
-        v_codebook=vp["codebook"], k_bits=kp["bits"], v_bits=vp["bits"], scale=scale,
-        k_qjl=tok_k.get("qjl") if "qjl_matrix" in kp else None,
-        k_rnorms=tok_k.get("rnorms") if "qjl_matrix" in kp else None, qjl_matrix=kp.get("qjl_matrix"),
-        variant=variant, return_lse=True)
-    out = out.to(torch.float32)
-    if k_center is not None:  # every compressed score is short of scale * q.center
-        lse = lse + scale * (qf * k_center).sum(-1)
-    if v_scale is not None:
-        out = out * v_scale
-    if v_center is not None:
-        out = out + v_center * torch.isfinite(lse).unsqueeze(-1)
+        seq_lens = torch.full((b,), keys.num_tokens, device=query.device, dtype=torch.int32)
+    consts = PackedConsts.build(kp, vp, scale, hq, query.device)
+    q_in, out, lse = attend_packed(query, kp, vp, consts, seq_lens, variant)
+    lse = lse.squeeze(-1)
+    if consts.k_center is not None:  # the true scores: add back scale * q.center
+        q = query.to(torch.float32).reshape(b, hkv, -1, d)
+        lse = lse + scale * (q * consts.k_center).sum(-1)
+    if consts.v_center is not None:  # sequences without compressed tokens: nothing to shift
+        out = torch.where(torch.isfinite(lse).unsqueeze(-1), out, torch.zeros_like(out))
+    out, lse = out.reshape(b, hq, ql, d), lse.reshape(b, hq, ql)
     if window_k is not None:
-        out, lse = attention._merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal)
+        out, lse = attention.merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal)
     out = out.to(query.dtype)
     return (out, lse) if return_lse else out

@@ -31,8 +31,11 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import kvcodec.cuda as kcuda
+from kvcodec.cuda import quantized as packed_attention
 from kvcodec.hf.layer import CompressedLayer
 from kvcodec.hf.storage import Block, Segment
+from kvcodec.quant.packed import PackedKV
 
 NAME = "kvcodec"
 FUSED_MODES = ("auto", "off", "cpu-reference")
@@ -198,13 +201,14 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
 @dataclass(eq=False)
 class CompressedPart:
     """Attention over a layer's compressed tokens from the fused kernel, in the GQA layout
-    [B, H_kv, G*Tq, ...] (query head h = kv * G + g, HF repeat_kv order) and the kernel's domain:
+    [B, H_kv, G*Tq, ...] (query head h = kv * G + g, HF repeat_kv order) and the kernel's domain
+    (``kvcodec.cuda.quantized.attend_packed``):
 
     * ``q``: the queries the kernel saw (key preconditioner folded in: q * key scale), float32;
     * ``out``: their normalized output over the compressed tokens (value preconditioner undone);
     * ``lse``: [.., 1] log-sum-exp of the scores ``scaling * q . k'`` with k' = (k - center) / scale:
       the true scores minus the per-query constant ``scaling * q . center``;
-    * ``consts``: the layer's :class:`_FusedConsts` (maps exact keys into the same domain)."""
+    * ``consts``: the layer's :class:`_FusedConsts` (its ``packed`` maps exact keys into that domain)."""
 
     q: torch.Tensor
     out: torch.Tensor
@@ -214,99 +218,56 @@ class CompressedPart:
 
 @dataclass(eq=False)
 class _FusedConsts:
-    """Per-block constants of the fused decode path, built once per compressed block (the side data
-    and the token count only change when a compaction, crop or beam reorder makes a new block)
-    instead of once per layer and step: float32 copies of the preconditioners laid out for the
-    [B, H_kv, ...] views, and the kernel's ``seq_lens``."""
+    """The fused path's per-block state, built once per compressed block (the side data and the token
+    count only change when a compaction, crop or beam reorder makes a new block) instead of once per
+    layer and step: the kernel operands' float32 preconditioner constants and the kernel's ``seq_lens``."""
 
     block: weakref.ref  # the Block they were built from (weak: a replaced block's codes are freed at once)
     scaling: float
-    q_scale: torch.Tensor | None  # [B|1, H, 1, D] (per query head): kernel query = q * key scale
-    k_mul: torch.Tensor  # [B|1, H_kv, 1, D]: exact key k -> k * k_mul + k_add = scaling * (k - center) / scale
-    k_add: torch.Tensor
-    v_scale: torch.Tensor | None  # [B|1, H_kv, 1, D]: output = out' * v_scale + v_center
-    v_center: torch.Tensor | None
     batch: int
+    packed: packed_attention.PackedConsts
     seq_lens: torch.Tensor | None  # [B] int32 compressed tokens per sequence; None: all the block's slots
 
     @classmethod
-    def of(cls, store, block: Block, scaling: float, query: torch.Tensor) -> "_FusedConsts":
+    def of(cls, store, block: Block, keys: PackedKV, values: PackedKV, scaling: float,
+           query: torch.Tensor) -> "_FusedConsts":
         """The store's cached constants for ``block``, rebuilt only when the block changed."""
         batch, heads, device = query.shape[0], query.shape[1], query.device
         c = store.attn_consts
         if c is not None and c.block() is block and c.scaling == scaling and c.batch == batch:
             return c
-        ck, cv = block.key, block.value
-        f32 = lambda t: None if t is None else t.to(device, torch.float32)  # noqa: E731
-        k_scale, k_center = f32(ck.side.get("scale")), f32(ck.side.get("center"))
-        if k_scale is None:
-            k_mul = torch.full((1, ck.lead_shape[1], 1, ck.dim), scaling, device=device)
-        else:
-            k_mul = scaling / k_scale
-        k_add = torch.zeros_like(k_mul) if k_center is None else -k_center * k_mul
-        q_scale = None if k_scale is None else k_scale.repeat_interleave(heads // ck.lead_shape[1], dim=1)
         # every sequence holds all of the block's tokens: when the packed tensors have exactly that many
         # slots, seq_lens=None lets the kernel use its cached full lengths (no per-call clamp kernel)
-        full = ck.token["codes"].shape[-2] == ck.num_tokens
-        c = cls(weakref.ref(block), scaling, q_scale, k_mul, k_add,
-                f32(cv.side.get("scale")), f32(cv.side.get("center")), batch,
-                None if full else torch.full((batch,), ck.num_tokens, dtype=torch.int32, device=device))
+        full = keys.codes.shape[-2] == block.length
+        c = cls(weakref.ref(block), scaling, batch,
+                packed_attention.PackedConsts.build(keys, values, scaling, heads, device),
+                None if full else torch.full((batch,), block.length, dtype=torch.int32, device=device))
         store.attn_consts = c
         return c
 
 
 def fused_compressed(store, query: torch.Tensor, mask, scaling: float,
                      options: AttentionOptions = DEFAULT_OPTIONS) -> CompressedPart | None:
-    """The compressed tokens' attention from ``kvcodec.cuda.decode_attention`` (packed codes read by the
-    fused kernel) as a :class:`CompressedPart`, or None when it does not apply: CPU tensors, padding
-    masks, non-TurboQuant codecs, bits > 4, a head_dim the kernel does not take, or ``options.fused``
-    says so (see AttentionOptions). The exact sink and
-    window are attended by ``attend_store`` and merged with it."""
+    """The compressed tokens' attention from the fused kernel (``kvcodec.cuda.quantized.attend_packed``:
+    packed codes read by the kernel) as a :class:`CompressedPart`, or None when it does not apply: CPU
+    tensors, padding masks, codecs without a packed layout the kernel takes (``codec.packed``), or
+    ``options.fused`` says so (see AttentionOptions). The exact sink and window are attended by
+    ``attend_store`` and merged with it."""
     if options.fused == "off" or not (query.is_cuda or options.fused == "cpu-reference") or len(store.blocks) != 1:
         return None
-    kq, vq = getattr(store.key_codec, "q", None), getattr(store.value_codec, "q", None)
-    kmethod, vmethod = getattr(kq, "method", ""), getattr(vq, "method", "")
-    if kmethod not in ("turboquant_mse", "turboquant_prod") or vmethod != "turboquant_mse":
-        return None
-    D = query.shape[-1]
-    k_bits = kq._mse_bits
-    if not (1 <= k_bits <= 4 and 1 <= vq.bits <= 4) or D % 32 or not 32 <= D <= 256:
-        return None
-    if kmethod == "turboquant_prod" and tuple(kq.qjl_matrix.shape) != (D, D):
+    block = store.blocks[0]
+    keys, values = store.key_codec.packed(block.key), store.value_codec.packed(block.value)
+    if not packed_attention.supported(keys, values, query.shape[-1]):
         return None
     if mask is not None and not (mask.dtype == torch.bool and bool(mask.all())):  # host sync, only with a mask
         return None
-    try:
-        import kvcodec.cuda as kcuda
-    except ImportError:
-        return None
     if query.is_cuda and not kcuda.is_available():
         return None
-
-    block = store.blocks[0]
-    ck, cv = block.key, block.value
-    B, H, Tq, _ = query.shape
-    Hkv = ck.lead_shape[1]
-    G = H // Hkv
-    c = _FusedConsts.of(store, block, scaling, query)
+    c = _FusedConsts.of(store, block, keys, values, scaling, query)
     # (q * s) . x' = q . x - q . center: the kernel's scores lack the per-query q . center, and so do the
     # exact keys mapped by k_mul/k_add in the merge, so the joint softmax is unchanged
-    q_in = (query * c.q_scale if c.q_scale is not None else query.float()).contiguous()
-    extra = {}
-    if kmethod == "turboquant_prod":
-        extra = dict(k_qjl=ck.token["qjl"], k_rnorms=ck.token["rnorms"], qjl_matrix=kq.qjl_matrix)
-    out, lse = kcuda.decode_attention(
-        q_in, ck.token["codes"], ck.token["norms"], cv.token["codes"], cv.token["norms"], c.seq_lens,
-        k_rotation=kq.rotation, v_rotation=vq.rotation, k_codebook=kq.codebook, v_codebook=vq.codebook,
-        k_bits=k_bits, v_bits=vq.bits, scale=scaling, return_lse=True, **extra)
-    out = out.reshape(B, Hkv, G * Tq, D)  # float32: the kernel returns the query's dtype
-    if c.v_scale is not None and c.v_center is not None:
-        out = torch.addcmul(c.v_center, out, c.v_scale)
-    elif c.v_scale is not None:
-        out = out * c.v_scale
-    elif c.v_center is not None:
-        out = out + c.v_center
-    return CompressedPart(q_in.view(B, Hkv, G * Tq, D), out, lse.reshape(B, Hkv, G * Tq, 1), c)
+    q, out, lse = packed_attention.attend_packed(query, keys, values, c.packed, c.seq_lens)
+    return CompressedPart(q, out, lse, c)
 
 
 def _attend_with_compressed(store, mask, part: CompressedPart, G: int, Tq: int, q_chunk: int) -> torch.Tensor:
@@ -317,7 +278,7 @@ def _attend_with_compressed(store, mask, part: CompressedPart, G: int, Tq: int, 
     query domain, so the kernel's queries are used as they are. ``mask``: None (causal inside the
     window) or all True (checked by ``fused_compressed``: nothing to mask)."""
     B, Hkv, _, D = part.q.shape
-    c = part.consts
+    c = part.consts.packed
     keys = torch.addcmul(c.k_add, store.exact_k, c.k_mul)  # [B, H_kv, E, D] float32
     values = store.exact_v.float()
     E = keys.shape[-2]

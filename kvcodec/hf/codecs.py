@@ -8,7 +8,9 @@ attention function never look inside a block:
   [B, H, Q, D], both float32 and computed from the compressed form where the codec can;
 * ``nbytes(block)``, ``length(block)``, ``truncate(block, n)`` (keep the first n tokens, for
   ``crop``), ``select(block, idx)`` (batch rows, for beam search and batch filtering);
-* ``state(block)`` / ``restore(meta, tensors)`` for saving a cache (persist.py).
+* ``state(block)`` / ``restore(meta, tensors)`` for saving a cache (persist.py);
+* ``packed(block)``: the block as the fused attention kernel reads it (a
+  :class:`~kvcodec.quant.packed.PackedKV`), or None when the codec has no such layout.
 
 ``decoded_attention`` tells the attention function to attend over decoded K/V with SDPA instead
 (lossless and full-precision codecs: their decode is exact, so this reproduces DynamicCache
@@ -82,6 +84,9 @@ class ExactCodec(NoSideData):
     def select(self, block: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return block.index_select(0, idx.to(block.device))
 
+    def packed(self, block: torch.Tensor) -> None:
+        return None
+
     def state(self, block: torch.Tensor) -> tuple[dict, dict]:
         return {}, {"x": block}
 
@@ -136,6 +141,9 @@ class LosslessCodec(NoSideData):
     def select(self, block: LosslessBlock, idx: torch.Tensor) -> LosslessBlock:
         order = [int(i) for i in idx.tolist()]
         return LosslessBlock([block.blobs[i] for i in order], block.length, block.device)
+
+    def packed(self, block: LosslessBlock) -> None:
+        return None
 
     def state(self, block: LosslessBlock) -> tuple[dict, dict]:
         tensors = {f"row{i}": b for i, b in enumerate(block.blobs)}

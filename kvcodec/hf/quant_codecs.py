@@ -124,6 +124,10 @@ class QuantCodec:
     def select(self, block, idx: torch.Tensor):
         return block.index_select(0, idx)
 
+    def packed(self, block):
+        """The block as the fused attention kernel reads it, or None (quantizers without that layout)."""
+        return self.q.packed(block)
+
     def select_side(self, idx: torch.Tensor) -> None:
         """Batch rows of the shared side data follow a beam reorder / batch filter."""
         if self.precond is not None:

@@ -10,6 +10,7 @@ from kvcodec.quant.codebooks import expected_distortion, lloyd_max_codebook, llo
 from kvcodec.quant.compressed import QuantizedTensor
 from kvcodec.quant.kivi import KIVI
 from kvcodec.quant.outliers import TurboQuantOutlier
+from kvcodec.quant.packed import PackedKV
 from kvcodec.quant.packing import pack_bits, packed_width, unpack_bits
 from kvcodec.quant.precondition import ChannelPreconditioner, calibrate
 from kvcodec.quant.qjl import QJL
@@ -24,5 +25,5 @@ __all__ = [
     "TurboQuantMSE", "TurboQuantProd", "QJL", "KIVI", "TurboQuantOutlier", "QuantizedTensor",
     "ChannelPreconditioner", "calibrate", "lloyd_max_codebook", "lloyd_max_thresholds",
     "expected_distortion", "rotation_matrix", "qjl_matrix", "pack_bits", "unpack_bits", "packed_width",
-    "quantizer_from_config",
+    "quantizer_from_config", "PackedKV",
 ]

@@ -6,6 +6,7 @@ import torch
 
 from kvcodec.errors import CorruptStreamError
 from kvcodec.quant.compressed import QuantizedTensor
+from kvcodec.quant.packed import PackedKV
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CHUNK_ELEMENTS = 1 << 22  # floats materialized per chunk of tokens (16 MiB of float32)
@@ -126,6 +127,10 @@ class KVQuantizer:
 
     def validate(self, c: QuantizedTensor) -> None:
         raise NotImplementedError
+
+    def packed(self, c: QuantizedTensor) -> PackedKV | None:
+        """c in the layout attention kernels read (kvcodec.quant.packed), or None: this quantizer has none."""
+        return None
 
     def append(self, c: QuantizedTensor, x: torch.Tensor) -> QuantizedTensor:
         """Quantize new tokens with c's side data (preconditioner) and concatenate them to c."""

@@ -24,6 +24,7 @@ from kvcodec.quant import base
 from kvcodec.quant.base import KVQuantizer
 from kvcodec.quant.codebooks import lloyd_max_codebook
 from kvcodec.quant.compressed import QuantizedTensor
+from kvcodec.quant.packed import PackedKV
 from kvcodec.quant.packing import pack_bits, pack_signs, packed_width, unpack_bits, unpack_signs
 from kvcodec.quant.precondition import ChannelPreconditioner, calibrate, check_mode
 from kvcodec.quant.rotations import haar_orthogonal, resolve_kind, rng_for, rotation_matrix
@@ -280,6 +281,16 @@ class TurboQuantMSE(KVQuantizer):
     def _extra_fields(self) -> set:
         return set()
 
+    # ------------------------------------------------------------------ kernels
+    def packed(self, c: QuantizedTensor) -> PackedKV:
+        """c (made by this quantizer) as the fused attention kernel reads it: its codes, norms and side
+        data with this quantizer's rotation and codebook (the same tensors, no copies)."""
+        return PackedKV(c.token["codes"], c.token["norms"], self._mse_bits, self.rotation, self.codebook,
+                        scale=c.side.get("scale"), center=c.side.get("center"), **self._packed_extra(c))
+
+    def _packed_extra(self, c: QuantizedTensor) -> dict:
+        return {}
+
 
 class TurboQuantProd(TurboQuantMSE):
     """Inner-product TurboQuant: TurboQuantMSE at bits-1 plus a 1-bit QJL sketch of the residual.
@@ -319,6 +330,9 @@ class TurboQuantProd(TurboQuantMSE):
 
     def _extra_width(self) -> int:
         return self.m
+
+    def _packed_extra(self, c: QuantizedTensor) -> dict:
+        return {"qjl": c.token["qjl"], "rnorms": c.token["rnorms"], "qjl_matrix": self.qjl_matrix}
 
     def _encode_extra(self, y, idx, norms, scale, k) -> dict:
         # residual in rotated space, against the scale as it will be stored

@@ -1,0 +1,112 @@
+"""The fused decode kernels of ``tq_decode_attention.cu`` as compiled objects: their template
+instance names and signatures (for CuPy and the nvcc checks), the build variants, the macros a call
+adds (symmetric register codebooks) and the query layout the mma fragments expect.
+
+Launching them is ``kvcodec.cuda.attention``'s job; choosing their split size is ``split_size``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from kvcodec.cuda import build
+
+SOURCE = "tq_decode_attention.cu"
+LOG2E = 1.4426950408889634
+WARPS_PER_BLOCK = 4
+
+SPLIT_SIGNATURE = (
+    "(const tq_u16*, const float*, const tq_u8*, const tq_u16*, const tq_u8*, const tq_u16*, "
+    "const tq_u16*, const float*, const tq_u8*, const tq_u16*, const float*, const float*, const int*, "
+    "int, int, int, int, int, int, float*, float*)"
+)
+MERGE_SIGNATURE = "(const float*, const float*, const float*, int, int, float*, float*)"
+PREP_SIGNATURE = "(const void*, const float*, const int*, float, int, int, tq_u16*, float*)"
+MAX_SPLITS = 4096  # the merge keeps one weight per split in shared memory
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """A build of the decode kernels: the default is the shipped one; benchmarks compare others.
+
+    ``defines``: extra ``NAME=value`` macros for the kernels (tuning knobs such as ``TQ_REG_LUT=0``);
+    ``narrow``: let tiles of <= 8 query rows use the transposed-P.V split kernel (off: always the
+    general one)."""
+
+    defines: tuple[str, ...] = ()
+    narrow: bool = True
+
+
+DEFAULT_VARIANT = KernelVariant()
+
+
+def codebook_is_symmetric(codebook: torch.Tensor, bf16: bool) -> bool:
+    """True when the 16-entry codebook, rounded to fp16 (bf16), satisfies cb[15 - i] == -cb[i]
+    bitwise: the condition of the TQ_REG_LUT_SYM lookups (8 stored entries + sign flip)."""
+    c = codebook.detach().reshape(-1).to("cpu", torch.float32)
+    if c.numel() != 16:
+        return False
+    h = c.to(torch.bfloat16 if bf16 else torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return bool(torch.equal(h.flip(0), h ^ 0x8000))
+
+
+def split_defines(defines, k_bits, v_bits, k_codebook, v_codebook, v_bf16) -> tuple[str, ...]:
+    """The split kernel's macros for one call: the symmetric register codebooks (TQ_REG_LUT_SYM=1,
+    8 stored entries + sign flip) are added when every 4-bit codebook they would serve is symmetric
+    (the Lloyd-Max ones are; cached per codebook tensor version) and dropped when one is not; a
+    caller's explicit TQ_REG_LUT_SYM=0 stays."""
+    defines = tuple(defines)
+    if "TQ_REG_LUT_SYM=0" in defines:
+        return defines
+    ok = all(bits != 4 or build.derived(cb, f"sym {bf}", lambda t, bf=bf: codebook_is_symmetric(t, bf))
+             for bits, cb, bf in ((k_bits, k_codebook, False), (v_bits, v_codebook, v_bf16)))
+    rest = tuple(d for d in defines if not d.startswith("TQ_REG_LUT_SYM"))
+    return rest + ("TQ_REG_LUT_SYM=1",) if ok else rest
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def split_name(dim: int, k_bits: int, v_bits: int, k_bf16: bool, v_bf16: bool, qjl: bool, narrow: bool) -> str:
+    """Template instance name of the split kernel for one configuration (narrow: <= 8 rows per tile)."""
+    return f"tq_decode_split<{dim}, {k_bits}, {v_bits}, {_b(k_bf16)}, {_b(v_bf16)}, {_b(qjl)}, {_b(narrow)}>"
+
+
+def merge_name(dim: int) -> str:
+    return f"tq_decode_merge<{dim}>"
+
+
+def prep_name(dim: int, qin: int) -> str:
+    return f"tq_decode_prep<{dim}, {qin}>"
+
+
+def instance_declarations(configs) -> list[str]:
+    """Explicit-instantiation declarations (for nvcc) of the split kernels in ``configs`` + merges."""
+    decls, dims = [], set()
+    for cfg in configs:
+        decls.append(f"__global__ void {split_name(*cfg)}{SPLIT_SIGNATURE}")
+        dims.add(cfg[0])
+    decls += [f"__global__ void {merge_name(d)}{MERGE_SIGNATURE}" for d in sorted(dims)]
+    decls += [f"__global__ void {prep_name(d, qin)}{PREP_SIGNATURE}" for d in sorted(dims) for qin in (0, 1, 2)]
+    return decls
+
+
+@lru_cache(maxsize=None)
+def key_permutation(dim: int) -> np.ndarray:
+    """Order of the head dimension along the mma k index (see the .cu header).
+
+    Entry 16*s + kk is the original coordinate held by thread t = (kk % 8) // 2 in its k-step s:
+    t * dim/4 + 4*s + 2*(kk >= 8) + kk % 2. The query (and S q for QJL) is permuted with it.
+    """
+    ck = dim // 4
+    perm = np.empty(dim, dtype=np.int64)
+    for s in range(dim // 16):
+        for kk in range(16):
+            perm[16 * s + kk] = ((kk % 8) // 2) * ck + 4 * s + 2 * (kk >= 8) + kk % 2
+    assert sorted(perm.tolist()) == list(range(dim))
+    return perm

@@ -1,0 +1,86 @@
+"""Split size of the decode kernel: how many tokens one warp reads (tokens per warp), from a cost
+model fitted to H200 measurements, so the last wave of blocks is well filled at every batch and length.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from kvcodec.cuda.decode_kernels import MAX_SPLITS, WARPS_PER_BLOCK
+
+# Split-size model (H200 measurements, benchmarks/GPU_NOTES.md session 2): microseconds one warp
+# needs for a 16-token step when an SM runs 4 / 8 / 16+ of them at once (per-SM throughput grows
+# with resident warps, less and less: the kernel is latency bound), the fixed cost of a warp's
+# prologue and partial write, and the merge's cost per 16 splits (one batch of loads).
+STEP_US = ((4, 1.0), (8, 1.4), (16, 2.2), (24, 3.0))
+WARP_FIXED_US = 2.0
+MERGE_US_PER_16_SPLITS = 1.5
+
+
+def blocks_per_sm(dim: int, rows: int, qjl: bool, num_regs: int | None = None, narrow: bool = True) -> int:
+    """Resident split-kernel blocks per SM: from the compiled kernel's registers when known (65,536
+    per SM, allocated per warp in units of 256), else the kernel's __launch_bounds__ minimum."""
+    if num_regs:
+        per_warp = -(-num_regs * 32 // 256) * 256
+        return max(1, min(16, 65536 // (per_warp * WARPS_PER_BLOCK)))
+    if qjl or rows > 8 or not narrow:
+        return 2
+    return 4 if dim <= 64 else 3
+
+
+def _step_us(warps: int) -> float:
+    """Per-warp step time at `warps` resident warps per SM (piecewise linear in STEP_US)."""
+    pts = STEP_US
+    if warps <= pts[0][0]:
+        return pts[0][1]
+    for (w0, t0), (w1, t1) in zip(pts, pts[1:]):
+        if warps <= w1:
+            return t0 + (t1 - t0) * (warps - w0) / (w1 - w0)
+    return pts[-1][1] * warps / pts[-1][0]  # saturated: per-SM throughput stays flat
+
+
+@lru_cache(maxsize=4096)
+def _best_tokens_per_warp(bh_tiles: int, capacity: int, sms: int, per_sm: int) -> int:
+    best, best_cost = 16, None
+    seen = set()
+    for nsplit in range(1, min(MAX_SPLITS, -(-capacity // 16)) + 1):
+        tpw = -(-(-(-capacity // nsplit)) // 16) * 16  # ceil(capacity / nsplit), up to a multiple of 16
+        if tpw in seen:
+            continue
+        seen.add(tpw)
+        n = -(-capacity // tpw)
+        blocks = bh_tiles * -(-n // WARPS_PER_BLOCK)
+        on_sm = -(-blocks // sms)  # blocks the busiest SM runs
+        rounds = -(-on_sm // per_sm)
+        warps = WARPS_PER_BLOCK * min(on_sm, per_sm)
+        cost = rounds * ((tpw / 16) * _step_us(warps) + WARP_FIXED_US) + MERGE_US_PER_16_SPLITS * -(-n // 16)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = tpw, cost
+    return best
+
+
+_sm_counts: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device, queried once per device."""
+    n = _sm_counts.get(device)
+    if n is None:
+        n = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, dim: int = 128,
+                            rows: int = 4, qjl: bool = False, num_regs: int | None = None,
+                            narrow: bool = True) -> int:
+    """Split size (tokens per warp, a multiple of 16) minimizing the modelled decode time.
+
+    The busiest SM runs ceil(blocks / SMs) blocks, at most `blocks_per_sm` at once; a round costs its
+    warps' steps at the per-warp step time of that occupancy (STEP_US) plus a fixed per-warp cost,
+    and the merge costs a little per split. Any multiple of 16 may win (not only powers of two):
+    filling the last wave matters more than the split size itself.
+    """
+    per_sm = blocks_per_sm(dim, rows, qjl, num_regs, narrow)
+    return _best_tokens_per_warp(bh_tiles, capacity, sm_count(device), per_sm)
