@@ -16,7 +16,7 @@ import torch
 
 from kvcodec import container
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless import registry
+from kvcodec.lossless import planes_device, registry
 from kvcodec.lossless.tensor_meta import (
     DEFAULT_MAX_OUTPUT_BYTES,
     check_output_cap,
@@ -207,7 +207,9 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
 
     Pass the same ``prediction`` that was given to ``compress`` (if one was). The result goes to
     ``device`` if given, else the prediction's device, else the original device when this machine
-    has it, else the CPU. Raises CorruptStreamError on damaged input or a wrong prediction.
+    has it, else the CPU. A ``planes`` blob bound for a CUDA device is decoded there by the GPU
+    rANS decoder when its streams allow (32 lanes, one table per plane; see
+    :mod:`kvcodec.lossless.planes_device`), else on the CPU and copied. Raises CorruptStreamError on damaged input or a wrong prediction.
     ``max_output_bytes``: refuse (CorruptStreamError) blobs that declare a bigger tensor, before
     anything is allocated (default ``DEFAULT_MAX_OUTPUT_BYTES`` = 4 GiB; ``None`` = no cap): a
     constant tensor legitimately compresses to a few hundred bytes whatever its size. Every
@@ -216,6 +218,11 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
     resolve_threads(threads)
     meta, sections = _load(blob, max_output_bytes)
     shape = tuple(meta["shape"])
+    target = _target_device(meta["device"], prediction, device)
+    if target.type == "cuda" and meta["codec"] == "planes" and not meta["uses_prediction"]:
+        gpu_plan = planes_device.plan(meta["codec_meta"], sections)
+        if gpu_plan is not None:  # decoded on the GPU (kvcodec.lossless.planes_device)
+            return planes_device.run(gpu_plan, target)
     pred = None
     if meta["uses_prediction"]:
         if prediction is None:
@@ -233,5 +240,4 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
         raise CorruptStreamError(
             "decoded tensor fails its checksum: wrong prediction, or a corrupted stream"
         )
-    target = _target_device(meta["device"], prediction, device)
     return out if target.type == "cpu" else out.to(target)
