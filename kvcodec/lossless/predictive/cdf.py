@@ -41,6 +41,15 @@ def cum(k, mu, rs, edges, cdf, a_mass):
 
 
 @njit(inline="always", cache=True)
+def prediction_at(pred, has_pred, g, t, d):
+    """The prediction of one scalar as float64: 0 where there is none or it is not finite."""
+    if not has_pred:
+        return 0.0
+    p = np.float64(pred[g, t, d])
+    return p if np.isfinite(p) else 0.0
+
+
+@njit(inline="always", cache=True)
 def location(m, c, p, a, dev):
     base = m + c * p
     return base, base + a * dev

@@ -12,7 +12,7 @@ from numba import njit, prange
 
 from kvcodec.entropy import rans64_fast
 from kvcodec.entropy.rans64 import M, PRECISION, RANS_L
-from kvcodec.lossless.predictive.cdf import cum, find_symbol, location
+from kvcodec.lossless.predictive.cdf import cum, find_symbol, location, prediction_at
 
 
 @njit(parallel=True, cache=True)
@@ -35,11 +35,7 @@ def encode_chunks(kx, pred, has_pred, m, c, a, rs, shared, cdf, edges, valf, fin
         i = 0
         for t in range(t0, t1):
             for d in range(d_n):
-                p = 0.0
-                if has_pred:
-                    p = np.float64(pred[g, t, d])
-                    if not np.isfinite(p):
-                        p = 0.0
+                p = prediction_at(pred, has_pred, g, t, d)
                 base, mu = location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
                 k = kx[g, t, d]
                 lo = cum(k, mu, rs[gp, d], edges, cdf, a_mass)
@@ -87,11 +83,7 @@ def decode_chunks(words, wstart, wlen, chunk_g, chunk_b, pred, has_pred, pred_t0
         ok = True
         for t in range(t0, t1):
             for d in range(d_n):
-                p = 0.0
-                if has_pred:
-                    p = np.float64(pred[gl, t - pred_t0, d])
-                    if not np.isfinite(p):
-                        p = 0.0
+                p = prediction_at(pred, has_pred, gl, t - pred_t0, d)
                 base, mu = location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
                 slot = x & mask
                 lo, c_lo, c_hi = find_symbol(slot, mu, rs[gp, d], scale[gp, d], edges, cdf, a_mass, inv_cdf,

@@ -15,7 +15,7 @@ import torch
 from numba import njit
 
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless.predictive.cdf import location
+from kvcodec.lossless.predictive.cdf import location, prediction_at
 from kvcodec.lossless.predictive.grid import SHAPE_BINS, ZMAX, FloatGrid, masses_from_counts, shape_cdf
 
 S_MIN, S_MAX = 1e-40, 1e30  # stored scales are clipped to this range (bf16 keeps 1e-40 > 0)
@@ -105,11 +105,7 @@ def _fit_moments(kx, pred, has_pred, valf, finite, log_width, out):
                 if not finite[k]:
                     continue
                 x = valf[k]
-                p = 0.0
-                if has_pred:
-                    p = np.float64(pred[g, t, d])
-                    if not np.isfinite(p):
-                        p = 0.0
+                p = prediction_at(pred, has_pred, g, t, d)
                 out[g, d, 0] += 1.0
                 out[g, d, 1] += x
                 out[g, d, 2] += p
@@ -130,11 +126,7 @@ def _fit_residuals(kx, pred, has_pred, m, c, a, shared, valf, finite, tb, rs, ou
             if t % tb == 0:
                 dev[:] = 0.0
             for d in range(d_n):
-                p = 0.0
-                if has_pred:
-                    p = np.float64(pred[g, t, d])
-                    if not np.isfinite(p):
-                        p = 0.0
+                p = prediction_at(pred, has_pred, g, t, d)
                 base, mu = location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
                 k = kx[g, t, d]
                 if finite[k]:
