@@ -265,27 +265,32 @@ def run(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, k
     model, weights = build_model(name, shape, dev)
     rows = []
     deadline = t0 + budget_s
-    for batch, ctx in shapes:
-        ks = [k for k in kinds if not k.endswith("+compile") or (batch, ctx) in compile_shapes]
-        if not cuda or batch * ctx > QUANTO_MAX_TOKENS:  # quanto dequantizes the whole cache every step
-            ks = [k for k in ks if k != "quanto"]
-        rows += run_shape(model, name, shape["num_hidden_layers"], batch, ctx, ks, n_steps, deadline)
-    del model
-    gc.collect()
-    weights_32 = weights / shape["num_hidden_layers"] * 32 if tiny else None
+    first, rest = shapes[:2], shapes[2:]  # the target shapes first, then the 32-layer model, then the rest
+
+    def sweep(m, layers, grid, kinds_here):
+        out = []
+        for batch, ctx in grid:
+            ks = [k for k in kinds_here if not k.endswith("+compile") or (batch, ctx) in compile_shapes]
+            if not cuda or batch * ctx > QUANTO_MAX_TOKENS:  # quanto dequantizes the whole cache every step
+                ks = [k for k in ks if k != "quanto"]
+            out += run_shape(m, name, layers, batch, ctx, ks, n_steps, deadline)
+        return out
+
+    rows += sweep(model, shape["num_hidden_layers"], first, kinds)
+    weights_32 = weights / shape["num_hidden_layers"] * 32
     if not tiny and cuda and time.time() < deadline:
-        full = dict(shape, num_hidden_layers=32)
         try:
-            model, weights_32 = build_model(name + "-32L", full, dev)
-            for batch, ctx in full_model_shapes:
-                rows += run_shape(model, name, 32, batch, ctx, ["dynamic", "static+graph", "kvc eager",
-                                                                "kvc static+graph"], n_steps, deadline)
-            del model
+            big, weights_32 = build_model(name + "-32L", dict(shape, num_hidden_layers=32), dev)
+            rows += sweep(big, 32, full_model_shapes, ("dynamic", "static+compile", "kvc eager", "kvc static+graph",
+                                                       "kvc static+compile"))
+            del big
         except Exception as e:
-            log(f"32-layer model skipped: {type(e).__name__}: {e}")
+            log(f"32-layer model: {type(e).__name__}: {e}")
         gc.collect()
         torch.cuda.empty_cache()
-    weights_32 = weights_32 or weights / shape["num_hidden_layers"] * 32
+    rows += sweep(model, shape["num_hidden_layers"], rest, kinds)
+    del model
+    gc.collect()
     notes = fits_80gb(rows, weights_32)
     kernel_rows = kernel_table(dev) if kernels and cuda and time.time() < deadline + 60 else []
     result = {"suite": SUITE, "machine": rec, "rows": rows, "kernel_rows": kernel_rows,

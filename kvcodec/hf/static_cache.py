@@ -397,8 +397,7 @@ class StaticCompressedCache(Cache):
                                key_mode=key_mode, residual=residual, block_size=block_size, sink=sink,
                                outliers=outliers, seed=seed, key_precondition=key_precondition,
                                value_precondition=value_precondition)
-        _check_supported(self.spec)
-        self.max_cache_len = max_cache_len
+        _check_supported(self.spec)  # (max_cache_len lives on the layers: transformers 5.17's Cache reads it there)
         super().__init__(layers=[StaticCompressedLayer(self.spec, i, max_cache_len) for i in range(self.spec.num_layers)])
         enable_static(model)
 
