@@ -13,7 +13,9 @@ counted in the bytes; this is cache configuration, like the recent-token window.
 Peers in the same run: PyPI ``turboquant`` 0.2.0 (its bytes as it holds them: uint8 indices +
 fp32 norms), Hugging Face's QuantizedCache quanto backend (optimum-quanto), if installed.
 
-Run: python benchmarks/bench_quant.py [--quick]
+Run: ``python benchmarks/bench_quant.py [--quick] [--out DIR]`` or ``kvcodec bench --suite quant``
+(results go to ``./kvcodec-bench-results`` unless ``--out`` names another folder; the committed
+results are refreshed with ``--out benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import save  # noqa: E402
+from common import DEFAULT_OUT, save  # noqa: E402
 
 from kvcodec.data import load_kv_sample  # noqa: E402
 from kvcodec.quant import KIVI, QJL, TurboQuantMSE, TurboQuantOutlier, TurboQuantProd  # noqa: E402
@@ -43,7 +45,10 @@ class Problem:
 
     def __init__(self, quick: bool):
         s = load_kv_sample(prefer_full=not quick)
-        layers = list(range(s.n_layers)) if s.n_layers <= 8 else list(range(0, s.n_layers, 3))
+        if quick:  # a smoke run: the first and the last layer of the shipped sample
+            layers = [0, s.n_layers - 1]
+        else:
+            layers = list(range(s.n_layers)) if s.n_layers <= 8 else list(range(0, s.n_layers, 3))
         self.sample_note = f"{s.meta.get('model')} layers {[s.layer_ids[i] for i in layers]}, {s.n_tokens} tokens, {s.n_q} queries"
         self.K = s.keys[layers]  # bf16 [L, Hkv, T, D]
         self.V = s.values[layers]
@@ -153,16 +158,16 @@ def quanto_codec(bits: int):
     return run
 
 
-def methods(D: int) -> list[tuple]:
-    """(method, nominal bits, key codec, value codec or None)."""
+def methods(D: int, quick: bool = False) -> list[tuple]:
+    """(method, nominal bits, key codec, value codec or None); ``quick``: 4-bit rows (and QJL m=2D) only."""
     rows = []
-    for b in (2, 3, 4, 5):
+    for b in (4,) if quick else (2, 3, 4, 5):
         rows.append(("kvcodec TQ-MSE (center+normcorr) +sink", b,
                      kvcodec_codec(TurboQuantMSE(D, b), True), kvcodec_codec(TurboQuantMSE(D, b), True)))
         rows.append(("kvcodec TQ-MSE (query-aware scale) +sink", b,
                      kvcodec_codec(TurboQuantMSE(D, b, precondition="scale"), True, "query"),
                      kvcodec_codec(TurboQuantMSE(D, b), True)))
-    for b in (2, 3, 4):
+    for b in (4,) if quick else (2, 3, 4):
         rows.append(("kvcodec TQ-MSE (center+normcorr)", b,
                      kvcodec_codec(TurboQuantMSE(D, b), False), kvcodec_codec(TurboQuantMSE(D, b), False)))
         rows.append(("kvcodec TQ-MSE paper (plain)", b,
@@ -174,13 +179,13 @@ def methods(D: int) -> list[tuple]:
         rows.append(("kvcodec TQ-Prod (query-aware scale) +sink", b,
                      kvcodec_codec(TurboQuantProd(D, b, precondition="scale"), True, "query"),
                      kvcodec_codec(TurboQuantMSE(D, b), True)))
-    for name in ("2.5", "3.5"):
+    for name in ("3.5",) if quick else ("2.5", "3.5"):
         rows.append(("kvcodec TQ outlier split (paper 2.5 / 3.5)", float(name),
                      kvcodec_codec(TurboQuantOutlier.paper(D, name), False),
                      kvcodec_codec(TurboQuantOutlier.paper(D, name), False)))
-    for m in (1, 2, 3):
+    for m in (2,) if quick else (1, 2, 3):
         rows.append(("kvcodec QJL, m = bits*D (keys only)", m, kvcodec_codec(QJL(D, m=m * D), False), None))
-    for b in (2, 3, 4):
+    for b in (4,) if quick else (2, 3, 4):
         rows.append(("KIVI g32 (K per-channel, V per-token)", b,
                      kvcodec_codec(KIVI(b, 32, "channel"), False), kvcodec_codec(KIVI(b, 32, "token"), False)))
         rows.append(("KIVI g32 +sink", b,
@@ -188,16 +193,16 @@ def methods(D: int) -> list[tuple]:
     try:
         import scipy  # noqa: F401  (the PyPI peer needs it for its codebook)
 
-        for b in (2, 3, 4):
+        for b in (4,) if quick else (2, 3, 4):
             rows.append(("peer: PyPI turboquant 0.2.0 MSE", b, pypi_turboquant_codec(b), pypi_turboquant_codec(b)))
-        for b in (3, 4):
+        for b in (4,) if quick else (3, 4):
             rows.append(("peer: PyPI turboquant 0.2.0 IP", b, pypi_turboquant_codec(b, ip=True), pypi_turboquant_codec(b)))
     except ImportError:
         pass
     try:
         import optimum.quanto  # noqa: F401
 
-        for b in (2, 4):
+        for b in (4,) if quick else (2, 4):
             rows.append(("peer: HF QuantizedCache quanto", b, quanto_codec(b), quanto_codec(b)))
     except ImportError:
         pass
@@ -205,7 +210,7 @@ def methods(D: int) -> list[tuple]:
 
 
 # ----------------------------------------------------------------------------- run
-def run(quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
+def run(quick: bool = False, out_dir: str = DEFAULT_OUT) -> dict:
     torch.manual_seed(0)
     prob = Problem(quick)
     n_values = prob.K.numel()
@@ -215,7 +220,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
         "bits/value = every byte held * 8 / values (codes, norms, scales, side data, bf16 sink token)",
         "attn_err_K: keys quantized, values exact; attn_err_KV: both quantized (same family and bits)",
     ]
-    for name, bits, kc, vc in methods(prob.D):
+    for name, bits, kc, vc in methods(prob.D, quick):
         t0 = time.perf_counter()
         try:
             k_hat, kbytes = kc(prob.K, prob, True)
@@ -230,7 +235,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         print(f"{name:45s} b={bits}: " + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)), flush=True)
-    result = {"suite": "bench_quant", "rows": rows, "notes": notes}
+    result = {"suite": "bench_quant", "quick": quick, "rows": rows, "notes": notes}
     cols = ["method", "bits", "K_bits_per_value", "V_bits_per_value", "key_rel_mse", "score_rel_err",
             f"top{TOPK}_recall", "attn_err_K", "attn_err_KV"]
     save(result, out_dir, columns=cols)
@@ -275,4 +280,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    run(quick="--quick" in sys.argv)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4-bit rows on two layers: a smoke run")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=f"results folder (default ./{DEFAULT_OUT})")
+    args = ap.parse_args()
+    run(quick=args.quick, out_dir=args.out)

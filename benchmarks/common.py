@@ -1,7 +1,9 @@
 """Shared helpers for the benchmark suites: machine record, timing, tables, JSON.
 
-Every suite returns a dict ``{"suite": name, "rows": [...], "notes": [...]}``; ``save``
-adds the machine record and writes ``<out>/<suite>.json`` and ``<out>/<suite>.md``.
+Every suite returns a dict ``{"suite": name, "rows": [...], "notes": [...]}`` (plus ``"quick": bool``
+for a smoke run); ``save`` adds the machine record and writes ``<out>/<suite>.json`` and
+``<out>/<suite>.md``. Results go to ``DEFAULT_OUT`` (``./kvcodec-bench-results``) unless the caller
+names a folder: the committed ``benchmarks/results`` is only written when asked for by name.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import platform
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from kvcodec.benchrunner import DEFAULT_OUT  # noqa: F401  (re-exported for the suites)
 
 
 def machine_record() -> dict:
@@ -99,6 +103,7 @@ def save(result: dict, out_dir: str | os.PathLike, columns: list[str] | None = N
     md = f"## {name}\n\n{table}\n" + "".join(f"- {n}\n" for n in result["notes"])
     (out / f"{name}.md").write_text(md)
     print(md)
+    print(f"-> {path.resolve()}", flush=True)
     return path
 
 

@@ -8,7 +8,8 @@
 Every table is generated from the JSON (never typed by hand), with the machine and date that
 produced it. A JSON file is a suite result: ``{"suite": str, "rows": [dict], "machine": dict,
 "notes": [str]}``, optionally ``"columns"`` (table columns, in order), ``"plots"`` (PNG file
-names in the same folder) and ``"headline"`` (row indices or a row count for the README).
+names in the same folder), ``"headline"`` (row indices or a row count for the README) and
+``"quick"`` (true for a ``--quick`` smoke run: flagged in every table heading).
 
 Rate-distortion overview: every row that has ``bits_per_value`` and ``attn_rel_err`` (relative
 attention-output error on real SmolLM2 queries; ``K_bits_per_value``/``V_bits_per_value`` and
@@ -252,6 +253,12 @@ def plot_overview(results: list[dict], results_dir: Path) -> Path | None:
     return out
 
 
+def run_line(result: dict) -> str:
+    """The italic machine line under a suite heading, flagged when the run was ``--quick``."""
+    line = f"*{machine_line(result['machine'])}*"
+    return line + " **quick run: small inputs, not for comparison**" if result.get("quick") else line
+
+
 def render_report(results: list[dict], results_dir: Path, problems: list[str] | None = None) -> str:
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     out = [
@@ -265,7 +272,7 @@ def render_report(results: list[dict], results_dir: Path, problems: list[str] | 
     if (results_dir / OVERVIEW_PNG).is_file():
         out += ["## Overview", "", f"![rate vs attention error]({OVERVIEW_PNG})", ""]
     for res in results:
-        out += [f"## {res['suite']}", "", f"*{machine_line(res['machine'])}* (`{res['_file']}`)", ""]
+        out += [f"## {res['suite']}", "", f"{run_line(res)} (`{res['_file']}`)", ""]
         cols = table_columns(res)
         out.append(markdown_table(res["rows"], cols) if res["rows"] else "(no rows)\n")
         hidden = sorted({k for r in res["rows"] for k in r} - set(cols))
@@ -304,7 +311,7 @@ def render_readme_section(results: list[dict], report_link: str = "benchmarks/re
             continue
         rows = _headline_rows(res)
         more = len(res["rows"]) - len(rows)
-        out += [f"### {res['suite']}", "", f"*{machine_line(res['machine'])}*", ""]
+        out += [f"### {res['suite']}", "", run_line(res), ""]
         out.append(markdown_table(rows, table_columns(res)))
         if more > 0:
             out.append(f"({more} more rows in the report)\n")
@@ -330,6 +337,7 @@ def run_demo_suite(results_dir: Path, quick: bool = False) -> Path:
     demo = run_demo(quick=quick)
     result = {
         "suite": "demo",
+        "quick": quick,
         "rows": demo["rows"],
         "notes": demo["notes"],
         "columns": demo["columns"],

@@ -1,12 +1,22 @@
-"""``kvcodec bench``: find the ``benchmarks/`` folder of a source checkout and run its suites.
+"""``kvcodec bench``: run the benchmark suites that ship with kvcodec and say where the results went.
 
-A suite is a module ``benchmarks/<name>.py`` with ``run(quick: bool, out_dir: str) -> dict``
-(see ``benchmarks/common.py``). GPU suites print a skip message on machines without CUDA.
+A suite is a script ``benchmarks/<name>.py`` with ``run(quick: bool, out_dir: str) -> dict`` that
+writes ``<out_dir>/<name>.json`` and ``.md`` (see ``benchmarks/common.py``). The scripts live in
+the checkout's ``benchmarks/`` folder; a wheel ships the same files as ``kvcodec/_bench/benchmarks/``
+(``setup.py`` maps them there), so ``kvcodec bench`` works from a pip install too. The suites
+are scripts that import their neighbour ``common``, so the folder holding them goes on
+``sys.path`` while they run.
+
+Results go to the folder the user names (``--out``), by default ``./kvcodec-bench-results``: never
+inside the package, never over the checkout's committed ``benchmarks/results`` unless asked. Every
+JSON file a run writes is stamped ``"quick": true|false``. GPU suites print a skip message on
+machines without CUDA.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import time
 import traceback
@@ -19,37 +29,71 @@ SUITES: dict[str, list[str]] = {
     "hf": ["bench_hf"],
     "gpu": ["gpu_kernels"],
 }
+DEFAULT_OUT = "kvcodec-bench-results"
+_SHIPPED = Path(__file__).resolve().parent / "_bench" / "benchmarks"  # where a wheel puts the suites
+_SOURCE_TREE = Path(__file__).resolve().parents[1] / "benchmarks"  # a checkout / editable install
 
 
-def find_benchmarks_dir() -> Path:
-    candidates = [Path.cwd() / "benchmarks", Path(__file__).resolve().parents[1] / "benchmarks"]
-    for c in candidates:
-        if (c / "common.py").is_file():
-            return c
+def suites_dir() -> Path:
+    """The folder holding the suite scripts: the copy inside an installed wheel, else the
+    ``benchmarks/`` folder of the source tree this kvcodec was imported from."""
+    for candidate in (_SHIPPED, _SOURCE_TREE):
+        if (candidate / "common.py").is_file():
+            return candidate
     raise FileNotFoundError(
-        "kvcodec bench needs the benchmarks/ folder of a source checkout "
-        "(git clone the repository and run it from there)"
+        f"kvcodec bench: the benchmark suites are missing (looked in {_SHIPPED} and {_SOURCE_TREE}); "
+        "reinstall kvcodec from a wheel or a source checkout"
     )
 
 
-def run_bench(suite: str = "all", quick: bool = False, out_dir: str = "benchmarks/results") -> int:
+def _json_files(out: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in out.glob("*.json")} if out.is_dir() else {}
+
+
+def _stamp_quick(path: Path, quick: bool) -> None:
+    """Record in a result file whether it came from a ``--quick`` run (small inputs)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # not ours to repair; report.py lists unreadable files
+    if isinstance(data, dict) and data.get("quick") != quick:
+        data["quick"] = quick
+        path.write_text(json.dumps(data, indent=2, default=float))
+
+
+def run_bench(suite: str = "all", quick: bool = False, out_dir: str | Path = DEFAULT_OUT) -> int:
+    """Run one suite (or ``"all"``) into ``out_dir``; print each file written. Returns the exit
+    code: 0 when every suite ran, 1 when one failed (the others still run)."""
     names = list(SUITES) if suite == "all" else [suite]
     unknown = [n for n in names if n not in SUITES]
     if unknown:
-        raise SystemExit(f"unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)} or all")
-    bench_dir = find_benchmarks_dir()
-    sys.path.insert(0, str(bench_dir))
+        raise SystemExit(f"kvcodec bench: unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)} or all")
+    out = Path(out_dir).resolve()
+    folder = str(suites_dir())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    print(f"kvcodec bench: {'quick ' if quick else ''}suite {suite}; results go to {out}", flush=True)
     failed = 0
+    written: list[Path] = []
     for name in names:
         for module_name in SUITES[name]:
             t0 = time.perf_counter()
+            before = _json_files(out)
             print(f"== suite {name}: {module_name} ==", flush=True)
             try:
                 module = importlib.import_module(module_name)
-                module.run(quick=quick, out_dir=out_dir)
+                module.run(quick=quick, out_dir=str(out))
             except Exception:  # one broken suite must not hide the others' results
                 failed += 1
                 traceback.print_exc()
                 print(f"   suite {name}: {module_name} FAILED", flush=True)
+            for path, mtime in _json_files(out).items():
+                if before.get(path) != mtime:
+                    _stamp_quick(path, quick)
+                    written.append(path)
             print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if written:
+        print(f"kvcodec bench: wrote {', '.join(p.name for p in written)} (and their .md/.png) in {out}", flush=True)
+    else:
+        print(f"kvcodec bench: no result files written in {out}", flush=True)
     return 1 if failed else 0

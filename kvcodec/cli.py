@@ -1,11 +1,107 @@
-"""The ``kvcodec`` command line: demo, bench, compress, decompress, inspect."""
+"""The ``kvcodec`` command line: demo, bench, compress, decompress, inspect.
+
+Rules every command follows: an existing file is never overwritten without ``--force``, and never
+the input itself; output is written to a temporary file beside the target and renamed into place
+only once complete, so a failure (full disk, Ctrl-C, corrupt input) leaves the old file or
+nothing; errors name the user's paths, never a temporary one; success prints one summary line.
+Exit codes: 0 success, 1 a benchmark suite failed, 2 bad input or a refused/failed write.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import tempfile
+import time
+from pathlib import Path
+
+DESCRIPTION = (
+    "Compress LLM KV caches and weights. 'kvcodec demo' shows every codec on a real KV cache; "
+    "'kvcodec compress' / 'decompress' turn a .safetensors file into a .kvc file and back, bit for bit; "
+    "'kvcodec inspect' says what a kvcodec file is and checks it (--verify). "
+    "Run 'kvcodec COMMAND --help' for a command's options."
+)
 
 
+class CliError(Exception):
+    """A refusal or failure to report to the user as one line, exit code 2."""
+
+
+def version() -> str:
+    """The installed distribution's version (the package's own if run from a bare checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvcodec")
+    except metadata.PackageNotFoundError:
+        from kvcodec import __version__
+
+        return __version__
+
+
+# ----------------------------------------------------------------------------------- output files
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def _check_output(src: Path, dst: Path, force: bool) -> None:
+    """Refuse to write over the input, a folder, or (without ``force``) any existing file."""
+    if dst.exists() or dst.is_symlink():
+        if src.exists() and dst.exists() and os.path.samefile(src, dst):
+            raise CliError(f"refusing to write {dst}: it is the input file {src}; choose another output name")
+        if dst.is_dir():
+            raise CliError(f"cannot write {dst}: it is a folder")
+        if not force:
+            raise CliError(f"{dst} already exists; pass --force to overwrite it")
+    if not dst.parent.is_dir():
+        raise CliError(f"cannot write {dst}: folder {dst.parent} does not exist")
+
+
+@contextlib.contextmanager
+def atomic_output(dst: Path, force: bool):
+    """Yield a temporary path beside ``dst``; rename it onto ``dst`` when the block succeeds,
+    delete it otherwise. Write errors are re-raised as CliError naming ``dst``."""
+    try:
+        fd, name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise CliError(f"cannot write {dst}: {exc.strerror or exc}") from None
+    os.close(fd)
+    tmp = Path(name)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result gets a normal file's mode
+    try:
+        try:
+            yield tmp
+        except OSError as exc:
+            if exc.filename is not None and not str(exc.filename).startswith(str(tmp)):
+                raise  # an error about another file (the input): its own message names it
+            raise CliError(f"cannot write {dst}: {exc.strerror or exc}") from None
+        if not force and dst.exists():
+            raise CliError(f"{dst} appeared while writing; pass --force to overwrite it")
+        try:
+            os.replace(tmp, dst)
+        except OSError as exc:
+            raise CliError(f"cannot write {dst}: {exc.strerror or exc}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def _summary(verb: str, src: Path, dst: Path, n_in: int, n_out: int, raw: int, seconds: float, extra: str = "") -> str:
+    ratio = max(n_in, n_out) / min(n_in, n_out) if min(n_in, n_out) else float("nan")
+    speed = raw / 1e6 / seconds if seconds > 0 else float("inf")
+    return (f"{verb} {src} -> {dst}: {_size(n_in)} -> {_size(n_out)}, ratio {ratio:.3f}x{extra}, "
+            f"{speed:.1f} MB/s, {seconds:.2f} s")
+
+
+# ----------------------------------------------------------------------------------- commands
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvcodec.demo import run_demo
 
@@ -19,54 +115,112 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(suite=args.suite, quick=args.quick, out_dir=args.out)
 
 
+def _input(path: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise CliError(f"{p} does not exist")
+    if p.is_dir():
+        raise CliError(f"{p} is a folder, not a file")
+    return p
+
+
 def _cmd_compress(args: argparse.Namespace) -> int:
+    from kvcodec.errors import CorruptStreamError
+    from kvcodec.inspection import identify
     from kvcodec.lossless.files import compress_file
 
-    compress_file(args.input, args.output, threads=args.threads, progress=not args.quiet)
+    src, dst = _input(args.input), Path(args.output)
+    with contextlib.suppress(CorruptStreamError):
+        fmt = identify(src)
+        raise CliError(f"{src} is already a kvcodec file: {fmt.description}")
+    _check_output(src, dst, args.force)
+    t0 = time.perf_counter()
+    with atomic_output(dst, args.force) as tmp:
+        info = compress_file(src, tmp, threads=args.threads, progress=not args.quiet)
+    seconds = time.perf_counter() - t0
+    if not args.quiet:
+        print(_summary("compressed", src, dst, info["source_bytes"], info["compressed_bytes"],
+                       info["source_bytes"], seconds, f", {info['tensors']} tensors"))
     return 0
 
 
 def _cmd_decompress(args: argparse.Namespace) -> int:
+    from kvcodec.inspection import identify
     from kvcodec.lossless.files import decompress_file
 
-    decompress_file(args.input, args.output, threads=args.threads, progress=not args.quiet)
+    src, dst = _input(args.input), Path(args.output)
+    fmt = identify(src)
+    if fmt.key != "kvc":
+        raise CliError(f"{src} is a {fmt.description}; 'kvcodec decompress' restores .kvc files made by "
+                       "'kvcodec compress' ('kvcodec inspect' shows what this file holds)")
+    _check_output(src, dst, args.force)
+    t0 = time.perf_counter()
+    with atomic_output(dst, args.force) as tmp:
+        info = decompress_file(src, tmp, threads=args.threads, progress=not args.quiet,
+                               max_output_bytes=args.max_output)
+    seconds = time.perf_counter() - t0
+    if not args.quiet:
+        print(_summary("restored", src, dst, src.stat().st_size, info["bytes"], info["bytes"], seconds))
     return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from kvcodec.lossless.files import inspect_file, format_inspect_table
+    from kvcodec import inspection
 
-    print(format_inspect_table(inspect_file(args.file)))
+    path = _input(args.file)
+    t0 = time.perf_counter()
+    fmt = inspection.identify(path)
+    print(f"{path}: {fmt.description}, {_size(path.stat().st_size)}")
+    report = inspection.describe(path, fmt.key, verify=args.verify, threads=args.threads)
+    if report.table:
+        print(report.table)
+    if args.verify:
+        print(f"verified {path}: {report.verified} ({time.perf_counter() - t0:.2f} s)")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcodec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kvcodec", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"kvcodec {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="compress the embedded real SmolLM2 KV sample with every codec")
-    p.add_argument("--quick", action="store_true", help="fewer layers (used by the tests)")
+    p = sub.add_parser("demo", help="compress the real SmolLM2 KV sample that ships with kvcodec, with every codec")
+    p.add_argument("--quick", action="store_true", help="two layers only (used by the tests)")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("bench", help="run benchmark suites (needs a source checkout)")
-    p.add_argument("--suite", default="all", help="entropy|lossless|quant|hf|gpu|all")
-    p.add_argument("--quick", action="store_true", help="small inputs, for a smoke run")
-    p.add_argument("--out", default="benchmarks/results", help="output folder for JSON, markdown and PNG")
+    from kvcodec.benchrunner import DEFAULT_OUT, SUITES
+
+    p = sub.add_parser("bench", help="run benchmark suites; results go to --out")
+    p.add_argument("--suite", default="all", choices=[*SUITES, "all"], help="which suite (default: all)")
+    p.add_argument("--quick", action="store_true", help="small inputs, for a smoke run (marked in the JSON)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"folder for the JSON, markdown and PNG results (default: ./{DEFAULT_OUT})")
     p.set_defaults(func=_cmd_bench)
 
     for name, func, helptext in (
         ("compress", _cmd_compress, "losslessly compress a .safetensors file into a .kvc file"),
-        ("decompress", _cmd_decompress, "restore the original .safetensors file byte for byte"),
+        ("decompress", _cmd_decompress, "restore the original .safetensors file, byte for byte, from a .kvc file"),
     ):
-        p = sub.add_parser(name, help=helptext)
+        p = sub.add_parser(name, help=helptext, description=helptext)
         p.add_argument("input")
         p.add_argument("output")
-        p.add_argument("--threads", type=int, default=0, help="0 = all cores")
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.add_argument("--force", action="store_true", help="overwrite the output if it exists (never the input)")
+        p.add_argument("--threads", type=int, default=0, help="threads to use (default 0: all cores)")
+        p.add_argument("--quiet", action="store_true", help="print nothing on success (no progress bar, no summary)")
+        if name == "decompress":
+            from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, parse_size
+
+            p.add_argument("--max-output", type=parse_size, default=DEFAULT_MAX_OUTPUT_BYTES, metavar="SIZE",
+                           help="refuse files that restore to more than SIZE bytes (default 4G; e.g. 64G for a "
+                                "big model you trust): a tiny hostile file could otherwise fill the disk")
         p.set_defaults(func=func)
 
-    p = sub.add_parser("inspect", help="per-tensor ratio table of a kvcodec file")
+    p = sub.add_parser("inspect", help="say what a kvcodec file is and what it holds",
+                       description="Say which kvcodec format a file is and what it holds; --verify checks it.")
     p.add_argument("file")
+    p.add_argument("--verify", action="store_true",
+                   help="check every checksum (decoding every record); exit 2 if anything is corrupt")
+    p.add_argument("--threads", type=int, default=0, help="threads for --verify (default 0: all cores)")
     p.set_defaults(func=_cmd_inspect)
     return parser
 
@@ -77,12 +231,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.func(args) or 0)
-    except CorruptStreamError as exc:
-        print(f"kvcodec: corrupt input: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+    except CliError as exc:
         print(f"kvcodec: {exc}", file=sys.stderr)
         return 2
+    except CorruptStreamError as exc:
+        subject = getattr(args, "input", None) or getattr(args, "file", None)
+        print(f"kvcodec: corrupt input {subject}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvcodec: {exc.strerror or exc}: {exc.filename}" if exc.filename else f"kvcodec: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("kvcodec: out of memory", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvcodec: interrupted; no output was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -22,24 +22,71 @@ def _present(suite: str) -> bool:
     return all((ROOT / "benchmarks" / f"{m}.py").is_file() for m in benchrunner.SUITES[suite])
 
 
-CPU_SUITES = [s for s in benchrunner.SUITES if s != "gpu"]
+def _suite_files(root: Path) -> dict:
+    """Every ``bench_quant.*`` file and results folder under ``root`` with its modification time."""
+    found = [*root.rglob("bench_quant.*"), *root.rglob("kvcodec-bench-results")]
+    return {p: p.stat().st_mtime_ns for p in found if "tests" not in p.relative_to(root).parts}
+
+
+def test_bench_writes_only_where_told_and_marks_quick_runs(tmp_path):
+    """``kvcodec bench --out DIR`` from another folder: results land in DIR only (not in the cwd,
+    not in the package, not over the checkout's committed results), the JSON says quick, the
+    path is printed."""
+    cwd, out = tmp_path / "cwd", tmp_path / "my results"
+    cwd.mkdir()
+    before = _suite_files(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcodec.cli", "bench", "--suite", "quant", "--quick", "--out", str(out)],
+        cwd=cwd, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == ["bench_quant.json", "bench_quant.md", "bench_quant.png"]
+    assert list(cwd.iterdir()) == []
+    assert _suite_files(ROOT) == before  # the committed benchmarks/results/bench_quant.* untouched
+    data = report.validate(json.loads((out / "bench_quant.json").read_text()))
+    assert data["quick"] is True and data["rows"]
+    assert f"results go to {out}" in proc.stdout and f"in {out}" in proc.stdout.splitlines()[-1]
+    report.build(out)
+    assert "quick run: small inputs" in (out / "REPORT.md").read_text()
+
+
+def test_bench_default_folder_is_in_the_cwd_outside_the_checkout():
+    from kvcodec.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--suite", "quant"])
+    assert args.out == benchrunner.DEFAULT_OUT == "kvcodec-bench-results"
+    assert not Path(args.out).is_absolute()  # resolved against the user's working folder
+
+
+def test_suites_come_from_the_installed_copy_first(tmp_path, monkeypatch):
+    """A wheel ships the scripts as kvcodec/_bench/benchmarks; a checkout uses its benchmarks/."""
+    assert benchrunner.suites_dir() == ROOT / "benchmarks"
+    (tmp_path / "common.py").write_text("")
+    monkeypatch.setattr(benchrunner, "_SHIPPED", tmp_path)
+    assert benchrunner.suites_dir() == tmp_path
+    monkeypatch.setattr(benchrunner, "_SOURCE_TREE", tmp_path / "nowhere")
+    monkeypatch.setattr(benchrunner, "_SHIPPED", tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="suites are missing"):
+        benchrunner.suites_dir()
+
+
+CPU_SUITES = [s for s in benchrunner.SUITES if s not in ("gpu", "quant")]  # quant: the subprocess test above
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("suite", CPU_SUITES)
-def test_bench_suite_quick_writes_valid_json(suite, tmp_path):
+def test_bench_suite_quick_writes_valid_json(suite, tmp_path, capsys):
+    """Each CPU suite's quick run, in this process (the hf suite shares the SmolLM2 model the
+    other tests load): valid result files, stamped quick, rendered by report.py."""
     if not _present(suite):
         pytest.skip(f"benchmarks for suite {suite!r} are not written yet")
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvcodec.cli", "bench", "--suite", suite, "--quick", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert benchrunner.run_bench(suite=suite, quick=True, out_dir=tmp_path) == 0, capsys.readouterr().out[-3000:]
     files = sorted(tmp_path.glob("*.json"))
     assert len(files) >= len(benchrunner.SUITES[suite])
     for f in files:
         data = report.validate(json.loads(f.read_text()), f.name)
         assert data["rows"], f"{f.name} has no rows"
+        assert data["quick"] is True
         assert "date" in data["machine"] and "cores" in data["machine"]
         for png in data.get("plots", []):
             assert (tmp_path / png).is_file(), f"{f.name} promises {png}"

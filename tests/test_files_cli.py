@@ -1,6 +1,11 @@
 """safetensors <-> .kvc files and the CLI: byte-identical restores, per-tensor access, damage detection."""
 
 import json
+import os
+import resource
+import signal
+import subprocess
+import sys
 import struct
 
 import numpy as np
@@ -78,7 +83,8 @@ def test_cli_reports_corrupt_and_missing_input(tmp_path, capsys):
     assert main(["decompress", str(junk), str(tmp_path / "o"), "--quiet"]) == 2
     assert main(["compress", str(junk), str(tmp_path / "o.kvc"), "--quiet"]) == 2
     assert main(["inspect", str(tmp_path / "nope.kvc")]) == 2
-    assert "corrupt" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "corrupt input" in err and str(junk) in err and "nope.kvc does not exist" in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.kvc").exists()
 
 
@@ -134,3 +140,154 @@ def test_not_safetensors_input(tmp_path):
     p.write_bytes(struct.pack("<Q", 60) + json.dumps({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}).encode().ljust(60))
     with pytest.raises(CorruptStreamError):
         files.compress_file(p, tmp_path / "x.kvc", progress=False)
+
+
+# ---- the command line as a user runs it: a subprocess, exit codes, messages, files on disk ----
+CLI = [sys.executable, "-m", "kvcodec.cli"]
+
+
+def _kvcodec(*args, cwd=None, preexec_fn=None):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          preexec_fn=preexec_fn)
+
+
+def _tree(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_cli_never_overwrites_without_force_and_never_the_input(tmp_path, capsys):
+    src, kvc = tmp_path / "m.safetensors", tmp_path / "m.kvc"
+    _write_model(src)
+    original = src.read_bytes()
+    os.link(src, tmp_path / "alias.safetensors")  # the same file under another name
+    proc = _kvcodec("compress", src, src, "--force")
+    assert proc.returncode == 2 and "is the input file" in proc.stderr, proc.stderr
+    assert main(["compress", str(src), str(tmp_path / "alias.safetensors"), "--force"]) == 2
+    assert src.read_bytes() == original
+    kvc.write_bytes(b"precious")
+    proc = _kvcodec("compress", src, kvc)
+    assert proc.returncode == 2 and "already exists; pass --force" in proc.stderr
+    assert kvc.read_bytes() == b"precious"
+    proc = _kvcodec("compress", src, kvc, "--force")
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip()
+    assert line.startswith(f"compressed {src} -> {kvc}:") and "ratio 1." in line and "MB/s" in line and " s" in line
+    assert "8 tensors" in line and line.count("\n") == 0
+    back = tmp_path / "back.safetensors"
+    back.write_bytes(b"also precious")
+    assert main(["decompress", str(kvc), str(back)]) == 2 and back.read_bytes() == b"also precious"
+    assert main(["decompress", str(kvc), str(back), "--force", "--quiet"]) == 0 and back.read_bytes() == original
+    back.unlink()
+    assert "already exists" in capsys.readouterr().err
+    assert _tree(tmp_path) == ["alias.safetensors", "m.kvc", "m.safetensors"]  # no temp files left
+
+
+def _file_size_limit(limit):
+    def apply():  # in the child: writes past ``limit`` bytes fail with EFBIG, like a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_cli_failed_write_keeps_the_old_file_and_names_the_users_path(tmp_path, capsys):
+    src, kvc = tmp_path / "m.safetensors", tmp_path / "m.kvc"
+    _write_model(src)
+    kvc.write_bytes(b"old output")
+    proc = _kvcodec("compress", src, kvc, "--force", preexec_fn=_file_size_limit(20_000))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"kvcodec: cannot write {kvc}: File too large"
+    assert kvc.read_bytes() == b"old output" and _tree(tmp_path) == ["m.kvc", "m.safetensors"]
+    missing = tmp_path / "nodir" / "sub" / "x.kvc"
+    assert main(["compress", str(src), str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == f"kvcodec: cannot write {missing}: folder {missing.parent} does not exist"
+    assert not (tmp_path / "nodir").exists()
+
+
+def test_cli_inspect_verify_fails_on_a_flipped_bit(tmp_path, capsys):
+    src, kvc = tmp_path / "m.safetensors", tmp_path / "m.kvc"
+    _write_model(src)
+    files.compress_file(src, kvc, progress=False)
+    record = next(e for e in files.KvcFile(kvc).entries if e["name"] == "layer.0.weight")
+    blob = bytearray(kvc.read_bytes())
+    blob[record["offset"] + record["length"] // 2] ^= 0x08  # inside a tensor's payload, not the index
+    bad = tmp_path / "bad.kvc"
+    bad.write_bytes(bytes(blob))
+    assert main(["inspect", str(bad)]) == 0  # the index is intact: the table alone cannot see the damage
+    assert "layer.0.weight" in capsys.readouterr().out
+    proc = _kvcodec("inspect", bad, "--verify")
+    assert proc.returncode == 2 and "corrupt input" in proc.stderr and "layer.0.weight" in proc.stderr
+    assert main(["inspect", str(kvc), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{kvc}: .kvc file") and f"verified {kvc}:" in out
+
+
+def test_cli_version_and_plain_help():
+    from kvcodec.cli import version
+
+    proc = _kvcodec("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"kvcodec {version()}"
+    from importlib import metadata
+
+    assert version() == metadata.version("kvcodec")
+    proc = _kvcodec("--help")
+    assert proc.returncode == 0 and "``" not in proc.stdout
+    for command in ("demo", "bench", "compress", "decompress", "inspect"):
+        assert command in proc.stdout
+
+
+def test_inspect_and_decompress_recognise_every_format(tmp_path, capsys):
+    import numpy as np
+
+    import kvcodec
+    from kvcodec import entropy, inspection
+    from kvcodec.quant import TurboQuantMSE
+
+    keys = (torch.randn(2, 3, 40, 64) * 0.5).to(torch.bfloat16)
+    made = {
+        "tensor.kvc": kvcodec.compress(keys),
+        "stream.kvc": entropy.encode(np.arange(5000, dtype=np.uint16) % 7),
+        "quant.kvc": TurboQuantMSE(64, 4, seed=0).quantize(keys).to_bytes(),
+    }
+    expect = {"tensor.kvc": "compressed tensor", "stream.kvc": "entropy-coded stream", "quant.kvc": "quantized K/V tensor"}
+    for name, blob in made.items():
+        (tmp_path / name).write_bytes(blob)
+        assert main(["inspect", str(tmp_path / name), "--verify"]) == 0, name
+        out = capsys.readouterr().out
+        assert expect[name] in out and "verified" in out
+        assert main(["decompress", str(tmp_path / name), str(tmp_path / "o.safetensors")]) == 2
+        assert expect[name] in capsys.readouterr().err
+    (tmp_path / "other").write_bytes(b"PK\x03\x04 a zip, not ours")
+    assert main(["inspect", str(tmp_path / "other")]) == 2
+    assert "is not a kvcodec file" in capsys.readouterr().err
+    from kvcodec.hf import persist
+
+    assert (inspection.SAVED_CACHE_KIND, inspection.SAVED_LAYER_KIND) == (persist.CACHE_KIND, persist.LAYER_KIND)
+
+
+def test_cli_recognises_a_saved_compressed_cache(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcodec.hf import CompressedCache
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval()
+    cache = CompressedCache(model, method="turboquant", key_bits=4, residual=4, block_size=4)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 21)), past_key_values=cache, use_cache=True)
+    saved = tmp_path / "prefix.kvc"
+    cache.save(saved)
+    proc = _kvcodec("inspect", saved, "--verify")
+    assert proc.returncode == 0, proc.stderr
+    assert "saved CompressedCache" in proc.stdout and "method=turboquant" in proc.stdout
+    assert [line.split()[:3] for line in proc.stdout.splitlines() if line.startswith("layer")][1:] == [
+        ["layer0", "21", "1"], ["layer1", "21", "1"]]
+    assert main(["decompress", str(saved), str(tmp_path / "out.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "saved CompressedCache" in err and "CompressedCache.load" in err
+    blob = bytearray(saved.read_bytes())
+    blob[-40] ^= 0x01
+    saved.write_bytes(bytes(blob))
+    assert main(["inspect", str(saved), "--verify"]) == 2
+    assert "checksum" in capsys.readouterr().err
