@@ -165,6 +165,8 @@ def raw_container(header, payloads: list[bytes], fix: bool = True) -> bytes:
             layout.append(pos)
             if fix and i < len(descs):
                 descs[i]["offset"], descs[i]["nbytes"], descs[i]["crc32"] = pos, len(p), zlib.crc32(p)
+                if descs[i].get("type") == "bytes" and isinstance(descs[i].get("shape"), list):
+                    descs[i]["shape"] = [len(p)]  # a bytes section resized by a mutation
             pos = -(-(pos + len(p)) // 64) * 64
         new = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
         if new == body:
@@ -556,8 +558,9 @@ def run_case(target: Target, sample, blob: bytes) -> tuple[str, str]:
     return "other", f"decoded to different content ({result})"
 
 
-def case(target: Target, seed: int) -> tuple[str, str, bytes]:
-    rng = random.Random(seed)
+def case(target: Target, seed_or_rng) -> tuple[str, str, bytes]:
+    """(outcome, detail, mutated input) of one case; a seed, or a random.Random (hypothesis's)."""
+    rng = seed_or_rng if isinstance(seed_or_rng, random.Random) else random.Random(seed_or_rng)
     samples = target.samples()
     sample = samples[rng.randrange(len(samples))]
     blob = target.mutate(rng, sample)

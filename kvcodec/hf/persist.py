@@ -123,6 +123,8 @@ def cache_from_bytes(cls, data: bytes, config_or_model, device="cpu", max_output
     except (TypeError, ValueError) as exc:
         raise CorruptStreamError(f"saved cache options are malformed: {str(exc)[:200]}") from exc
     spec = cache.spec
+    if spec.options() != options:  # cache_to_bytes writes every option: a missing one is not a default
+        raise CorruptStreamError("saved cache options are not the complete set this cache writes")
     shape = meta["shape"]
     want = {"num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
     if shape != want or any(type(v) is not int for v in shape.values()):
