@@ -110,8 +110,10 @@ class CompressedCache(Cache):
         save_cache(self, path)
 
     @classmethod
-    def load(cls, path, config_or_model, device: str | torch.device = "cpu") -> "CompressedCache":
-        """Read a cache written by :meth:`save`; ``config_or_model`` must match the saving model."""
+    def load(cls, path, config_or_model, device: str | torch.device = "cpu",
+             max_output_bytes: int | None = None) -> "CompressedCache":
+        """Read a cache written by :meth:`save`; ``config_or_model`` must match the saving model.
+        ``max_output_bytes`` caps the cache's decoded size (default 4 GiB; kvcodec.validate)."""
         from kvcodec.hf.persist import load_cache
 
-        return load_cache(cls, path, config_or_model, device=device)
+        return load_cache(cls, path, config_or_model, device=device, max_output_bytes=max_output_bytes)
