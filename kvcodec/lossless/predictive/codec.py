@@ -241,7 +241,7 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
 
     b0, b1 = start // tb, -(-stop // tb)
     out_t0 = b0 * tb
-    kx = np.empty((g, min(tt, b1 * tb) - out_t0, d), np.int32)
+    kx = np.empty((g, min(tt, b1 * tb) - out_t0, d), np.uint16)  # ranks < 65536: 2 bytes per value
     err = np.zeros(g * (b1 - b0), np.int32)
     tail = (grid.edges, grid.valf, grid.finite, grid.rank_of_bf16, 1.0 / margs[3],
             inverse_shape_index(margs[5]), 1.0 / np.diff(margs[5]).astype(np.float64), tb, tt)
