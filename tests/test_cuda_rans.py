@@ -345,3 +345,12 @@ def test_rans_fast_decoder_is_the_reference_for_32_states():
     p = rans_fast.encode_table(x, freqs, 12, 32)
     assert bytes(p) == rans.encode(x, freqs, 12, 32)
     assert rans.decode(bytes(p), freqs, 12, x.size, 32) == x.tolist()
+
+
+def test_batches_over_the_output_cap_are_refused_before_allocation():
+    from kvcodec import CorruptStreamError, entropy
+
+    blobs = [entropy.encode(np.zeros(5000, np.uint8), coder="rans", streams=32)] * 3
+    with pytest.raises(CorruptStreamError, match="max_output_bytes"):
+        gr.RansBatch(blobs, device="cpu", max_output_bytes=14_999)
+    assert gr.RansBatch(blobs, device="cpu", max_output_bytes=15_000).out_bytes == 15_000

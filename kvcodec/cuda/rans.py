@@ -131,21 +131,23 @@ class RansBatch:
     """Streams parsed, tables built and everything uploaded once; ``launch`` decodes the whole batch
     with one kernel on torch's current stream (any number of times)."""
 
-    def __init__(self, blobs, device="cuda", cpu_fallback: bool = False, table_mode: int | None = None):
+    def __init__(self, blobs, device="cuda", cpu_fallback: bool = False, table_mode: int | None = None,
+                 max_output_bytes: int | None = None):
         from kvcodec.entropy import stream
 
         blobs = list(blobs)
         self.device = torch.device(device)
         headers, payloads, self._fallback = [], [], {}
-        for i, blob in enumerate(blobs):
-            h, payload = stream.parse(blob)
+        parsed = [stream.parse(blob) for blob in blobs]
+        _check_output_cap([h for h, _ in parsed], max_output_bytes)
+        for i, (blob, (h, payload)) in enumerate(zip(blobs, parsed)):
             if h.n and (h.coder != "rans" or h.streams != STATES):
                 if not cpu_fallback:
                     raise ValueError(f"stream {i} is {h.coder} with {h.streams} state(s); the GPU decoder takes "
                                      f"rANS with {STATES} states (encode with streams=32, or cpu_fallback=True)")
                 from kvcodec import entropy
 
-                self._fallback[i] = entropy.decode(blob)
+                self._fallback[i] = entropy.decode(blob, max_output_bytes=None)  # capped above
             headers.append(h)
             payloads.append(payload)
         offsets = []
@@ -163,13 +165,15 @@ class RansBatch:
         self._setup(headers, data, offsets, table_mode)
 
     @classmethod
-    def from_device(cls, data: torch.Tensor, offsets, headers, table_mode: int | None = None) -> "RansBatch":
+    def from_device(cls, data: torch.Tensor, offsets, headers, table_mode: int | None = None,
+                    max_output_bytes: int | None = None) -> "RansBatch":
         """Payloads already on the device: ``data`` a uint8 CUDA tensor, ``offsets[i]`` the byte
         offset of payload i in it (its length is ``headers[i].payload_len``; the address must be a
         multiple of 4), ``headers`` the ``StreamHeader``s from ``kvcodec.entropy.stream.parse``."""
         if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_cuda:
             raise ValueError("data must be a 1-D uint8 CUDA tensor")
         headers = list(headers)
+        _check_output_cap(headers, max_output_bytes)
         offsets = [int(o) for o in offsets]
         if len(offsets) != len(headers):
             raise ValueError("one offset per header")
@@ -290,23 +294,37 @@ class RansBatch:
         return res
 
 
-def decode_batch(blobs, device="cuda", cpu_fallback: bool = False) -> list[torch.Tensor]:
+def _check_output_cap(headers, max_output_bytes) -> None:
+    """CorruptStreamError if the streams together declare more than the cap (default
+    ``kvcodec.entropy.DEFAULT_MAX_OUTPUT_BYTES`` for the whole batch), before any allocation."""
+    from kvcodec.entropy import DEFAULT_MAX_OUTPUT_BYTES
+
+    cap = DEFAULT_MAX_OUTPUT_BYTES if max_output_bytes is None else max_output_bytes
+    total = sum(h.n * h.dtype.itemsize for h in headers)
+    if total > cap:
+        raise CorruptStreamError(f"the streams declare {total} output bytes, over max_output_bytes={cap}")
+
+
+def decode_batch(blobs, device="cuda", cpu_fallback: bool = False,
+                 max_output_bytes: int | None = None) -> list[torch.Tensor]:
     """Decode many 32-state rANS streams on the GPU with one kernel launch; returns one uint8/uint16
     tensor per stream (views into one output buffer), bit-exact with ``kvcodec.entropy.decode``.
 
     Raises CorruptStreamError for a malformed or inconsistent stream (header/CRC on the host,
-    payload on the device) and ValueError for streams the GPU path does not take (see module doc).
+    payload on the device) or a batch declaring more than ``max_output_bytes`` (default
+    ``kvcodec.entropy.DEFAULT_MAX_OUTPUT_BYTES``, checked before anything is allocated), and
+    ValueError for streams the GPU path does not take (see module doc).
     """
-    batch = RansBatch(blobs, device, cpu_fallback)
+    batch = RansBatch(blobs, device, cpu_fallback, max_output_bytes=max_output_bytes)
     out, status = batch.launch()
     batch.check(status)
     return batch.split(out)
 
 
-def decode_concat(blobs, device="cuda") -> torch.Tensor:
+def decode_concat(blobs, device="cuda", max_output_bytes: int | None = None) -> torch.Tensor:
     """Decode streams of one dtype into one flat tensor, the streams' symbols back to back (the
-    inverse of ``encode_chunks``)."""
-    batch = RansBatch(blobs, device)
+    inverse of ``encode_chunks``); ``max_output_bytes`` as in :func:`decode_batch`."""
+    batch = RansBatch(blobs, device, max_output_bytes=max_output_bytes)
     dts = {it.dtype for it in batch.items if it.n}
     if len(dts) > 1:
         raise ValueError("decode_concat needs streams of one dtype")

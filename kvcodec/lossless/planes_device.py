@@ -95,10 +95,11 @@ def gpu_streams(coded: CodedPlane, device: torch.device) -> torch.Tensor:
     from kvcodec.cuda.rans import RansBatch
 
     data = torch.from_numpy(coded.data).to(device)
-    batch = RansBatch.from_device(data, coded.offsets, coded.headers)
+    n = sum(h.n for h in coded.headers)  # the tensor's size was capped by decompress
+    batch = RansBatch.from_device(data, coded.offsets, coded.headers, max_output_bytes=n)
     out, status = batch.launch()
     batch.check(status)
-    return out[: sum(h.n for h in coded.headers)]
+    return out[:n]
 
 
 def cpu_streams(coded: CodedPlane, device: torch.device) -> torch.Tensor:
