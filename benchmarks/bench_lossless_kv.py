@@ -2,7 +2,7 @@
 
 Data: the real SmolLM2-135M KV (keys and values, post-RoPE, bf16) and its predictor (the same
 tokens through an fp8-weight copy of the model), from ``kvcodec.data.load_kv_sample``: the full
-cache (30 layers x 2048 tokens, ``benchmarks/results/cache/smollm2_kv_full.npz``, made by
+cache (30 layers x 2048 tokens, ``kvcodec.data.full_sample_location()``, made by
 ``python benchmarks/make_kv_sample.py --full``) when present, else the shipped sample; ``quick``
 always uses the shipped sample. fp8 rows: keys/values cast to float8_e4m3fn with a per-(layer,
 head) scale (``kvcodec.lossless.fp8``); the ratio is over raw fp8 bytes and the predictor is
@@ -34,9 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # a source checkout without pip install
 from common import save  # noqa: E402
 
+from kvcodec.data import full_sample_location  # noqa: E402
+
 COLUMNS = ["source", "method", "threads", "raw_MB", "ratio", "bits_per_value", "compress_MBps",
            "decompress_MBps", "compress_MBps_core", "decompress_MBps_core", "exact"]
-FULL_CACHE = Path(__file__).resolve().parent / "results" / "cache" / "smollm2_kv_full.npz"
+FULL_CACHE = full_sample_location()  # where make_kv_sample.py --full writes it
 TARGETS = {"bf16 kvctx": 1.58, "bf16 predictive fp8-weight": 2.48, "fp8 predictive fp8-weight": 3.0}
 SPEED_TARGET_MBPS_CORE = 300  # issue 14: decode >= 300 MB/s per core for every codec
 

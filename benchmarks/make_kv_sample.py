@@ -2,7 +2,8 @@
 
     python benchmarks/make_kv_sample.py           # the shipped sample: kvcodec/data/smollm2_kv.npz
     python benchmarks/make_kv_sample.py --full    # all 30 layers, 2048 tokens, for benchmarks
-                                                  # -> benchmarks/results/cache/smollm2_kv_full.npz
+                                                  # -> kvcodec.data.full_sample_location()
+                                                  #    (~/.cache/kvcodec/smollm2_kv_full.npz)
 
 The bf16 model and its FP8-weight copy (the lossless codec's predictor) run over the same fixed
 real text (``kvcodec.smollm2.real_text("mixed")``); an attention hook records post-RoPE keys and
@@ -29,11 +30,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kvcodec import smollm2  # noqa: E402
+from kvcodec.data import full_sample_location  # noqa: E402
 
 SHIPPED = {"layers": (0, 4, 8, 12, 16, 20, 24, 29), "n_tokens": 256, "n_q": 64,
            "out": ROOT / "kvcodec" / "data" / "smollm2_kv.npz"}
 FULL = {"layers": tuple(range(30)), "n_tokens": 2048, "n_q": 256,
-        "out": ROOT / "benchmarks" / "results" / "cache" / "smollm2_kv_full.npz"}
+        "out": None}  # full_sample_location(), read when the script runs
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -115,7 +117,8 @@ def main(argv=None) -> int:
     if args.tokens:
         cfg["n_tokens"] = args.tokens
         cfg["n_q"] = min(cfg["n_q"], args.tokens)
-    make_sample(cfg["layers"], cfg["n_tokens"], cfg["n_q"], Path(args.out) if args.out else cfg["out"])
+    out = Path(args.out) if args.out else cfg["out"] or full_sample_location()
+    make_sample(cfg["layers"], cfg["n_tokens"], cfg["n_q"], out)
     return 0
 
 

@@ -72,7 +72,7 @@ def run_bench(suite: str = "all", quick: bool = False, out_dir: str | Path = DEF
     folder = str(suites_dir())
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    print(f"kvcodec bench: {'quick ' if quick else ''}suite {suite}; results go to {out}", flush=True)
+    print(f"kvcodec bench: {'quick ' if quick else ''}suite {suite} from {folder}; results go to {out}", flush=True)
     failed = 0
     written: list[Path] = []
     for name in names:

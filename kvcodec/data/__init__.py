@@ -13,6 +13,7 @@ File format (``np.savez_compressed``, no pickled objects):
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from dataclasses import dataclass, field
 from importlib import resources
@@ -24,7 +25,8 @@ import torch
 from kvcodec.errors import CorruptStreamError
 
 SAMPLE_FILE = "smollm2_kv.npz"
-FULL_SAMPLE = Path("benchmarks") / "results" / "cache" / "smollm2_kv_full.npz"
+FULL_SAMPLE_FILE = "smollm2_kv_full.npz"
+FULL_SAMPLE_ENV = "KVCODEC_FULL_KV_SAMPLE"  # names the larger sample's file, wherever it is
 _KV_ARRAYS = ("keys", "values", "keys_fp8pred", "values_fp8pred")
 
 
@@ -78,13 +80,22 @@ def default_sample_path() -> Path:
     return Path(str(resources.files("kvcodec.data").joinpath(SAMPLE_FILE)))
 
 
+def full_sample_location() -> Path:
+    """Where ``python benchmarks/make_kv_sample.py --full`` writes the larger sample and where
+    :func:`full_sample_path` looks for it: ``$KVCODEC_FULL_KV_SAMPLE`` if set, else
+    ``smollm2_kv_full.npz`` in the user's cache folder (``$XDG_CACHE_HOME/kvcodec``, by default
+    ``~/.cache/kvcodec``). Never a path inside the package or a source checkout."""
+    named = os.environ.get(FULL_SAMPLE_ENV)
+    if named:
+        return Path(named).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "kvcodec" / FULL_SAMPLE_FILE
+
+
 def full_sample_path() -> Path | None:
-    """The larger benchmark sample (``make_kv_sample.py --full``) if it exists under the current
-    directory or the source checkout kvcodec runs from; else None."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        if (root / FULL_SAMPLE).is_file():
-            return root / FULL_SAMPLE
-    return None
+    """The larger benchmark sample if it has been made (see :func:`full_sample_location`), else None."""
+    path = full_sample_location()
+    return path if path.is_file() else None
 
 
 def _bf16(array: np.ndarray) -> torch.Tensor:
@@ -93,8 +104,9 @@ def _bf16(array: np.ndarray) -> torch.Tensor:
 
 def load_kv_sample(path: str | Path | None = None, prefer_full: bool = False) -> KVSample:
     """Load the shipped sample (``path=None``) or a larger one written with
-    ``python benchmarks/make_kv_sample.py --full``. ``prefer_full=True`` (for benchmarks) loads
-    that larger sample when it exists and the shipped one otherwise; check ``sample.meta``.
+    ``python benchmarks/make_kv_sample.py --full`` (to :func:`full_sample_location`).
+    ``prefer_full=True`` (for benchmarks) loads that larger sample when it exists and the shipped
+    one otherwise; check ``sample.meta``.
     Raises CorruptStreamError for a damaged file."""
     if path is None and prefer_full:
         path = full_sample_path()
@@ -205,6 +217,7 @@ __all__ = [
     "load_kv_sample",
     "default_sample_path",
     "full_sample_path",
+    "full_sample_location",
     "causal_gqa_attention",
     "attention_reference",
     "attention_error",
