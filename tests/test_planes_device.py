@@ -71,3 +71,26 @@ def test_decompress_to_cuda_decodes_on_the_gpu():
         assert out.is_cuda
         assert_bit_exact(out.cpu(), t)
         assert_bit_exact(planes_device.run(_plan(blob), "cuda"), t)
+
+
+def test_plan_through_the_emulated_gpu_kernel_is_bit_exact():
+    """The plan's buffer, offsets and headers exactly as RansBatch.from_device would take them,
+    decoded by the lane-by-lane CPU emulation of rans_decode.cu (tests/test_cuda_rans.py)."""
+    import numpy as np
+
+    from kvcodec.cuda import rans as gr
+    from test_cuda_rans import emulate_launch
+
+    def emulated_streams(coded, device):
+        batch = gr.RansBatch.__new__(gr.RansBatch)  # from_device's setup, on a CPU tensor
+        batch.device, batch._fallback = torch.device("cpu"), {}
+        batch._setup(coded.headers, torch.from_numpy(coded.data), coded.offsets)
+        out, status = emulate_launch(batch)
+        assert np.all(status[: batch.n_payloads] == 0)
+        return torch.from_numpy(out[: sum(h.n for h in coded.headers)].copy())
+
+    for dtype, shape in ((torch.bfloat16, (21, 50)), (torch.float32, (21, 50)), (torch.float8_e4m3fn, (60, 64))):
+        t = weights_like(dtype, shape)
+        p = _plan(compress(t, max_classes=1, chunk_bytes=256 if dtype.itemsize > 1 else 1024))
+        assert p is not None and any(mode == "rans" for mode, _ in p.planes)
+        assert_bit_exact(planes_device.run(p, "cpu", decode_streams=emulated_streams), t)
