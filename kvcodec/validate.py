@@ -7,8 +7,8 @@ TypeError, MemoryError or a torch RuntimeError) and enforce the output cap, so e
 states its limits in a few lines. A leaf module: it imports nothing from kvcodec but the errors.
 
 ``max_output_bytes`` (every public decode entry point takes it): the most bytes one call may
-produce; ``None`` means :data:`DEFAULT_MAX_OUTPUT_BYTES`. Callers that trust their input and
-need more raise it explicitly (the CLI: ``--max-output``).
+produce, default :data:`DEFAULT_MAX_OUTPUT_BYTES`; callers that trust their input and need more
+raise it explicitly (the CLI: ``--max-output``), ``None`` removes the cap.
 """
 
 from __future__ import annotations
@@ -25,19 +25,20 @@ DEFAULT_MAX_OUTPUT_BYTES = 4 << 30
 MAX_ADDRESSABLE = (1 << 63) - 1
 
 
-def resolve_max_output(max_output_bytes: int | None) -> int:
-    """The cap to enforce: ``None`` -> the default; a bad argument raises ValueError (a caller bug)."""
+def resolve_max_output(max_output_bytes: int | None) -> int | None:
+    """The cap to enforce (``None``: none); a bad argument raises ValueError (a caller bug)."""
     if max_output_bytes is None:
-        return DEFAULT_MAX_OUTPUT_BYTES
+        return None
     if isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes < 0:
         raise ValueError(f"max_output_bytes must be a non-negative integer or None, got {max_output_bytes!r}")
     return max_output_bytes
 
 
 def check_output(nbytes: int, max_output_bytes: int | None, what: str = "output") -> int:
-    """Raise CorruptStreamError if ``nbytes`` (what the input declares) exceeds the cap; return nbytes."""
+    """Raise CorruptStreamError if ``nbytes`` (what the input declares) exceeds the cap (``None``:
+    no cap); return nbytes."""
     cap = resolve_max_output(max_output_bytes)
-    if nbytes > cap:
+    if cap is not None and nbytes > cap:
         raise CorruptStreamError(
             f"{what} declares {nbytes} bytes, over max_output_bytes={cap} "
             "(raise max_output_bytes / --max-output if you trust this input)")
@@ -123,7 +124,8 @@ def numel(shape: Iterable[int]) -> int:
     return n
 
 
-def checked_nbytes(shape: Any, itemsize: int, what: str, max_output_bytes: int | None = None) -> int:
+def checked_nbytes(shape: Any, itemsize: int, what: str,
+                   max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> int:
     """Bytes of a tensor of ``shape`` after :func:`check_shape`, checked against the output cap."""
     shape = check_shape(shape, what, itemsize)
     return check_output(numel(shape) * itemsize, max_output_bytes, what)

@@ -220,7 +220,10 @@ def test_bounded_zstd():
 
 
 def test_output_cap_arguments():
-    assert validate.resolve_max_output(None) == validate.DEFAULT_MAX_OUTPUT_BYTES
+    assert validate.resolve_max_output(None) is None  # the caller removed the cap explicitly
+    assert validate.check_output(2**70, None) == 2**70
+    with pytest.raises(CorruptStreamError, match="max_output_bytes"):
+        validate.check_output(validate.DEFAULT_MAX_OUTPUT_BYTES + 1, validate.DEFAULT_MAX_OUTPUT_BYTES)
     for bad in (-1, 1.5, True, "1G"):
         with pytest.raises(ValueError):
             validate.resolve_max_output(bad)

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache
 from kvcodec.hf.attention import AttentionOptions, enable
 from kvcodec.hf.layer import CompressedLayer
 from kvcodec.hf.methods import build_spec
+from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
 
 
 class CompressedCache(Cache):
@@ -111,9 +112,9 @@ class CompressedCache(Cache):
 
     @classmethod
     def load(cls, path, config_or_model, device: str | torch.device = "cpu",
-             max_output_bytes: int | None = None) -> "CompressedCache":
+             max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> "CompressedCache":
         """Read a cache written by :meth:`save`; ``config_or_model`` must match the saving model.
-        ``max_output_bytes`` caps the cache's decoded size (default 4 GiB; kvcodec.validate)."""
+        ``max_output_bytes`` caps the cache's decoded size (default 4 GiB; ``None``: no cap)."""
         from kvcodec.hf.persist import load_cache
 
         return load_cache(cls, path, config_or_model, device=device, max_output_bytes=max_output_bytes)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvcodec import container, validate
+from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES as CAP
 from kvcodec.errors import CorruptStreamError
 from kvcodec.hf.storage import Block
 
@@ -75,7 +76,7 @@ def _cpu(t):
     return t.detach().to("cpu").contiguous() if isinstance(t, torch.Tensor) else t
 
 
-def load_cache(cls, path, config_or_model, device="cpu", max_output_bytes: int | None = None):
+def load_cache(cls, path, config_or_model, device="cpu", max_output_bytes: int | None = CAP):
     data = Path(path).read_bytes()
     return cache_from_bytes(cls, data, config_or_model, device=device, max_output_bytes=max_output_bytes)
 
@@ -84,7 +85,8 @@ def load_cache(cls, path, config_or_model, device="cpu", max_output_bytes: int |
 # A saved cache is untrusted input: every meta field is checked against what cache_to_bytes
 # writes and against this model's shape before a cache is built or a block decoded, and the
 # decoded size of the cache (batch x heads x tokens x head_dim, keys and values, every layer) is
-# checked against ``max_output_bytes`` (kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES unless raised).
+# checked against ``max_output_bytes`` (kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES unless raised;
+# None: no cap).
 
 _KV_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _MAX_TOKENS = 1 << 31  # a cache never holds more tokens per layer
@@ -108,10 +110,10 @@ def _checked_options(cls, options) -> dict:
     return options
 
 
-def cache_from_bytes(cls, data: bytes, config_or_model, device="cpu", max_output_bytes: int | None = None):
+def cache_from_bytes(cls, data: bytes, config_or_model, device="cpu", max_output_bytes: int | None = CAP):
     """Rebuild a cache from :func:`cache_to_bytes` output. CorruptStreamError (a ValueError) for a
     malformed file, one saved for another model shape, or one whose decoded KV exceeds
-    ``max_output_bytes`` (default 4 GiB)."""
+    ``max_output_bytes`` (default 4 GiB; ``None``: no cap)."""
     cap = validate.resolve_max_output(max_output_bytes)
     _, meta, sections = container.loads(data, expect_kind=CACHE_KIND)
     validate.require_keys(meta, ("version", "options", "shape"), "saved cache meta")
@@ -146,10 +148,13 @@ def cache_from_bytes(cls, data: bytes, config_or_model, device="cpu", max_output
 
 
 def _spend(budget: list, shape, itemsize: int, what: str) -> None:
-    """Charge a block's decoded size (shape [B, H, T, D]) to the cache's output budget."""
+    """Charge a block's decoded size (shape [B, H, T, D]) to the cache's output budget (None: no cap)."""
+    if budget[0] is None:
+        return
     n = validate.numel(shape) * itemsize
     if n > budget[0]:
-        raise CorruptStreamError(f"{what}: the saved cache decodes past max_output_bytes (raise it if you trust this file)")
+        raise CorruptStreamError(f"{what}: the saved cache decodes past max_output_bytes "
+                                 "(raise it if you trust this file)")
     budget[0] -= n
 
 
@@ -257,7 +262,8 @@ def _restore_layer(layer, blob: bytes, spec, device, budget: list) -> set:
 def _is_block_tensor(name: str, n_blocks: int) -> bool:
     """``b<j>.k.<field>`` / ``b<j>.v.<field>`` with j < n_blocks."""
     head, _, rest = name.partition(".")
-    return head[:1] == "b" and head[1:].isascii() and head[1:].isdigit() and int(head[1:]) < n_blocks and rest[:2] in ("k.", "v.")
+    j = head[1:]
+    return head[:1] == "b" and j.isascii() and j.isdigit() and int(j) < n_blocks and rest[:2] in ("k.", "v.")
 
 
 def _dict(x) -> dict:

@@ -10,7 +10,7 @@ Reading is safe on untrusted files: the footer, index and every entry are checke
 file's real size before anything is read or allocated, the index's zstd section is decoded with
 a bounded streaming decoder, and ``max_output_bytes`` (default
 ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES``, 4 GiB) caps what one call produces: the restored
-file for :func:`decompress_file`, one tensor for :func:`read_tensor`. Every failure raises
+file for :func:`decompress_file`, one tensor for :func:`read_tensor` (``None``: no cap). Every failure raises
 :class:`kvcodec.CorruptStreamError`.
 
 File layout (integers little-endian; see ``docs/format.md``, "Container" / ``.kvc`` files)::
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from kvcodec import container, validate
+from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES as CAP
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import api, registry
 from kvcodec.lossless.planes import DEFAULT_CHUNK_BYTES
@@ -254,7 +255,7 @@ def _decode_record(e: dict, blob: bytes, threads: int) -> torch.Tensor:
     return api.decompress(blob, threads=threads, device="cpu", max_output_bytes=e["end"] - e["start"])
 
 
-def _segment_from_record(e: dict, blob: bytes, threads: int, max_output_bytes: int | None = None) -> memoryview | bytes:
+def _segment_from_record(e: dict, blob: bytes, threads: int, max_output_bytes: int | None = CAP) -> memoryview | bytes:
     validate.check_output(e["end"] - e["start"], max_output_bytes, f"segment of {e['name'] or 'a gap'}")
     if e["mode"] == "raw":
         return blob
@@ -384,12 +385,12 @@ class KvcFile:
         codec = header["meta"].get("codec")
         return codec if isinstance(codec, str) else "?"
 
-    def segment_bytes(self, e: dict, threads: int = 0, max_output_bytes: int | None = None) -> memoryview | bytes:
+    def segment_bytes(self, e: dict, threads: int = 0, max_output_bytes: int | None = CAP) -> memoryview | bytes:
         """The original bytes of one entry's segment of the safetensors data buffer (capped, default 4 GiB)."""
         validate.check_output(e["end"] - e["start"], max_output_bytes, f"segment of {e['name'] or 'a gap'}")
         return _segment_from_record(e, self.record(e), threads, max_output_bytes)
 
-    def tensor(self, name: str, threads: int = 0, max_output_bytes: int | None = None) -> torch.Tensor:
+    def tensor(self, name: str, threads: int = 0, max_output_bytes: int | None = CAP) -> torch.Tensor:
         e = self.by_name.get(name)
         if e is None:
             raise KeyError(f"no tensor named {name!r} in {self.path}")
@@ -406,7 +407,7 @@ class KvcFile:
 
 
 def read_tensor(path: str | os.PathLike, name: str, threads: int = 0,
-                max_output_bytes: int | None = None) -> torch.Tensor:
+                max_output_bytes: int | None = CAP) -> torch.Tensor:
     """Decode one tensor of a ``.kvc`` file by name (KeyError if absent). Dtypes torch lacks come back as uint8 bytes.
 
     ``max_output_bytes``: refuse (CorruptStreamError) a tensor bigger than this (default 4 GiB).
@@ -416,7 +417,7 @@ def read_tensor(path: str | os.PathLike, name: str, threads: int = 0,
 
 
 def iter_tensors(path: str | os.PathLike, threads: int = 0,
-                 max_output_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 max_output_bytes: int | None = CAP) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) in file order, one at a time (each capped by ``max_output_bytes``)."""
     with KvcFile(path) as kf:
         for e in kf.entries:
@@ -425,7 +426,7 @@ def iter_tensors(path: str | os.PathLike, threads: int = 0,
 
 
 def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int = 0, progress: bool = True,
-                    max_output_bytes: int | None = None) -> dict:
+                    max_output_bytes: int | None = CAP) -> dict:
     """Restore the original safetensors file from a ``.kvc`` file, byte for byte (crc32-checked).
 
     ``max_output_bytes``: refuse (CorruptStreamError, before ``dst`` is touched) a file that would

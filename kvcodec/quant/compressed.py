@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcodec import container, validate
+from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES as CAP
 from kvcodec.errors import CorruptStreamError
 from kvcodec.quant.registry import quantizer_from_config
 
@@ -219,12 +220,13 @@ class QuantizedTensor:
         return {"meta": self.meta(), "tensors": {k: v.detach().cpu().contiguous() for k, v in self.tensors().items()}}
 
     @classmethod
-    def from_dict(cls, d: dict, max_output_bytes: int | None = None) -> "QuantizedTensor":
+    def from_dict(cls, d: dict, max_output_bytes: int | None = CAP) -> "QuantizedTensor":
         """Rebuild from to_dict's output; any inconsistency raises CorruptStreamError.
 
         Every meta field is checked (types, ranges, the quantizer's cost) before the quantizer is
-        built or a tensor is touched; ``max_output_bytes`` (default
-        ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES``) caps the float32 tensor it dequantizes to.
+        built or a tensor is touched; ``max_output_bytes`` (default 4 GiB,
+        ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES``; ``None``: no cap) caps the float32 tensor
+        it dequantizes to.
         """
         if type(d) is not dict or set(d) != {"meta", "tensors"} or type(d["tensors"]) is not dict:
             raise CorruptStreamError("malformed quantized tensor: expected {'meta', 'tensors'}")
@@ -250,7 +252,7 @@ class QuantizedTensor:
         return container.dumps(CONTAINER_KIND, d["meta"], d["tensors"])
 
     @classmethod
-    def from_bytes(cls, blob: bytes, max_output_bytes: int | None = None) -> "QuantizedTensor":
+    def from_bytes(cls, blob: bytes, max_output_bytes: int | None = CAP) -> "QuantizedTensor":
         """Parse :meth:`to_bytes` output (untrusted input: see :meth:`from_dict`)."""
         kind, meta, tensors = container.loads(blob)
         if kind != CONTAINER_KIND:
