@@ -36,21 +36,9 @@ def sample():
     return load_kv_sample()
 
 
-def to_chunk(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[layers, heads, tokens, d] keys/values -> LMCache's KV chunk layout [2, layers, tokens, heads * d]."""
-    n_layers, n_heads, n_tokens, d = keys.shape
-    return torch.stack([t.transpose(1, 2).reshape(n_layers, n_tokens, n_heads * d) for t in (keys, values)]).contiguous()
-
-
-def from_chunk(chunk: torch.Tensor, n_heads: int):
-    _, n_layers, n_tokens, hidden = chunk.shape
-    kv = chunk.reshape(2, n_layers, n_tokens, n_heads, hidden // n_heads).transpose(2, 3)
-    return kv[0], kv[1]
-
-
 @pytest.fixture(scope="module")
 def chunk(sample):
-    return to_chunk(sample.keys, sample.values)  # bf16 [2, 8, 256, 192]: 8 real layers, 256 tokens
+    return kvlm.kv_chunk(sample.keys, sample.values)  # bf16 [2, 8, 256, 192]: 8 real layers, 256 tokens
 
 
 class Store:
@@ -154,7 +142,7 @@ def test_fs_turboquant_states_its_error(tmp_path, sample, chunk):
         store.close()
     assert back is not None and back.dtype == chunk.dtype and back.shape == chunk.shape
     assert stored < chunk.nbytes / 3.4  # ~4.4 stored bits per value incl. norms, side data, token 0
-    k_hat, v_hat = from_chunk(back, sample.n_kv_heads)
+    k_hat, v_hat = kvlm.kv_unchunk(back, sample.n_kv_heads)
     err = attention_error(sample, k_hat, v_hat)
     assert err < 0.13, err  # docs/lmcache.md states the measured value
     assert bit_equal(back[:, :, :1], chunk[:, :, :1])  # exact_tokens=1: the attention sink

@@ -56,6 +56,21 @@ class SlotOverflowError(ValueError):
     """A chunk's payload does not fit the fixed slot its serde allocated (the store is refused)."""
 
 
+# -------------------------------------------------------------------------------- KV layout
+def kv_chunk(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """keys/values [layers, kv_heads, tokens, head_dim] -> LMCache's chunk layout
+    [2, layers, tokens, kv_heads * head_dim] (contiguous)."""
+    n_layers, n_heads, n_tokens, d = keys.shape
+    return torch.stack([t.transpose(1, 2).reshape(n_layers, n_tokens, n_heads * d) for t in (keys, values)]).contiguous()
+
+
+def kv_unchunk(chunk: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``kv_chunk``: (keys, values), each [layers, kv_heads, tokens, head_dim] (views)."""
+    _, n_layers, n_tokens, hidden = chunk.shape
+    kv = chunk.reshape(2, n_layers, n_tokens, n_heads, hidden // n_heads).transpose(2, 3)
+    return kv[0], kv[1]
+
+
 # ---------------------------------------------------------------------------------------- frame
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
     """The bytes of a CPU tensor as a flat uint8 numpy view (no copy)."""
@@ -199,14 +214,13 @@ class TurboQuantSerializer(Serializer):
         self._slots: dict = {}
 
     def payload(self, kv: torch.Tensor) -> bytes:
-        n_layers, n_tokens, n_heads, d = _split_kv(kv, self.opts.head_dim)
+        _, n_tokens, n_heads, _ = _split_kv(kv, self.opts.head_dim)
         e = min(self.opts.exact_tokens, n_tokens)
         meta = {"shape": list(kv.shape), "dtype": container.torch_dtype_name(kv.dtype), "exact_tokens": e}
         tensors = {"exact": kv[:, :, :e].contiguous()}
         if n_tokens > e:
-            heads = kv[:, :, e:].reshape(2, n_layers, n_tokens - e, n_heads, d).transpose(2, 3)
-            for part, name in enumerate("kv"):
-                q = self.quantizers[part].quantize(heads[part]).to_dict()
+            for part, (name, x) in enumerate(zip("kv", kv_unchunk(kv[:, :, e:], n_heads))):
+                q = self.quantizers[part].quantize(x).to_dict()
                 meta[name] = q["meta"]
                 tensors.update({f"{name}.{k}": t for k, t in q["tensors"].items()})
         return container.dumps(TQ_KIND, meta, tensors)

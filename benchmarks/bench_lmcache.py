@@ -1,0 +1,300 @@
+"""LMCache L2 serdes on real SmolLM2 KV chunks: kvcodec's beside LMCache's own, in one run.
+
+Data: SmolLM2-135M-Instruct (bf16, CPU) reads ``prefix`` tokens of ``kvcodec.smollm2.real_text``;
+its post-RoPE K/V of all 30 layers are cut into LMCache chunks of 256 tokens in LMCache's layout
+[2, layers, tokens, kv_heads * head_dim] (5.9 MB each). Every serde is built by LMCache's own
+``create_serde_processor`` from the dict an L2 config would carry, and its sync serializer /
+deserializer run on real LMCache ``TensorMemoryObj`` buffers. Reported per serde:
+
+* ``bytes_per_token``: bytes LMCache's L2 holds per token (what ``serialize`` returns; for the
+  kvcodec serdes that is the fixed slot), ``vs_naive`` = raw bf16 bytes / stored bytes;
+  ``payload_vs_naive`` (kvcodec_lossless): what a store that accepted variable sizes would hold;
+* ``ser_GBps`` / ``deser_GBps``: raw KV bytes per second on one CPU core (torch and kvcodec on one
+  thread; best of ``repeat``), ``fits``: chunks stored / chunks offered (a lossless chunk that does
+  not fit its slot is refused);
+* ``attn_err``: relative error of the attention output of the last 64 real queries of the prefix
+  over all layers (``kvcodec.data.causal_gqa_attention``, float64), ``ppl`` / ``ppl_delta_pct``: the
+  next ``n_eval`` tokens scored with a DynamicCache filled from the round-tripped KV.
+
+LMCache's ``turboquant`` presets run only on CUDA (Triton kernels; ``serialize`` refuses without a
+GPU): their stored bytes come from their own ``estimate_serialized_size``. With ``--quick`` and
+Triton importable under ``TRITON_INTERPRET=1``, their real kernels also run on the CPU through
+Triton's interpreter (LMCache's device pick is pointed at the CPU for the call), which gives their
+quality on the same chunk (no speed: it is an emulation). ``naive`` = no serde (raw bf16 bytes).
+
+Run: ``python benchmarks/bench_lmcache.py`` (SmolLM2 model, all layers) and
+``TRITON_INTERPRET=1 python benchmarks/bench_lmcache.py --quick`` (the shipped 8-layer sample, no
+model; suite ``bench_lmcache_quick``). Triton for the interpreter can live outside the environment:
+``pip install --no-deps --target /tmp/tritonenv triton`` and ``PYTHONPATH=/tmp/tritonenv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save  # noqa: E402
+
+SUITE = "bench_lmcache"
+CHUNK_TOKENS = 256
+N_Q = 64
+COLUMNS = ["serde", "config", "kind", "bytes_per_token", "vs_naive", "payload_vs_naive", "fits", "ser_GBps",
+           "deser_GBps", "bit_exact", "attn_err", "ppl", "ppl_delta_pct", "note"]
+
+
+# ---------------------------------------------------------------------------------------- data
+def model_kv(prefix: int, n_eval: int):
+    """(keys, values, queries [layers, heads, T, d] bf16, model, ids) from SmolLM2 on real text."""
+    from kvcodec import smollm2
+
+    model = smollm2.load_model()
+    tok = smollm2.load_tokenizer()
+    ids = tok(smollm2.real_text("mixed"), return_tensors="pt").input_ids[:, : prefix + n_eval]
+    rec = smollm2.record_qkv(model, ids[:, :prefix])
+    stack = lambda part: torch.stack([rec[part][i][0] for i in sorted(rec[part])])  # noqa: E731
+    return stack("k"), stack("v"), stack("q"), model, ids
+
+
+def sample_kv():
+    from kvcodec.data import load_kv_sample
+
+    s = load_kv_sample()
+    return s.keys, s.values, s.queries, None, None
+
+
+def attention_error(queries, keys, values, keys_hat, values_hat) -> float:
+    """||O_hat - O|| / ||O|| over every layer for the last N_Q queries (causal, GQA, float64)."""
+    from kvcodec.data import causal_gqa_attention
+
+    num = den = 0.0
+    for layer in range(keys.shape[0]):
+        q = queries[layer][:, -N_Q:]
+        ref = causal_gqa_attention(q, keys[layer], values[layer])
+        out = causal_gqa_attention(q, keys_hat[layer], values_hat[layer])
+        num += float((out - ref).pow(2).sum())
+        den += float(ref.pow(2).sum())
+    return (num / den) ** 0.5
+
+
+@torch.no_grad()
+def perplexity(model, ids, prefix: int, keys, values) -> float:
+    """Perplexity of tokens prefix+1.. given a DynamicCache holding ``keys``/``values`` for the prefix."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for layer in range(keys.shape[0]):
+        cache.update(keys[layer][None], values[layer][None], layer)
+    logits = model(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).logits[0, :-1].float()
+    return math.exp(float(torch.nn.functional.cross_entropy(logits, ids[0, prefix + 1:])))
+
+
+# -------------------------------------------------------------------------------------- serdes
+def serde_specs(head_dim: int) -> list[dict]:
+    """kvcodec's serdes and LMCache's CPU-capable fp8; TurboQuant bit pairs that match LMCache's
+    presets at equal bytes (k8v4, 4bit_nc, k3v4_nc, 3bit_nc) plus 2/2."""
+    tq = {"type": "kvcodec_turboquant", "head_dim": head_dim}
+    return [{"type": "kvcodec_lossless", "codec": "planes"}, {"type": "kvcodec_lossless", "codec": "kvctx"},
+            {"type": "fp8"}] + [{**tq, "key_bits": kb, "value_bits": vb} for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3), (2, 2))]
+
+
+def memory_obj(t: torch.Tensor):
+    """A real LMCache TensorMemoryObj over the bytes of ``t`` (shared, no copy)."""
+    from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+    raw = t.reshape(-1).view(torch.uint8)
+    meta = MemoryObjMetadata(shape=t.shape, dtype=t.dtype, address=0, phy_size=raw.numel(), ref_count=1,
+                             shapes=[t.shape], dtypes=[t.dtype])
+    return TensorMemoryObj(raw, meta, None)
+
+
+def run_serde(spec: dict, chunks: list[torch.Tensor], repeat: int) -> dict:
+    """Serialize/deserialize every chunk through the serde LMCache builds from ``spec``."""
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+    from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
+
+    kwargs = {k: v for k, v in spec.items() if k != "type"}
+    proc = create_serde_processor(SerdeConfig(type=spec["type"], kwargs=kwargs))
+    ser, de = proc._serializer, proc._deserializer  # the sync pair AsyncSerdeProcessor runs on its worker
+    stored, payload, fits, done, t_ser, t_de, outs = 0, 0, 0, 0, 0.0, 0.0, []
+    try:
+        for c in chunks:
+            layout = MemoryLayoutDesc(shapes=[c.shape], dtypes=[c.dtype])
+            dst = torch.zeros(ser.estimate_serialized_size(layout), dtype=torch.uint8)
+            src, dst_obj = memory_obj(c), memory_obj(dst)
+            try:
+                n = ser.serialize(src, dst_obj, None)
+            except ValueError as exc:  # kvcodec_lossless refuses a chunk that does not fit its slot
+                if "slot" not in str(exc):
+                    raise
+                stored += c.nbytes  # not in L2 (a miss later); counted as if stored raw
+                outs.append(c.clone())
+                continue
+            fits += 1
+            done += c.nbytes
+            stored += n
+            payload += _payload_bytes(dst)
+            out = torch.empty_like(c)
+            out_obj = memory_obj(out)
+            de.deserialize(memory_obj(dst[:n]), out_obj, None)
+            if repeat:
+                t_ser += best(lambda: ser.serialize(src, dst_obj, None), repeat)
+                t_de += best(lambda: de.deserialize(memory_obj(dst[:n]), out_obj, None), repeat)
+            outs.append(out)
+    finally:
+        proc.close()
+    raw = sum(c.nbytes for c in chunks)
+    row = {"stored": stored, "payload": payload, "fits": f"{fits}/{len(chunks)}",
+           "ser_GBps": done / t_ser / 1e9 if t_ser else None, "deser_GBps": done / t_de / 1e9 if t_de else None,
+           "raw": raw}
+    return row, outs
+
+
+def _payload_bytes(dst: torch.Tensor) -> int:
+    """Frame + payload of a kvcodec frame (the slot's used part); the whole buffer for other serdes."""
+    from kvcodec.integrations.lmcache import FRAME, MAGIC
+
+    head = dst[:FRAME.size].numpy().tobytes()
+    if head[:4] != MAGIC:
+        return dst.numel()
+    return FRAME.size + FRAME.unpack(head)[4]
+
+
+def best(fn, repeat: int) -> float:
+    t = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        t = min(t, time.perf_counter() - t0)
+    return t
+
+
+def lmcache_turboquant_specs(head_dim: int) -> list[dict]:
+    from lmcache.v1.distributed.serde.turboquant.turboquant import TQ_PRESETS
+
+    return [{"type": "turboquant", "preset": p, "head_dim": head_dim, "skip_first_layers": skip, "skip_last_layers": skip}
+            for p in TQ_PRESETS for skip in (0, 2)]
+
+
+def lmcache_turboquant_sizes(spec: dict, chunks: list[torch.Tensor]) -> dict:
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+    from lmcache.v1.distributed.serde.turboquant.turboquant import TurboQuantSerdeConfig, TurboQuantSerializer
+
+    cfg = TurboQuantSerdeConfig(**{k: v for k, v in spec.items() if k != "type"})
+    stored = sum(TurboQuantSerializer(cfg).estimate_serialized_size(MemoryLayoutDesc(shapes=[c.shape], dtypes=[c.dtype]))
+                 for c in chunks)
+    return {"stored": stored, "payload": 0, "fits": None, "ser_GBps": None, "deser_GBps": None,
+            "raw": sum(c.nbytes for c in chunks)}
+
+
+def triton_interpreter_ready() -> bool:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def lmcache_turboquant_on_cpu():
+    """Point LMCache's TurboQuant serde at the CPU (its Triton kernels then run in Triton's
+    interpreter): the device pick returns the CPU and the fp8 flavour is the sm_89+ one (H100)."""
+    import lmcache.v1.distributed.serde.turboquant.decode_kernel as dk
+    import lmcache.v1.distributed.serde.turboquant.store_kernel as sk
+    import lmcache.v1.distributed.serde.turboquant.turboquant as tq
+
+    saved = tq._select_cuda_device, dk._use_fp8_e4b15, sk._use_fp8_e4b15
+    tq._select_cuda_device = lambda *a, **k: torch.device("cpu")
+    dk._use_fp8_e4b15 = sk._use_fp8_e4b15 = lambda device=0: 0
+    try:
+        yield
+    finally:
+        tq._select_cuda_device, dk._use_fp8_e4b15, sk._use_fp8_e4b15 = saved
+
+
+def run(quick: bool = False, out_dir: str = "benchmarks/results", prefix: int = 1024, n_eval: int = 128,
+        repeat: int = 3) -> dict:
+    import kvcodec.integrations.lmcache as kvlm
+
+    torch.set_num_threads(1)
+    keys, values, queries, model, ids = sample_kv() if quick else model_kv(prefix, n_eval)
+    n_layers, n_heads, n_tokens, d = keys.shape
+    chunks = [kvlm.kv_chunk(keys[:, :, s:s + CHUNK_TOKENS], values[:, :, s:s + CHUNK_TOKENS])
+              for s in range(0, n_tokens, CHUNK_TOKENS)]
+    raw_per_token = chunks[0].nbytes / chunks[0].shape[2]
+
+    def row(spec: dict, r: dict, **extra) -> dict:
+        lossless = "lossless" in spec["type"]
+        return {"serde": spec["type"], "config": json.dumps({k: v for k, v in spec.items() if k != "type"}),
+                "kind": "lossless" if lossless else "lossy", "bytes_per_token": r["stored"] / n_tokens,
+                "vs_naive": r["raw"] / r["stored"], "payload_vs_naive": r["raw"] / r["payload"] if lossless else None,
+                "fits": r["fits"], "ser_GBps": r["ser_GBps"], "deser_GBps": r["deser_GBps"], **extra}
+
+    ppl0 = perplexity(model, ids, n_tokens, keys, values) if model is not None else None
+    rows = [{"serde": "naive", "config": "no serde (raw bf16)", "kind": "exact", "bytes_per_token": raw_per_token,
+             "vs_naive": 1.0, "bit_exact": True, "attn_err": 0.0, "ppl": ppl0, "ppl_delta_pct": 0.0}]
+    interpret = quick and triton_interpreter_ready()
+    for spec in serde_specs(d) + lmcache_turboquant_specs(d):
+        note = ""
+        if spec["type"] == "turboquant" and not (interpret and spec["skip_first_layers"] == 0):
+            r = lmcache_turboquant_sizes(spec, chunks)
+            rows.append(row(spec, r, note="LMCache preset: Triton/CUDA only, quality not measured on CPU"))
+            continue
+        if spec["type"] == "turboquant":
+            with lmcache_turboquant_on_cpu():
+                r, outs = run_serde(spec, chunks, repeat=0)
+            note = "LMCache's Triton kernels in Triton's CPU interpreter (quality only)"
+        else:
+            r, outs = run_serde(spec, chunks, repeat)
+        k_hat = torch.cat([kvlm.kv_unchunk(o, n_heads)[0] for o in outs], dim=2)
+        v_hat = torch.cat([kvlm.kv_unchunk(o, n_heads)[1] for o in outs], dim=2)
+        exact = torch.equal(k_hat.view(torch.int16), keys.view(torch.int16)) and torch.equal(
+            v_hat.view(torch.int16), values.view(torch.int16))
+        ppl = perplexity(model, ids, n_tokens, k_hat, v_hat) if model is not None else None
+        rows.append(row(spec, r, note=note, bit_exact=exact, attn_err=attention_error(queries, keys, values, k_hat, v_hat),
+                        ppl=ppl, ppl_delta_pct=100 * (ppl / ppl0 - 1) if ppl is not None else None))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"suite": SUITE + ("_quick" if quick else ""), "rows": rows, "notes": [
+        f"{'shipped 8-layer sample' if quick else f'SmolLM2-135M-Instruct, all {n_layers} layers'}: {n_tokens} tokens "
+        f"in {len(chunks)} LMCache chunks of {CHUNK_TOKENS} tokens [2, {n_layers}, {CHUNK_TOKENS}, {n_heads * d}] bf16; "
+        f"{N_Q} real queries per layer for attn_err" + ("" if quick else f"; ppl over the next {n_eval} tokens"),
+        "GB/s: raw KV bytes per second, one CPU core (torch.set_num_threads(1), kvcodec threads=1), best of "
+        f"{repeat}, on a shared 2-core machine (provisional)",
+        "kvcodec serdes store fixed slots (LMCache 0.5.6's fs/resp loads need objects of exactly the estimated size): "
+        f"kvcodec_lossless slot = raw / slot_ratio ({kvlm.DEFAULT_SLOT_RATIO}) + 32 B",
+        f"lmcache {_version('lmcache')}, kvcodec commit {commit}",
+    ]}
+    save(result, out_dir, columns=COLUMNS)
+    return result
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="shipped 8-layer sample, no model, fewer serdes")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--prefix", type=int, default=1024)
+    p.add_argument("--repeat", type=int, default=3)
+    a = p.parse_args(argv)
+    run(quick=a.quick, out_dir=a.out, prefix=a.prefix, repeat=a.repeat)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
