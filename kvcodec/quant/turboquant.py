@@ -72,6 +72,37 @@ def resolve_precond(quantizer, x: torch.Tensor, precond) -> ChannelPreconditione
     return precond.to(x.device)
 
 
+def _fold_gqa(c: QuantizedTensor, x: torch.Tensor, what: str) -> tuple[torch.Tensor, int]:
+    """GQA: ``x`` [..., Hq, R, W] against a compressed [..., Hkv, T, D] with Hq a multiple of Hkv
+    becomes [..., Hkv, (Hq // Hkv) * R, W]: query head h reads KV head h // (Hq // Hkv), as in
+    Hugging Face models. Returns (x, group); shapes that broadcast already come back with group 1.
+    Any other head count is a ValueError."""
+    lead, kv = tuple(x.shape[:-2]), tuple(c.lead_shape)
+    try:
+        torch.broadcast_shapes(lead, kv)
+        return x, 1
+    except RuntimeError:
+        pass
+    if len(lead) == len(kv) and kv and kv[-1] > 0 and lead[-1] % kv[-1] == 0:
+        group = lead[-1] // kv[-1]
+        folded = x.reshape(*lead[:-1], kv[-1], group * x.shape[-2], x.shape[-1])
+        try:
+            torch.broadcast_shapes(folded.shape[:-2], kv)
+            return folded, group
+        except RuntimeError:
+            pass
+    raise ValueError(
+        f"{what} shaped {tuple(x.shape)} do not fit compressed keys/values with leading shape {kv}: "
+        "the leading dims must broadcast, or the head axis (just before the last two) must be a "
+        "multiple of the KV heads (GQA)"
+    )
+
+
+def _unfold_gqa(out: torch.Tensor, group: int) -> torch.Tensor:
+    """[..., Hkv, group * R, W] -> [..., Hkv * group, R, W] (undoes :func:`_fold_gqa`)."""
+    return out.reshape(*out.shape[:-3], out.shape[-3] * group, out.shape[-2] // group, out.shape[-1])
+
+
 class TurboQuantMSE(KVQuantizer):
     """MSE-optimal TurboQuant: b bits per coordinate + one fp16 norm per vector.
 
@@ -196,9 +227,13 @@ class TurboQuantMSE(KVQuantizer):
         return 0.0
 
     def scores(self, c: QuantizedTensor, queries: torch.Tensor) -> torch.Tensor:
-        """queries [..., Q, dim] -> [..., Q, N] estimates of queries @ x.T from the packed form."""
+        """queries [..., Q, dim] -> [..., Q, N] estimates of queries @ x.T from the packed form.
+        GQA: queries [B, Hq, Q, dim] against keys [B, Hkv, N, dim], Hq a multiple of Hkv."""
         self._own(c)
         q = base.check_queries(c, queries, self.dim)
+        q, group = _fold_gqa(c, q, "queries")
+        if group > 1:  # GQA: each KV head scores its group of query heads as one block of queries
+            return _unfold_gqa(self.scores(c, q), group)
         k = self._consts(c.device)
         pre = ChannelPreconditioner.from_side(c.side)
         q_rot = pre.scale_queries(q) @ k["rot"].T
@@ -217,9 +252,13 @@ class TurboQuantMSE(KVQuantizer):
         return out if off is None else out + off
 
     def weighted_sum(self, c: QuantizedTensor, weights: torch.Tensor) -> torch.Tensor:
-        """weights [..., Q, N] -> weights @ x_hat [..., Q, dim], accumulated in rotated space."""
+        """weights [..., Q, N] -> weights @ x_hat [..., Q, dim], accumulated in rotated space.
+        GQA: weights [B, Hq, Q, N] against values [B, Hkv, N, dim], Hq a multiple of Hkv."""
         self._own(c)
         w = base.check_weights(c, weights)
+        w, group = _fold_gqa(c, w, "weights")
+        if group > 1:  # GQA, as in scores
+            return _unfold_gqa(self.weighted_sum(c, w), group)
         k = self._consts(c.device)
         pre = ChannelPreconditioner.from_side(c.side)
         step = base.token_chunk(c, self.dim + self._extra_width())
