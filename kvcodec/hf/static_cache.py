@@ -430,8 +430,9 @@ def static_mask(*args, **kwargs):
     """Mask function of ``"kvcodec_static"``: causality comes from the cache's token positions, so no
     mask is built; padded batches are refused (checked outside compiled or captured code)."""
     mask = kwargs.get("attention_mask")
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    if mask is not None and mask.dim() == 2 and not torch.compiler.is_compiling() and not capturing:
+    if mask is None or mask.dim() != 2 or torch.compiler.is_compiling():
+        return None
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         if not bool(mask.all()):
             raise ValueError("the static compressed cache does not support padded batches")
     return None
