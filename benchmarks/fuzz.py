@@ -644,18 +644,19 @@ def _tally(path: Path) -> tuple[dict, float, list, int | None, int]:
 
 def run(minutes: float, targets: list[str], case_seconds: float, mem_extra: int, out_dir: Path, parallel: int,
         hard_seconds: float) -> dict:
-    """Round-robin the targets over ``parallel`` worker subprocesses until ``minutes`` pass."""
+    """Run chunks of cases on ``parallel`` worker subprocesses until ``minutes`` pass, always
+    starting the target that has had the least worker time so far (cheap decoders get more cases)."""
     import subprocess
 
     work = Path(tempfile.mkdtemp(prefix="kvcodec-fuzz-"))
     totals = {t: {o: 0 for o in OUTCOMES} for t in targets}
     slowest = {t: 0.0 for t in targets}
     examples = {t: [] for t in targets}
-    next_seed = {t: 1_000_000 * (i + 1) for i, t in enumerate(targets)}
-    chunk = 5000
+    next_seed = {t: 100_000_000 * (i + 1) for i, t in enumerate(targets)}
+    chunk = 10000
     deadline = time.time() + minutes * 60
     running: list = []
-    rr = 0
+    spent = {t: 0.0 for t in targets}  # worker wall seconds per target, finished chunks
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                NUMBA_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
@@ -664,9 +665,12 @@ def run(minutes: float, targets: list[str], case_seconds: float, mem_extra: int,
         cmd = [sys.executable, __file__, "--worker", t, "--seed0", str(seed0), "--count", str(n),
                "--case-seconds", str(case_seconds), "--mem-extra", str(mem_extra), "--log", str(log)]
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        return {"t": t, "p": p, "log": log, "seed0": seed0, "n": n, "last": None, "since": time.time()}
+        return {"t": t, "p": p, "log": log, "seed0": seed0, "n": n, "last": None, "since": time.time(),
+                "born": time.time()}
 
-    def harvest(w, killed: bool):
+    def harvest(w, killed: bool, stopped: bool = False):
+        """Add a finished (or killed) worker's counts; return the seed ranges still to run.
+        ``stopped``: killed at the deadline, so the case in flight is simply not counted."""
         block, slow, bad, last_start, done = _tally(w["log"])
         t = w["t"]
         for o in OUTCOMES:
@@ -674,6 +678,8 @@ def run(minutes: float, targets: list[str], case_seconds: float, mem_extra: int,
         slowest[t] = max(slowest[t], slow)
         examples[t].extend(bad[: 20 - len(examples[t])])
         resume = None
+        if stopped:
+            return []
         if killed or w["p"].returncode not in (0, None):
             # the case that was running when the worker died: a hard timeout or an uncatchable failure
             stuck = last_start if last_start is not None else w["seed0"]
@@ -698,8 +704,8 @@ def run(minutes: float, targets: list[str], case_seconds: float, mem_extra: int,
             if pending:
                 t, s0, n = pending.pop()
             else:
-                t = targets[rr % len(targets)]
-                rr += 1
+                busy = {t: spent[t] + sum(time.time() - w["born"] for w in running if w["t"] == t) for t in targets}
+                t = min(targets, key=lambda t: busy[t])
                 s0, n = next_seed[t], chunk
                 next_seed[t] += chunk
             running.append(launch(t, s0, n))
@@ -710,13 +716,14 @@ def run(minutes: float, targets: list[str], case_seconds: float, mem_extra: int,
             if rc is None and last_start != w["last"]:
                 w["last"], w["since"] = last_start, time.time()
             stuck = rc is None and w["last"] is not None and time.time() - w["since"] > hard_seconds
-            late = rc is None and time.time() > deadline + 60
+            late = rc is None and time.time() > deadline
             if stuck or late:
                 w["p"].kill()
                 w["p"].wait()
             if rc is not None or stuck or late:
                 running.remove(w)
-                for s0, n in harvest(w, killed=stuck):
+                spent[w["t"]] += time.time() - w["born"]
+                for s0, n in harvest(w, killed=stuck, stopped=late and not stuck):
                     pending.append((w["t"], s0, n))
                 if late:
                     pending.clear()
