@@ -209,14 +209,15 @@ def mutate_container(rng: random.Random, blob: bytes, depth: int = 0) -> bytes:
     return raw_container(mutate_json(rng, header), payloads, fix=rng.random() < 0.85)
 
 
+def unstructured(rng: random.Random, blob: bytes, u: float) -> bytes:
+    """A truncation (u < 0.4) or raw byte flips, no checksum fixed: the decoder's first checks."""
+    return truncate(rng, blob) if u < 0.4 else mutate_bytes(rng, blob)
+
+
 def mutate_generic(rng: random.Random, blob: bytes) -> bytes:
     """A container mutation (most cases), else raw bit flips or a truncation."""
     r = rng.random()
-    if r < 0.75:
-        return mutate_container(rng, blob)
-    if r < 0.9:
-        return mutate_bytes(rng, blob)
-    return truncate(rng, blob)
+    return mutate_container(rng, blob) if r < 0.75 else unstructured(rng, blob, (1 - r) / 0.25)
 
 
 # ----------------------------------------------------------------------------- targets
@@ -271,10 +272,8 @@ class EntropyDecode(Target):
 
         blob = sample[0]
         r = rng.random()
-        if r < 0.1:
-            return truncate(rng, blob)
         if r < 0.2:
-            return mutate_bytes(rng, blob)
+            return unstructured(rng, blob, r / 0.2)
         hcrc = self._layout(blob)
         head, payload = bytearray(blob[:hcrc]), bytearray(blob[hcrc + 8 :])
         if r < 0.45:  # rewrite the symbol count (varint at offset 8) with a hostile one
@@ -420,10 +419,8 @@ class KvcFile(Target):
     def mutate(self, rng, sample):
         blob = sample[0]
         r = rng.random()
-        if r < 0.08:
-            return truncate(rng, blob)
         if r < 0.18:
-            return mutate_bytes(rng, blob)
+            return unstructured(rng, blob, r / 0.18)
         ioff, ilen = struct.unpack_from("<QQ", blob, len(blob) - 16)
         index = blob[ioff : ioff + ilen]
         header, payloads = split_container(index)
