@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcodec import container
+from kvcodec import container, validate
 from kvcodec.errors import CorruptStreamError
 from kvcodec.transform.calibration import Calibration
 from kvcodec.transform.coding import ClassInfo, expected_streams
@@ -27,7 +27,6 @@ VERSION = 1
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_TOKENS = 1 << 24
 MAX_CHUNK = 1 << 24
-DEFAULT_MAX_OUTPUT_BYTES = 16 << 30
 _META_KEYS = {"version", "calibration", "shape", "dtype", "positions_start", "sinks", "window", "step", "chunk", "classes"}
 
 
@@ -115,9 +114,11 @@ def parse_header(meta: dict) -> Header:
                   float(step), _int(meta["chunk"], 1, MAX_CHUNK, "chunk"), tuple(infos))
 
 
-def unpack(blob, calib: Calibration | None, max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES):
+def unpack(blob, calib: Calibration | None, max_output_bytes: int | None = None, check_output: bool = True):
     """Parse and validate a blob against ``calib`` (None: header checks only); returns
-    (Header, exact bytes or None, class stream bytes, list of stream byte views)."""
+    (Header, exact bytes or None, class stream bytes, list of stream byte views).
+    ``max_output_bytes`` (None: ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES``) caps the decoder's
+    working set, 2 * L * H * T * D float32 values; ``check_output=False`` skips that (inspect)."""
     _, meta, sec = container.loads(blob, expect_kind=KIND)
     h = parse_header(meta)
     L, H, T, D = h.shape
@@ -126,9 +127,8 @@ def unpack(blob, calib: Calibration | None, max_output_bytes: int | None = DEFAU
             raise ValueError(f"blob was encoded with calibration {h.calibration}, got {calib.fingerprint}")
         if (L, H, D) != (calib.n_layers, calib.n_kv_heads, calib.head_dim):
             raise CorruptStreamError("transform blob shape does not match its calibration")
-    itemsize = 4 if h.dtype == "float32" else 2
-    if max_output_bytes is not None and 2 * L * H * T * D * max(itemsize, 4) > max_output_bytes:
-        raise CorruptStreamError(f"transform blob would decode to more than max_output_bytes={max_output_bytes}")
+    if check_output:
+        validate.check_output(2 * L * H * T * D * 4, max_output_bytes, "transform blob working set")
     n_rows = L * 2 * H * D
     if sum(c.n_components for c in h.classes) > n_rows:
         raise CorruptStreamError("transform blob: classes hold more components than the cache has")

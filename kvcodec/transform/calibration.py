@@ -26,7 +26,8 @@ VERSION = 1
 MAX_FILE_BYTES = 4 << 30
 WEIGHTINGS = ("relative", "mse")
 _META_KEYS = {"version", "n_layers", "n_kv_heads", "head_dim", "per_head", "rope", "n_tokens", "weighting", "key_weight"}
-_SECTIONS = {"mean": np.float32, "basis": np.float32, "eigenvalues": np.float64, "weights": np.float64}
+_SECTIONS = {"mean": np.float32, "basis": np.float32, "eigenvalues": np.float64, "weights": np.float64,
+             "scales": np.float32}
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,6 +39,10 @@ class Calibration:
     [L, 2] float64 (distortion weight per layer and K/V: the quantizer step of (l, k) is the
     global step / sqrt(weight)). Axis 1 is 0 = keys, 1 = values. G = n_kv_heads and n = head_dim
     with ``per_head``, else G = 1 and n = n_kv_heads * head_dim (heads concatenated).
+    scales [L, 2, H, D] float32: channel metric weights applied before the basis (x * scale is what
+    is projected and quantized, so squared error is measured in that metric; 1 = plain MSE). Key
+    scales from queries make the quantizer minimise the attention-score error; RoPE pairs share
+    one scale, so scaling commutes with the rotation.
     """
 
     n_layers: int
@@ -49,10 +54,12 @@ class Calibration:
     basis: np.ndarray
     eigenvalues: np.ndarray
     weights: np.ndarray
+    scales: np.ndarray
     n_tokens: int
     weighting: str = "relative"
     key_weight: float = 1.0
     _fp: list = field(default_factory=list, init=False, repr=False)
+    _device_cache: dict = field(default_factory=dict, init=False, repr=False)
 
     @property
     def groups(self) -> int:
@@ -71,7 +78,8 @@ class Calibration:
         }
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"mean": self.mean, "basis": self.basis, "eigenvalues": self.eigenvalues, "weights": self.weights}
+        return {"mean": self.mean, "basis": self.basis, "eigenvalues": self.eigenvalues, "weights": self.weights,
+                "scales": self.scales}
 
     @property
     def fingerprint(self) -> str:
@@ -130,7 +138,8 @@ def _validated(meta: dict, arrays: dict) -> Calibration:
     if rope is not None and rope.head_dim != D:
         raise CorruptStreamError("calibration rope frequencies do not match head_dim")
     G, n = (H, D) if meta["per_head"] else (1, H * D)
-    shapes = {"mean": (L, 2, G, n), "basis": (L, 2, G, n, n), "eigenvalues": (L, 2, G, n), "weights": (L, 2)}
+    shapes = {"mean": (L, 2, G, n), "basis": (L, 2, G, n, n), "eigenvalues": (L, 2, G, n), "weights": (L, 2),
+              "scales": (L, 2, H, D)}
     if set(arrays) != set(_SECTIONS):
         raise CorruptStreamError(f"calibration sections {sorted(arrays)} != {sorted(_SECTIONS)}")
     out = {}
@@ -141,14 +150,14 @@ def _validated(meta: dict, arrays: dict) -> Calibration:
         if not np.all(np.isfinite(a)):
             raise CorruptStreamError(f"calibration {name} holds non-finite values")
         out[name] = np.array(a)  # own, writable copy
-    if np.any(out["weights"] <= 0) or np.any(out["eigenvalues"] < 0):
-        raise CorruptStreamError("calibration weights must be > 0 and eigenvalues >= 0")
+    if np.any(out["weights"] <= 0) or np.any(out["eigenvalues"] < 0) or np.any(out["scales"] <= 1e-6):
+        raise CorruptStreamError("calibration weights and scales must be > 0 and eigenvalues >= 0")
     b = out["basis"].astype(np.float64).reshape(-1, n, n)
     gram = np.einsum("gij,gik->gjk", b, b)
     if np.max(np.abs(gram - np.eye(n))) > 1e-3:
         raise CorruptStreamError("calibration basis is not orthonormal")
     return Calibration(L, H, D, meta["per_head"], rope, out["mean"], out["basis"], out["eigenvalues"],
-                       out["weights"], meta["n_tokens"], meta["weighting"], float(kw))
+                       out["weights"], out["scales"], meta["n_tokens"], meta["weighting"], float(kw))
 
 
 def _as_float_list(x, what: str) -> list[torch.Tensor]:
@@ -179,7 +188,7 @@ def ungroup_vectors(x: torch.Tensor, n_kv_heads: int, per_head: bool) -> torch.T
 
 
 def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, positions_start=0, skip_sinks: int = 4,
-        weighting: str = "relative", key_weight: float = 1.0) -> Calibration:
+        weighting: str = "relative", key_weight: float = 1.0, key_scales=None, value_scales=None) -> Calibration:
     """Fit the transform on calibration K/V: post-RoPE keys and values [L, H, T, D] (a tensor, or a
     list of tensors from several sequences; ``positions_start`` an int or one per sequence).
 
@@ -188,7 +197,8 @@ def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, positions_st
     (codecs store them exactly; their outliers would bend the basis). ``weighting``: "relative"
     (every layer and K/V gets a quantizer step proportional to its RMS: equal relative error) or
     "mse" (one step everywhere: minimum total squared error). ``key_weight`` multiplies the keys'
-    distortion weight (> 1: keys finer).
+    distortion weight (> 1: keys finer). key_scales / value_scales: channel metric weights
+    [L, H, D] (``query_key_scales``, ``output_value_scales``); None = plain squared error.
     """
     ks, vs = _as_float_list(keys, "keys"), _as_float_list(values, "values")
     if len(ks) != len(vs) or any(k.shape != v.shape for k, v in zip(ks, vs)):
@@ -206,6 +216,8 @@ def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, positions_st
     if rope is not None and rope.head_dim != D:
         raise ValueError(f"rope has head_dim {rope.head_dim}, keys have {D}")
     G, n = (H, D) if per_head else (1, H * D)
+    scales = torch.stack([_channel_scales(key_scales, (L, H, D), "key_scales"),
+                          _channel_scales(value_scales, (L, H, D), "value_scales")], dim=1)  # [L, 2, H, D]
     sums = torch.zeros(L, 2, G, n, dtype=torch.float64)
     grams = torch.zeros(L, 2, G, n, n, dtype=torch.float64)
     count = 0
@@ -217,7 +229,7 @@ def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, positions_st
         if rope is not None:
             k = rope.undo(k, torch.arange(s + skip_sinks, s + skip_sinks + T))
         for kind, x in enumerate((k, v)):
-            g = group_vectors(x, per_head).double()  # [L, G, T, n]
+            g = group_vectors(x * scales[:, kind, :, None, :], per_head).double()  # [L, G, T, n]
             sums[:, kind] += g.sum(dim=2)
             grams[:, kind] += g.transpose(-1, -2) @ g
         count += T
@@ -235,4 +247,32 @@ def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, positions_st
     weights[:, 0] *= key_weight
     weights = weights / weights.mean()
     return Calibration(L, H, D, per_head, rope, mean.float().numpy(), evecs.float().contiguous().numpy(),
-                       evals.numpy(), weights.numpy(), count, weighting, float(key_weight))
+                       evals.numpy(), weights.numpy(), scales.numpy(), count, weighting, float(key_weight))
+
+
+def _channel_scales(s, shape, what: str) -> torch.Tensor:
+    if s is None:
+        return torch.ones(shape, dtype=torch.float32)
+    s = torch.as_tensor(s, dtype=torch.float32).cpu()
+    if tuple(s.shape) != shape or not bool(torch.isfinite(s).all()) or bool((s <= 1e-6).any()):
+        raise ValueError(f"{what} must be finite, positive and shaped {list(shape)}")
+    return s
+
+
+def query_key_scales(queries, n_kv_heads: int, floor: float = 0.05) -> torch.Tensor:
+    """Key channel scales [L, H, D] from calibration queries [L, Hq, T, D] (any RoPE state): the
+    score error of a key error e is q.e, so channel c is weighted by sqrt(E[q_c^2]) over the query
+    heads that read its kv head, averaged over each RoPE pair (c, c + D/2) (the rotation mixes a
+    pair, so only the pair's energy is position-independent). Normalised to mean square 1 per
+    (layer, head); ``floor`` (relative) keeps every channel codable."""
+    q = torch.as_tensor(queries).float()
+    L, Hq, T, D = q.shape
+    if Hq % n_kv_heads:
+        raise ValueError("query heads must be a multiple of kv heads")
+    e = q.pow(2).mean(dim=2).reshape(L, n_kv_heads, Hq // n_kv_heads, D).mean(dim=2)  # [L, H, D]
+    h = D // 2
+    pair = (e[..., :h] + e[..., h:]) / 2
+    e = torch.cat([pair, pair], dim=-1)
+    e = e / e.mean(dim=-1, keepdim=True)
+    return e.clamp_min(floor).sqrt()
+

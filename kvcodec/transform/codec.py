@@ -126,6 +126,9 @@ def _encode_at_rate(builder, model: StepModel, rows, target: float, start: float
             break
         want -= err
         start = step
+    if abs(len(best) - target) > 2 * RATE_TOLERANCE * target:
+        raise ValueError(f"could not reach {target * 8 / builder.n_values:.3f} bits/value (closest: "
+                         f"{len(best) * 8 / builder.n_values:.3f}); use distortion= or another rate")
     return best
 
 
@@ -158,56 +161,80 @@ class _Builder:
 
 
 def decode(blob, calib: Calibration, *, device="cpu", threads: int = 1,
-           max_output_bytes: int | None = fmt.DEFAULT_MAX_OUTPUT_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+           max_output_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """keys, values [L, H, T, D] in the stored dtype on ``device`` ("cpu" or a CUDA device: rANS and
     the inverse transform then run on the GPU). Raises CorruptStreamError for a damaged blob and
     ValueError for a blob made with another calibration."""
-    h, exact, cls_stream, streams = fmt.unpack(blob, calib, max_output_bytes)
-    device = torch.device(device)
-    L, H, T, D = h.shape
-    M, head = h.n_coded, h.n_head
-    n_rows = 2 * L * H * D
-    cls = entropy.decode(cls_stream, max_symbols=n_rows)
-    if cls.dtype != np.uint8 or cls.shape != (n_rows,):
-        raise CorruptStreamError("transform blob: component classes have the wrong length or type")
-    counts = np.bincount(cls, minlength=256)
-    want = np.zeros(256, dtype=np.int64)
-    for c in h.classes:
-        want[c.cls] = c.n_components
-    if np.any(counts[1:] != want[1:]):
-        raise CorruptStreamError("transform blob: component classes disagree with the class table")
-    dtype = container.torch_dtypes()[h.dtype]
-    keys = torch.empty((L, H, T, D), dtype=dtype, device=device)
-    values = torch.empty_like(keys)
-    if h.n_exact:
-        from kvcodec import decompress
+    return Decoder(blob, calib, device=device, threads=threads, max_output_bytes=max_output_bytes).run()
 
-        ex = decompress(exact)
-        if tuple(ex.shape) != (2, L, H, h.n_exact, D) or ex.dtype != dtype:
-            raise CorruptStreamError("transform blob: exact tokens have the wrong shape or dtype")
-        ex = ex.to(device)
-        keys[:, :, :head], values[:, :, :head] = ex[0, :, :, :head], ex[1, :, :, :head]
-        keys[:, :, head + M:], values[:, :, head + M:] = ex[0, :, :, head:], ex[1, :, :, head:]
-    if M:
-        if device.type == "cuda":
-            parts = coding.decode_classes_gpu(h.classes, streams, M, h.chunk, device)
-        else:
-            parts = coding.decode_classes_cpu(h.classes, streams, M, h.chunk, threads)
-        steps = qz.row_steps(calib, h.step, device)
-        coef = torch.zeros((n_rows, M), dtype=torch.float32, device=device)
-        cls_dev = torch.from_numpy(cls).to(device)
-        for info, q in zip(h.classes, parts):
-            idx = torch.nonzero(cls_dev == info.cls).flatten()
-            coef[idx] = qz.dequantize(q, steps[idx])
-        pos = torch.arange(h.positions_start + head, h.positions_start + head + M)
-        k, v = from_coefficients(coef.view(L, 2, calib.groups, calib.dim, M), calib, pos)
-        keys[:, :, head: head + M], values[:, :, head: head + M] = k, v
-    return keys, values
+
+class Decoder:
+    """A parsed, validated blob ready to decode; ``run()`` does the decoding work. On a CUDA device
+    the rANS streams are uploaded once (``kvcodec.cuda.rans.RansBatch``), so repeated ``run()`` calls
+    time the device work alone (benchmarks)."""
+
+    def __init__(self, blob, calib: Calibration, *, device="cpu", threads: int = 1,
+                 max_output_bytes: int | None = None):
+        h, exact, cls_stream, self.streams = fmt.unpack(blob, calib, max_output_bytes)
+        self.h, self.calib, self.threads = h, calib, threads
+        self.device = torch.device(device)
+        L, H, T, D = h.shape
+        n_rows = 2 * L * H * D
+        cls = entropy.decode(cls_stream, max_symbols=n_rows)
+        if cls.dtype != np.uint8 or cls.shape != (n_rows,):
+            raise CorruptStreamError("transform blob: component classes have the wrong length or type")
+        counts = np.bincount(cls, minlength=256)
+        want = np.zeros(256, dtype=np.int64)
+        for c in h.classes:
+            want[c.cls] = c.n_components
+        if np.any(counts[1:] != want[1:]):
+            raise CorruptStreamError("transform blob: component classes disagree with the class table")
+        self.dtype = container.torch_dtypes()[h.dtype]
+        self.exact = None
+        if h.n_exact:
+            from kvcodec import decompress
+
+            ex = decompress(exact)
+            if tuple(ex.shape) != (2, L, H, h.n_exact, D) or ex.dtype != self.dtype:
+                raise CorruptStreamError("transform blob: exact tokens have the wrong shape or dtype")
+            self.exact = ex.to(self.device)
+        self.rows = [np.flatnonzero(cls == c.cls) for c in h.classes]
+        self.steps = qz.row_steps(calib, h.step, self.device)
+        self.batch = None
+        if self.device.type == "cuda" and h.n_coded:
+            from kvcodec.cuda.rans import RansBatch
+
+            self.batch = RansBatch(self.streams, self.device)
+            self.rows_dev = [torch.from_numpy(r).to(self.device) for r in self.rows]
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        h, calib, device = self.h, self.calib, self.device
+        L, H, T, D = h.shape
+        M, head = h.n_coded, h.n_head
+        keys = torch.empty((L, H, T, D), dtype=self.dtype, device=device)
+        values = torch.empty_like(keys)
+        if self.exact is not None:
+            ex = self.exact
+            keys[:, :, :head], values[:, :, :head] = ex[0, :, :, :head], ex[1, :, :, :head]
+            keys[:, :, head + M:], values[:, :, head + M:] = ex[0, :, :, head:], ex[1, :, :, head:]
+        if M:
+            coef = torch.zeros((2 * L * H * D, M), dtype=torch.float32, device=device)
+            if self.batch is not None:
+                parts = coding.decode_classes_gpu(h.classes, self.batch, M, h.chunk)
+                for idx, q in zip(self.rows_dev, parts):
+                    coef[idx] = qz.dequantize(q, self.steps[idx])
+            else:
+                coding.decode_coefficients_cpu(h.classes, self.streams, M, h.chunk, self.rows,
+                                               self.steps.numpy(), coef.numpy(), self.threads)
+            pos = torch.arange(h.positions_start + head, h.positions_start + head + M)
+            k, v = from_coefficients(coef.view(L, 2, calib.groups, calib.dim, M), calib, pos)
+            keys[:, :, head: head + M], values[:, :, head: head + M] = k, v
+        return keys, values
 
 
 def inspect(blob) -> dict:
     """Header and sizes of a blob without decoding it (no calibration needed)."""
-    h, exact, cls_stream, streams = fmt.unpack(blob, None, None)
+    h, exact, cls_stream, streams = fmt.unpack(blob, None, check_output=False)
     n_values = 2 * math.prod(h.shape)
     return {
         **h.meta(), "bytes": len(blob), "exact_bytes": len(exact) if exact is not None else 0,

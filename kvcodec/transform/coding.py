@@ -69,42 +69,42 @@ def _chunk_lengths(total: int, chunk: int, n_streams: int) -> list[int]:
     return [min(chunk, total - k * chunk) for k in range(n_streams)] if total else [0]
 
 
-def decode_classes_cpu(infos, streams, M: int, chunk: int, threads: int = 1) -> list[torch.Tensor]:
-    """Per class, its symbols as int32 [n_components, M] (offset added), decoded on the CPU."""
+def decode_coefficients_cpu(infos, streams, M: int, chunk: int, rows, steps: np.ndarray, out: np.ndarray,
+                            threads: int = 1) -> None:
+    """Decode every class's streams on the CPU (numba rANS) straight into the coefficient rows:
+    ``out[rows[k]]`` (float32 [R, M]) for class k, dequantized with ``steps`` [R]."""
     from kvcodec import entropy
+    from kvcodec.transform.quantize import dequantize_into
 
     jobs = []
     k = 0
-    for info in infos:
+    for info, r in zip(infos, rows):
+        start = 0
         for n in _chunk_lengths(info.n_components * M, chunk, info.n_streams):
-            jobs.append((info, n, k, streams[k]))
+            jobs.append((info, r, start, n, k, streams[k]))
+            start += n
             k += 1
 
     def run(job):
-        info, n, i, blob = job
+        info, r, start, n, i, blob = job
         sym = entropy.decode(blob, max_symbols=n)
         _check_decoded(sym, info, n, i)
-        return sym
+        dequantize_into(sym, info.offset, r, start, M, steps, out)
 
     if threads > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(threads) as ex:
-            parts = list(ex.map(run, jobs))
+            list(ex.map(run, jobs))
     else:
-        parts = [run(j) for j in jobs]
-    out, k = [], 0
-    for info in infos:
-        chunks = parts[k: k + info.n_streams]
-        k += info.n_streams
-        flat = np.concatenate(chunks).astype(np.int32) + info.offset
-        out.append(torch.from_numpy(flat).view(info.n_components, M))
-    return out
+        for j in jobs:
+            run(j)
 
 
-def decode_classes_gpu(infos, streams, M: int, chunk: int, device) -> list[torch.Tensor]:
-    """The same as ``decode_classes_cpu`` with one batched rANS kernel launch on ``device``."""
-    from kvcodec.cuda.rans import decode_batch
-
-    parts = decode_batch(streams, device=device)
+def decode_classes_gpu(infos, batch, M: int, chunk: int) -> list[torch.Tensor]:
+    """The same as ``decode_classes_cpu`` with one rANS kernel launch on the device of ``batch``
+    (a ``kvcodec.cuda.rans.RansBatch`` of the blob's streams, uploaded once)."""
+    out_buf, status = batch.launch()
+    batch.check(status)
+    parts = batch.split(out_buf)
     out, k = [], 0
     for info in infos:
         lens = _chunk_lengths(info.n_components * M, chunk, info.n_streams)

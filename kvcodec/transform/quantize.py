@@ -14,6 +14,7 @@ share statistics. Class 0 marks an all-zero component (nothing is stored for it)
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
@@ -45,6 +46,22 @@ def quantize(coef_rows: torch.Tensor, steps: torch.Tensor, rounding: float = 0.0
 def dequantize(q_rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """int symbols [R, M] -> coefficients [R, M] float32."""
     return q_rows.float() * steps[:, None]
+
+
+@numba.njit(cache=True, nogil=True)
+def dequantize_into(sym, offset, rows, start, M, steps, out):
+    """CPU decode's fused ``dequantize`` + scatter: element i of a class's symbol chunk (starting at
+    element ``start`` of the class, whose component rows are ``rows``) becomes
+    ``out[rows[e // M], e % M] = (sym[i] + offset) * steps[row]`` with e = start + i."""
+    r = start // M
+    t = start - r * M
+    for i in range(sym.size):
+        row = rows[r]
+        out[row, t] = np.float32(sym[i] + offset) * steps[row]
+        t += 1
+        if t == M:
+            t = 0
+            r += 1
 
 
 def classes(q_rows: torch.Tensor) -> torch.Tensor:

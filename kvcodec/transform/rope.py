@@ -67,25 +67,25 @@ class RoPE:
         return cls(tuple(d["inv_freq"]), d["attention_scaling"])
 
     def _cos_sin(self, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] in float32 (angles computed in float64)."""
+        """cos, sin [T, D/2] in float32 (angles computed in float64)."""
         f = torch.tensor(self.inv_freq, dtype=torch.float64, device=device)
         ang = positions.to(device=device, dtype=torch.float64)[:, None] * f[None, :]
-        ang = torch.cat([ang, ang], dim=-1)
-        s = self.attention_scaling
-        return (ang.cos() * s).float(), (ang.sin() * s).float()
+        return ang.cos().float(), ang.sin().float()
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, sign: float, scale: float) -> torch.Tensor:
+        cos, sin = self._cos_sin(positions, x.device)
+        h = x.shape[-1] // 2
+        x1, x2 = x[..., :h], x[..., h:]
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        torch.addcmul(x1 * cos, x2, sin, value=-sign, out=out[..., :h])
+        torch.addcmul(x2 * cos, x1, sin, value=sign, out=out[..., h:])
+        return out.mul_(scale) if scale != 1.0 else out
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` [..., T, D] (float32) forward: what the model did to its keys."""
-        cos, sin = self._cos_sin(positions, x.device)
-        return x * cos + _rotate_half(x) * sin
+        """Rotate ``x`` [..., T, D] forward (float32 result): what the model did to its keys
+        (``x * cos + rotate_half(x) * sin``, cos/sin times ``attention_scaling``)."""
+        return self._rotate(x, positions, 1.0, self.attention_scaling)
 
     def undo(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The inverse rotation of ``apply`` (exact up to float rounding when scaling is 1)."""
-        cos, sin = self._cos_sin(positions, x.device)
-        s2 = self.attention_scaling**2
-        return (x * cos - _rotate_half(x) * sin) / s2
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+        """The inverse of ``apply`` (exact up to float rounding)."""
+        return self._rotate(x, positions, -1.0, 1.0 / self.attention_scaling)
