@@ -106,6 +106,29 @@ def test_cli_decompress_of_a_hostile_file_prints_one_line(tmp_path, capsys):
     assert (tmp_path / "o2").read_bytes() == original
 
 
+def test_cli_decompress_of_mutated_files_exits_0_with_the_original_or_2_with_one_line(tmp_path_factory, capsys):
+    from kvcodec import cli
+
+    target = fuzz.TARGETS[".kvc file (decompress_file)"]
+    kvc, original = target.samples()[0]
+    folder = tmp_path_factory.mktemp("cli")
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(rng=st.randoms(use_true_random=False))
+    def check(rng):
+        src, dst = folder / "in.kvc", folder / "out.safetensors"
+        src.write_bytes(target.mutate(rng, (kvc, original)))
+        dst.unlink(missing_ok=True)
+        rc = cli.main(["decompress", str(src), str(dst), "--quiet", "--max-output", "64M"])
+        err = capsys.readouterr().err
+        if rc == 0:
+            assert dst.read_bytes() == original
+        else:
+            assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err and not dst.exists()
+
+    check()
+
+
 def _quant_blob(mutate_meta) -> bytes:
     blob = fuzz.TARGETS["QuantizedTensor.from_bytes"].samples()[2][0]  # QJL(16, m=32)
     header, payloads = fuzz.split_container(blob)
