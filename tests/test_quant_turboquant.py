@@ -138,6 +138,27 @@ def test_scores_and_weighted_sum_equal_dequantize_then_matmul(make, monkeypatch)
     q1 = qs[:1, :1]
     assert torch.allclose(q.scores(c, q1), q1 @ xh.transpose(-1, -2), atol=tol)
     assert torch.allclose(q.weighted_sum(c, w), w @ xh, atol=tol)
+    # the unchecked, unchunked variants the HF cache calls compute the same
+    assert torch.allclose(q.attention_scores(c, qs), qs @ xh.transpose(-1, -2), atol=tol)
+    assert torch.allclose(q.attention_weighted_sum(c, w), w @ xh, atol=tol)
+
+
+@pytest.mark.parametrize("make", CONFIGS)
+def test_packed_operands_are_the_quantizers_own_tensors(make):
+    """quantizer.packed(c) hands kernels c's codes/norms/side data and the quantizer's rotation and
+    codebook (no copies), or None for quantizers without the tq layout (QJL)."""
+    q = make()
+    c = q.quantize(torch.randn(2, 3, 20, q.dim))
+    p = q.packed(c)
+    if q.method == "qjl":
+        assert p is None
+        return
+    assert p.codes is c.token["codes"] and p.norms is c.token["norms"]
+    assert p.rotation is q.rotation and p.codebook is q.codebook and p.bits == q._mse_bits
+    assert p.scale is c.side.get("scale") and p.center is c.side.get("center")
+    assert p.prod == (q.method == "turboquant_prod")
+    if p.prod:
+        assert p.qjl is c.token["qjl"] and p.rnorms is c.token["rnorms"] and p.qjl_matrix is q.qjl_matrix
 
 
 @pytest.mark.parametrize("make", CONFIGS)

@@ -1,7 +1,9 @@
 """Codecs backed by the vector quantizers of ``kvcodec.quant`` (TurboQuant, QJL, KIVI).
 
 A block is a ``kvcodec.quant.QuantizedTensor`` [B, H, T, D]; attention reads it through the
-quantizer's ``scores`` / ``weighted_sum`` (rotated-domain math on the packed codes, no dense K/V).
+quantizer's ``attention_scores`` / ``attention_weighted_sum`` (rotated-domain math on the packed codes,
+no dense K/V; the cache made the block, so no argument checks) or, on CUDA, through ``packed`` and the
+fused kernel (``kvcodec.cuda.quantized``).
 
 Side data (per-head preconditioners fitted on the layer's first compressed block) is computed
 once per layer and shared by every later block (``precond=``), so it is held, and counted by
@@ -10,13 +12,10 @@ once per layer and shared by every later block (``precond=``), so it is held, an
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 
 from kvcodec.errors import CorruptStreamError
-from kvcodec.quant import KIVI, QJL, ChannelPreconditioner, QuantizedTensor, TurboQuantMSE, TurboQuantOutlier, TurboQuantProd
+from kvcodec.quant import KIVI, QJL, QuantizedTensor, TurboQuantMSE, TurboQuantOutlier, TurboQuantProd
 
 
 def layer_seed(seed: int, layer_idx: int, part: int) -> int:
@@ -81,7 +80,6 @@ class QuantCodec:
         # KIVI keys are grouped along tokens: compressed runs may only be cut / joined at group edges
         self.token_multiple = getattr(quantizer, "group_size", 1) if getattr(quantizer, "method", "") == "kivi" else 1
         self.precond = None  # zero-token QuantizedTensor carrying the layer's shared side data
-        self.fast = FastTurboQuant(quantizer) if FastTurboQuant.applies(quantizer) else None
 
     # ------------------------------------------------------------------ blocks
     def encode(self, x: torch.Tensor):
@@ -101,10 +99,10 @@ class QuantCodec:
         return self.q.dequantize(block)
 
     def scores(self, block, q: torch.Tensor) -> torch.Tensor:
-        return self.fast.scores(block, q) if self.fast else self.q.scores(block, q)
+        return self.q.attention_scores(block, q)
 
     def weighted_sum(self, block, w: torch.Tensor) -> torch.Tensor:
-        return self.fast.weighted_sum(block, w) if self.fast else self.q.weighted_sum(block, w)
+        return self.q.attention_weighted_sum(block, w)
 
     def length(self, block) -> int:
         return block.num_tokens
@@ -180,114 +178,3 @@ class QuantCodec:
 
     def load_side_state(self, meta: dict, tensors: dict) -> None:
         pass
-
-
-# ---------------------------------------------------------------------------------------------
-# Fast CPU/GPU path for TurboQuant blocks: unpack codes straight to codebook values with a table
-# lookup (``F.embedding``) instead of per-bit shifts, then the same rotated-domain math as
-# kvcodec.quant (query rotated once, outputs rotated back once). Bit-for-bit the same codes; the
-# tests compare it with the quantizer's own dequantize.
-
-_SQRT_PI_OVER_2 = math.sqrt(math.pi / 2)
-
-
-def _byte_groups(bits: int, width: int) -> int | None:
-    """Bytes per lookup group (1: byte-aligned codes, 3: 24-bit words) or None (no fast path)."""
-    if 8 % bits == 0:
-        return 1
-    if 24 % bits == 0 and width % 3 == 0:
-        return 3
-    return None
-
-
-@functools.lru_cache(maxsize=64)
-def _value_table(codebook: tuple, bits: int, group: int, device: str) -> torch.Tensor:
-    """Table [2^(8*group/..)] -> codebook values of every code packed in one lookup unit."""
-    cb = torch.tensor(codebook, dtype=torch.float32)
-    unit = 8 if group == 1 else 12  # 3-byte groups are looked up as two 12-bit halves
-    per = unit // bits
-    v = torch.arange(1 << unit)
-    idx = torch.stack([(v >> (i * bits)) & ((1 << bits) - 1) for i in range(per)], dim=-1)
-    return cb[idx].to(device)
-
-
-def _lookup(packed: torch.Tensor, table: torch.Tensor, group: int, n: int) -> torch.Tensor:
-    """uint8 [..., width] packed codes -> table values [..., n] (float32)."""
-    lead = packed.shape[:-1]
-    if group == 1:
-        units = packed.long()
-    else:
-        b = packed.reshape(*lead, -1, 3).long()
-        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-        units = torch.stack([word & 0xFFF, word >> 12], dim=-1).reshape(*lead, -1)
-    return torch.nn.functional.embedding(units, table).reshape(*lead, -1)[..., :n]
-
-
-class FastTurboQuant:
-    """scores / weighted_sum of a TurboQuantMSE or TurboQuantProd block via table lookups."""
-
-    def __init__(self, quantizer):
-        self.q = quantizer
-        self.bits = quantizer._mse_bits
-        self.dim = quantizer.dim
-        self.prod = quantizer.method == "turboquant_prod"
-        width = (self.dim * self.bits + 7) // 8
-        self.group = _byte_groups(self.bits, width)
-        self._cb = tuple(float(x) for x in quantizer.codebook.tolist())
-        self._dev: dict = {}
-
-    @staticmethod
-    def applies(quantizer) -> bool:
-        method = getattr(quantizer, "method", "")
-        if method not in ("turboquant_mse", "turboquant_prod"):
-            return False
-        width = (quantizer.dim * quantizer._mse_bits + 7) // 8
-        return _byte_groups(quantizer._mse_bits, width) is not None
-
-    def _consts(self, device) -> dict:
-        key = str(device)
-        if key not in self._dev:
-            c = {"rot": self.q.rotation.to(device, torch.float32),
-                 "tab": _value_table(self._cb, self.bits, self.group, key)}
-            if self.prod:
-                c["S"] = self.q.qjl_matrix.to(device, torch.float32)
-                c["signs"] = _value_table((-1.0, 1.0), 1, 1, key)
-            self._dev[key] = c
-        return self._dev[key]
-
-    def _rotated(self, c, k) -> torch.Tensor:
-        vals = _lookup(c.token["codes"], k["tab"], self.group, self.dim)
-        return vals * c.token["norms"].float().unsqueeze(-1)
-
-    def _signs(self, c, k) -> tuple[torch.Tensor, torch.Tensor]:
-        signs = _lookup(c.token["qjl"], k["signs"], 1, self.q.m)
-        coef = c.token["rnorms"].float() * (_SQRT_PI_OVER_2 / self.q.m)
-        return signs, coef
-
-    def scores(self, c, queries: torch.Tensor) -> torch.Tensor:
-        k = self._consts(c.device)
-        pre = _precond(c)
-        q = queries.float()
-        q_rot = pre.scale_queries(q) @ k["rot"].T
-        s = q_rot @ self._rotated(c, k).transpose(-1, -2)
-        if self.prod:
-            signs, coef = self._signs(c, k)
-            s = s + ((q_rot @ k["S"].T) @ signs.transpose(-1, -2)) * coef.unsqueeze(-2)
-        off = pre.query_offset(q)
-        return s if off is None else s + off
-
-    def weighted_sum(self, c, weights: torch.Tensor) -> torch.Tensor:
-        k = self._consts(c.device)
-        pre = _precond(c)
-        w = weights.float()
-        acc = w @ self._rotated(c, k)
-        if self.prod:
-            signs, coef = self._signs(c, k)
-            acc = acc + ((w * coef.unsqueeze(-2)) @ signs) @ k["S"]
-        out = pre.scale_queries(acc @ k["rot"])
-        off = pre.output_offset(w)
-        return out if off is None else out + off
-
-
-def _precond(c):
-    return ChannelPreconditioner.from_side(c.side)

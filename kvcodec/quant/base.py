@@ -125,6 +125,15 @@ class KVQuantizer:
     def weighted_sum(self, c: QuantizedTensor, weights: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def attention_scores(self, c: QuantizedTensor, queries: torch.Tensor) -> torch.Tensor:
+        """``scores`` for a caller that made ``c`` itself (the HF cache); quantizers with a cheaper
+        unchecked path override it."""
+        return self.scores(c, queries)
+
+    def attention_weighted_sum(self, c: QuantizedTensor, weights: torch.Tensor) -> torch.Tensor:
+        """``weighted_sum`` for a caller that made ``c`` itself (see attention_scores)."""
+        return self.weighted_sum(c, weights)
+
     def validate(self, c: QuantizedTensor) -> None:
         raise NotImplementedError
 

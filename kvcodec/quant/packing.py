@@ -75,3 +75,38 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 def unpack_signs(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed sign bits -> +-1 values of ``dtype``."""
     return unpack_bits(packed, 1, n).to(dtype) * 2 - 1
+
+
+def lookup_group(bits: int, width: int) -> int | None:
+    """Bytes per table-lookup unit for ``unpack_values`` (1: byte-aligned codes, 3: 24-bit words read
+    as two 12-bit halves), or None when codes of ``bits`` bits in rows of ``width`` bytes have none."""
+    if 8 % bits == 0:
+        return 1
+    if 24 % bits == 0 and width % 3 == 0:
+        return 3
+    return None
+
+
+@lru_cache(maxsize=64)
+def value_table(values: tuple, bits: int, group: int, device: str) -> torch.Tensor:
+    """float32 [2^unit, codes per unit]: ``values[code]`` of every code packed in one lookup unit."""
+    cb = torch.tensor(values, dtype=torch.float32)
+    unit = 8 if group == 1 else 12
+    per = unit // bits
+    v = torch.arange(1 << unit)
+    idx = torch.stack([(v >> (i * bits)) & ((1 << bits) - 1) for i in range(per)], dim=-1)
+    return cb[idx].to(device)
+
+
+def unpack_values(packed: torch.Tensor, table: torch.Tensor, group: int, n: int) -> torch.Tensor:
+    """uint8 [..., width] packed codes -> float32 [..., n] table values, one lookup (``embedding``) per
+    unit: the same values as ``values[unpack_bits(packed, bits, n)]``, without per-bit shifts."""
+    lead = packed.shape[:-1]
+    if group == 1:
+        units = packed.long()
+    else:
+        b = packed.reshape(*lead, packed.shape[-1] // 3, 3).long()
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        units = torch.stack([word & 0xFFF, word >> 12], dim=-1).reshape(*lead, 2 * b.shape[-2])
+    values = torch.nn.functional.embedding(units, table)  # [..., units, codes per unit]
+    return values.reshape(*lead, units.shape[-1] * table.shape[-1])[..., :n]

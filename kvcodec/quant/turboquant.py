@@ -25,7 +25,15 @@ from kvcodec.quant.base import KVQuantizer
 from kvcodec.quant.codebooks import lloyd_max_codebook
 from kvcodec.quant.compressed import QuantizedTensor
 from kvcodec.quant.packed import PackedKV
-from kvcodec.quant.packing import pack_bits, pack_signs, packed_width, unpack_bits, unpack_signs
+from kvcodec.quant.packing import (
+    lookup_group,
+    pack_bits,
+    pack_signs,
+    packed_width,
+    unpack_bits,
+    unpack_values,
+    value_table,
+)
 from kvcodec.quant.precondition import ChannelPreconditioner, calibrate, check_mode
 from kvcodec.quant.rotations import haar_orthogonal, resolve_kind, rng_for, rotation_matrix
 
@@ -126,6 +134,8 @@ class TurboQuantMSE(KVQuantizer):
         self.precondition = check_mode(precondition)
         self.rotation = rotation_matrix(self.dim, self.seed, self.rotation_kind)
         self.codebook = torch.from_numpy(lloyd_max_codebook(self.dim, self._mse_bits).astype(np.float32))
+        # codes unpack straight to codebook values by table lookup where the bit width allows
+        self._lookup = lookup_group(self._mse_bits, packed_width(self.dim, self._mse_bits))
         self._dev = {}
 
     _mse_bits = property(lambda self: self.bits)
@@ -146,6 +156,9 @@ class TurboQuantMSE(KVQuantizer):
             cb = self.codebook.to(device)
             self._dev[key] = {"rot": self.rotation.to(device), "cb": cb, "thr": (cb[1:] + cb[:-1]) / 2,
                               **self._extra_consts(device)}
+            if self._lookup:
+                values = tuple(float(x) for x in self.codebook.tolist())
+                self._dev[key]["tab"] = value_table(values, self._mse_bits, self._lookup, key)
         return self._dev[key]
 
     def _extra_consts(self, device) -> dict:
@@ -212,8 +225,12 @@ class TurboQuantMSE(KVQuantizer):
     # ------------------------------------------------------------------ decode
     def _rotated_chunk(self, c: QuantizedTensor, t0: int, t1: int, k: dict) -> torch.Tensor:
         """MSE reconstruction of tokens [t0, t1) in rotated, preconditioned space: [..., n, D] float32."""
-        idx = unpack_bits(c.token["codes"][..., t0:t1, :], self._mse_bits, self.dim)
-        return k["cb"][idx] * c.token["norms"][..., t0:t1].float().unsqueeze(-1)
+        codes = c.token["codes"][..., t0:t1, :]
+        if "tab" in k:
+            vals = unpack_values(codes, k["tab"], self._lookup, self.dim)
+        else:
+            vals = k["cb"][unpack_bits(codes, self._mse_bits, self.dim)]
+        return vals * c.token["norms"][..., t0:t1].float().unsqueeze(-1)
 
     def dequantize(self, c: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The reconstruction x_hat [..., N, dim] (materializes everything; attention should use scores/weighted_sum)."""
@@ -234,11 +251,18 @@ class TurboQuantMSE(KVQuantizer):
         q, group = _fold_gqa(c, q, "queries")
         if group > 1:  # GQA: each KV head scores its group of query heads as one block of queries
             return _unfold_gqa(self.scores(c, q), group)
+        return self._scores(c, q, base.token_chunk(c, self.dim + self._extra_width()))
+
+    def attention_scores(self, c: QuantizedTensor, queries: torch.Tensor) -> torch.Tensor:
+        """``scores`` for a caller that made ``c`` and bounds its length itself (the HF cache): no
+        argument checks (they synchronize with the device) and no chunking."""
+        return self._scores(c, queries.float(), max(c.num_tokens, 1))
+
+    def _scores(self, c: QuantizedTensor, q: torch.Tensor, step: int) -> torch.Tensor:
         k = self._consts(c.device)
         pre = ChannelPreconditioner.from_side(c.side)
         q_rot = pre.scale_queries(q) @ k["rot"].T
         q_side = self._query_side(q_rot, k)
-        step = base.token_chunk(c, self.dim + self._extra_width())
         parts = []
         for t0 in range(0, c.num_tokens, step):
             t1 = min(t0 + step, c.num_tokens)
@@ -259,9 +283,15 @@ class TurboQuantMSE(KVQuantizer):
         w, group = _fold_gqa(c, w, "weights")
         if group > 1:  # GQA, as in scores
             return _unfold_gqa(self.weighted_sum(c, w), group)
+        return self._weighted_sum(c, w, base.token_chunk(c, self.dim + self._extra_width()))
+
+    def attention_weighted_sum(self, c: QuantizedTensor, weights: torch.Tensor) -> torch.Tensor:
+        """``weighted_sum`` without argument checks or chunking (see attention_scores)."""
+        return self._weighted_sum(c, weights.float(), max(c.num_tokens, 1))
+
+    def _weighted_sum(self, c: QuantizedTensor, w: torch.Tensor, step: int) -> torch.Tensor:
         k = self._consts(c.device)
         pre = ChannelPreconditioner.from_side(c.side)
-        step = base.token_chunk(c, self.dim + self._extra_width())
         lead = torch.broadcast_shapes(w.shape[:-2], c.lead_shape)
         acc = w.new_zeros((*lead, w.shape[-2], self.dim))
         acc_side = None
@@ -362,7 +392,7 @@ class TurboQuantProd(TurboQuantMSE):
         return cfg
 
     def _extra_consts(self, device) -> dict:
-        return {"S": self.qjl_matrix.to(device)}
+        return {"S": self.qjl_matrix.to(device), "signs": value_table((-1.0, 1.0), 1, 1, str(torch.device(device)))}
 
     def _extra_fields(self) -> set:
         return {"qjl", "rnorms"}
@@ -383,18 +413,21 @@ class TurboQuantProd(TurboQuantMSE):
     def _coef(self, c, t0, t1):
         return c.token["rnorms"][..., t0:t1].float() * (SQRT_PI_OVER_2 / self.m)
 
+    def _signs(self, c, t0, t1, k):
+        """The QJL sign bits of tokens [t0, t1) as +-1.0 [..., n, m] (table lookup, like the codes)."""
+        return unpack_values(c.token["qjl"][..., t0:t1, :], k["signs"], 1, self.m)
+
     def _residual_rotated(self, c, t0, t1, k):
-        signs = unpack_signs(c.token["qjl"][..., t0:t1, :], self.m)
-        return (signs @ k["S"]) * self._coef(c, t0, t1).unsqueeze(-1)
+        return (self._signs(c, t0, t1, k) @ k["S"]) * self._coef(c, t0, t1).unsqueeze(-1)
 
     def _query_side(self, q_rot, k):
         return q_rot @ k["S"].T
 
     def _add_residual_scores(self, s, q_side, c, t0, t1, k):
-        signs = unpack_signs(c.token["qjl"][..., t0:t1, :], self.m)
+        signs = self._signs(c, t0, t1, k)
         return s + (q_side @ signs.transpose(-1, -2)) * self._coef(c, t0, t1).unsqueeze(-2)
 
     def _accumulate_residual(self, acc, wc, c, t0, t1, k):
-        signs = unpack_signs(c.token["qjl"][..., t0:t1, :], self.m)
+        signs = self._signs(c, t0, t1, k)
         part = (wc * self._coef(c, t0, t1).unsqueeze(-2)) @ signs
         return part if acc is None else acc + part
