@@ -8,7 +8,8 @@ deserializer run on real LMCache ``TensorMemoryObj`` buffers. Reported per serde
 
 * ``bytes_per_token``: bytes LMCache's L2 holds per token (what ``serialize`` returns; for the
   kvcodec serdes that is the fixed slot), ``vs_naive`` = raw bf16 bytes / stored bytes;
-  ``payload_vs_naive`` (kvcodec_lossless): what a store that accepted variable sizes would hold;
+  ``payload_vs_naive`` (kvcodec_lossless): what a store that accepted variable sizes would hold,
+  ``min_chunk_ratio``: the worst chunk's raw / payload (a ``slot_ratio`` above it refuses chunks);
 * ``ser_GBps`` / ``deser_GBps``: raw KV bytes per second on one CPU core (torch and kvcodec on one
   thread; best of ``repeat``), ``fits``: chunks stored / chunks offered (a lossless chunk that does
   not fit its slot is refused);
@@ -48,7 +49,7 @@ from common import save  # noqa: E402
 SUITE = "bench_lmcache"
 CHUNK_TOKENS = 256
 N_Q = 64
-COLUMNS = ["serde", "config", "kind", "bytes_per_token", "vs_naive", "payload_vs_naive", "fits", "ser_GBps",
+COLUMNS = ["serde", "config", "kind", "bytes_per_token", "vs_naive", "payload_vs_naive", "min_chunk_ratio", "fits", "ser_GBps",
            "deser_GBps", "bit_exact", "attn_err", "ppl", "ppl_delta_pct", "note"]
 
 
@@ -107,25 +108,17 @@ def serde_specs(head_dim: int) -> list[dict]:
             {"type": "fp8"}] + [{**tq, "key_bits": kb, "value_bits": vb} for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3), (2, 2))]
 
 
-def memory_obj(t: torch.Tensor):
-    """A real LMCache TensorMemoryObj over the bytes of ``t`` (shared, no copy)."""
-    from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
-
-    raw = t.reshape(-1).view(torch.uint8)
-    meta = MemoryObjMetadata(shape=t.shape, dtype=t.dtype, address=0, phy_size=raw.numel(), ref_count=1,
-                             shapes=[t.shape], dtypes=[t.dtype])
-    return TensorMemoryObj(raw, meta, None)
-
-
 def run_serde(spec: dict, chunks: list[torch.Tensor], repeat: int) -> dict:
     """Serialize/deserialize every chunk through the serde LMCache builds from ``spec``."""
     from lmcache.v1.distributed.api import MemoryLayoutDesc
     from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
 
+    from kvcodec.integrations.lmcache import host_memory_obj as memory_obj
+
     kwargs = {k: v for k, v in spec.items() if k != "type"}
     proc = create_serde_processor(SerdeConfig(type=spec["type"], kwargs=kwargs))
     ser, de = proc._serializer, proc._deserializer  # the sync pair AsyncSerdeProcessor runs on its worker
-    stored, payload, fits, done, t_ser, t_de, outs = 0, 0, 0, 0, 0.0, 0.0, []
+    stored, payload, fits, done, t_ser, t_de, outs, ratios = 0, 0, 0, 0, 0.0, 0.0, [], []
     try:
         for c in chunks:
             layout = MemoryLayoutDesc(shapes=[c.shape], dtypes=[c.dtype])
@@ -143,6 +136,7 @@ def run_serde(spec: dict, chunks: list[torch.Tensor], repeat: int) -> dict:
             done += c.nbytes
             stored += n
             payload += _payload_bytes(dst)
+            ratios.append(c.nbytes / _payload_bytes(dst))
             out = torch.empty_like(c)
             out_obj = memory_obj(out)
             de.deserialize(memory_obj(dst[:n]), out_obj, None)
@@ -155,7 +149,7 @@ def run_serde(spec: dict, chunks: list[torch.Tensor], repeat: int) -> dict:
     raw = sum(c.nbytes for c in chunks)
     row = {"stored": stored, "payload": payload, "fits": f"{fits}/{len(chunks)}",
            "ser_GBps": done / t_ser / 1e9 if t_ser else None, "deser_GBps": done / t_de / 1e9 if t_de else None,
-           "raw": raw}
+           "raw": raw, "min_chunk_ratio": min(ratios) if ratios else None}
     return row, outs
 
 
@@ -193,7 +187,7 @@ def lmcache_turboquant_sizes(spec: dict, chunks: list[torch.Tensor]) -> dict:
     stored = sum(TurboQuantSerializer(cfg).estimate_serialized_size(MemoryLayoutDesc(shapes=[c.shape], dtypes=[c.dtype]))
                  for c in chunks)
     return {"stored": stored, "payload": 0, "fits": None, "ser_GBps": None, "deser_GBps": None,
-            "raw": sum(c.nbytes for c in chunks)}
+            "raw": sum(c.nbytes for c in chunks), "min_chunk_ratio": None}
 
 
 def triton_interpreter_ready() -> bool:
@@ -239,6 +233,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", prefix: int = 
         return {"serde": spec["type"], "config": json.dumps({k: v for k, v in spec.items() if k != "type"}),
                 "kind": "lossless" if lossless else "lossy", "bytes_per_token": r["stored"] / n_tokens,
                 "vs_naive": r["raw"] / r["stored"], "payload_vs_naive": r["raw"] / r["payload"] if lossless else None,
+                "min_chunk_ratio": r["min_chunk_ratio"] if lossless else None,
                 "fits": r["fits"], "ser_GBps": r["ser_GBps"], "deser_GBps": r["deser_GBps"], **extra}
 
     ppl0 = perplexity(model, ids, n_tokens, keys, values) if model is not None else None

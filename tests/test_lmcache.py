@@ -174,6 +174,18 @@ def test_fs_chunk_over_its_slot_is_refused_not_truncated(tmp_path, chunk):
         store.close()
 
 
+def test_serializer_refuses_a_chunk_over_its_slot(chunk):
+    proc = create_serde_processor(SerdeConfig(type="kvcodec_lossless", kwargs={"slot_ratio": 4.0}))
+    try:
+        ser = proc._serializer  # the sync serializer LMCache's AsyncSerdeProcessor runs
+        dst = torch.zeros(ser.estimate_serialized_size(MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[chunk.dtype])),
+                          dtype=torch.uint8)
+        with pytest.raises(kvlm.SlotOverflowError, match="slot_ratio=4.0"):
+            ser.serialize(kvlm.host_memory_obj(chunk), kvlm.host_memory_obj(dst), None)
+    finally:
+        proc.close()
+
+
 def test_frame_rejects_every_damage():
     payload = np.arange(1000, dtype=np.uint32).tobytes()
     buf = torch.zeros(kvlm.FRAME.size + len(payload) + 100, dtype=torch.uint8)

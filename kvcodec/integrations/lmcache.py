@@ -71,6 +71,17 @@ def kv_unchunk(chunk: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.T
     return kv[0], kv[1]
 
 
+def host_memory_obj(t: torch.Tensor):
+    """Wrap a contiguous CPU tensor as an LMCache ``TensorMemoryObj`` sharing its bytes (no copy):
+    to run a serializer/deserializer outside a storage manager (offline conversion, tests, benchmarks)."""
+    from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+    raw = _bytes_of(t)
+    meta = MemoryObjMetadata(shape=t.shape, dtype=t.dtype, address=0, phy_size=raw.size, ref_count=1,
+                             shapes=[t.shape], dtypes=[t.dtype])
+    return TensorMemoryObj(t.reshape(-1).view(torch.uint8), meta, None)
+
+
 # ---------------------------------------------------------------------------------------- frame
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
     """The bytes of a CPU tensor as a flat uint8 numpy view (no copy)."""
