@@ -162,7 +162,13 @@ def decode(blob, *, impl: str = "fast", max_symbols: int | None = None,
     out = np.asarray(rc.decode_static(p.tobytes() if impl == "reference" else p, h.freqs, h.param, h.n))
     if out.shape != (h.n,):
         raise CorruptStreamError("range coder returned the wrong number of symbols")
-    return out.astype(h.dtype, copy=False)
+    out = out.astype(h.dtype, copy=False)
+    # The range coder's decoder has no end-state check (rANS and tANS have one), so a forged payload
+    # with a recomputed CRC could decode to other symbols: accept only the payload these symbols
+    # encode to (one extra encode, the price of never returning silent garbage).
+    if bytes(memoryview(rc.encode_static(out, h.freqs, h.param)).cast("B")) != bytes(payload):
+        raise CorruptStreamError("range-coded payload is not the encoding of the symbols it decodes to")
+    return out
 
 
 def inspect(blob) -> StreamHeader:

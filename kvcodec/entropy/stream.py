@@ -67,6 +67,8 @@ def _get_varint(buf, pos: int, what: str) -> tuple[int, int]:
         pos += 1
         v |= (b & 0x7F) << shift
         if b < 0x80:
+            if b == 0 and shift:  # a writer never pads a varint with a zero byte
+                raise CorruptStreamError(f"{what} is an overlong varint")
             return v, pos
         shift += 7
     raise CorruptStreamError(f"{what} is not a valid varint")
@@ -94,6 +96,8 @@ def _read_varint_array(buf: np.ndarray, pos: int, count: int, max_bytes: int) ->
     lengths = np.diff(ends, prepend=-1)
     if lengths.max() > max_bytes:
         raise CorruptStreamError("frequency table holds an oversized value")
+    if np.any((lengths > 1) & (window[ends] == 0)):
+        raise CorruptStreamError("frequency table holds an overlong varint")
     used = window[: ends[-1] + 1].astype(np.int64)
     starts = ends - lengths + 1
     idx = np.arange(used.size) - np.repeat(starts, lengths)
@@ -321,6 +325,8 @@ def _parse_freqs(buf: np.ndarray, pos: int, alphabet: int) -> tuple[np.ndarray, 
         freqs[lo + idx] = vals
     else:
         raise CorruptStreamError(f"unknown frequency table mode {mode}")
+    if freqs[lo] == 0 or freqs[lo + span - 1] == 0:  # a writer's range starts and ends at used symbols
+        raise CorruptStreamError("frequency table range does not start and end at used symbols")
     return freqs, pos
 
 

@@ -209,7 +209,9 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
     ``device`` if given, else the prediction's device, else the original device when this machine
     has it, else the CPU. A ``planes`` blob bound for a CUDA device is decoded there by the GPU
     rANS decoder when its streams allow (32 lanes, one table per plane; see
-    :mod:`kvcodec.lossless.planes_device`), else on the CPU and copied. Raises CorruptStreamError on damaged input or a wrong prediction.
+    :mod:`kvcodec.lossless.planes_device`), else on the CPU and copied. Raises CorruptStreamError
+    on damaged input, a wrong prediction, or a prediction missing or of another shape than the
+    blob declares (CorruptStreamError is a ValueError).
     ``max_output_bytes``: refuse (CorruptStreamError) blobs that declare a bigger tensor, before
     anything is allocated (default ``DEFAULT_MAX_OUTPUT_BYTES`` = 4 GiB; ``None`` = no cap): a
     constant tensor legitimately compresses to a few hundred bytes whatever its size. Every
@@ -226,9 +228,9 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
     pred = None
     if meta["uses_prediction"]:
         if prediction is None:
-            raise ValueError("this blob was compressed with a prediction: pass the same prediction to decompress")
+            raise CorruptStreamError("this blob was compressed with a prediction: pass the same prediction to decompress")
         if not isinstance(prediction, torch.Tensor) or tuple(prediction.shape) != shape:
-            raise ValueError(f"prediction must be a tensor of shape {shape}")
+            raise CorruptStreamError(f"prediction must be a tensor of shape {shape}, the blob's")
         pred = _as_cpu(prediction)
     impl = registry.get_for_decoding(meta["codec"])
     out = impl.decode(meta["codec_meta"], sections, pred, threads)

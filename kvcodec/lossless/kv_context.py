@@ -11,6 +11,7 @@ with the probability its rounding bin gets under that model (the engine of
 
 from __future__ import annotations
 
+from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.codec import decode_tensor, encode_tensor
 
 
@@ -28,7 +29,7 @@ class KVContextCodec:
 
     def decode(self, meta, sections, prediction=None, threads: int = 0):
         if prediction is not None:
-            raise ValueError("the kvctx codec takes no prediction")
+            raise CorruptStreamError("the kvctx codec takes no prediction")
         return decode_tensor(meta, sections, None, threads)
 
 

@@ -227,15 +227,15 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
     pred = None
     if source == "external":
         if prediction is None:
-            raise ValueError("this stream was coded with a prediction: pass the same prediction to decode")
+            raise CorruptStreamError("this stream was coded with a prediction: pass the same prediction to decode")
         if tuple(prediction.shape) != shape:
-            raise ValueError(f"prediction must have shape {shape}")
+            raise CorruptStreamError(f"prediction must have shape {shape}, the stream's")
         with np.errstate(invalid="ignore"):
             pred = _prediction_f32(prediction, g, tt, d)
         if zlib.crc32(pred.reshape(-1).view(np.uint8)) != meta.get("pred_crc"):
             raise CorruptStreamError("the prediction differs from the one this stream was coded with")
     elif prediction is not None:
-        raise ValueError("this stream was coded without a prediction tensor")
+        raise CorruptStreamError("this stream was coded without a prediction tensor")
     if start == stop:
         return torch.empty(out_shape, dtype=dtype)
 
