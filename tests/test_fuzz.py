@@ -30,8 +30,8 @@ EXAMPLES = {
     "entropy.decode": 250,
     "kvcodec.decompress": 250,
     ".kvc file (decompress_file)": 200,
-    "QuantizedTensor.from_bytes": 150,
-    "CompressedCache.load": 100,
+    "QuantizedTensor.from_bytes": 100,
+    "CompressedCache.load": 60,
 }
 
 
