@@ -198,6 +198,18 @@ def test_saved_cache_metadata_is_checked(mutate_meta, mutate_layer):
         cache_from_bytes(CompressedCache, blob, cfg)
 
 
+@pytest.mark.parametrize("rows", [2**31, 3, 0, -1, "2"])
+def test_saved_lossless_block_rows_are_checked_before_anything_is_built(rows):
+    from kvcodec.hf import CompressedCache
+    from kvcodec.hf.persist import cache_from_bytes
+
+    blob, cfg = _cache_blob(4, lambda lm: lm["blocks"][0]["key"].__setitem__("rows", rows))  # method="lossless"
+    t0 = time.process_time()
+    with pytest.raises(CorruptStreamError):
+        cache_from_bytes(CompressedCache, blob, cfg)
+    assert time.process_time() - t0 < 1.0
+
+
 def test_saved_cache_output_cap(tmp_path):
     from kvcodec.hf import CompressedCache
 

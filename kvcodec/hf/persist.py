@@ -164,7 +164,8 @@ def _lossless_rows(tensors: dict, bm: dict, kv_shape: tuple, dtype_name: str, wh
 
     state = validate.require_type(bm, dict, what)
     rows = validate.require_int(state.get("rows"), 1, _MAX_TOKENS, f"{what} rows")
-    if set(tensors) != {f"row{r}" for r in range(rows)}:
+    # the count first: a hostile ``rows`` can be 2^31, too many names to build
+    if len(tensors) != rows or set(tensors) != {f"row{r}" for r in range(rows)}:
         raise CorruptStreamError(f"{what}: sections do not match its {rows} rows")
     for r in range(rows):
         blob = tensors[f"row{r}"]
