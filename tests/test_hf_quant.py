@@ -158,8 +158,8 @@ def test_fused_kernel_wiring_matches_torch_path(key_mode, kpre, vpre, sink, tq, 
     layer.store.compact()
     q = torch.randn(2, tq, 8, 64).transpose(1, 2)
     torch_path = attend_store(layer.store, q, None, 0.125, 2, options=chunked)
-    assert attn.fused_compressed(layer.store, q, None, 0.125, chunked) is None  # CPU: no fused kernel
-    fused = attn.fused_compressed(layer.store, q, None, 0.125, on_cpu)
+    assert attn.fused_compressed(layer, q, None, 0.125, chunked) is None  # CPU: no fused kernel
+    fused = attn.fused_compressed(layer, q, None, 0.125, on_cpu)
     assert fused is not None
     out = attend_store(layer.store, q, None, 0.125, 2, compressed=fused, options=on_cpu)
     torch.testing.assert_close(out, torch_path, atol=2e-5, rtol=2e-5)
@@ -203,13 +203,13 @@ def test_fused_decode_step_stays_lean(monkeypatch):
     AttentionInterface.register(attn.NAME, counted_attention)
     try:
         _logits(model, prompt(1, 1, seed=9), cache)
-        consts = [layer.store.attn_consts for layer in cache.layers]
+        consts = [layer.fused_consts for layer in cache.layers]
         calls.clear()
         _logits(model, prompt(1, 1, seed=10), cache)
     finally:
         AttentionInterface.register(attn.NAME, real_attention)
     assert all(c is not None for c in consts)
-    assert all(layer.store.attn_consts is c for layer, c in zip(cache.layers, consts))  # reused, not rebuilt
+    assert all(layer.fused_consts is c for layer, c in zip(cache.layers, consts))  # reused, not rebuilt
     assert "repeat_interleave" not in calls and "full" not in calls
     assert len(calls) / len(cache.layers) <= 40, calls
 

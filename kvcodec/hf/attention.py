@@ -145,7 +145,7 @@ def compressed_attention(module, query, key, value, attention_mask, scaling=None
         if store.key_codec.decoded_attention or not store.blocks:
             k, v = store.materialize(query.dtype)
             return sdpa_attention_forward(module, query, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
-        fused = fused_compressed(store, query, attention_mask, scaling, options)
+        fused = fused_compressed(layer, query, attention_mask, scaling, options)
         out = attend_store(store, query, attention_mask, scaling, layer.spec.num_kv_heads, compressed=fused,
                            options=options)
         return out, None
@@ -229,11 +229,11 @@ class _FusedConsts:
     seq_lens: torch.Tensor | None  # [B] int32 compressed tokens per sequence; None: all the block's slots
 
     @classmethod
-    def of(cls, store, block: Block, keys: PackedKV, values: PackedKV, scaling: float,
+    def of(cls, layer: CompressedLayer, block: Block, keys: PackedKV, values: PackedKV, scaling: float,
            query: torch.Tensor) -> "_FusedConsts":
-        """The store's cached constants for ``block``, rebuilt only when the block changed."""
+        """The layer's cached constants for ``block``, rebuilt only when the block changed."""
         batch, heads, device = query.shape[0], query.shape[1], query.device
-        c = store.attn_consts
+        c = layer.fused_consts
         if c is not None and c.block() is block and c.scaling == scaling and c.batch == batch:
             return c
         # every sequence holds all of the block's tokens: when the packed tensors have exactly that many
@@ -242,17 +242,18 @@ class _FusedConsts:
         c = cls(weakref.ref(block), scaling, batch,
                 packed_attention.PackedConsts.build(keys, values, scaling, heads, device),
                 None if full else torch.full((batch,), block.length, dtype=torch.int32, device=device))
-        store.attn_consts = c
+        layer.fused_consts = c
         return c
 
 
-def fused_compressed(store, query: torch.Tensor, mask, scaling: float,
+def fused_compressed(layer: CompressedLayer, query: torch.Tensor, mask, scaling: float,
                      options: AttentionOptions = DEFAULT_OPTIONS) -> CompressedPart | None:
     """The compressed tokens' attention from the fused kernel (``kvcodec.cuda.quantized.attend_packed``:
     packed codes read by the kernel) as a :class:`CompressedPart`, or None when it does not apply: CPU
     tensors, padding masks, codecs without a packed layout the kernel takes (``codec.packed``), or
     ``options.fused`` says so (see AttentionOptions). The exact sink and window are attended by
-    ``attend_store`` and merged with it."""
+    ``attend_store`` and merged with it. The per-block constants are cached on ``layer``."""
+    store = layer.store
     if options.fused == "off" or not (query.is_cuda or options.fused == "cpu-reference") or len(store.blocks) != 1:
         return None
     block = store.blocks[0]
@@ -263,7 +264,7 @@ def fused_compressed(store, query: torch.Tensor, mask, scaling: float,
         return None
     if query.is_cuda and not kcuda.is_available():
         return None
-    c = _FusedConsts.of(store, block, keys, values, scaling, query)
+    c = _FusedConsts.of(layer, block, keys, values, scaling, query)
     # (q * s) . x' = q . x - q . center: the kernel's scores lack the per-query q . center, and so do the
     # exact keys mapped by k_mul/k_add in the merge, so the joint softmax is unchanged
     q, out, lse = packed_attention.attend_packed(query, keys, values, c.packed, c.seq_lens)

@@ -39,6 +39,7 @@ class CompressedLayer(CacheLayerMixin):
         self.store: LayerStore | None = None
         self.armed = False
         self.pending = 0
+        self.fused_consts = None  # the attention function's constants for the store's block (fused path)
 
     # ------------------------------------------------------------------ contract
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -85,6 +86,7 @@ class CompressedLayer(CacheLayerMixin):
             self.store.clear()
         self.armed = False
         self.pending = 0
+        self.fused_consts = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.get_seq_length() > 0:

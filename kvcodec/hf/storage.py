@@ -59,7 +59,6 @@ class LayerStore:
         self.exact_k = self.exact_v = None  # [sink | window], [B, H_kv, sink_len + window_len, D]
         self.sink_len = 0
         self.blocks: list[Block] = []
-        self.attn_consts = None  # per-block constants of the attention function (kvcodec.hf.attention)
 
     # ------------------------------------------------------------------ exact parts (views of one buffer)
     @property
