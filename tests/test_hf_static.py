@@ -172,3 +172,15 @@ def test_decode_step_compiles_with_fullgraph(model):
             t1, t2 = compiled[-1].argmax(-1, keepdim=True), plain[-1].argmax(-1, keepdim=True)
     torch.testing.assert_close(torch.stack(compiled), torch.stack(plain), rtol=0, atol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # first step + steady state at most
+
+
+def test_quantize_on_append_path_matches_eager(model, monkeypatch):
+    """The CUDA path (each token quantized into its future slot on arrival), forced on CPU."""
+    from kvcodec.hf.static_cache import StaticCompressedLayer
+
+    monkeypatch.setattr(StaticCompressedLayer, "on_append", property(lambda self: not self.device_fit))
+    with torch.no_grad():
+        eager, static, tok = _pair(model, _tokens(2, 11, 11))
+        le, ls = _both(model, eager, static, tok, 6)
+    torch.testing.assert_close(ls, le, rtol=0, atol=1e-5)
+    _assert_same_bytes(eager, static)

@@ -71,11 +71,13 @@ class StaticCompressedLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = True
 
-    def __init__(self, spec, layer_idx: int, max_cache_len: int):
+    def __init__(self, spec, layer_idx: int, max_cache_len: int, group: int = 1, scaling: float | None = None):
         super().__init__()
         self.spec = spec
         self.layer_idx = layer_idx
         self.max_cache_len = max_cache_len
+        self.group = group  # query heads per KV head
+        self.scaling = spec.head_dim ** -0.5 if scaling is None else scaling  # the attention module's
         self.sink, self.residual, self.block = spec.sink, spec.residual, spec.block_size
         self.ring = spec.residual + 2 * spec.block_size
         self.kc, self.vc = spec.make_codecs(layer_idx)  # the eager codecs: prefill encodes are theirs
@@ -91,8 +93,9 @@ class StaticCompressedLayer(CacheLayerMixin):
         cap = max(self.max_cache_len - self.sink, 0) + self.block
         self.capacity = cap
         e = self.sink + self.ring
-        self.exact_k = torch.zeros(B, H, e, D, dtype=dt, device=dev)
-        self.exact_v = torch.zeros(B, H, e, D, dtype=dt, device=dev)
+        # float32 (the model's values exactly): attention and quantization read them with no conversion
+        self.exact_k = torch.zeros(B, H, e, D, dtype=torch.float32, device=dev)
+        self.exact_v = torch.zeros(B, H, e, D, dtype=torch.float32, device=dev)
         self.key_pos = torch.cat([torch.arange(self.sink), torch.full((self.ring,), -1)]).to(dev)
         kb, vb = self.spec.key_bits, self.spec.value_bits
         self.k_codes = torch.zeros(B, H, cap, (D * kb + 7) // 8, dtype=torch.uint8, device=dev)
@@ -110,7 +113,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.comp = torch.zeros((), dtype=torch.int64, device=dev)
         self.comp_lens = torch.zeros(B, dtype=torch.int32, device=dev)
         self.consts = {side: _quant_consts(q, dev) for side, q in (("k", self.kc.q), ("v", self.vc.q))}
-        for t in self._state_tensors():
+        for t in self._state_tensors() + [t for c in self.consts.values() for t in (c["rot"], c["cb"])]:
             _mark_static(t)
         self.is_initialized = True
 
@@ -136,11 +139,37 @@ class StaticCompressedLayer(CacheLayerMixin):
             self._check_room(q)
         pos = self.seen + torch.arange(q, device=self.device)
         slots = self.sink + (pos - self.sink) % self.ring
-        self.exact_k.index_copy_(2, slots, key_states.to(self.dtype))
-        self.exact_v.index_copy_(2, slots, value_states.to(self.dtype))
+        k, v = key_states.float(), value_states.float()
+        self.exact_k.index_copy_(2, slots, k)
+        self.exact_v.index_copy_(2, slots, v)
         self.key_pos.index_copy_(0, slots, pos)
+        if self.on_append:
+            self._quantize_into(k, v, pos - self.sink)
         self.seen.add_(q)
         return key_states, value_states
+
+    @property
+    def on_append(self) -> bool:
+        """CUDA with a fitted preconditioner: every token is quantized once, when it arrives, into the
+        slot it will hold once compressed (the quantize kernel treats rows independently, so these are
+        the bytes a block quantization gives); compaction is then only ``comp += block_size``. On CPU
+        (or before the fit) blocks are quantized when they leave the window, as the eager store does:
+        float32 matmuls of other shapes may round differently there."""
+        return self.device.type == "cuda" and not self.device_fit
+
+    def _quantize_into(self, k: torch.Tensor, v: torch.Tensor, dest: torch.Tensor, move=None) -> None:
+        """Quantize float32 K/V [B, H, n, D] with the layer's preconditioners into compressed slots ``dest``."""
+        for side, x in (("k", k), ("v", v)):
+            center, scale = self._precond(side, x, move)
+            if center is not None:
+                x = x - center.float()
+            if scale is not None:
+                x = x / scale.float()
+            c = self.consts[side]
+            norms_buf = getattr(self, side + "_norms")
+            codes, norms = ops.tq_quantize(x, c["rot"], c["cb"], c["bits"], c["nc"], norms_buf.dtype == torch.bfloat16)
+            getattr(self, side + "_codes").index_copy_(2, dest, codes)
+            norms_buf.index_copy_(2, dest, norms)
 
     def _check_room(self, q: int) -> None:
         """max_cache_len is a hard limit; checked on the host only outside compiled/captured code
@@ -159,6 +188,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         if T > self.max_cache_len:
             raise ValueError(f"static compressed cache is full: prompt of {T} tokens > max_cache_len={self.max_cache_len}")
         S = self.sink
+        k, v = k.float(), v.float()
         self.exact_k[:, :, :S] = k[:, :, :S]
         self.exact_v[:, :, :S] = v[:, :, :S]
         window = T - S
@@ -184,30 +214,34 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.seen.fill_(T)
         self.comp.fill_(c)
         self.comp_lens.fill_(c)
+        if self.on_append:  # the window's tokens go to their future slots now
+            self._quantize_into(k[:, :, S + c:], v[:, :, S + c:], pos - S)
+        self._warm_kernels()
+
+    def _warm_kernels(self) -> None:
+        """Run the attention op once outside any graph: the launcher's cached plan and derived
+        constants are then allocated in the ordinary pool, not inside a cudagraph tree's pool."""
+        if self.device.type == "cuda":
+            query = torch.zeros(self.batch_size, self.num_heads * self.group, 1, self.head_dim, device=self.device)
+            kc, vc = self.consts["k"], self.consts["v"]
+            ops.tq_attention(query, self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.comp_lens, kc["rot"],
+                             vc["rot"], kc["cb"], vc["cb"], kc["bits"], vc["bits"], float(self.scaling))
+            row = torch.zeros(1, self.head_dim, device=self.device)
+            for c in (kc, vc):
+                ops.tq_quantize(row, c["rot"], c["cb"], c["bits"], c["nc"], False)
 
     def _compact(self) -> None:
         """Move the window's oldest block into the compressed slots when the eager store would
         (window >= residual + block_size): always computed, committed by growing ``comp``."""
         S, bs = self.sink, self.block
-        pos = S + self.comp + torch.arange(bs, device=self.device)
-        slots = S + (pos - S) % self.ring
-        dest = self.comp + torch.arange(bs, device=self.device)
         move = (self.seen - S - self.comp) >= self.residual + bs
-        for side, exact in (("k", self.exact_k), ("v", self.exact_v)):
-            x = exact.index_select(2, slots)
-            center, scale = self._precond(side, x, move)
-            xp = x.float()
-            if center is not None:
-                xp = xp - center.float()
-            if scale is not None:
-                xp = xp / scale.float()
-            c = self.consts[side]
-            codes, norms = ops.tq_quantize(xp, c["rot"], c["cb"], c["bits"], c["nc"],
-                                           getattr(self, side + "_norms").dtype == torch.bfloat16)
-            getattr(self, side + "_codes").index_copy_(2, dest, codes)
-            getattr(self, side + "_norms").index_copy_(2, dest, norms)
-        if self.device_fit:
-            self.fitted.logical_or_(move)
+        if not self.on_append:
+            pos = S + self.comp + torch.arange(bs, device=self.device)
+            slots = S + (pos - S) % self.ring
+            self._quantize_into(self.exact_k.index_select(2, slots), self.exact_v.index_select(2, slots),
+                                pos - S, move)
+            if self.device_fit:
+                self.fitted.logical_or_(move)
         self.comp.add_(move.to(torch.int64) * bs)
         self.comp_lens.copy_(self.comp.to(torch.int32).expand_as(self.comp_lens))
 
@@ -215,7 +249,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         """(centre, scale) for the block x: the stored ones, or, before the first fit (device_fit), the
         eager fit on this block (``calibrate``), which is stored when the block really moves."""
         center, scale = self.pre.get(side + "_center"), self.pre.get(side + "_scale")
-        if not self.device_fit or center is None:
+        if not self.device_fit or center is None or move is None:
             return center, scale
         from kvcodec.quant.precondition import calibrate
 
@@ -253,13 +287,12 @@ class StaticCompressedLayer(CacheLayerMixin):
             out_c = out_c * v_scale.float()
         if v_center is not None:
             out_c = out_c + v_center.float()
-        # exact sink + ring in the kernel's domain: scaling * (k - centre) / scale, so q_in . k' differs
-        # from the true score by the same per-query constant as the compressed part's
-        keys = self.exact_k.float()
+        # exact sink + ring: scaling * q . (k - centre), the compressed part's scores lack the same
+        # per-query constant scaling * q . centre (q_in . k' with q_in = q * scale, k' = (k - centre) / scale)
+        qg = query.float().reshape(B, H, G * Tq, D)
+        s = (qg * scaling) @ self.exact_k.transpose(-1, -2)  # [B, H, G*Tq, E]
         if k_center is not None:
-            keys = keys - k_center.float()
-        keys = keys * (scaling / k_scale.float() if k_scale is not None else scaling)
-        s = q_in.view(B, H, G * Tq, D) @ keys.transpose(-1, -2)  # [B, H, G*Tq, E]
+            s = s - scaling * (qg * k_center.float()).sum(-1, keepdim=True)
         q_pos = self.seen - Tq + torch.arange(Tq, device=query.device)
         lo = self.sink + self.comp  # ring slots hold window tokens from position lo on
         kp = self.key_pos
@@ -267,7 +300,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         allowed = valid[None, :] & (kp[None, :] <= q_pos[:, None])  # [Tq, E]
         s = s.masked_fill(~allowed.repeat(G, 1), float("-inf"))
         p = torch.softmax(torch.cat([lse.view(B, H, G * Tq, 1), s], dim=-1), dim=-1)
-        out = p[..., 1:] @ self.exact_v.float() + p[..., :1] * out_c
+        out = p[..., 1:] @ self.exact_v + p[..., :1] * out_c
         return out.view(B, H, G, Tq, D).reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
 
     # ------------------------------------------------------------------ sizes and edits
@@ -398,7 +431,12 @@ class StaticCompressedCache(Cache):
                                outliers=outliers, seed=seed, key_precondition=key_precondition,
                                value_precondition=value_precondition)
         _check_supported(self.spec)  # (max_cache_len lives on the layers: transformers 5.17's Cache reads it there)
-        super().__init__(layers=[StaticCompressedLayer(self.spec, i, max_cache_len) for i in range(self.spec.num_layers)])
+        scalings = {m.layer_idx: float(m.scaling) for m in model.modules()
+                    if isinstance(getattr(m, "layer_idx", None), int) and isinstance(getattr(m, "scaling", None), float)}
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        group = cfg.num_attention_heads // self.spec.num_kv_heads
+        super().__init__(layers=[StaticCompressedLayer(self.spec, i, max_cache_len, group, scalings.get(i))
+                                 for i in range(self.spec.num_layers)])
         enable_static(model)
 
     def nbytes(self) -> int:
