@@ -249,8 +249,8 @@ def run(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, k
     name = "tiny-llama" if tiny else "llama8b-like"
     shape = dict((TINY_MODELS if tiny else MODELS)[name])
     shapes = shapes or ([(1, 40)] if tiny else
-                        [(1, 32768), (8, 32768), (32, 32768), (1, 8192), (8, 8192), (32, 8192), (1, 131072),
-                         (8, 131072), (32, 131072)])
+                        [(1, 32768), (8, 32768), (32, 32768), (1, 131072), (8, 131072), (1, 8192), (8, 8192),
+                         (32, 8192), (32, 131072)])
     n_steps = n_steps or (2 if tiny else 20)
     compile_shapes = set(map(tuple, compile_shapes)) if not tiny else set()  # CPU smoke test: no inductor
     rec = machine_record()
