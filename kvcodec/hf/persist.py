@@ -220,10 +220,7 @@ def _restore_layer(layer, blob: bytes, spec, device, budget: list) -> set:
     codec_meta = validate.require_type(meta["codecs"], dict, "saved cache codec side state")
     if not set(codec_meta) <= {"kc", "vc"}:
         raise CorruptStreamError("saved cache codec side state has unknown entries")
-    prefixes = ("sink_k", "sink_v", "win_k", "win_v", "kc.", "vc.")
-    for n in tensors:
-        if not n.startswith(prefixes) and not _is_block_tensor(n, len(meta["blocks"])):
-            raise CorruptStreamError(f"saved cache layer has an unexpected section {n[:80]!r}")
+    per_block = _block_sections(tensors, len(meta["blocks"]))
     for tag, codec in (("kc", store.key_codec), ("vc", store.value_codec)):
         side = {n.split(".", 1)[1]: t for n, t in tensors.items() if n.startswith(f"{tag}.")}
         codec.load_side_state(_dict(codec_meta.get(tag, {})), _to(side, device))
@@ -233,7 +230,7 @@ def _restore_layer(layer, blob: bytes, spec, device, budget: list) -> set:
         restored = []
         for tag, codec in (("k", store.key_codec), ("v", store.value_codec)):
             state = _dict(bm["key" if tag == "k" else "value"])
-            part = {n.split(".", 2)[2]: t for n, t in tensors.items() if n.startswith(f"b{j}.{tag}.")}
+            part = per_block.get((j, tag), {})
             what = f"saved block {j} ({'key' if tag == 'k' else 'value'})"
             if codec.name == "lossless":
                 _lossless_rows(part, state, (H, length, D), dtype_name, what)
@@ -260,11 +257,21 @@ def _restore_layer(layer, blob: bytes, spec, device, budget: list) -> set:
     return batch
 
 
-def _is_block_tensor(name: str, n_blocks: int) -> bool:
-    """``b<j>.k.<field>`` / ``b<j>.v.<field>`` with j < n_blocks."""
-    head, _, rest = name.partition(".")
-    j = head[1:]
-    return head[:1] == "b" and j.isascii() and j.isdigit() and int(j) < n_blocks and rest[:2] in ("k.", "v.")
+def _block_sections(tensors: dict, n_blocks: int) -> dict:
+    """Block sections grouped in one pass: (j, "k"|"v") -> {field: tensor} for ``b<j>.k.<field>`` /
+    ``b<j>.v.<field>``, j < n_blocks; any other name but the sink, window and side state is refused.
+    (One pass, so a layer with many blocks and many sections costs linear time, not their product.)"""
+    groups: dict = {}
+    for n, t in tensors.items():
+        if n in ("sink_k", "sink_v", "win_k", "win_v") or n.startswith(("kc.", "vc.")):
+            continue
+        head, _, rest = n.partition(".")
+        j, tag, field = head[1:], rest[:1], rest[2:]
+        if head[:1] != "b" or not (j.isascii() and j.isdigit()) or str(int(j)) != j or int(j) >= n_blocks \
+                or rest[1:2] != "." or tag not in ("k", "v") or not field:
+            raise CorruptStreamError(f"saved cache layer has an unexpected section {n[:80]!r}")
+        groups.setdefault((int(j), tag), {})[field] = t
+    return groups
 
 
 def _dict(x) -> dict:
