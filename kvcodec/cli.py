@@ -171,12 +171,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     fmt = inspection.identify(path)
     print(f"{path}: {fmt.description}, {_size(path.stat().st_size)}")
-    report = inspection.describe(path, fmt.key, verify=args.verify, threads=args.threads)
+    report = inspection.describe(path, fmt.key, verify=args.verify, threads=args.threads,
+                                 max_output_bytes=args.max_output)
     if report.table:
         print(report.table)
     if args.verify:
         print(f"verified {path}: {report.verified} ({time.perf_counter() - t0:.2f} s)")
     return 0
+
+
+def _add_max_output(p: argparse.ArgumentParser) -> None:
+    from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, parse_size
+
+    p.add_argument("--max-output", type=parse_size, default=DEFAULT_MAX_OUTPUT_BYTES, metavar="SIZE",
+                   help="refuse files that restore to more than SIZE bytes (default 4G; e.g. 64G for a "
+                        "big model you trust): a tiny hostile file could otherwise fill the disk")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,11 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=int, default=0, help="threads to use (default 0: all cores)")
         p.add_argument("--quiet", action="store_true", help="print nothing on success (no progress bar, no summary)")
         if name == "decompress":
-            from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, parse_size
-
-            p.add_argument("--max-output", type=parse_size, default=DEFAULT_MAX_OUTPUT_BYTES, metavar="SIZE",
-                           help="refuse files that restore to more than SIZE bytes (default 4G; e.g. 64G for a "
-                                "big model you trust): a tiny hostile file could otherwise fill the disk")
+            _add_max_output(p)
         p.set_defaults(func=func)
 
     p = sub.add_parser("inspect", help="say what a kvcodec file is and what it holds",
@@ -221,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="check every checksum (decoding every record); exit 2 if anything is corrupt")
     p.add_argument("--threads", type=int, default=0, help="threads for --verify (default 0: all cores)")
+    _add_max_output(p)
     p.set_defaults(func=_cmd_inspect)
     return parser
 

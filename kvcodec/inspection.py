@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kvcodec import container
 from kvcodec.errors import CorruptStreamError
+from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output
 
 
 @dataclass(frozen=True)
@@ -76,19 +77,21 @@ def identify(path: str | os.PathLike) -> FileFormat:
     )
 
 
-def describe(path: str | os.PathLike, key: str, verify: bool = False, threads: int = 0) -> Report:
+def describe(path: str | os.PathLike, key: str, verify: bool = False, threads: int = 0,
+             max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> Report:
     """What the file at ``path`` (of format ``key``, from :func:`identify`) holds; with ``verify``,
-    every checksum checked too. Raises CorruptStreamError on damage."""
+    every checksum checked too, decoding at most ``max_output_bytes`` (``None``: no cap).
+    Raises CorruptStreamError on damage."""
     path = Path(path)
     if key == "kvc":
-        return _describe_kvc(path, verify, threads)
+        return _describe_kvc(path, verify, threads, max_output_bytes)
     data = path.read_bytes()
     if key == "stream":
         return _describe_stream(data, verify)
     if key == SAVED_CACHE_KIND:
         return _describe_saved_cache(data)
     if key == "kvcodec.tensor":
-        return _describe_tensor(data, verify, threads)
+        return _describe_tensor(data, verify, threads, max_output_bytes)
     kind, meta, sections = container.loads(data)  # every section checksum
     rows = [[name, *_section_facts(v)] for name, v in sections.items()]
     table = f"meta: {', '.join(sorted(meta))}\n" + _table(["section", "type", "shape", "bytes"], rows)
@@ -96,16 +99,17 @@ def describe(path: str | os.PathLike, key: str, verify: bool = False, threads: i
 
 
 # ------------------------------------------------------------------------------------- formats
-def _describe_kvc(path: Path, verify: bool, threads: int) -> Report:
+def _describe_kvc(path: Path, verify: bool, threads: int, max_output_bytes: int | None) -> Report:
     from kvcodec.lossless import files
 
     table = files.format_inspect_table(files.inspect_file(path))
     if not verify:
         return Report(table, "")
     with files.KvcFile(path) as kf:
+        check_output(kf.meta["source_bytes"], max_output_bytes, path.name)
         crc = container.crc32(kf.st_header)
         for entry in kf.entries:  # record crc32, then every tensor decoded with its own checks
-            crc = container.crc32(kf.segment_bytes(entry, threads=threads), crc)
+            crc = container.crc32(kf.segment_bytes(entry, threads=threads, max_output_bytes=max_output_bytes), crc)
         if crc != kf.meta["source_crc32"]:
             raise CorruptStreamError("the restored safetensors bytes fail the source checksum")
         return Report(table, f"{len(kf.entries)} records decoded, the restored file's crc32 matches")
@@ -122,7 +126,7 @@ def _describe_stream(data: bytes, verify: bool) -> Report:
     return Report(table, f"{head.n} symbols decoded")
 
 
-def _describe_tensor(data: bytes, verify: bool, threads: int) -> Report:
+def _describe_tensor(data: bytes, verify: bool, threads: int, max_output_bytes: int | None) -> Report:
     from kvcodec.lossless import api
 
     d = api.describe(data)
@@ -134,7 +138,7 @@ def _describe_tensor(data: bytes, verify: bool, threads: int) -> Report:
         if d["uses_prediction"]:
             container.loads(data)  # the prediction is not in the file: section checksums only
             return Report(table, "section checksums match (decoding needs the prediction tensor)")
-        api.decompress(data, threads=threads, device="cpu")
+        api.decompress(data, threads=threads, device="cpu", max_output_bytes=max_output_bytes)
     return Report(table, "decoded, tensor crc32 matches")
 
 

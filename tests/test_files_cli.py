@@ -219,6 +219,8 @@ def test_cli_inspect_verify_fails_on_a_flipped_bit(tmp_path, capsys):
     assert main(["inspect", str(kvc), "--verify"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{kvc}: .kvc file") and f"verified {kvc}:" in out
+    assert main(["inspect", str(kvc), "--verify", "--max-output", "1K"]) == 2  # bounded like decompress
+    assert "max_output_bytes" in capsys.readouterr().err
 
 
 def test_cli_version_and_plain_help():
