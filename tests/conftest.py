@@ -7,11 +7,23 @@ nothing for a minute; ``pytest -m "not slow"`` leaves those tests out.
 
 import pytest
 
+_slow: set[str] = set()
+_config: list = []
+
+
+def pytest_configure(config):
+    _config[:] = [config]
+
+
+def pytest_collection_modifyitems(items):
+    _slow.update(item.nodeid for item in items if item.get_closest_marker("slow") is not None)
+
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    if item.get_closest_marker("slow") is None:
+def pytest_runtest_logstart(nodeid, location):
+    """Runs outside output capture, before the test's setup."""
+    if nodeid not in _slow or not _config or _config[0].option.verbose > 0:  # -v prints names anyway
         return
-    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and item.config.option.verbose <= 0:  # -v already prints each name
-        reporter.write(f"\n[slow] {item.nodeid} ", flush=True)
+    reporter = _config[0].pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write(f"\n[slow] {nodeid} ", flush=True)
