@@ -188,6 +188,8 @@ def _cache_blob(index: int, mutate_layer=None, mutate_meta=None) -> tuple[bytes,
     (None, lambda lm: lm.__setitem__("dtype", "float8_e4m3fn")),
     (None, lambda lm: lm["blocks"][0].__setitem__("length", 2**40)),
     (None, lambda lm: lm["blocks"][0]["key"].__setitem__("lead_shape", [2**31, 2])),
+    (None, lambda lm: lm["blocks"][0]["key"].__setitem__("lead_shape", [2])),
+    (None, lambda lm: lm["blocks"][0]["key"].__setitem__("lead_shape", [2, 2, 1])),
 ])
 def test_saved_cache_metadata_is_checked(mutate_meta, mutate_layer):
     from kvcodec.hf import CompressedCache

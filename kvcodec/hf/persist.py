@@ -241,7 +241,10 @@ def _restore_layer(layer, blob: bytes, spec, device, budget: list) -> set:
                 raise
             except (ValueError, TypeError, KeyError, RuntimeError, IndexError, OverflowError) as exc:
                 raise CorruptStreamError(f"{what} does not restore: {str(exc)[:200]}") from exc
-            B, h, T, d = _block_shape(blk)
+            shape = _block_shape(blk)
+            if len(shape) != 4:
+                raise CorruptStreamError(f"{what} has {len(shape)} dimensions, expected [B, {H}, {length}, {D}]")
+            B, h, T, d = shape
             if (h not in (None, H) or d not in (None, D) or T != length or codec.length(blk) != length
                     or (isinstance(blk, torch.Tensor) and blk.dtype != dtype)):
                 raise CorruptStreamError(f"{what} has shape {(B, h, T, d)}, expected [B, {H}, {length}, {D}]")
