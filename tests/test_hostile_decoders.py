@@ -100,7 +100,7 @@ def test_mutated_entropy_streams_raise_corrupt_stream_error(which, data):
         assert ref is not None and np.array_equal(ref, out)  # fast and reference agree on every input
 
 
-def test_a_short_stream_declaring_2_31_symbols_is_refused_by_the_cap():
+def test_a_short_stream_declaring_2_31_symbols_is_refused_by_a_cap():
     """One near-certain symbol: ~40 bytes can legally declare 2**31 symbols (a decompression bomb)."""
     freqs = np.zeros(256, np.uint32)
     freqs[0], freqs[1] = (1 << 16) - 1, 1
@@ -110,9 +110,12 @@ def test_a_short_stream_declaring_2_31_symbols_is_refused_by_the_cap():
     blob = _rebuild(head, (1 << 16).to_bytes(4, "little"))
     assert len(blob) < 48
     with pytest.raises(CorruptStreamError, match="max_output_bytes"):
-        entropy.decode(blob)  # the default cap (1 GiB) refuses the 2 GiB output before allocating
+        entropy.decode(blob, max_output_bytes=1 << 30)  # refused before the 2 GiB output is allocated
     with pytest.raises(ValueError):
         entropy.decode(blob, max_output_bytes=-1)
+    from kvcodec import validate
+
+    assert entropy.DEFAULT_MAX_OUTPUT_BYTES == api.DEFAULT_MAX_OUTPUT_BYTES == validate.DEFAULT_MAX_OUTPUT_BYTES
 
 
 # ----------------------------------------------------------------------------- tensor blobs

@@ -22,6 +22,7 @@ import importlib
 
 import numpy as np
 
+from kvcodec import validate
 from kvcodec.entropy import freq, stream
 from kvcodec.entropy.freq import choose_precision, count_symbols, entropy_bits, quantize_frequencies
 from kvcodec.entropy.stream import MAX_SYMBOLS, StreamHeader
@@ -33,10 +34,11 @@ IMPLS = ("fast", "reference")
 #: enough that 4 bytes per extra state do not matter.
 AUTO_STREAMS_MIN_SYMBOLS = 1 << 14
 AUTO_STREAMS = 8
-#: Default cap on the bytes :func:`decode` may produce (1 GiB). A legal stream can declare up to
-#: ``MAX_SYMBOLS`` symbols in a few dozen bytes (one near-certain symbol costs almost no bits), so
-#: untrusted input needs a cap; pass ``max_output_bytes`` explicitly for bigger streams.
-DEFAULT_MAX_OUTPUT_BYTES = 1 << 30
+#: Default cap on the bytes :func:`decode` may produce: the library-wide 4 GiB of
+#: ``kvcodec.validate``. A legal stream can declare up to ``MAX_SYMBOLS`` symbols in a few dozen
+#: bytes (one near-certain symbol costs almost no bits), so decode time is bounded by the cap the
+#: caller allows: pass a smaller ``max_output_bytes`` for untrusted input of known size.
+DEFAULT_MAX_OUTPUT_BYTES = validate.DEFAULT_MAX_OUTPUT_BYTES
 
 __all__ = [
     "CODERS",
@@ -121,24 +123,18 @@ def decode(blob, *, impl: str = "fast", max_symbols: int | None = None,
 
     Raises CorruptStreamError (a ValueError) for malformed, truncated or corrupted streams, for
     streams declaring more than ``max_symbols`` (default ``MAX_SYMBOLS``) symbols, and for streams
-    whose output would exceed ``max_output_bytes`` (default ``DEFAULT_MAX_OUTPUT_BYTES``, 1 GiB;
+    whose output would exceed ``max_output_bytes`` (default ``DEFAULT_MAX_OUTPUT_BYTES``, 4 GiB;
     ``None``: no cap beyond ``MAX_SYMBOLS``). Every header field is validated (and the declared
     count checked against what the payload can hold, and against the cap) before anything is
     allocated, so decode time is bounded by the input and the allowed output size.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if max_output_bytes is not None and (
-        isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes < 0
-    ):
-        raise ValueError(f"max_output_bytes must be a non-negative int or None, got {max_output_bytes!r}")
+    validate.resolve_max_output(max_output_bytes)
     if max_symbols is not None and (isinstance(max_symbols, bool) or not isinstance(max_symbols, int)):
         raise ValueError(f"max_symbols must be an int or None, got {max_symbols!r}")
     h, payload = stream.parse(blob, max_symbols)
-    if max_output_bytes is not None and h.n * h.dtype.itemsize > max_output_bytes:
-        raise CorruptStreamError(
-            f"stream declares {h.n * h.dtype.itemsize} output bytes, over max_output_bytes={max_output_bytes}"
-        )
+    validate.check_output(h.n * h.dtype.itemsize, max_output_bytes, "entropy stream")
     if h.n == 0:
         return np.zeros(0, dtype=h.dtype)
     p = np.frombuffer(payload, dtype=np.uint8)

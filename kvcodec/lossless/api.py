@@ -15,15 +15,10 @@ import numpy as np
 import torch
 
 from kvcodec import container
+from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output, numel, resolve_max_output
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import planes_device, registry
-from kvcodec.lossless.tensor_meta import (
-    DEFAULT_MAX_OUTPUT_BYTES,
-    check_output_cap,
-    checked_shape,
-    dtype_from_name,
-    nbytes,
-)
+from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
 from kvcodec.lossless.threads import resolve_threads
 
 KIND = "kvcodec.tensor"
@@ -143,7 +138,7 @@ def describe(blob) -> dict[str, Any]:
         "codec": meta["codec"],
         "dtype": meta["dtype"],
         "shape": tuple(meta["shape"]),
-        "raw_bytes": nbytes(tuple(meta["shape"]), dtype),
+        "raw_bytes": numel(meta["shape"]) * dtype.itemsize,
         "compressed_bytes": mv.nbytes,
         "uses_prediction": meta["uses_prediction"],
     }
@@ -151,11 +146,10 @@ def describe(blob) -> dict[str, Any]:
 
 def _load(blob, max_output_bytes) -> tuple[dict, dict]:
     """Parse a tensor blob and check its meta and declared size (nothing decoded yet)."""
-    if max_output_bytes is not None and (isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int)):
-        raise ValueError(f"max_output_bytes must be a non-negative int or None, got {max_output_bytes!r}")
+    resolve_max_output(max_output_bytes)  # a bad argument is a ValueError before the blob is read
     _, meta, sections = container.loads(blob, expect_kind=KIND)
     meta = _checked_meta(meta)
-    check_output_cap(nbytes(tuple(meta["shape"]), dtype_from_name(meta["dtype"])), max_output_bytes, "tensor blob")
+    check_output(numel(meta["shape"]) * dtype_from_name(meta["dtype"]).itemsize, max_output_bytes, "tensor blob")
     return meta, sections
 
 
@@ -213,7 +207,7 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
     on damaged input, a wrong prediction, or a prediction missing or of another shape than the
     blob declares (CorruptStreamError is a ValueError).
     ``max_output_bytes``: refuse (CorruptStreamError) blobs that declare a bigger tensor, before
-    anything is allocated (default ``DEFAULT_MAX_OUTPUT_BYTES`` = 4 GiB; ``None`` = no cap): a
+    anything is allocated (default ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES`` = 4 GiB; ``None`` = no cap): a
     constant tensor legitimately compresses to a few hundred bytes whatever its size. Every
     metadata field is validated before the codec allocates or loops (:func:`validate`).
     """
