@@ -295,14 +295,12 @@ class RansBatch:
 
 
 def _check_output_cap(headers, max_output_bytes) -> None:
-    """CorruptStreamError if the streams together declare more than the cap (default
-    ``kvcodec.entropy.DEFAULT_MAX_OUTPUT_BYTES`` for the whole batch), before any allocation."""
-    from kvcodec.entropy import DEFAULT_MAX_OUTPUT_BYTES
+    """CorruptStreamError if the streams together declare more than the cap (default: the
+    library-wide ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES``), before any allocation."""
+    from kvcodec import validate
 
-    cap = DEFAULT_MAX_OUTPUT_BYTES if max_output_bytes is None else max_output_bytes
-    total = sum(h.n * h.dtype.itemsize for h in headers)
-    if total > cap:
-        raise CorruptStreamError(f"the streams declare {total} output bytes, over max_output_bytes={cap}")
+    cap = validate.DEFAULT_MAX_OUTPUT_BYTES if max_output_bytes is None else max_output_bytes
+    validate.check_output(sum(h.n * h.dtype.itemsize for h in headers), cap, "rANS batch")
 
 
 def decode_batch(blobs, device="cuda", cpu_fallback: bool = False,
@@ -312,7 +310,7 @@ def decode_batch(blobs, device="cuda", cpu_fallback: bool = False,
 
     Raises CorruptStreamError for a malformed or inconsistent stream (header/CRC on the host,
     payload on the device) or a batch declaring more than ``max_output_bytes`` (default
-    ``kvcodec.entropy.DEFAULT_MAX_OUTPUT_BYTES``, checked before anything is allocated), and
+    ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES``, checked before anything is allocated), and
     ValueError for streams the GPU path does not take (see module doc).
     """
     batch = RansBatch(blobs, device, cpu_fallback, max_output_bytes=max_output_bytes)
