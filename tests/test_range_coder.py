@@ -283,3 +283,46 @@ def test_decode_accepts_bytearray_memoryview_and_numpy():
     payload = fast.encode(x, m)
     for form in (bytearray(payload), memoryview(payload), np.frombuffer(payload, dtype=np.uint8)):
         assert np.array_equal(fast.decode(form, m, 30), x)
+
+
+class _Dyadic(models.Model):
+    """A model the coders have never heard of: P(x) = 2**-(x+1) over 0..A-1 (the rest on the last).
+    It offers the reference coder steps and the fast coder explicit tables (fast_form) and nothing
+    else, so it shows a new model needs no edit of either coder."""
+
+    def __init__(self, alphabet: int = 12, precision: int = 14):
+        freqs = np.array([1 << max(precision - x - 1, 0) for x in range(alphabet)], dtype=np.int64)
+        freqs[-1] += (1 << precision) - freqs.sum()
+        self.table = models.Categorical.from_freqs(freqs, precision)
+        self.dtype = self.table.dtype
+
+    def steps(self, i, x):
+        return self.table.steps(i, x)
+
+    def decode_symbol(self, i, dec):
+        return self.table.decode_symbol(i, dec)
+
+    def fast_form(self):
+        return models.CumulativeTables(self.table.freqs, self.table.cum, self.table.precision,
+                                       self.table.alphabet, self.table.dtype)
+
+
+def test_a_new_model_runs_on_both_coders_without_a_coder_edit():
+    sym = np.random.default_rng(5).geometric(0.5, 3000).clip(1, 12) - 1
+    model = _Dyadic()
+    blob = ref.encode(sym, model)
+    assert fast.encode(sym, model) == blob
+    assert np.array_equal(fast.decode(blob, model, sym.size), sym)
+    assert np.array_equal(ref.decode(blob, model, sym.size), sym)
+
+
+def test_a_model_without_a_fast_form_is_refused_by_the_fast_coder():
+    class StepsOnly(_Dyadic):
+        fast_form = models.Model.fast_form
+
+    model = StepsOnly()
+    blob = ref.encode([0, 1, 2], model)
+    with pytest.raises(ValueError, match="no fast coder"):
+        fast.encode([0, 1, 2], model)
+    with pytest.raises(ValueError, match="no fast coder"):
+        fast.decode(blob, model, 3)

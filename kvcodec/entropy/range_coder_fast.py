@@ -15,9 +15,9 @@ from numba import njit
 
 from ..errors import CorruptStreamError
 from .models import _qmath as q
-from .models.base import Model
-from .models.categorical import Categorical, symbol_dtype
-from .models.quantized import MEAN_CLIP, QuantizedModel, mean_to_q, scale_bits_to_idx
+from .models.base import CumulativeTables, Model, QuantizedFamily
+from .models.categorical import symbol_dtype
+from .models.quantized import MEAN_CLIP, mean_to_q, scale_bits_to_idx
 from .range_coder import static_model
 
 TOP = 1 << 24
@@ -397,7 +397,7 @@ def _check_symbols(sym: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return sym
 
 
-def _encode_categorical(sym: np.ndarray, model: Categorical) -> bytes:
+def _encode_tables(sym: np.ndarray, model: CumulativeTables) -> bytes:
     if sym.size and not np.issubdtype(sym.dtype, np.integer):
         raise ValueError(f"symbols must be integers, got {sym.dtype}")
     out = np.empty(_capacity(sym.shape[0], model.precision + 1), dtype=np.uint8)
@@ -407,7 +407,7 @@ def _encode_categorical(sym: np.ndarray, model: Categorical) -> bytes:
     return out[1:pos].tobytes()
 
 
-def _decode_categorical(buf: np.ndarray, model: Categorical, n: int) -> np.ndarray:
+def _decode_tables(buf: np.ndarray, model: CumulativeTables, n: int) -> np.ndarray:
     out = np.empty(n, dtype=model.dtype)
     if model.freqs.shape[0] == 1:
         lut = np.repeat(np.arange(model.alphabet, dtype=np.int32), model.freqs[0]).astype(model.dtype)
@@ -418,12 +418,12 @@ def _decode_categorical(buf: np.ndarray, model: Categorical, n: int) -> np.ndarr
     return out
 
 
-def _quant_args(model: QuantizedModel):
+def _quant_args(model: QuantizedFamily):
     """Float parameters: the kernels quantize them per symbol with the models' own functions."""
     return model.mean_f, model.scale_bits, model.weight_q, model.lo, model.hi, model.family
 
 
-def _encode_quantized(sym: np.ndarray, model: QuantizedModel) -> bytes:
+def _encode_quantized(sym: np.ndarray, model: QuantizedFamily) -> bytes:
     _check_symbols(sym, model.lo, model.hi)
     # a step of total T shrinks the range by less than 2*T: token <= 17 bits, uniform index <= 15 + 17
     out = np.empty(_capacity(sym.shape[0], 17 + 32), dtype=np.uint8)
@@ -431,33 +431,42 @@ def _encode_quantized(sym: np.ndarray, model: QuantizedModel) -> bytes:
     return out[1:pos].tobytes()
 
 
-def _decode_quantized(buf: np.ndarray, model: QuantizedModel, n: int) -> np.ndarray:
+def _decode_quantized(buf: np.ndarray, model: QuantizedFamily, n: int) -> np.ndarray:
     out = np.empty(n, dtype=model.dtype)
     status, pos = _decode_quant(buf, *_quant_args(model), out)
     _finish_decode(status, pos, buf.shape[0])
     return out
 
 
+# the kernels for each form a model can take (Model.fast_form): (encode, decode)
+_KERNELS = {CumulativeTables: (_encode_tables, _decode_tables), QuantizedFamily: (_encode_quantized, _decode_quantized)}
+
+
+def _kernels(model: Model):
+    """(form, encode, decode) of a model; ValueError when it has no form this coder runs."""
+    try:
+        form = model.fast_form()
+    except NotImplementedError:
+        form = None
+    if type(form) not in _KERNELS:
+        raise ValueError(f"no fast coder for {type(model).__name__}; use kvcodec.entropy.range_coder")
+    return (form, *_KERNELS[type(form)])
+
+
 def encode(symbols, model: Model) -> bytes:
     """Code ``symbols`` (1-D integers), symbol i under the model's distribution i. Same bytes as range_coder.encode."""
     sym = np.ascontiguousarray(np.asarray(symbols).reshape(-1))
     model.check_count(sym.shape[0])
-    if isinstance(model, QuantizedModel):
-        return _encode_quantized(sym, model)
-    if isinstance(model, Categorical):
-        return _encode_categorical(sym, model)
-    raise ValueError(f"no fast coder for {type(model).__name__}; use kvcodec.entropy.range_coder")
+    form, enc, _ = _kernels(model)
+    return enc(sym, form)
 
 
 def decode(payload, model: Model, n: int) -> np.ndarray:
     """Decode ``n`` symbols; CorruptStreamError if the payload cannot come from ``encode``."""
     model.check_count(n)
     buf = _payload_array(payload)
-    if isinstance(model, QuantizedModel):
-        return _decode_quantized(buf, model, n)
-    if isinstance(model, Categorical):
-        return _decode_categorical(buf, model, n)
-    raise ValueError(f"no fast coder for {type(model).__name__}; use kvcodec.entropy.range_coder")
+    form, _, dec = _kernels(model)
+    return dec(buf, form, n)
 
 
 def encode_static(symbols, freqs, precision_bits: int) -> bytes:

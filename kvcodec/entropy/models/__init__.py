@@ -9,12 +9,14 @@ All integer distributions are bit-exact across machines (see ``_qmath`` and docs
 """
 
 from ._qmath import GAUSSIAN, LAPLACE, PRECISION
-from .base import Model
+from .base import CumulativeTables, Model, QuantizedFamily
 from .categorical import Categorical, quantize_probs
 from .quantized import Gaussian, Laplace, Mixture, QuantizedModel, quantize_mean, quantize_scale, quantize_weight
 
 __all__ = [
     "Model",
+    "CumulativeTables",
+    "QuantizedFamily",
     "Categorical",
     "Gaussian",
     "Laplace",

@@ -5,13 +5,44 @@ into one or more coding steps ``(cum, freq, total)``: an interval ``[cum, cum+fr
 of ``total`` (``2**precision`` for model steps; any count <= 2**16 for the uniform index
 steps that follow an escape or a bucket). The pure-Python
 reference coder drives these methods; the numba coder runs the same integer functions
-inside its own loop (see ``kvcodec.entropy.range_coder_fast``).
+inside its own loop (see ``kvcodec.entropy.range_coder_fast``): a model hands it its
+distributions through ``fast_form`` in one of the forms that coder's kernels take
+(``CumulativeTables`` or ``QuantizedFamily``), so a new model needs no edit of the coder.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class CumulativeTables:
+    """Explicit integer distributions: ``freqs`` [rows, A] and ``cum`` [rows, A+1] (int32), one row
+    shared by every symbol or one per symbol, each out of ``2**precision``; decoded as ``dtype``."""
+
+    freqs: np.ndarray
+    cum: np.ndarray
+    precision: int
+    alphabet: int
+    dtype: np.dtype
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedFamily:
+    """Per-symbol float parameters of a quantized continuous family over the integers [lo, hi]:
+    the coder quantizes them per symbol and evaluates the family's integer CDF with the very
+    functions of ``models._qmath`` (``family``: GAUSSIAN or LAPLACE; ``weight_q``: Q16 weight of
+    the uniform component). Arrays have one entry, or one per symbol."""
+
+    mean_f: np.ndarray
+    scale_bits: np.ndarray
+    weight_q: np.ndarray
+    lo: int
+    hi: int
+    family: int
+    dtype: np.dtype
 
 
 class Model:
@@ -40,6 +71,11 @@ class Model:
     def symbol_bits(self, symbols) -> np.ndarray:
         """Ideal code length in bits of each symbol under the model's own integer distribution."""
         raise NotImplementedError
+
+    def fast_form(self) -> CumulativeTables | QuantizedFamily:
+        """The model's distributions in a form the numba coder runs; NotImplementedError: none
+        (then only the reference coder can code with it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no form the fast range coder takes")
 
     def ideal_bits(self, symbols) -> float:
         """Sum of -log2 q(x): what a perfect coder would spend on ``symbols``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Model
+from .base import CumulativeTables, Model
 
 _WEIGHT_BITS = 40
 
@@ -98,6 +98,9 @@ class Categorical(Model):
 
     def __repr__(self) -> str:
         return f"Categorical(size={self.size}, alphabet={self.alphabet}, precision={self.precision})"
+
+    def fast_form(self) -> CumulativeTables:
+        return CumulativeTables(self.freqs, self.cum, self.precision, self.alphabet, self.dtype)
 
     def _row(self, i: int) -> int:
         return i if self.freqs.shape[0] > 1 else 0

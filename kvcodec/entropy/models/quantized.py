@@ -18,7 +18,7 @@ from numba import njit
 
 from . import _qmath as q
 from . import _tables
-from .base import Model, decode_uniform, uniform_steps
+from .base import Model, QuantizedFamily, decode_uniform, uniform_steps
 
 _THRESHOLDS = np.array(_tables.SCALE_THRESHOLDS, dtype=np.float64)
 _FAMILY_NAMES = {q.GAUSSIAN: "Gaussian", q.LAPLACE: "Laplace"}
@@ -209,6 +209,9 @@ class QuantizedModel(Model):
     def __repr__(self) -> str:
         mix = f", wide_weight_q={self.weight_q[:4]}" if np.any(self.weight_q) else ""
         return f"{_FAMILY_NAMES[self.family]}(size={self.size}, lo={self.lo}, hi={self.hi}{mix})"
+
+    def fast_form(self) -> QuantizedFamily:
+        return QuantizedFamily(self.mean_f, self.scale_bits, self.weight_q, self.lo, self.hi, self.family, self.dtype)
 
     def _params(self, i: int) -> tuple[int, int, int]:
         def pick(a):
