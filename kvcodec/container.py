@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from kvcodec import validate
+from kvcodec import magics, validate
 from kvcodec.errors import CorruptStreamError
 
 try:  # ISA-L's crc32 is the same CRC-32 as zlib's, about 6x faster (pclmul); zlib is the fallback
@@ -96,7 +96,7 @@ def crc32_parallel(data, threads: int = 1, min_piece: int = 4 << 20) -> int:
         out = crc32_combine(out, crcs[i], bounds[i + 1] - bounds[i])
     return out
 
-MAGIC = b"KVCC"
+MAGIC = magics.CONTAINER
 VERSION = 1
 ALIGN = 64
 PREFIX = struct.Struct("<4sHHII")

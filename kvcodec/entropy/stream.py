@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from kvcodec import magics
 from kvcodec.errors import CorruptStreamError
 
-MAGIC = b"KVCE"
+MAGIC = magics.STREAM
 VERSION = 1
 CODER_IDS = {"rans": 1, "tans": 2, "arith": 3}
 CODER_NAMES = {v: k for k, v in CODER_IDS.items()}

@@ -38,14 +38,14 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from kvcodec import container, validate
+from kvcodec import container, magics, validate
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES as CAP
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import api, registry
 from kvcodec.lossless.planes import DEFAULT_CHUNK_BYTES
 
-FILE_MAGIC = b"KVCF"
-FOOTER_MAGIC = b"KVCE"
+FILE_MAGIC = magics.FILE
+FOOTER_MAGIC = magics.FILE_FOOTER  # the same bytes as an entropy stream's magic: see kvcodec.magics
 FILE_VERSION = 1
 _HEAD = struct.Struct("<4sHH")
 _FOOTER = struct.Struct("<4sIQQ")
