@@ -105,7 +105,8 @@ def serde_specs(head_dim: int) -> list[dict]:
     presets at equal bytes (k8v4, 4bit_nc, k3v4_nc, 3bit_nc) plus 2/2."""
     tq = {"type": "kvcodec_turboquant", "head_dim": head_dim}
     return [{"type": "kvcodec_lossless", "codec": "planes"}, {"type": "kvcodec_lossless", "codec": "kvctx"},
-            {"type": "fp8"}] + [{**tq, "key_bits": kb, "value_bits": vb} for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3), (2, 2))]
+            {"type": "fp8"}] + [{**tq, "key_bits": kb, "value_bits": vb} for kb, vb in ((8, 4), (4, 4), (3, 4), (3, 3), (2, 2))] + [
+            {**tq, "key_bits": kb, "value_bits": vb, "exact_tokens": 0} for kb, vb in ((4, 4), (3, 3))]
 
 
 def run_serde(spec: dict, chunks: list[torch.Tensor], repeat: int) -> dict:
@@ -179,6 +180,11 @@ def lmcache_turboquant_specs(head_dim: int) -> list[dict]:
             for p in TQ_PRESETS for skip in (0, 2)]
 
 
+#: presets run through Triton's interpreter in --quick (about 20 min each for one 8-layer chunk on a
+#: loaded 2-core machine): the two that kvcodec's 4/4 and 3/3 meet at equal bytes
+INTERPRETED = ("turboquant_4bit_nc", "turboquant_3bit_nc")
+
+
 def lmcache_turboquant_sizes(spec: dict, chunks: list[torch.Tensor]) -> dict:
     from lmcache.v1.distributed.api import MemoryLayoutDesc
     from lmcache.v1.distributed.serde.turboquant.turboquant import TurboQuantSerdeConfig, TurboQuantSerializer
@@ -242,7 +248,8 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", prefix: int = 
     interpret = quick and triton_interpreter_ready()
     for spec in serde_specs(d) + lmcache_turboquant_specs(d):
         note = ""
-        if spec["type"] == "turboquant" and not (interpret and spec["skip_first_layers"] == 0):
+        if spec["type"] == "turboquant" and not (interpret and spec["skip_first_layers"] == 0
+                                                 and spec["preset"] in INTERPRETED):
             r = lmcache_turboquant_sizes(spec, chunks)
             rows.append(row(spec, r, note="LMCache preset: Triton/CUDA only, quality not measured on CPU"))
             continue

@@ -50,6 +50,7 @@ MAGIC, VERSION = b"KVLC", 1
 LOSSLESS, TURBOQUANT = 1, 2
 FRAME = struct.Struct("<4sBBHQI12x")  # magic, version, kind, reserved, payload bytes, crc32: 32 bytes
 TQ_KIND = "kvcodec.lmcache.turboquant"
+HEADER_SLACK = 256
 
 
 class SlotOverflowError(ValueError):
@@ -237,13 +238,15 @@ class TurboQuantSerializer(Serializer):
         return container.dumps(TQ_KIND, meta, tensors)
 
     def estimate_serialized_size(self, layout_desc) -> int:
-        """Exact for the layout (probed once on zeros) plus room for the JSON header's digits."""
+        """Exact for the layout (probed once on zeros) plus HEADER_SLACK: what the container's JSON
+        header can grow by for real data (crc32 digits and norm dtype names of its <= 8 sections:
+        < 100 characters, at most two more 64-byte alignment units)."""
         key = (tuple(tuple(s) for s in layout_desc.shapes), tuple(layout_desc.dtypes))
         if key not in self._slots:
             if len(layout_desc.shapes) != 1:
                 raise ValueError("kvcodec_turboquant handles single-tensor KV chunks")
             probe = torch.zeros(tuple(layout_desc.shapes[0]), dtype=layout_desc.dtypes[0])
-            self._slots[key] = FRAME.size + len(self.payload(probe)) + 1024
+            self._slots[key] = FRAME.size + len(self.payload(probe)) + HEADER_SLACK
         return self._slots[key]
 
     def serialize(self, src, dst, key) -> int:
