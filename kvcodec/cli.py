@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except CorruptStreamError as exc:
         subject = getattr(args, "input", None) or getattr(args, "file", None)
-        print(f"kvcodec: corrupt input {subject}: {exc}", file=sys.stderr)
+        said = str(exc).startswith(str(subject))  # the message names the file already
+        print(f"kvcodec: {exc}" if said else f"kvcodec: corrupt input {subject}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"kvcodec: {exc.strerror or exc}: {exc.filename}" if exc.filename else f"kvcodec: {exc}", file=sys.stderr)
