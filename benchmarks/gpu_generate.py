@@ -242,7 +242,7 @@ def fits_80gb(rows: list[dict], weights_32: float) -> list[str]:
 
 def run(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, kinds=ALL_ROWS, n_steps=None,
         compile_shapes=((1, 32768), (8, 32768)), full_model_shapes=((1, 32768), (8, 32768)), kernels=True,
-        budget_s=420.0) -> dict:
+        budget_s=420.0, suite=SUITE) -> dict:
     t0 = time.time()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
@@ -274,7 +274,7 @@ def run(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, k
 
     rows += sweep(model, shape["num_hidden_layers"], first, kinds)
     weights_32 = weights / shape["num_hidden_layers"] * 32
-    if not tiny and cuda and time.time() < deadline:
+    if not tiny and cuda and full_model_shapes and time.time() < deadline:
         try:
             big, weights_32 = build_model(name + "-32L", dict(shape, num_hidden_layers=32), dev)
             rows += sweep(big, 32, full_model_shapes, ("dynamic", "kvc eager", "kvc static+graph"))
@@ -288,7 +288,7 @@ def run(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, k
     gc.collect()
     notes = fits_80gb(rows, weights_32)
     kernel_rows = kernel_table(dev) if kernels and cuda and time.time() < deadline + 60 else []
-    result = {"suite": SUITE, "machine": rec, "rows": rows, "kernel_rows": kernel_rows,
+    result = {"suite": suite, "machine": rec, "rows": rows, "kernel_rows": kernel_rows,
               "notes": notes + [f"{n_steps} timed decode steps per row after 3 warm-up steps; bits {BITS}, residual {RESIDUAL}",
                                 f"elapsed {time.time() - t0:.0f} s"]}
     save_with_out(result, out_dir, COLUMNS)
@@ -366,10 +366,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--profile", action="store_true", help="only list the kernels of one static-cache step")
+    ap.add_argument("--shapes", type=_shapes, default=None, help="batch:ctx,... (default: the full grid)")
+    ap.add_argument("--compile-shapes", type=_shapes, default=((1, 32768), (8, 32768)))
+    ap.add_argument("--full-model-shapes", type=_shapes, default=((1, 32768), (8, 32768)),
+                    help="shapes for the 32-layer model ('' for none)")
+    ap.add_argument("--suite", default=SUITE, help="result file name (several runs of one grid)")
     a = ap.parse_args(argv)
     if a.profile:
         return profile_static_step()
-    return run(a.out, device=a.device, tiny=a.tiny, n_steps=a.steps, kernels=not a.no_kernels, budget_s=a.budget_s)
+    return run(a.out, device=a.device, tiny=a.tiny, shapes=a.shapes, n_steps=a.steps, kernels=not a.no_kernels,
+               budget_s=a.budget_s, compile_shapes=a.compile_shapes, full_model_shapes=a.full_model_shapes,
+               suite=a.suite)
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item]
 
 
 if __name__ == "__main__":
