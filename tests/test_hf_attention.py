@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvcodec.hf.attention import attend_store
-from kvcodec.hf.codecs import ExactCodec
+from kvcodec.hf.encodings import ExactEncoding
 from kvcodec.hf.storage import LayerStore
 
 
@@ -25,7 +25,7 @@ def _dense_reference(q, k, v, mask, scaling):
 
 
 def _store(k, v, *, residual, block, sink):
-    st = LayerStore(ExactCodec(), ExactCodec(), residual=residual, block_size=block, sink=sink)
+    st = LayerStore(ExactEncoding(), ExactEncoding(), residual=residual, block_size=block, sink=sink)
     st.append(k, v)
     st.compact()
     return st

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvcodec.hf import CompressedCache
-from kvcodec.hf.codecs import ExactCodec
+from kvcodec.hf.encodings import ExactEncoding
 
 VOCAB = 97
 
@@ -38,8 +38,8 @@ def prompt(batch=1, length=12, seed=0):
 
 @pytest.fixture
 def compressed_path(monkeypatch):
-    """Make the exact codec go through attend_store (scores / weighted_sum per block)."""
-    monkeypatch.setattr(ExactCodec, "decoded_attention", False)
+    """Make the exact encoding go through attend_store (scores / weighted_sum per block)."""
+    monkeypatch.setattr(ExactEncoding, "decoded_attention", False)
 
 
 SHAPES = [("llama", 4, 4, 64), ("llama", 9, 3, 64), ("qwen2", 8, 2, 128), ("qwen2", 8, 1, 64)]

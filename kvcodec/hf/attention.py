@@ -8,7 +8,7 @@ and leaves the function a weak reference to it. The function then runs one joint
 ``[sink | compressed blocks | full-precision window (which ends with the new tokens)]``:
 
 * exact parts: ``q @ k^T`` in float32;
-* compressed blocks: ``codec.scores`` / ``codec.weighted_sum`` on the compressed form, never a
+* compressed blocks: ``encoding.scores`` / ``encoding.weighted_sum`` (kvcodec.hf.encodings) on the compressed form, never a
   dense K/V copy;
 * online (flash-style) softmax over the parts, chunked over query rows and key tokens so the
   working memory stays bounded; GQA by viewing the queries as [B, H_kv, G*Tq, D].
@@ -18,7 +18,7 @@ On CUDA (TurboQuant, no padding mask) the compressed tokens go through the fused
 (:func:`_attend_with_compressed`): about ten torch kernels per layer and step besides the kernel's
 own, because a decode step is host-bound (launch overhead, not GPU time, sets its speed).
 
-Prefill (no compressed block yet) and the exact codecs ("none", "lossless") attend with
+Prefill (no compressed block yet) and the exact encodings ("none", "lossless") attend with
 transformers' own SDPA over the exact/decoded K/V: the prompt is attended at full precision (best
 quality) and only then compressed, and the lossless cache reproduces DynamicCache bit for bit.
 """
@@ -142,7 +142,7 @@ def compressed_attention(module, query, key, value, attention_mask, scaling=None
     store = layer.store
     options = layer.attention_options or DEFAULT_OPTIONS
     try:
-        if store.key_codec.decoded_attention or not store.blocks:
+        if store.key_encoding.decoded_attention or not store.blocks:
             k, v = store.materialize(query.dtype)
             return sdpa_attention_forward(module, query, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
         fused = fused_compressed(layer, query, attention_mask, scaling, options)
@@ -182,7 +182,7 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
         l = torch.zeros_like(m)
         acc = torch.zeros(B, num_kv_heads, G * n, D, device=query.device)
         for seg in parts:
-            s = qc @ seg.key.float().transpose(-1, -2) if seg.exact else store.key_codec.scores(seg.key, qc)
+            s = qc @ seg.key.float().transpose(-1, -2) if seg.exact else store.key_encoding.scores(seg.key, qc)
             s = _apply_mask(s, seg.start, seg.length, mask, q0, n, past, G, num_kv_heads)
             if s is None:  # every key of this part lies after every query of the chunk
                 continue
@@ -191,7 +191,7 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
             p = torch.exp(s - m_safe)
             alpha = torch.exp(m - m_safe)
             l = l * alpha + p.sum(dim=-1, keepdim=True)
-            pv = p @ seg.value.float() if seg.exact else store.value_codec.weighted_sum(seg.value, p)
+            pv = p @ seg.value.float() if seg.exact else store.value_encoding.weighted_sum(seg.value, p)
             acc = acc * alpha + pv
             m = m_new
         out[:, :, :, q0 : q0 + n] = (acc / l.clamp_min(1e-30)).reshape(B, num_kv_heads, G, n, D)
@@ -250,14 +250,14 @@ def fused_compressed(layer: CompressedLayer, query: torch.Tensor, mask, scaling:
                      options: AttentionOptions = DEFAULT_OPTIONS) -> CompressedPart | None:
     """The compressed tokens' attention from the fused kernel (``kvcodec.cuda.quantized.attend_packed``:
     packed codes read by the kernel) as a :class:`CompressedPart`, or None when it does not apply: CPU
-    tensors, padding masks, codecs without a packed layout the kernel takes (``codec.packed``), or
+    tensors, padding masks, encodings without a packed layout the kernel takes (``encoding.packed``), or
     ``options.fused`` says so (see AttentionOptions). The exact sink and window are attended by
     ``attend_store`` and merged with it. The per-block constants are cached on ``layer``."""
     store = layer.store
     if options.fused == "off" or not (query.is_cuda or options.fused == "cpu-reference") or len(store.blocks) != 1:
         return None
     block = store.blocks[0]
-    keys, values = store.key_codec.packed(block.key), store.value_codec.packed(block.value)
+    keys, values = store.key_encoding.packed(block.key), store.value_encoding.packed(block.value)
     if not packed_attention.supported(keys, values, query.shape[-1]):
         return None
     if mask is not None and not (mask.dtype == torch.bool and bool(mask.all())):  # host sync, only with a mask
@@ -309,7 +309,7 @@ def _split(store, exact_chunk: int, compressed_chunk: int):
     out = []
     for seg in store.segments():
         chunk = exact_chunk if seg.exact else compressed_chunk
-        if seg.length <= chunk or (not seg.exact and not hasattr(store.key_codec, "view")):
+        if seg.length <= chunk or (not seg.exact and not hasattr(store.key_encoding, "view")):
             out.append(seg)
             continue
         for a in range(0, seg.length, chunk):
@@ -317,7 +317,7 @@ def _split(store, exact_chunk: int, compressed_chunk: int):
             if seg.exact:
                 k, v = seg.key[..., a:b, :], seg.value[..., a:b, :]
             else:
-                k, v = store.key_codec.view(seg.key, a, b), store.value_codec.view(seg.value, a, b)
+                k, v = store.key_encoding.view(seg.key, a, b), store.value_encoding.view(seg.value, a, b)
             out.append(Segment(seg.start + a, b - a, k, v, seg.exact))
     return out
 

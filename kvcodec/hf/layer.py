@@ -44,9 +44,9 @@ class CompressedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ contract
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        key_codec, value_codec = self.spec.make_codecs(self.layer_idx)
+        key_encoding, value_encoding = self.spec.make_encodings(self.layer_idx)
         self.store = LayerStore(
-            key_codec, value_codec, residual=self.spec.residual, block_size=self.spec.block_size, sink=self.spec.sink
+            key_encoding, value_encoding, residual=self.spec.residual, block_size=self.spec.block_size, sink=self.spec.sink
         )
         self.is_initialized = True
 

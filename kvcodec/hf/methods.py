@@ -1,4 +1,4 @@
-"""Cache configuration: validate the user's choices once, at construction, and build per-layer codecs.
+"""Cache configuration: validate the user's choices once, at construction, and build per-layer encodings.
 
 Every bad argument (unknown method, bits out of range, head_dim a quantizer cannot take,
 sliding-window layers) raises ``ValueError`` here, before any token is seen.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcodec.hf.codecs import ExactCodec, LosslessCodec
-from kvcodec.hf.quant_codecs import make_quant_codecs
+from kvcodec.hf.encodings import ExactEncoding, LosslessEncoding
+from kvcodec.hf.quant_encodings import make_quant_encodings
 
 QUANT_METHODS = ("turboquant", "qjl", "kivi")
 METHODS = QUANT_METHODS + ("lossless", "none")
@@ -20,7 +20,7 @@ MIN_BITS, MAX_BITS = 1, 8
 
 @dataclass
 class CacheSpec:
-    """Everything needed to rebuild a cache's codecs (saved alongside a persisted cache)."""
+    """Everything needed to rebuild a cache's encodings (saved alongside a persisted cache)."""
 
     method: str
     key_bits: int
@@ -54,13 +54,17 @@ class CacheSpec:
             "value_precondition": self.value_precondition,
         }
 
-    def make_codecs(self, layer_idx: int):
-        """(key codec, value codec) for one layer; quantizers get a per-layer seed."""
+    def make_encodings(self, layer_idx: int):
+        """(key encoding, value encoding) for one layer; quantizers get a per-layer seed."""
         if self.method == "none":
-            return ExactCodec(), ExactCodec()
+            return ExactEncoding(), ExactEncoding()
         if self.method == "lossless":
-            return LosslessCodec(), LosslessCodec()
-        return make_quant_codecs(self, layer_idx)
+            return LosslessEncoding(), LosslessEncoding()
+        return make_quant_encodings(self, layer_idx)
+
+    # Old name (before docs/glossary.md's "encoding"), kept only while kvcodec/hf/persist.py,
+    # static_cache.py, calibrate.py and tests/test_hf_static.py, test_quality.py move over: remove then.
+    make_codecs = make_encodings
 
 
 def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
@@ -120,5 +124,5 @@ def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, bloc
     spec = CacheSpec(method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed,
                      n_layers, n_kv, head_dim, key_precondition, value_precondition)
     if method in QUANT_METHODS:
-        spec.make_codecs(0)  # surfaces the quantizer's own ValueError (e.g. head_dim it cannot rotate) now
+        spec.make_encodings(0)  # surfaces the quantizer's own ValueError (e.g. head_dim it cannot rotate) now
     return spec

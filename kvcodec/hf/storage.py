@@ -4,7 +4,7 @@ New tokens always enter the full-precision window (after the optional ``sink`` f
 stay exact for good). ``compact`` moves the oldest window tokens into compressed blocks of
 ``block_size`` tokens once the window holds ``residual + block_size`` tokens or more, so the most
 recent ``residual`` tokens are always exact and no token is ever compressed twice (the cache is
-never re-quantized as a whole). Codecs whose packed form concatenates (quantizers, exact) keep a
+never re-quantized as a whole). Encodings whose packed form concatenates (quantizers, exact) keep a
 single growing block per layer, so attention makes two quantizer calls per layer and step, and
 the first compaction (normally the prompt) fits the layer's side data on all of its tokens.
 
@@ -23,7 +23,7 @@ import torch
 
 @dataclass
 class Block:
-    """Keys and values of ``length`` consecutive tokens, each held by its codec."""
+    """Keys and values of ``length`` consecutive tokens, each held by its encoding."""
 
     key: Any
     value: Any
@@ -44,18 +44,23 @@ class Segment:
 class LayerStore:
     """All K/V of one attention layer. Tensors are [B, H_kv, T, D]."""
 
-    def __init__(self, key_codec, value_codec, *, residual: int, block_size: int, sink: int):
-        self.key_codec = key_codec
-        self.value_codec = value_codec
+    def __init__(self, key_encoding, value_encoding, *, residual: int, block_size: int, sink: int):
+        self.key_encoding = key_encoding
+        self.value_encoding = value_encoding
         self.residual = residual
         self.block_size = block_size
         self.sink = sink
         self.dtype = None  # the model's K/V dtype, fixed by the first append
         self.clear()
 
+    # Old name (before docs/glossary.md's "encoding"), kept only while kvcodec/hf/persist.py,
+    # static_cache.py, calibrate.py and tests/test_hf_static.py, test_quality.py move over: remove then.
+    key_codec = property(lambda self: self.key_encoding)
+    value_codec = property(lambda self: self.value_encoding)
+
     def clear(self) -> None:
-        self.key_codec.reset()
-        self.value_codec.reset()
+        self.key_encoding.reset()
+        self.value_encoding.reset()
         self.exact_k = self.exact_v = None  # [sink | window], [B, H_kv, sink_len + window_len, D]
         self.sink_len = 0
         self.blocks: list[Block] = []
@@ -113,7 +118,7 @@ class LayerStore:
         if n_blocks <= 0:
             return 0
         moved = n_blocks * self.block_size
-        kc, vc = self.key_codec, self.value_codec
+        kc, vc = self.key_encoding, self.value_encoding
         win_k, win_v = self.win_k, self.win_v
         if kc.mergeable and vc.mergeable:
             # one encode for everything that leaves the window, appended to the layer's single block
@@ -153,8 +158,8 @@ class LayerStore:
                 ks.append(seg.key)
                 vs.append(seg.value)
             else:
-                ks.append(self.key_codec.decode(seg.key))
-                vs.append(self.value_codec.decode(seg.value))
+                ks.append(self.key_encoding.decode(seg.key))
+                vs.append(self.value_encoding.decode(seg.value))
         dtype = dtype or ks[0].dtype
         return torch.cat([k.to(dtype) for k in ks], dim=-2), torch.cat([v.to(dtype) for v in vs], dim=-2)
 
@@ -175,11 +180,11 @@ class LayerStore:
             if b.length <= keep:
                 blocks.append(b)
             else:
-                cut = keep - keep % max(self.key_codec.token_multiple, self.value_codec.token_multiple)
-                if cut < keep:  # a grouped codec can only be cut at a group edge: the rest goes back,
+                cut = keep - keep % max(self.key_encoding.token_multiple, self.value_encoding.token_multiple)
+                if cut < keep:  # a grouped encoding can only be cut at a group edge: the rest goes back,
                     tail = self._decoded(b, cut, keep)  # decoded, to the front of the window
                 if cut:
-                    blocks.append(Block(self.key_codec.truncate(b.key, cut), self.value_codec.truncate(b.value, cut), cut))
+                    blocks.append(Block(self.key_encoding.truncate(b.key, cut), self.value_encoding.truncate(b.value, cut), cut))
             keep -= min(b.length, keep)
         self.blocks = blocks
         win = [tail] if tail is not None else []
@@ -190,8 +195,8 @@ class LayerStore:
         self.set_exact(self.sink_k, self.sink_v, win_k, win_v)
 
     def _decoded(self, block: Block, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.key_codec.decode(self.key_codec.view(block.key, start, stop))
-        v = self.value_codec.decode(self.value_codec.view(block.value, start, stop))
+        k = self.key_encoding.decode(self.key_encoding.view(block.key, start, stop))
+        v = self.value_encoding.decode(self.value_encoding.view(block.value, start, stop))
         return k.to(self.dtype).contiguous(), v.to(self.dtype).contiguous()
 
     def select_batch(self, idx: torch.Tensor) -> None:
@@ -200,11 +205,11 @@ class LayerStore:
             self.exact_k = self.exact_k.index_select(0, idx.to(self.exact_k.device))
             self.exact_v = self.exact_v.index_select(0, idx.to(self.exact_v.device))
         self.blocks = [
-            Block(self.key_codec.select(b.key, idx), self.value_codec.select(b.value, idx), b.length)
+            Block(self.key_encoding.select(b.key, idx), self.value_encoding.select(b.value, idx), b.length)
             for b in self.blocks
         ]
-        self.key_codec.select_side(idx)
-        self.value_codec.select_side(idx)
+        self.key_encoding.select_side(idx)
+        self.value_encoding.select_side(idx)
 
     @property
     def batch_size(self) -> int | None:
@@ -219,9 +224,9 @@ class LayerStore:
         return {
             "sink": dense(self.sink_k, self.sink_v),
             "window": dense(self.win_k, self.win_v),
-            "compressed_keys": sum(self.key_codec.nbytes(b.key) for b in self.blocks),
-            "compressed_values": sum(self.value_codec.nbytes(b.value) for b in self.blocks),
-            "side": self.key_codec.side_nbytes() + self.value_codec.side_nbytes(),
+            "compressed_keys": sum(self.key_encoding.nbytes(b.key) for b in self.blocks),
+            "compressed_values": sum(self.value_encoding.nbytes(b.value) for b in self.blocks),
+            "side": self.key_encoding.side_nbytes() + self.value_encoding.side_nbytes(),
         }
 
 

@@ -1,7 +1,7 @@
 """PackedKV: what an attention kernel reads of one TurboQuant-compressed K or V tensor.
 
 The quantizer that made a ``QuantizedTensor`` describes it for kernels (``TurboQuantMSE.packed``);
-the HF cache's codecs pass that on (``QuantCodec.packed``) and ``kvcodec.cuda.quantized`` feeds it
+the HF cache's codecs pass that on (``QuantEncoding.packed``) and ``kvcodec.cuda.quantized`` feeds it
 to the fused decode kernel. So neither the cache nor the kernel wrappers read a quantizer's private
 fields or a QuantizedTensor's field names, and a quantizer without such a layout simply returns None.
 """

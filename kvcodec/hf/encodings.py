@@ -1,11 +1,12 @@
-"""Per-layer token codecs: how one block of keys or values [B, H, T, D] is held compressed.
+"""KV encodings: how a layer holds one block of keys or values [B, H, T, D] (exact, lossless or
+quantized; see docs/glossary.md: an *encoding* here, a *codec* is a lossless tensor codec).
 
-Every codec answers the same few questions about a block it encoded, so the cache and the
+Every encoding answers the same few questions about a block it encoded, so the cache and the
 attention function never look inside a block:
 
 * ``encode(x)`` -> block, ``decode(block)`` -> float32 [B, H, T, D];
 * ``scores(block, q)`` -> q @ k^T [B, H, Q, T] and ``weighted_sum(block, w)`` -> w @ v
-  [B, H, Q, D], both float32 and computed from the compressed form where the codec can;
+  [B, H, Q, D], both float32 and computed from the compressed form where the encoding can;
 * ``nbytes(block)``, ``length(block)``, ``truncate(block, n)`` (keep the first n tokens, for
   ``crop``), ``select(block, idx)`` (batch rows, for beam search and batch filtering);
 * ``state(block)`` / ``restore(meta, tensors)`` for saving a cache (persist.py);
@@ -13,7 +14,7 @@ attention function never look inside a block:
   :class:`~kvcodec.quant.packed.PackedKV`), or None when the codec has no such layout.
 
 ``decoded_attention`` tells the attention function to attend over decoded K/V with SDPA instead
-(lossless and full-precision codecs: their decode is exact, so this reproduces DynamicCache
+(lossless and full-precision encodings: their decode is exact, so this reproduces DynamicCache
 bit for bit).
 """
 
@@ -28,7 +29,7 @@ from kvcodec.lossless import api as lossless_api
 
 
 class NoSideData:
-    """Codecs that keep no per-layer side data (no fitted scales): nothing to count, select or save."""
+    """Encodings that keep no per-layer side data (no fitted scales): nothing to count, select or save."""
 
     def side_nbytes(self) -> int:
         return 0
@@ -46,7 +47,7 @@ class NoSideData:
         pass
 
 
-class ExactCodec(NoSideData):
+class ExactEncoding(NoSideData):
     """Keeps blocks uncompressed in the model dtype: the reference the others are measured against."""
 
     name = "none"
@@ -106,7 +107,7 @@ class LosslessBlock:
     device: torch.device
 
 
-class LosslessCodec(NoSideData):
+class LosslessEncoding(NoSideData):
     """Bit-exact blocks through ``kvcodec.lossless.api`` (entropy-coded bf16/fp16 KV)."""
 
     name = "lossless"
@@ -157,7 +158,7 @@ class LosslessCodec(NoSideData):
             x = self.decode(block)
         except CorruptStreamError:
             raise
-        except Exception as exc:  # a blob the lossless codec cannot parse is a corrupt cache file
+        except Exception as exc:  # a blob kvcodec.lossless cannot parse is a corrupt cache file
             raise CorruptStreamError(f"lossless KV block does not decode: {exc}") from exc
         if x.ndim != 4 or x.shape[-2] != block.length:
             raise CorruptStreamError("lossless KV block has the wrong shape")

@@ -63,12 +63,12 @@ def _outlier(dim, k, bits, seed, precondition):
     return TurboQuantOutlier(dim, k, bits + 1, bits, seed=seed, precondition=pre)
 
 
-def make_quant_codecs(spec, layer_idx: int):
+def make_quant_encodings(spec, layer_idx: int):
     kq, vq = make_quantizers(spec, layer_idx)
-    return QuantCodec(kq), QuantCodec(vq)
+    return QuantEncoding(kq), QuantEncoding(vq)
 
 
-class QuantCodec:
+class QuantEncoding:
     """Adapter from a ``kvcodec.quant`` quantizer to the cache's codec interface (see codecs.py)."""
 
     decoded_attention = False
