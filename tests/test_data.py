@@ -1,5 +1,6 @@
 """The shipped SmolLM2 KV sample: format, realness, the shared attention reference, bad files."""
 
+import copy
 import importlib.util
 import json
 
@@ -163,37 +164,80 @@ def test_fp8_rounding_per_channel():
         smollm2.round_to_fp8_per_channel(torch.zeros(3))
 
 
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm())
+
+
+def _float32_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The same weights (bf16 values, widened exactly) computing in float32. transformers refuses
+    ``.float()`` on a GGUF-loaded model, so the plain ``nn.Module.to`` does the cast."""
+    return torch.nn.Module.to(copy.deepcopy(model), torch.float32)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not smollm2.is_available(), reason="SmolLM2 GGUF not installed")
 def test_sample_is_what_the_model_computes(sample):
     """Re-running the real model (and its FP8-weight copy) on the sample's tokens reproduces the
-    stored keys, values and queries (bit for bit on the machine that wrote the sample; a CPU with
-    other matmul kernels may round bf16 differently, hence the 1% tolerance)."""
+    stored keys, values and queries, up to the rounding that legitimately differs between torch
+    builds.
+
+    The sample is one bf16 evaluation of the model (torch 2.13 CPU); this run is another (other
+    matmul kernels, thread counts and summation orders round differently: torch 2.14 differs by
+    2.6% in layer 29's values). Each bf16 evaluation lies about ``e`` from the float32 evaluation
+    of the same weights, ``e`` being this build's measured bf16-vs-float32 gap at that layer
+    (rounding grows with depth: ~0.3% at layer 0, ~1% for keys and ~2.4% for values at layer 29).
+    Two such evaluations differ by about ``2e``; the test allows ``3e + 0.1%``. It still fails on
+    the wrong data: the FP8-weight predictor's KV lies further from the real model's KV than that.
+    """
     model = smollm2.load_model()
     ids = sample.token_ids.unsqueeze(0)
     first, last = 0, sample.n_layers - 1
     layers = [sample.layer_ids[first], sample.layer_ids[last]]
     rec = smollm2.record_qkv(model, ids, layers)
     assert model.config._attn_implementation == "sdpa"  # restored after recording
+    exact = smollm2.record_qkv(_float32_copy(model), ids, layers)
 
-    def close(got, want):
-        got, want = got.float(), want.float()
-        return float((got - want).norm() / want.norm()) < 0.01
+    def recorded(r: dict, name: str, layer: int) -> torch.Tensor:
+        t = r[name][layer][0]
+        return t[:, -sample.n_q:] if name == "q" else t  # the sample keeps the last n_q queries
+
+    def tolerance(name: str, layer: int) -> float:
+        return 3 * _relative(recorded(rec, name, layer), recorded(exact, name, layer)) + 1e-3
 
     for idx, layer in zip((first, last), layers):
-        assert close(rec["k"][layer][0], sample.keys[idx])
-        assert close(rec["v"][layer][0], sample.values[idx])
-        assert close(rec["q"][layer][0][:, -sample.n_q:], sample.queries[idx])
+        for name, stored in (("k", sample.keys[idx]), ("v", sample.values[idx]), ("q", sample.queries[idx])):
+            err, tol = _relative(recorded(rec, name, layer), stored), tolerance(name, layer)
+            assert err <= tol, f"layer {layer} {name}: {err:.4f} from the sample, tolerance {tol:.4f}"
     pred = smollm2.record_qkv(smollm2.fp8_weight_copy(model), ids, layers[-1:])
-    assert close(pred["k"][layers[-1]][0], sample.keys_fp8pred[last])
-    assert close(pred["v"][layers[-1]][0], sample.values_fp8pred[last])
-    # The predictor is a different model: its KV is close to, not equal to, the real KV.
-    assert not close(pred["v"][layers[-1]][0], sample.values[last])
+    for name, stored in (("k", sample.keys_fp8pred[last]), ("v", sample.values_fp8pred[last])):
+        assert _relative(recorded(pred, name, layers[-1]), stored) <= tolerance(name, layers[-1])
+    # The predictor is a different model: its KV is close to the real KV, but beyond the tolerance
+    # (layer 29, torch 2.13: keys 4.1% vs a tolerance of 2.9%, values 11% vs 7.3%).
+    for name, real in (("k", sample.keys[last]), ("v", sample.values[last])):
+        assert _relative(recorded(pred, name, layers[-1]), real) > tolerance(name, layers[-1])
 
 
-def test_prefer_full_falls_back_to_the_shipped_sample(monkeypatch):
+def test_prefer_full_falls_back_to_the_shipped_sample(monkeypatch, tmp_path):
     import kvcodec.data as data
 
-    monkeypatch.setattr(data, "full_sample_path", lambda: None)
+    monkeypatch.setenv(data.FULL_SAMPLE_ENV, str(tmp_path / "absent.npz"))
+    assert data.full_sample_path() is None
     s = data.load_kv_sample(prefer_full=True)
     assert s.n_tokens == 256 and s.n_layers == 8
+
+
+def test_full_sample_lives_where_the_user_says_never_in_a_checkout(monkeypatch, tmp_path):
+    import shutil
+
+    import kvcodec.data as data
+
+    monkeypatch.delenv(data.FULL_SAMPLE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert data.full_sample_location() == tmp_path / "cache" / "kvcodec" / "smollm2_kv_full.npz"
+    named = tmp_path / "mine.npz"
+    monkeypatch.setenv(data.FULL_SAMPLE_ENV, str(named))
+    assert data.full_sample_location() == named and data.full_sample_path() is None
+    shutil.copy(default_sample_path(), named)
+    assert data.full_sample_path() == named
+    assert data.load_kv_sample(prefer_full=True).n_layers == 8  # the file named, loaded
