@@ -44,6 +44,10 @@ class CompressedCache(Cache):
             channel transform fitted on the first compressed tokens (TurboQuant methods).
         attention: :class:`~kvcodec.hf.attention.AttentionOptions` (fused kernel on/off, chunk sizes);
             default: the fused kernel on CUDA where it applies.
+        preset: "2.5bit", "3bit" or "3.5bit" (kvcodec.hf.presets): per-layer TurboQuant widths
+            whose true bits per value are what the name says; it sets method, key_bits, value_bits,
+            key_mode, sink, outliers and the preconditioning (residual, block_size, seed stay yours).
+            key_bits / value_bits may also be lists with one width per layer.
     """
 
     def __new__(cls, *args, max_cache_len: int | None = None, **kwargs):
@@ -70,12 +74,20 @@ class CompressedCache(Cache):
         key_precondition: str = "scale",
         value_precondition: str = "none",
         attention: AttentionOptions | None = None,
+        preset: str | None = None,
         max_cache_len: None = None,  # not None: __new__ returned a StaticCompressedCache instead
     ):
         model = None
         config = config_or_model
         if hasattr(config_or_model, "config") and isinstance(config_or_model, torch.nn.Module):
             model, config = config_or_model, config_or_model.config
+        if preset is not None:  # a named quality preset sets the quantizer options (kvcodec.hf.presets)
+            from kvcodec.hf.presets import preset_options
+
+            p = preset_options(preset, config)
+            method, key_bits, value_bits, key_mode, sink, outliers = (
+                p[k] for k in ("method", "key_bits", "value_bits", "key_mode", "sink", "outliers"))
+            key_precondition, value_precondition = p["key_precondition"], p["value_precondition"]
         self.spec = build_spec(
             config,
             method=method,

