@@ -184,3 +184,20 @@ def test_quantize_on_append_path_matches_eager(model, monkeypatch):
         le, ls = _both(model, eager, static, tok, 6)
     torch.testing.assert_close(ls, le, rtol=0, atol=1e-5)
     _assert_same_bytes(eager, static)
+
+
+@pytest.mark.slow
+def test_gpu_generate_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_generate.py --tiny on CPU: every cache row of the GPU run measures, no error."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_generate.py"
+    spec = importlib.util.spec_from_file_location("gpu_generate", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    result = mod.run(str(tmp_path), device="cpu", tiny=True, kernels=False, budget_s=600)
+    rows = result["rows"]
+    assert {r["cache"] for r in rows} == {"dynamic", "static+graph", "kvc eager", "kvc static+graph"}
+    assert all("error" not in r and r["ms_step"] > 0 for r in rows)
+    assert (tmp_path / "gpu_generate.json").exists()

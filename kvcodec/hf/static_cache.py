@@ -46,6 +46,12 @@ NAME = "kvcodec_static"
 _FP16_MAX = 65504.0
 
 
+def _compiling() -> bool:
+    """True while dynamo traces (``torch.compiler.is_compiling`` is torch >= 2.3)."""
+    fn = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+    return bool(fn())
+
+
 class _Active:
     """The layer whose ``update`` ran last: transformers does not pass the cache to attention
     functions, and the attention of a layer always follows its ``update`` in the same forward."""
@@ -174,7 +180,7 @@ class StaticCompressedLayer(CacheLayerMixin):
     def _check_room(self, q: int) -> None:
         """max_cache_len is a hard limit; checked on the host only outside compiled/captured code
         (the host count is read with one sync; a captured step relies on the check of its warm-up)."""
-        if torch.compiler.is_compiling() or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if _compiling() or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
         if int(self.seen) + q > self.max_cache_len:
             raise ValueError(f"static compressed cache is full: {int(self.seen)} + {q} tokens > max_cache_len="
@@ -406,7 +412,7 @@ def _quant_consts(q, device) -> dict:
 
 def _mark_static(t: torch.Tensor) -> None:
     """Tell dynamo the buffer keeps its address, so cudagraph trees do not copy it every replay."""
-    if not torch.compiler.is_compiling():
+    if not _compiling():
         torch._dynamo.mark_static_address(t)
 
 
@@ -468,7 +474,7 @@ def static_mask(*args, **kwargs):
     """Mask function of ``"kvcodec_static"``: causality comes from the cache's token positions, so no
     mask is built; padded batches are refused (checked outside compiled or captured code)."""
     mask = kwargs.get("attention_mask")
-    if mask is None or mask.dim() != 2 or torch.compiler.is_compiling():
+    if mask is None or mask.dim() != 2 or _compiling():
         return None
     if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         if not bool(mask.all()):
