@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcodec import container
+from kvcodec import container, magics
 from kvcodec.errors import CorruptStreamError
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output
 
@@ -53,19 +53,16 @@ CONTAINER_KINDS = {
 
 
 def identify(path: str | os.PathLike) -> FileFormat:
-    """The format of a kvcodec file, from its magic and (for a container) its verified header.
-    Raises CorruptStreamError when the file is no kvcodec format."""
-    from kvcodec.entropy.stream import MAGIC as STREAM_MAGIC
-    from kvcodec.lossless.files import FILE_MAGIC
-
+    """The format of a kvcodec file, from its magic (``kvcodec.magics``) and, for a container, its
+    verified header. Raises CorruptStreamError when the file is no kvcodec format."""
     with open(path, "rb") as f:
         prefix = f.read(container.PREFIX.size)
         magic = prefix[:4]
-        if magic == FILE_MAGIC:
+        if magic == magics.FILE:
             return FileFormat("kvc", ".kvc file (a safetensors file compressed by 'kvcodec compress')")
-        if magic == STREAM_MAGIC:
+        if magic == magics.STREAM:
             return FileFormat("stream", "entropy-coded stream (kvcodec.entropy.encode; decode it with kvcodec.entropy.decode)")
-        if magic == container.MAGIC and len(prefix) == container.PREFIX.size:
+        if magic == magics.CONTAINER and len(prefix) == container.PREFIX.size:
             header_len = container.PREFIX.unpack(prefix)[3]
             if header_len <= container.MAX_HEADER_BYTES:
                 header, _ = container.read_header(prefix + f.read(header_len))
@@ -73,7 +70,7 @@ def identify(path: str | os.PathLike) -> FileFormat:
                 return FileFormat(kind, CONTAINER_KINDS.get(kind, f"kvcodec container of kind {kind!r}"))
     raise CorruptStreamError(
         f"{path} is not a kvcodec file (it starts with {magic!r}; kvcodec files start with "
-        f"{FILE_MAGIC!r}, {container.MAGIC!r} or {STREAM_MAGIC!r})"
+        f"{', '.join(map(repr, magics.LEADING))})"
     )
 
 
