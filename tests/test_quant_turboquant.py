@@ -227,9 +227,9 @@ def test_prod_is_unbiased(seed, dim, bits):
     make = lambda s: TurboQuantProd(dim, bits, seed=s, **PAPER)  # noqa: E731
     slope, tol = _slope_and_tolerance(make, x, y, true, range(seed, seed + 6))
     assert slope == pytest.approx(1.0, abs=tol)
-    mse_est = TurboQuantMSE(dim, bits - 1, seed=seed, **PAPER)
-    biased = mse_est.scores(mse_est.quantize(x), y).squeeze()
-    assert _slope(biased, true) < 1 - 0.5 * expected_distortion(dim, bits - 1)  # the shrinkage Prod removes
+    # the shrinkage Prod removes, averaged over the same seeds (one seed can sit near the bound: seed 128)
+    biased = _mean_estimate(lambda s: TurboQuantMSE(dim, bits - 1, seed=s, **PAPER), x, y, range(seed, seed + 6))
+    assert _slope(biased, true) < 1 - 0.5 * expected_distortion(dim, bits - 1)
 
 
 @settings(max_examples=5, deadline=None)

@@ -328,15 +328,20 @@ def _find_token_guided(v, fr, lo, mean_q, sidx, wq, fam):
     return a, ca, cb
 
 
+@njit(inline="always")
+def _symbol_params(i, mean_f, scale_bits, wq, lo, hi, fam):
+    """Symbol i's quantized (mean, scale index, wide weight) and its frame (one entry or one per symbol)."""
+    m = mean_to_q(mean_f[i if mean_f.shape[0] > 1 else 0], lo - MEAN_CLIP, hi + MEAN_CLIP)
+    s = scale_bits_to_idx(scale_bits[i if scale_bits.shape[0] > 1 else 0])
+    w = np.int64(wq[i if wq.shape[0] > 1 else 0])
+    return m, s, w, q.symbol_frame(lo, hi, m, s, fam)
+
+
 @njit(cache=True)
 def _encode_quant(sym, mean_f, scale_bits, wq, lo, hi, fam, out):
     low, rng, cache, pending, pos = np.int64(0), np.int64(MASK32), np.int64(0), np.int64(0), 0
-    lo_f, hi_f = lo - MEAN_CLIP, hi + MEAN_CLIP
     for i in range(sym.shape[0]):
-        m = mean_to_q(mean_f[i if mean_f.shape[0] > 1 else 0], lo_f, hi_f)
-        s = scale_bits_to_idx(scale_bits[i if scale_bits.shape[0] > 1 else 0])
-        w = np.int64(wq[i if wq.shape[0] > 1 else 0])
-        fr = q.symbol_frame(lo, hi, m, s, fam)
+        m, s, w, fr = _symbol_params(i, mean_f, scale_bits, wq, lo, hi, fam)
         t, idx, count = q.split_symbol(np.int64(sym[i]), fr, lo)
         c0 = q.token_cum(t, fr, lo, m, s, w, fam)
         c1 = q.token_cum(t + 1, fr, lo, m, s, w, fam)
@@ -349,12 +354,8 @@ def _encode_quant(sym, mean_f, scale_bits, wq, lo, hi, fam, out):
 def _decode_quant(buf, mean_f, scale_bits, wq, lo, hi, fam, out):
     code, rng, pos = _dec_init(buf)
     total = np.int64(1) << q.PRECISION
-    lo_f, hi_f = lo - MEAN_CLIP, hi + MEAN_CLIP
     for i in range(out.shape[0]):
-        m = mean_to_q(mean_f[i if mean_f.shape[0] > 1 else 0], lo_f, hi_f)
-        s = scale_bits_to_idx(scale_bits[i if scale_bits.shape[0] > 1 else 0])
-        w = np.int64(wq[i if wq.shape[0] > 1 else 0])
-        fr = q.symbol_frame(lo, hi, m, s, fam)
+        m, s, w, fr = _symbol_params(i, mean_f, scale_bits, wq, lo, hi, fam)
         r = rng >> q.PRECISION
         v = _udiv(code, r)
         if v >= total:

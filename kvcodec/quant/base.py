@@ -74,6 +74,14 @@ def check_queries(q: QuantizedTensor, queries: torch.Tensor, dim: int) -> torch.
     return queries.to(device=q.device, dtype=torch.float32)
 
 
+def cat_scores(parts: list, q: torch.Tensor, c: QuantizedTensor) -> torch.Tensor:
+    """Score chunks [..., Q, n] joined along tokens; [..., Q, 0] when c holds no token."""
+    if not parts:
+        lead = torch.broadcast_shapes(q.shape[:-2], c.lead_shape)
+        return q.new_zeros((*lead, q.shape[-2], 0))
+    return torch.cat(parts, dim=-1)
+
+
 def check_weights(q: QuantizedTensor, w: torch.Tensor) -> torch.Tensor:
     if not isinstance(w, torch.Tensor) or w.dtype not in FLOAT_DTYPES:
         raise ValueError("weights must be a floating torch.Tensor [..., Q, N]")

@@ -109,10 +109,7 @@ class KIVI(KVQuantizer):
         step = self._step(c)
         parts = [q @ self._chunk(c, t0, min(t0 + step, c.num_tokens)).transpose(-1, -2)
                  for t0 in range(0, c.num_tokens, step)]
-        if not parts:
-            lead = torch.broadcast_shapes(q.shape[:-2], c.lead_shape)
-            return q.new_zeros((*lead, q.shape[-2], 0))
-        return torch.cat(parts, dim=-1)
+        return base.cat_scores(parts, q, c)
 
     def weighted_sum(self, c: QuantizedTensor, weights: torch.Tensor) -> torch.Tensor:
         self._own(c)

@@ -78,10 +78,7 @@ class QJL(KVQuantizer):
             t1 = min(t0 + step, c.num_tokens)
             signs = unpack_signs(c.token["qjl"][..., t0:t1, :], self.m)
             parts.append((qs @ signs.transpose(-1, -2)) * self._coef(c, t0, t1).unsqueeze(-2))
-        if not parts:
-            lead = torch.broadcast_shapes(q.shape[:-2], c.lead_shape)
-            return q.new_zeros((*lead, q.shape[-2], 0))
-        return torch.cat(parts, dim=-1)
+        return base.cat_scores(parts, q, c)
 
     def weighted_sum(self, c: QuantizedTensor, weights: torch.Tensor) -> torch.Tensor:
         self._own(c)

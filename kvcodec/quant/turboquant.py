@@ -268,11 +268,8 @@ class TurboQuantMSE(KVQuantizer):
             t1 = min(t0 + step, c.num_tokens)
             s = q_rot @ self._rotated_chunk(c, t0, t1, k).transpose(-1, -2)
             parts.append(self._add_residual_scores(s, q_side, c, t0, t1, k))
-        if not parts:
-            lead = torch.broadcast_shapes(q.shape[:-2], c.lead_shape)
-            return q.new_zeros((*lead, q.shape[-2], 0))
-        out = torch.cat(parts, dim=-1)
-        off = pre.query_offset(q)
+        out = base.cat_scores(parts, q, c)
+        off = pre.query_offset(q) if parts else None
         return out if off is None else out + off
 
     def weighted_sum(self, c: QuantizedTensor, weights: torch.Tensor) -> torch.Tensor:
