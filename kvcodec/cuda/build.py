@@ -66,6 +66,19 @@ def get_function(source: str, name_expression: str, defines: tuple[str, ...] = (
     return fn
 
 
+_sm_counts: dict = {}
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of a CUDA device (launch grids are sized by it), queried once per device."""
+    n = _sm_counts.get(device)
+    if n is None:
+        import torch
+
+        n = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
 _derived: dict = {}
 
 

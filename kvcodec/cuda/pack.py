@@ -56,7 +56,6 @@ def grid_blocks(n_rows: int, dim: int, sms: int, num_regs: int | None) -> int:
     return max(1, min(need, sms * per_sm))
 
 
-_sm_count: dict[int, int] = {}
 _signs_cache: dict[tuple, tuple] = {}
 
 
@@ -117,9 +116,7 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
                                                   norm_correction))
         cbf = build.derived(codebook, f"f32 {x.device}", lambda c: c.to(x.device, torch.float32).contiguous())
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        if dev not in _sm_count:
-            _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        grid = grid_blocks(n, d, _sm_count[dev], getattr(fn, "num_regs", None))
+        grid = grid_blocks(n, d, build.sm_count(dev), getattr(fn, "num_regs", None))
         with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, x.device.index or 0):
             fn((grid,), (32 * WARPS_PER_BLOCK,),
                (rows.data_ptr(), np.int64(rows.stride(0)), signs.data_ptr(), thr.data_ptr(), cbf.data_ptr(), np.int32(n),

@@ -8,6 +8,7 @@ from functools import lru_cache
 
 import torch
 
+from kvcodec.cuda.build import sm_count
 from kvcodec.cuda.decode_kernels import MAX_SPLITS, WARPS_PER_BLOCK
 
 # Split-size model (H200 measurements, benchmarks/GPU_NOTES.md session 2): microseconds one warp
@@ -59,17 +60,6 @@ def _best_tokens_per_warp(bh_tiles: int, capacity: int, sms: int, per_sm: int) -
         if best_cost is None or cost < best_cost:
             best, best_cost = tpw, cost
     return best
-
-
-_sm_counts: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device, queried once per device."""
-    n = _sm_counts.get(device)
-    if n is None:
-        n = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
 
 
 def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, dim: int = 128,
