@@ -329,25 +329,6 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
     )
 
 
-_streams: dict = {}
-# torch's current cudaStream_t without building a torch.cuda.Stream object (what torch's own generated
-# code uses; CUDA builds of torch have it): the value of torch.cuda.current_stream(device).cuda_stream
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _cupy_stream(device: torch.device):
-    """CuPy's handle of torch's current stream on ``device``, one object per (stream, device)."""
-    ptr = _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
-    stream = _streams.get((ptr, device.index))
-    if stream is None:
-        import cupy
-
-        if len(_streams) >= 64:
-            _streams.clear()
-        stream = _streams[(ptr, device.index)] = cupy.cuda.ExternalStream(ptr, device.index or 0)
-    return stream
-
-
 def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms):
     """Launch prep, split and merge for one call on torch's current stream from its ``plan``; returns
     (out, lse) float32 [B, Hq, q_len, D] and [B, Hq, q_len]."""
@@ -374,7 +355,7 @@ def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k
         qjl_ptrs = (q16, row_scale, kc.data_ptr(), kn.data_ptr())  # unused by the kernel
     kr_t, perm, kcb, vcb, vrot = plan.pointers
     grid, block, scalars = plan.prep_launch
-    with _cupy_stream(dev):
+    with build.cupy_stream(dev):
         plan.prep_fn(grid, block, (q_in.data_ptr(), kr_t, perm, *scalars, q16, row_scale))
         grid, block, scalars = plan.split_launch
         plan.split_fn(grid, block, (q16, row_scale, kc.data_ptr(), kn.data_ptr(), vc.data_ptr(), vn.data_ptr(),

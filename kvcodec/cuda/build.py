@@ -15,6 +15,8 @@ import threading
 from importlib import resources
 from pathlib import Path
 
+import torch
+
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
@@ -66,6 +68,26 @@ def get_function(source: str, name_expression: str, defines: tuple[str, ...] = (
     return fn
 
 
+_streams: dict = {}
+# torch's current cudaStream_t without building a torch.cuda.Stream object (what torch's own generated
+# code uses; CUDA builds of torch have it): the value of torch.cuda.current_stream(device).cuda_stream
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def cupy_stream(device: torch.device):
+    """CuPy's handle of torch's current stream on ``device`` (launch inside ``with cupy_stream(dev):``),
+    one object per (stream, device)."""
+    ptr = _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
+    stream = _streams.get((ptr, device.index))
+    if stream is None:
+        import cupy
+
+        if len(_streams) >= 64:
+            _streams.clear()
+        stream = _streams[(ptr, device.index)] = cupy.cuda.ExternalStream(ptr, device.index or 0)
+    return stream
+
+
 _sm_counts: dict = {}
 
 
@@ -73,8 +95,6 @@ def sm_count(device) -> int:
     """Multiprocessors of a CUDA device (launch grids are sized by it), queried once per device."""
     n = _sm_counts.get(device)
     if n is None:
-        import torch
-
         n = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return n
 

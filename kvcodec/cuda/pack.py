@@ -100,8 +100,6 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
     if signs is None:
         return reference.quantize_reference(x, rotation, codebook, bits, norm_dtype, norm_correction)
 
-    import cupy
-
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -117,7 +115,7 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
         cbf = build.derived(codebook, f"f32 {x.device}", lambda c: c.to(x.device, torch.float32).contiguous())
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
         grid = grid_blocks(n, d, build.sm_count(dev), getattr(fn, "num_regs", None))
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream, x.device.index or 0):
+        with build.cupy_stream(x.device):
             fn((grid,), (32 * WARPS_PER_BLOCK,),
                (rows.data_ptr(), np.int64(rows.stride(0)), signs.data_ptr(), thr.data_ptr(), cbf.data_ptr(), np.int32(n),
                 codes.data_ptr(), norms.data_ptr()))
