@@ -231,3 +231,13 @@ def test_dtype_names_come_from_the_allow_list_only():
         meta["dtype"] = meta["codec_meta"]["dtype"] = bad
         with pytest.raises(CorruptStreamError):
             kvcodec.decompress(container.dumps(kind, meta, sections))
+
+
+def test_validate_checks_every_codec_without_decoding():
+    for blob in BLOBS:
+        assert api.validate(blob)["compressed_bytes"] > 0
+    kind, meta, sections = container.loads(BLOBS[1])  # kvctx
+    sections = dict(sections)
+    sections["model"] = np.array(sections["model"])[:-4]  # one chunk's word count missing
+    with pytest.raises(CorruptStreamError, match="model"):
+        api.validate(container.dumps(kind, meta, sections))

@@ -12,7 +12,7 @@ with the probability its rounding bin gets under that model (the engine of
 from __future__ import annotations
 
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless.predictive.codec import decode_tensor, encode_tensor
+from kvcodec.lossless.predictive.codec import decode_tensor, encode_tensor, parse_stream
 
 
 class KVContextCodec:
@@ -31,6 +31,10 @@ class KVContextCodec:
         if prediction is not None:
             raise CorruptStreamError("the kvctx codec takes no prediction")
         return decode_tensor(meta, sections, None, threads)
+
+    def validate(self, meta, sections) -> None:
+        """Check meta and sections against each other (CorruptStreamError) without decoding."""
+        parse_stream(meta, sections)
 
 
 def _register() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 
 from kvcodec import container
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless.predictive.grid import grid_for, inverse_shape_index, value_table
+from kvcodec.lossless.predictive.grid import FloatGrid, grid_for, inverse_shape_index, value_table
 from kvcodec.lossless.predictive.kernels import decode_chunks, encode_chunks
 from kvcodec.lossless.predictive.params import ChannelParams, estimated_bits, fit_params
 from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
@@ -28,6 +29,7 @@ _CHUNK_SYMBOLS = 1 << 16  # about this many symbols per independently decodable 
 _SHARED_PARAMS_BELOW = 64  # fewer tokens: one parameter set per channel, shared over g
 _PER_CHANNEL_FROM = 1024  # between the two: whichever of shared / per-(g, d) costs less
 _MAX_NUMEL = 1 << 48  # a decoded stream larger than this is taken as forged
+_NONE = np.zeros(0, np.int64)
 
 
 def kv_layout(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -182,34 +184,47 @@ def _out_shape(shape: tuple[int, ...], start: int, stop: int) -> tuple[int, ...]
     return (*shape[:-2], stop - start, shape[-1])
 
 
-def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
-                  tokens: tuple[int, int] | None = None) -> torch.Tensor:
-    """Invert :func:`encode_tensor`; every inconsistency raises CorruptStreamError.
+@dataclass(frozen=True)
+class ParsedStream:
+    """A stream whose every field was checked against the others and the sections present."""
 
-    ``tokens=(start, stop)`` decodes only that range of axis -2 (axis 0 of a 1-d tensor): only the
-    chunks holding it are decoded, since every chunk decodes alone.
-    """
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    source: str
+    mode: str
+    raw: np.ndarray | None  # mode "raw": the verbatim bytes
+    grid: FloatGrid | None
+    tb: int
+    n_tb: int
+    margs: tuple  # ChannelParams.kernel_args()
+    lengths: np.ndarray  # words per chunk
+    words: np.ndarray
+    wstart: np.ndarray
+    lo16: np.ndarray | None  # mode "f32split": the low halves
+
+
+def parse_stream(meta: dict, sections: dict) -> ParsedStream:
+    """Check every metadata field and section size of a stream (CorruptStreamError) before
+    anything is sized by them; nothing is decoded."""
     dtype, shape = _meta_dtype_shape(meta)
     source = meta.get("source")
     if source not in PREDICTORS:
         raise CorruptStreamError("predictive stream names an unknown predictor")
     g, tt, d = kv_layout(shape)
-    start, stop = _token_range(tokens, tt)
-    out_shape = _out_shape(shape, start, stop)
     numel = math.prod(shape)
     mode = meta.get("mode")
     if mode == "raw":
         raw = _section(sections, "raw", np.uint8, numel * dtype.itemsize)
-        out = torch.from_numpy(raw.copy()) if numel else torch.empty(0, dtype=torch.uint8)
-        out = out.view(dtype).reshape(shape)
-        if (start, stop) == (0, tt) or not numel:
-            return out if (start, stop) == (0, tt) else torch.empty(out_shape, dtype=dtype)
-        return out.reshape(g, tt, d)[:, start:stop].reshape(out_shape).clone()
+        return ParsedStream(dtype, shape, source, mode, raw, None, 0, 0, (), _NONE, _NONE, _NONE, None)
     grid = grid_for(dtype) if mode == "grid" else None
     if mode == "f32split" and dtype == torch.float32:
         grid = grid_for(torch.bfloat16)
     if grid is None or numel == 0:
         raise CorruptStreamError("predictive stream has a mode that does not fit its dtype")
+    if source == "neighbour_layer" and len(shape) < 3:
+        raise CorruptStreamError("neighbour-layer stream needs a [layers, ..., tokens, channels] shape")
+    if source == "external" and type(meta.get("pred_crc")) is not int:
+        raise CorruptStreamError("predictive stream lacks the checksum of its prediction")
     tb, shared = meta.get("tb"), meta.get("shared")
     if tb != token_block(tt, d) or not isinstance(shared, bool):
         raise CorruptStreamError("predictive stream has a bad chunking or sharing field")
@@ -220,9 +235,33 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
     margs = ChannelParams.unpack(blob[:n_model], source, gp, d, shared).kernel_args()
     lengths = blob[n_model:].copy().view("<u4").astype(np.int64)
     words = _section(sections, "payload", np.uint32)
-    if int(lengths.sum()) != words.size:
+    if int(lengths.sum()) != words.size or lengths.min() < 2:
         raise CorruptStreamError("predictive stream chunk sizes do not add up to its payload")
     wstart = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    lo16 = _section(sections, "lo16", np.uint16, numel) if mode == "f32split" else None
+    return ParsedStream(dtype, shape, source, mode, None, grid, tb, n_tb, margs, lengths, words, wstart, lo16)
+
+
+def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
+                  tokens: tuple[int, int] | None = None) -> torch.Tensor:
+    """Invert :func:`encode_tensor`; every inconsistency raises CorruptStreamError.
+
+    ``tokens=(start, stop)`` decodes only that range of axis -2 (axis 0 of a 1-d tensor): only the
+    chunks holding it are decoded, since every chunk decodes alone.
+    """
+    ps = parse_stream(meta, sections)
+    dtype, shape, source, mode, grid = ps.dtype, ps.shape, ps.source, ps.mode, ps.grid
+    tb, n_tb, margs, lengths, words, wstart = ps.tb, ps.n_tb, ps.margs, ps.lengths, ps.words, ps.wstart
+    g, tt, d = kv_layout(shape)
+    start, stop = _token_range(tokens, tt)
+    out_shape = _out_shape(shape, start, stop)
+    numel = math.prod(shape)
+    if mode == "raw":
+        out = torch.from_numpy(ps.raw.copy()) if numel else torch.empty(0, dtype=torch.uint8)
+        out = out.view(dtype).reshape(shape)
+        if (start, stop) == (0, tt) or not numel:
+            return out if (start, stop) == (0, tt) else torch.empty(out_shape, dtype=dtype)
+        return out.reshape(g, tt, d)[:, start:stop].reshape(out_shape).clone()
 
     pred = None
     if source == "external":
@@ -256,8 +295,6 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
 
     with _Threads(threads):
         if source == "neighbour_layer":
-            if len(shape) < 3:
-                raise CorruptStreamError("neighbour-layer stream needs a [layers, ..., tokens, channels] shape")
             per_layer = g // shape[0]
             values = value_table(grid)
             p_layer = np.zeros((per_layer, kx.shape[1], d), np.float32)
@@ -274,7 +311,7 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
     kx = kx[:, start - out_t0:stop - out_t0]
     sym_bits = grid.bits_of_k[kx.reshape(-1)]
     if mode == "f32split":
-        lo = _section(sections, "lo16", np.uint16, numel).reshape(g, tt, d)[:, start:stop].reshape(-1)
+        lo = ps.lo16.reshape(g, tt, d)[:, start:stop].reshape(-1)
         out = (sym_bits.astype(np.uint32) << 16) | lo.astype(np.uint32)
         return torch.from_numpy(out.view(np.int32)).view(torch.float32).reshape(out_shape)
     return torch.from_numpy(sym_bits.view(grid.bits_np_signed)).view(dtype).reshape(out_shape)
@@ -304,4 +341,8 @@ class PredictiveCodec:
 
     def decode(self, meta, sections, prediction, threads: int = 0):
         return decode_tensor(meta, sections, prediction, threads)
+
+    def validate(self, meta, sections) -> None:
+        """Check meta and sections against each other (CorruptStreamError) without decoding."""
+        parse_stream(meta, sections)
 
