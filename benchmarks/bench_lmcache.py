@@ -266,7 +266,8 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", prefix: int = 
         ppl = perplexity(model, ids, n_tokens, k_hat, v_hat) if model is not None else None
         rows.append(row(spec, r, note=note, bit_exact=exact, attn_err=attention_error(queries, keys, values, k_hat, v_hat),
                         ppl=ppl, ppl_delta_pct=100 * (ppl / ppl0 - 1) if ppl is not None else None))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("KVCODEC_COMMIT") or subprocess.run(  # set it when running from an exported tree
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     result = {"suite": SUITE + ("_quick" if quick else ""), "rows": rows, "notes": [
         f"{'shipped 8-layer sample' if quick else f'SmolLM2-135M-Instruct, all {n_layers} layers'}: {n_tokens} tokens "
         f"in {len(chunks)} LMCache chunks of {CHUNK_TOKENS} tokens [2, {n_layers}, {CHUNK_TOKENS}, {n_heads * d}] bf16; "
