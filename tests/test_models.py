@@ -229,3 +229,12 @@ def test_per_symbol_weights_and_broadcast():
     assert m.size == 3
     b = m.symbol_bits(np.array([90, 90, 90]))
     assert b[0] > b[1] > b[2]
+
+
+def test_generated_tables_match_their_generator():
+    """_tables.py is exactly what gen_tables.render() writes (regenerate it, never edit it)."""
+    from pathlib import Path
+
+    from kvcodec.entropy.models import _tables, gen_tables
+
+    assert Path(_tables.__file__).read_text() == gen_tables.render()
