@@ -455,14 +455,18 @@ class RawCodec:
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
         return {"dtype": container.torch_dtype_name(t.dtype), "shape": list(t.shape)}, {"data": raw}
 
-    def decode(self, meta, sections, prediction, threads: int) -> torch.Tensor:
+    def validate(self, meta, sections):
+        """(dtype, shape, data) once the section is checked against the meta; CorruptStreamError."""
         dtype, shape = _dtype_shape(meta)
         data = sections.get("data")
-        n = math.prod(shape)
         if set(meta) != {"dtype", "shape"} or set(sections) != {"data"} or not isinstance(data, np.ndarray) \
-                or data.dtype != np.uint8 or data.size != n * dtype.itemsize:
+                or data.dtype != np.uint8 or data.size != math.prod(shape) * dtype.itemsize:
             raise CorruptStreamError("raw codec: section does not match dtype and shape")
-        if n == 0:
+        return dtype, shape, data
+
+    def decode(self, meta, sections, prediction, threads: int) -> torch.Tensor:
+        dtype, shape, data = self.validate(meta, sections)
+        if data.size == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
 
