@@ -7,7 +7,9 @@ A codec is any object with
   where ``t`` is a CPU, contiguous tensor, ``prediction`` a CPU tensor of the same shape or None,
   ``threads`` the worker count (0 = all cores); ``meta`` must be plain JSON;
 - ``decode(meta, sections, prediction, threads) -> torch.Tensor`` (same dtype and shape as encoded).
-  It must raise :class:`kvcodec.CorruptStreamError` for malformed ``meta``/``sections``.
+  It must raise :class:`kvcodec.CorruptStreamError` for malformed ``meta``/``sections``;
+- optionally ``validate(meta, sections)``: the same checks without decoding (CorruptStreamError),
+  run by ``kvcodec.lossless.validate``; every built-in codec has one.
 
 Codecs register themselves when their module is imported (``register(MyCodec())``); the built-in
 ones (``planes``, ``raw``, ``kvctx``, ``predictive``) are imported by ``kvcodec.lossless``'s
