@@ -86,7 +86,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.scaling = spec.head_dim ** -0.5 if scaling is None else scaling  # the attention module's
         self.sink, self.residual, self.block = spec.sink, spec.residual, spec.block_size
         self.ring = spec.residual + 2 * spec.block_size
-        self.kc, self.vc = spec.make_codecs(layer_idx)  # the eager codecs: prefill encodes are theirs
+        self.kc, self.vc = spec.make_encodings(layer_idx)  # the eager encodings: prefill encodes are theirs
         self.prefill_now = False
         self.device_fit = False  # True when the preconditioner is still to be fitted on the device
         self.seen = torch.tensor(0, dtype=torch.int64)
