@@ -158,6 +158,7 @@ def test_decode_step_compiles_with_fullgraph(model):
     import torch._dynamo
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     with torch.no_grad():
         cache = CompressedCache(model, **KW, max_cache_len=40)
         tok = model(_tokens(1, 10, 5), past_key_values=cache).logits[:, -1:].argmax(-1)
