@@ -65,10 +65,6 @@ class CacheSpec:
                                                 value_bits=_at(self.value_bits, layer_idx)), layer_idx)
         return make_quant_encodings(self, layer_idx)
 
-    # Old name (before docs/glossary.md's "encoding"), kept only while kvcodec/hf/persist.py,
-    # static_cache.py, calibrate.py and tests/test_hf_static.py, test_quality.py move over: remove then.
-    make_codecs = make_encodings
-
 
 def _at(bits, layer_idx: int) -> int:
     return bits[layer_idx] if isinstance(bits, tuple) else bits

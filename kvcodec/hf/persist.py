@@ -57,12 +57,12 @@ def _layer_to_bytes(layer) -> bytes:
             if t is not None:
                 tensors[name] = t.detach().to("cpu").contiguous()
         for j, b in enumerate(store.blocks):
-            km, kt = store.key_codec.state(b.key)
-            vm, vt = store.value_codec.state(b.value)
+            km, kt = store.key_encoding.state(b.key)
+            vm, vt = store.value_encoding.state(b.value)
             tensors.update({f"b{j}.k.{n}": _cpu(t) for n, t in kt.items()})
             tensors.update({f"b{j}.v.{n}": _cpu(t) for n, t in vt.items()})
             blocks.append({"length": b.length, "key": km, "value": vm})
-        for tag, codec in (("kc", store.key_codec), ("vc", store.value_codec)):
+        for tag, codec in (("kc", store.key_encoding), ("vc", store.value_encoding)):
             side_meta, side = codec.side_state()  # fitted quantizer state (e.g. channel scales)
             tensors.update({f"{tag}.{n}": _cpu(t) for n, t in side.items()})
             meta_side[tag] = side_meta
@@ -221,14 +221,14 @@ def _restore_layer(layer, blob: bytes, spec, device, budget: list) -> set:
     if not set(codec_meta) <= {"kc", "vc"}:
         raise CorruptStreamError("saved cache codec side state has unknown entries")
     per_block = _block_sections(tensors, len(meta["blocks"]))
-    for tag, codec in (("kc", store.key_codec), ("vc", store.value_codec)):
+    for tag, codec in (("kc", store.key_encoding), ("vc", store.value_encoding)):
         side = {n.split(".", 1)[1]: t for n, t in tensors.items() if n.startswith(f"{tag}.")}
         codec.load_side_state(_dict(codec_meta.get(tag, {})), _to(side, device))
     for j, bm in enumerate(meta["blocks"]):
         validate.require_keys(bm, ("length", "key", "value"), f"saved block {j}")
         length = validate.require_int(bm["length"], 1, _MAX_TOKENS, f"saved block {j} length")
         restored = []
-        for tag, codec in (("k", store.key_codec), ("v", store.value_codec)):
+        for tag, codec in (("k", store.key_encoding), ("v", store.value_encoding)):
             state = _dict(bm["key" if tag == "k" else "value"])
             part = per_block.get((j, tag), {})
             what = f"saved block {j} ({'key' if tag == 'k' else 'value'})"

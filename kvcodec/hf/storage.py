@@ -53,11 +53,6 @@ class LayerStore:
         self.dtype = None  # the model's K/V dtype, fixed by the first append
         self.clear()
 
-    # Old name (before docs/glossary.md's "encoding"), kept only while kvcodec/hf/persist.py,
-    # static_cache.py, calibrate.py and tests/test_hf_static.py, test_quality.py move over: remove then.
-    key_codec = property(lambda self: self.key_encoding)
-    value_codec = property(lambda self: self.value_encoding)
-
     def clear(self) -> None:
         self.key_encoding.reset()
         self.value_encoding.reset()
