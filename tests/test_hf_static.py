@@ -239,3 +239,28 @@ def test_smollm2_static_cache_follows_the_eager_greedy_tokens():
     assert bool(clear.any())
     assert torch.equal(s_logits.argmax(-1)[clear], e_logits.argmax(-1)[clear])
     assert int(static.layers[0].comp) > 0  # the history really was compressed
+
+
+def test_quantize_op_gives_the_quantizers_bytes():
+    from kvcodec.quant.turboquant import TurboQuantMSE
+
+    x = torch.randn(2, 3, 7, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for bits in (2, 4):
+        q = TurboQuantMSE(64, bits, seed=3, precondition="none")
+        ref = q.quantize(x)
+        codes, norms = ops.tq_quantize(x.float(), q.rotation, q.codebook, bits, True, False)
+        assert torch.equal(codes, ref.token["codes"]) and torch.equal(norms, ref.token["norms"])
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="torch.library.custom_op needs torch >= 2.4")
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (meta) implementation and dispatch of both ops agree with the real one (CPU)."""
+    from kvcodec.cuda import reference
+
+    case, kw = reference.random_decode_case(1, 4, 2, 1, 24, 32, 4, 3, [17], device="cpu")
+    args = (case["query"].float(), case["k_codes"], case["k_norms"], case["v_codes"], case["v_norms"],
+            case["seq_lens"], kw["k_rotation"], kw["v_rotation"], kw["k_codebook"], kw["v_codebook"], 4, 3, 0.125)
+    torch.library.opcheck(ops.tq_attention, args, test_utils=("test_schema", "test_faketensor"))
+    x = torch.randn(5, 32)
+    torch.library.opcheck(ops.tq_quantize, (x, kw["k_rotation"], kw["k_codebook"], 4, True, False),
+                          test_utils=("test_schema", "test_faketensor"))
