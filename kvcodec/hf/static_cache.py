@@ -4,23 +4,24 @@
 :class:`StaticCompressedCache`. Per layer it allocates, once, on the first (prefill) call:
 
 * ``codes``/``norms`` of keys and values for ``max_cache_len`` tokens (+ one block of slack),
-* ``exact_k``/``exact_v`` [B, H_kv, sink + W, D]: the full-precision sink, then a ring of ``W =
-  residual + 2 * block_size`` window slots (token p >= sink lives in slot ``sink + (p - sink) % W``),
-  with ``key_pos`` [sink + W] the position each slot holds,
+* ``exact_k``/``exact_v`` [B, H_kv, sink + W, D] float32 (the model's values exactly): the sink, then
+  a ring of ``W = residual + 2 * block_size`` window slots (token p >= sink lives in slot ``sink +
+  (p - sink) % W``), with ``key_pos`` [sink + W] the position each slot holds,
 * the key/value channel preconditioners (centre, scale) [B, H_kv, 1, D],
 * device scalars ``seen`` (tokens held) and ``comp`` (compressed tokens), ``comp_lens`` [B] int32.
 
 The semantics are the eager cache's (``kvcodec.hf.storage.LayerStore``) token for token: the prompt
 is attended exactly and its compaction (and the preconditioner fit) is the eager encode itself; after
-that, a block of ``block_size`` tokens leaves the window exactly when the eager store would move it,
-and is quantized as one [B, H_kv, block_size, D] batch like there, so the cache holds the same bytes
-(CPU: identical; CUDA: the quantize kernel vs torch's matmul differ on ~1e-6 of the codes, at float
-ties). What is data-dependent in the eager store is arithmetic on device tensors here: every decode
-step gathers the block that would leave the window, quantizes it and writes it to the slots after
-the compressed tokens; ``comp`` only grows when the block really left (``window >= residual +
-block_size``), and slots past ``comp`` are never read, so the writes of the other steps are harmless.
-No host synchronisation, no Python branch on data: the step is capturable by ``torch.cuda.CUDAGraph``
-and compiles with ``torch.compile(fullgraph=True)`` (the kernels are ``kvcodec.cuda.ops`` custom ops).
+that, a block of ``block_size`` tokens leaves the window exactly when the eager store would move it.
+What is data-dependent in the eager store is arithmetic on device tensors here: ``comp`` grows by a
+block when ``window >= residual + block_size``, and slots past ``comp`` are never read, so writes to
+them are harmless. On CPU every decode step gathers the block that would leave the window and
+quantizes it as one [B, H_kv, block_size, D] batch, like the eager store, so the bytes are identical
+(tested). On CUDA each token is quantized once, on arrival, into the slot it will hold (the quantize
+kernel treats rows independently), and compaction is only the length update; the kernel and torch's
+quantizer differ on ~1e-6 of the codes (float ties). No host synchronisation, no Python branch on
+data: the step is capturable by ``torch.cuda.CUDAGraph`` and compiles with
+``torch.compile(fullgraph=True)`` (the kernels are ``kvcodec.cuda.ops`` custom ops).
 
 Attention of a step: the compressed tokens by ``tq_attention`` (fused kernel on CUDA, float64
 reference on CPU) returning (out, lse), the sink and ring by one masked matmul in the kernel's query
