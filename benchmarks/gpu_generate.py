@@ -21,7 +21,10 @@ peak CUDA memory of the decode, and the largest batch x context that fits in 80 
 model, from the measured bytes per token. ``--kernels`` adds the attention-kernel table (fused
 decode, CUDA-graph timed, vs bf16 flash SDPA and % of copy bandwidth on the compressed bytes).
 
-    PYTHONPATH=. python3 benchmarks/gpu_generate.py --out $OUT         # H200, ~6 min
+    PYTHONPATH=. python3 benchmarks/gpu_generate.py --out $OUT         # H200: target shapes + 32 layers (~6 min)
+    PYTHONPATH=. python3 benchmarks/gpu_generate.py --out $OUT --no-kernels --full-model-shapes "" \
+        --shapes 32:32768,1:131072,8:131072,1:8192,8:8192,32:8192,32:131072 \
+        --compile-shapes 32:32768,1:131072,8:131072 --suite gpu_generate_grid   # the rest (~6 min)
     PYTHONPATH=. python3 benchmarks/gpu_generate.py --tiny --device cpu # smoke test (tests/)
 """
 
