@@ -311,7 +311,8 @@ def fit_calibration(model, data: dict, queries: torch.Tensor | None = None, **kw
 
 def run(quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
     model, cfg, data = load(quick)
-    calib = fit_calibration(model, data)
+    calib = fit_calibration(model, data, calibration_queries(model, data, cfg))
+    export_gpu_inputs(calib, data, CACHE_DIR / "gpu")
     prefix, scored = cfg["prefix"], cfg["scored"]
     windows = data["windows"]
     rows = []
@@ -355,13 +356,33 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
         f"Exact sinks {SINKS} + window {WINDOW} (lossless, counted) in every stored row: "
         f"{(SINKS + WINDOW) / prefix:.1%} of the prefix tokens.",
         f"Reference perplexity {ref_ppl:.4f}. CI: 95% block bootstrap (64-token blocks) of the paired NLL change.",
-        "Transform rows: calibration per layer, heads concatenated (192-dim), 'relative' weighting; "
-        "bits = the rate parameter passed to encode (whole blob, everything counted).",
+        "Transform rows: calibration per layer, heads concatenated (192-dim), 'relative' weighting, keys "
+        "weighted by the calibration text's queries (query_key_scales), rounding 0.15 (defaults chosen by --sweep "
+        "on window 0's attention error); bits = the rate parameter passed to encode (whole blob, all counted).",
+        "Peers code the same middle tokens: TurboQuant-MSE (kvcodec.quant, center preconditioning, norm "
+        "correction; '+ rANS indices' = the same reconstruction with its packed indices replaced by an rANS "
+        "stream), KIVI (keys per-channel, values per-token, groups of 32), fp8 = plain e4m3 cast; lossless = "
+        "kvcodec kvctx on the whole prefix (bit-exact, so its perplexity is the reference by construction).",
     ]
+    notes.append("Speed rows: encode/decode of window 0's prefix (bf16 K+V MB), best of 3, this machine "
+                 "(shared, loaded: provisional). codec_s_per_window: encode + decode (transform) or quantize + "
+                 "dequantize (peers) per window, same conditions.")
     result = {"suite": SUITE, "rows": rows, "notes": notes, "config": {**cfg, "sinks": SINKS, "window": WINDOW}}
-    save(result, out_dir)
+    save(result, out_dir, columns=COLUMNS)
     plot(rows, Path(out_dir) / f"{SUITE}.png")
     return result
+
+
+def export_gpu_inputs(calib, data: dict, out: Path) -> None:
+    """The calibration and 1024 tokens of window 0's KV, for benchmarks/gpu_transform.py."""
+    out.mkdir(parents=True, exist_ok=True)
+    calib.save(out / "smollm2.kvtc")
+    w = data["windows"][0]
+    torch.save({"keys": w["keys"][:, :, :1024].clone(), "values": w["values"][:, :, :1024].clone()}, out / "kv.pt")
+
+
+COLUMNS = ["codec", "setting", "bits_per_value", "x_vs_bf16", "ppl", "ppl_delta_pct", "ci95_lo", "ci95_hi",
+           "attn_err", "bit_exact", "codec_s_per_window", "enc_MBps", "dec_MBps"]
 
 
 def speed_rows(calib, window) -> list[dict]:
@@ -458,6 +479,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--prepare-only", action="store_true", help="compute and cache the KV, then stop")
     ap.add_argument("--sweep", action="store_true", help="compare transform design choices (attention error)")
+    ap.add_argument("--export-gpu", metavar="DIR", help="write the calibration and 1024 tokens of window 0's KV "
+                    "for benchmarks/gpu_transform.py, then stop")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args(argv)
     if a.prepare_only:
@@ -465,6 +488,10 @@ def main(argv=None) -> None:
         return
     if a.sweep:
         sweep(a.quick, a.out)
+        return
+    if a.export_gpu:
+        model, cfg, data = load(a.quick)
+        export_gpu_inputs(fit_calibration(model, data, calibration_queries(model, data, cfg)), data, Path(a.export_gpu))
         return
     run(a.quick, a.out)
 
