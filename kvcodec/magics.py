@@ -11,6 +11,8 @@ CONTAINER      ``b"KVCC"``  offset 0 of a ``kvcodec.container`` (the one contain
 STREAM         ``b"KVCE"``  offset 0 of a ``kvcodec.entropy`` stream (one entropy-coded array)
 FILE           ``b"KVCF"``  offset 0 of a ``.kvc`` file (``kvcodec.lossless.files``)
 FILE_FOOTER    ``b"KVCE"``  the last 24 bytes of a ``.kvc`` file (index offset and length)
+LMCACHE_FRAME  ``b"KVLC"``  offset 0 of an object a kvcodec serde stores in LMCache's L2
+                            (``kvcodec.integrations.lmcache``); a container follows the frame
 =============  ===========  ===============================================================
 
 FILE_FOOTER has the same bytes as STREAM for historical reasons. It is never ambiguous: readers
@@ -23,6 +25,7 @@ CONTAINER = b"KVCC"
 STREAM = b"KVCE"
 FILE = b"KVCF"
 FILE_FOOTER = b"KVCE"
+LMCACHE_FRAME = b"KVLC"
 
 #: the magics that start an object, by what they start
 LEADING = {CONTAINER: "container", STREAM: "entropy stream", FILE: ".kvc file"}

@@ -39,14 +39,14 @@ from lmcache.v1.distributed.serde import (
     register_serde_factory,
 )
 
-from kvcodec import container
+from kvcodec import container, magics
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.api import compress, decompress
 from kvcodec.quant import QuantizedTensor, TurboQuantMSE, TurboQuantOutlier
 
 log = logging.getLogger(__name__)
 
-MAGIC, VERSION = b"KVLC", 1
+MAGIC, VERSION = magics.LMCACHE_FRAME, 1
 LOSSLESS, TURBOQUANT = 1, 2
 FRAME = struct.Struct("<4sBBHQI12x")  # magic, version, kind, reserved, payload bytes, crc32: 32 bytes
 TQ_KIND = "kvcodec.lmcache.turboquant"
