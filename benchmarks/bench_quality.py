@@ -155,24 +155,32 @@ def cache_configs(model, quick: bool) -> list[dict]:
 
     cfg = model.config
     out = []
-    for name in (["2.5bit"] if quick else PRESETS):
-        out.append({"cache": f"kvcodec preset {name}", "make": lambda name=name: CompressedCache(
-            model, preset=name, residual=RESIDUAL), "report": kvcodec_report})
-    for kb, vb in ([] if quick else [(3, 3), (3, 2)]):
-        out.append({"cache": f"kvcodec turboquant {kb}/{vb} uniform", "make": lambda kb=kb, vb=vb: CompressedCache(
-            model, key_bits=kb, value_bits=vb, residual=RESIDUAL), "report": kvcodec_report})
-    for bits in ([2] if quick else [2, 3]):
+    for name in (["2.5bit"] if quick else ["3.5bit", "2.5bit"]):
+        out.append(_preset(model, name))
+    for bits in ([2] if quick else [3, 2]):
         out.append({"cache": f"kvcodec KIVI {bits}/{bits}", "make": lambda bits=bits: CompressedCache(
             model, method="kivi", key_bits=bits, value_bits=bits, residual=RESIDUAL), "report": kvcodec_report})
     try:
         import optimum.quanto  # noqa: F401
+
+        for bits in ([2] if quick else [4, 2]):
+            out.append({"cache": f"HF QuantizedCache quanto {bits}/{bits}", "make": lambda bits=bits: QuantizedCache(
+                backend="quanto", config=cfg, nbits=bits, residual_length=RESIDUAL, q_group_size=64),
+                "report": quanto_report})
     except ImportError:
-        return out
-    for bits in ([2] if quick else [2, 4]):
-        out.append({"cache": f"HF QuantizedCache quanto {bits}/{bits}", "make": lambda bits=bits: QuantizedCache(
-            backend="quanto", config=cfg, nbits=bits, residual_length=RESIDUAL, q_group_size=64),
-            "report": quanto_report})
+        pass
+    out += [_preset(model, name) for name in PRESETS if name not in ("3.5bit", "2.5bit") and not quick]
+    for kb, vb in ([] if quick else [(3, 3), (3, 2)]):
+        out.append({"cache": f"kvcodec turboquant {kb}/{vb} uniform", "make": lambda kb=kb, vb=vb: CompressedCache(
+            model, key_bits=kb, value_bits=vb, residual=RESIDUAL), "report": kvcodec_report})
     return out
+
+
+def _preset(model, name: str) -> dict:
+    from kvcodec.hf import CompressedCache
+
+    return {"cache": f"kvcodec preset {name}", "make": lambda: CompressedCache(model, preset=name, residual=RESIDUAL),
+            "report": kvcodec_report}
 
 
 # ------------------------------------------------------------------------------------ protocol
@@ -304,7 +312,13 @@ def passkey_queries(tok, keys: list[dict]):
 def passkey_hits(model, cache, kv, queries: torch.Tensor, a_len: int) -> torch.Tensor:
     """Exact match per query row: greedy decoding would produce every answer token (teacher-forced check:
     greedy output equals the answer iff each answer token is the argmax given the answer so far)."""
-    transplant(cache, kv, repeat=len(NAMES))
+    from transformers import QuantizedCache
+
+    if isinstance(cache, QuantizedCache):  # its layers repeat only their exact window: hand it repeated K/V
+        transplant(cache, kv, repeat=len(NAMES))
+    else:  # quantize each haystack once, then repeat the rows (packed form) for the questions
+        transplant(cache, kv)
+        cache.batch_repeat_interleave(len(NAMES))
     logits = model(queries[:, :-1], past_key_values=cache, use_cache=True).logits
     pred = logits[:, -a_len:].argmax(-1)
     return (pred == queries[:, -a_len:]).all(-1)

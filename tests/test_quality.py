@@ -59,20 +59,22 @@ def fill(cache, config, compressed: int, residual: int, batch: int = 1, seed: in
         cache.update(k, v, i)
 
 
-@pytest.mark.parametrize("name", list(presets.PRESETS))
-def test_preset_true_bits_are_what_the_name_says(name):
+def test_preset_true_bits_are_what_the_name_says():
     cfg = smollm2_shaped_config()
     assert presets.fingerprint(cfg) in presets.CALIBRATED  # SmolLM2 uses its calibrated allocation
+    for name, budget in presets.PRESETS.items():
+        opts = presets.preset_options(name, cfg)
+        assert budget - 0.1 < presets.mean_true_bits(opts["key_bits"], opts["value_bits"], 64) <= budget
+    # measured on a real cache (every byte it holds for the compressed part, side data and sink)
+    name = "3.5bit"
+    opts = presets.preset_options(name, cfg)
     cache = CompressedCache(cfg, preset=name, residual=128)
     fill(cache, cfg, presets.REFERENCE_TOKENS, 128)
     assert all(layer.store.compressed_len == presets.REFERENCE_TOKENS for layer in cache.layers)
     bits = measured_true_bits(cache)
-    opts = presets.preset_options(name, cfg)
     assert bits == pytest.approx(presets.mean_true_bits(opts["key_bits"], opts["value_bits"], 64), rel=1e-12)
     assert bits <= presets.PRESETS[name]
-    assert bits > presets.PRESETS[name] - 0.1  # and the budget is actually spent
-    # per-layer widths reach the quantizers
-    for layer, kb, vb in zip(cache.layers, opts["key_bits"], opts["value_bits"]):
+    for layer, kb, vb in zip(cache.layers, opts["key_bits"], opts["value_bits"]):  # per-layer widths reach the quantizers
         assert (layer.store.key_encoding.q.bits, layer.store.value_encoding.q.bits) == (kb, vb)
 
 
@@ -133,8 +135,8 @@ def test_chunked_scoring_equals_one_token_steps():
 
     enable(model)
     try:
-        ids = torch.randint(0, 97, (2, 81), generator=torch.Generator().manual_seed(1))
-        prefix, n, res = 40, 40, 8
+        ids = torch.randint(0, 97, (2, 65), generator=torch.Generator().manual_seed(1))
+        prefix, n, res = 40, 24, 8
 
         def run(chunks):
             cache = CompressedCache(model, key_bits=[3, 2, 4], value_bits=[2, 3, 3], residual=res)
