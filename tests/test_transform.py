@@ -236,6 +236,16 @@ def test_corrupted_blobs_raise(small_blob, calib, data):
         T.decode(bytes(blob), calib)
 
 
+def test_inspect_and_verify_need_no_calibration(small_blob):
+    info = T.inspect(small_blob)
+    assert info["shape"] == [L, H, 260, D] and info["exact_tokens"] == 20 and info["coded_tokens"] == 240
+    assert T.verify(small_blob) >= info["coded_components"] * 240
+    bad = bytearray(small_blob)
+    bad[-3] ^= 1
+    with pytest.raises(CorruptStreamError):
+        T.verify(bytes(bad))
+
+
 def _remeta(blob, **changes) -> bytes:
     """A well-formed container (valid CRCs) whose transform meta is edited: the semantic checks must catch it."""
     _, meta, sections = container.loads(blob)

@@ -15,8 +15,8 @@ See docs/transform.md.
 """
 
 from kvcodec.transform.calibration import Calibration, fit
-from kvcodec.transform.codec import decode, encode, inspect
+from kvcodec.transform.codec import decode, encode, inspect, verify
 from kvcodec.transform.hf import decode_cache, encode_cache
 from kvcodec.transform.rope import RoPE
 
-__all__ = ["Calibration", "RoPE", "decode", "decode_cache", "encode", "encode_cache", "fit", "inspect"]
+__all__ = ["Calibration", "RoPE", "decode", "decode_cache", "encode", "encode_cache", "fit", "inspect", "verify"]

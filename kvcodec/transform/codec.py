@@ -244,3 +244,27 @@ def inspect(blob) -> dict:
         "exact_tokens": h.n_exact, "coded_tokens": h.n_coded,
         "coded_components": sum(c.n_components for c in h.classes),
     }
+
+
+def verify(blob, max_output_bytes: int | None = None) -> int:
+    """Decode every entropy stream and the exact tokens of a blob without its calibration (what
+    ``kvcodec inspect --verify`` can check); returns the number of symbols decoded. Raises
+    CorruptStreamError on damage."""
+    h, exact, cls_stream, streams = fmt.unpack(blob, None, max_output_bytes)
+    L, H, T, D = h.shape
+    cls = entropy.decode(cls_stream, max_symbols=2 * L * H * D)
+    if cls.shape != (2 * L * H * D,):
+        raise CorruptStreamError("transform blob: component classes have the wrong length")
+    n = cls.size
+    k = 0
+    for info in h.classes:
+        for m in coding.chunk_lengths(info.n_components * h.n_coded, h.chunk, info.n_streams):
+            sym = entropy.decode(streams[k], max_symbols=m)
+            coding.check_decoded(sym, info, m, k)
+            n += sym.size
+            k += 1
+    if exact is not None:
+        from kvcodec import decompress
+
+        decompress(exact, max_output_bytes=max_output_bytes)
+    return n

@@ -59,13 +59,13 @@ def expected_streams(n_symbols: int, chunk: int) -> int:
     return max(1, math.ceil(n_symbols / chunk))
 
 
-def _check_decoded(sym, info: ClassInfo, expect_n: int, i: int):
+def check_decoded(sym, info: ClassInfo, expect_n: int, i: int):
     if sym.dtype.itemsize != info.width or sym.shape[0] != expect_n:
         raise CorruptStreamError(f"class {info.cls} stream {i}: {sym.shape[0]} symbols of {sym.dtype.itemsize} "
                                  f"byte(s), expected {expect_n} of {info.width}")
 
 
-def _chunk_lengths(total: int, chunk: int, n_streams: int) -> list[int]:
+def chunk_lengths(total: int, chunk: int, n_streams: int) -> list[int]:
     return [min(chunk, total - k * chunk) for k in range(n_streams)] if total else [0]
 
 
@@ -80,7 +80,7 @@ def decode_coefficients_cpu(infos, streams, M: int, chunk: int, rows, steps: np.
     k = 0
     for info, r in zip(infos, rows):
         start = 0
-        for n in _chunk_lengths(info.n_components * M, chunk, info.n_streams):
+        for n in chunk_lengths(info.n_components * M, chunk, info.n_streams):
             jobs.append((info, r, start, n, k, streams[k]))
             start += n
             k += 1
@@ -88,7 +88,7 @@ def decode_coefficients_cpu(infos, streams, M: int, chunk: int, rows, steps: np.
     def run(job):
         info, r, start, n, i, blob = job
         sym = entropy.decode(blob, max_symbols=n)
-        _check_decoded(sym, info, n, i)
+        check_decoded(sym, info, n, i)
         dequantize_into(sym, info.offset, r, start, M, steps, out)
 
     if threads > 1 and len(jobs) > 1:
@@ -107,7 +107,7 @@ def decode_classes_gpu(infos, batch, M: int, chunk: int) -> list[torch.Tensor]:
     parts = batch.split(out_buf)
     out, k = [], 0
     for info in infos:
-        lens = _chunk_lengths(info.n_components * M, chunk, info.n_streams)
+        lens = chunk_lengths(info.n_components * M, chunk, info.n_streams)
         chunks = []
         for j, n in enumerate(lens):
             t = parts[k + j]
