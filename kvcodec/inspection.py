@@ -89,6 +89,12 @@ def describe(path: str | os.PathLike, key: str, verify: bool = False, threads: i
         return _describe_saved_cache(data)
     if key == "kvcodec.tensor":
         return _describe_tensor(data, verify, threads, max_output_bytes)
+    if key == "kvcodec.transform":
+        return _describe_transform(data, verify, max_output_bytes)
+    if key == "kvcodec.transform.calibration" and verify:
+        from kvcodec.transform import Calibration
+
+        Calibration.from_bytes(data)  # versions, shapes, finite values, orthonormal basis
     kind, meta, sections = container.loads(data)  # every section checksum
     rows = [[name, *_section_facts(v)] for name, v in sections.items()]
     table = f"meta: {', '.join(sorted(meta))}\n" + _table(["section", "type", "shape", "bytes"], rows)
@@ -137,6 +143,21 @@ def _describe_tensor(data: bytes, verify: bool, threads: int, max_output_bytes: 
             return Report(table, "section checksums match (decoding needs the prediction tensor)")
         api.decompress(data, threads=threads, device="cpu", max_output_bytes=max_output_bytes)
     return Report(table, "decoded, tensor crc32 matches")
+
+
+def _describe_transform(data: bytes, verify: bool, max_output_bytes: int | None) -> Report:
+    """A kvcodec.transform blob: shape, true bits/value, exact and coded tokens (no calibration needed)."""
+    from kvcodec import transform
+
+    d = transform.inspect(data)  # every section checksum
+    table = (f"{d['dtype']} K/V {'x'.join(map(str, d['shape']))}, {d['bytes']} bytes = {d['bits_per_value']:.3f} "
+             f"bits/value ({d['ratio_vs_bf16']:.2f}x vs bf16), {d['exact_tokens']} exact + {d['coded_tokens']} coded "
+             f"tokens, {d['coded_components']} coded components in {d['n_streams']} rANS streams, calibration "
+             f"{d['calibration']}")
+    if not verify:
+        return Report(table, "section checksums match")
+    n = transform.verify(data, max_output_bytes)
+    return Report(table, f"{n} symbols and the exact tokens decoded (reconstruction needs the calibration)")
 
 
 def _describe_saved_cache(data: bytes) -> Report:

@@ -246,6 +246,24 @@ def test_inspect_and_verify_need_no_calibration(small_blob):
         T.verify(bytes(bad))
 
 
+def test_cli_inspect_names_and_verifies_transform_files(small_blob, calib, tmp_path):
+    from kvcodec import inspection
+
+    blob_path, calib_path = tmp_path / "prefix.kvt", tmp_path / "model.kvtc"
+    blob_path.write_bytes(small_blob)
+    calib.save(calib_path)
+    for path, kind in ((blob_path, "kvcodec.transform"), (calib_path, "kvcodec.transform.calibration")):
+        fmt_ = inspection.identify(path)
+        assert fmt_.key == kind
+        inspection.describe(path, fmt_.key, verify=True)
+    assert "bits/value" in inspection.describe(blob_path, "kvcodec.transform").table
+    bad = bytearray(small_blob)
+    bad[len(bad) // 2] ^= 4
+    blob_path.write_bytes(bytes(bad))
+    with pytest.raises(CorruptStreamError):
+        inspection.describe(blob_path, "kvcodec.transform", verify=True)
+
+
 def _remeta(blob, **changes) -> bytes:
     """A well-formed container (valid CRCs) whose transform meta is edited: the semantic checks must catch it."""
     _, meta, sections = container.loads(blob)
