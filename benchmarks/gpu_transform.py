@@ -1,6 +1,8 @@
 """GPU decode of kvcodec.transform blobs: the same blob on CPU and GPU, and GPU decode GB/s.
 
-    PYTHONPATH=. python3 benchmarks/gpu_transform.py --calib C.kvtc --kv KV.pt [--tokens 32768] [--out DIR]
+    python benchmarks/bench_transform.py --export-gpu benchmarks/results/cache/gpu     # here (CPU)
+    PYTHONPATH=. python3 benchmarks/gpu_transform.py --calib benchmarks/results/cache/gpu/smollm2.kvtc \
+        --kv benchmarks/results/cache/gpu/kv.pt [--tokens 32768] --out $OUT          # there (carry that folder)
 
 Data: real SmolLM2-135M prefix KV (``--kv``: a torch file with bf16 ``keys``/``values`` [30, 3, T0, 64]
 from bench_transform's first evaluation window) tiled along the tokens to ``--tokens`` tokens: keys
