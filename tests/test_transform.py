@@ -179,15 +179,21 @@ def test_bad_arguments(calib, rope):
 
 
 def test_real_smollm2_kv():
-    from kvcodec.data import attention_error, load_kv_sample
+    from kvcodec.data import attention_reference, load_kv_sample
 
     s = load_kv_sample()
-    cal = T.fit(s.keys[:, :, :128], s.values[:, :, :128], T.RoPE.default(64, s.meta["rope_theta"]))
-    blob = T.encode(s.keys, s.values, cal, bits=3.0, window=16)
-    assert abs(true_bits(blob, s.keys) / 3.0 - 1) <= 0.02
+    layers = slice(0, 3)  # layers 0, 4 and 8 of the model: enough for a real-data check, 3x cheaper
+    keys, values = s.keys[layers], s.values[layers]
+    cal = T.fit(keys[:, :, :128], values[:, :, :128], T.RoPE.default(64, s.meta["rope_theta"]))
+    blob = T.encode(keys, values, cal, bits=3.0, window=16)
+    assert abs(true_bits(blob, keys) / 3.0 - 1) <= 0.02
     k, v = T.decode(blob, cal)
-    err = attention_error(s, k, v)
-    assert err < 0.2  # measured 0.10-0.11 (calibration on 128 tokens of the same text, 20 exact tokens)
+    num = den = 0.0
+    for i in range(3):
+        ref = attention_reference(s, i)
+        num += float((attention_reference(s, i, k[i], v[i]) - ref).pow(2).sum())
+        den += float(ref.pow(2).sum())
+    assert math.sqrt(num / den) < 0.35  # measured 0.23 (calibration on 128 tokens of the same text, 20 exact tokens)
 
 
 def test_undoing_rope_matters(calib, rope):
