@@ -741,7 +741,9 @@ def run(minutes: float, targets: list[str], case_seconds: float, mem_extra: int,
                     pending.clear()
         if time.time() >= deadline:
             pending.clear()
-    result = {"minutes": minutes, "case_cpu_seconds": case_seconds, "memory_allowance_bytes": mem_extra,
+    from benchmarks.common import machine_record
+
+    result = {"suite": "fuzz", "machine": machine_record(), "minutes": minutes, "case_cpu_seconds": case_seconds, "memory_allowance_bytes": mem_extra,
               "max_output_bytes": FUZZ_MAX_OUTPUT, "hard_wall_seconds": hard_seconds, "targets": {}}
     for t in targets:
         n = sum(totals[t].values())
@@ -767,8 +769,9 @@ def markdown(result: dict) -> str:
                      f"{r['timeout']} | {r['memory']} | {r['bad']} | {r['slowest_case_cpu_s']:.2f} |")
     lines.append("")
     lines.append("'valid other input': the mutated bytes were themselves a well-formed file (decoding and "
-                 "re-encoding gives them back exactly), e.g. a changed quantization code; such formats carry "
-                 "no checksum of their content.")
+                 "re-encoding gives them back exactly; an entropy stream counts when only its frequency table's "
+                 "byte encoding differs), e.g. a changed quantization code; such formats carry no checksum of "
+                 "their content.")
     for t, r in result["targets"].items():
         if r["examples"]:
             lines += ["", f"First bad cases of {t} (seed: outcome, detail):", ""]
