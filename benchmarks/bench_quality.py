@@ -126,7 +126,9 @@ def quanto_report(cache) -> tuple[int, float]:
         total += _dense_bytes(layer.keys, layer.values)
         for q in (layer._quantized_keys, layer._quantized_values):
             if q is not None:
-                b = _dense_bytes(*(getattr(q, n, None) for n in ("_data", "_scale", "_shift")))
+                data = q._data
+                data = getattr(data, "_data", data)  # a quanto PackedTensor reports its unpacked size: count the packed bytes
+                b = _dense_bytes(data, q._scale, q._shift)
                 total += b
                 qbytes += b
                 qvalues += math.prod(q.shape)
