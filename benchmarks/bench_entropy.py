@@ -14,13 +14,10 @@ Run: ``python benchmarks/bench_entropy.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # a source checkout without pip install
