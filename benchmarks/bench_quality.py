@@ -230,17 +230,20 @@ def decode_chunks(prefix: int, n_feed: int, *, sink: int = 1, residual: int = RE
 
 
 @torch.no_grad()
-def teacher_forced(model, ids: torch.Tensor, prefix: int, chunks: list[int], cache, kv, first_logits):
-    """nll and argmax [B, 1 + sum(chunks)] of the tokens after the prefix, fed through the cache in ``chunks``."""
+def teacher_forced(model, ids: torch.Tensor, prefix: int, chunks: list[int], cache, kv, first_logits,
+                   with_logp: bool = False):
+    """nll and argmax [B, 1 + sum(chunks)] of the tokens after the prefix, fed through the cache in ``chunks``
+    (``with_logp``: also the log-probabilities [B, 1 + sum(chunks), vocab] in bf16, for KL divergences)."""
     transplant(cache, kv)
     logits, t = [first_logits[:, None]], prefix
     for n in chunks:
         logits.append(model(ids[:, t:t + n], past_key_values=cache, use_cache=True).logits.float())
         t += n
-    logits = torch.cat(logits, dim=1)  # [B, 1 + sum(chunks), vocab]
+    logp = torch.log_softmax(torch.cat(logits, dim=1), -1)  # [B, 1 + sum(chunks), vocab]
     targets = ids[:, prefix:t + 1]
-    nll = -torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
-    return nll, logits.argmax(-1)
+    nll = -logp.gather(-1, targets[..., None]).squeeze(-1)
+    out = (nll, logp.argmax(-1))
+    return (*out, logp.to(torch.bfloat16)) if with_logp else out
 
 
 def block_bootstrap(diff: torch.Tensor, block: int = 32, n: int = 2000, seed: int = 0) -> torch.Tensor:

@@ -199,3 +199,93 @@ def test_large_key_bias_does_not_collapse_3bit_keys():
                                                  key_precondition="none", sink=0)) - ref)
     assert robust < 25.0, robust  # measured +13.7% (the same 3-bit cache without the bias: +2.5%)
     assert naive > robust + 100.0, (naive, robust)  # measured +1265%: the offset does break plain TurboQuant
+
+
+# ------------------------------------------------------------------------------------ fitted statistics
+def test_fit_codebook_recovers_the_sphere_law_and_rejects_bad_input():
+    import numpy as np
+
+    from kvcodec.quant.codebooks import fit_codebook, lloyd_max_codebook
+
+    rng = np.random.default_rng(0)
+    u = rng.standard_normal((10_000, 32))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    for b in (2, 3):
+        assert np.allclose(fit_codebook(u, b), lloyd_max_codebook(32, b), rtol=0.02, atol=1e-3)
+    # a two-point law: the 1-bit codebook is its two points, whatever the start
+    assert np.allclose(fit_codebook(np.array([-0.3, 0.3] * 50), 1, init=[-1.0, 0.5]), [-0.3, 0.3])
+    # weights move the centroid of a cell toward the heavier samples
+    x = np.array([0.1, 0.2] * 10)
+    light, heavy = fit_codebook(x, 1)[1], fit_codebook(x, 1, weights=np.array([1.0, 9.0] * 10))[1]
+    assert light == pytest.approx(0.15) and heavy == pytest.approx(0.19)
+    for bad in (dict(samples=[0.1], bits=2), dict(samples=[np.nan] * 8, bits=1), dict(samples=[0.1] * 8, bits=0),
+                dict(samples=[0.1] * 8, bits=1, weights=[-1.0] * 8)):
+        with pytest.raises(ValueError):
+            fit_codebook(**bad)
+
+
+def test_calibration_gives_query_aware_key_scales_and_codebooks_and_survives_save_load(tmp_path):
+    from kvcodec.hf import fitted
+    from kvcodec.quant.precondition import calibrate
+
+    cfg = tiny_llama().config  # 3 layers, 2 KV heads, head_dim 16
+    g = torch.Generator().manual_seed(3)
+    qrms = torch.rand(3, 2, 16, generator=g) * 3 + 0.1
+    cb = torch.linspace(-0.5, 0.5, 8)
+    fitted.register("test-fit", fitted.Fit(qrms, {"key": {3: cb}}))
+    with pytest.raises(ValueError):
+        CompressedCache(cfg, key_bits=3, calibration="no-such-fit")
+    with pytest.raises(ValueError):
+        fitted.register("bad", fitted.Fit(None, {"key": {3: cb.flip(0)}}))  # not ascending
+    plain = CompressedCache(cfg, key_bits=3, value_bits=2, residual=8)
+    fit = CompressedCache(cfg, key_bits=3, value_bits=2, residual=8, calibration="test-fit")
+    fill(plain, cfg, 40, 8)
+    fill(fit, cfg, 40, 8)
+    assert measured_true_bits(fit) == measured_true_bits(plain)  # same bytes: only the choices differ
+    layer = fit.layers[1].store
+    assert torch.equal(layer.key_encoding.q.codebook, cb)  # keys at 3 bits take the fitted codebook
+    assert not torch.equal(layer.value_encoding.q.codebook[:4], cb[:4])  # values (2 bits, none fitted) keep theirs
+    scale = layer.key_encoding.precond.side["scale"]
+    assert not torch.equal(scale, plain.layers[1].store.key_encoding.precond.side["scale"])
+    path = tmp_path / "c.kvc"
+    fit.save(path)
+    again = CompressedCache.load(path, cfg)
+    assert again.spec.calibration == "test-fit"
+    assert torch.equal(again.layers[1].store.key_encoding.precond.side["scale"], scale)
+    assert torch.equal(again.layers[1].store.key_encoding.q.codebook, cb)
+    # the scale is exactly calibrate(keys, queries=...) with the stored query RMS
+    x = torch.randn(1, 2, 24, 16, generator=g)
+    enc = fit.spec.make_encodings(1)[0]
+    enc.encode(x)
+    want = calibrate(x, "scale", queries=qrms[1][:, None, :].expand(1, 2, 1, 16)).scale
+    assert torch.equal(enc.precond.side["scale"], want)
+
+
+@torch.no_grad()
+def test_capture_prefill_records_post_rope_query_rms():
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from kvcodec.hf.calibrate import capture_prefill
+
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(2))
+    impl = model.config._attn_implementation
+    kv, qrms = capture_prefill(model, ids)
+    assert model.config._attn_implementation == impl
+    ref = DynamicCache(config=model.config)
+    model(ids, past_key_values=ref)
+    assert all(torch.equal(k, r.keys) and torch.equal(v, r.values) for (k, v), r in zip(kv, ref.layers))
+    # layer 1 by hand: q_proj of its input, RoPE, then RMS over batch, tokens and the query heads of each KV head
+    seen = {}
+    h = model.model.layers[1].register_forward_pre_hook(lambda m, a, kw: seen.update(x=a[0] if a else kw["hidden_states"]),
+                                                        with_kwargs=True)
+    model(ids)
+    h.remove()
+    attn = model.model.layers[1].self_attn
+    x = model.model.layers[1].input_layernorm(seen["x"])
+    q = attn.q_proj(x).view(2, 20, 4, 16).transpose(1, 2)
+    cos, sin = model.model.rotary_emb(x, torch.arange(20)[None])
+    q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    want = q.reshape(2, 2, 2 * 20, 16).pow(2).mean(dim=(0, 2)).sqrt()
+    assert torch.allclose(qrms[1], want, rtol=1e-4, atol=1e-6)

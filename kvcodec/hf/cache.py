@@ -48,6 +48,8 @@ class CompressedCache(Cache):
             whose true bits per value are what the name says; it sets method, key_bits, value_bits,
             key_mode, sink, outliers and the preconditioning (residual, block_size, seed stay yours).
             key_bits / value_bits may also be lists with one width per layer.
+        calibration: name of fitted quantizer statistics (kvcodec.hf.fitted: query-aware key scales,
+            codebooks fitted to real K/V); presets set it where the model has a stored fit.
     """
 
     def __new__(cls, *args, max_cache_len: int | None = None, **kwargs):
@@ -75,6 +77,7 @@ class CompressedCache(Cache):
         value_precondition: str = "none",
         attention: AttentionOptions | None = None,
         preset: str | None = None,
+        calibration: str | None = None,
         max_cache_len: None = None,  # not None: __new__ returned a StaticCompressedCache instead
     ):
         model = None
@@ -88,6 +91,7 @@ class CompressedCache(Cache):
             method, key_bits, value_bits, key_mode, sink, outliers = (
                 p[k] for k in ("method", "key_bits", "value_bits", "key_mode", "sink", "outliers"))
             key_precondition, value_precondition = p["key_precondition"], p["value_precondition"]
+            calibration = p.get("calibration", calibration)
         self.spec = build_spec(
             config,
             method=method,
@@ -101,6 +105,7 @@ class CompressedCache(Cache):
             seed=seed,
             key_precondition=key_precondition,
             value_precondition=value_precondition,
+            calibration=calibration,
         )
         self.attention_options = attention or AttentionOptions()
         layers = [CompressedLayer(self.spec, i, self.attention_options) for i in range(self.spec.num_layers)]
@@ -124,9 +129,19 @@ class CompressedCache(Cache):
 
     @classmethod
     def load(cls, path, config_or_model, device: str | torch.device = "cpu",
-             max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> "CompressedCache":
+             max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES, max_cache_len: int | None = None):
         """Read a cache written by :meth:`save`; ``config_or_model`` must match the saving model.
-        ``max_output_bytes`` caps the cache's decoded size (default 4 GiB; ``None``: no cap)."""
+        ``max_output_bytes`` caps the cache's decoded size (default 4 GiB; ``None``: no cap).
+        ``max_cache_len``: load into a static cache (kvcodec.hf.static_cache; needs the model); files of
+        static and eager caches are the same format, so either loads as either."""
         from kvcodec.hf.persist import load_cache
 
-        return load_cache(cls, path, config_or_model, device=device, max_output_bytes=max_output_bytes)
+        if max_cache_len is None:
+            return load_cache(cls, path, config_or_model, device=device, max_output_bytes=max_output_bytes)
+        from kvcodec.hf.static_convert import from_eager
+
+        if not isinstance(config_or_model, torch.nn.Module) or not hasattr(config_or_model, "config"):
+            raise ValueError("loading a static cache (max_cache_len) needs the model, not only its config")
+        eager = load_cache(CompressedCache, path, config_or_model.config, device=device,
+                           max_output_bytes=max_output_bytes)
+        return from_eager(eager, config_or_model, max_cache_len)

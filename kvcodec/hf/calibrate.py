@@ -139,6 +139,84 @@ def mean_bits(values) -> float:
     return math.fsum(values) / len(values)
 
 
+CAPTURE = "kvcodec_capture_queries"
+
+
+@torch.no_grad()
+def capture_prefill(model, ids: torch.Tensor):
+    """Exact prefill of ids [B, T]: per-layer (keys, values) [B, H_kv, T, D] (post-RoPE, as a cache
+    receives them) and the query RMS per (layer, KV head, channel) [L, H_kv, D], post-RoPE, the query
+    heads of a GQA group pooled (HF layout: query head h reads KV head h // group)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    rms = {}
+
+    def capture(module, query, key, value, attention_mask, **kw):
+        b, hq, t, d = query.shape
+        q = query.float().reshape(b, key.shape[1], (hq // key.shape[1]) * t, d)
+        rms[module.layer_idx] = q.pow(2).mean(dim=(0, 2)).sqrt()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(CAPTURE, capture)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE, sdpa_mask)
+    old = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE)
+    try:
+        cache = _dynamic_cache(model.config, [])
+        model(ids, past_key_values=cache, use_cache=True)
+    finally:
+        model.set_attn_implementation(old)
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    return kv, torch.stack([rms[i] for i in range(len(kv))])
+
+
+def rotated_coordinates(quantizer, x: torch.Tensor, pre) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a TurboQuantMSE codebook quantizes: the preconditioned, normalized, rotated coordinates
+    y [N, D] of x [..., T, D], and each vector's squared norm [N, 1] (its weight in the error)."""
+    xp = pre.apply(x.float()).reshape(-1, x.shape[-1])
+    n2 = xp.pow(2).sum(-1, keepdim=True)
+    keep = n2[:, 0] > 0
+    y = (xp[keep] / n2[keep].sqrt()) @ quantizer.rotation.T
+    return y, n2[keep]
+
+
+@torch.no_grad()
+def fit_statistics(model, ids: torch.Tensor, *, levels=DEFAULT_LEVELS, sink: int = 1, query_scales: bool = True,
+                   spec_options: dict | None = None):
+    """A :class:`kvcodec.hf.fitted.Fit` from the model's own text ids [B, T]: query RMS per (layer, KV
+    head, channel), and Lloyd-Max codebooks per (keys|values, bits) fitted to the coordinates the
+    cache's TurboQuant-MSE quantizers see (preconditioned as the cache does, query-aware for keys when
+    ``query_scales``), each vector weighted by its squared norm."""
+    import numpy as np
+
+    from kvcodec.hf.fitted import Fit
+    from kvcodec.hf.methods import build_spec
+    from kvcodec.hf.quant_encodings import make_quantizers
+    from kvcodec.quant.codebooks import fit_codebook, lloyd_max_codebook
+
+    opts = {"method": "turboquant", "key_mode": "mse", "residual": 0, "block_size": None, "sink": sink,
+            "outliers": 0, "seed": 0, "key_precondition": "scale", "value_precondition": "none"}
+    opts.update(spec_options or {})
+    kv, qrms = capture_prefill(model, ids)
+    spec = build_spec(model.config, key_bits=levels[0], value_bits=levels[0], **opts)
+    samples = {"key": [], "value": []}
+    for layer, (k, v) in enumerate(kv):
+        kq, vq = make_quantizers(spec, layer)
+        k, v = k[..., sink:, :], v[..., sink:, :]
+        queries = qrms[layer][:, None, :].expand(*k.shape[:-2], 1, k.shape[-1]) if query_scales else None
+        samples["key"].append(rotated_coordinates(kq, k, kq.calibrate(k, queries=queries)))
+        samples["value"].append(rotated_coordinates(vq, v, vq.calibrate(v)))
+    codebooks = {}
+    for part, rows in samples.items():
+        y = torch.cat([r[0] for r in rows]).double().numpy()
+        w = np.broadcast_to(torch.cat([r[1] for r in rows]).double().numpy(), y.shape)
+        codebooks[part] = {b: torch.from_numpy(fit_codebook(y, b, weights=w, init=lloyd_max_codebook(y.shape[1], b))
+                                               .astype(np.float32)) for b in levels}
+    return Fit(qrms if query_scales else None, codebooks)
+
+
 def smollm2_sensitivity(progress=print) -> dict:
     """The calibration pass behind kvcodec.hf.presets.CALIBRATED: SmolLM2-135M bf16, two 576-token
     segments of ``real_text("mixed")`` (the project's own tuning text, never the benchmark's held-out
@@ -152,10 +230,27 @@ def smollm2_sensitivity(progress=print) -> dict:
                              progress=lambda a, b: progress(f"{a}/{b}"))
 
 
-if __name__ == "__main__":  # python -m kvcodec.hf.calibrate: print the SmolLM2 preset allocations
+def smollm2_fit():
+    """The fit behind kvcodec/data/smollm2_kv_fit.json: SmolLM2-135M bf16, two 1,024-token segments of
+    ``real_text("mixed")`` (offsets 20,000 and 60,000: neither the allocation's nor the lever benchmark's)."""
+    from kvcodec import smollm2
+
+    model = smollm2.load_model(torch.bfloat16)
+    ids = smollm2.load_tokenizer()(smollm2.real_text("mixed"), return_tensors="pt").input_ids[0]
+    return fit_statistics(model, torch.stack([ids[20_000:21_024], ids[60_000:61_024]]))
+
+
+if __name__ == "__main__":  # python -m kvcodec.hf.calibrate [--fit PATH]: SmolLM2 preset allocations / fitted statistics
     import json
+    import sys
 
     from kvcodec.hf.presets import PRESETS, allocation_for
+
+    if "--fit" in sys.argv:
+        path = sys.argv[sys.argv.index("--fit") + 1]
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(smollm2_fit().to_json(), f, separators=(",", ":"))
+        sys.exit(0)
 
     sens = smollm2_sensitivity()
     print(json.dumps(sens))

@@ -37,6 +37,7 @@ class CacheSpec:
     key_precondition: str = "scale"
     value_precondition: str = "none"
     kivi_group: int | None = None
+    calibration: str | None = None  # name of fitted query scales / codebooks (kvcodec.hf.fitted)
 
     def options(self) -> dict:
         """The constructor arguments that reproduce this spec (for save/load)."""
@@ -52,6 +53,7 @@ class CacheSpec:
             "seed": self.seed,
             "key_precondition": self.key_precondition,
             "value_precondition": self.value_precondition,
+            **({"calibration": self.calibration} if self.calibration else {}),
         }
 
     def make_encodings(self, layer_idx: int):
@@ -113,7 +115,7 @@ def model_shape(config) -> tuple[int, int, int]:
 
 
 def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed,
-               key_precondition="scale", value_precondition="none") -> CacheSpec:
+               key_precondition="scale", value_precondition="none", calibration=None) -> CacheSpec:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if key_mode not in KEY_MODES:
@@ -135,10 +137,12 @@ def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, bloc
     block_size = _int_arg("block_size", block_size, 1)
     if block_size % group:
         raise ValueError(f"block_size must be a multiple of {group} for method {method!r}, got {block_size}")
+    if calibration is not None and (not isinstance(calibration, str) or method not in QUANT_METHODS):
+        raise ValueError(f"calibration must be the name of a fit (kvcodec.hf.fitted) for a quantizing method, got {calibration!r}")
     if outliers >= head_dim:
         raise ValueError(f"outliers must be < head_dim ({head_dim}), got {outliers}")
     spec = CacheSpec(method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed,
-                     n_layers, n_kv, head_dim, key_precondition, value_precondition)
+                     n_layers, n_kv, head_dim, key_precondition, value_precondition, calibration=calibration or None)
     if method in QUANT_METHODS:
         for layer in range(n_layers if isinstance(key_bits, tuple) or isinstance(value_bits, tuple) else 1):
             spec.make_encodings(layer)  # surfaces the quantizer's own ValueError (e.g. head_dim it cannot rotate) now

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvcodec.errors import CorruptStreamError
+from kvcodec.hf import fitted
 from kvcodec.quant import KIVI, QJL, QuantizedTensor, TurboQuantMSE, TurboQuantOutlier, TurboQuantProd
 
 
@@ -64,8 +65,19 @@ def _outlier(dim, k, bits, seed, precondition):
 
 
 def make_quant_encodings(spec, layer_idx: int):
+    """The layer's two encodings; with ``spec.calibration`` (kvcodec.hf.fitted) TurboQuant-MSE parts take
+    its fitted codebooks and "scale"-preconditioned keys its query-aware channel scales."""
     kq, vq = make_quantizers(spec, layer_idx)
-    return QuantEncoding(kq), QuantEncoding(vq)
+    name = getattr(spec, "calibration", None)
+    if not name:
+        return QuantEncoding(kq), QuantEncoding(vq)
+    fit = fitted.lookup(name)
+    fitted.check_shape(fit, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    for part, q in (("key", kq), ("value", vq)):
+        if type(q) is TurboQuantMSE:
+            fitted.apply_codebook(q, fit.codebook(part, q.bits))
+    use_q = fit.query_rms is not None and type(kq) is TurboQuantMSE and kq.precondition == "scale"
+    return QuantEncoding(kq, query_rms=fit.query_rms[layer_idx] if use_q else None), QuantEncoding(vq)
 
 
 class QuantEncoding:
@@ -74,8 +86,9 @@ class QuantEncoding:
     decoded_attention = False
     mergeable = True  # packed codes concatenate along tokens: one block per layer, two calls per step
 
-    def __init__(self, quantizer):
+    def __init__(self, quantizer, query_rms: torch.Tensor | None = None):
         self.q = quantizer
+        self.query_rms = query_rms  # [H, D]: fit the key scales query-aware (kvcodec.hf.fitted)
         self.name = type(quantizer).__name__
         # KIVI keys are grouped along tokens: compressed runs may only be cut / joined at group edges
         self.token_multiple = getattr(quantizer, "group_size", 1) if getattr(quantizer, "method", "") == "kivi" else 1
@@ -84,7 +97,11 @@ class QuantEncoding:
     # ------------------------------------------------------------------ blocks
     def encode(self, x: torch.Tensor):
         if self.precond is None:
-            c = self.q.quantize(x)
+            pre = None
+            if self.query_rms is not None:  # one "query" per head holding the channel RMS: its RMS is the RMS
+                q = self.query_rms.to(x.device)[..., None, :].expand(*x.shape[:-2], 1, x.shape[-1])
+                pre = self.q.calibrate(x, queries=q)
+            c = self.q.quantize(x, precond=pre)
             self._keep_side(c)
             return c
         return self.q.quantize(x, precond=self.precond)
