@@ -198,6 +198,20 @@ def dumps(kind: str, meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> byt
         entries.append(desc)
         payloads.append(payload)
 
+    head = header_bytes(kind, meta, entries)
+    total = entries[-1]["offset"] + entries[-1]["nbytes"] if entries else len(head)
+    out = bytearray(total)
+    out[: len(head)] = head
+    for desc, payload in zip(entries, payloads):
+        out[desc["offset"] : desc["offset"] + desc["nbytes"]] = payload
+    return bytes(out)
+
+
+def header_bytes(kind: str, meta: Mapping[str, Any], entries: list[dict]) -> bytes:
+    """The prefix and JSON header of a container whose sections are described by ``entries``
+    (dicts with name, type, dtype, shape, nbytes, crc32, in storage order); sets each entry's
+    ``"offset"``. Shared by :func:`dumps` and writers that place the payloads themselves (the GPU
+    encoder in ``kvcodec.lossless.device_container``)."""
     # Offsets depend on the header length, which depends on the offsets' digits: iterate to a fixpoint.
     header = b""
     for _ in range(8):
@@ -218,16 +232,9 @@ def dumps(kind: str, meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> byt
     header = new_header
     if len(header) > MAX_HEADER_BYTES:
         raise ValueError("container header too large")
-
-    total = entries[-1]["offset"] + entries[-1]["nbytes"] if entries else PREFIX.size + len(header)
-    out = bytearray(total)
     prefix = PREFIX.pack(MAGIC, VERSION, 0, len(header), 0)
     hcrc = crc32(header, crc32(prefix[:12]))
-    out[: PREFIX.size] = PREFIX.pack(MAGIC, VERSION, 0, len(header), hcrc)
-    out[PREFIX.size : PREFIX.size + len(header)] = header
-    for desc, payload in zip(entries, payloads):
-        out[desc["offset"] : desc["offset"] + desc["nbytes"]] = payload
-    return bytes(out)
+    return PREFIX.pack(MAGIC, VERSION, 0, len(header), hcrc) + header
 
 
 def _reject_constant(name: str):

@@ -60,7 +60,12 @@ def _emulate_warp(mem, pd, smem, gtab, mode, prec, lo, aux, symbytes, out):
     if in_len < 128 or (in_len - 128) & 1:
         return 1
     mem.lo, mem.hi = in_off, in_off + in_len
-    x = np.array([mem.read(in_off + 4 * k, 4) for k in range(32)], dtype=np.int64)
+    odd = in_off % 4 != 0  # a 2-byte aligned payload: the kernel reads 16-bit halves
+
+    def read32(off):
+        return mem.read(off, 2) | (mem.read(off + 2, 2) << 16) if odd else mem.read(off, 4)
+
+    x = np.array([read32(in_off + 4 * k) for k in range(32)], dtype=np.int64)
     if (x < L).any():
         return 2
     nw = (in_len - 128) >> 1
@@ -71,7 +76,7 @@ def _emulate_warp(mem, pd, smem, gtab, mode, prec, lo, aux, symbytes, out):
         for lane in range(32):
             w = 64 * blk + 2 * lane
             if w + 2 <= nw:
-                r[lane] = mem.read(wbase + 2 * w, 4)
+                r[lane] = read32(wbase + 2 * w)
             elif w + 1 == nw:
                 r[lane] = mem.read(wbase + 2 * w, 2)
         return r
@@ -144,7 +149,7 @@ def emulate_launch(batch: gr.RansBatch):
             smem[: 4 * words] = tabs[toff: toff + 4 * words]
         for wi in range(count):
             p = int(order[first + wi])
-            assert pdesc[p][0] % 4 == 0
+            assert pdesc[p][0] % 2 == 0
             status[p] = _emulate_warp(mem, pdesc[p], smem, tabs[toff:], mode, prec, lo, aux, symbytes, out)
     return out, status
 

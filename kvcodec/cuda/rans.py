@@ -127,6 +127,61 @@ class _Item:
     payload_len: int
 
 
+@dataclass
+class LaunchPlan:
+    """The kernel's descriptors for a set of payloads, on the device: payloads grouped by table into
+    blocks of WARPS (a block shares one table in shared memory), biggest first within a table."""
+
+    pdesc: torch.Tensor
+    order: torch.Tensor
+    blocks: torch.Tensor
+    tdesc: torch.Tensor
+    table_data: torch.Tensor
+    smem_bytes: int
+    n_blocks: int
+
+    @classmethod
+    def build(cls, pdesc: np.ndarray, table_of: np.ndarray, tables: list[Table], device) -> "LaunchPlan":
+        """``pdesc`` [P, 4] int64: byte offset of payload p in the data buffer (even), its length,
+        byte offset of its output, its symbol count; ``table_of`` [P]: index into ``tables``."""
+        order = np.lexsort((-pdesc[:, 3], table_of)).astype(np.int32) if len(table_of) else np.zeros(0, np.int32)
+        blocks = []
+        ts = table_of[order]
+        for t in np.unique(ts):
+            lo, hi = np.searchsorted(ts, t), np.searchsorted(ts, t, side="right")
+            for k in range(lo, hi, WARPS):
+                blocks.append((int(t), k, min(WARPS, hi - k), 0))
+        toff, tbytes = [], 0
+        for tb in tables:
+            toff.append(tbytes)
+            tbytes += tb.data.size
+        tdesc = [(o, tb.mode, tb.precision, tb.lo, tb.smem_words, tb.aux, tb.symbytes, 0) for o, tb in zip(toff, tables)]
+        tab_host = np.zeros(max(tbytes, _ALIGN), dtype=np.uint8)
+        for o, tb in zip(toff, tables):
+            tab_host[o: o + tb.data.size] = tb.data
+        device = torch.device(device)
+        return cls(torch.from_numpy(np.ascontiguousarray(pdesc, dtype=np.int64).reshape(-1, 4)).to(device),
+                   torch.from_numpy(order).to(device),
+                   torch.tensor(np.array(blocks, dtype=np.int32).reshape(-1, 4)).to(device),
+                   torch.tensor(np.array(tdesc, dtype=np.int64).reshape(-1, 8)).to(device),
+                   torch.from_numpy(tab_host).to(device),
+                   max([4 * tb.smem_words for tb in tables] + [0]), len(blocks))
+
+    def launch(self, data: torch.Tensor, out: torch.Tensor, status: torch.Tensor) -> None:
+        """Decode every payload of ``data`` into ``out``, statuses into ``status`` (int32, one per
+        payload), on torch's current stream; no synchronization."""
+        if not self.n_blocks:
+            return
+        from kvcodec.cuda import build
+
+        fn = build.get_function(SOURCE, KERNEL)
+        with build.cupy_stream(data.device):
+            fn((self.n_blocks,), (32 * WARPS,),
+               (data.data_ptr(), self.pdesc.data_ptr(), self.order.data_ptr(), self.blocks.data_ptr(),
+                self.tdesc.data_ptr(), self.table_data.data_ptr(), out.data_ptr(), status.data_ptr()),
+               shared_mem=self.smem_bytes)
+
+
 class RansBatch:
     """Streams parsed, tables built and everything uploaded once; ``launch`` decodes the whole batch
     with one kernel on torch's current stream (any number of times)."""
@@ -168,8 +223,8 @@ class RansBatch:
     def from_device(cls, data: torch.Tensor, offsets, headers, table_mode: int | None = None,
                     max_output_bytes: int | None = None) -> "RansBatch":
         """Payloads already on the device: ``data`` a uint8 CUDA tensor, ``offsets[i]`` the byte
-        offset of payload i in it (its length is ``headers[i].payload_len``; the address must be a
-        multiple of 4), ``headers`` the ``StreamHeader``s from ``kvcodec.entropy.stream.parse``."""
+        offset of payload i in it (its length is ``headers[i].payload_len``; the address must be
+        even), ``headers`` the ``StreamHeader``s from ``kvcodec.entropy.stream.parse``."""
         if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_cuda:
             raise ValueError("data must be a 1-D uint8 CUDA tensor")
         headers = list(headers)
@@ -180,8 +235,8 @@ class RansBatch:
         for h, o in zip(headers, offsets):
             if h.n and (h.coder != "rans" or h.streams != STATES):
                 raise ValueError(f"the GPU decoder takes rANS streams with {STATES} states")
-            if h.n and (o < 0 or o + h.payload_len > data.numel() or (data.data_ptr() + o) % 4):
-                raise ValueError("each payload must lie inside data and start at a 4-byte aligned address")
+            if h.n and (o < 0 or o + h.payload_len > data.numel() or (data.data_ptr() + o) % 2):
+                raise ValueError("each payload must lie inside data and start at an even address")
         self = cls.__new__(cls)
         self.device = data.device
         self._fallback = {}
@@ -216,34 +271,18 @@ class RansBatch:
         self.n_symbols = sum(it.n for it in work)
         self.n_payloads = len(work)
         self._pidx = {it.index: k for k, it in enumerate(work)}  # caller index -> payload id
-        # payloads grouped by table (a block shares one table), biggest first within a table
-        order = sorted(range(len(work)), key=lambda k: (work[k].table, -work[k].n))
-        blocks = []
-        k = 0
-        while k < len(order):
-            t = work[order[k]].table
-            j = k
-            while j < len(order) and j - k < WARPS and work[order[j]].table == t:
-                j += 1
-            blocks.append((t, k, j - k, 0))
-            k = j
-        toff, tbytes = [], 0
-        for tb in tables:
-            toff.append(tbytes)
-            tbytes += tb.data.size
-        tdesc = [(o, tb.mode, tb.precision, tb.lo, tb.smem_words, tb.aux, tb.symbytes, 0) for o, tb in zip(toff, tables)]
-        tab_host = np.zeros(max(tbytes, _ALIGN), dtype=np.uint8)
-        for o, tb in zip(toff, tables):
-            tab_host[o: o + tb.data.size] = tb.data
-        self.smem_bytes = max([4 * tb.smem_words for tb in tables] + [0])
-        dev = self.device
-        self.pdesc = torch.tensor(np.array(pdesc, dtype=np.int64).reshape(-1, 4)).to(dev)
-        self.order = torch.tensor(np.array(order, dtype=np.int32)).to(dev)
-        self.blocks = torch.tensor(np.array(blocks, dtype=np.int32).reshape(-1, 4)).to(dev)
-        self.tdesc = torch.tensor(np.array(tdesc, dtype=np.int64).reshape(-1, 8)).to(dev)
-        self.table_data = torch.from_numpy(tab_host).to(dev)
-        self.n_blocks = len(blocks)
+        self.plan = LaunchPlan.build(np.array(pdesc, dtype=np.int64).reshape(-1, 4),
+                                     np.array([it.table for it in work], dtype=np.int32), tables, self.device)
         self.compressed_bytes = sum(it.payload_len for it in work)
+
+    # the launch descriptors (the emulation in tests/test_cuda_rans.py reads them)
+    pdesc = property(lambda self: self.plan.pdesc)
+    order = property(lambda self: self.plan.order)
+    blocks = property(lambda self: self.plan.blocks)
+    tdesc = property(lambda self: self.plan.tdesc)
+    table_data = property(lambda self: self.plan.table_data)
+    smem_bytes = property(lambda self: self.plan.smem_bytes)
+    n_blocks = property(lambda self: self.plan.n_blocks)
 
     # ----------------------------------------------------------------------------- launching
     def launch(self, out: torch.Tensor | None = None, status: torch.Tensor | None = None):
@@ -253,18 +292,7 @@ class RansBatch:
             out = torch.empty(max(self.out_bytes, 1), dtype=torch.uint8, device=self.device)
         if status is None:
             status = torch.empty(max(self.n_payloads, 1), dtype=torch.int32, device=self.device)
-        if self.n_blocks:
-            import cupy
-
-            from kvcodec.cuda import build
-
-            fn = build.get_function(SOURCE, KERNEL)
-            with cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device).cuda_stream,
-                                          self.device.index or 0):
-                fn((self.n_blocks,), (32 * WARPS,),
-                   (self.data.data_ptr(), self.pdesc.data_ptr(), self.order.data_ptr(), self.blocks.data_ptr(),
-                    self.tdesc.data_ptr(), self.table_data.data_ptr(), out.data_ptr(), status.data_ptr()),
-                   shared_mem=self.smem_bytes)
+        self.plan.launch(self.data, out, status)
         return out, status
 
     def check(self, status: torch.Tensor) -> None:
@@ -373,4 +401,4 @@ def encode_chunks(x, chunk_symbols: int = 1 << 16, precision: int | None = None,
         return list(ex.map(enc, chunks))
 
 
-__all__ = ["RansBatch", "build_table", "decode_batch", "decode_concat", "encode_chunks"]
+__all__ = ["LaunchPlan", "RansBatch", "build_table", "decode_batch", "decode_concat", "encode_chunks"]

@@ -38,17 +38,23 @@ typedef unsigned int rd_u32;
 #define RD_ERR_SHORT 3
 #define RD_ERR_END 4
 
-// Two words (block blk, lane's pair) or what of them lies inside the payload (0 past its end).
-__device__ __forceinline__ rd_u32 rd_load_pair(const rd_u32* __restrict__ wp, long long nw, long long blk, int lane) {
+// Two words (block blk, lane's pair) or what of them lies inside the payload (0 past its end). A
+// payload at an address of 2 mod 4 (a chunk stream inside a planes section) reads 16-bit halves.
+__device__ __forceinline__ rd_u32 rd_load_pair(const rd_u16* __restrict__ wp, long long nw, long long blk, int lane,
+                                               bool odd) {
   const long long w = 64 * blk + 2 * lane;
-  if (w + 2 <= nw) return __ldg(wp + (w >> 1));
-  if (w + 1 == nw) return (rd_u32)__ldg(reinterpret_cast<const rd_u16*>(wp) + w);
+  if (w + 2 <= nw) {
+    if (!odd) return __ldg(reinterpret_cast<const rd_u32*>(wp) + (w >> 1));
+    return (rd_u32)__ldg(wp + w) | ((rd_u32)__ldg(wp + w + 1) << 16);
+  }
+  if (w + 1 == nw) return (rd_u32)__ldg(wp + w);
   return 0u;
 }
 
 template <int MODE, typename SymT, bool TAIL>
 __device__ __forceinline__ void rd_step(rd_u32& x, int& rel, long long& blk, rd_u32& r0, rd_u32& r1, rd_u32& r2,
-                                        rd_u32& r3, const rd_u32* __restrict__ wp, long long nw, int lane, rd_u32 below,
+                                        rd_u32& r3, const rd_u16* __restrict__ wp, long long nw, bool odd, int lane,
+                                        rd_u32 below,
                                         bool active, rd_u32 mask, int prec, rd_u32 lo,
                                         const rd_u32* __restrict__ stab, const rd_u8* __restrict__ gtab, int aux,
                                         SymT* __restrict__ op) {
@@ -92,7 +98,7 @@ __device__ __forceinline__ void rd_step(rd_u32& x, int& rel, long long& blk, rd_
     r1 = r2;
     r2 = r3;
     ++blk;
-    r3 = rd_load_pair(wp, nw, blk + 3, lane);
+    r3 = rd_load_pair(wp, nw, blk + 3, lane, odd);
   }
 }
 
@@ -107,18 +113,21 @@ __device__ __forceinline__ void rd_decode_warp(const rd_u8* __restrict__ data, c
     if (lane == 0) *status_p = RD_ERR_LENGTH;
     return;
   }
-  const rd_u8* base = data + in_off;  // 4-byte aligned (the launcher checks)
-  rd_u32 x = __ldg(reinterpret_cast<const rd_u32*>(base) + lane);
+  const rd_u8* base = data + in_off;  // 2-byte aligned (the launcher checks)
+  const bool odd = (reinterpret_cast<unsigned long long>(base) & 3ull) != 0ull;
+  const rd_u16* b16 = reinterpret_cast<const rd_u16*>(base);
+  rd_u32 x = odd ? ((rd_u32)__ldg(b16 + 2 * lane) | ((rd_u32)__ldg(b16 + 2 * lane + 1) << 16))
+                 : __ldg(reinterpret_cast<const rd_u32*>(base) + lane);
   if (__any_sync(RD_FULL, x < RD_L)) {
     if (lane == 0) *status_p = RD_ERR_STATE;
     return;
   }
   const long long nw = (in_len - 128) >> 1;
-  const rd_u32* wp = reinterpret_cast<const rd_u32*>(base + 128);
-  rd_u32 r0 = rd_load_pair(wp, nw, 0, lane);
-  rd_u32 r1 = rd_load_pair(wp, nw, 1, lane);
-  rd_u32 r2 = rd_load_pair(wp, nw, 2, lane);
-  rd_u32 r3 = rd_load_pair(wp, nw, 3, lane);
+  const rd_u16* wp = b16 + 64;
+  rd_u32 r0 = rd_load_pair(wp, nw, 0, lane, odd);
+  rd_u32 r1 = rd_load_pair(wp, nw, 1, lane, odd);
+  rd_u32 r2 = rd_load_pair(wp, nw, 2, lane, odd);
+  rd_u32 r3 = rd_load_pair(wp, nw, 3, lane, odd);
   long long blk = 0;
   int rel = 0;
   const rd_u32 mask = (1u << prec) - 1u;
@@ -126,20 +135,20 @@ __device__ __forceinline__ void rd_decode_warp(const rd_u8* __restrict__ data, c
   SymT* op = reinterpret_cast<SymT*>(out + out_off) + lane;
   const long long groups = n >> 5;
   for (long long g = 0; g < groups; ++g) {
-    rd_step<MODE, SymT, false>(x, rel, blk, r0, r1, r2, r3, wp, nw, lane, below, true, mask, prec, lo, stab, gtab,
-                               aux, op);
+    rd_step<MODE, SymT, false>(x, rel, blk, r0, r1, r2, r3, wp, nw, odd, lane, below, true, mask, prec, lo, stab,
+                               gtab, aux, op);
     op += 32;
   }
   const int tail = (int)(n & 31);
   if (tail)
-    rd_step<MODE, SymT, true>(x, rel, blk, r0, r1, r2, r3, wp, nw, lane, below, lane < tail, mask, prec, lo, stab,
-                              gtab, aux, op);
+    rd_step<MODE, SymT, true>(x, rel, blk, r0, r1, r2, r3, wp, nw, odd, lane, below, lane < tail, mask, prec, lo,
+                              stab, gtab, aux, op);
   const long long pos = 64 * blk + rel;
   const bool states_ok = __all_sync(RD_FULL, x == RD_L);
   if (lane == 0) *status_p = pos > nw ? RD_ERR_SHORT : (pos != nw || !states_ok) ? RD_ERR_END : RD_OK;
 }
 
-// data: payload bytes (each payload 4-byte aligned); pdesc [P, 4] int64: byte offset in data, payload
+// data: payload bytes (each payload 2-byte aligned; 4-byte aligned ones load words in pairs); pdesc [P, 4] int64: byte offset in data, payload
 // length, byte offset in out, symbol count; order [P]: payload ids grouped by table; blocks [B, 4]
 // int32: table id, first index into order, payload count (<= WARPS), unused; tdesc [T, 8] int64:
 // byte offset in tables (16-aligned), mode, precision, lo, u32 words to copy to shared memory,

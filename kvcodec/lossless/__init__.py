@@ -7,11 +7,11 @@ rANS, any dtype), ``"raw"``, and the KV codecs ``"kvctx"`` / ``"predictive"``.
 Files: ``kvcodec.lossless.files`` (safetensors <-> ``.kvc``).
 """
 
-from kvcodec.lossless.api import compress, decode_blob_chunk, decompress, describe, validate
+from kvcodec.lossless.api import compress, compress_device, decode_blob_chunk, decompress, describe, validate
 
 # The built-in codecs register themselves on import; importing them here (the package runs before
 # any submodule) means every stored codec name finds its decoder, whatever was imported first.
 from kvcodec.lossless import kv_context, planes, predictive  # noqa: E402,F401  isort: skip
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES  # noqa: E402
 
-__all__ = ["DEFAULT_MAX_OUTPUT_BYTES", "compress", "decode_blob_chunk", "decompress", "describe", "validate"]
+__all__ = ["DEFAULT_MAX_OUTPUT_BYTES", "compress", "compress_device", "decode_blob_chunk", "decompress", "describe", "validate"]

@@ -17,7 +17,7 @@ import torch
 from kvcodec import container
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output, numel, resolve_max_output
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless import planes_device, registry
+from kvcodec.lossless import device_container, planes_device, registry
 from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
 from kvcodec.lossless.threads import resolve_threads
 
@@ -63,7 +63,7 @@ def choose_codec(codec: str, prediction: torch.Tensor | None, layout: str | None
 
 
 def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec: str = "auto",
-             threads: int = 0, **opts) -> bytes:
+             threads: int = 0, gpu: bool | None = None, **opts) -> bytes:
     """Losslessly compress ``tensor`` to bytes; :func:`decompress` restores every bit.
 
     ``prediction``: an optional tensor of the same shape that the decoder will also have (e.g. a
@@ -71,9 +71,18 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
     ``"auto"`` (predictive if a prediction is given, ``"kvctx"`` if ``layout="kv"``, else
     ``"planes"``) or a registered codec name. ``threads``: 0 = all cores. Other keyword options
     go to the codec's ``encode``.
+
+    A CUDA tensor coded with ``planes`` is encoded on its GPU (``gpu=None``, the default, when the
+    options allow it: ``max_classes=1``, the GPU default, and ``chunk_bytes`` default 64 KiB;
+    :mod:`kvcodec.lossless.planes_device`); ``gpu=False`` copies it to the CPU and codes it there,
+    ``gpu=True`` raises ValueError where the GPU encoder cannot take the call. Only the finished
+    blob crosses to the host; :func:`compress_device` keeps it on the device.
     """
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"compress() takes a torch.Tensor, got {type(tensor).__name__}")
+    gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)
+    if gpu_opts is not None:
+        return _compress_on_gpu(tensor, gpu_opts).cpu().numpy().tobytes()
     layout = opts.pop("layout", None)
     if layout not in (None, "kv"):
         raise ValueError(f"layout must be None or 'kv', got {layout!r}")
@@ -106,6 +115,75 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         "codec_meta": codec_meta,
     }
     return container.dumps(KIND, meta, sections)
+
+
+def compress_device(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec: str = "auto",
+                    threads: int = 0, gpu: bool | None = None, **opts) -> torch.Tensor:
+    """:func:`compress`, with the blob returned as a 1-D uint8 tensor on ``tensor``'s device.
+
+    For a CUDA tensor coded on the GPU (see :func:`compress`) nothing but the JSON header and a few
+    hundred bytes of statistics crosses to the host; give the tensor to :func:`decompress` (or
+    ``bytes(blob.cpu().numpy())`` to any reader). Other calls code on the CPU and copy the blob.
+    """
+    gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)
+    if gpu_opts is not None:
+        return _compress_on_gpu(tensor, gpu_opts)
+    blob = compress(tensor, prediction, codec, threads, gpu=False, **opts)
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(tensor.device)
+
+
+_GPU_OPTIONS = {"chunk_bytes", "min_gain", "max_classes"}
+
+
+def _gpu_encode_options(tensor, prediction, codec, opts, gpu) -> dict | None:
+    """The planes encoder's options when this call is encoded on the GPU, else None."""
+    if gpu not in (None, True, False):
+        raise ValueError("gpu must be None, True or False")
+    if gpu is False:
+        return None
+    why = None
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
+        why = "the tensor is not on a CUDA device"
+    elif prediction is not None or opts.get("layout") is not None or codec not in ("auto", "planes"):
+        why = "only the planes codec (no prediction, no layout) encodes on the GPU"
+    elif set(opts) - _GPU_OPTIONS or opts.get("max_classes", 1) != 1:
+        why = "the GPU encoder takes chunk_bytes, min_gain and max_classes=1 (one table per plane)"
+    elif tensor.numel() == 0 or tensor.element_size() > 8 or tensor.layout != torch.strided:
+        why = "empty tensors and elements over 8 bytes are coded on the CPU"
+    else:
+        import kvcodec.cuda
+
+        if not kvcodec.cuda.is_available():
+            why = "CuPy is not available"
+    if why is not None:
+        if gpu:
+            raise ValueError(f"gpu=True: {why}")
+        return None
+    from kvcodec.lossless.planes import DEFAULT_MIN_GAIN, check_options
+
+    chunk_bytes = opts.get("chunk_bytes", planes_device.GPU_CHUNK_BYTES)
+    min_gain = opts.get("min_gain", DEFAULT_MIN_GAIN)
+    check_options(chunk_bytes, min_gain, 1)
+    return {"chunk_bytes": chunk_bytes, "min_gain": min_gain}
+
+
+def _compress_on_gpu(tensor: torch.Tensor, opts: dict) -> torch.Tensor:
+    """The planes blob of a CUDA tensor, encoded and assembled on its device (uint8 CUDA tensor)."""
+    from kvcodec.cuda.crc32 import crc32_many
+
+    t = tensor.detach().resolve_conj().resolve_neg().contiguous()
+    codec_meta, sections = planes_device.encode(t, **opts)
+    crcs = crc32_many([t.reshape(-1).view(torch.uint8), *sections.values()]).cpu().tolist()
+    meta = {
+        "codec": "planes",
+        "dtype": container.torch_dtype_name(t.dtype),
+        "shape": list(t.shape),
+        "device": str(tensor.device),
+        "crc32": crcs[0],
+        "uses_prediction": False,
+        "codec_meta": codec_meta,
+    }
+    return device_container.assemble(KIND, meta, sections, crcs[1:], t.device)
 
 
 def _checked_meta(meta: dict) -> dict:
@@ -195,15 +273,80 @@ def _target_device(stored: str, prediction: torch.Tensor | None, device) -> torc
     return dev if dev.type in ("cpu", "cuda") else torch.device("cpu")
 
 
+def _gpu_decodable(header: dict) -> bool:
+    """Whether a parsed header describes a planes blob the GPU kernels decode."""
+    meta = header.get("meta") if isinstance(header, dict) else None
+    return (header.get("kind") == KIND and isinstance(meta, dict) and meta.get("codec") == "planes"
+            and meta.get("uses_prediction") is False and isinstance(meta.get("device"), str) and isinstance(meta.get("shape"), list)
+            and all(type(d) is int for d in meta["shape"]) and numel(meta["shape"]) > 0
+            and planes_device.gpu_decodable(meta.get("codec_meta")))
+
+
+def _cuda_kernels() -> bool:
+    import kvcodec.cuda
+
+    return kvcodec.cuda.is_available()
+
+
+def _upload(blob, device: torch.device) -> torch.Tensor:
+    """A bytes-like blob as a uint8 tensor on ``device`` (one host-to-device copy, no host copy)."""
+    import warnings
+
+    mv = memoryview(blob).cast("B")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only buffer: the tensor is only copied from
+        return torch.frombuffer(mv, dtype=torch.uint8).to(device)
+
+
+def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_bytes) -> torch.Tensor | None:
+    """Decode a CUDA uint8 blob on its device (None: not a blob the GPU decodes). Only the header
+    and, at the end, a few status flags cross to the host; checks as on the CPU (container,
+    section crc32s, zero padding, streams, the tensor's crc32), all raising CorruptStreamError."""
+    import kvcodec.cuda
+
+    if not kvcodec.cuda.is_available():
+        return None  # no CuPy: the CPU decodes
+    if not blob.is_contiguous() or blob.data_ptr() % 2:
+        blob = blob.clone()  # the stream words must be 2-byte aligned
+    header, header_end = device_container.read_header(blob)
+    if header["kind"] != KIND:
+        raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
+    meta = _checked_meta(header["meta"])
+    dtype = dtype_from_name(meta["dtype"])
+    check_output(numel(meta["shape"]) * dtype.itemsize, max_output_bytes, "tensor blob")
+    if not _gpu_decodable(header):
+        return None
+    secs, gaps = device_container.sections(blob, header, header_end)
+    res = planes_device.decode(meta["codec_meta"], secs, blob.device)
+    if res is None:
+        return None
+    out, status = res
+    flags = device_container.integrity_errors(blob, secs, gaps, extra=[(out, meta["crc32"])])
+    errors = torch.cat([flags, (status != 0).any().to(torch.int32).reshape(1)]).cpu().numpy()  # the one sync
+    names = list(secs)
+    for i, name in enumerate(names):
+        if errors[i]:
+            raise CorruptStreamError(f"section {name!r}: checksum mismatch")
+    if errors[len(names) + 1]:
+        raise CorruptStreamError("nonzero padding in container")
+    if errors[len(names) + 2]:
+        raise CorruptStreamError("planes: a rANS chunk stream is corrupt")
+    if errors[len(names)]:
+        raise CorruptStreamError("decoded tensor fails its checksum: wrong prediction, or a corrupted stream")
+    return out if target == blob.device else out.to(target)
+
+
 def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, device=None,
                max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> torch.Tensor:
     """Restore the tensor from :func:`compress`'s bytes, bit for bit.
 
-    Pass the same ``prediction`` that was given to ``compress`` (if one was). The result goes to
-    ``device`` if given, else the prediction's device, else the original device when this machine
-    has it, else the CPU. A ``planes`` blob bound for a CUDA device is decoded there by the GPU
-    rANS decoder when its streams allow (32 lanes, one table per plane; see
-    :mod:`kvcodec.lossless.planes_device`), else on the CPU and copied. Raises CorruptStreamError
+    ``blob``: bytes-like, or a 1-D uint8 tensor (e.g. from :func:`compress_device`). Pass the same
+    ``prediction`` that was given to ``compress`` (if one was). The result goes to ``device`` if
+    given, else the prediction's device, else the blob tensor's CUDA device, else the original
+    device when this machine has it, else the CPU. A ``planes`` blob bound for a CUDA device is
+    decoded there (32 lanes and one table per plane: what the GPU encoder writes; see
+    :mod:`kvcodec.lossless.planes_device`): a CUDA blob without leaving the device, a host blob
+    after one upload; other blobs are decoded on the CPU and copied. Raises CorruptStreamError
     on damaged input, a wrong prediction, or a prediction missing or of another shape than the
     blob declares (CorruptStreamError is a ValueError).
     ``max_output_bytes``: refuse (CorruptStreamError) blobs that declare a bigger tensor, before
@@ -212,13 +355,32 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
     metadata field is validated before the codec allocates or loops (:func:`validate`).
     """
     resolve_threads(threads)
+    resolve_max_output(max_output_bytes)
+    gpu_tried = False
+    if isinstance(blob, torch.Tensor):
+        if blob.dtype != torch.uint8 or blob.dim() != 1:
+            raise CorruptStreamError("a tensor blob must be a 1-D uint8 tensor")
+        if blob.device.type == "cuda":
+            target = torch.device(device) if device is not None else (
+                prediction.device if prediction is not None else blob.device)
+            out = _decompress_on_device(blob, target, max_output_bytes)
+            if out is not None:
+                return out
+            gpu_tried = True
+            blob = blob.cpu()  # a blob the GPU kernels cannot take: decoded on the CPU below
+        blob = blob.contiguous().numpy()
+    if not gpu_tried and prediction is None and _cuda_kernels() and (
+            device is None or torch.device(device).type == "cuda"):
+        head, _ = container.read_header(blob)  # header only: is this a blob the GPU decodes, to a GPU?
+        if _gpu_decodable(head):
+            target = _target_device(head["meta"]["device"], None, device)
+            if target.type == "cuda":
+                out = _decompress_on_device(_upload(blob, target), target, max_output_bytes)
+                if out is not None:
+                    return out
     meta, sections = _load(blob, max_output_bytes)
     shape = tuple(meta["shape"])
     target = _target_device(meta["device"], prediction, device)
-    if target.type == "cuda" and meta["codec"] == "planes" and not meta["uses_prediction"]:
-        gpu_plan = planes_device.plan(meta["codec_meta"], sections)
-        if gpu_plan is not None:  # decoded on the GPU (kvcodec.lossless.planes_device)
-            return planes_device.run(gpu_plan, target)
     pred = None
     if meta["uses_prediction"]:
         if prediction is None:

@@ -169,10 +169,10 @@ def model_plane(plane: np.ndarray, D: int, symbol_mask: int, max_classes: int = 
     Rows are sorted by their mean (masked) symbol, i.e. by scale, and cut into K equal groups;
     each group gets its own table. Returns (est_bytes, class_of_row uint8 or None, freqs [K, 256]).
     """
-    counts = np.zeros((1, 256), np.int64)
-    _histogram(plane, counts[0])
-    freqs = quantize_frequencies(counts[0], PREC).astype(np.int64)[None, :]
-    best = (_coded_bits(counts[0], freqs[0]) / 8 + 8 * np.count_nonzero(freqs), None, freqs)
+    counts = np.zeros(256, np.int64)
+    _histogram(plane, counts)
+    est, freqs = one_table(counts)
+    best = (est, None, freqs)
     rows = plane.size // D
     if D < 16 or rows < 64 or max_classes < 2 or best[0] > 0.9 * plane.size:
         return best  # too few rows, or a near-uniform plane (mantissa bits) that contexts cannot help
@@ -188,6 +188,24 @@ def model_plane(plane: np.ndarray, D: int, symbol_mask: int, max_classes: int = 
         if est < best[0]:
             best = (est, cls, freqs)
     return best
+
+
+def one_table(counts: np.ndarray) -> tuple[float, np.ndarray]:
+    """(estimated coded bytes, freqs [1, 256]) of a plane with histogram ``counts`` under one table
+    (the GPU encoder calls this too, on the histogram it computed: the same table, the same bytes)."""
+    freqs = quantize_frequencies(counts, PREC).astype(np.int64)[None, :]
+    return _coded_bits(counts, freqs[0]) / 8 + 8 * np.count_nonzero(freqs), freqs
+
+
+def pays_to_code(est_bytes: float, n: int, n_chunks: int, min_gain: float) -> bool:
+    """Whether coding a plane of n bytes in n_chunks streams saves ``min_gain`` of it (each stream
+    costs its 32 states and an offset: ~24 bytes counted per chunk)."""
+    return est_bytes + 24 * n_chunks < (1.0 - float(min_gain)) * n
+
+
+def _array_like(x) -> bool:
+    """A section the checks can read: a numpy array, or a device section (dtype, shape, size)."""
+    return isinstance(x, np.ndarray) or all(hasattr(x, a) for a in ("dtype", "shape", "size", "device_section"))
 
 
 def _uniform() -> np.ndarray:
@@ -251,6 +269,16 @@ def _pool_map(fn, items, threads: int):
         return list(ex.map(fn, items))
 
 
+def check_options(chunk_bytes, min_gain, max_classes) -> None:
+    """ValueError for encoder options out of range (the CPU and GPU encoders take the same)."""
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 64:
+        raise ValueError("chunk_bytes must be an integer >= 64")
+    if not 0.0 <= float(min_gain) < 1.0:
+        raise ValueError("min_gain must be in [0, 1)")
+    if not isinstance(max_classes, int) or not 1 <= max_classes <= MAX_CLASSES:
+        raise ValueError(f"max_classes must be an integer in [1, {MAX_CLASSES}]")
+
+
 class PlaneCodec:
     """Byte-plane split + static rANS per plane with optional row-class contexts (module docstring)."""
 
@@ -260,12 +288,7 @@ class PlaneCodec:
                min_gain: float = DEFAULT_MIN_GAIN, max_classes: int = MAX_CLASSES):
         """``chunk_bytes``: input bytes per independently decodable chunk; ``min_gain``: code a plane
         only if that saves at least this fraction of it; ``max_classes``: row-context tables (1 = off)."""
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 64:
-            raise ValueError("chunk_bytes must be an integer >= 64")
-        if not 0.0 <= float(min_gain) < 1.0:
-            raise ValueError("min_gain must be in [0, 1)")
-        if not isinstance(max_classes, int) or not 1 <= max_classes <= MAX_CLASSES:
-            raise ValueError(f"max_classes must be an integer in [1, {MAX_CLASSES}]")
+        check_options(chunk_bytes, min_gain, max_classes)
         itemsize = t.element_size()
         layout = layout_of(t.dtype)
         n = t.numel()
@@ -287,7 +310,7 @@ class PlaneCodec:
             mode = "raw"
             if n:
                 est, cls, freqs = model_plane(plane, D, _symbol_mask(layout, itemsize, k), max_classes)
-                if est + 24 * len(bounds) < (1.0 - float(min_gain)) * n:
+                if pays_to_code(est, n, len(bounds), min_gain):
                     mode = "rans"
             if mode == "raw":
                 meta["planes"].append({"mode": "raw"})
@@ -349,13 +372,13 @@ class PlaneCodec:
             data = sections.get(f"p{k}")
             expected.add(f"p{k}")
             if mode == "raw":
-                if set(p) != {"mode"} or not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (n,):
+                if set(p) != {"mode"} or not _array_like(data) or data.dtype != np.uint8 or data.shape != (n,):
                     raise CorruptStreamError(f"planes: raw plane {k} has the wrong size")
                 info.append(("raw", data, None, None, None, None))
                 continue
             if mode != "rans" or set(p) != {"mode", "tables", "offsets"}:
                 raise CorruptStreamError(f"planes: bad plane {k}")
-            if not isinstance(data, np.ndarray) or data.dtype != np.uint16 or data.ndim != 1:
+            if not _array_like(data) or data.dtype != np.uint16 or len(data.shape) != 1:
                 raise CorruptStreamError(f"planes: coded plane {k} is not a uint16 stream")
             off = p["offsets"]
             if not isinstance(off, list) or len(off) != n_chunks + 1:
@@ -370,7 +393,7 @@ class PlaneCodec:
             if len(tables) > 1:
                 expected.add(f"p{k}.ctx")
                 ctx = sections.get(f"p{k}.ctx")
-                if (not isinstance(ctx, np.ndarray) or ctx.dtype != np.uint8 or ctx.shape != (rows,)
+                if (not _array_like(ctx) or ctx.dtype != np.uint8 or ctx.shape != (rows,)
                         or (rows and int(ctx.max()) >= len(tables))):
                     raise CorruptStreamError(f"planes: bad row contexts for plane {k}")
                 info.append(("rans", data, off, tabs, ctx, D))

@@ -1,147 +1,172 @@
-"""Decode a ``planes`` blob straight onto a CUDA device with the GPU rANS decoder.
+"""The ``planes`` codec on a CUDA device: encode and decode without the tensor leaving the GPU.
 
-Why: a planes chunk stream of format 2 is a 32-lane rANS stream in the layout of
-``kvcodec.cuda.rans`` (one warp per stream), so when the tensor is wanted on a GPU the coded
-planes can be uploaded compressed and decoded there, instead of decoded on the CPU and copied.
+Why: the codec's streams are 32-lane rANS streams in the GPU warp layout (``kvcodec.entropy.rans_lanes``),
+so a GPU can write and read exactly the blobs the CPU writes and reads. Moving a tensor to the CPU
+to code it costs more (PCIe, host memory) than coding it.
 
-``plan(meta, sections)`` is host-only: it validates the blob (the same checks as the CPU decoder)
-and lists, per plane, what the device must do: fill a constant, upload raw bytes, or decode one
-stream per chunk (with an ``entropy.stream.StreamHeader`` describing it). It returns None when the
-GPU decoder cannot take the blob (format 1 with 8 lanes, or row-context tables: the kernel reads
-one table per stream); the caller then decodes on the CPU. ``run(plan, device)`` executes a plan:
-the streams are decoded by ``decode_streams`` (the GPU kernel for CUDA devices; the CPU fast path
-otherwise, which is how the host logic is tested without a GPU), then the planes are merged into
-the tensor on the device with torch operations.
+Encoding (:func:`encode`; ``kvcodec.compress`` / ``compress_device`` call it for CUDA tensors):
+one pass splits the tensor into byte planes and counts each plane's histogram
+(``kvcodec.cuda.planes_codec``); the histograms (256 counts per plane) come to the host, where the
+CPU encoder's own functions pick each plane's mode and table (``planes.one_table``,
+``planes.pays_to_code``: the same integer tables, so the same bytes); one kernel encodes every
+chunk of every coded plane (one warp per chunk), the stream lengths come back (one int per chunk),
+and one kernel packs the streams into their sections. One table per plane (``max_classes=1``): the
+GPU decoder reads one table per stream. The result equals ``PlaneCodec.encode`` with
+``max_classes=1`` byte for byte.
 
-Integrity: the container's section checksums (checked when the blob is parsed) and every
-stream's final-state check (on the device); the whole-tensor crc32 would need the bytes back on
-the host, so this path does not recompute it.
+Decoding (:func:`decode`): the blob's sections are views of a device blob
+(``kvcodec.lossless.device_container``); one launch of ``kvcodec.cuda.rans``'s decoder decodes
+every chunk stream of every coded plane straight from the blob (no staging copy), one kernel
+merges the planes (decoded, raw sections, constants) into the tensor. Blobs the kernels cannot
+take (format 1 with 8 lanes, or row-context tables) return None: the caller decodes on the CPU.
+
+GPU decode speed needs many chunks (one warp each): ``GPU_CHUNK_BYTES`` (64 KiB of input per
+chunk) is the GPU encoder's default; 2 MiB chunks (the CPU default) give a 128 MB tensor only 64
+warps.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvcodec.entropy import rans_lanes
-from kvcodec.entropy.stream import StreamHeader
-from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless.planes import _SIGN_LOW, PlaneCodec, _dtype_shape
+from kvcodec import container
+from kvcodec.lossless.planes import (FORMAT_VERSION, LANES, MAX_CHUNK_ELEMS, PlaneCodec, _dtype_shape,
+                                     _n_planes, _table_from_json, _table_json, layout_of, one_table, pays_to_code)
 
-GPU_LANES = 32
-_ALIGN = 16
+GPU_CHUNK_BYTES = 64 << 10
 
 
-@dataclass(frozen=True)
-class CodedPlane:
-    """One rANS-coded plane: the chunk streams' bytes (each at a 16-byte aligned offset of
-    ``data``), their offsets and headers (one per chunk)."""
+def encode(t: torch.Tensor, chunk_bytes: int = GPU_CHUNK_BYTES, min_gain: float = 0.02):
+    """(codec meta, sections {name: 1-D CUDA tensor}) of the contiguous CUDA tensor ``t`` (n > 0),
+    equal to ``PlaneCodec().encode(t.cpu(), ..., max_classes=1)`` with the sections on the device."""
+    from kvcodec.cuda import planes_codec as pc
 
-    data: np.ndarray
-    offsets: list[int]
-    headers: list[StreamHeader]
-
-
-@dataclass(frozen=True)
-class DevicePlan:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    layout: str
-    n: int
-    planes: list  # ("const", int) | ("raw", np.ndarray) | ("rans", CodedPlane)
-
-
-def plan(meta, sections) -> DevicePlan | None:
-    """Validate a planes codec meta + sections and describe the device work (None: CPU only)."""
-    dtype, shape = _dtype_shape(meta)
-    layout, _, chunk, n_chunks, info, lanes = PlaneCodec()._prepare(meta, sections, dtype, shape)
-    if lanes != GPU_LANES:
-        return None
-    n = math.prod(shape)
-    planes = []
-    for mode, data, off, tabs, ctx, D in info:
-        if mode != "rans":
-            planes.append((mode, data))
+    itemsize = t.element_size()
+    layout = layout_of(t.dtype)
+    n = t.numel()
+    chunk = min(MAX_CHUNK_ELEMS, max(1, chunk_bytes // itemsize))
+    n_chunks = -(-n // chunk)
+    n_planes = _n_planes(layout, itemsize)
+    planes, hist = pc.split_hist(t.reshape(-1).view(torch.uint8), layout, itemsize, n_planes)
+    counts = hist.cpu().numpy()  # synchronizes: the tables are chosen on the host
+    meta = {"v": FORMAT_VERSION, "dtype": container.torch_dtype_name(t.dtype), "shape": list(t.shape),
+            "layout": layout, "chunk": chunk, "lanes": LANES, "planes": []}
+    kinds, tables = [], []
+    for k in range(n_planes):
+        used = np.flatnonzero(counts[k])
+        if used.size == 1:
+            kinds.append(("const", int(used[0])))
             continue
-        if D < n or ctx.size != 1:  # row-context tables: one table per stream only on the GPU
-            return None
-        freqs = _freqs_of(tabs)
-        offsets, headers, total = [], [], 0
-        for c in range(n_chunks):
-            nbytes = 2 * int(off[c + 1] - off[c])
-            offsets.append(total)
-            headers.append(StreamHeader("rans", np.dtype(np.uint8), min(n, (c + 1) * chunk) - c * chunk,
-                                        rans_lanes.PRECISION, GPU_LANES, freqs, 0, nbytes))
-            total += -(-nbytes // _ALIGN) * _ALIGN
-        buf = np.zeros(max(total, _ALIGN), np.uint8)
-        raw = data.view(np.uint8)
-        for c, o in enumerate(offsets):
-            buf[o:o + headers[c].payload_len] = raw[2 * off[c]:2 * off[c + 1]]
-        planes.append(("rans", CodedPlane(buf, offsets, headers)))
-    return DevicePlan(dtype, shape, layout, n, planes)
-
-
-def _freqs_of(tabs: np.ndarray) -> np.ndarray:
-    """The 256 frequencies of a one-context decode table (symbol << 24 | (freq - 1) << 12 | ...)."""
-    sym = (tabs >> 24).astype(np.int64)
-    return np.bincount(sym, minlength=256).astype(np.uint32)
-
-
-def gpu_streams(coded: CodedPlane, device: torch.device) -> torch.Tensor:
-    """Decode a plane's chunk streams on a CUDA device (one kernel launch); uint8, chunks in order."""
-    from kvcodec.cuda.rans import RansBatch
-
-    data = torch.from_numpy(coded.data).to(device)
-    n = sum(h.n for h in coded.headers)  # the tensor's size was capped by decompress
-    batch = RansBatch.from_device(data, coded.offsets, coded.headers, max_output_bytes=n)
-    out, status = batch.launch()
-    batch.check(status)
-    return out[:n]
-
-
-def cpu_streams(coded: CodedPlane, device: torch.device) -> torch.Tensor:
-    """The same streams decoded by the CPU fast path (``entropy.rans_fast``), then moved to ``device``."""
-    from kvcodec.entropy import rans_fast
-
-    parts = [rans_fast.decode_table(coded.data[o:o + h.payload_len], h.freqs, h.param, h.n, h.streams)
-             for o, h in zip(coded.offsets, coded.headers)]
-    flat = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-    return torch.from_numpy(flat).to(device)
-
-
-def run(p: DevicePlan, device, decode_streams=None) -> torch.Tensor:
-    """Execute a plan on ``device``; ``decode_streams(coded, device)`` decodes one coded plane
-    (default: ``gpu_streams`` on CUDA, ``cpu_streams`` elsewhere)."""
-    device = torch.device(device)
-    if decode_streams is None:
-        decode_streams = gpu_streams if device.type == "cuda" else cpu_streams
-    if p.n == 0:
-        return torch.empty(p.shape, dtype=p.dtype, device=device)
-    planes = []
-    for mode, data in p.planes:
+        est, freqs = one_table(counts[k])
+        kinds.append(("rans", len(tables)) if pays_to_code(est, n, n_chunks, min_gain) else ("raw", None))
+        if kinds[-1][0] == "rans":
+            tables.append(freqs[0])
+    coded = [k for k, (mode, _) in enumerate(kinds) if mode == "rans"]
+    streams, offsets = _encode_streams(planes, coded, tables, n, chunk, n_chunks)
+    sections = {}
+    for k, (mode, value) in enumerate(kinds):
         if mode == "const":
-            planes.append(torch.full((p.n,), data, dtype=torch.uint8, device=device))
+            meta["planes"].append({"mode": "const", "value": value})
         elif mode == "raw":
-            planes.append(torch.from_numpy(np.array(data)).to(device))  # a copy: sections are read-only views
+            meta["planes"].append({"mode": "raw"})
+            sections[f"p{k}"] = planes[k]
         else:
-            plane = decode_streams(data, device)
-            if plane.numel() != p.n:
-                raise CorruptStreamError("planes: decoded plane has the wrong size")
-            planes.append(plane)
-    return _merge(planes, p.layout, p.dtype, device).reshape(p.shape)
+            meta["planes"].append({"mode": "rans", "tables": [_table_json(tables[value])],
+                                   "offsets": offsets[value].tolist()})
+            sections[f"p{k}"] = streams[value]
+    return meta, sections
 
 
-def _merge(planes: list[torch.Tensor], layout: str, dtype: torch.dtype, device) -> torch.Tensor:
-    """Inverse of ``planes.split_planes`` with torch operations (runs on any device)."""
-    if layout == "f16":
-        lut = torch.from_numpy(_SIGN_LOW.astype(np.int32)).to(device)
-        u = (planes[0].to(torch.int32) << 7) | lut[planes[1].long()]
-        return (u - ((u >> 15) << 16)).to(torch.int16).view(dtype)  # to signed 16-bit, then the dtype
-    if layout == "f32":
-        p0, p1, p2, p3 = (q.to(torch.int64) for q in planes)
-        u = ((p1 & 0x80) << 24) | (p0 << 23) | ((p1 & 0x7F) << 16) | (p2 << 8) | p3
-        return (u - ((u >> 31) << 32)).to(torch.int32).view(dtype)
-    return torch.stack(planes, dim=-1).reshape(-1).view(dtype)
+def _encode_streams(planes: torch.Tensor, coded: list[int], tables: list, n: int, chunk: int, n_chunks: int):
+    """Encode every chunk of the coded planes; returns (one int16 CUDA tensor of words per coded
+    plane, its chunk offsets in words as int64 arrays)."""
+    from kvcodec.cuda import planes_codec as pc
+
+    if not coded:
+        return [], []
+    starts = np.arange(n_chunks, dtype=np.int64) * chunk
+    counts = np.minimum(chunk, n - starts)
+    jobs = np.zeros((len(coded) * n_chunks, 4), np.int64)
+    for j, k in enumerate(coded):
+        rows = slice(j * n_chunks, (j + 1) * n_chunks)
+        jobs[rows, 0] = k * n + starts
+        jobs[rows, 1] = counts
+        jobs[rows, 2] = j
+    scratch, lens, cap = pc.encode_chunks(planes, jobs, np.stack(tables), chunk)
+    lens_h = lens.cpu().numpy()  # synchronizes: the section sizes
+    if (lens_h < 0).any():
+        raise RuntimeError("GPU planes encoder: a symbol without frequency (internal error)")
+    per_plane = lens_h.reshape(len(coded), n_chunks)
+    offsets = [np.concatenate(([0], np.cumsum(row))).astype(np.int64) for row in per_plane]
+    sizes = [int(o[-1]) for o in offsets]
+    words = torch.empty(sum(sizes), dtype=torch.int16, device=planes.device)
+    base = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    dst = np.concatenate([b + o[:-1] for b, o in zip(base, offsets)])
+    pc.gather(scratch, cap, lens, dst, words)
+    streams = [words[b: b + s] for b, s in zip(base.tolist(), sizes)]
+    return streams, offsets
+
+
+def gpu_decodable(meta) -> bool:
+    """Whether the GPU kernels take a planes codec meta: format 2 (32 lanes), one table per plane."""
+    if not isinstance(meta, dict) or meta.get("v") != FORMAT_VERSION or meta.get("lanes") != LANES:
+        return False
+    planes = meta.get("planes")
+    if not isinstance(planes, list):
+        return False
+    return all(not isinstance(p, dict) or p.get("mode") != "rans" or
+               (isinstance(p.get("tables"), list) and len(p["tables"]) == 1) for p in planes)
+
+
+def decode(meta, sections, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Decode on ``device``: ``sections`` are ``device_container.DeviceSection``s of one blob there.
+    Returns (tensor, rANS status int32 [streams], 0 = good) without synchronizing, or None when
+    the blob needs the CPU decoder. Raises CorruptStreamError for metadata the CPU would refuse."""
+    from kvcodec.cuda import planes_codec as pc
+    from kvcodec.cuda import rans as gr
+
+    if not gpu_decodable(meta):
+        return None
+    dtype, shape = _dtype_shape(meta)
+    layout, itemsize, chunk, n_chunks, info, lanes = PlaneCodec()._prepare(meta, sections, dtype, shape)
+    n = math.prod(shape)
+    blob = next(iter(sections.values())).blob if sections else None
+    coded, pdesc, table_of, tables = stream_descriptors(meta, sections, info, n, chunk, n_chunks)
+    decoded = torch.empty((max(len(coded), 1), n), dtype=torch.uint8, device=device)
+    status = torch.zeros(max(len(pdesc), 1), dtype=torch.int32, device=device)
+    if coded:
+        gr.LaunchPlan.build(pdesc, table_of, tables, device).launch(blob, decoded, status)
+    planes = []
+    for k, p in enumerate(info):
+        if p[0] == "const":
+            planes.append(p[1])
+        elif p[0] == "raw":
+            planes.append(sections[f"p{k}"].bytes)
+        else:
+            planes.append(decoded[coded.index(k)])
+    out = torch.empty(n * itemsize, dtype=torch.uint8, device=device)
+    pc.merge(planes, layout, itemsize, n, out)
+    return out.view(dtype).reshape(shape), status
+
+
+def stream_descriptors(meta, sections, info, n: int, chunk: int, n_chunks: int):
+    """The decode launch of a checked planes blob (``PlaneCodec._prepare``'s ``info``): coded plane
+    indices, the kernel's payload rows [P, 4] (byte offset of chunk c's stream in the blob, its
+    length, output offset in the [coded planes, n] buffer, symbols), each row's table and the
+    tables (``kvcodec.cuda.rans.Table``, one per coded plane)."""
+    from kvcodec.cuda import rans as gr
+    from kvcodec.entropy import rans_lanes
+
+    coded = [k for k, p in enumerate(info) if p[0] == "rans"]
+    starts = np.arange(n_chunks, dtype=np.int64) * chunk
+    counts = np.minimum(chunk, n - starts)
+    pdesc, table_of, tables = [np.zeros((0, 4), np.int64)], [np.zeros(0, np.int32)], []
+    for j, k in enumerate(coded):
+        off = np.asarray(info[k][2], np.int64)
+        pdesc.append(np.stack([sections[f"p{k}"].offset + 2 * off[:-1], 2 * np.diff(off), j * n + starts, counts], 1))
+        table_of.append(np.full(n_chunks, j, np.int32))
+        tables.append(gr.build_table(_table_from_json(meta["planes"][k]["tables"][0]), rans_lanes.PRECISION, np.uint8))
+    return coded, np.concatenate(pdesc), np.concatenate(table_of), tables
