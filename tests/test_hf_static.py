@@ -70,8 +70,7 @@ def _eager_compressed(layer):
 
 
 def _assert_same_bytes(eager, static):
-    for ls in static.layers:
-        ls._compact()  # the static cache defers the last step's compaction to its next update
+    static.compact()  # the static cache defers the last step's compaction to its next update
     for le, ls in zip(eager.layers, static.layers):
         n, kc, kn, vc, vn = _eager_compressed(le)
         assert int(ls.comp) == n

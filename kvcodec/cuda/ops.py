@@ -9,14 +9,22 @@ reference (``tq_quantize`` there reproduces ``kvcodec.quant.TurboQuantMSE``'s by
 * ``tq_quantize(x, rotation, codebook, bits, norm_correction, bf16_norms) -> (codes, norms)``: rows
   of already preconditioned ``x`` [..., D] -> packed codes uint8 [..., D*bits/8] and norms.
 * ``tq_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation,
-  k_codebook, v_codebook, k_bits, v_bits, scale) -> (out, lse)``: ``kvcodec.cuda.decode_attention``
-  with ``return_lse=True``; ``out`` float32 [B, Hq, q_len, D], ``lse`` float32 [B, Hq, q_len].
+  k_codebook, v_codebook, k_bits, v_bits, scale, k_qjl=None, k_rnorms=None, qjl_matrix=None) -> (out,
+  lse)``: ``kvcodec.cuda.decode_attention`` with ``return_lse=True`` (prod keys with the three QJL
+  tensors); ``out`` float32 [B, Hq, q_len, D], ``lse`` float32 [B, Hq, q_len].
+
+``packed_decode`` is how ``kvcodec.cuda.quantized.attend_packed`` (the one packed-attention path of
+the eager and the static HF caches) reaches the kernel: through ``tq_attention``, so the same call
+traces into a compiled or captured step; a non-default kernel variant (benchmarks) calls the launcher
+directly.
 
 With torch older than 2.4 (no ``torch.library.custom_op``) the same names are plain functions: the
 results are the same, only compiling through them is not possible (``HAVE_CUSTOM_OPS`` says which).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -56,14 +64,17 @@ def _quantize(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tensor, b
 
 
 def _attention(query: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes: torch.Tensor,
-               v_norms: torch.Tensor, seq_lens: torch.Tensor, k_rotation: torch.Tensor, v_rotation: torch.Tensor,
-               k_codebook: torch.Tensor, v_codebook: torch.Tensor, k_bits: int, v_bits: int,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from kvcodec.cuda import decode_attention
+               v_norms: torch.Tensor, seq_lens: Optional[torch.Tensor], k_rotation: torch.Tensor,
+               v_rotation: torch.Tensor,
+               k_codebook: torch.Tensor, v_codebook: torch.Tensor, k_bits: int, v_bits: int, scale: float,
+               k_qjl: Optional[torch.Tensor] = None, k_rnorms: Optional[torch.Tensor] = None,
+               qjl_matrix: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from kvcodec.cuda import attention  # the module's launcher, looked up per call
 
-    out, lse = decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation=k_rotation,
-                                v_rotation=v_rotation, k_codebook=k_codebook, v_codebook=v_codebook,
-                                k_bits=k_bits, v_bits=v_bits, scale=scale, return_lse=True)
+    out, lse = attention.decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation=k_rotation,
+                                          v_rotation=v_rotation, k_codebook=k_codebook, v_codebook=v_codebook,
+                                          k_bits=k_bits, v_bits=v_bits, scale=scale, k_qjl=k_qjl,
+                                          k_rnorms=k_rnorms, qjl_matrix=qjl_matrix, return_lse=True)
     return out.to(torch.float32), lse.to(torch.float32)
 
 
@@ -79,8 +90,29 @@ if HAVE_CUSTOM_OPS:
 
     @tq_attention.register_fake
     def _attention_fake(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation, k_codebook,
-                        v_codebook, k_bits, v_bits, scale):
+                        v_codebook, k_bits, v_bits, scale, k_qjl=None, k_rnorms=None, qjl_matrix=None):
         return query.new_empty(query.shape, dtype=torch.float32), query.new_empty(query.shape[:-1], dtype=torch.float32)
 else:  # torch < 2.4: same results, no compile support
     tq_quantize = _quantize
     tq_attention = _attention
+
+
+def packed_decode(query: torch.Tensor, keys, values, seq_lens: torch.Tensor | None, scale: float, variant=None):
+    """The fused kernel over :class:`~kvcodec.quant.packed.PackedKV` keys/values for the prepared query
+    [B, Hq, q_len, D] (key scale folded in): (out, lse) float32 as ``tq_attention``. ``variant``: None or
+    the default goes through the custom op; another :class:`~kvcodec.cuda.KernelVariant` (kernel
+    benchmarks) calls the launcher directly (not traceable)."""
+    from kvcodec.cuda.decode_kernels import DEFAULT_VARIANT
+
+    extra = (keys.qjl, keys.rnorms, keys.qjl_matrix) if keys.prod else (None, None, None)
+    args = (query, keys.codes, keys.norms, values.codes, values.norms, seq_lens, keys.rotation, values.rotation,
+            keys.codebook, values.codebook, keys.bits, values.bits, float(scale), *extra)
+    if variant is None or variant is DEFAULT_VARIANT or variant == DEFAULT_VARIANT:
+        return tq_attention(*args)
+    from kvcodec.cuda.attention import decode_attention
+
+    out, lse = decode_attention(*args[:6], k_rotation=keys.rotation, v_rotation=values.rotation,
+                                k_codebook=keys.codebook, v_codebook=values.codebook, k_bits=keys.bits,
+                                v_bits=values.bits, scale=float(scale), k_qjl=extra[0], k_rnorms=extra[1],
+                                qjl_matrix=extra[2], variant=variant, return_lse=True)
+    return out.to(torch.float32), lse.to(torch.float32)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcodec.cuda import attention
+from kvcodec.cuda import attention, ops
 from kvcodec.cuda.decode_kernels import DEFAULT_VARIANT, KernelVariant
 from kvcodec.quant.packed import PackedKV
 
@@ -104,13 +104,8 @@ def attend_packed(query: torch.Tensor, keys: PackedKV, values: PackedKV, consts:
     Hkv = keys.codes.shape[1]
     G = H // Hkv
     q_in = (query * consts.q_scale if consts.q_scale is not None else query.float()).contiguous()
-    extra = {}
-    if keys.prod:
-        extra = dict(k_qjl=keys.qjl, k_rnorms=keys.rnorms, qjl_matrix=keys.qjl_matrix)
-    out, lse = attention.decode_attention(
-        q_in, keys.codes, keys.norms, values.codes, values.norms, seq_lens,
-        k_rotation=keys.rotation, v_rotation=values.rotation, k_codebook=keys.codebook, v_codebook=values.codebook,
-        k_bits=keys.bits, v_bits=values.bits, scale=consts.scaling, variant=variant, return_lse=True, **extra)
+    # through the custom op (kvcodec.cuda.ops): the same launcher, traceable by torch.compile / CUDA graphs
+    out, lse = ops.packed_decode(q_in, keys, values, seq_lens, consts.scaling, variant)
     out = consts.unfold_values(out.reshape(B, Hkv, G * Tq, D))  # float32: the kernel returns the query's dtype
     return q_in.view(B, Hkv, G * Tq, D), out, lse.reshape(B, Hkv, G * Tq, 1)
 

@@ -27,6 +27,9 @@ FORMAT_VERSION = 1
 
 
 def cache_to_bytes(cache) -> bytes:
+    """The file of ``cache``; a static cache (``max_cache_len``) writes its eager form: the same bytes."""
+    if callable(getattr(cache, "to_eager", None)):
+        cache = cache.to_eager()
     spec = cache.spec
     layer_blobs = {}
     for i, layer in enumerate(cache.layers):
