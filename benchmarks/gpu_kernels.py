@@ -1,7 +1,11 @@
 """GPU benchmark of the fused TurboQuant kernels: correctness vs float64, decode latency vs bf16 SDPA,
 achieved bandwidth vs device copy bandwidth, quantize+pack vs the bf16 write it replaces.
 
-    PYTHONPATH=. python3 benchmarks/gpu_kernels.py [--quick] [--out DIR] [--variants]
+    PYTHONPATH=. python3 benchmarks/gpu_kernels.py [--quick] [--out DIR] [--no-variants] [--fused]
+
+``--fused``: the one-launch kernel's study only (checks of every launch mode, graph replays, kernel
+table of the one-launch, three-launch and automatic paths against bf16 flash SDPA, split sizes,
+per-kernel device times).
 
 Writes ``gpu_kernels.json``/``.md`` under ``$OUT`` (if set) and ``benchmarks/results``; the last thing
 printed is a short table. Bytes counted for the fused kernel are the bytes it must read: packed K and V
@@ -116,6 +120,9 @@ CHECKS = [
     ("d64 q_len 2 g3 (6 rows)", (2, 9, 3, 2, 300, 64, 4, 4, [300, 100]), {}),
     ("d128 g5 q_len 2 (10 rows)", (2, 10, 2, 2, 300, 128, 4, 4, [300, 100]), {}),
     ("d128 g4 bf16 norms 3/2", (2, 16, 4, 1, 300, 128, 3, 2, [257, 300]), {"norm_dtype": torch.bfloat16}),
+    ("d128 lens 0/1/odd", (4, 32, 8, 1, 1000, 128, 4, 4, [0, 1, 777, 1000]), {}),
+    ("d64 g3 window", (2, 9, 3, 1, 400, 64, 4, 4, [400, 33]), {}),
+    ("d128 long split b1", (1, 32, 8, 1, 33000, 128, 4, 4, [32999]), {}),
 ]
 
 
@@ -123,20 +130,22 @@ def run_checks(best: str = "default") -> list[dict]:
     rows = []
     modes = list(CHECK_MODES)
     if best != "default":
-        modes.insert(0, (f"{best}: ", *variant_spec(best)))
-    for prefix, defines, narrow in modes:
-        rows += _run_checks(prefix, KernelVariant(defines, narrow))
+        modes.insert(0, (f"{best}: ", *variant_spec(best), None))
+    for prefix, defines, narrow, fused in modes:
+        rows += _run_checks(prefix, KernelVariant(defines, narrow, fused))
     return rows
 
 
-CHECK_MODES = [("", (), True), ("wide-only: ", (), False),
+# prefix, macros, narrow kernel allowed, one-launch kernel (None: the launcher decides)
+CHECK_MODES = [("", (), True, None), ("one-launch: ", (), True, True), ("three-launch: ", (), True, False),
+               ("wide-only: ", (), False, False), ("wide-only one-launch: ", (), False, True),
                ("scalar: ", ("TQ_REG_LUT=0", "TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0", "TQ_PTR_STEP=0",
-                             "TQ_NO_L1=0"), True),
-               ("shared-memory keys: ", ("TQ_REG_LUT=0",), True),
-               ("values in registers: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1"), True),
-               ("register values only: ", ("TQ_REG_LUT=2",), True),
-               ("no sign symmetry: ", ("TQ_REG_LUT_SYM=0",), True),
-               ("2 stages, wide-only: ", ("TQ_STAGES=2",), False)]
+                             "TQ_NO_L1=0"), True, None),
+               ("shared-memory keys: ", ("TQ_REG_LUT=0",), True, None),
+               ("values in registers: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1"), True, None),
+               ("register values only: ", ("TQ_REG_LUT=2",), True, None),
+               ("no sign symmetry: ", ("TQ_REG_LUT_SYM=0",), True, None),
+               ("2 stages, wide-only: ", ("TQ_STAGES=2",), False, None)]
 
 
 def _run_checks(prefix: str, variant: KernelVariant) -> list[dict]:
@@ -437,11 +446,12 @@ def kernel_breakdown(variant: KernelVariant) -> list[dict]:
     return _breakdown("", variant)
 
 
-def _breakdown(label: str, variant: KernelVariant) -> list[dict]:
+def _breakdown(label: str, variant: KernelVariant,
+               shapes=((8, 32768, 32, 8, 128, 4, 4), (1, 4096, 32, 8, 128, 4, 4))) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     rows = []
-    for shp in ((8, 32768, 32, 8, 128, 4, 4), (1, 4096, 32, 8, 128, 4, 4)):
+    for shp in shapes:
         b, t, hq, hkv, d, kb, vb = shp
         case, kw = make_case(b, hq, hkv, 1, t, d, kb, vb, [t] * b)
         for _ in range(3):
@@ -460,13 +470,196 @@ def _breakdown(label: str, variant: KernelVariant) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: bool = True) -> dict:
+# ---------------------------------------------------------------- the one-launch kernel (issue 13 part 2)
+ONE, THREE = KernelVariant(fused=True), KernelVariant(fused=False)
+FUSED_CHECK_MODES = CHECK_MODES[:6]  # automatic, one-launch, three-launch, wide-only (both), scalar
+TABLE_SHAPES = [(b, t, 32, 8, 128, 4, 4) for b in (1, 8, 32) for t in (4096, 32768, 131072)] + [
+    (1, 32768, 32, 8, 128, 3, 3), (8, 32768, 32, 8, 128, 3, 3), (1, 32768, 32, 8, 128, 4, 2),
+    (1, 32768, 9, 3, 64, 4, 4), (8, 32768, 9, 3, 64, 4, 4), (8, 131072, 9, 3, 64, 4, 4)]
+FUSED_TPW_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 4096, 32, 8, 128, 4, 4),
+                    (8, 32768, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4)]
+FUSED_TPW_GRID = (32, 64, 128, 256, 512, 1024, 2048)
+
+
+def _compile_one(job) -> str:
+    name, defines = job
+    from kvcodec.cuda import build as _build
+    from kvcodec.cuda.decode_kernels import SOURCE
+
+    _build.get_function(SOURCE, name, tuple(defines))
+    return name
+
+
+def precompile(calls) -> int:
+    """Compile every kernel instance the decode calls ``calls`` (list of (case, kw, extra)) will need,
+    in parallel processes: CuPy's disk cache then serves them here (NVRTC in one process compiles one
+    instance at a time). The instances are found by building each call's plan with the compiler
+    replaced by a recorder; those plans are dropped again."""
+    import multiprocessing
+    import types
+    from concurrent.futures import ProcessPoolExecutor
+
+    from kvcodec.cuda import attention, build
+
+    jobs = set()
+    real, saved = build.get_function, dict(attention._plans)
+
+    def record(source, name, defines=()):
+        jobs.add((name, tuple(defines)))
+        return types.SimpleNamespace(num_regs=None)
+
+    build.get_function = record
+    try:
+        for case, kw, extra in calls:
+            c = case
+            attention.plan(c["query"], c["k_codes"], c["k_norms"], c["v_codes"], c["v_norms"], c["seq_lens"],
+                           kw["k_rotation"], kw["v_rotation"], kw["k_codebook"], kw["v_codebook"], kw["k_bits"],
+                           kw["v_bits"], 1.0 / math.sqrt(c["query"].shape[-1]), c.get("k_qjl"), c.get("k_rnorms"),
+                           kw.get("qjl_matrix"), None, None, extra.get("tokens_per_warp"), extra["variant"])
+    finally:
+        build.get_function = real
+        attention._plans.clear()
+        attention._plans.update(saved)
+    if jobs:
+        with ProcessPoolExecutor(min(16, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as ex:
+            list(ex.map(_compile_one, sorted(jobs)))
+    return len(jobs)
+
+
+def _check_calls(modes) -> list:
+    calls = []
+    for prefix, defines, narrow, fused in modes:
+        for name, shape, opts in CHECKS:
+            case, kw = make_case(*shape, **opts)
+            extra = {"variant": KernelVariant(defines, narrow, fused)}
+            if "g4" in name and "k4v4" in name:
+                extra["tokens_per_warp"] = 64
+            calls.append((case, kw, extra))
+    return calls
+
+
+def _table_calls() -> list:
+    calls = []
+    for b, t, hq, hkv, d, kb, vb in TABLE_SHAPES:
+        case, kw = make_case(b, hq, hkv, 1, 64, d, kb, vb, [64] * b)
+        calls += [(case, kw, {"variant": v}) for v in (ONE, THREE)]
+    return calls
+
+
+def auto_path(b, t, hq, hkv, d) -> str:
+    """The path the launcher's model picks for a decode shape (q_len 1)."""
+    from kvcodec.cuda import split_size
+
+    r = hq // hkv
+    fast = split_size.fused_is_faster(b * hkv * -(-r // 16), t, torch.device("cuda"), None, None, d, r, True)
+    return "one-launch" if fast else "three-launch"
+
+
+def fused_table() -> list[dict]:
+    """Kernel table: the one-launch and three-launch paths and bf16 flash SDPA on the same shapes;
+    ``fused_ms`` is the path the launcher picks by default."""
+    rows = []
+    free = torch.cuda.mem_get_info()[0]
+    for shp in TABLE_SHAPES:
+        b, t, hq, hkv, d, kb, vb = shp
+        if 2 * b * hkv * t * d * 2 * 1.3 > free * 0.8:
+            log("skip (memory)", shp)
+            continue
+        try:
+            one = time_decode(*shp, variant=ONE, sdpa=(kb, vb) == (4, 4))
+            three = time_decode(*shp, variant=THREE, sdpa=False)
+            path = auto_path(b, t, hq, hkv, d)
+            row = dict(one)
+            row.update(path=path, one_launch_ms=one["fused_ms"], three_launch_ms=three["fused_ms"],
+                       one_vs_three=three["fused_ms"] / one["fused_ms"])
+            if path == "three-launch":
+                row["fused_ms"], row["fused_TBps"] = three["fused_ms"], three["fused_TBps"]
+            if "sdpa_ms" in row:
+                row["speedup"] = row["sdpa_ms"] / row["fused_ms"]
+        except Exception as e:
+            row = dict(batch=b, ctx=t, heads=f"{hq}/{hkv}", d=d, bits=f"{kb}/{vb}", error=f"{type(e).__name__}: {e}"[:200])
+            traceback.print_exc()
+            torch.cuda.empty_cache()
+        log("table", row)
+        rows.append(row)
+    return rows
+
+
+def fused_tpw_sweep() -> list[dict]:
+    """Split sizes of the one-launch kernel (for its cost model), the launcher's choice first."""
+    from kvcodec.cuda.decode_kernels import FUSED_MAX_BLOCKS, WARPS_PER_BLOCK
+
+    rows = []
+    for shp in FUSED_TPW_SHAPES:
+        t = shp[1]
+        for tpw in (None,) + FUSED_TPW_GRID:
+            if tpw and -(-t // tpw) > WARPS_PER_BLOCK * FUSED_MAX_BLOCKS:
+                continue
+            try:
+                row = time_decode(*shp, variant=ONE, tokens_per_warp=tpw, sdpa=False)
+                row["tpw"] = tpw or "auto"
+            except Exception as e:
+                row = dict(shape=str(shp), tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
+            log("fused tpw", row)
+            rows.append(row)
+    return rows
+
+
+def run_fused_study(out_dir: str) -> dict:
+    """``--fused``: checks of every launch mode, kernel table, split sizes, per-kernel device times."""
+    t0 = time.time()
+    rec = machine_record()
+    rec["gpu"] = torch.cuda.get_device_name(0)
+    rec["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+    log("device", rec["gpu"], "SMs", rec["sms"], "torch", torch.__version__)
+    n = precompile(_check_calls(FUSED_CHECK_MODES) + _table_calls())
+    log(f"precompiled {n} kernel instances in parallel: {time.time() - t0:.0f}s")
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw:.3f} TB/s (read+write)")
+    checks = []
+    for prefix, defines, narrow, fused in FUSED_CHECK_MODES:
+        checks += _run_checks(prefix, KernelVariant(defines, narrow, fused))
+    quant_checks = run_quant_checks(KernelVariant())
+    log(f"checks done {time.time() - t0:.0f}s: {sum(bool(c.get('ok')) for c in checks)}/{len(checks)}")
+    breakdown = []
+    for label, v in (("one-launch ", ONE), ("three-launch ", THREE)):
+        try:
+            breakdown += _breakdown(label, v, ((1, 32768, 32, 8, 128, 4, 4), (8, 32768, 32, 8, 128, 4, 4)))
+        except Exception as e:
+            breakdown.append({"error": f"{type(e).__name__}: {e}"[:200]})
+    table = fused_table()
+    log(f"table done {time.time() - t0:.0f}s")
+    tpw_rows = fused_tpw_sweep()
+    for r in table + tpw_rows:
+        if "fused_TBps" in r:
+            r["pct_copy_bw"] = 100 * r["fused_TBps"] / bw
+    result = {
+        "suite": "gpu_kernels", "rows": table, "checks": checks, "quant_checks": quant_checks,
+        "tpw_sweep": tpw_rows, "breakdown": breakdown, "copy_TBps": bw, "machine": rec,
+        "notes": [f"GPU {rec['gpu']}, copy bandwidth {bw:.2f} TB/s (read+write); q_len 1 decode, CUDA-graph timed; "
+                  "fused_ms = the path the launcher picks (column path); one_launch_ms = tq_decode_fused, "
+                  "three_launch_ms = prep + split + merge; bytes = packed codes + fp16 norms of K and V; "
+                  "sdpa = flash backend on bf16 K/V (4/4 rows)",
+                  f"checks ok: {sum(bool(c.get('ok')) for c in checks)}/{len(checks)}; "
+                  f"quant attend checks ok: {sum(bool(c.get('ok')) for c in quant_checks)}/{len(quant_checks)}",
+                  f"total {time.time() - t0:.0f}s"],
+    }
+    cols = ["batch", "ctx", "heads", "d", "bits", "path", "fused_ms", "one_launch_ms", "three_launch_ms", "fused_TBps",
+            "pct_copy_bw", "sdpa_ms", "speedup"]
+    save_with_out(result, out_dir, columns=cols)
+    return result
+
+
+def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: bool = True,
+        fused_only: bool = False) -> dict:
     """The whole suite; on a machine without a CUDA GPU + CuPy it prints a skip message and returns
     an empty result without writing anything (the committed GPU results stay as they are)."""
     if not kc.is_available():
         msg = "gpu_kernels: skipped (needs a CUDA GPU and CuPy); measured results: benchmarks/GPU_NOTES.md"
         print(msg)
         return {"suite": "gpu_kernels", "rows": [], "notes": [msg]}
+    if fused_only:
+        return run_fused_study(out_dir)
     t0 = time.time()
     rec = machine_record()
     rec["gpu"] = torch.cuda.get_device_name(0)
@@ -543,8 +736,9 @@ if __name__ == "__main__":
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--profile-one", action="store_true", help="one decode call, for ncu")
+    ap.add_argument("--fused", action="store_true", help="the one-launch kernel's study only")
     args = ap.parse_args()
     if args.profile_one:
         profile_one()
         sys.exit(0)
-    run(quick=args.quick, out_dir=args.out, do_variants=not args.no_variants)
+    run(quick=args.quick, out_dir=args.out, do_variants=not args.no_variants, fused_only=args.fused)

@@ -35,18 +35,92 @@ def check(case, kw, tol=4e-3, **extra):
     assert torch.allclose(lse[fin].double(), ref_lse[fin], atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("d,kb,vb", [(128, 4, 4), (128, 4, 2), (128, 3, 3), (64, 4, 4), (64, 3, 3), (64, 2, 1)])
-def test_decode_matches_reference_bits_and_dims(d, kb, vb):
+def test_decode_matches_reference_bits_and_dims(d, kb, vb, fused):
+    # fused: the one-launch kernel (prep, split-KV and merge in one launch); else three launches
     case, kw = make_case(3, 8, 2, 1, 300, d, kb, vb, [300, 17, 0])
-    check(case, kw, tokens_per_warp=64)
+    check(case, kw, tokens_per_warp=64, variant=kc.KernelVariant(fused=fused))
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("narrow", [True, False])
 @pytest.mark.parametrize("hq,hkv,ql", [(9, 3, 1), (32, 8, 1), (8, 1, 3), (40, 2, 1), (4, 4, 2)])
-def test_decode_gqa_groups_and_query_lengths(hq, hkv, ql, narrow):
+def test_decode_gqa_groups_and_query_lengths(hq, hkv, ql, narrow, fused):
     # narrow: tiles of <= 8 query rows use the transposed-P.V kernel; off: the general one
     case, kw = make_case(2, hq, hkv, ql, 200, 64, 4, 2, [200, 131])
-    check(case, kw, variant=kc.KernelVariant(narrow=narrow))
+    check(case, kw, variant=kc.KernelVariant(narrow=narrow, fused=fused))
+
+
+def test_fused_random_shapes_lengths_and_windows():
+    """The one-launch kernel on random shapes: batch, GQA group, q_len, head_dim, bits, norm dtypes,
+    lengths 0 / 1 / odd / full, split sizes (one block per tile up to the merge limit), windows."""
+    rng = torch.Generator().manual_seed(11)
+
+    def pick(xs):
+        return xs[int(torch.randint(len(xs), (1,), generator=rng))]
+
+    for i in range(14):
+        b, hkv, grp, ql = pick([1, 2, 3]), pick([1, 2, 3, 8]), pick([1, 3, 4, 5, 8, 12]), pick([1, 1, 2, 3])
+        d, kb, vb = pick([64, 128]), pick([2, 3, 4, 4]), pick([1, 2, 4, 4])
+        tcap = int(torch.randint(1, 2500, (1,), generator=rng))
+        lens = [pick([0, 1, tcap, tcap - 1 if tcap > 1 else 1, max(0, tcap // 2 - 1) | 1]) for _ in range(b)]
+        norm = pick([torch.float16, torch.bfloat16])
+        case, kw = make_case(b, hkv * grp, hkv, ql, tcap, d, kb, vb, lens, norm_dtype=norm, seed=i)
+        extra = dict(variant=kc.KernelVariant(fused=True), tokens_per_warp=pick([None, 16, 48, 256]))
+        if i % 3 == 0:
+            w = pick([1, 5, 8])
+            extra.update(window_k=torch.randn(b, hkv, w, d, device="cuda", dtype=torch.bfloat16),
+                         window_v=torch.randn(b, hkv, w, d, device="cuda", dtype=torch.bfloat16),
+                         window_lens=torch.tensor([pick(list(range(w + 1))) for _ in range(b)], device="cuda"))
+        check(case, kw, **extra)
+
+
+def test_fused_graph_replay_resets_its_counters():
+    """A captured one-launch call replayed with new queries and lengths equals the reference every
+    time: the last block of each tile returns its counter to 0 for the next launch."""
+    from kvcodec.cuda import attention
+
+    for b, hq, hkv, t, kb, vb in ((1, 32, 8, 3000, 4, 4), (3, 40, 2, 900, 4, 2)):  # narrow; wide, 2 row tiles
+        case, kw = make_case(b, hq, hkv, 1, t, 128, kb, vb, [t] * b)
+        v = kc.KernelVariant(fused=True)
+        args = lambda: kc.decode_attention(**case, **kw, variant=v, return_lse=True)  # noqa: E731
+        args()  # plan, compile and counters outside the capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            args()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = args()
+        plans = [p for p in attention._plans.values() if p.fused_fn is not None and p.tcap == t]
+        assert plans
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        for step in range(4):
+            case["query"].copy_(torch.randn(case["query"].shape, device="cuda", generator=gen))
+            case["seq_lens"].copy_(torch.randint(0, t + 1, (b,), device="cuda", generator=gen, dtype=torch.int32))
+            if step == 3:
+                case["seq_lens"][0] = 0
+            graph.replay()
+            torch.cuda.synchronize()
+            ref, ref_lse = reference.decode_attention_reference(**case, **kw)
+            err = (out.double() - ref).abs().max().item() / ref.abs().max().clamp_min(1e-6).item()
+            assert torch.isfinite(out).all() and err < 4e-3, (step, err)
+            fin = torch.isfinite(ref_lse)
+            assert torch.equal(fin, torch.isfinite(lse))
+            assert torch.allclose(lse[fin].double(), ref_lse[fin], atol=2e-3, rtol=1e-3)
+            assert all(not p.counters.any() for p in plans)
+
+
+def test_fused_output_dtype_is_the_query_dtype():
+    case, kw = make_case(2, 8, 2, 1, 500, 128, 4, 4, [500, 250])
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        case["query"] = case["query"].to(dt)
+        out = kc.decode_attention(**case, **kw, variant=kc.KernelVariant(fused=True))
+        ref, _ = reference.decode_attention_reference(**case, **kw)
+        assert out.dtype == dt
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 6e-3
 
 
 def test_decode_bf16_norms_qjl_and_window():

@@ -1,15 +1,18 @@
 """The launcher of the fused decode attention over a TurboQuant-compressed KV cache (tq layout v1).
 
 ``decode_attention`` is the one entry point for raw packed tensors (``kvcodec.cuda.quantized`` wraps
-it for quantizer objects). On CUDA tensors it launches ``tq_decode_prep`` (query rotation, scaling,
-fp16, mma order), ``tq_decode_split`` (reads packed codes + norms, dequantizes in registers,
-tensor-core scores and P.V, online softmax, split-KV) and ``tq_decode_merge`` (log-sum-exp merge of
-the splits and the inverse rotation); the full-precision recent window, if given, is attended with
-torch and merged by log-sum-exp (``merge_window``). Everything runs on torch's current stream. On CPU
-it falls back to the float64 torch reference (same arguments, same results up to rounding).
+it for quantizer objects). On CUDA tensors it launches either the one-launch kernel
+``tq_decode_fused`` (MSE keys; query prep, split-KV and merge in one kernel: the last block of each
+tile merges) or the three kernels ``tq_decode_prep`` (query rotation, scaling, fp16, mma order),
+``tq_decode_split`` (reads packed codes + norms, dequantizes in registers, tensor-core scores and
+P.V, online softmax, split-KV) and ``tq_decode_merge`` (log-sum-exp merge of the splits and the
+inverse rotation), whichever the split-size model says is faster (``KernelVariant.fused`` forces
+one). The full-precision recent window, if given, is attended with torch and merged by log-sum-exp
+(``merge_window``). Everything runs on torch's current stream. On CPU it falls back to the float64
+torch reference (same arguments, same results up to rounding).
 
 Host work is split in two: ``plan`` validates a call and derives everything that depends only on its
-invariants (cached: ``DecodePlan``), ``run`` launches the three kernels of one call from a plan. The
+invariants (cached: ``DecodePlan``), ``run`` launches the kernel(s) of one call from a plan. The
 kernels' names and build variants live in ``decode_kernels``, the split-size model in ``split_size``.
 """
 
@@ -26,18 +29,20 @@ import torch
 from kvcodec.cuda import build, reference
 from kvcodec.cuda.decode_kernels import (
     DEFAULT_VARIANT,
+    FUSED_MAX_BLOCKS,
     LOG2E,
     MAX_SPLITS,
     SOURCE,
     WARPS_PER_BLOCK,
     KernelVariant,
+    fused_name,
     key_permutation,
     merge_name,
     prep_name,
     split_defines,
     split_name,
 )
-from kvcodec.cuda.split_size import default_tokens_per_warp
+from kvcodec.cuda.split_size import default_tokens_per_warp, fused_is_faster
 
 _QIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _perm_cache: dict = {}
@@ -162,7 +167,10 @@ def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_r
                  v_codebook, k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, window_k, window_v,
                  tokens_per_warp, variant)
         _check_per_call(p.batch, seq_lens, window_k, window_v)
-        out, lse = run(p, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms)
+        # the one-launch kernel writes the query's dtype itself (no cast launch); the window merge
+        # wants float32
+        out_dtype = query.dtype if window_k is None and query.dtype in _QIN else torch.float32
+        out, lse = run(p, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms, out_dtype=out_dtype)
         if window_k is not None:
             out, lse = merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal)
     else:
@@ -216,13 +224,17 @@ class DecodePlan:
     qjl_matrix: torch.Tensor | None  # S, float32 on the device
     qjl_scale: float  # the QJL score factor folded into the S q row scales
     pointers: tuple  # device pointers of (kr_t, perm, k codebook, v codebook, v rotation)
-    prep_fn: object
+    prep_fn: object  # the three-launch path (None when the plan uses the one-launch kernel)
     split_fn: object
     merge_fn: object
     prep_launch: tuple  # (grid, block, scalar args after the two pointers)
     split_launch: tuple  # (grid, block, scalar args)
     merge_launch: tuple  # (grid, block, scalar args, shared memory bytes)
     scratch: tuple  # byte offsets of q16, row scales, partial outputs, partial (m, l); total bytes
+    fused_fn: object = None  # the one-launch kernel (None: the three launches above)
+    fused_launch: tuple = ()  # (grid, block, scalar args from Hkv to nsplit)
+    counters: torch.Tensor | None = None  # [BH * row tiles] int32 zeros: the last-block counters
+    tokens_per_warp: int = 0
 
 
 _plans: dict = {}
@@ -292,24 +304,24 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
 
     narrow = r <= 8 and variant.narrow
     defines = split_defines(variant.defines, k_bits, v_bits, k_codebook, v_codebook, v_bf)
-    split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), defines)
-    tpw = tokens_per_warp or default_tokens_per_warp(bh * rt, tcap, dev, d, r, qjl,
-                                                     getattr(split_fn, "num_regs", None), variant.narrow)
+    fused = use_fused(variant, qjl, tcap, tokens_per_warp)
+    if fused is None:  # the launcher decides: both paths at their modelled best split size
+        fused = fused_is_faster(bh * rt, tcap, dev, None, None, d, r, variant.narrow)
+    fused_fn = split_fn = None
+    if fused:
+        kernel = fused_fn = build.get_function(SOURCE, fused_name(d, k_bits, v_bits, k_bf, v_bf, narrow), defines)
+    else:
+        kernel = split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), defines)
+    tpw = tokens_per_warp or default_tokens_per_warp(bh * rt, tcap, dev, d, r, qjl, getattr(kernel, "num_regs", None),
+                                                     variant.narrow, fused)
     if tpw <= 0 or tpw % 16:
         raise ValueError("tokens_per_warp must be a positive multiple of 16")
     if -(-tcap // tpw) > MAX_SPLITS:
         raise ValueError(f"tokens_per_warp too small: more than {MAX_SPLITS} splits")
     nsplit = max(1, -(-tcap // tpw))
-
-    # one scratch allocation per call: q16 [BH, rows_pad, D] fp16, row scales [BH, rows_pad] fp32,
-    # partial outputs [BH, nsplit, rows, D] and (m, l) [BH, nsplit, rows, 2] fp32 (256-byte aligned)
-    offsets, total = [], 0
-    for nbytes in (bh * rows_pad * d * 2, bh * rows_pad * 4, bh * nsplit * r * d * 4, bh * nsplit * r * 2 * 4):
-        offsets.append(total)
-        total += -(-nbytes // 256) * 256
-
+    nblk = -(-nsplit // WARPS_PER_BLOCK)
     i32 = np.int32
-    return DecodePlan(
+    common = dict(
         batch=b, out_shape=(b, hq, ql, d), lse_shape=(b, hq, ql), qjl=qjl, q_cast=query.dtype not in _QIN,
         rows=r, row_tiles=rt, tcap=tcap, full_lens=torch.full((b,), tcap, dtype=torch.int32, device=dev),
         scale=scale,
@@ -318,6 +330,22 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
         qjl_matrix=qjl_matrix.to(dev, torch.float32) if qjl else None,
         qjl_scale=scale * LOG2E * math.sqrt(math.pi / 2) / d,
         pointers=(kr_t.data_ptr(), perm.data_ptr(), kcb.data_ptr(), vcb.data_ptr(), vrot.data_ptr()),
+        tokens_per_warp=tpw,
+    )
+    if fused:
+        # scratch: one partial output [BH, nblk, rows, D] and (m, l) [BH, nblk, rows, 2] per block
+        scratch = _scratch_layout(0, 0, bh * nblk * r * d * 4, bh * nblk * r * 2 * 4)
+        return DecodePlan(**common, prep_fn=None, split_fn=None, merge_fn=None, prep_launch=(), split_launch=(),
+                          merge_launch=(), scratch=scratch, fused_fn=fused_fn,
+                          fused_launch=((nblk, bh, rt), (32 * WARPS_PER_BLOCK,),
+                                        (i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit))),
+                          counters=_counters(dev, bh * rt))
+    # three launches; scratch: q16 [BH, rows_pad, D] fp16, row scales [BH, rows_pad] fp32,
+    # partial outputs [BH, nsplit, rows, D] and (m, l) [BH, nsplit, rows, 2] fp32
+    scratch = _scratch_layout(bh * rows_pad * d * 2, bh * rows_pad * 4, bh * nsplit * r * d * 4,
+                              bh * nsplit * r * 2 * 4)
+    return DecodePlan(
+        **common,
         prep_fn=build.get_function(SOURCE, prep_name(d, _QIN[qin]), variant.defines),
         split_fn=split_fn,
         merge_fn=build.get_function(SOURCE, merge_name(d), variant.defines),
@@ -325,26 +353,79 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
         split_launch=((-(-nsplit // WARPS_PER_BLOCK), bh, rt), (32 * WARPS_PER_BLOCK,),
                       (i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit))),
         merge_launch=((bh * r,), (d,), (i32(r), i32(nsplit)), 8 * nsplit),
-        scratch=(*offsets, total),
+        scratch=scratch,
     )
 
 
-def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms):
-    """Launch prep, split and merge for one call on torch's current stream from its ``plan``; returns
-    (out, lse) float32 [B, Hq, q_len, D] and [B, Hq, q_len]."""
+_counter_pool: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The one-launch kernel's last-block counters: n int32 zeros on ``device``, one buffer per
+    (device, n) shared by every plan of that size and never freed, so a captured CUDA graph never
+    points at a freed buffer when plans are evicted. The kernel leaves them zero after every launch;
+    launches that share a buffer must not run concurrently (one stream)."""
+    key = (str(device), n)
+    buf = _counter_pool.get(key)
+    if buf is None:
+        buf = _counter_pool[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return buf
+
+
+def _scratch_layout(*nbytes) -> tuple:
+    """Byte offsets of consecutive 256-byte aligned parts of one scratch allocation, then the total."""
+    offsets, total = [], 0
+    for n in nbytes:
+        offsets.append(total)
+        total += -(-n // 256) * 256
+    return (*offsets, total)
+
+
+# Whether the launcher may pick the one-launch kernel by itself (KernelVariant.fused=None); off until
+# the kernel has passed the device checks (benchmarks/GPU_NOTES.md).
+FUSED_BY_DEFAULT = False
+
+
+def use_fused(variant: KernelVariant, qjl: bool, tcap: int, tokens_per_warp: int | None) -> bool | None:
+    """True / False when the one-launch kernel must / cannot be used, None when the model decides.
+    It takes MSE keys only (prod keys: three launches) and at most FUSED_MAX_BLOCKS blocks per tile."""
+    if variant.fused is False or qjl or (variant.fused is None and not FUSED_BY_DEFAULT):
+        return False
+    if tokens_per_warp and -(-tcap // tokens_per_warp) > WARPS_PER_BLOCK * FUSED_MAX_BLOCKS:
+        return False
+    return True if variant.fused else None
+
+
+def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms, *,
+        out_dtype: torch.dtype = torch.float32):
+    """Launch one call on torch's current stream from its ``plan`` (the one-launch kernel, or prep,
+    split and merge); returns (out, lse): out [B, Hq, q_len, D] in ``out_dtype`` (float32, float16 or
+    bfloat16), lse float32 [B, Hq, q_len]. Lengths in ``seq_lens`` are clamped to [0, Tcap] by the
+    kernels. Calls must not run on two streams at once (the one-launch kernel's counters)."""
     dev = query.device
     q_in = (query.to(torch.float32) if plan.q_cast else query).contiguous()
     kc, kn, vc, vn = k_codes.contiguous(), k_norms.contiguous(), v_codes.contiguous(), v_norms.contiguous()
     # the kernel reads code chunks with 16-byte vector loads: a misaligned view gets an aligned copy
     kc = kc if kc.data_ptr() % 16 == 0 else kc.clone()
     vc = vc if vc.data_ptr() % 16 == 0 else vc.clone()
-    lens = plan.full_lens if seq_lens is None else seq_lens.to(dev, torch.int32).clamp(0, plan.tcap).contiguous()
+    lens = plan.full_lens if seq_lens is None else seq_lens.to(dev, torch.int32).contiguous()
     o_q16, o_scale, o_part, o_ml, nbytes = plan.scratch
     scratch = torch.empty(nbytes, device=dev, dtype=torch.uint8)  # alive until the launches are queued
     base = scratch.data_ptr()
     q16, row_scale, part_o, part_ml = base + o_q16, base + o_scale, base + o_part, base + o_ml
-    out = torch.empty(plan.out_shape, device=dev, dtype=torch.float32)
     lse = torch.empty(plan.lse_shape, device=dev, dtype=torch.float32)
+    kr_t, perm, kcb, vcb, vrot = plan.pointers
+    if plan.fused_fn is not None:
+        out = torch.empty(plan.out_shape, device=dev, dtype=out_dtype)
+        grid, block, scalars = plan.fused_launch
+        with build.cupy_stream(dev):
+            plan.fused_fn(grid, block, (q_in.data_ptr(), np.int32(_QIN[q_in.dtype]), kr_t, perm,
+                                        np.float32(plan.scale * LOG2E), kc.data_ptr(), kn.data_ptr(), vc.data_ptr(),
+                                        vn.data_ptr(), kcb, vcb, vrot, lens.data_ptr(), *scalars, part_o, part_ml,
+                                        plan.counters.data_ptr(), out.data_ptr(), np.int32(_QIN[out_dtype]),
+                                        lse.data_ptr()))
+        return out, lse
+    out = torch.empty(plan.out_shape, device=dev, dtype=torch.float32)
     if plan.qjl:
         q_rot = (query.to(torch.float32) @ plan.kr.T).reshape(-1, plan.rows, query.shape[-1])
         qs16, qs_scale = _scaled_rows(q_rot @ plan.qjl_matrix.T, plan.perm, plan.row_tiles * 16)
@@ -353,7 +434,6 @@ def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k
         qjl_ptrs = (qs16.data_ptr(), qs_scale.data_ptr(), qjl_bits.data_ptr(), rnorms.data_ptr())
     else:
         qjl_ptrs = (q16, row_scale, kc.data_ptr(), kn.data_ptr())  # unused by the kernel
-    kr_t, perm, kcb, vcb, vrot = plan.pointers
     grid, block, scalars = plan.prep_launch
     with build.cupy_stream(dev):
         plan.prep_fn(grid, block, (q_in.data_ptr(), kr_t, perm, *scalars, q16, row_scale))
@@ -363,7 +443,7 @@ def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k
         grid, block, scalars, smem = plan.merge_launch
         plan.merge_fn(grid, block, (part_o, part_ml, vrot, *scalars, out.data_ptr(), lse.data_ptr()),
                       shared_mem=smem)
-    return out, lse
+    return out.to(out_dtype), lse
 
 
 def merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal):

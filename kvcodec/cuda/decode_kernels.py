@@ -26,7 +26,13 @@ SPLIT_SIGNATURE = (
 )
 MERGE_SIGNATURE = "(const float*, const float*, const float*, int, int, float*, float*)"
 PREP_SIGNATURE = "(const void*, const float*, const int*, float, int, int, tq_u16*, float*)"
+FUSED_SIGNATURE = (
+    "(const void*, int, const float*, const int*, float, const tq_u8*, const tq_u16*, const tq_u8*, "
+    "const tq_u16*, const float*, const float*, const float*, const int*, int, int, int, int, int, int, "
+    "float*, float*, unsigned int*, void*, int, float*)"
+)
 MAX_SPLITS = 4096  # the merge keeps one weight per split in shared memory
+FUSED_MAX_BLOCKS = 64  # TQ_FUSED_MAX_BLOCKS: blocks per tile the one-launch kernel's last block merges
 
 
 @dataclass(frozen=True)
@@ -35,10 +41,12 @@ class KernelVariant:
 
     ``defines``: extra ``NAME=value`` macros for the kernels (tuning knobs such as ``TQ_REG_LUT=0``);
     ``narrow``: let tiles of <= 8 query rows use the transposed-P.V split kernel (off: always the
-    general one)."""
+    general one); ``fused``: the one-launch kernel ``tq_decode_fused`` (True: wherever it applies,
+    False: always the three launches prep/split/merge, None: the launcher decides)."""
 
     defines: tuple[str, ...] = ()
     narrow: bool = True
+    fused: bool | None = None
 
 
 DEFAULT_VARIANT = KernelVariant()
@@ -77,6 +85,11 @@ def split_name(dim: int, k_bits: int, v_bits: int, k_bf16: bool, v_bf16: bool, q
     return f"tq_decode_split<{dim}, {k_bits}, {v_bits}, {_b(k_bf16)}, {_b(v_bf16)}, {_b(qjl)}, {_b(narrow)}>"
 
 
+def fused_name(dim: int, k_bits: int, v_bits: int, k_bf16: bool, v_bf16: bool, narrow: bool) -> str:
+    """Template instance name of the one-launch kernel (MSE keys only: no QJL instance)."""
+    return f"tq_decode_fused<{dim}, {k_bits}, {v_bits}, {_b(k_bf16)}, {_b(v_bf16)}, {_b(narrow)}>"
+
+
 def merge_name(dim: int) -> str:
     return f"tq_decode_merge<{dim}>"
 
@@ -85,11 +98,16 @@ def prep_name(dim: int, qin: int) -> str:
     return f"tq_decode_prep<{dim}, {qin}>"
 
 
-def instance_declarations(configs) -> list[str]:
-    """Explicit-instantiation declarations (for nvcc) of the split kernels in ``configs`` + merges."""
+def instance_declarations(configs, fused_configs=None) -> list[str]:
+    """Explicit-instantiation declarations (for nvcc) of the split kernels in ``configs``, the
+    one-launch twins of those in ``fused_configs`` (default: every configuration without QJL),
+    merges and preps."""
     decls, dims = [], set()
     for cfg in configs:
         decls.append(f"__global__ void {split_name(*cfg)}{SPLIT_SIGNATURE}")
+        d, kb, vb, kbf, vbf, qjl, narrow = cfg
+        if not qjl and (fused_configs is None or cfg in fused_configs):
+            decls.append(f"__global__ void {fused_name(d, kb, vb, kbf, vbf, narrow)}{FUSED_SIGNATURE}")
         dims.add(cfg[0])
     decls += [f"__global__ void {merge_name(d)}{MERGE_SIGNATURE}" for d in sorted(dims)]
     decls += [f"__global__ void {prep_name(d, qin)}{PREP_SIGNATURE}" for d in sorted(dims) for qin in (0, 1, 2)]

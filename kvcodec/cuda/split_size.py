@@ -9,7 +9,7 @@ from functools import lru_cache
 import torch
 
 from kvcodec.cuda.build import sm_count
-from kvcodec.cuda.decode_kernels import MAX_SPLITS, WARPS_PER_BLOCK
+from kvcodec.cuda.decode_kernels import FUSED_MAX_BLOCKS, MAX_SPLITS, WARPS_PER_BLOCK
 
 # Split-size model (H200 measurements, benchmarks/GPU_NOTES.md session 2): microseconds one warp
 # needs for a 16-token step when an SM runs 4 / 8 / 16+ of them at once (per-SM throughput grows
@@ -18,6 +18,13 @@ from kvcodec.cuda.decode_kernels import MAX_SPLITS, WARPS_PER_BLOCK
 STEP_US = ((4, 1.0), (8, 1.4), (16, 2.2), (24, 3.0))
 WARP_FIXED_US = 2.0
 MERGE_US_PER_16_SPLITS = 1.5
+# The one-launch kernel (tq_decode_fused): each block rotates its query tile first (prologue), the
+# tile's last block merges one partial per block and applies the inverse rotation (tail); the prep
+# and merge launches of the three-launch path cost THREE_LAUNCH_US more (two kernels and their gaps).
+FUSED_PROLOGUE_US = 1.0
+FUSED_TAIL_US = 2.0
+FUSED_TAIL_US_PER_BLOCK = 0.03
+THREE_LAUNCH_US = 8.0
 
 
 def blocks_per_sm(dim: int, rows: int, qjl: bool, num_regs: int | None = None, narrow: bool = True) -> int:
@@ -42,35 +49,61 @@ def _step_us(warps: int) -> float:
     return pts[-1][1] * warps / pts[-1][0]  # saturated: per-SM throughput stays flat
 
 
-@lru_cache(maxsize=4096)
-def _best_tokens_per_warp(bh_tiles: int, capacity: int, sms: int, per_sm: int) -> int:
-    best, best_cost = 16, None
+def modelled_us(bh_tiles: int, capacity: int, sms: int, per_sm: int, tpw: int, fused: bool) -> float:
+    """Modelled time of one call at split size ``tpw``: the busiest SM runs ceil(blocks / SMs) blocks,
+    at most ``per_sm`` at once; a round costs its warps' steps at the per-warp step time of that
+    occupancy (STEP_US) plus a fixed per-warp cost (fused: plus the block's query prologue); the
+    three-launch merge costs a little per split, the fused tail a little per block (plus its fixed
+    part; the three-launch path's extra launches are THREE_LAUNCH_US)."""
+    n = -(-capacity // tpw)
+    nblk = -(-n // WARPS_PER_BLOCK)
+    on_sm = -(-(bh_tiles * nblk) // sms)  # blocks the busiest SM runs
+    rounds = -(-on_sm // per_sm)
+    warps = WARPS_PER_BLOCK * min(on_sm, per_sm)
+    step = (tpw / 16) * _step_us(warps) + WARP_FIXED_US
+    if fused:
+        return rounds * (step + FUSED_PROLOGUE_US) + FUSED_TAIL_US + FUSED_TAIL_US_PER_BLOCK * nblk
+    return rounds * step + MERGE_US_PER_16_SPLITS * -(-n // 16) + THREE_LAUNCH_US
+
+
+def _split_sizes(capacity: int, max_splits: int):
+    """Every distinct tokens-per-warp (a multiple of 16) that gives at most ``max_splits`` splits."""
     seen = set()
-    for nsplit in range(1, min(MAX_SPLITS, -(-capacity // 16)) + 1):
+    for nsplit in range(1, min(max_splits, -(-capacity // 16)) + 1):
         tpw = -(-(-(-capacity // nsplit)) // 16) * 16  # ceil(capacity / nsplit), up to a multiple of 16
-        if tpw in seen:
-            continue
-        seen.add(tpw)
-        n = -(-capacity // tpw)
-        blocks = bh_tiles * -(-n // WARPS_PER_BLOCK)
-        on_sm = -(-blocks // sms)  # blocks the busiest SM runs
-        rounds = -(-on_sm // per_sm)
-        warps = WARPS_PER_BLOCK * min(on_sm, per_sm)
-        cost = rounds * ((tpw / 16) * _step_us(warps) + WARP_FIXED_US) + MERGE_US_PER_16_SPLITS * -(-n // 16)
+        if tpw not in seen and -(-capacity // tpw) <= max_splits:
+            seen.add(tpw)
+            yield tpw
+
+
+@lru_cache(maxsize=4096)
+def best_split(bh_tiles: int, capacity: int, sms: int, per_sm: int, fused: bool = False) -> tuple[int, float]:
+    """(tokens per warp, modelled microseconds) of the fastest split size; the fused kernel's last
+    block merges at most FUSED_MAX_BLOCKS blocks, so its splits are capped at 4x that."""
+    cap = WARPS_PER_BLOCK * FUSED_MAX_BLOCKS if fused else MAX_SPLITS
+    best, best_cost = 16, None
+    for tpw in _split_sizes(capacity, cap):
+        cost = modelled_us(bh_tiles, capacity, sms, per_sm, tpw, fused)
         if best_cost is None or cost < best_cost:
             best, best_cost = tpw, cost
-    return best
+    return best, best_cost
 
 
 def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, dim: int = 128,
                             rows: int = 4, qjl: bool = False, num_regs: int | None = None,
-                            narrow: bool = True) -> int:
-    """Split size (tokens per warp, a multiple of 16) minimizing the modelled decode time.
-
-    The busiest SM runs ceil(blocks / SMs) blocks, at most `blocks_per_sm` at once; a round costs its
-    warps' steps at the per-warp step time of that occupancy (STEP_US) plus a fixed per-warp cost,
-    and the merge costs a little per split. Any multiple of 16 may win (not only powers of two):
-    filling the last wave matters more than the split size itself.
-    """
+                            narrow: bool = True, fused: bool = False) -> int:
+    """Split size (tokens per warp, a multiple of 16) minimizing the modelled decode time
+    (``modelled_us``). Any multiple of 16 may win (not only powers of two): filling the last wave
+    matters more than the split size itself."""
     per_sm = blocks_per_sm(dim, rows, qjl, num_regs, narrow)
-    return _best_tokens_per_warp(bh_tiles, capacity, sm_count(device), per_sm)
+    return best_split(bh_tiles, capacity, sm_count(device), per_sm, fused)[0]
+
+
+def fused_is_faster(bh_tiles: int, capacity: int, device: torch.device, fused_regs: int | None,
+                    split_regs: int | None, dim: int = 128, rows: int = 4, narrow: bool = True) -> bool:
+    """Whether the one-launch kernel's modelled best beats the three launches' (both at their best
+    split size; register counts of the two compiled kernels, None: their launch bounds)."""
+    sms = sm_count(device)
+    fused = best_split(bh_tiles, capacity, sms, blocks_per_sm(dim, rows, False, fused_regs, narrow), True)[1]
+    three = best_split(bh_tiles, capacity, sms, blocks_per_sm(dim, rows, False, split_regs, narrow), False)[1]
+    return fused <= three

@@ -273,56 +273,39 @@ TQ_DEVI void load_any(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
   else load_step<T, QJL, false, KA>(r, base, end, L);
 }
 
-}  // namespace tq
 
-// q16:       [BH, RT*16, D] fp16, rotated, key-permuted, each row divided by its max |.| (pad rows 0)
-// row_scale: [BH, RT*16] fp32: max|.| * softmax_scale * log2(e) (0 for pad rows)
-// kcodes:    [BH, Tcap, D*BK/8] uint8; knorms [BH, Tcap] fp16/bf16 (KBF)
-// vcodes:    [BH, Tcap, D*BV/8] uint8; vnorms [BH, Tcap] fp16/bf16 (VBF)
-// qs16/qs_scale/qjl/rnorms: the QJL analogues (prod keys, m = D); ignored unless QJL
-// seq_lens:  [B] int32 (compressed tokens per sequence, <= Tcap)
-// part_o:    [BH, nsplit, R, D] fp32 (unpermuted rotated dims); part_ml: [BH, nsplit, R, 2] (m, l)
-// NARROW (at most 8 used rows in the tile, e.g. GQA group <= 8 at q_len 1): rows g+8 are skipped
-// and P V runs transposed, O^T = V^T P^T (values are the A operand, M = 16 dims; P^T the B operand,
-// N = 8 rows): half the mma count and half the accumulator registers.
-template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW>
-__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : (QJL || !NARROW) ? 2 : D <= 64 ? 4 : TQ_NARROW128_BLOCKS_ARCH))
-tq_decode_split(
-    const tq_u16* __restrict__ q16, const float* __restrict__ row_scale,
-    const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
-    const tq_u8* __restrict__ vcodes, const tq_u16* __restrict__ vnorms,
-    const tq_u16* __restrict__ qs16, const float* __restrict__ qs_scale,
-    const tq_u8* __restrict__ qjl, const tq_u16* __restrict__ rnorms,
-    const float* __restrict__ k_codebook, const float* __restrict__ v_codebook,
-    const int* __restrict__ seq_lens, int Hkv, int R, int RT, int Tcap, int tokens_per_warp,
-    int nsplit, float* __restrict__ part_o, float* __restrict__ part_ml) {
-  using T = tq::DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
-  __shared__ tq::CodeTable<BK, false> ktab;
-  __shared__ tq::CodeTable<BV, VBF> vtab;
-  ktab.fill(k_codebook, threadIdx.x, blockDim.x);
-  vtab.fill(v_codebook, threadIdx.x, blockDim.x);
-  // register tables (TQ_REG_LUT), filled only where used
 #if TQ_REG_LUT_SYM
-  TqRegLut4Sym kreg, vreg;
+typedef TqRegLut4Sym RegLut;
 #else
-  TqRegLut4 kreg, vreg;
+typedef TqRegLut4 RegLut;
 #endif
-  if constexpr (T::KREG) kreg.fill<false>(k_codebook);
-  if constexpr (T::VREG) vreg.fill<VBF>(v_codebook);
-  __syncthreads();
 
+// What one warp's split leaves in registers: the unnormalized partial output (mma accumulator
+// layout, see split_warp) and, per owned query row, the running max m (base 2) and the sum l.
+template <int D, bool NARROW>
+struct WarpResult {
+  static constexpr int NACC = NARROW ? D / 16 : D / 8;
+  float acc[NACC][4];
+  float m0, m1, l0, l1;  // rows (2t, 2t + 1) of the tile for NARROW, rows (g, g + 8) otherwise
+};
+
+// One warp's work of a split: tokens [begin, end) of the kv row starting at token tok0 (= bh * Tcap)
+// against a 16-row query tile. q16t [16, D] fp16 (rotated, key-permuted, divided by each row's max
+// |.|; pad rows 0), rst [16] the row scales; qs16t / qsst the QJL analogues (prod keys only). The
+// block's shared and register codebook tables must be filled. Empty ranges (begin >= end) give
+// m = -inf, l = 0 and zero accumulators.
+template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW>
+TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& ktab, const CodeTable<BV, VBF>& vtab,
+                        const RegLut& kreg, const RegLut& vreg, const tq_u16* q16t, const float* rst,
+                        const tq_u16* qs16t, const float* qsst, const tq_u8* __restrict__ kcodes,
+                        const tq_u16* __restrict__ knorms, const tq_u8* __restrict__ vcodes,
+                        const tq_u16* __restrict__ vnorms, const tq_u8* __restrict__ qjl,
+                        const tq_u16* __restrict__ rnorms, long long tok0, int begin, int end) {
+  using T = DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int split = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int bh = blockIdx.y, rt = blockIdx.z;
-  if (split >= nsplit) return;
-  const int b = bh / Hkv;
-  const int len = seq_lens[b];
-  const int begin = split * tokens_per_warp;
-  const int end = min(begin + tokens_per_warp, len);
 
   // Query fragments (A operand), one set per k-step.
-  const int rows = RT * 16;
-  const tq_u16* qrow0 = q16 + ((long long)bh * rows + rt * 16 + g) * D;
+  const tq_u16* qrow0 = q16t + g * D;
   const tq_u16* qrow1 = qrow0 + 8 * D;
   tq_u32 qa[T::KS][4];
 #pragma unroll
@@ -335,7 +318,7 @@ tq_decode_split(
   tq_u32 sa[QJL ? T::KS : 1][4];
   float qjl_scale0 = 0.f, qjl_scale1 = 0.f;
   if constexpr (QJL) {
-    const tq_u16* srow0 = qs16 + ((long long)bh * rows + rt * 16 + g) * D;
+    const tq_u16* srow0 = qs16t + g * D;
     const tq_u16* srow1 = srow0 + 8 * D;
 #pragma unroll
     for (int s = 0; s < T::KS; ++s) {
@@ -344,17 +327,16 @@ tq_decode_split(
       sa[s][2] = *reinterpret_cast<const tq_u32*>(srow0 + 16 * s + 2 * t + 8);
       sa[s][3] = NARROW ? 0u : *reinterpret_cast<const tq_u32*>(srow1 + 16 * s + 2 * t + 8);
     }
-    qjl_scale0 = qs_scale[(long long)bh * rows + rt * 16 + (NARROW ? 2 * t : g)];
-    qjl_scale1 = qs_scale[(long long)bh * rows + rt * 16 + (NARROW ? 2 * t + 1 : g + 8)];
+    qjl_scale0 = qsst[NARROW ? 2 * t : g];
+    qjl_scale1 = qsst[NARROW ? 2 * t + 1 : g + 8];
   }
   // narrow tiles: this thread's score columns are rows 2t and 2t + 1 (of the 8 rows), not g, g + 8
   constexpr bool KA = NARROW;
   const int srow0 = KA ? 2 * t : g, srow1 = KA ? 2 * t + 1 : g + 8;
-  const float rs0 = row_scale[(long long)bh * rows + rt * 16 + srow0];
-  const float rs1 = row_scale[(long long)bh * rows + rt * 16 + srow1];
+  const float rs0 = rst[srow0];
+  const float rs1 = rst[srow1];
 
-  const long long tok0 = (long long)bh * Tcap;
-  tq::LanePtrs<T> L;
+  LanePtrs<T> L;
   L.g = g;
   L.t = t;
   L.ksh = (t * T::KBITS) & 31;
@@ -370,18 +352,20 @@ tq_decode_split(
   // Accumulators: NARROW: acc[mt] = O^T tile of dims (16 mt + g, 16 mt + g + 8) x rows (2t, 2t+1),
   // dims being the thread-chunk coordinates 2mt / 2mt+1 (dim CV*g + 2mt + {0,1}); otherwise
   // acc[i] = O tile of rows (g, g+8) x n-tile i, columns 2t, 2t+1 (dims CV*(2t+e) + i).
-  constexpr int NACC = NARROW ? D / 16 : T::NT;
-  float acc[NACC][4];
+  constexpr int NACC = WarpResult<D, NARROW>::NACC;
+  float (&acc)[NACC][4] = res.acc;
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   const float NEG_INF = -__int_as_float(0x7f800000);
-  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+  float &m0 = res.m0, &m1 = res.m1, &l0 = res.l0, &l1 = res.l1;
+  m0 = m1 = NEG_INF;
+  l0 = l1 = 0.f;
 
   constexpr int STAGES = QJL ? 2 : TQ_STAGES;  // prod keys hold more registers per step
-  tq::StepRegs<T> ring[STAGES];
+  StepRegs<T> ring[STAGES];
   // O^T += V^T P^T for narrow tiles: A = values (dims x the 16 tokens), B = P^T fragments pb0 (row g |
   // tokens 2t, 2t+1) and pb1 (tokens 8 + 2t, 8 + 2t + 1), value norms already applied
-  auto pv_narrow = [&](const tq::StepRegs<T>& cur, tq_u32 pb0, tq_u32 pb1) {
+  auto pv_narrow = [&](const StepRegs<T>& cur, tq_u32 pb0, tq_u32 pb1) {
     if constexpr (NARROW) {
       if constexpr (T::VREG) {
         // word i of the interleaved codes holds coordinates 8i + 2k (ev) / 8i + 2k + 1 (od) of
@@ -390,8 +374,8 @@ tq_decode_split(
         constexpr int NW = TqBits<T::VBITS>::NW;
         static_assert(4 * NW == NACC, "value words per m-tile");
         tq_u32 ev01[NW], od01[NW], ev23[NW], od23[NW];
-        tq::CodeTable<BV, VBF>::interleave4(cur.v[0], cur.v[1], ev01, od01);
-        tq::CodeTable<BV, VBF>::interleave4(cur.v[2], cur.v[3], ev23, od23);
+        CodeTable<BV, VBF>::interleave4(cur.v[0], cur.v[1], ev01, od01);
+        CodeTable<BV, VBF>::interleave4(cur.v[2], cur.v[3], ev23, od23);
 #pragma unroll
         for (int i = 0; i < NW; ++i) {
           tq_u32 e01[4], o01[4], e23[4], o23[4];
@@ -428,7 +412,7 @@ tq_decode_split(
       }
     }
   };
-  auto step = [&](const tq::StepRegs<T>& cur, int base) {
+  auto step = [&](const StepRegs<T>& cur, int base) {
     if constexpr (KA) {
       // ---- S^T (16 tokens x 8 rows) = K Q^T: A = keys (slot g = token base + g, slot g + 8 =
       // token base + 8 + g), B = query rows; s4 = (slot g | rows 2t, 2t+1), (slot g + 8 | same rows)
@@ -455,9 +439,9 @@ tq_decode_split(
         }
         tq_mma16816<false>(s4[s & 1], ka, qa[s][0], qa[s][2]);
         if constexpr (QJL) {
-          const tq_u32 ca[4] = {tq::qjl_pair(tq_field<2>(cur.s[0], 4 * s)), tq::qjl_pair(tq_field<2>(cur.s[1], 4 * s)),
-                                tq::qjl_pair(tq_field<2>(cur.s[0], 4 * s + 2)),
-                                tq::qjl_pair(tq_field<2>(cur.s[1], 4 * s + 2))};
+          const tq_u32 ca[4] = {qjl_pair(tq_field<2>(cur.s[0], 4 * s)), qjl_pair(tq_field<2>(cur.s[1], 4 * s)),
+                                qjl_pair(tq_field<2>(cur.s[0], 4 * s + 2)),
+                                qjl_pair(tq_field<2>(cur.s[1], 4 * s + 2))};
           tq_mma16816<false>(q4[s & 1], ca, sa[s][0], sa[s][2]);
         }
       }
@@ -479,7 +463,7 @@ tq_decode_split(
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
       }
       float mu0, mu1;
-      const float al0 = tq::update_max(m0, mx0, mu0), al1 = tq::update_max(m1, mx1, mu1);
+      const float al0 = update_max(m0, mx0, mu0), al1 = update_max(m1, mx1, mu1);
       const float e0 = tq_exp2(x[0] - mu0), e1 = tq_exp2(x[1] - mu1);
       const float e2 = tq_exp2(x[2] - mu0), e3 = tq_exp2(x[3] - mu1);
       l0 = l0 * al0 + (e0 + e2);  // this thread's tokens only; summed over the lanes at the end
@@ -489,7 +473,7 @@ tq_decode_split(
       const tq_u32 pb0 = tq_movmatrix_t(tq_pack2(tq_f_to_16<VBF>(e0 * vn0), tq_f_to_16<VBF>(e1 * vn0)));
       const tq_u32 pb1 = tq_movmatrix_t(tq_pack2(tq_f_to_16<VBF>(e2 * vn1), tq_f_to_16<VBF>(e3 * vn1)));
       // a running max moved: rescale (accumulator columns are rows 2t, 2t + 1)
-      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) tq::rescale(acc, al0, al1, al0, al1);
+      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) rescale(acc, al0, al1, al0, al1);
       pv_narrow(cur, pb0, pb1);
     } else {
       // ---- wide tiles (more than 8 rows): S = Q K^T, two n8 tiles (tokens base + 0..7, base + 8..15)
@@ -517,8 +501,8 @@ tq_decode_split(
           }
           tq_mma16816<false>(sc[j], qa[s], b0, b1);
           if constexpr (QJL) {
-            const tq_u32 c0 = tq::qjl_pair(tq_field<2>(cur.s[j], 4 * s));
-            const tq_u32 c1 = tq::qjl_pair(tq_field<2>(cur.s[j], 4 * s + 2));
+            const tq_u32 c0 = qjl_pair(tq_field<2>(cur.s[j], 4 * s));
+            const tq_u32 c1 = qjl_pair(tq_field<2>(cur.s[j], 4 * s + 2));
             tq_mma16816<false>(sq[j], sa[s], c0, c1);
           }
         }
@@ -551,7 +535,7 @@ tq_decode_split(
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
       float mu0, mu1;
-      const float al0 = tq::update_max(m0, mx0, mu0), al1 = tq::update_max(m1, mx1, mu1);
+      const float al0 = update_max(m0, mx0, mu0), al1 = update_max(m1, mx1, mu1);
       float ps0 = 0.f, ps1 = 0.f;
       tq_u32 pa[4];
 #pragma unroll
@@ -567,7 +551,7 @@ tq_decode_split(
       l0 = l0 * al0 + ps0;
       l1 = l1 * al1 + ps1;
       // the running max moved: rescale (accumulator rows g, g + 8)
-      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) tq::rescale(acc, al0, al0, al1, al1);
+      if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) rescale(acc, al0, al0, al1, al1);
       // A fragment order: (row g, k 2t..), (row g+8, k 2t..), (row g, k 2t+8..), (row g+8, k 2t+8..)
       const tq_u32 pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
 #pragma unroll
@@ -583,15 +567,15 @@ tq_decode_split(
 #if TQ_PTR_STEP
   // loads go strictly forward 16 tokens at a time: running pointers, so a full step's addresses are
   // a register plus compile-time offsets (SASS without it rebuilds ~12 64-bit addresses per step)
-  tq::LanePtrs<T> Lrun = L;
-  tq::advance<T, QJL>(Lrun, begin);
-  auto load_next = [&](tq::StepRegs<T>& r, int at) {
-    if (at + 16 <= end) tq::load_step<T, QJL, true, KA>(r, 0, end, Lrun);
-    else tq::load_step<T, QJL, false, KA>(r, 0, end - at, Lrun);  // Lrun is at token `at`
-    tq::advance<T, QJL>(Lrun, 16);
+  LanePtrs<T> Lrun = L;
+  advance<T, QJL>(Lrun, begin);
+  auto load_next = [&](StepRegs<T>& r, int at) {
+    if (at + 16 <= end) load_step<T, QJL, true, KA>(r, 0, end, Lrun);
+    else load_step<T, QJL, false, KA>(r, 0, end - at, Lrun);  // Lrun is at token `at`
+    advance<T, QJL>(Lrun, 16);
   };
 #else
-  auto load_next = [&](tq::StepRegs<T>& r, int at) { tq::load_any<T, QJL, KA>(r, at, end, L); };
+  auto load_next = [&](StepRegs<T>& r, int at) { load_any<T, QJL, KA>(r, at, end, L); };
 #endif
 #pragma unroll
   for (int k = 0; k < STAGES - 1; ++k)
@@ -615,44 +599,123 @@ tq_decode_split(
     l0 += __shfl_xor_sync(0xffffffffu, l0, o);
     l1 += __shfl_xor_sync(0xffffffffu, l1, o);
   }
+}
 
-  const int r0 = rt * 16 + g, r1 = r0 + 8;
-  float* po = part_o + ((long long)bh * nsplit + split) * R * D;
-  float* pml = part_ml + ((long long)bh * nsplit + split) * R * 2;
+// Hand a warp's result to sink.o(row, dim, value) (row of the 16-row tile, dim of the head, in the
+// values' rotated space) and sink.ml(row, m, l) (one call per owned row, from one lane).
+template <int D, bool NARROW, class Sink>
+TQ_DEVI void emit_warp(const WarpResult<D, NARROW>& res, Sink& sink) {
+  constexpr int CV = D / 8;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   if constexpr (NARROW) {
 #pragma unroll
-    for (int mt = 0; mt < NACC; ++mt) {
+    for (int mt = 0; mt < WarpResult<D, NARROW>::NACC; ++mt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int r = rt * 16 + 2 * t + e;
-        const int dim = T::CV * g + 2 * mt;
-        if (r < R) {
-          po[(long long)r * D + dim] = acc[mt][e];
-          po[(long long)r * D + dim + 1] = acc[mt][2 + e];
-        }
+        sink.o(2 * t + e, CV * g + 2 * mt, res.acc[mt][e]);
+        sink.o(2 * t + e, CV * g + 2 * mt + 1, res.acc[mt][2 + e]);
       }
+    }
+    if (g == 0) {
+      sink.ml(2 * t, res.m0, res.l0);
+      sink.ml(2 * t + 1, res.m1, res.l1);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) {
+    for (int i = 0; i < WarpResult<D, NARROW>::NACC; ++i) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int dim = T::CV * (2 * t + e) + i;
-        if (r0 < R) po[(long long)r0 * D + dim] = acc[i][e];
-        if (r1 < R) po[(long long)r1 * D + dim] = acc[i][2 + e];
+        sink.o(g, CV * (2 * t + e) + i, res.acc[i][e]);
+        sink.o(g + 8, CV * (2 * t + e) + i, res.acc[i][2 + e]);
       }
     }
-  }
-  if constexpr (KA) {
-    const int ra = rt * 16 + 2 * t, rb = ra + 1;
-    if (g == 0) {
-      if (ra < R) { pml[2 * ra] = m0; pml[2 * ra + 1] = l0; }
-      if (rb < R) { pml[2 * rb] = m1; pml[2 * rb + 1] = l1; }
+    if (t == 0) {
+      sink.ml(g, res.m0, res.l0);
+      sink.ml(g + 8, res.m1, res.l1);
     }
-  } else if (t == 0) {
-    if (r0 < R) { pml[2 * r0] = m0; pml[2 * r0 + 1] = l0; }
-    if (r1 < R) { pml[2 * r1] = m1; pml[2 * r1 + 1] = l1; }
   }
+}
+
+// The rows of a tile a thread's m0/l0 and m1/l1 belong to.
+template <bool NARROW>
+TQ_DEVI void owned_rows(int& ra, int& rb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  ra = NARROW ? 2 * t : g;
+  rb = NARROW ? 2 * t + 1 : g + 8;
+}
+
+// Sink of the split kernel: partial outputs of one warp's split straight to global scratch.
+template <int D>
+struct GlobalSink {
+  float* po;   // [R, D] of this split
+  float* pml;  // [R, 2]
+  int row0, R;
+  TQ_DEVI void o(int r, int dim, float v) const {
+    if (row0 + r < R) po[(long long)(row0 + r) * D + dim] = v;
+  }
+  TQ_DEVI void ml(int r, float m, float l) const {
+    if (row0 + r < R) {
+      pml[2 * (row0 + r)] = m;
+      pml[2 * (row0 + r) + 1] = l;
+    }
+  }
+};
+
+// Fill a block's codebook tables (shared always, registers where the traits use them) and sync.
+template <class T, int BK, int BV, bool VBF>
+TQ_DEVI void fill_tables(CodeTable<BK, false>& ktab, CodeTable<BV, VBF>& vtab, RegLut& kreg, RegLut& vreg,
+                         const float* __restrict__ k_codebook, const float* __restrict__ v_codebook) {
+  ktab.fill(k_codebook, threadIdx.x, blockDim.x);
+  vtab.fill(v_codebook, threadIdx.x, blockDim.x);
+  if constexpr (T::KREG) kreg.template fill<false>(k_codebook);
+  if constexpr (T::VREG) vreg.template fill<VBF>(v_codebook);
+  __syncthreads();
+}
+
+}  // namespace tq
+
+
+// q16:       [BH, RT*16, D] fp16, rotated, key-permuted, each row divided by its max |.| (pad rows 0)
+// row_scale: [BH, RT*16] fp32: max|.| * softmax_scale * log2(e) (0 for pad rows)
+// kcodes:    [BH, Tcap, D*BK/8] uint8; knorms [BH, Tcap] fp16/bf16 (KBF)
+// vcodes:    [BH, Tcap, D*BV/8] uint8; vnorms [BH, Tcap] fp16/bf16 (VBF)
+// qs16/qs_scale/qjl/rnorms: the QJL analogues (prod keys, m = D); ignored unless QJL
+// seq_lens:  [B] int32 (compressed tokens per sequence, <= Tcap)
+// part_o:    [BH, nsplit, R, D] fp32 (unpermuted rotated dims); part_ml: [BH, nsplit, R, 2] (m, l)
+// NARROW (at most 8 used rows in the tile, e.g. GQA group <= 8 at q_len 1): rows g+8 are skipped
+// and P V runs transposed, O^T = V^T P^T (values are the A operand, M = 16 dims; P^T the B operand,
+// N = 8 rows): half the mma count and half the accumulator registers.
+template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW>
+__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : (QJL || !NARROW) ? 2 : D <= 64 ? 4 : TQ_NARROW128_BLOCKS_ARCH))
+tq_decode_split(
+    const tq_u16* __restrict__ q16, const float* __restrict__ row_scale,
+    const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
+    const tq_u8* __restrict__ vcodes, const tq_u16* __restrict__ vnorms,
+    const tq_u16* __restrict__ qs16, const float* __restrict__ qs_scale,
+    const tq_u8* __restrict__ qjl, const tq_u16* __restrict__ rnorms,
+    const float* __restrict__ k_codebook, const float* __restrict__ v_codebook,
+    const int* __restrict__ seq_lens, int Hkv, int R, int RT, int Tcap, int tokens_per_warp,
+    int nsplit, float* __restrict__ part_o, float* __restrict__ part_ml) {
+  using T = tq::DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
+  __shared__ tq::CodeTable<BK, false> ktab;
+  __shared__ tq::CodeTable<BV, VBF> vtab;
+  tq::RegLut kreg, vreg;  // register tables (TQ_REG_LUT), filled only where used
+  tq::fill_tables<T>(ktab, vtab, kreg, vreg, k_codebook, v_codebook);
+
+  const int split = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int bh = blockIdx.y, rt = blockIdx.z;
+  if (split >= nsplit) return;
+  const int len = min(max(seq_lens[bh / Hkv], 0), Tcap);
+  const int begin = split * tokens_per_warp;
+  const int end = min(begin + tokens_per_warp, len);
+  const long long tile = (long long)bh * RT * 16 + rt * 16;  // first row of the tile in q16 / row_scale
+  tq::WarpResult<D, NARROW> res;
+  tq::split_warp<D, BK, BV, KBF, VBF, QJL, NARROW>(res, ktab, vtab, kreg, vreg, q16 + tile * D, row_scale + tile,
+                                                   qs16 + tile * D, qs_scale + tile, kcodes, knorms, vcodes,
+                                                   vnorms, qjl, rnorms, (long long)bh * Tcap, begin, end);
+  tq::GlobalSink<D> sink{part_o + ((long long)bh * nsplit + split) * R * D,
+                         part_ml + ((long long)bh * nsplit + split) * R * 2, rt * 16, R};
+  tq::emit_warp<D, NARROW>(res, sink);
 }
 
 namespace tq {
@@ -789,4 +852,291 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
   // 4. out[d] = sum_i y[i] rotation[i][d]
   out[(long long)row * D + d] = tq::col_dot<D>(y, rotation, d);
   if (d == 0) lse[row] = (L > 0.f) ? (M + __log2f(L)) * 0.69314718055994531f : NEG_INF;
+}
+
+// ------------------------------------------------------------------------------------------------
+// One-launch decode (small batches): query prep, split-KV and merge in one kernel.
+//
+// Grid (nblk, BH, RT), 4 warps per block; block x of tile (bh, rt) owns warp splits 4x .. 4x + 3.
+//   1. prologue: the block rotates its tile's query rows itself (y = q @ R_k^T, fp32, the rotation
+//      read from L2), scales them by their max |.| and stores the fp16 key-permuted tile in shared
+//      memory (what tq_decode_prep writes to global memory for the three-launch path);
+//   2. each warp runs its split (split_warp, the same code as tq_decode_split);
+//   3. the four warps' partials are merged in shared memory (one log-sum-exp rescale per warp and
+//      row, summed in warp order: deterministic) and written as one partial per block;
+//   4. the last block of the tile to finish (an atomicInc on the tile's counter, which wraps back to
+//      0 on that last increment: the counters are zero again after every launch, so a CUDA-graph
+//      replay starts clean) merges the blocks' partials and applies the inverse rotation y @ R_v.
+// Launch and memory round trips saved against the three launches: the q16/row-scale round trip,
+// two launches, and 4x fewer partials to merge. Concurrent launches sharing one counter buffer
+// (the same plan on two streams at once) are not allowed.
+#ifndef TQ_FUSED_MAX_BLOCKS
+#define TQ_FUSED_MAX_BLOCKS 64  // blocks per tile the last block merges (shared weights per row)
+#endif
+
+namespace tq {
+// acc[k] = sum_i v[k][i] * M[i][j] for N rows v (shared, row stride D) and column j of a row-major
+// [D, D] matrix in global memory (coalesced across j; the column loaded in batches of 32 loads).
+template <int D, int N>
+TQ_DEVI void col_dot_rows(const float* v, const float* __restrict__ M, int j, float (&acc)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) acc[k] = 0.f;
+#pragma unroll 1
+  for (int i0 = 0; i0 < D; i0 += 32) {  // not unrolled: 32 loads in flight, not D (registers)
+    float m[32];
+#pragma unroll
+    for (int k = 0; k < 32; ++k) m[k] = __ldg(M + (i0 + k) * D + j);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+#pragma unroll
+      for (int n = 0; n < N; ++n) acc[n] += v[n * D + i0 + k] * m[k];
+    }
+  }
+}
+
+TQ_DEVI float load_query(const void* q, long long i, int qin) {
+  if (qin == 0) return reinterpret_cast<const float*>(q)[i];
+  const tq_u16 h = reinterpret_cast<const tq_u16*>(q)[i];
+  return qin == 1 ? tq_h2f(h) : tq_bf2f(h);
+}
+
+// Accumulates one warp's partial into the block's shared [ROWS, D] buffer, scaled per row.
+template <int D>
+struct SharedSink {
+  float* buf;
+  float fa, fb;  // scale of the thread's rows ra, rb
+  int ra, rb;
+  bool first;    // the first warp stores, the others add
+  TQ_DEVI void o(int r, int dim, float v) const {
+    const float x = v * (r == ra ? fa : fb);
+    float* p = buf + r * D + dim;
+    *p = first ? x : *p + x;
+  }
+  TQ_DEVI void ml(int, float, float) const {}
+};
+}  // namespace tq
+
+// q:         [BH, R, D] the query rows (QIN 0 fp32, 1 fp16, 2 bf16; runtime qin); kr_t = R_k^T
+//            row-major, perm the key permutation, mult = softmax_scale * log2(e)
+// part_o:    [BH, nblk, R, D] fp32, part_ml [BH, nblk, R, 2]: scratch, one partial per block
+// counters:  [BH * RT] uint32, zero before the launch (and again after it)
+// out:       [BH, R, D] (out_kind 0 fp32, 1 fp16, 2 bf16); lse [BH, R] fp32 (natural log)
+template <int D, int BK, int BV, bool KBF, bool VBF, bool NARROW>
+__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : !NARROW ? 2 : D <= 64 ? 4 : TQ_NARROW128_BLOCKS_ARCH))
+tq_decode_fused(
+    const void* __restrict__ q, int qin, const float* __restrict__ kr_t, const int* __restrict__ perm, float mult,
+    const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
+    const tq_u8* __restrict__ vcodes, const tq_u16* __restrict__ vnorms,
+    const float* __restrict__ k_codebook, const float* __restrict__ v_codebook,
+    const float* __restrict__ v_rotation, const int* __restrict__ seq_lens, int Hkv, int R, int RT, int Tcap,
+    int tokens_per_warp, int nsplit, float* __restrict__ part_o, float* __restrict__ part_ml,
+    unsigned int* __restrict__ counters, void* __restrict__ out, int out_kind, float* __restrict__ lse) {
+  using T = tq::DecodeTraits<D, BK, BV, KBF, VBF, false>;
+  constexpr int ROWS = NARROW ? 8 : 16;  // query rows of a tile that can be used
+  constexpr int MAXB = TQ_FUSED_MAX_BLOCKS;
+  constexpr int XQ = (ROWS * D > 2 * ROWS * MAXB) ? ROWS * D : 2 * ROWS * MAXB;
+  __shared__ tq::CodeTable<BK, false> ktab;
+  __shared__ tq::CodeTable<BV, VBF> vtab;
+  __shared__ __align__(16) float xq[XQ];          // prologue: query rows; last block: (m, l) of every block
+  __shared__ __align__(16) float ybuf[ROWS * D];  // prologue: rotated rows; then the block's partial
+  __shared__ __align__(16) tq_u16 q16s[16 * D];   // the fp16 query tile (rows >= ROWS stay unread)
+  __shared__ float rss[16];
+  __shared__ float wm[4][ROWS], wl[4][ROWS];      // per warp (m, l) of each row
+  __shared__ float rowm[ROWS], rowl[ROWS];        // block (later: tile) max and sum per row
+  __shared__ int is_last;
+  tq::RegLut kreg, vreg;
+  tq::fill_tables<T>(ktab, vtab, kreg, vreg, k_codebook, v_codebook);  // ends with __syncthreads
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int bh = blockIdx.y, rt = blockIdx.z, nblk = gridDim.x;
+  const int R0 = rt * 16;               // first row of the tile
+  const int nr = min(ROWS, R - R0);     // rows of the tile that exist
+  const float NEG_INF = -__int_as_float(0x7f800000);
+
+  // ---- 1. query prep for this tile: y = q @ R_k^T, then fp16(y[perm] / max|y|)
+  for (int i = tid; i < ROWS * D; i += blockDim.x) {
+    const int r = i / D;
+    xq[i] = (r < nr) ? tq::load_query(q, ((long long)bh * R + R0 + r) * D + (i - r * D), qin) : 0.f;
+  }
+  __syncthreads();
+  for (int j = tid; j < D; j += blockDim.x) {
+    for (int r0 = 0; r0 < nr; r0 += 4) {
+      float a[4];
+      tq::col_dot_rows<D, 4>(xq + r0 * D, kr_t, j, a);
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (r0 + k < ROWS) ybuf[(r0 + k) * D + j] = a[k];
+    }
+  }
+  __syncthreads();
+  for (int r = warp; r < 16; r += 4) {
+    float m = 0.f;
+    if (r < nr)
+      for (int k = lane; k < D; k += 32) m = fmaxf(m, fabsf(ybuf[r * D + k]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float amax = m > 0.f ? m : 1e-30f;
+    for (int k = lane; k < D; k += 32)
+      q16s[r * D + k] = (r < nr) ? tq_f2h(ybuf[r * D + __ldg(perm + k)] / amax) : (tq_u16)0;
+    if (lane == 0) rss[r] = (r < nr) ? amax * mult : 0.f;
+  }
+  __syncthreads();
+
+  // ---- 2. this warp's split
+  const int split = blockIdx.x * 4 + warp;
+  const int len = min(max(seq_lens[bh / Hkv], 0), Tcap);
+  const int begin = split < nsplit ? split * tokens_per_warp : 0;
+  const int end = split < nsplit ? min(begin + tokens_per_warp, len) : 0;
+  tq::WarpResult<D, NARROW> res;
+  tq::split_warp<D, BK, BV, KBF, VBF, false, NARROW>(res, ktab, vtab, kreg, vreg, q16s, rss, q16s, rss, kcodes,
+                                                     knorms, vcodes, vnorms, nullptr, nullptr,
+                                                     (long long)bh * Tcap, begin, end);
+
+  // ---- 3. merge the four warps in shared memory
+  int ra, rb;
+  tq::owned_rows<NARROW>(ra, rb);
+  if (NARROW ? (lane >> 2) == 0 : (lane & 3) == 0) {
+    wm[warp][ra] = res.m0;
+    wl[warp][ra] = res.l0;
+    wm[warp][rb] = res.m1;
+    wl[warp][rb] = res.l1;
+  }
+  __syncthreads();
+  float ma = NEG_INF, mb = NEG_INF;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    ma = fmaxf(ma, wm[w][ra]);
+    mb = fmaxf(mb, wm[w][rb]);
+  }
+  tq::SharedSink<D> sink{ybuf, res.m0 == NEG_INF ? 0.f : tq_exp2(res.m0 - ma),
+                         res.m1 == NEG_INF ? 0.f : tq_exp2(res.m1 - mb), ra, rb, true};
+  if (tid < ROWS) {
+    float m = NEG_INF, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) m = fmaxf(m, wm[w][tid]);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) l += wm[w][tid] == NEG_INF ? 0.f : tq_exp2(wm[w][tid] - m) * wl[w][tid];
+    rowm[tid] = m;
+    rowl[tid] = l;
+  }
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    if (warp == w) {
+      sink.first = (w == 0);
+      tq::emit_warp<D, NARROW>(res, sink);
+    }
+    __syncthreads();
+  }
+  // the block's partial: rows < nr of [ROWS, D] and (m, l)
+  {
+    float* po = part_o + ((long long)bh * nblk + blockIdx.x) * R * D + (long long)R0 * D;
+    for (int i = tid; i < nr * D / 4; i += blockDim.x)
+      reinterpret_cast<float4*>(po)[i] = reinterpret_cast<const float4*>(ybuf)[i];
+    float* pml = part_ml + (((long long)bh * nblk + blockIdx.x) * R + R0) * 2;
+    if (tid < nr) *reinterpret_cast<float2*>(pml + 2 * tid) = make_float2(rowm[tid], rowl[tid]);
+  }
+
+  // ---- 4. the last block of the tile merges every block's partial
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicInc(counters + (long long)bh * RT + rt, (unsigned)nblk - 1u) == (unsigned)nblk - 1u;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  float* sm = xq;                // [ROWS][MAXB] maxima, then weights
+  float* sl = xq + ROWS * MAXB;  // [ROWS][MAXB] sums
+  for (int i = tid; i < nr * nblk; i += blockDim.x) {
+    const int r = i / nblk, b = i - r * nblk;
+    const float2 v = __ldcg(reinterpret_cast<const float2*>(part_ml + (((long long)bh * nblk + b) * R + R0 + r) * 2));
+    sm[r * MAXB + b] = v.x;
+    sl[r * MAXB + b] = v.y;
+  }
+  __syncthreads();
+  for (int r = warp; r < nr; r += 4) {
+    float M = NEG_INF;
+    for (int b = lane; b < nblk; b += 32) M = fmaxf(M, sm[r * MAXB + b]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float Mu = (M == NEG_INF) ? 0.f : M;
+    float Ls = 0.f;
+    for (int b = lane; b < nblk; b += 32) {
+      const float l = sl[r * MAXB + b];
+      const float w = (l > 0.f) ? tq_exp2(sm[r * MAXB + b] - Mu) : 0.f;
+      sm[r * MAXB + b] = w;
+      Ls += w * l;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) Ls += __shfl_xor_sync(0xffffffffu, Ls, o);
+    if (lane == 0) {
+      rowm[r] = M;
+      rowl[r] = Ls;
+    }
+  }
+  __syncthreads();
+  // weighted sum of the block partials: one float4 of one row per thread, 8 loads in flight
+  {
+    constexpr int TPR = D / 4;  // threads per row
+    const float* pbase = part_o + (long long)bh * nblk * R * D + (long long)R0 * D;
+    const long long bstride = (long long)R * D;
+    for (int i = tid; i < nr * TPR; i += blockDim.x) {
+      const int r = i / TPR, c = 4 * (i - r * TPR);
+      const float* p = pbase + (long long)r * D + c;
+      const float* w = sm + r * MAXB;
+      float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+      int b = 0;
+      for (; b + 8 <= nblk; b += 8) {
+        float4 v[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = __ldcg(reinterpret_cast<const float4*>(p + (b + k) * bstride));
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const float wk = w[b + k];
+          if (wk != 0.f) {
+            a.x += wk * v[k].x;
+            a.y += wk * v[k].y;
+            a.z += wk * v[k].z;
+            a.w += wk * v[k].w;
+          }
+        }
+      }
+      for (; b < nblk; ++b) {
+        const float wk = w[b];
+        if (wk != 0.f) {
+          const float4 v = __ldcg(reinterpret_cast<const float4*>(p + b * bstride));
+          a.x += wk * v.x;
+          a.y += wk * v.y;
+          a.z += wk * v.z;
+          a.w += wk * v.w;
+        }
+      }
+      const float L = rowl[r];
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      float* y = ybuf + r * D + c;
+      y[0] = a.x * inv;
+      y[1] = a.y * inv;
+      y[2] = a.z * inv;
+      y[3] = a.w * inv;
+    }
+  }
+  __syncthreads();
+  // out = y @ R_v, in the output dtype; lse in natural log
+  for (int j = tid; j < D; j += blockDim.x) {
+    for (int r0 = 0; r0 < nr; r0 += 4) {
+      float a[4];
+      tq::col_dot_rows<D, 4>(ybuf + r0 * D, v_rotation, j, a);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (r0 + k < nr) {
+          const long long o = ((long long)bh * R + R0 + r0 + k) * D + j;
+          if (out_kind == 0) reinterpret_cast<float*>(out)[o] = a[k];
+          else if (out_kind == 1) reinterpret_cast<tq_u16*>(out)[o] = tq_f2h(a[k]);
+          else reinterpret_cast<tq_u16*>(out)[o] = tq_f2bf(a[k]);
+        }
+      }
+    }
+  }
+  if (tid < nr) {
+    const float L = rowl[tid];
+    lse[(long long)bh * R + R0 + tid] = (L > 0.f) ? (rowm[tid] + __log2f(L)) * 0.69314718055994531f : NEG_INF;
+  }
 }
