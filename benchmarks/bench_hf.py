@@ -42,15 +42,26 @@ def dynamic_bytes(cache) -> int:
     return sum(_dense_bytes(layer.keys, layer.values) for layer in cache.layers)
 
 
-def quanto_bytes(cache) -> int:
-    """HF QuantizedCache (quanto): packed data + scales + shifts + the full-precision residual."""
-    total = 0
+def quanto_report(cache) -> tuple[int, float]:
+    """HF QuantizedCache (quanto): (bytes held, true bits per quantized value). Bytes: packed data +
+    scales + shifts + the full-precision residual; a quanto PackedTensor reports its *unpacked* size
+    (one byte per 2- or 4-bit code), so its packed ``_data`` is what is counted."""
+    total, qbytes, qvalues = 0, 0, 0
     for layer in cache.layers:
         total += _dense_bytes(layer.keys, layer.values)
         for q in (layer._quantized_keys, layer._quantized_values):
             if q is not None:
-                total += _dense_bytes(*(getattr(q, n, None) for n in ("_data", "_scale", "_shift")))
-    return total
+                data = q._data
+                data = getattr(data, "_data", data)
+                b = _dense_bytes(data, q._scale, q._shift)
+                total += b
+                qbytes += b
+                qvalues += math.prod(q.shape)
+    return total, (qbytes * 8 / qvalues if qvalues else float("nan"))
+
+
+def quanto_bytes(cache) -> int:
+    return quanto_report(cache)[0]
 
 
 def pypi_turboquant_bytes(cache) -> int:
@@ -129,7 +140,7 @@ def _peer_configs(cfg, residual: int, quick: bool) -> list[dict]:
                 "cache": "hf-QuantizedCache/quanto", "key_bits": nbits, "value_bits": nbits,
                 "make": lambda nbits=nbits: QuantizedCache(backend="quanto", config=cfg, nbits=nbits,
                                                           residual_length=residual, q_group_size=64),
-                "bytes": quanto_bytes, "true_bits": lambda c: float("nan"),
+                "bytes": quanto_bytes, "true_bits": lambda c: quanto_report(c)[1],
             })
     except ImportError:
         pass

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hf import dynamic_bytes, quanto_report  # noqa: E402
 from common import save  # noqa: E402
 
 SUITE = "bench_quality"
@@ -111,30 +112,6 @@ def held_out_texts() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------ caches
-def _dense_bytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def dynamic_bytes(cache) -> int:
-    return sum(_dense_bytes(layer.keys, layer.values) for layer in cache.layers)
-
-
-def quanto_report(cache) -> tuple[int, float]:
-    """(bytes held, true bits per quantized value) of HF QuantizedCache (quanto)."""
-    total, qbytes, qvalues = 0, 0, 0
-    for layer in cache.layers:
-        total += _dense_bytes(layer.keys, layer.values)
-        for q in (layer._quantized_keys, layer._quantized_values):
-            if q is not None:
-                data = q._data
-                data = getattr(data, "_data", data)  # a quanto PackedTensor reports its unpacked size: count the packed bytes
-                b = _dense_bytes(data, q._scale, q._shift)
-                total += b
-                qbytes += b
-                qvalues += math.prod(q.shape)
-    return total, (qbytes * 8 / qvalues if qvalues else float("nan"))
-
-
 def kvcodec_report(cache) -> tuple[int, float]:
     """(bytes held, true bits per value): codes, norms, side data and the exact sink over the
     sink + compressed K/V scalars (the recent full-precision window is excluded from the bits)."""
@@ -172,6 +149,10 @@ def cache_configs(model, quick: bool) -> list[dict]:
     except ImportError:
         pass
     out += [_preset(model, name) for name in PRESETS if name not in ("3.5bit", "2.5bit") and not quick]
+    for bits, paper in ([] if quick else [(3, "3.5"), (2, "2.5")]):  # the paper's split; head_dim 64 pays two norms
+        out.append({"cache": f"kvcodec outlier split paper {paper} (16ch@{bits + 1}b+48ch@{bits}b)",
+                    "make": lambda bits=bits: CompressedCache(model, key_bits=bits, value_bits=bits, outliers=16,
+                                                              residual=RESIDUAL), "report": kvcodec_report})
     for kb, vb in ([] if quick else [(3, 3), (3, 2)]):
         out.append({"cache": f"kvcodec turboquant {kb}/{vb} uniform", "make": lambda kb=kb, vb=vb: CompressedCache(
             model, key_bits=kb, value_bits=vb, residual=RESIDUAL), "report": kvcodec_report})

@@ -36,12 +36,12 @@ from bench_quality import (  # noqa: E402
     _fresh_dynamic,
     _model_copy,
     decode_chunks,
-    dynamic_bytes,
     kvcodec_report,
     ppl_stats,
     prefill_kv,
     teacher_forced,
 )
+from bench_hf import dynamic_bytes  # noqa: E402
 from common import save  # noqa: E402
 
 SUITE = "bench_quality_levers"
@@ -51,12 +51,8 @@ FIT = "smollm2-135m"  # the shipped fit (kvcodec/data/smollm2_kv_fit.json)
 
 def lever_configs(config) -> list[dict]:
     """(label, CompressedCache options, residual) of every configuration measured."""
-    from kvcodec.hf import fitted
     from kvcodec.hf.presets import preset_options
 
-    fit = fitted.lookup(FIT)
-    fitted.register(FIT + ":qscale", fit.subset(codebooks=False))
-    fitted.register(FIT + ":codebooks", fit.subset(query_scales=False))
     out = []
     for name in ("3.5bit", "2.5bit"):
         base = {**preset_options(name, config), "calibration": None}

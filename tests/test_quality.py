@@ -289,3 +289,16 @@ def test_capture_prefill_records_post_rope_query_rms():
     q, _ = apply_rotary_pos_emb(q, q, cos, sin)
     want = q.reshape(2, 2, 2 * 20, 16).pow(2).mean(dim=(0, 2)).sqrt()
     assert torch.allclose(qrms[1], want, rtol=1e-4, atol=1e-6)
+
+
+def test_shipped_smollm2_fit_and_its_parts():
+    from kvcodec.hf import fitted
+
+    fit = fitted.lookup("smollm2-135m")
+    assert tuple(fit.query_rms.shape) == (30, 3, 64) and set(fit.codebooks) == {"key", "value"}
+    assert fitted.lookup("smollm2-135m:codebooks").query_rms is None
+    assert fitted.lookup("smollm2-135m:qscale").codebooks == {}
+    with pytest.raises(ValueError):
+        fitted.lookup("smollm2-135m:other")
+    with pytest.raises(ValueError):  # a fit for another shape is refused when the cache is built
+        CompressedCache(tiny_llama().config, key_bits=3, calibration="smollm2-135m")

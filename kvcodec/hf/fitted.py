@@ -11,8 +11,8 @@ prefill cannot tell the cache:
   rotated coordinates of real keys / values (``kvcodec.quant.codebooks.fit_codebook``) instead of
   the uniform-sphere law.
 
-A cache refers to a fit by name (``CompressedCache(..., calibration=name)``; the named presets set it
-for models with a stored fit), so the name is what ``save`` writes and ``load`` finds again; fits
+A cache refers to a fit by name (``CompressedCache(..., calibration=name)``; ``name:qscale`` /
+``name:codebooks`` take one of the two parts of a shipped fit), so the name is what ``save`` writes and ``load`` finds again; fits
 ship as JSON under ``kvcodec/data`` and :func:`register` adds one for this process.
 """
 
@@ -64,11 +64,19 @@ def register(name: str, fit: Fit) -> None:
     _REGISTRY[name] = fit
 
 
+_PARTS = {"qscale": {"codebooks": False}, "codebooks": {"query_scales": False}}
+
+
 def lookup(name: str) -> Fit:
-    """The fit called ``name`` (ValueError if there is none)."""
-    if name not in _REGISTRY and name in _SHIPPED:
-        text = resources.files("kvcodec.data").joinpath(_SHIPPED[name]).read_text(encoding="utf-8")
-        _REGISTRY[name] = _check(Fit.from_json(json.loads(text)))
+    """The fit called ``name`` (ValueError if there is none); ``"<shipped>:qscale"`` and
+    ``"<shipped>:codebooks"`` name a shipped fit's query scales or codebooks alone."""
+    base, _, part = name.partition(":")
+    if name not in _REGISTRY and base in _SHIPPED and (not part or part in _PARTS):
+        if base not in _REGISTRY:
+            text = resources.files("kvcodec.data").joinpath(_SHIPPED[base]).read_text(encoding="utf-8")
+            _REGISTRY[base] = _check(Fit.from_json(json.loads(text)))
+        if part:
+            _REGISTRY[name] = _REGISTRY[base].subset(**_PARTS[part])
     if name not in _REGISTRY:
         raise ValueError(f"unknown calibration {name!r}; shipped: {sorted(_SHIPPED)}; "
                          "others must be registered with kvcodec.hf.fitted.register first")
