@@ -156,6 +156,9 @@ def cache_configs(model, quick: bool) -> list[dict]:
     for kb, vb in ([] if quick else [(3, 3), (3, 2)]):
         out.append({"cache": f"kvcodec turboquant {kb}/{vb} uniform", "make": lambda kb=kb, vb=vb: CompressedCache(
             model, key_bits=kb, value_bits=vb, residual=RESIDUAL), "report": kvcodec_report})
+    for name in ([] if quick else ["3.5bit", "2.5bit"]):  # lever: codebooks fitted to SmolLM2's K/V (kvcodec.hf.fitted)
+        out.append({"cache": f"kvcodec preset {name} + fitted codebooks", "make": lambda name=name: CompressedCache(
+            model, preset=name, residual=RESIDUAL, calibration="smollm2-135m:codebooks"), "report": kvcodec_report})
     return out
 
 
