@@ -212,6 +212,14 @@ def header_bytes(kind: str, meta: Mapping[str, Any], entries: list[dict]) -> byt
     (dicts with name, type, dtype, shape, nbytes, crc32, in storage order); sets each entry's
     ``"offset"``. Shared by :func:`dumps` and writers that place the payloads themselves (the GPU
     encoder in ``kvcodec.lossless.device_container``)."""
+    def dumps_json(v) -> str:
+        try:
+            return json.dumps(v, allow_nan=False, separators=(",", ":"), ensure_ascii=True)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"meta is not plain JSON (dict/list/str/int/finite float/bool/None): {exc}") from None
+
+    # the JSON of {"kind", "meta", "sections"}, with kind and meta (often long) serialized once
+    head = '{"kind":' + dumps_json(kind) + ',"meta":' + dumps_json(meta) + ',"sections":'
     # Offsets depend on the header length, which depends on the offsets' digits: iterate to a fixpoint.
     header = b""
     for _ in range(8):
@@ -219,13 +227,7 @@ def header_bytes(kind: str, meta: Mapping[str, Any], entries: list[dict]) -> byt
         for desc in entries:
             desc["offset"] = pos
             pos = _align(pos + desc["nbytes"])
-        try:
-            new_header = json.dumps(
-                {"kind": kind, "meta": meta, "sections": entries},
-                allow_nan=False, separators=(",", ":"), ensure_ascii=True,
-            ).encode("ascii")
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"meta is not plain JSON (dict/list/str/int/finite float/bool/None): {exc}") from None
+        new_header = (head + dumps_json(entries) + "}").encode("ascii")
         if len(new_header) == len(header):
             break
         header = new_header

@@ -157,6 +157,7 @@ def crc32_many(buffers: list[torch.Tensor]) -> torch.Tensor:
     """zlib crc32 of each contiguous CUDA tensor's bytes (any dtype), as an int64 tensor on the
     device, computed with two kernel launches on torch's current stream (no synchronization)."""
     from kvcodec.cuda import build
+    from kvcodec.cuda.transfer import upload
 
     if not buffers:
         raise ValueError("no buffers")
@@ -173,15 +174,12 @@ def crc32_many(buffers: list[torch.Tensor]) -> torch.Tensor:
     first = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
     total = int(counts.sum())
     block_buf = np.repeat(np.arange(len(buffers), dtype=np.int32), counts)
-    meta = np.concatenate([np.asarray(desc, np.int64).reshape(-1), first])  # one upload
-    meta_d = torch.from_numpy(meta).to(device, non_blocking=False)
-    desc_d, first_d = meta_d[: 4 * len(buffers)], meta_d[4 * len(buffers):]
+    desc_d, first_d, bb = upload([np.asarray(desc, np.int64), first, block_buf], device)
     tab, sh = _device_tables(device)
     rblk = torch.empty(max(total, 1), dtype=torch.int32, device=device)
     out = torch.empty(len(buffers), dtype=torch.int32, device=device)
     with build.cupy_stream(device):
         if total:
-            bb = torch.from_numpy(block_buf).to(device)
             build.get_function(SOURCE, "crc_blocks")(
                 (-(-total // WARPS),), (32 * WARPS,),
                 (desc_d.data_ptr(), bb.data_ptr(), first_d.data_ptr(), np.int64(total), tab.data_ptr(),

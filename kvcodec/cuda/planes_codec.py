@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvcodec.cuda import build
+from kvcodec.cuda.transfer import upload
 
 SOURCE = "planes_codec.cu"
 LAYOUTS = {"f16": 0, "f32": 1, "bytes": 2}
@@ -57,8 +58,7 @@ def encode_chunks(planes: torch.Tensor, jobs: np.ndarray, freqs: np.ndarray, chu
     J = len(jobs)
     scratch = torch.empty(J * cap, dtype=torch.int16, device=device)
     lens = torch.empty(J, dtype=torch.int64, device=device)
-    jobs_d = torch.from_numpy(np.ascontiguousarray(jobs, np.int64)).to(device)
-    tabs = torch.from_numpy(np.ascontiguousarray(freqs, np.uint32).view(np.int32)).to(device)
+    jobs_d, tabs = upload([np.asarray(jobs, np.int64), np.asarray(freqs, np.uint32)], device)
     fn = build.get_function(SOURCE, f"pc_rans_encode<{ENCODE_WARPS}>")
     with build.cupy_stream(device):
         fn((-(-J // ENCODE_WARPS),), (32 * ENCODE_WARPS,),
@@ -71,7 +71,7 @@ def gather(scratch: torch.Tensor, cap: int, lens: torch.Tensor, dst_off: np.ndar
     """Copy job j's stream to ``dst`` (int16/uint16 words) at word ``dst_off[j]``."""
     if not len(dst_off):
         return
-    off = torch.from_numpy(np.ascontiguousarray(dst_off, np.int64)).to(dst.device)
+    (off,) = upload([np.asarray(dst_off, np.int64)], dst.device)
     with build.cupy_stream(dst.device):
         build.get_function(SOURCE, "pc_gather")((len(dst_off),), (256,), (scratch.data_ptr(), np.int64(cap),
                                                                            lens.data_ptr(), off.data_ptr(),
@@ -89,7 +89,7 @@ def merge(planes: list, layout: str, itemsize: int, n: int, out: torch.Tensor) -
             desc[2 * k + 1] = int(p)
     if not n:
         return
-    desc_d = torch.from_numpy(desc).to(out.device)
+    (desc_d,) = upload([desc], out.device)
     with build.cupy_stream(out.device):
         build.get_function(SOURCE, f"pc_merge<{LAYOUTS[layout]}>")(
             (_grid(n, out.device),), (256,), (desc_d.data_ptr(), np.int32(itemsize), np.int64(n), out.data_ptr()))

@@ -144,27 +144,29 @@ class LaunchPlan:
     def build(cls, pdesc: np.ndarray, table_of: np.ndarray, tables: list[Table], device) -> "LaunchPlan":
         """``pdesc`` [P, 4] int64: byte offset of payload p in the data buffer (even), its length,
         byte offset of its output, its symbol count; ``table_of`` [P]: index into ``tables``."""
-        order = np.lexsort((-pdesc[:, 3], table_of)).astype(np.int32) if len(table_of) else np.zeros(0, np.int32)
-        blocks = []
-        ts = table_of[order]
-        for t in np.unique(ts):
-            lo, hi = np.searchsorted(ts, t), np.searchsorted(ts, t, side="right")
-            for k in range(lo, hi, WARPS):
-                blocks.append((int(t), k, min(WARPS, hi - k), 0))
+        from kvcodec.cuda.transfer import upload
+
+        P = len(table_of)
+        order = np.lexsort((-pdesc[:, 3], table_of)).astype(np.int32) if P else np.zeros(0, np.int32)
+        ts = np.asarray(table_of, np.int64)[order]
+        cut = np.flatnonzero(np.diff(ts)) + 1  # runs of one table, each cut into blocks of WARPS
+        run_lo, run_hi = np.concatenate(([0], cut)), np.concatenate((cut, [P]))
+        per_run = -(-(run_hi - run_lo) // WARPS)
+        first = (np.repeat(run_lo, per_run) + WARPS * (np.arange(int(per_run.sum())) - np.repeat(
+            np.cumsum(per_run) - per_run, per_run))).astype(np.int64)
+        count = np.minimum(WARPS, np.repeat(run_hi, per_run) - first)
+        blocks = np.stack([ts[first], first, count, np.zeros_like(first)], 1).astype(np.int32).reshape(-1, 4)
         toff, tbytes = [], 0
         for tb in tables:
             toff.append(tbytes)
             tbytes += tb.data.size
-        tdesc = [(o, tb.mode, tb.precision, tb.lo, tb.smem_words, tb.aux, tb.symbytes, 0) for o, tb in zip(toff, tables)]
+        tdesc = np.array([(o, tb.mode, tb.precision, tb.lo, tb.smem_words, tb.aux, tb.symbytes, 0)
+                          for o, tb in zip(toff, tables)], dtype=np.int64).reshape(-1, 8)
         tab_host = np.zeros(max(tbytes, _ALIGN), dtype=np.uint8)
         for o, tb in zip(toff, tables):
             tab_host[o: o + tb.data.size] = tb.data
-        device = torch.device(device)
-        return cls(torch.from_numpy(np.ascontiguousarray(pdesc, dtype=np.int64).reshape(-1, 4)).to(device),
-                   torch.from_numpy(order).to(device),
-                   torch.tensor(np.array(blocks, dtype=np.int32).reshape(-1, 4)).to(device),
-                   torch.tensor(np.array(tdesc, dtype=np.int64).reshape(-1, 8)).to(device),
-                   torch.from_numpy(tab_host).to(device),
+        pd, od, bd, td, tabd = upload([np.ascontiguousarray(pdesc, np.int64), order, blocks, tdesc, tab_host], device)
+        return cls(pd.reshape(-1, 4), od, bd.reshape(-1, 4), td.reshape(-1, 8), tabd,
                    max([4 * tb.smem_words for tb in tables] + [0]), len(blocks))
 
     def launch(self, data: torch.Tensor, out: torch.Tensor, status: torch.Tensor) -> None:

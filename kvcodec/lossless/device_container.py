@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvcodec import container
+from kvcodec.cuda.transfer import upload
 from kvcodec.errors import CorruptStreamError
 
 _HEAD_GUESS = 1 << 16  # bytes fetched first: the prefix and, usually, the whole header
@@ -41,7 +42,7 @@ def assemble(kind: str, meta: dict, sections: dict[str, torch.Tensor], crcs: lis
     head = container.header_bytes(kind, meta, entries)
     total = entries[-1]["offset"] + entries[-1]["nbytes"] if entries else len(head)
     out = torch.empty(total, dtype=torch.uint8, device=device)
-    out[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    out[: len(head)].copy_(upload([np.frombuffer(head, np.uint8)], device)[0])
     pos = len(head)
     for e, t in zip(entries, sections.values()):
         out[pos: e["offset"]].zero_()
@@ -122,13 +123,8 @@ def integrity_errors(blob: torch.Tensor, secs: dict[str, DeviceSection], gaps, e
 
     bufs = [s.bytes for s in secs.values()] + [t.reshape(-1).view(torch.uint8) for t, _ in extra]
     expected = [s.crc32 for s in secs.values()] + [int(c) for _, c in extra]
-    flags = []
-    if bufs:
-        got = crc32_many(bufs)
-        flags.append((got != torch.tensor(expected, dtype=torch.int64).to(blob.device)).to(torch.int32))
-    if gaps:
-        idx = torch.from_numpy(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in gaps])).to(blob.device)
-        flags.append((blob[idx] != 0).any().to(torch.int32).reshape(1))
-    else:
-        flags.append(torch.zeros(1, dtype=torch.int32, device=blob.device))
+    idx = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in gaps] + [np.zeros(1, np.int64)])
+    want, idx = upload([np.asarray(expected, np.int64), idx], blob.device)  # the last index only pads
+    flags = [(crc32_many(bufs) != want).to(torch.int32)] if bufs else []
+    flags.append((blob[idx[:-1]] != 0).any().to(torch.int32).reshape(1))
     return torch.cat(flags)

@@ -32,6 +32,6 @@ def int_list(v, lo: int, hi: int, what: str, max_len: int | None = None) -> np.n
     """A stored list of ints, each in ``[lo, hi]``, as int64 (checked before numpy sees a value, so
     a huge or non-int entry is a CorruptStreamError, never an OverflowError)."""
     if (not isinstance(v, list) or (max_len is not None and len(v) > max_len)
-            or any(type(x) is not int or not lo <= x <= hi for x in v)):
+            or (v and (not set(map(type, v)) <= {int} or min(v) < lo or max(v) > hi))):
         raise CorruptStreamError(f"{what} is not a list of ints in [{lo}, {hi}]")
     return np.array(v, np.int64)
