@@ -95,7 +95,7 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_registered_after_one_import():
-    assert {"kvcodec_lossless", "kvcodec_turboquant"} <= set(get_registered_serde_types())
+    assert {"kvcodec_lossless", "kvcodec_turboquant", "kvcodec_transform"} <= set(get_registered_serde_types())
     kvlm.register()  # idempotent
 
 
@@ -206,6 +206,53 @@ def test_frame_rejects_every_damage():
         kvlm.write_frame(torch.zeros(100, dtype=torch.uint8), kvlm.LOSSLESS, payload)
 
 
+@pytest.fixture(scope="module")
+def transform_calibration(sample, tmp_path_factory):
+    """A chunk-relative calibration of the sample's 8 layers (fitted on the sample itself: a
+    functional test of the serde, not a held-out quality figure; bench_transform has those)."""
+    from kvcodec import transform
+
+    path = tmp_path_factory.mktemp("calib") / "smollm2-8layers.kvtc"
+    kvlm.fit_chunk_calibration(sample.keys, sample.values, transform.RoPE.default(64, sample.meta["rope_theta"]),
+                               chunk_tokens=128).save(path)
+    return str(path)
+
+
+def test_fs_transform_round_trip_slot_and_corruption(tmp_path, sample, chunk, transform_calibration):
+    serde = {"type": "kvcodec_transform", "calibration": transform_calibration, "bits": 3.0}
+    store, base = fs_store(tmp_path, serde)
+    try:
+        key = store.put(chunk, lambda: files_in(base))
+        (path,) = files_in(base)
+        stored = path.stat().st_size
+        back = store.get(key, chunk)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 4] ^= 0x08
+        path.write_bytes(bytes(data))
+        damaged = store.get(key, chunk)
+    finally:
+        store.close()
+    assert stored == kvlm.FRAME.size + math.ceil(3.0 * chunk.numel() / 8 * 1.02)  # fixed slot: ~5.2x vs bf16
+    assert back is not None and back.dtype == chunk.dtype and back.shape == chunk.shape
+    assert bit_equal(back[:, :, :1], chunk[:, :, :1])  # exact_tokens=1: the attention sink
+    k_hat, v_hat = kvlm.kv_unchunk(back, sample.n_kv_heads)
+    assert attention_error(sample, k_hat, v_hat) < 0.12  # measured 0.072 (calibration on the same text)
+    assert damaged is None
+
+
+def test_transform_serde_refuses_another_models_chunk(chunk, transform_calibration):
+    proc = create_serde_processor(SerdeConfig(type="kvcodec_transform", kwargs={"calibration": transform_calibration}))
+    try:
+        ser = proc._serializer
+        small = chunk[:, :4].contiguous()
+        dst = torch.zeros(ser.estimate_serialized_size(MemoryLayoutDesc(shapes=[small.shape], dtypes=[small.dtype])),
+                          dtype=torch.uint8)
+        with pytest.raises(ValueError, match="does not match the calibration"):
+            ser.serialize(kvlm.host_memory_obj(small), kvlm.host_memory_obj(dst), None)
+    finally:
+        proc.close()
+
+
 @pytest.mark.parametrize("kwargs", [
     {"type": "kvcodec_lossless", "slot_ratio": 0.5},
     {"type": "kvcodec_lossless", "codec": "zstd"},
@@ -214,6 +261,9 @@ def test_frame_rejects_every_damage():
     {"type": "kvcodec_turboquant", "head_dim": 2},
     {"type": "kvcodec_turboquant", "bits": 4},
     {"type": "kvcodec_turboquant", "max_workers": 0},
+    {"type": "kvcodec_transform"},
+    {"type": "kvcodec_transform", "calibration": "/nonexistent/model.kvtc"},
+    {"type": "kvcodec_transform", "calibration": "/nonexistent/model.kvtc", "rate": 2},
 ])
 def test_bad_config_raises_value_error(kwargs):
     kwargs = dict(kwargs)

@@ -94,7 +94,7 @@ def test_calibration_file_round_trip_and_validation(calib, tmp_path):
             T.Calibration.from_bytes(bytes(bad))
     # a well-formed file with the wrong version, a non-orthonormal basis, or extra arrays is refused
     meta, arrays = calib.meta(), calib.arrays()
-    cases = [({**meta, "version": 2}, arrays),
+    cases = [({**meta, "version": 99}, arrays),
              (meta, {**arrays, "basis": arrays["basis"] * 1.5}),
              (meta, {**arrays, "extra": np.zeros(3, np.float32)}),
              (meta, {**arrays, "scales": np.zeros_like(arrays["scales"])}),
@@ -283,7 +283,7 @@ def test_forged_headers_are_refused_before_allocation(small_blob, calib):
     forged = [
         {"shape": [L_, H_, 1 << 24, D_]},  # would allocate gigabytes
         {"shape": [L_, H_, T_ + 1, D_]},
-        {"version": 2}, {"dtype": "int8"}, {"step": -1.0}, {"chunk": 0},
+        {"version": 1}, {"dtype": "int8"}, {"step": -1.0}, {"chunk": 0},
         {"classes": meta["classes"][:-1]}, {"classes": [[300, 0, 1, 1, 1]]}, {"sinks": 3},
     ]
     for change in forged:
@@ -306,3 +306,35 @@ def test_gpu_decode_matches_cpu(calib, rope):
     # the same blob encoded from CUDA tensors honours the rate
     blob_g = T.encode(k.cuda(), v.cuda(), calib, bits=2.0)
     assert abs(true_bits(blob_g, k) / 2.0 - 1) <= 0.02
+
+
+# ------------------------------------------------------------------- measured distortion weights
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_sensitivity_weights_follow_the_models_kl(tiny_llama, monkeypatch):
+    from kvcodec.transform import sensitivity
+
+    ids = torch.randint(0, 96, (1, 160), generator=torch.Generator().manual_seed(1))
+    found = []
+    monkeypatch.setattr(sensitivity, "weights_from", lambda ms: found.extend(ms) or np.ones((4, 2)))
+    calib = sensitivity.fit_model(tiny_llama, [ids], layers_per_group=2, joint_kv=True, scored=24, window=16)
+    assert calib.weighting == "custom" and calib.layers_per_group == 2 and calib.joint_kv
+    (m,) = found
+    assert m["kl"].shape == (4, 2) and np.all(m["kl"] > 0) and np.all(m["sq_error"] > 0) and m["tokens"] == 24
+    w = sensitivity.weights_from([m, m])
+    assert w.shape == (4, 2) and abs(w.mean() - 1) < 1e-9 and w.min() >= sensitivity.WEIGHT_FLOOR * np.median(w) * 0.999
+    # a part whose weight is raised gets less error at the same total distortion
+    k, v = sensitivity._prefix_kv(tiny_llama, ids[:, :136])
+    heavy = np.ones((4, 2))
+    heavy[1, 0] = 30.0
+    cals = [T.fit(k, v, calib.rope, weights=w_, layers_per_group=2, joint_kv=True) for w_ in (heavy, np.ones((4, 2)))]
+    errs = [rel_sq_error(T.decode(T.encode(k, v, c, distortion=0.05, window=16), c)[0][1], k[1]) for c in cals]
+    assert errs[0] < errs[1] / 2  # measured 0.019 vs 0.045

@@ -1,6 +1,7 @@
-"""kvcodec's codecs as LMCache L2 serdes: ``kvcodec_lossless`` and ``kvcodec_turboquant``.
+"""kvcodec's codecs as LMCache L2 serdes: ``kvcodec_lossless``, ``kvcodec_turboquant`` and
+``kvcodec_transform``.
 
-``import kvcodec.integrations.lmcache`` registers both with LMCache's serde factory, after which
+``import kvcodec.integrations.lmcache`` registers them with LMCache's serde factory, after which
 an L2 adapter config names them like LMCache's own ``fp8`` (LMCache 0.5.6 has no plug-in entry
 point for serdes, so the import must run in the process that builds the storage manager;
 ``python -m kvcodec.integrations.lmcache server ...`` is ``lmcache server ...`` with them registered):
@@ -8,6 +9,8 @@ point for serdes, so the import must run in the process that builds the storage 
     {"type": "fs", "base_path": "/kv", "serde": {"type": "kvcodec_lossless"}}
     {"type": "resp", "host": "10.0.0.5", "port": 6379,
      "serde": {"type": "kvcodec_turboquant", "head_dim": 128, "key_bits": 4, "value_bits": 4}}
+    {"type": "fs", "base_path": "/kv", "serde": {"type": "kvcodec_transform", "calibration": "/models/x.kvtc",
+                                                  "bits": 2.0}}
 
 Fixed-size slots. LMCache 0.5.6 allocates the buffer an L2 adapter loads into from
 ``estimate_serialized_size`` and its fs and resp adapters count a stored object of any other
@@ -47,7 +50,7 @@ from kvcodec.quant import QuantizedTensor, TurboQuantMSE, TurboQuantOutlier
 log = logging.getLogger(__name__)
 
 MAGIC, VERSION = magics.LMCACHE_FRAME, 1
-LOSSLESS, TURBOQUANT = 1, 2
+LOSSLESS, TURBOQUANT, TRANSFORM = 1, 2, 3
 FRAME = struct.Struct("<4sBBHQI12x")  # magic, version, kind, reserved, payload bytes, crc32: 32 bytes
 TQ_KIND = "kvcodec.lmcache.turboquant"
 HEADER_SLACK = 256
@@ -281,6 +284,77 @@ class TurboQuantDeserializer(Deserializer):
             out[part, :, e:] = rec.transpose(1, 2).reshape(out.shape[1], n_tokens - e, out.shape[3]).to(out.dtype)
 
 
+# ---------------------------------------------------------------------------------- transform
+class TransformSerializer(Serializer):
+    """Lossy, KVTC-class: ``kvcodec.transform.encode`` of the chunk at ``bits`` true bits per value
+    (everything counted), in a slot of ``bits`` x raw values + 2% (the rate control's promise).
+
+    LMCache hands a serde a chunk and a content hash, not the chunk's token positions, so keys are
+    taken back from RoPE *relative to the chunk start* (positions 0..tokens-1): the calibration
+    must be fitted the same way (``fit_chunk_calibration``). ``exact_tokens``: the first tokens of
+    every chunk stay exact (the chunk at position 0 keeps the attention sink)."""
+
+    def __init__(self, calib, bits: float, exact_tokens: int, threads: int):
+        self.calib, self.bits, self.exact_tokens, self.threads = calib, bits, exact_tokens, threads
+
+    def estimate_serialized_size(self, layout_desc) -> int:
+        if len(layout_desc.shapes) != 1:
+            raise ValueError("kvcodec_transform handles single-tensor KV chunks")
+        n_values = math.prod(int(d) for d in layout_desc.shapes[0])
+        return FRAME.size + math.ceil(self.bits * n_values / 8 * (1 + 2 * _rate_tolerance()))
+
+    def serialize(self, src, dst, key) -> int:
+        from kvcodec import transform
+
+        kv = _the_tensor(src, "serialize")
+        c = self.calib
+        if kv.ndim != 4 or kv.shape[0] != 2 or kv.shape[1] != c.n_layers or kv.shape[3] != c.n_kv_heads * c.head_dim:
+            raise ValueError(f"kvcodec_transform: chunk {tuple(kv.shape)} does not match the calibration "
+                             f"([2, {c.n_layers}, tokens, {c.n_kv_heads * c.head_dim}])")
+        keys, values = kv_unchunk(kv, c.n_kv_heads)
+        blob = transform.encode(keys, values, c, self.bits, sinks=self.exact_tokens, window=0, positions_start=0)
+        return write_frame(_the_tensor(dst, "serialize"), TRANSFORM, blob)
+
+
+class TransformDeserializer(Deserializer):
+    def __init__(self, calib, threads: int):
+        self.calib, self.threads = calib, threads
+
+    def deserialize(self, src, dst, key) -> None:
+        from kvcodec import transform
+
+        out = _the_tensor(dst, "deserialize")
+        body = read_frame(_the_tensor(src, "deserialize"), TRANSFORM)
+        keys, values = transform.decode(body, self.calib, threads=self.threads,
+                                        max_output_bytes=8 * out.numel() + (1 << 20))
+        chunk = kv_chunk(keys, values)
+        _check_target(chunk.shape, container.torch_dtype_name(chunk.dtype), out)
+        out.copy_(chunk)
+
+
+def _rate_tolerance() -> float:
+    from kvcodec.transform.codec import RATE_TOLERANCE
+
+    return RATE_TOLERANCE
+
+
+def fit_chunk_calibration(keys, values, rope, chunk_tokens: int = 256, **fit_options):
+    """A transform calibration for ``kvcodec_transform``: calibration K/V [L, H, T, D] (a tensor or
+    a list, post-RoPE, each sequence starting at position 0) cut into LMCache chunks of
+    ``chunk_tokens``, every chunk's keys un-rotated from its own start, as the serde does.
+    ``fit_options`` go to ``kvcodec.transform.fit`` (layers_per_group, joint_kv, weights, ...)."""
+    from kvcodec import transform
+
+    ks = list(keys) if isinstance(keys, (list, tuple)) else [keys]
+    vs = list(values) if isinstance(values, (list, tuple)) else [values]
+    ck, cv = [], []
+    for k, v in zip(ks, vs):
+        for t0 in range(0, k.shape[2] - 1, chunk_tokens):
+            ck.append(k[:, :, t0:t0 + chunk_tokens])
+            cv.append(v[:, :, t0:t0 + chunk_tokens])
+    return transform.fit(ck, cv, rope, positions_start=0, skip_sinks=fit_options.pop("skip_sinks", 1), **fit_options)
+
+
 # ------------------------------------------------------------------------------ registration
 def _options(cls, kwargs: dict, name: str, extra=("max_workers", "threads")) -> dict:
     allowed = {f.name for f in fields(cls)} if cls else set()
@@ -322,8 +396,33 @@ def turboquant_serde(kwargs: dict):
     return AsyncSerdeProcessor(ser, TurboQuantDeserializer(), max_workers=_int(kwargs, "max_workers", 1, 1))
 
 
+def transform_serde(kwargs: dict):
+    """Factory for ``{"type": "kvcodec_transform", "calibration": path, "bits": 2.0, "exact_tokens": 1,
+    "threads": 1, "max_workers": 1}``. The calibration file is loaded (and validated) here, at startup."""
+    from kvcodec.transform import Calibration
+
+    _options(None, {k: v for k, v in kwargs.items() if k not in ("calibration", "bits", "exact_tokens")},
+             "kvcodec_transform")
+    path = kwargs.get("calibration")
+    if not isinstance(path, str) or not path:
+        raise ValueError("kvcodec_transform: 'calibration' must name a calibration file (kvcodec.transform)")
+    try:
+        calib = Calibration.load(path)
+    except (OSError, CorruptStreamError) as exc:
+        raise ValueError(f"kvcodec_transform: cannot load calibration {path!r}: {exc}") from None
+    bits = kwargs.get("bits", 2.0)
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0 < bits <= 16:
+        raise ValueError(f"kvcodec_transform: bits must be a number in (0, 16], got {bits!r}")
+    threads = _int(kwargs, "threads", 1, 1)
+    ser = TransformSerializer(calib, float(bits), _int(kwargs, "exact_tokens", 1, 0), threads)
+    log.info("kvcodec_transform is lossy: %.2f true bits per value, calibration %s (%s)", bits, path,
+             calib.fingerprint)
+    return AsyncSerdeProcessor(ser, TransformDeserializer(calib, threads), max_workers=_int(kwargs, "max_workers", 1, 1))
+
+
 DEFAULT_SLOT_RATIO = 1.4
-SERDES = {"kvcodec_lossless": lossless_serde, "kvcodec_turboquant": turboquant_serde}
+SERDES = {"kvcodec_lossless": lossless_serde, "kvcodec_turboquant": turboquant_serde,
+          "kvcodec_transform": transform_serde}
 
 
 def register() -> None:

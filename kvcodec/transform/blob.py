@@ -2,7 +2,7 @@
 
 Meta (JSON, every field validated before anything is allocated)::
 
-    {"version": 1, "calibration": fingerprint, "shape": [L, H, T, D], "dtype": "bfloat16",
+    {"version": 2, "calibration": fingerprint, "shape": [L, H, T, D], "dtype": "bfloat16",
      "positions_start": p, "sinks": s, "window": w, "step": float, "chunk": symbols per stream,
      "classes": [[class, offset, width, n_components, n_streams], ...]}
 
@@ -23,7 +23,7 @@ from kvcodec.transform.calibration import Calibration
 from kvcodec.transform.coding import ClassInfo, expected_streams
 
 KIND = "kvcodec.transform"
-VERSION = 1
+VERSION = 2  # 2: one step for every row (weights live in the calibration metric)
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_TOKENS = 1 << 24
 MAX_CHUNK = 1 << 24

@@ -227,7 +227,7 @@ class Decoder:
                 coding.decode_coefficients_cpu(h.classes, self.streams, M, h.chunk, self.rows,
                                                self.steps.numpy(), coef.numpy(), self.threads)
             pos = torch.arange(h.positions_start + head, h.positions_start + head + M)
-            k, v = from_coefficients(coef.view(L, 2, calib.groups, calib.dim, M), calib, pos)
+            k, v = from_coefficients(coef.view(calib.coef_shape(M)), calib, pos)
             keys[:, :, head: head + M], values[:, :, head: head + M] = k, v
         return keys, values
 

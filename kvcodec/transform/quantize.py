@@ -1,8 +1,8 @@
 """Coefficients <-> integer symbols: a uniform dead-zone quantizer and per-component code classes.
 
-Every component of a (layer, K/V) pair uses the same step ``step / sqrt(weight[l, kv])``: with an
-entropy coder behind it, one step for all components is the reverse water-filling solution of the
-rate-distortion problem (each component pays min(variance, step^2/12) distortion); components
+Every component uses the same step (the calibration's metric already weights layers, K/V and
+channels): with an entropy coder behind it, one step for all components is the reverse
+water-filling solution of the rate-distortion problem (each component pays min(variance, step^2/12) distortion); components
 whose spread is below the step quantize to all zeros and cost 0 bits. ``rounding`` > 0 widens the
 zero bin (encoder only, the decoder always reconstructs ``q * step``): fewer bits for the same
 step, the usual rate-distortion-optimized rounding for peaked (Laplacian-like) coefficients.
@@ -25,15 +25,11 @@ N_CLASSES = 256
 CLASS_BIAS = 48  # class = 1 + floor(4 * log2(rms)) + bias, clipped to 1..255
 
 
-def group_steps(calib: Calibration, step: float) -> np.ndarray:
-    """Quantizer step per (layer, K/V) [L, 2] float64, the same on encoder and decoder."""
-    return float(step) / np.sqrt(calib.weights)
-
-
 def row_steps(calib: Calibration, step: float, device) -> torch.Tensor:
-    """Step per coefficient row [L*2*G*n] float32 (rows ordered as ``coef.reshape(-1, M)``)."""
-    s = torch.from_numpy(group_steps(calib, step)).float()
-    return s[:, :, None].expand(-1, -1, calib.groups * calib.dim).reshape(-1).to(device)
+    """Step per coefficient row [2*L*H*D] float32 (rows ordered as ``coef.reshape(-1, M)``): one
+    step for all, the same on encoder and decoder."""
+    n_rows = 2 * calib.n_layers * calib.n_kv_heads * calib.head_dim
+    return torch.full((n_rows,), float(step), dtype=torch.float32, device=device)
 
 
 def quantize(coef_rows: torch.Tensor, steps: torch.Tensor, rounding: float = 0.0) -> torch.Tensor:
