@@ -25,6 +25,9 @@ decode, CUDA-graph timed, vs bf16 flash SDPA and % of copy bandwidth on the comp
     PYTHONPATH=. python3 benchmarks/gpu_generate.py --out $OUT --no-kernels --full-model-shapes "" \
         --shapes 32:32768,1:131072,8:131072,1:8192,8:8192,32:8192,32:131072 \
         --compile-shapes 32:32768,1:131072,8:131072 --suite gpu_generate_grid   # the rest (~6 min)
+    PYTHONPATH=. python3 benchmarks/gpu_generate.py --profile --out $OUT  # launches of one static step, 1x32k, 8x32k
+    PYTHONPATH=. python3 benchmarks/gpu_generate.py --out $OUT --no-kernels --full-model-shapes "" \
+        --shapes 1:32768,8:32768 --kinds "dynamic,kvc static+graph,kvc static+compile" --suite gpu_generate_static
     PYTHONPATH=. python3 benchmarks/gpu_generate.py --tiny --device cpu # smoke test (tests/)
 """
 
@@ -302,30 +305,47 @@ def run(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, k
     return result
 
 
-def profile_static_step(batch: int = 8, ctx: int = 32768) -> None:
-    """Kernels of one static-cache decode step (4-layer model, eager launches): count and top device times."""
+def profile_static_step(shapes=((1, 32768), (8, 32768)), out_dir=None) -> dict:
+    """Kernels of one static-cache decode step per (batch, ctx) (4-layer model, eager launches: what a
+    CUDA graph of the step replays): launch count, device time and the top kernels; JSON under out_dir."""
     from torch.profiler import ProfilerActivity, profile
 
     name = "llama8b-like"
     model, _ = build_model(name, MODELS[name], torch.device("cuda"))
-    with torch.no_grad():
-        cache = make_cache("kvc static+graph", model, batch, ctx + 64)
-        fill(cache, "kvc static+graph", model, batch, ctx, seed=1)
-        step, tok, pos = step_fn(model, cache, batch)
-        pos.fill_(ctx)
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
+    result = {"suite": SUITE + "_profile", "machine": machine_record(), "rows": []}
+    result["machine"]["gpu"] = torch.cuda.get_device_name()
+    for batch, ctx in shapes:
+        with torch.no_grad():
+            cache = make_cache("kvc static+graph", model, batch, ctx + 64)
+            fill(cache, "kvc static+graph", model, batch, ctx, seed=1)
+            step, tok, pos = step_fn(model, cache, batch)
+            pos.fill_(ctx)
+            for _ in range(3):
+                step()
             torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.count for e in events)
-    log(f"static step b{batch} x {ctx}: {total} kernel launches, "
-        f"{sum(e.self_device_time_total for e in events) / 1e3:.3f} ms device time")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
-        log(f"  {e.count:4d} x {e.self_device_time_total / max(e.count, 1):8.1f} us  {e.key[:110]}")
-    del model, cache
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        row = {"batch": batch, "ctx": ctx, "layers": MODELS[name]["num_hidden_layers"],
+               "launches": sum(e.count for e in events),
+               "device_ms": sum(e.self_device_time_total for e in events) / 1e3,
+               "top": [(e.count, round(e.self_device_time_total / max(e.count, 1), 1), e.key[:110])
+                       for e in sorted(events, key=lambda e: -e.count)[:30]]}
+        log(f"static step b{batch} x {ctx}: {row['launches']} kernel launches, {row['device_ms']:.3f} ms device time")
+        for count, us, key in row["top"]:
+            log(f"  {count:4d} x {us:8.1f} us  {key}")
+        result["rows"].append(row)
+        del cache
+        gc.collect()
+        torch.cuda.empty_cache()
+    if out_dir:
+        import json
+
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / f"{result['suite']}.json").write_text(json.dumps(result, indent=1))
+    del model
+    return result
 
 
 def kernel_table(dev) -> list[dict]:
@@ -374,10 +394,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--full-model-shapes", type=_shapes, default=((1, 32768), (8, 32768)),
                     help="shapes for the 32-layer model ('' for none)")
     ap.add_argument("--suite", default=SUITE, help="result file name (several runs of one grid)")
+    ap.add_argument("--kinds", type=lambda t: tuple(k.strip() for k in t.split(",") if k.strip()), default=ALL_ROWS,
+                    help=f"caches to measure, comma-separated among: {', '.join(ALL_ROWS)}")
     a = ap.parse_args(argv)
     if a.profile:
-        return profile_static_step()
-    return run(a.out, device=a.device, tiny=a.tiny, shapes=a.shapes, n_steps=a.steps, kernels=not a.no_kernels,
+        return profile_static_step(a.shapes or ((1, 32768), (8, 32768)), a.out)
+    unknown = set(a.kinds) - set(ALL_ROWS)
+    if unknown:
+        ap.error(f"unknown caches {sorted(unknown)}")
+    return run(a.out, device=a.device, tiny=a.tiny, shapes=a.shapes, kinds=a.kinds, n_steps=a.steps,
+               kernels=not a.no_kernels,
                budget_s=a.budget_s, compile_shapes=a.compile_shapes, full_model_shapes=a.full_model_shapes,
                suite=a.suite)
 

@@ -145,3 +145,26 @@ def test_generate_compiles_the_static_cache_through_compile_config():
     compiled = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=80), max_new_tokens=20,
                               do_sample=False, compile_config=CompileConfig(fullgraph=True))
     assert (plain == compiled).float().mean() > 0.9  # greedy on random weights: near-ties may flip late tokens
+
+
+def test_static_cache_saved_on_cuda_loads_and_continues_identically(tmp_path):
+    """save() of a CUDA static cache (on-append quantized codes) -> load(max_cache_len=) on CUDA: the
+    loaded cache replays the same steps bit for bit; the same file loads as an eager cache too."""
+    from kvcodec.hf import CompressedCache
+
+    model = _model(8, 2, 128)
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(2, 256, (2, 60), generator=gen).cuda()
+    feed = torch.randint(2, 256, (2, 20), generator=gen).cuda()
+    with torch.no_grad():
+        cache, _ = _prefilled(model, ids, 128)
+        for i in range(10):
+            model(feed[:, i:i + 1], past_key_values=cache)
+        cache.save(tmp_path / "c.kvc")
+        loaded = CompressedCache.load(tmp_path / "c.kvc", model, device="cuda", max_cache_len=128)
+        runs = []
+        for c in (cache, loaded):
+            runs.append(torch.stack([model(feed[:, i:i + 1], past_key_values=c).logits[:, -1].float()
+                                     for i in range(10, 20)]))
+        assert type(CompressedCache.load(tmp_path / "c.kvc", model.config, device="cuda")) is CompressedCache
+    assert torch.equal(runs[0], runs[1])

@@ -264,6 +264,8 @@ class StaticCompressedLayer(CacheLayerMixin):
                                  token={"codes": getattr(self, side + "_codes"), "norms": getattr(self, side + "_norms")})
             p = enc.packed(qt)
             rot, cb = _device_const(p.rotation, self.device), _device_const(p.codebook, self.device)
+            _mark_static(rot)  # the kernels' caches key on these tensors: a cudagraph tree must not copy them
+            _mark_static(cb)
             self.packed[side] = dataclasses.replace(p, rotation=rot, codebook=cb)
         self.norm_correction = {"k": self.kc.q_config()["norm_correction"], "v": self.vc.q_config()["norm_correction"]}
         self.consts = None
