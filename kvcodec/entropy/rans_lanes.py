@@ -42,15 +42,28 @@ def cumulative(freq: np.ndarray) -> np.ndarray:
 
 def decode_table(freq: np.ndarray) -> np.ndarray:
     """uint32[4096] for one table of 256 frequencies summing to 4096 (format above)."""
-    f = np.asarray(freq, np.int64)
-    sym = np.repeat(np.arange(256, dtype=np.int64), f)
-    slot = np.arange(M, dtype=np.int64)
-    return ((sym << 24) | ((f[sym] - 1) << 12) | (slot - cumulative(f)[sym])).astype(np.uint32)
+    return decode_tables(np.asarray(freq).reshape(1, 256))
 
 
 def decode_tables(freqs: np.ndarray) -> np.ndarray:
     """The decode tables of K contexts back to back (uint32[K * 4096])."""
-    return np.concatenate([decode_table(f) for f in np.asarray(freqs).reshape(-1, 256)])
+    f = np.ascontiguousarray(np.asarray(freqs).reshape(-1, 256), np.int64)
+    if f.size and (f.min() < 0 or np.any(f.sum(axis=1) != M)):
+        raise ValueError("every decode table needs 256 non-negative frequencies summing to 4096")
+    out = np.empty(f.shape[0] * M, np.uint32)
+    _fill_decode_tables(f, out)
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _fill_decode_tables(freqs, out):
+    for k in range(freqs.shape[0]):
+        slot = k * M
+        for s in range(256):
+            f = freqs[k, s]
+            for r in range(f):
+                out[slot] = (s << 24) | ((f - 1) << 12) | r
+                slot += 1
 
 
 # --------------------------------------------------------------------------- encoder
@@ -97,6 +110,31 @@ def _step(x, tabs, base, words, pos):
     return x, pos + need, d >> 24
 
 
+@njit(nogil=True, cache=True, inline="always")
+def decode_step(x, tabs, base, words, pos, end):
+    """One decode step of a lane state ``x`` with the table at ``tabs[base:base + 4096]``:
+    (x, pos, symbol). Branch-free renormalisation: the word read is ``words[min(pos, end - 1)]``
+    (``end >= 1``), so a truncated stream never reads past ``end``; it shows as ``pos > end``,
+    which the caller checks once at the end. For decoders whose table is known only after the
+    previous symbols (a model in the loop)."""
+    d = np.int64(tabs[base + (x & (M - 1))])
+    x = (((d >> 12) & 0xFFF) + 1) * (x >> PRECISION) + (d & 0xFFF)
+    need = np.int64(x < RANS_L)
+    x = (x << (need << 4)) | (np.int64(words[min(pos, end - 1)]) & (-need))
+    return x, pos + need, d >> 24
+
+
+@njit(nogil=True, cache=True, inline="always")
+def start_states(words, start, lanes, xs):
+    """Read the ``lanes`` initial states of the stream at ``words[start:]`` into ``xs``; False if
+    one is out of range (the caller checks that ``2 * lanes`` words exist)."""
+    for j in range(lanes):
+        xs[j] = np.int64(words[start + 2 * j]) | (np.int64(words[start + 2 * j + 1]) << 16)
+        if xs[j] < RANS_L:
+            return False
+    return True
+
+
 def _make_decoder(lanes: int, merge: bool):
     """The stream decoder for ``lanes`` lanes; ``merge`` writes 16-bit words (both compile-time)."""
 
@@ -110,10 +148,8 @@ def _make_decoder(lanes: int, merge: bool):
         if nw < 2 * lanes:
             return 1
         xs = np.empty(lanes, np.int64)
-        for j in range(lanes):
-            xs[j] = np.int64(words[2 * j]) | (np.int64(words[2 * j + 1]) << 16)
-            if xs[j] < RANS_L:
-                return 1
+        if not start_states(words, 0, lanes, xs):
+            return 1
         pos = 2 * lanes
         r = a // D
         nxt = (r + 1) * D - a  # stream-relative index where the next row starts
@@ -153,19 +189,13 @@ def _make_decoder(lanes: int, merge: bool):
                     continue
             # careful path (row edges, stream tail): one symbol, bounds-checked read
             j = i % lanes
-            x = xs[j]
-            d = np.int64(tabs[base + (x & (M - 1))])
-            x = (((d >> 12) & 0xFFF) + 1) * (x >> PRECISION) + (d & 0xFFF)
-            if x < RANS_L:
-                if pos >= nw:
-                    return 1
-                x = (x << 16) | np.int64(words[pos])
-                pos += 1
-            xs[j] = x
+            xs[j], pos, s = decode_step(xs[j], tabs, base, words, pos, nw)
+            if pos > nw:
+                return 1
             if merge:
-                out[i] = hi[d >> 24] | lo[side[i]]
+                out[i] = hi[s] | lo[side[i]]
             else:
-                out[i] = d >> 24
+                out[i] = s
             i += 1
         if pos != nw:
             return 1

@@ -2,6 +2,8 @@
 
 Format (``meta`` + sections ``model``, ``payload`` and, for float32, ``lo16``): see the package
 docstring. Every field read from a stream is validated before it sizes an allocation or a loop.
+Encoders write format 2 (:mod:`format2`: bins and table lookups, fast); format 1 (a continuous
+CDF per value, :mod:`kernels`) is still read, and written on request (``version=1``).
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import torch
 
 from kvcodec import container
 from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless.predictive import format2
+from kvcodec.lossless.predictive.bins import bin_grid
 from kvcodec.lossless.predictive.grid import FloatGrid, grid_for, inverse_shape_index, value_table
 from kvcodec.lossless.predictive.kernels import decode_chunks, encode_chunks
 from kvcodec.lossless.predictive.params import ChannelParams, estimated_bits, fit_params
 from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
 from kvcodec.lossless.threads import resolve_threads
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what encoders write
+READ_VERSIONS = (1, 2)  # what decoders read
 PREDICTORS = ("external", "previous_token", "neighbour_layer", "none")
 
 _CHUNK_SYMBOLS = 1 << 16  # about this many symbols per independently decodable chunk
@@ -66,12 +71,19 @@ def _prediction_f32(prediction: torch.Tensor, g: int, t: int, d: int) -> np.ndar
         raise ValueError("a prediction must be a torch.Tensor")
     if prediction.dtype.is_complex:
         raise ValueError("a prediction must be real-valued")
-    p = prediction.detach().to("cpu", torch.float32).contiguous()
-    return p.numpy().reshape(g, t, d)
+    p = prediction.detach().to("cpu").contiguous()
+    if p.dtype == torch.bfloat16:  # exact and single-threaded: the bf16 bits are a float32's top half
+        hi = p.reshape(-1).view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+        return (hi << 16).view(np.float32).reshape(g, t, d)
+    return p.to(torch.float32).numpy().reshape(g, t, d)
 
 
-def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) -> tuple[dict, dict]:
-    """Encode ``t`` (any dtype and shape); ``source`` is one of PREDICTORS."""
+def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0,
+                  version: int = FORMAT_VERSION) -> tuple[dict, dict]:
+    """Encode ``t`` (any dtype and shape); ``source`` is one of PREDICTORS; ``version`` 2 (fast,
+    the default) or 1 (the original continuous-CDF format)."""
+    if version not in READ_VERSIONS:
+        raise ValueError(f"version must be one of {READ_VERSIONS}, got {version!r}")
     if source not in PREDICTORS:
         raise ValueError(f"predictor must be one of {PREDICTORS}, got {source!r}")
     if (source == "external") != (prediction is not None):
@@ -79,7 +91,7 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
     t = t.detach().to("cpu").contiguous()
     shape = tuple(t.shape)
     g, tt, d = kv_layout(shape)
-    meta = {"v": FORMAT_VERSION, "source": source, "dtype": container.torch_dtype_name(t.dtype),
+    meta = {"v": version, "source": source, "dtype": container.torch_dtype_name(t.dtype),
             "shape": list(shape)}
     if prediction is not None and tuple(prediction.shape) != shape:
         raise ValueError("prediction must have the same shape as the tensor")
@@ -91,8 +103,9 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
         raw = t.reshape(-1).view(torch.uint8).numpy().copy() if t.numel() else np.zeros(0, np.uint8)
         return meta, {"raw": raw}
     sections: dict = {}
+    bgrid = bin_grid(t.dtype)
     if grid is None:  # float32: the upper half is a bf16 pattern; keep the lower half verbatim
-        grid = grid_for(torch.bfloat16)
+        grid, bgrid = grid_for(torch.bfloat16), bin_grid(torch.bfloat16)
         b32 = t.reshape(-1).view(torch.int32).numpy().view(np.uint32)
         sym_bits = (b32 >> 16).astype(np.uint16)
         sections["lo16"] = (b32 & 0xFFFF).astype(np.uint16)
@@ -123,6 +136,13 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0) ->
         choices = (False,)
     models = [fit_params(kx, pred, grid, tb, gain, prev_coef, sh) for sh in choices]
     model = min(models, key=lambda mdl: estimated_bits(mdl, kx, pred, grid, tb, source))
+    if version == 2:
+        unit = g // shape[0] if source == "neighbour_layer" else g
+        with _Threads(threads):
+            meta2, sec2 = format2.encode(sym_bits.reshape(g, tt, d), pred, model, bgrid, tb, unit, source)
+        meta.update(tb=tb, **meta2)
+        sections.update(sec2)
+        return meta, sections
     shared = model.shared
     n_tb = -(-tt // tb)
     sizes = np.full(g * n_tb, tb * d + 2, np.int64)
@@ -155,7 +175,7 @@ def _section(sections, name, dtype, n=None) -> np.ndarray:
 
 
 def _meta_dtype_shape(meta) -> tuple[torch.dtype, tuple[int, ...]]:
-    if not isinstance(meta, dict) or meta.get("v") != FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("v") not in READ_VERSIONS or type(meta.get("v")) is not int:
         raise CorruptStreamError("predictive stream has an unknown format version")
     dtype = dtype_from_name(meta.get("dtype"), "predictive stream")
     shape = checked_shape(meta.get("shape"), "predictive stream")
@@ -201,6 +221,7 @@ class ParsedStream:
     words: np.ndarray
     wstart: np.ndarray
     lo16: np.ndarray | None  # mode "f32split": the low halves
+    v2: format2.Parsed2 | None = None  # format 2: everything its decoder needs
 
 
 def parse_stream(meta: dict, sections: dict) -> ParsedStream:
@@ -228,6 +249,13 @@ def parse_stream(meta: dict, sections: dict) -> ParsedStream:
     tb, shared = meta.get("tb"), meta.get("shared")
     if tb != token_block(tt, d) or not isinstance(shared, bool):
         raise CorruptStreamError("predictive stream has a bad chunking or sharing field")
+    lo16 = _section(sections, "lo16", np.uint16, numel) if mode == "f32split" else None
+    if meta["v"] == 2:
+        bgrid = bin_grid(torch.bfloat16 if mode == "f32split" else dtype)
+        unit = g // shape[0] if source == "neighbour_layer" else g
+        p2 = format2.parse(meta, sections, _section, bgrid, g, tt, d, tb, unit, source)
+        return ParsedStream(dtype, shape, source, mode, None, grid, tb, -(-tt // tb), (), _NONE, _NONE, _NONE,
+                            lo16, p2)
     gp = 1 if shared else g
     n_tb = -(-tt // tb)
     n_model = ChannelParams.packed_size(source, gp, d)
@@ -238,7 +266,6 @@ def parse_stream(meta: dict, sections: dict) -> ParsedStream:
     if int(lengths.sum()) != words.size or lengths.min() < 2:
         raise CorruptStreamError("predictive stream chunk sizes do not add up to its payload")
     wstart = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    lo16 = _section(sections, "lo16", np.uint16, numel) if mode == "f32split" else None
     return ParsedStream(dtype, shape, source, mode, None, grid, tb, n_tb, margs, lengths, words, wstart, lo16)
 
 
@@ -277,7 +304,46 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
         raise CorruptStreamError("this stream was coded without a prediction tensor")
     if start == stop:
         return torch.empty(out_shape, dtype=dtype)
+    if ps.v2 is not None:
+        sym_bits = _decode_v2(ps, pred, threads, start, stop).reshape(-1)
+    else:
+        sym_bits = _decode_v1(ps, pred, threads, start, stop)
+    if mode == "f32split":
+        lo = ps.lo16.reshape(g, tt, d)[:, start:stop].reshape(-1)
+        out = (sym_bits.astype(np.uint32) << 16) | lo.astype(np.uint32)
+        return torch.from_numpy(out.view(np.int32)).view(torch.float32).reshape(out_shape)
+    return torch.from_numpy(sym_bits.view(grid.bits_np_signed)).view(dtype).reshape(out_shape)
 
+
+def _decode_v2(ps: ParsedStream, pred, threads: int, start: int, stop: int) -> np.ndarray:
+    """Bit patterns [G, stop - start, D] of a format 2 stream's tokens [start, stop)."""
+    g, tt, d = kv_layout(ps.shape)
+    grid, p2 = ps.grid, ps.v2
+    bgrid = bin_grid(torch.bfloat16 if ps.mode == "f32split" else ps.dtype)
+    cg0, _, ct0, cnt = p2.chunks
+    hit = (ct0 < stop) & (ct0 + cnt > start)
+    t0 = int(ct0[hit].min())
+    out = np.empty((g, int((ct0 + cnt)[hit].max()) - t0, d), grid.bits_np)
+    with _Threads(threads):
+        if ps.source == "neighbour_layer":
+            per_layer = g // ps.shape[0]
+            values = value_table(grid)
+            p_layer = np.zeros((per_layer, out.shape[1], d), np.float32)
+            for layer in range(ps.shape[0]):
+                sel = np.flatnonzero(hit & (cg0 >= layer * per_layer) & (cg0 < (layer + 1) * per_layer))
+                if format2.decode(p2, bgrid, sel, out, t0, p_layer, layer * per_layer, t0).any():
+                    raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
+                p_layer = values[grid.k_of_bits[out[layer * per_layer:(layer + 1) * per_layer]]]
+        elif format2.decode(p2, bgrid, np.flatnonzero(hit), out, t0, pred, 0, 0).any():
+            raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
+    return out[:, start - t0:stop - t0]
+
+
+def _decode_v1(ps: ParsedStream, pred, threads: int, start: int, stop: int) -> np.ndarray:
+    """Bit patterns (flat) of a format 1 stream's tokens [start, stop)."""
+    grid, source, shape = ps.grid, ps.source, ps.shape
+    tb, n_tb, margs, lengths, words, wstart = ps.tb, ps.n_tb, ps.margs, ps.lengths, ps.words, ps.wstart
+    g, tt, d = kv_layout(shape)
     b0, b1 = start // tb, -(-stop // tb)
     out_t0 = b0 * tb
     kx = np.empty((g, min(tt, b1 * tb) - out_t0, d), np.uint16)  # ranks < 65536: 2 bytes per value
@@ -309,12 +375,7 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
     if err.any():
         raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
     kx = kx[:, start - out_t0:stop - out_t0]
-    sym_bits = grid.bits_of_k[kx.reshape(-1)]
-    if mode == "f32split":
-        lo = ps.lo16.reshape(g, tt, d)[:, start:stop].reshape(-1)
-        out = (sym_bits.astype(np.uint32) << 16) | lo.astype(np.uint32)
-        return torch.from_numpy(out.view(np.int32)).view(torch.float32).reshape(out_shape)
-    return torch.from_numpy(sym_bits.view(grid.bits_np_signed)).view(dtype).reshape(out_shape)
+    return grid.bits_of_k[kx.reshape(-1)]
 
 
 class PredictiveCodec:

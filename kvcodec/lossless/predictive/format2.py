@@ -1,0 +1,245 @@
+"""Format 2 of the predictive / kvctx streams: bins, per-class tables and the 32-lane rANS.
+
+The model is format 1's (location ``m``, gain ``c``, previous-token coefficient ``a`` per channel,
+fitted by :func:`params.fit_params`); what changed is how a value's probability is found: not by
+evaluating a CDF at its bin edges but by the bins of :mod:`bins` and a table lookup
+(:mod:`tables`), which is what makes it ~10x faster. Stored per channel (each field coded with
+:func:`kvcodec.entropy.encode`, so a field of similar values costs a few bits a channel):
+
+- ``level``: the scale as floor(4 * log2(s / step)), only its quarter octave matters (bins and class);
+- ``mq``: the location in units of the channel's bin width ``2**es`` steps (round(m / 2**es));
+- ``c``, ``a``: int8 / 64, as in format 1 (only the fields the source does not fix).
+
+Stream: meta adds ``lanes`` (8 or 32) to format 1's fields; sections ``model`` (uint8: u32 length +
+parameters, u32 length + tables, then per chunk the u32 rANS word count and u32 raw-bit word
+count), ``payload`` (uint16: the chunks' rANS streams in order, each ``rans_lanes``' layout) and
+``bits`` (uint32: the chunks' raw bits in order). Chunks: :func:`chunk_layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcodec import entropy
+from kvcodec.entropy import rans_lanes
+from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless.predictive.binned import decode_chunks, symbolise, write_chunks
+from kvcodec.lossless.predictive.bins import EP_MAX, N_CLASSES, BinGrid, bin_exponent, scale_levels
+from kvcodec.lossless.predictive.params import Q, ChannelParams, stored_fields
+from kvcodec.lossless.predictive.tables import decode_tables, fit_tables, pack_tables, unpack_tables
+
+CHUNK_VALUES = 1 << 16  # about this many values per independently decodable chunk
+WIDE_LANES_FROM = 1 << 14  # chunks this large use 32 lanes (the GPU warp), smaller ones 8
+_LEVEL_LO, _LEVEL_HI = -64, 4 * EP_MAX + 15
+_MQ_MAX = 32767
+
+
+def chunk_layout(g: int, tt: int, d: int, tb: int, unit: int):
+    """(first g, g count, first token, token count) per chunk, int64 arrays: blocks of ``tb``
+    tokens x as many consecutive leading indices as fill ~CHUNK_VALUES, never crossing a multiple
+    of ``unit`` (a layer, for the neighbour-layer predictor)."""
+    gb = max(1, min(unit, CHUNK_VALUES // max(tb * d, 1)))
+    starts = [(u0 + k, min(gb, unit - k)) for u0 in range(0, g, unit) for k in range(0, unit, gb)]
+    gs = np.array([s for s, _ in starts], np.int64)
+    ng = np.array([n for _, n in starts], np.int64)
+    ts = np.arange(0, tt, tb, dtype=np.int64)
+    nt = np.minimum(tb, tt - ts)
+    return np.repeat(gs, ts.size), np.repeat(ng, ts.size), np.tile(ts, gs.size), np.tile(nt, gs.size)
+
+
+@dataclass
+class BinParams:
+    """Format 2's per-channel parameters [Gp, D] (see the module docstring)."""
+
+    level: np.ndarray
+    mq: np.ndarray
+    c: np.ndarray  # int8, value / Q
+    a: np.ndarray  # int8, value / Q
+    shared: bool
+
+    @classmethod
+    def from_channel(cls, p: ChannelParams, grid: BinGrid) -> "BinParams":
+        s_v = np.asarray(p.s, np.float64) * 2.0 ** -grid.eoff
+        level = np.clip(scale_levels(s_v), _LEVEL_LO, _LEVEL_HI)
+        step = 2.0 ** (bin_exponent(level) + grid.eoff)
+        with np.errstate(all="ignore"):
+            mq = np.clip(np.nan_to_num(np.round(np.asarray(p.m, np.float64) / step)), -_MQ_MAX, _MQ_MAX)
+        return cls(level=level.astype(np.int64), mq=mq.astype(np.int64), c=p.c.astype(np.int8),
+                   a=p.a.astype(np.int8), shared=p.shared)
+
+    def kernel_args(self, grid: BinGrid):
+        """(m, c, a, es, level): float64 location / gain / coefficient, int64 bin exponent and level."""
+        es = bin_exponent(self.level).astype(np.int64)
+        m = self.mq.astype(np.float64) * 2.0 ** (es + grid.eoff).astype(np.float64)
+        return m, self.c.astype(np.float64) / Q, self.a.astype(np.float64) / Q, es, self.level
+
+    def pack(self, source: str) -> bytes:
+        """Each stored field as non-negative integers (level - its minimum, zigzag mq, int8 bytes)
+        coded with ``entropy.encode`` (bytes when they fit: the faster decoder), after a 4-byte
+        offset."""
+        parts = []
+        for f in stored_fields(source):
+            if f == "s":
+                lo = int(self.level.min())
+                arr = self.level - lo
+            elif f == "m":
+                lo, arr = 0, (self.mq << 1) ^ (self.mq >> 63)  # zigzag
+            else:
+                lo, arr = 0, getattr(self, f).view(np.uint8)
+            arr = np.ascontiguousarray(arr, np.uint8 if int(arr.max()) < 256 else np.uint16).reshape(-1)
+            parts.append(lo.to_bytes(4, "little", signed=True) + entropy.encode(arr, coder="rans"))
+        return _join(parts)
+
+    @classmethod
+    def unpack(cls, blob: bytes, source: str, gp: int, d: int, shared: bool) -> "BinParams":
+        fields = stored_fields(source)
+        parts = _split(blob, len(fields))
+        vals = {"level": np.zeros((gp, d), np.int64), "mq": np.zeros((gp, d), np.int64),
+                "c": np.full((gp, d), Q if source == "external" else 0, np.int8),
+                "a": np.full((gp, d), Q, np.int8)}
+        for f, part in zip(fields, parts):
+            lo = int.from_bytes(part[:4], "little", signed=True)
+            arr = entropy.decode(part[4:], max_symbols=gp * d, max_output_bytes=None)
+            if len(part) < 4 or arr.size != gp * d or (f in ("a", "c") and arr.dtype != np.uint8):
+                raise CorruptStreamError("predictive stream has a malformed parameter field")
+            arr = arr.reshape(gp, d).astype(np.int64)
+            if f == "s":
+                vals["level"] = arr + lo
+                if lo < _LEVEL_LO or vals["level"].max() > _LEVEL_HI:
+                    raise CorruptStreamError("predictive stream has a scale level out of range")
+            elif f == "m":
+                if lo or arr.max() > 2 * _MQ_MAX:
+                    raise CorruptStreamError("predictive stream has a location out of range")
+                vals["mq"] = (arr >> 1) ^ -(arr & 1)
+            else:
+                vals[f] = arr.astype(np.uint8).view(np.int8)
+        return cls(shared=shared, **vals)
+
+
+def _join(parts: list[bytes]) -> bytes:
+    return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+
+
+def _split(blob: bytes, n: int) -> list[bytes]:
+    parts, pos = [], 0
+    for _ in range(n):
+        if pos + 4 > len(blob):
+            raise CorruptStreamError("predictive stream model section ends early")
+        k = int.from_bytes(blob[pos:pos + 4], "little")
+        if pos + 4 + k > len(blob):
+            raise CorruptStreamError("predictive stream model section ends early")
+        parts.append(blob[pos + 4:pos + 4 + k])
+        pos += 4 + k
+    if pos != len(blob):
+        raise CorruptStreamError("predictive stream model section has trailing bytes")
+    return parts
+
+
+def _grid_args(grid: BinGrid):
+    return (grid.width, grid.sign, grid.mb, grid.maxmag, grid.escape, grid.unit, 2.0 ** -grid.eoff)
+
+
+def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int, unit: int,
+           source: str) -> tuple[dict, dict]:
+    """Code bit patterns ``pats`` [G, T, D] (uint8/uint16) with ``model``: (meta fields, sections).
+    Run inside the caller's thread-count context."""
+    g, tt, d = pats.shape
+    bp = BinParams.from_channel(model, grid)
+    m, c, a, es, level = bp.kernel_args(grid)
+    cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, unit)
+    sizes = cng * cnt * d
+    coff = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    n = int(coff[-1])
+    sym, cls, nbits = (np.empty(n, np.uint8) for _ in range(3))
+    code = np.empty(n, np.uint32)
+    chunk_bits = np.zeros(cg0.size, np.int64)
+    hist = np.zeros((cg0.size, N_CLASSES, 256), np.int32)
+    has_pred = pred is not None
+    p = pred if has_pred else np.zeros((1, 1, 1), np.float32)
+    symbolise(pats, p, has_pred, m, c, a, es, level, bp.shared, cg0, cng, ct0, cnt, coff, *_grid_args(grid),
+              sym, cls, code, nbits, chunk_bits, hist)
+    freq = fit_tables(hist.sum(axis=0, dtype=np.int64))
+    lanes = 32 if sizes.max() >= WIDE_LANES_FROM else 8
+    bwords = (chunk_bits + 31) // 32
+    bstart = np.concatenate([[0], np.cumsum(bwords)]).astype(np.int64)
+    bits = np.zeros(int(bstart[-1]), np.uint32)
+    wcap = np.concatenate([[0], np.cumsum(sizes + 2 * lanes)]).astype(np.int64)
+    words = np.empty(int(wcap[-1]), np.uint16)
+    wstart = np.empty(cg0.size, np.int64)
+    write_chunks(sym, cls, code, nbits, coff, freq, rans_lanes.cumulative(freq), lanes, wcap, words, wstart,
+                 bstart, bits)
+    wlen = wcap[1:] - wstart
+    keep = np.zeros(words.size, bool)
+    for s0, s1 in zip(wstart, wcap[1:]):
+        keep[s0:s1] = True
+    counts = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
+    head = _join([bp.pack(source), pack_tables(freq).tobytes()])
+    model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts])
+    return {"shared": bp.shared, "lanes": lanes}, {"model": model_blob, "payload": words[keep], "bits": bits}
+
+
+@dataclass(frozen=True)
+class Parsed2:
+    """A format 2 stream's fields, each checked against the others."""
+
+    margs: tuple  # BinParams.kernel_args()
+    shared: bool
+    tabs: np.ndarray
+    lanes: int
+    chunks: tuple  # chunk_layout()
+    wstart: np.ndarray
+    wlen: np.ndarray
+    bstart: np.ndarray
+    blen: np.ndarray
+    words: np.ndarray
+    bits: np.ndarray
+
+
+def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d: int, tb: int, unit: int,
+          source: str) -> Parsed2:
+    """Check a format 2 stream's fields and section sizes (CorruptStreamError); ``section`` reads
+    a typed section."""
+    shared, lanes = meta.get("shared"), meta.get("lanes")
+    if not isinstance(shared, bool) or lanes not in rans_lanes.LANES or type(lanes) is not int:
+        raise CorruptStreamError("predictive stream has a bad sharing or lane field")
+    chunks = chunk_layout(g, tt, d, tb, unit)
+    nc = chunks[0].size
+    blob = section(sections, "model", np.uint8)
+    if blob.size < 4:
+        raise CorruptStreamError("predictive stream model section is too short")
+    k = int.from_bytes(blob[:4].tobytes(), "little")
+    if blob.size != 4 + k + 8 * nc:
+        raise CorruptStreamError("predictive stream model section has the wrong size")
+    params, tables = _split(blob[4:4 + k].tobytes(), 2)
+    gp = 1 if shared else g
+    margs = BinParams.unpack(params, source, gp, d, shared).kernel_args(grid)
+    tabs = decode_tables(unpack_tables(np.frombuffer(tables, np.uint8)))
+    counts = blob[4 + k:].copy().view("<u4").astype(np.int64)
+    wlen, blen = counts[:nc], counts[nc:]
+    words = section(sections, "payload", np.uint16)
+    bits = section(sections, "bits", np.uint32)
+    if int(wlen.sum()) != words.size or wlen.min() < 2 * lanes or int(blen.sum()) != bits.size:
+        raise CorruptStreamError("predictive stream chunk sizes do not add up to its payload")
+    if np.any(blen > 2 * chunks[1] * chunks[3] * d):  # at most 64 raw bits per value
+        raise CorruptStreamError("predictive stream has a chunk with too many raw bits")
+    wstart = np.concatenate([[0], np.cumsum(wlen)[:-1]]).astype(np.int64)
+    bstart = np.concatenate([[0], np.cumsum(blen)[:-1]]).astype(np.int64)
+    bits = bits if bits.size else np.zeros(1, np.uint32)  # the kernel's branch-free reads need one word
+    return Parsed2(margs, shared, tabs, lanes, chunks, wstart, wlen, bstart, blen, words, bits)
+
+
+def decode(ps: Parsed2, grid: BinGrid, select: np.ndarray, out: np.ndarray, out_t0: int, pred, pred_g0: int,
+           pred_t0: int) -> np.ndarray:
+    """Decode chunks ``select`` (indices) into ``out`` [G, T', D] (its token 0 is ``out_t0``); the
+    prediction's [0, 0] is (pred_g0, pred_t0). Returns the per-chunk error flags. Run inside the
+    caller's thread-count context."""
+    cg0, cng, ct0, cnt = (x[select] for x in ps.chunks)
+    err = np.zeros(select.size, np.int32)
+    has_pred = pred is not None
+    p = pred if has_pred else np.zeros((1, 1, 1), np.float32)
+    decode_chunks(ps.words, ps.wstart[select], ps.wlen[select], ps.bits, ps.bstart[select], ps.blen[select],
+                  cg0, cng, ct0, cnt, p, has_pred, pred_g0, pred_t0, *ps.margs, ps.shared, ps.tabs, ps.lanes,
+                  *_grid_args(grid), out, 0, out_t0, err)
+    return err

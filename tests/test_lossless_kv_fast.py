@@ -1,0 +1,220 @@
+"""Format 2 of kvctx / predictive (bins + per-class tables + 32-lane rANS) against independent references."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kvcodec import CorruptStreamError
+from kvcodec.entropy import rans, rans_lanes
+from kvcodec.lossless import predictive
+from kvcodec.lossless.api import compress, decompress
+from kvcodec.lossless.predictive import binned, bins, format2, tables
+from kvcodec.lossless.predictive.cdf import location
+from kvcodec.lossless.predictive.codec import kv_layout
+
+DTYPES = [d for d in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
+                      torch.float8_e4m3fnuz, torch.float8_e5m2fnuz) if d in bins._LAYOUTS]
+
+
+def patterns(t: torch.Tensor) -> np.ndarray:
+    view = torch.uint8 if t.element_size() == 1 else torch.int16
+    return t.contiguous().view(view).numpy().view(np.uint8 if t.element_size() == 1 else np.uint16)
+
+
+def _magnitude_values(dtype):
+    """|value| of every positive magnitude pattern, from torch (not from the bins' V formula)."""
+    bg = bins.bin_grid(dtype)
+    mags = np.arange(1 << (bg.width - (1 if bg.sign else 0)))
+    signed = np.int8 if bg.width == 8 else np.int16
+    return torch.from_numpy(mags.astype(np.uint16 if bg.width == 16 else np.uint8).view(signed)).view(dtype).double().numpy()
+
+
+MAG_VALUES = {d: _magnitude_values(d) for d in DTYPES}
+
+
+def reference_bin(dtype, pat: int, ep: int, centre: int):
+    """What the bins of width 2**ep steps must give a pattern, from its real value: None for an
+    escape, else (symbol, bin index u, patterns in the bin, rank of the pattern in the bin)."""
+    bg = bins.bin_grid(dtype)
+    signed = np.int8 if bg.width == 8 else np.int16
+    val = torch.from_numpy(np.array([pat]).astype(np.uint8 if bg.width == 8 else np.uint16).view(signed)).view(dtype)
+    v = float(val.double())
+    if not math.isfinite(v) or bg.escape[pat]:
+        return None
+    q = 2.0 ** (ep + bg.eoff)
+    u = math.floor(abs(v) / q)
+    j = -1 - u if pat & bg.sign else u
+    if abs(j - centre) > bins.CENTRE:
+        return None
+    mags = MAG_VALUES[dtype]
+    lo, hi = np.searchsorted(mags, u * q, "left"), np.searchsorted(mags, (u + 1) * q, "left")
+    mag = pat & ~bg.sign & ((1 << bg.width) - 1)
+    return j - centre + bins.CENTRE, u, int(hi - lo), int(mag - lo)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), pat=st.integers(0, 65535), ep=st.integers(0, 300), shift=st.integers(-130, 130))
+def test_bins_match_a_reference_from_real_values(dtype, pat, ep, shift):
+    bg = bins.bin_grid(dtype)
+    pat &= (1 << bg.width) - 1
+    mag = pat & ~bg.sign & ((1 << bg.width) - 1)
+    u_true = int(bins._bin_of_mag(mag, ep, bg.mb))
+    centre = min(max((-1 - u_true if pat & bg.sign else u_true) + shift, -(1 << 20)), 1 << 20)
+    sym, code, nb = bins.encode_value(pat, ep, centre, bg.width, bg.sign, bg.mb, bg.escape)
+    ref = reference_bin(dtype, pat, ep, centre)
+    if sym == bins.ESC:
+        assert code == pat and nb == bg.width
+        if ref is not None:  # a codable value escapes only deep in bin 0 or in bins no centre reaches
+            assert ref[1] == 0 or ref[1] >= 4096
+        return
+    assert ref is not None and sym == ref[0]
+    _, u, count, rank = ref
+    if u > 0 or ep <= bg.mb + 1:  # a bin inside one binade: every pattern equally likely
+        assert count == 1 << nb and code == rank
+    else:  # bin 0 below several binades: the binade's depth in unary (each level down is half as
+        # likely under a flat density), then the mantissa; the lowest level holds the subnormals too
+        steps = abs(float(MAG_VALUES[dtype][mag])) / 2.0 ** bg.eoff
+        last = ep - bg.mb - 1
+        depth = last if steps < 2 ** (bg.mb + 1) else ep - 1 - math.floor(math.log2(steps))
+        assert depth < bins.DEPTH_MAX and 0 <= rank < count
+        assert nb == (depth + bg.mb + 1 if depth == last else depth + 1 + bg.mb)
+        assert (code & ((1 << (depth + 1)) - 1)) == (0 if depth == last else 1 << depth) or depth == last
+    neg, mag_back, used, ok = binned._decode_mag(sym, ep, centre, bg.mb, bg.maxmag, code, 40)
+    assert ok and used == nb and mag_back == mag and bool(neg) == bool(pat & bg.sign)
+
+
+def reference_stream(t: torch.Tensor, meta, sections, prediction=None):
+    """Chunk 0 of a format 2 stream rebuilt value by value in Python: the model from the stored
+    parameters, each value's bins and class, the symbols through the pure-Python rANS reference
+    (``rans.encode_ctx``) and the raw bits packed by hand."""
+    dtype = t.dtype
+    bg = bins.bin_grid(dtype)
+    g_n, t_n, d_n = kv_layout(tuple(t.shape))
+    p2 = predictive.codec.parse_stream(meta, sections).v2
+    m, c, a, es, level = p2.margs
+    cg0, cng, ct0, cnt = (int(x[0]) for x in p2.chunks)
+    pats = patterns(t).reshape(g_n, t_n, d_n)
+    pred = None if prediction is None else prediction.float().numpy().reshape(g_n, t_n, d_n)
+    syms, ctxs, raw = [], [], []
+    for g in range(cg0, cg0 + cng):
+        gp = 0 if p2.shared else g
+        dev = np.zeros(d_n)
+        for tok in range(ct0, ct0 + cnt):
+            for d in range(d_n):
+                p = 0.0 if pred is None or not np.isfinite(pred[g, tok, d]) else float(pred[g, tok, d])
+                base, mu = location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
+                mv = mu * 2.0 ** -bg.eoff
+                ep, centre, k = bins.locate(mv if abs(mv) < bins.MU_MAX else 0.0, es[gp, d], level[gp, d], bg.mb)
+                s, code, nb = bins.encode_value(int(pats[g, tok, d]), ep, centre, bg.width, bg.sign, bg.mb, bg.escape)
+                syms.append(s)
+                ctxs.append(k)
+                raw.append((int(code), int(nb)))
+                val = float(t.reshape(g_n, t_n, d_n)[g, tok, d].double())
+                dev[d] = val - base if math.isfinite(val) and not bg.escape[pats[g, tok, d]] else 0.0
+    freq = tables.unpack_tables(np.frombuffer(format2._split(
+        sections["model"][4:4 + int.from_bytes(sections["model"][:4].tobytes(), "little")].tobytes(), 2)[1], np.uint8))
+    counts = np.zeros((bins.N_CLASSES, 256), np.int64)
+    np.add.at(counts, (np.array(ctxs), np.array(syms)), 1)
+    assert np.array_equal(freq, tables.fit_tables(counts))  # the tables are fitted on exactly these symbols
+    full = freq.copy()
+    full[~full.any(axis=1), bins.ESC] = rans_lanes.M  # unused classes (the reference wants full tables)
+    words = rans.encode_ctx(np.array(syms, np.uint8), np.array(ctxs), list(full), rans_lanes.PRECISION, meta["lanes"])
+    acc, n_bits = 0, 0
+    for code, nb in raw:
+        acc |= code << n_bits
+        n_bits += nb
+    bit_words = np.array([(acc >> (32 * i)) & 0xFFFFFFFF for i in range((n_bits + 31) // 32)], np.uint32)
+    return np.frombuffer(words, np.uint16), bit_words
+
+
+@pytest.mark.parametrize("dtype,source", [(torch.bfloat16, "none"), (torch.bfloat16, "external"),
+                                          (torch.bfloat16, "previous_token"), (torch.float16, "external"),
+                                          (torch.float8_e4m3fn, "none")])
+def test_chunk_streams_are_the_reference_coder_driven_by_the_model(dtype, source):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 2, 24, 8, generator=g) * torch.rand(8, generator=g) * 4 + torch.randn(8, generator=g)
+    x = (x + 0.7 * torch.roll(x, 1, dims=-2)).to(dtype)
+    x.view(torch.uint8 if x.element_size() == 1 else torch.int16).reshape(-1)[::37] ^= 0x7F  # NaN/Inf/outliers
+    pred = x.float() + 0.1 * torch.randn(x.shape, generator=g) if source == "external" else None
+    meta, sections = predictive.encode_tensor(x, pred, source, 1)
+    words, bit_words = reference_stream(x, meta, sections, pred)  # the tensor is one chunk
+    assert np.array_equal(sections["payload"], words)
+    assert np.array_equal(sections["bits"], bit_words)
+    assert torch.equal(predictive.decode_tensor(meta, sections, pred, 1).view(torch.uint8), x.view(torch.uint8))
+
+
+@pytest.mark.parametrize("source", ["external", "previous_token", "neighbour_layer"])
+def test_thread_count_never_changes_the_bytes(source):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 2, 1500, 64, generator=g) * torch.rand(64, generator=g)).to(torch.bfloat16)
+    pred = x.float() + 0.01 * torch.randn(x.shape, generator=g) if source == "external" else None
+    opts = {} if pred is not None else {"predictor": source}
+    b1 = compress(x, prediction=pred, codec="predictive", threads=1, **opts)
+    b2 = compress(x, prediction=pred, codec="predictive", threads=2, **opts)
+    assert b1 == b2
+    assert torch.equal(decompress(b1, prediction=pred, threads=2).view(torch.int16), x.view(torch.int16))
+
+
+@pytest.mark.parametrize("source", ["none", "external", "previous_token", "neighbour_layer"])
+def test_format_1_streams_still_decode(source):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 2, 70, 16, generator=g) * 3).to(torch.bfloat16)
+    pred = x.float() + 0.05 * torch.randn(x.shape, generator=g) if source == "external" else None
+    meta, sections = predictive.encode_tensor(x, pred, source, 1, version=1)
+    assert meta["v"] == 1 and sections["payload"].dtype == np.uint32
+    out = predictive.decode_tensor(meta, sections, pred, 1)
+    assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+    with pytest.raises(ValueError):
+        predictive.encode_tensor(x, pred, source, 1, version=3)
+
+
+def test_mutated_streams_raise_or_decode_never_crash():
+    """Random byte changes in every section (no container checksum at this level): each decode
+    raises CorruptStreamError or returns a tensor of the right shape, never crashes or hangs."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 3, 90, 16, generator=g) * torch.logspace(-3, 1, 16)).to(torch.bfloat16)
+    meta, sections = predictive.encode_tensor(x, None, "previous_token", 1)
+    rng = np.random.default_rng(0)
+    outcomes = {"raised": 0, "decoded": 0}
+    for _ in range(150):
+        name = rng.choice(sorted(sections))
+        arr = sections[name].copy()
+        raw = arr.view(np.uint8)
+        for _ in range(rng.integers(1, 4)):
+            raw[rng.integers(raw.size)] ^= np.uint8(1 << rng.integers(8))
+        try:
+            out = predictive.decode_tensor(meta, dict(sections, **{name: arr}), None, 1)
+            assert out.shape == x.shape
+            outcomes["decoded"] += 1
+        except CorruptStreamError:
+            outcomes["raised"] += 1
+    assert outcomes["raised"] > 50
+
+
+def test_container_checksums_catch_raw_bit_flips():
+    x = (torch.randn(2, 2, 300, 32) * 2).to(torch.bfloat16)
+    blob = bytearray(compress(x, layout="kv"))
+    for pos in (len(blob) // 2, len(blob) - 9):
+        bad = bytearray(blob)
+        bad[pos] ^= 0x04
+        with pytest.raises(CorruptStreamError):
+            decompress(bytes(bad))
+
+
+def test_chunks_group_short_heads_and_respect_layers():
+    cg0, cng, ct0, cnt = format2.chunk_layout(g=12, tt=40, d=64, tb=40, unit=4)  # 2560 values a head
+    assert list(cg0) == [0, 4, 8] and list(cng) == [4, 4, 4] and set(cnt) == {40}
+    cg0, cng, ct0, cnt = format2.chunk_layout(g=3, tt=2500, d=32, tb=2048, unit=3)
+    assert list(zip(cg0, ct0, cnt)) == [(0, 0, 2048), (0, 2048, 452), (1, 0, 2048), (1, 2048, 452),
+                                        (2, 0, 2048), (2, 2048, 452)]
+    assert int((cng * cnt).sum()) * 32 == 3 * 2500 * 32
+
+
+def test_scale_levels_are_exact_quarter_octaves():
+    s = np.array([1.0, 1.1892071150027210, 1.18920711500272, 1.5, 2.0, 3.0, 0.75, 1e-30, 2.0 ** 200])
+    want = np.floor(4 * np.log2(s) + 1e-12).astype(np.int64)
+    got = bins.scale_levels(s)
+    assert np.array_equal(got[[0, 3, 4, 5, 6, 7, 8]], want[[0, 3, 4, 5, 6, 7, 8]]) and got[1] == 1
