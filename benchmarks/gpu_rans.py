@@ -12,10 +12,9 @@ one kernel launch for all chunks (CUDA events, warm-up, median of rounds); the c
 decoded byte with the input. CPU: the numba decoder on the same payloads (headers pre-parsed), one
 thread and all cores. Writes gpu_rans.json/.md under --out and $OUT; prints a table last.
 
-``--planes``: also ``kvcodec.decompress(blob, device="cuda")`` of whole ``planes`` blobs (one table
-per plane, so the GPU path of ``kvcodec.lossless.planes_device`` runs) against decoding on the CPU
-(all cores) and copying to the GPU, end to end (host parse + plan + upload + kernel + merge), on the
-tiled KV sample and on N(0, 0.02) bf16 weights; written as the ``gpu_planes`` suite.
+Whole ``planes`` blobs encoded and decoded on the GPU (``kvcodec.compress`` / ``decompress`` of CUDA
+tensors) against nvCOMP: ``benchmarks/gpu_lossless.py`` (``gpu_planes.json`` is an older run of a
+since-replaced host-side path).
 """
 
 from __future__ import annotations
@@ -219,72 +218,10 @@ def run(out_dir: str, mb: int, quick: bool) -> dict:
     return result
 
 
-def planes_run(out_dir: str, mb: int) -> dict:
-    """``decompress(blob, device="cuda")`` on the GPU path vs CPU decode + copy (see the docstring)."""
-    import torch
-
-    import kvcodec
-    from kvcodec import container
-    from kvcodec.lossless import planes_device
-
-    from kvcodec.data import load_kv_sample
-
-    s = load_kv_sample()
-    kv = torch.cat([t.reshape(-1) for t in (s.keys, s.values, s.keys_fp8pred, s.values_fp8pred)])
-    n = (mb << 20) // 2
-    tensors = {
-        "kv_bf16_tiled": kv.repeat(-(-n // kv.numel()))[:n].reshape(-1, 64).contiguous(),
-        "weights_bf16": (torch.randn(n // 4096, 4096, generator=torch.Generator().manual_seed(0)) * 0.02)
-        .to(torch.bfloat16),
-    }
-    rows = []
-    for name, t in tensors.items():
-        blob = kvcodec.compress(t, max_classes=1)
-        _, meta, sections = container.loads(blob)
-        assert planes_device.gpu_decodable(meta["codec_meta"])
-        kvcodec.decompress(blob, device="cuda")  # warm-up (NVRTC, numba)
-        kvcodec.decompress(blob, device="cpu")
-        torch.cuda.synchronize()
-
-        def best(fn, reps=5):
-            times = []
-            for _ in range(reps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                y = fn()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            return min(times), y
-
-        gpu_s, y_gpu = best(lambda: kvcodec.decompress(blob, device="cuda"))
-        cpu_s, y_cpu = best(lambda: kvcodec.decompress(blob, device="cpu").cuda())
-        parts = {}  # the device path's parts: benchmarks/gpu_lossless.py
-        ref = t.cuda()
-        exact = bool(torch.equal(y_gpu.view(torch.int16), ref.view(torch.int16))
-                     and torch.equal(y_cpu.view(torch.int16), ref.view(torch.int16)))
-        row = dict(data=name, MB=t.numel() * 2 / 1e6, ratio=t.numel() * 2 / len(blob),
-                   gpu_path_s=gpu_s, gpu_path_GBps=t.numel() * 2 / gpu_s / 1e9,
-                   cpu_decode_copy_s=cpu_s, cpu_decode_copy_GBps=t.numel() * 2 / cpu_s / 1e9,
-                   speedup=cpu_s / gpu_s, exact=exact, **parts)
-        log(row)
-        rows.append(row)
-    result = {"suite": "gpu_planes", "rows": rows, "machine": machine_record(), "notes": [
-        "decompress(blob, device='cuda') of a planes blob (max_classes=1) through kvcodec.lossless.planes_device "
-        "vs decompress(blob, device='cpu').cuda() (numba, all cores); wall clock end to end, best of 5"]}
-    save_with_out(result, out_dir, columns=["data", "MB", "ratio", "gpu_path_s", "gpu_path_GBps",
-                                            "cpu_decode_copy_s", "cpu_decode_copy_GBps", "speedup", "exact"])
-    return result
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--mb", type=int, default=128, help="MB of symbols per byte plane")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--planes", action="store_true", help="also time decompress(device='cuda') of planes blobs")
-    ap.add_argument("--planes-only", action="store_true", help="only the planes part")
     args = ap.parse_args()
-    if not args.planes_only:
-        run(args.out, args.mb, args.quick)
-    if args.planes or args.planes_only:
-        planes_run(args.out, args.mb)
+    run(args.out, args.mb, args.quick)
