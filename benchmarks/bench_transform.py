@@ -72,14 +72,15 @@ def prepare(model, tok, prefix: int, scored: int, n_texts: int, n_calib: int, ca
     from kvcodec import smollm2
     from kvcodec.transform.hf import cache_tensors
 
-    path = CACHE_DIR / f"transform_kv_p{prefix}_s{scored}_n{n_texts}_c{n_calib}x{calib_len}.pt"
+    from bench_quality import held_out_texts
+
+    path = CACHE_DIR / f"transform_kv_heldout_p{prefix}_s{scored}_n{n_texts}_c{n_calib}x{calib_len}.pt"
     if path.is_file():
         return torch.load(path, weights_only=True)
     ids = tok(smollm2.real_text("mixed"), return_tensors="pt").input_ids
     span = prefix + scored + 1
-    if n_texts * span + n_calib * calib_len > ids.shape[1]:
-        raise ValueError("text too short for these windows")
-    data = {"calib_keys": [], "calib_values": [], "windows": [],
+    texts = list(held_out_texts().items())[:n_texts]
+    data = {"calib_keys": [], "calib_values": [], "windows": [], "texts": [name for name, _ in texts],
             "calib_first_token": int(ids.shape[1] - n_calib * calib_len)}
     for c in range(n_calib):
         s0 = ids.shape[1] - (n_calib - c) * calib_len
@@ -88,8 +89,10 @@ def prepare(model, tok, prefix: int, scored: int, n_texts: int, n_calib: int, ca
         data["calib_keys"].append(k.clone())
         data["calib_values"].append(v.clone())
     _register_capture()
-    for i in range(n_texts):
-        w = ids[:, i * span: (i + 1) * span]
+    for name, text in texts:
+        w = tok(text, return_tensors="pt").input_ids[:, :span]
+        if w.shape[1] < span:
+            raise ValueError(f"held-out text {name!r} is shorter than {span} tokens")
         out = model(w[:, :prefix], use_cache=True)
         k, v = cache_tensors(out.past_key_values)
         previous = model.config._attn_implementation
@@ -248,7 +251,7 @@ def transform_codec(calib, **kw):
     return run
 
 
-def codecs(calib, quick: bool) -> list[tuple[str, dict, object]]:
+def codecs(calib, quick: bool, per_layer=None) -> list[tuple[str, dict, object]]:
     """(name, setting, codec) for every row, in table order."""
     from kvcodec.quant import KIVI, TurboQuantMSE
 
@@ -260,16 +263,19 @@ def codecs(calib, quick: bool) -> list[tuple[str, dict, object]]:
     for b in (2, 4):
         rows.append(("KIVI g32", {"bits": b},
                      middle_codec(quant_one(lambda k, b=b: KIVI(b, 32, "channel" if k else "token")))))
-    for bits in ((2.0, 1.2) if quick else (3.0, 2.0, 1.6, 1.3, 1.0)):
+    for bits in ((2.0, 1.2) if quick else (3.0, 2.0, 1.6, 1.3, 1.0, 0.8)):
         rows.append(("transform (kvcodec.transform)", {"bits": bits}, transform_codec(calib, bits=bits)))
+    if per_layer is not None:  # ablation: the previous default (per-layer K and V bases, relative weights)
+        for bits in ((2.0,) if quick else (2.0, 1.3)):
+            rows.append(("transform, per-layer bases (v1 layout)", {"bits": bits}, transform_codec(per_layer, bits=bits)))
     return rows
 
 
 # -------------------------------------------------------------------------------------- run
 def settings(quick: bool) -> dict:
     if quick:
-        return {"prefix": 512, "scored": 128, "n_texts": 2, "n_calib": 1, "calib_len": 512}
-    return {"prefix": 2048, "scored": 512, "n_texts": 4, "n_calib": 3, "calib_len": 1024}
+        return {"prefix": 512, "scored": 128, "n_texts": 2, "n_calib": 2, "calib_len": 512}
+    return {"prefix": 2048, "scored": 512, "n_texts": 5, "n_calib": 8, "calib_len": 1024}
 
 
 def load(quick: bool):
@@ -286,7 +292,7 @@ def calibration_queries(model, data: dict, cfg: dict) -> torch.Tensor:
     """Real queries [L, Hq, T, D] of the first calibration sequence (cached on disk)."""
     from kvcodec import smollm2
 
-    path = CACHE_DIR / f"transform_calib_queries_c{cfg['calib_len']}.pt"
+    path = CACHE_DIR / f"transform_calib_queries_c{cfg['calib_len']}_at{data['calib_first_token']}.pt"
     if path.is_file():
         return torch.load(path, weights_only=True)
     tok = smollm2.load_tokenizer()
@@ -298,20 +304,58 @@ def calibration_queries(model, data: dict, cfg: dict) -> torch.Tensor:
     return q
 
 
-def fit_calibration(model, data: dict, queries: torch.Tensor | None = None, **kw):
-    """The calibration every transform row uses; ``queries`` turn on query-weighted keys."""
+
+
+
+def fit_calibration(model, data: dict, queries: torch.Tensor | None = None, weights=None, **kw):
+    """A calibration fitted on the calibration KV; ``queries`` turn on query-weighted keys,
+    ``weights`` [L, 2] the measured distortion weights (``sensitivity_weights``)."""
     from kvcodec import transform
     from kvcodec.transform.calibration import query_key_scales
 
     rope = transform.RoPE.from_model(model)
     if queries is not None:
         kw["key_scales"] = query_key_scales(queries, data["calib_keys"][0].shape[1])
-    return transform.fit(data["calib_keys"], data["calib_values"], rope, **kw)
+    return transform.fit(data["calib_keys"], data["calib_values"], rope, weights=weights, **kw)
+
+
+SENSITIVITY_SEQUENCES = (0, 3, 6)  # calibration sequences the KL measurement scores (their last 128 tokens)
+
+
+def sensitivity_weights(data: dict, cfg: dict, calib) -> np.ndarray:
+    """KL per unit squared error of every (layer, K/V), measured with the float32 model on the
+    calibration text only (``kvcodec.transform.sensitivity``); cached on disk."""
+    from kvcodec import smollm2
+    from kvcodec.transform import sensitivity
+
+    path = CACHE_DIR / f"transform_sensitivity_{calib.fingerprint}.npy"
+    if path.is_file():
+        return np.load(path)
+    model32 = smollm2.load_model(torch.float32)
+    ids = smollm2.load_tokenizer()(smollm2.real_text("mixed"), return_tensors="pt").input_ids
+    found = []
+    for i in [i for i in SENSITIVITY_SEQUENCES if i < cfg["n_calib"]]:
+        s0 = data["calib_first_token"] + i * cfg["calib_len"]
+        seq = ids[:, s0: s0 + cfg["calib_len"]]
+        found.append(sensitivity.measure(model32, seq, calib, prefix=seq.shape[1] - min(128, seq.shape[1] // 4)))
+        print(f"sensitivity: calibration sequence {i} measured", flush=True)
+    w = sensitivity.weights_from(found)
+    np.save(path, w)
+    return w
+
+
+def default_calibration(model, data: dict, cfg: dict):
+    """The transform rows' calibration: joint K+V bases over 5 layers, query-weighted keys, and
+    per-(layer, K/V) weights measured as KL per unit error (fit, measure, refit)."""
+    queries = calibration_queries(model, data, cfg)
+    first = fit_calibration(model, data, queries)
+    return fit_calibration(model, data, queries, weights=sensitivity_weights(data, cfg, first))
 
 
 def run(quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
     model, cfg, data = load(quick)
-    calib = fit_calibration(model, data, calibration_queries(model, data, cfg))
+    calib = default_calibration(model, data, cfg)
+    per_layer = fit_calibration(model, data, calibration_queries(model, data, cfg), layers_per_group=1, joint_kv=False)
     export_gpu_inputs(calib, data, CACHE_DIR / "gpu")
     prefix, scored = cfg["prefix"], cfg["scored"]
     windows = data["windows"]
@@ -319,7 +363,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
     ref_nll = torch.cat([w["nll"] for w in windows]).numpy()
     ref_ppl = float(np.exp(ref_nll.mean()))
     n_values = sum(2 * w["keys"].numel() for w in windows)
-    for name, setting, codec in codecs(calib, quick):
+    for name, setting, codec in codecs(calib, quick, per_layer):
         nll, num, den, nbytes, t_codec, exact = [], 0.0, 0.0, {}, 0.0, True
         for w in windows:
             K, V = w["keys"], w["values"]
@@ -491,7 +535,7 @@ def main(argv=None) -> None:
         return
     if a.export_gpu:
         model, cfg, data = load(a.quick)
-        export_gpu_inputs(fit_calibration(model, data, calibration_queries(model, data, cfg)), data, Path(a.export_gpu))
+        export_gpu_inputs(default_calibration(model, data, cfg), data, Path(a.export_gpu))
         return
     run(a.quick, a.out)
 

@@ -72,12 +72,36 @@ def test_rope_matches_transformers_and_inverts():
 # ----------------------------------------------------------------------------- calibration
 def test_fit_finds_an_orthonormal_basis_by_falling_variance(calib):
     b = calib.basis.astype(np.float64)
-    assert np.allclose(np.einsum("lcgij,lcgik->lcgjk", b, b), np.eye(H * D), atol=1e-4)
+    assert calib.layers_per_group == 2 and calib.joint_kv and b.shape == (1, 1, 1, 4 * H * D, 4 * H * D)  # defaults
+    assert np.allclose(np.einsum("lcgij,lcgik->lcgjk", b, b), np.eye(calib.dim), atol=1e-4)
     ev = calib.eigenvalues
     assert np.all(np.diff(ev, axis=-1) <= 1e-9)
     assert ev[..., 0].min() > 5 * ev[..., -1].max()  # the decaying spectrum was found
-    per_head = T.fit(*synthetic_kv(300, 2), None, per_head=True)
+    per_head = T.fit(*synthetic_kv(300, 2), None, per_head=True, layers_per_group=1, joint_kv=False)
     assert per_head.basis.shape == (L, 2, H, D, D)
+
+
+@pytest.mark.parametrize("per_head,g,joint", [(False, 1, False), (True, 2, True), (False, 2, False), (True, 1, True)])
+def test_vector_layouts_invert(per_head, g, joint):
+    from kvcodec.transform.calibration import stack_parts, unstack_parts
+
+    k, v = torch.randn(4, 3, 5, 8), torch.randn(4, 3, 5, 8)
+    x = stack_parts(k, v, per_head, g, joint)
+    assert x.shape == (4 // g, 1 if joint else 2, 3 if per_head else 1, 5, (2 if joint else 1) * g * (8 if per_head else 24))
+    kb, vb = unstack_parts(x, 3, per_head, g, joint)
+    assert torch.equal(kb, k) and torch.equal(vb, v)
+    with pytest.raises(ValueError):
+        T.fit(k, v, None, layers_per_group=3)
+
+
+def test_truncated_rank_codes_only_the_kept_components(rope):
+    k, v = synthetic_kv(600, seed=1, rope=rope)
+    full, cut = T.fit(k, v, rope), T.fit(k, v, rope, rank=40)
+    assert cut.basis.shape[-1] == 40 and cut.eigenvalues.shape[-1] == 40
+    assert T.Calibration.from_bytes(cut.to_bytes()).rank == 40
+    k2, v2 = synthetic_kv(700, seed=3, rope=rope)
+    errs = [rel_sq_error(T.decode(T.encode(k2, v2, c, bits=4.0, window=16), c)[1], v2) for c in (full, cut)]
+    assert errs[0] < errs[1] < 0.05  # the dropped tail costs a little at a high rate, nothing breaks
 
 
 def test_calibration_file_round_trip_and_validation(calib, tmp_path):

@@ -31,7 +31,8 @@ KIND = "kvcodec.transform.calibration"
 VERSION = 2  # 2: layer groups, weights folded into the metric before the PCA
 MAX_FILE_BYTES = 4 << 30
 WEIGHTINGS = ("relative", "mse", "custom")
-_META_KEYS = {"version", "n_layers", "n_kv_heads", "head_dim", "per_head", "layers_per_group", "joint_kv", "rope", "n_tokens",
+_META_KEYS = {"version", "n_layers", "n_kv_heads", "head_dim", "per_head", "layers_per_group", "joint_kv", "rank",
+              "rope", "n_tokens",
               "weighting", "key_weight"}
 _SECTIONS = {"mean": np.float32, "basis": np.float32, "eigenvalues": np.float64, "weights": np.float64,
              "scales": np.float32}
@@ -42,9 +43,9 @@ class Calibration:
     """A per-model transform.
 
     Layers are split into ``n_layer_groups`` = L / g consecutive groups of g = ``layers_per_group``.
-    mean [LG, P, G, n] float32, basis [LG, P, G, n, n] float32 (column j = component j, by falling
-    variance), eigenvalues [LG, P, G, n] float64 (calibration variance per component, in the
-    metric). With ``joint_kv`` P = 1 and a vector holds keys then values, else P = 2 (axis 1: 0 =
+    mean [LG, P, G, n] float32, basis [LG, P, G, n, r] float32 (column j = component j, by falling
+    variance; r = ``rank`` <= n: the components past it are never coded, KVTC's target rank),
+    eigenvalues [LG, P, G, r] float64 (calibration variance per component, in the metric). With ``joint_kv`` P = 1 and a vector holds keys then values, else P = 2 (axis 1: 0 =
     keys, 1 = values). G = n_kv_heads with ``per_head``, else 1; n = (2 if joint_kv else 1) * g *
     (head_dim with per_head, else n_kv_heads * head_dim).
     The metric: x * metric_scales() is what is projected and quantized with one step, so squared
@@ -89,6 +90,10 @@ class Calibration:
         d = self.head_dim if self.per_head else self.n_kv_heads * self.head_dim
         return self.layers_per_group * d * (2 if self.joint_kv else 1)
 
+    @property
+    def rank(self) -> int:
+        return self.basis.shape[-1]
+
     def coef_shape(self, tokens: int) -> tuple[int, ...]:
         """Shape of the coefficients of ``tokens`` tokens: [L / g, P, G, n, tokens]."""
         return (self.n_layer_groups, self.parts, self.groups, self.dim, tokens)
@@ -101,7 +106,7 @@ class Calibration:
         return {
             "version": VERSION, "n_layers": self.n_layers, "n_kv_heads": self.n_kv_heads,
             "head_dim": self.head_dim, "per_head": self.per_head, "layers_per_group": self.layers_per_group,
-            "joint_kv": self.joint_kv,
+            "joint_kv": self.joint_kv, "rank": self.rank,
             "rope": None if self.rope is None else self.rope.to_json(), "n_tokens": self.n_tokens,
             "weighting": self.weighting, "key_weight": self.key_weight,
         }
@@ -173,9 +178,12 @@ def _validated(meta: dict, arrays: dict) -> Calibration:
     G, n = (H, g * D) if meta["per_head"] else (1, g * H * D)
     n *= 3 - P
     LG = L // g
-    if LG * P * G * n * n > MAX_FILE_BYTES // 4:
+    r = meta["rank"]
+    if type(r) is not int or not 1 <= r <= n:
+        raise CorruptStreamError("calibration rank must be an int in [1, basis dimension]")
+    if LG * P * G * n * r > MAX_FILE_BYTES // 4:
         raise CorruptStreamError("calibration basis is too large")
-    shapes = {"mean": (LG, P, G, n), "basis": (LG, P, G, n, n), "eigenvalues": (LG, P, G, n), "weights": (L, 2),
+    shapes = {"mean": (LG, P, G, n), "basis": (LG, P, G, n, r), "eigenvalues": (LG, P, G, r), "weights": (L, 2),
               "scales": (L, 2, H, D)}
     if set(arrays) != set(_SECTIONS):
         raise CorruptStreamError(f"calibration sections {sorted(arrays)} != {sorted(_SECTIONS)}")
@@ -189,9 +197,9 @@ def _validated(meta: dict, arrays: dict) -> Calibration:
         out[name] = np.array(a)  # own, writable copy
     if np.any(out["weights"] <= 0) or np.any(out["eigenvalues"] < 0) or np.any(out["scales"] <= 1e-6):
         raise CorruptStreamError("calibration weights and scales must be > 0 and eigenvalues >= 0")
-    b = out["basis"].astype(np.float64).reshape(-1, n, n)
+    b = out["basis"].astype(np.float64).reshape(-1, n, r)
     gram = b.transpose(0, 2, 1) @ b
-    if np.max(np.abs(gram - np.eye(n))) > 1e-3:
+    if np.max(np.abs(gram - np.eye(r))) > 1e-3:
         raise CorruptStreamError("calibration basis is not orthonormal")
     return Calibration(L, H, D, meta["per_head"], rope, out["mean"], out["basis"], out["eigenvalues"],
                        out["weights"], out["scales"], meta["n_tokens"], meta["weighting"], float(kw), g,
@@ -251,8 +259,24 @@ def unstack_parts(x: torch.Tensor, n_kv_heads: int, per_head: bool, layers_per_g
     return tuple(ungroup_vectors(t, n_kv_heads, per_head, layers_per_group) for t in (gk, gv))
 
 
-def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, layers_per_group: int = 1,
-        joint_kv: bool = False, positions_start=0, skip_sinks: int = 4, weighting: str = "relative", key_weight: float = 1.0, weights=None, key_scales=None,
+MAX_AUTO_DIM = 2048  # the automatic layer grouping keeps every basis at most this wide
+
+
+def auto_layers_per_group(n_layers: int, n_kv_heads: int, head_dim: int, joint_kv: bool, per_head: bool = False,
+                          max_layers: int = 5) -> int:
+    """The default ``layers_per_group``: the largest divisor of ``n_layers`` up to ``max_layers``
+    whose basis stays within MAX_AUTO_DIM dimensions (SmolLM2-135M: 5 layers x K+V x 192 = 1920;
+    a model with 8 x 128-dim kv heads: 1 layer, K+V = 2048)."""
+    width = (2 if joint_kv else 1) * head_dim * (1 if per_head else n_kv_heads)
+    best = 1
+    for g in range(1, max_layers + 1):
+        if n_layers % g == 0 and g * width <= MAX_AUTO_DIM:
+            best = g
+    return best
+
+
+def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, layers_per_group: int | None = None,
+        joint_kv: bool = True, rank: int | None = None, positions_start=0, skip_sinks: int = 4, weighting: str = "relative", key_weight: float = 1.0, weights=None, key_scales=None,
         value_scales=None) -> Calibration:
     """Fit the transform on calibration K/V: post-RoPE keys and values [L, H, T, D] (a tensor, or a
     list of tensors from several sequences; ``positions_start`` an int or one per sequence).
@@ -260,7 +284,8 @@ def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, layers_per_g
     rope: the model's RoPE (``RoPE.default(head_dim, theta)``, ``RoPE.from_model(model)``) or None
     for keys stored without rotation. ``layers_per_group``: consecutive layers sharing one basis
     (must divide L; a g-layer basis has (g * H * D)^2 entries and wants several times g * H * D
-    calibration tokens). ``joint_kv``: keys and values of a group share one basis (they are
+    calibration tokens; None: ``auto_layers_per_group``). ``rank``: components kept per basis (the
+    file and the projection shrink; the rest is never coded; None: all). ``joint_kv``: keys and values of a group share one basis (they are
     projections of the same hidden states). The first ``skip_sinks`` tokens of each sequence are left out (codecs store
     them exactly; their outliers would bend the basis). ``weighting``: "relative" (every layer and
     K/V gets the same relative error) or "mse" (minimum total squared error); ``weights`` [L, 2]
@@ -282,7 +307,9 @@ def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, layers_per_g
     if not isinstance(skip_sinks, int) or skip_sinks < 0:
         raise ValueError("skip_sinks must be a non-negative int")
     L, H, _, D = ks[0].shape
-    g = layers_per_group
+    if not isinstance(joint_kv, bool) or not isinstance(per_head, bool):
+        raise ValueError("per_head and joint_kv must be bools")
+    g = auto_layers_per_group(L, H, D, joint_kv, per_head) if layers_per_group is None else layers_per_group
     if isinstance(g, bool) or not isinstance(g, int) or g < 1 or L % g:
         raise ValueError(f"layers_per_group must be a positive divisor of the {L} layers, got {g!r}")
     if rope is not None and rope.head_dim != D:
@@ -292,8 +319,6 @@ def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, layers_per_g
         if tuple(weights.shape) != (L, 2) or not bool(torch.isfinite(weights).all()) or bool((weights <= 0).any()):
             raise ValueError(f"weights must be finite, positive and shaped [{L}, 2]")
         weighting = "custom"
-    if not isinstance(joint_kv, bool) or not isinstance(per_head, bool):
-        raise ValueError("per_head and joint_kv must be bools")
     layout = (per_head, g, joint_kv)
     scales = torch.stack([_channel_scales(key_scales, (L, H, D), "key_scales"),
                           _channel_scales(value_scales, (L, H, D), "value_scales")], dim=1)  # [L, 2, H, D]
@@ -331,8 +356,13 @@ def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, layers_per_g
     mean *= f
     # numpy's LAPACK call: torch.linalg.eigh's threaded path took 2-18 s for 16 small matrices on a loaded
     # 2-core machine (0.05 s single-threaded); the results are the same
+    n = cov.shape[-1]
+    r = n if rank is None else rank
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= n:
+        raise ValueError(f"rank must be an int in [1, {n}], got {rank!r}")
     ev, vec = np.linalg.eigh(cov.numpy())  # ascending
-    evals, evecs = torch.from_numpy(ev[..., ::-1].copy()).clamp_min(0), torch.from_numpy(vec[..., ::-1].copy())
+    evals = torch.from_numpy(ev[..., ::-1][..., :r].copy()).clamp_min(0)
+    evecs = torch.from_numpy(vec[..., ::-1][..., :r].copy())
     return Calibration(L, H, D, per_head, rope, mean.float().numpy(), evecs.float().contiguous().numpy(),
                        evals.numpy(), weights.numpy(), scales.numpy(), count, weighting, float(key_weight), g,
                        joint_kv)

@@ -21,7 +21,10 @@ def _layout(calib: Calibration) -> tuple:
 def _maps(calib: Calibration, device) -> dict:
     key = str(device)
     if key not in calib._device_cache:
-        basis = torch.from_numpy(calib.basis).double()  # [LG, P, G, n, n]
+        basis = torch.from_numpy(calib.basis).double()  # [LG, P, G, n, r]
+        n, r = basis.shape[-2:]
+        if r < n:  # components past the rank: zero coefficients in, nothing out (class 0, never stored)
+            basis = torch.nn.functional.pad(basis, (0, n - r))
         mean = torch.from_numpy(calib.mean).double()  # [LG, P, G, n]
         s = torch.from_numpy(calib.metric_scales())  # [L, 2, H, D]
         s = stack_parts(s[:, 0, :, None, :], s[:, 1, :, None, :], *_layout(calib))[..., 0, :]  # [LG, P, G, n]
