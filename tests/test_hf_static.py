@@ -263,3 +263,17 @@ def test_custom_ops_pass_opcheck():
     x = torch.randn(5, 32)
     torch.library.opcheck(ops.tq_quantize, (x, kw["k_rotation"], kw["k_codebook"], 4, True, False),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_preset_with_per_layer_widths_matches_eager(model):
+    """A quality preset (per-layer key/value widths) in static mode: same logits and bytes as eager."""
+    with torch.no_grad():
+        eager, static, tok = _pair(model, _tokens(1, 11, 4), preset="3bit")
+        assert isinstance(static.spec.key_bits, tuple)
+        le, ls = _both(model, eager, static, tok, 5)
+    torch.testing.assert_close(ls, le, rtol=0, atol=1e-5)
+    _assert_same_bytes(eager, static)
+    with pytest.raises(ValueError, match="attention options"):
+        from kvcodec.hf import AttentionOptions
+
+        CompressedCache(model, attention=AttentionOptions(), max_cache_len=32)

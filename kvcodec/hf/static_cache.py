@@ -84,8 +84,9 @@ def _check_supported(spec) -> None:
     if spec.method != "turboquant" or spec.key_mode != "mse" or spec.outliers:
         raise ValueError("max_cache_len (static mode) supports method='turboquant' with key_mode='mse' and no outliers")
     for name, bits in (("key_bits", spec.key_bits), ("value_bits", spec.value_bits)):
-        if not 1 <= bits <= 4:
-            raise ValueError(f"static mode takes {name} in 1..4 (the fused kernel's range), got {bits}")
+        for b in bits if isinstance(bits, tuple) else (bits,):  # one width, or one per layer
+            if not 1 <= b <= 4:
+                raise ValueError(f"static mode takes {name} in 1..4 (the fused kernel's range), got {b}")
 
 
 def _mark_static(t: torch.Tensor) -> None:
@@ -228,7 +229,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         # float32 (the model's values exactly): attention and quantization read them with no conversion
         self.exact_k = torch.zeros(B, H, e, D, dtype=torch.float32, device=dev)
         self.exact_v = torch.zeros(B, H, e, D, dtype=torch.float32, device=dev)
-        kb, vb = self.spec.key_bits, self.spec.value_bits
+        kb, vb = self.kc.q_config()["bits"], self.vc.q_config()["bits"]  # this layer's widths
         self.k_codes = torch.zeros(B, H, cap, (D * kb + 7) // 8, dtype=torch.uint8, device=dev)
         self.v_codes = torch.zeros(B, H, cap, (D * vb + 7) // 8, dtype=torch.uint8, device=dev)
         self.k_norms = torch.zeros(B, H, cap, dtype=torch.float16, device=dev)
@@ -424,7 +425,10 @@ class StaticCompressedLayer(CacheLayerMixin):
         from kvcodec.quant.precondition import calibrate
 
         c16, s16 = self.pre[side + "_center"], self.pre.get(side + "_scale")
-        fit = calibrate(x, (self.kc if side == "k" else self.vc).q_config()["precondition"])
+        enc = self.kc if side == "k" else self.vc
+        qrms = getattr(enc, "query_rms", None)  # fitted query statistics (calibration=): the eager encode's fit
+        queries = None if qrms is None else qrms.to(x.device)[..., None, :].expand(*x.shape[:-2], 1, x.shape[-1])
+        fit = calibrate(x, enc.q_config()["precondition"], queries=queries)
         keep = self.fitted
         new_center = torch.where(keep, c16, fit.center)
         store = keep | move
@@ -558,18 +562,24 @@ class StaticCompressedCache(Cache):
     def __init__(self, config_or_model, method: str = "turboquant", key_bits: int = 4, value_bits: int | None = None,
                  *, max_cache_len: int, key_mode: str = "mse", residual: int = 128, block_size: int | None = None,
                  sink: int = 1, outliers: int = 0, seed: int = 0, key_precondition: str = "scale",
-                 value_precondition: str = "none", **spec_options):
+                 value_precondition: str = "none", preset: str | None = None, attention=None, **spec_options):
         if not isinstance(config_or_model, torch.nn.Module) or not hasattr(config_or_model, "config"):
             raise ValueError("max_cache_len (static mode) needs the model, not only its config: "
                              "CompressedCache(model, ..., max_cache_len=N)")
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+        if attention is not None:
+            raise ValueError("attention options are the eager cache's; the static mode always runs its own path")
         model = config_or_model
         self.config = model.config
-        self.spec = build_spec(model.config, method=method, key_bits=key_bits, value_bits=value_bits,
-                               key_mode=key_mode, residual=residual, block_size=block_size, sink=sink,
-                               outliers=outliers, seed=seed, key_precondition=key_precondition,
-                               value_precondition=value_precondition, **spec_options)
+        options = dict(method=method, key_bits=key_bits, value_bits=value_bits, key_mode=key_mode, residual=residual,
+                       block_size=block_size, sink=sink, outliers=outliers, seed=seed,
+                       key_precondition=key_precondition, value_precondition=value_precondition, **spec_options)
+        if preset is not None:  # a named quality preset sets the quantizer options, as in CompressedCache
+            from kvcodec.hf.presets import preset_options
+
+            options.update(preset_options(preset, model.config))
+        self.spec = build_spec(model.config, **options)
         _check_supported(self.spec)  # (max_cache_len lives on the layers: transformers 5.17's Cache reads it there)
         scalings = {m.layer_idx: float(m.scaling) for m in model.modules()
                     if isinstance(getattr(m, "layer_idx", None), int) and isinstance(getattr(m, "scaling", None), float)}
