@@ -147,6 +147,89 @@ def test_device_decode_launch_through_the_emulated_kernel():
     assert odd > 0  # the 2-byte aligned load path was exercised
 
 
+@pytest.fixture
+def emulated_kernels(monkeypatch):
+    """The GPU path's launchers replaced by CPU emulations (the encoder by ``rans_lanes.encode``, the
+    kernels' reference; the decoder by the lane-level emulation of rans_decode.cu), so its host
+    logic (modes, tables, offsets, container, checks) runs on CPU tensors without a GPU."""
+    from types import SimpleNamespace
+
+    import kvcodec.cuda
+    from kvcodec.cuda import rans as gr
+    from kvcodec.lossless.planes import merge_planes, split_planes
+
+    from test_cuda_rans import emulate_launch
+
+    def split_hist(raw, layout, itemsize, n_planes):
+        planes = np.stack(split_planes(raw.numpy(), layout, itemsize))
+        hist = np.stack([np.bincount(p, minlength=256) for p in planes])
+        return torch.from_numpy(planes), torch.from_numpy(hist)
+
+    def encode_chunks(planes, jobs, freqs, chunk):
+        cap = chunk + 64
+        flat = planes.numpy().reshape(-1)
+        scratch = np.zeros(len(jobs) * cap, np.uint16)
+        lens = np.zeros(len(jobs), np.int64)
+        for j, (off, cnt, t, _) in enumerate(jobs):
+            f = np.asarray(freqs[t], np.int64)[None]
+            slot = scratch[j * cap: (j + 1) * cap]
+            start = rans_lanes.encode(flat[off: off + cnt], 0, cnt, np.zeros(1, np.uint8), f,
+                                      rans_lanes.cumulative(f), 32, slot)
+            lens[j] = cap - start
+        return torch.from_numpy(scratch.view(np.int16)), torch.from_numpy(lens), cap
+
+    def gather(scratch, cap, lens, dst_off, dst):
+        for j, (n, o) in enumerate(zip(lens.tolist(), dst_off)):
+            dst[o: o + n] = scratch[j * cap + cap - n: (j + 1) * cap]
+
+    def merge(planes, layout, itemsize, n, out):
+        arrs = [p.numpy() if isinstance(p, torch.Tensor) else np.full(n, p, np.uint8) for p in planes]
+        res = np.empty(n * itemsize, np.uint8)
+        merge_planes(arrs, layout, itemsize, res)
+        out.copy_(torch.from_numpy(res))
+
+    def launch(self, data, out, status):
+        batch = SimpleNamespace(data=data, pdesc=self.pdesc, order=self.order, blocks=self.blocks, tdesc=self.tdesc,
+                                table_data=self.table_data, smem_bytes=self.smem_bytes, out_bytes=out.numel(),
+                                n_payloads=status.numel())
+        o, st = emulate_launch(batch)
+        out.view(-1).copy_(torch.from_numpy(o[: out.numel()]))
+        status.copy_(torch.from_numpy(st[: status.numel()]))
+
+    def crc32_many(bufs):
+        return torch.tensor([zlib.crc32(b.contiguous().view(torch.uint8).numpy().tobytes()) for b in bufs])
+
+    for name, fn in dict(split_hist=split_hist, encode_chunks=encode_chunks, gather=gather, merge=merge).items():
+        monkeypatch.setattr(pc, name, fn)
+    monkeypatch.setattr(gr.LaunchPlan, "launch", launch)
+    monkeypatch.setattr(gcrc, "crc32_many", crc32_many)
+    monkeypatch.setattr(kvcodec.cuda, "is_available", lambda: True)
+
+
+@pytest.mark.parametrize("dtype,shape,chunk_bytes", [(torch.bfloat16, (30, 70), 256), (torch.float32, (9, 33), 100),
+                                                     (torch.float8_e4m3fn, (40, 64), 1000), (torch.int16, (5, 7), 64)])
+def test_gpu_path_host_logic_on_emulated_kernels(emulated_kernels, dtype, shape, chunk_bytes):
+    """compress_device's and the device decoder's own code, on CPU tensors: the blob equals the CPU
+    encoder's byte for byte, decodes bit-exactly, and damage is flagged through the device checks."""
+    from kvcodec.lossless import api
+
+    t = _special(dtype, int(np.prod(shape)), 3).reshape(shape)
+    blob = api._compress_on_gpu(t, {"chunk_bytes": chunk_bytes, "min_gain": 0.02})
+    assert blob.numpy().tobytes() == compress(t, max_classes=1, chunk_bytes=chunk_bytes)
+    assert_bit_exact(api._decompress_on_device(blob, torch.device("cpu"), None), t)
+    kind, meta, sections = container.loads(blob.numpy().tobytes())
+    for k, v in sections.items():  # a stream or plane damaged, every checksum recomputed: the tensor's crc
+        bad = dict(sections, **{k: np.array(v)})
+        bad[k][len(bad[k]) // 2] ^= 1
+        forged = torch.frombuffer(bytearray(container.dumps(kind, meta, bad)), dtype=torch.uint8)
+        with pytest.raises(CorruptStreamError):
+            api._decompress_on_device(forged, torch.device("cpu"), None)
+    flipped = blob.clone()
+    flipped[-1] ^= 1  # a section's crc32
+    with pytest.raises(CorruptStreamError, match="checksum"):
+        api._decompress_on_device(flipped, torch.device("cpu"), None)
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
 def test_kernels_compile_without_spills(arch, tmp_path):
     if shutil.which("nvcc") is None:
