@@ -362,3 +362,27 @@ def test_sensitivity_weights_follow_the_models_kl(tiny_llama, monkeypatch):
     cals = [T.fit(k, v, calib.rope, weights=w_, layers_per_group=2, joint_kv=True) for w_ in (heavy, np.ones((4, 2)))]
     errs = [rel_sq_error(T.decode(T.encode(k, v, c, distortion=0.05, window=16), c)[0][1], k[1]) for c in cals]
     assert errs[0] < errs[1] / 2  # measured 0.019 vs 0.045
+
+
+def test_hf_compressed_cache_saved_and_loaded_as_a_file(tiny_llama, tmp_path):
+    """A kvcodec CompressedCache prefix goes to a transform-coded file and back into a new cache."""
+    from kvcodec.hf import CompressedCache
+    from kvcodec.transform import hf as thf
+
+    cfg = tiny_llama.config
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(4, 2, 300, 16, generator=g), torch.randn(4, 2, 300, 16, generator=g)
+    cache = CompressedCache(cfg, key_bits=4)
+    for i in range(4):
+        cache.update(k[i][None], v[i][None], i)
+    held_k, held_v = thf.cache_tensors(cache)  # what the cache holds: its own 4-bit error included
+    cal = T.fit(k, v, None)
+    path = tmp_path / "prefix.kvt"
+    n = thf.save_cache(cache, path, cal, distortion=0.01, window=16)
+    assert path.stat().st_size == n and not list(tmp_path.glob("*.tmp*"))
+    back = thf.load_cache(path, cal, cache=CompressedCache(cfg, key_bits=4))
+    assert isinstance(back, CompressedCache) and back.get_seq_length() == 300
+    dense = thf.load_cache(path, cal)
+    assert rel_sq_error(dense.layers[2].keys[0], held_k[2]) < 0.03
+    with pytest.raises(ValueError, match="empty cache"):
+        thf.load_cache(path, cal, cache=back)

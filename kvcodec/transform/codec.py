@@ -52,7 +52,9 @@ def encode(keys, values, calib: Calibration, bits: float | None = None, *, disto
 
     bits: target *true* bits per value: len(blob) * 8 / (2 * L * H * T * D), everything counted
     (exact tokens, tables, headers); the result lands within 2% of it. distortion: instead, a
-    target relative squared error ||x_hat - x||^2 / ||x||^2 over the coded tokens. Default: bits=2.
+    target relative squared error ||m(x_hat - x)||^2 / ||m(x)||^2 over the coded tokens, m = the
+    calibration's metric (channel scales x sqrt(layer weights); with scales and weights all 1, the
+    plain relative error). Default: bits=2.
     sinks / window: the first ``sinks`` and last ``window`` tokens are kept bit-exact.
     positions_start: position of token 0 (for RoPE). rounding in [0, 0.5): dead-zone widening.
     Raises ValueError for bad arguments or an unreachable rate.
@@ -102,9 +104,14 @@ def encode(keys, values, calib: Calibration, bits: float | None = None, *, disto
     model = StepModel(rows, unit, chunk, rounding)
     start = float(rows.float().pow(2).mean().sqrt()) or 1.0
     if distortion is not None:
-        x = torch.cat([keys[:, :, head: head + M].flatten(), values[:, :, head: head + M].flatten()]).double()
-        target_err = distortion * float(x.pow(2).sum())
-        return builder.build(rows, solve_step(model.squared_error, target_err, start, increasing=True), rounding)
+        # relative to the coded tokens' energy in the calibration's metric (channel scales x sqrt(weights);
+        # RoPE pairs share a scale, so the rotation does not change it)
+        s = torch.from_numpy(calib.metric_scales()).to(rows.device, torch.float64)  # [L, 2, H, D]
+        energy = sum(float((x[:, :, head: head + M].double() * s[:, kind, :, None, :]).pow(2).sum())
+                     for kind, x in enumerate((keys, values)))
+        ceiling = 4 * float(rows.abs().max()) + 1e-30  # every symbol is 0 from here on: the error cannot grow
+        step = min(solve_step(model.squared_error, distortion * energy, start, increasing=True), ceiling)
+        return builder.build(rows, step, rounding)
     return _encode_at_rate(builder, model, rows, bits * 2 * L * H * T * D / 8, start, rounding)
 
 
