@@ -217,6 +217,8 @@ def test_gpu_path_host_logic_on_emulated_kernels(emulated_kernels, dtype, shape,
     blob = api._compress_on_gpu(t, {"chunk_bytes": chunk_bytes, "min_gain": 0.02})
     assert blob.numpy().tobytes() == compress(t, max_classes=1, chunk_bytes=chunk_bytes)
     assert_bit_exact(api._decompress_on_device(blob, torch.device("cpu"), None), t)
+    assert api.describe(blob) == api.validate(blob) == api.describe(blob.numpy().tobytes())  # tensor blobs
+    assert_bit_exact(decompress(blob), t)
     kind, meta, sections = container.loads(blob.numpy().tobytes())
     for k, v in sections.items():  # a stream or plane damaged, every checksum recomputed: the tensor's crc
         bad = dict(sections, **{k: np.array(v)})
@@ -289,6 +291,9 @@ def test_gpu_blob_equals_cpu_blob_and_round_trips(dtype, n, chunk_bytes):
     assert blob_gpu == blob_cpu
     on_dev = compress_device(t, chunk_bytes=chunk_bytes)
     assert on_dev.is_cuda and on_dev.cpu().numpy().tobytes() == blob_cpu
+    from kvcodec.lossless import describe
+
+    assert describe(on_dev) == describe(blob_cpu)
     assert_bit_exact(decompress(on_dev).cpu(), t.cpu())  # decoded on the device
     assert_bit_exact(decompress(blob_cpu, device="cuda").cpu(), t.cpu())  # host blob -> GPU
     assert_bit_exact(decompress(blob_gpu, device="cpu"), t.cpu())  # GPU blob -> CPU decoder

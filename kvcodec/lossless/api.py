@@ -205,9 +205,24 @@ def _checked_meta(meta: dict) -> dict:
     return meta
 
 
+def _host_bytes(blob):
+    """A blob given as a uint8 tensor (e.g. from :func:`compress_device`) as host bytes; others as is."""
+    if isinstance(blob, torch.Tensor):
+        if blob.dtype != torch.uint8 or blob.dim() != 1:
+            raise CorruptStreamError("a tensor blob must be a 1-D uint8 tensor")
+        return blob.detach().cpu().contiguous().numpy()
+    return blob
+
+
 def describe(blob) -> dict[str, Any]:
-    """What a blob holds without decoding it: codec, dtype, shape, raw and compressed bytes."""
-    header, mv = container.read_header(blob)
+    """What a blob holds without decoding it: codec, dtype, shape, raw and compressed bytes.
+    ``blob``: bytes-like or a uint8 tensor (a CUDA blob's header alone is copied)."""
+    if isinstance(blob, torch.Tensor) and blob.is_cuda and blob.dtype == torch.uint8 and blob.dim() == 1:
+        header, _ = device_container.read_header(blob)
+        nbytes = blob.numel()
+    else:
+        header, mv = container.read_header(_host_bytes(blob))
+        nbytes = mv.nbytes
     if header["kind"] != KIND:
         raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
     meta = _checked_meta(header["meta"])
@@ -217,7 +232,7 @@ def describe(blob) -> dict[str, Any]:
         "dtype": meta["dtype"],
         "shape": tuple(meta["shape"]),
         "raw_bytes": numel(meta["shape"]) * dtype.itemsize,
-        "compressed_bytes": mv.nbytes,
+        "compressed_bytes": nbytes,
         "uses_prediction": meta["uses_prediction"],
     }
 
@@ -240,6 +255,7 @@ def validate(blob, max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> d
     Returns :func:`describe`'s dict; raises CorruptStreamError. :func:`decompress` runs the same
     checks first, so a fuzzer can call either.
     """
+    blob = _host_bytes(blob)
     meta, sections = _load(blob, max_output_bytes)
     impl = registry.get_for_decoding(meta["codec"])
     check = getattr(impl, "validate", None)
@@ -252,7 +268,7 @@ def decode_blob_chunk(blob, c: int) -> torch.Tensor:
     """Decode chunk ``c`` of a ``compress(..., codec="planes")`` blob alone (flat elements
     ``[c * chunk, (c + 1) * chunk)``), e.g. to read part of a huge tensor. The whole-tensor crc32
     cannot be checked on a part; the container's section checksums still are."""
-    _, meta, sections = container.loads(blob, expect_kind=KIND)
+    _, meta, sections = container.loads(_host_bytes(blob), expect_kind=KIND)
     if not isinstance(meta, dict) or meta.get("codec") != "planes" or not isinstance(meta.get("codec_meta"), dict):
         raise ValueError("not a blob of the planes codec")
     meta = _checked_meta(meta)
@@ -357,18 +373,14 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
     resolve_threads(threads)
     resolve_max_output(max_output_bytes)
     gpu_tried = False
-    if isinstance(blob, torch.Tensor):
-        if blob.dtype != torch.uint8 or blob.dim() != 1:
-            raise CorruptStreamError("a tensor blob must be a 1-D uint8 tensor")
-        if blob.device.type == "cuda":
-            target = torch.device(device) if device is not None else (
-                prediction.device if prediction is not None else blob.device)
-            out = _decompress_on_device(blob, target, max_output_bytes)
-            if out is not None:
-                return out
-            gpu_tried = True
-            blob = blob.cpu()  # a blob the GPU kernels cannot take: decoded on the CPU below
-        blob = blob.contiguous().numpy()
+    if isinstance(blob, torch.Tensor) and blob.is_cuda and blob.dtype == torch.uint8 and blob.dim() == 1:
+        target = torch.device(device) if device is not None else (
+            prediction.device if prediction is not None else blob.device)
+        out = _decompress_on_device(blob, target, max_output_bytes)
+        if out is not None:
+            return out
+        gpu_tried = True  # a blob the GPU kernels cannot take: decoded on the CPU below
+    blob = _host_bytes(blob)
     if not gpu_tried and prediction is None and _cuda_kernels() and (
             device is None or torch.device(device).type == "cuda"):
         head, _ = container.read_header(blob)  # header only: is this a blob the GPU decodes, to a GPU?
