@@ -91,7 +91,8 @@ def encode(sym, a, D, rowctx, freq, cum, lanes, words):
             wp -= 1
             words[wp] = x & 0xFFFF
             x >>= 16
-        xs[j] = ((x // f) << PRECISION) + (x % f) + cum[k, s]
+        q = np.int64(np.float64(x) / np.float64(f))  # exact: x < 2**32, so x/f is >= 1/f from the next integer
+        xs[j] = (q << PRECISION) + (x - q * f) + cum[k, s]
     for j in range(lanes - 1, -1, -1):
         wp -= 2
         words[wp] = xs[j] & 0xFFFF

@@ -40,59 +40,68 @@ def _mu_v(m, c, a, p, dev, inv_unit):
 
 @njit(parallel=True, cache=True)
 def symbolise(pats, pred, has_pred, m, c, a, es, level, shared, cg0, cng, ct0, cnt, coff,
-              width, sign, mb, maxmag, escape, unit, inv_unit, sym, cls, code, nbits, chunk_bits, hist):
-    """Pass 1: for every value (flat, chunk after chunk from ``coff``) its symbol, class, raw code
-    and raw bit count; per chunk the raw bit total and the [class, symbol] histogram."""
+              width, sign, mb, maxmag, escape, unit, inv_unit, packed, chunk_bits, hist):
+    """Pass 1: every value (flat, chunk after chunk from ``coff``) as one int64 ``code << 24 |
+    nbits << 16 | class << 8 | symbol`` (one store per value); per chunk the raw bit total and the
+    [class, symbol] histogram."""
     d_n = pats.shape[2]
     for ci in prange(cg0.size):
         dev = np.zeros(d_n, np.float64)
+        base = np.empty(d_n, np.float64)
+        t_ep = np.empty(d_n, np.int64)
+        t_centre = np.empty(d_n, np.int64)
+        t_cls = np.empty(d_n, np.int64)
         i = coff[ci]
         total = np.int64(0)
         for g in range(cg0[ci], cg0[ci] + cng[ci]):
             gp = 0 if shared else g
             dev[:] = 0.0
-            for t in range(ct0[ci], ct0[ci] + cnt[ci]):
+            for t in range(ct0[ci], ct0[ci] + cnt[ci]):  # per token: model, bins, residuals (as the decoder)
                 for d in range(d_n):
                     p = prediction_at(pred, has_pred, g, t, d)
-                    base, mv = _mu_v(m[gp, d], c[gp, d], a[gp, d], p, dev[d], inv_unit)
-                    ep, centre, k = locate(mv, es[gp, d], level[gp, d], mb)
-                    pat = np.int64(pats[g, t, d])
-                    s, cd, nb = encode_value(pat, ep, centre, width, sign, mb, escape)
-                    sym[i] = s
-                    cls[i] = k
-                    code[i] = cd
-                    nbits[i] = nb
+                    base[d], mv = _mu_v(m[gp, d], c[gp, d], a[gp, d], p, dev[d], inv_unit)
+                    t_ep[d], t_centre[d], t_cls[d] = locate(mv, es[gp, d], level[gp, d], mb)
+                for d in range(d_n):
+                    s, cd, nb = encode_value(np.int64(pats[g, t, d]), t_ep[d], t_centre[d], width, sign, mb, escape)
+                    packed[i + d] = (cd << 24) | (nb << 16) | (t_cls[d] << 8) | s
                     total += nb
-                    hist[ci, k, s] += 1
+                for d in range(d_n):
+                    pat = np.int64(pats[g, t, d])
                     ok, v = value_of(pat, sign, mb, maxmag, unit)
-                    dev[d] = v - base if (ok and escape[pat] == 0) else 0.0
-                    i += 1
+                    dev[d] = v - base[d] if (ok and escape[pat] == 0) else 0.0
+                i += d_n
         chunk_bits[ci] = total
+        for i in range(coff[ci], coff[ci + 1]):
+            hist[ci, (packed[i] >> 8) & 0xFF, packed[i] & 0xFF] += 1
 
 
 @njit(parallel=True, cache=True)
-def write_chunks(sym, cls, code, nbits, coff, freq, cum, lanes, wcap, words, wstart, bstart, bits):
+def write_chunks(packed, coff, freq, cum, lanes, wcap, words, wstart, bstart, bits):
     """Pass 2: chunk ``ci``'s raw bits to ``bits[bstart[ci]:bstart[ci + 1]]`` and its rANS words to
     ``words[wcap[ci]:wcap[ci + 1]]`` (filled from the end; ``wstart[ci]`` = where they begin)."""
     for ci in prange(coff.size - 1):
         a, b = coff[ci], coff[ci + 1]
+        sym = np.empty(b - a, np.uint8)
+        cls = np.empty(b - a, np.uint8)
         acc = np.int64(0)
         have = 0
         wp = bstart[ci]
         for i in range(a, b):
-            n = np.int64(nbits[i])
-            if n:
-                acc |= np.int64(code[i]) << have
-                have += n
-                if have >= 32:
-                    bits[wp] = acc & 0xFFFFFFFF
-                    wp += 1
-                    acc >>= 32
-                    have -= 32
+            v = packed[i]
+            sym[i - a] = v & 0xFF
+            cls[i - a] = (v >> 8) & 0xFF
+            n = (v >> 16) & 0xFF
+            acc |= (v >> 24) << have
+            have += n
+            if have >= 32:
+                bits[wp] = acc & 0xFFFFFFFF
+                wp += 1
+                acc >>= 32
+                have -= 32
         if have > 0:
             bits[wp] = acc & 0xFFFFFFFF
         seg = words[wcap[ci]:wcap[ci + 1]]
-        wstart[ci] = wcap[ci] + rans_lanes.encode(sym[a:b], 0, 1, cls[a:b], freq, cum, lanes, seg)
+        wstart[ci] = wcap[ci] + rans_lanes.encode(sym, 0, 1, cls, freq, cum, lanes, seg)
 
 
 @njit(inline="always", cache=True)
@@ -107,10 +116,10 @@ def _fill(acc, have, bp, bits, bend):
 
 @njit(inline="always", cache=True)
 def _decode_mag(sym, ep, centre, mb, maxmag, acc, have):
-    """(pattern sign, magnitude, bits used, ok) of a non-ESC symbol; ``acc`` holds >= 32 bits."""
+    """(negative: -1 or 0, magnitude, bits used, ok) of a non-ESC symbol; ``acc`` holds >= 32 bits."""
     j = centre + sym - CENTRE
-    neg = j < 0
-    u = -1 - j if neg else j
+    neg = j >> 63  # -1 or 0
+    u = j ^ neg  # -1 - j or j, branch-free
     if u == 0:
         if ep <= mb + 1:
             return neg, acc & ((np.int64(1) << ep) - 1), ep, True
@@ -204,15 +213,18 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
                         if not ok:
                             bad = 5
                             break
-                        pat = (mag | sign) if neg else mag
+                        pat = mag | (sign & neg)
                     acc >>= n
                     have -= n
                     used += n
+                    t_sym[d] = pat
+                if bad:
+                    break
+                for d in range(d_n):
+                    pat = t_sym[d]
                     out[g - out_g0, t - out_t0, d] = pat
                     okv, v = value_of(pat, sign, mb, maxmag, unit)
                     dev[d] = v - base[d] if (okv and escape[pat] == 0) else 0.0
-                if bad:
-                    break
             if bad:
                 break
         if bad:

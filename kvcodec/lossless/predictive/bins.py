@@ -169,7 +169,7 @@ def encode_value(pat, ep, centre, width, sign, mb, escape):
         return ESC, np.int64(pat), width
     mag = pat & ~sign & ((1 << width) - 1)
     u = _bin_of_mag(mag, ep, mb)
-    j = -1 - u if (pat & sign) else u
+    j = u ^ -np.int64((pat & sign) != 0)  # u, or -1 - u (branch-free: the sign is a coin flip)
     r = j - centre
     if r < -CENTRE or r > CENTRE:
         return ESC, np.int64(pat), width
@@ -206,4 +206,4 @@ def value_of(pat, sign, mb, maxmag, unit):
     if ef > 0:
         mant |= 1 << mb
     v = mant * unit[ef]
-    return True, (-v if (pat & sign) else v)
+    return True, v - 2.0 * v * ((pat & sign) != 0)

@@ -134,8 +134,12 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0,
         choices = (False, True)
     else:
         choices = (False,)
-    models = [fit_params(kx, pred, grid, tb, gain, prev_coef, sh) for sh in choices]
-    model = min(models, key=lambda mdl: estimated_bits(mdl, kx, pred, grid, tb, source))
+    models = [fit_params(kx, pred, grid, tb, gain, prev_coef, sh, shape=version == 1) for sh in choices]
+
+    def cost(mdl):  # format 2 codes a channel's parameters in about 2 bytes
+        return estimated_bits(mdl, source, None if version == 1 else 16.0 * mdl.s.size)
+
+    model = min(models, key=cost)
     if version == 2:
         unit = g // shape[0] if source == "neighbour_layer" else g
         with _Threads(threads):

@@ -152,14 +152,13 @@ def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int,
     sizes = cng * cnt * d
     coff = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     n = int(coff[-1])
-    sym, cls, nbits = (np.empty(n, np.uint8) for _ in range(3))
-    code = np.empty(n, np.uint32)
+    packed = np.empty(n, np.int64)
     chunk_bits = np.zeros(cg0.size, np.int64)
     hist = np.zeros((cg0.size, N_CLASSES, 256), np.int32)
     has_pred = pred is not None
     p = pred if has_pred else np.zeros((1, 1, 1), np.float32)
     symbolise(pats, p, has_pred, m, c, a, es, level, bp.shared, cg0, cng, ct0, cnt, coff, *_grid_args(grid),
-              sym, cls, code, nbits, chunk_bits, hist)
+              packed, chunk_bits, hist)
     freq = fit_tables(hist.sum(axis=0, dtype=np.int64))
     lanes = 32 if sizes.max() >= WIDE_LANES_FROM else 8
     bwords = (chunk_bits + 31) // 32
@@ -168,7 +167,7 @@ def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int,
     wcap = np.concatenate([[0], np.cumsum(sizes + 2 * lanes)]).astype(np.int64)
     words = np.empty(int(wcap[-1]), np.uint16)
     wstart = np.empty(cg0.size, np.int64)
-    write_chunks(sym, cls, code, nbits, coff, freq, rans_lanes.cumulative(freq), lanes, wcap, words, wstart,
+    write_chunks(packed, coff, freq, rans_lanes.cumulative(freq), lanes, wcap, words, wstart,
                  bstart, bits)
     wlen = wcap[1:] - wstart
     keep = np.zeros(words.size, bool)

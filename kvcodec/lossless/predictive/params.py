@@ -51,6 +51,8 @@ class ChannelParams:
     a: np.ndarray
     masses: np.ndarray
     shared: bool
+    fit_n: np.ndarray | None = None  # encoder only: finite values and sum of squared residuals per
+    fit_r2: np.ndarray | None = None  # [Gp, D] under the fitted location (for estimated_bits)
 
     def kernel_args(self):
         if not np.all(np.isfinite(self.s)) or np.any(self.s <= 0) or not np.all(np.isfinite(self.m)):
@@ -144,8 +146,10 @@ def _fit_residuals(kx, pred, has_pred, m, c, a, shared, valf, finite, tb, rs, ou
                     dev[d] = 0.0
 
 
-def fit_params(kx, pred, grid: FloatGrid, tb: int, gain: str, prev_coef: str, shared: bool) -> ChannelParams:
-    """Fit the parameters on every value (encoder only), quantised exactly as stored.
+def fit_params(kx, pred, grid: FloatGrid, tb: int, gain: str, prev_coef: str, shared: bool,
+               shape: bool = True) -> ChannelParams:
+    """Fit the parameters on every value (encoder only), quantised exactly as stored; ``shape``:
+    also the shape table (format 1 only: one more pass).
 
     ``kx``: symbol ranks [G, T, D]; ``pred``: float32 prediction [G, T, D] or None; ``gain``:
     "zero" | "one" | "fit" (c); ``prev_coef``: "fit" | "one" (a). The scale is floored at a
@@ -202,23 +206,22 @@ def fit_params(kx, pred, grid: FloatGrid, tb: int, gain: str, prev_coef: str, sh
         floor = np.where(mom[..., 5] > 0, np.exp2(mom[..., 6] / np.maximum(mom[..., 5], 1)) / 4, 0.0)
         s = np.maximum(np.where(np.isfinite(s), s, S_MAX), np.nan_to_num(floor))
     s = from_bf16_bits(to_bf16_bits(np.clip(s, S_MIN, S_MAX)))
-    residuals(a_q, 1.0 / s)
-    return ChannelParams(m=m, s=s, c=c_q, a=a_q, masses=masses_from_counts(hist.sum(axis=0)), shared=shared)
+    if shape:
+        residuals(a_q, 1.0 / s)
+    return ChannelParams(m=m, s=s, c=c_q, a=a_q, masses=masses_from_counts(hist.sum(axis=0)), shared=shared,
+                         fit_n=n, fit_r2=res[..., 2])
 
 
-def estimated_bits(model: ChannelParams, kx, pred, grid: FloatGrid, tb: int, source: str) -> float:
-    """Gaussian estimate of payload + parameter bits of coding ``kx`` with ``model`` (differences
-    between models are what count): chooses shared or per-(g, d) parameters for short caches."""
-    g, _, d = kx.shape
-    out = np.zeros((g, d, 3))
-    p = pred if pred is not None else np.zeros((1, 1, 1), np.float32)
-    _fit_residuals(kx, p, pred is not None, model.m, model.c.astype(np.float64) / Q,
-                   model.a.astype(np.float64) / Q, model.shared, grid.valf, grid.finite, tb,
-                   np.zeros((1, 1)), out, np.zeros((1, SHAPE_BINS), np.int64))
-    n = grid.finite[kx].sum(axis=1)
-    s = np.broadcast_to(model.s, (g, d))
+def estimated_bits(model: ChannelParams, source: str, param_bits: float | None = None) -> float:
+    """Gaussian estimate of payload + parameter bits of coding the values ``model`` was fitted on
+    (differences between models are what count): chooses shared or per-(g, d) parameters for
+    short caches. ``param_bits``: the parameters' cost (default: format 1's stored size)."""
+    s = model.s
     with np.errstate(all="ignore"):
-        bits = float(np.nan_to_num((n * np.log2(s) + out[..., 2] / (2 * s * s * np.log(2))).sum(), nan=np.inf))
-    return bits + 8 * ChannelParams.packed_size(source, model.s.shape[0], d)
+        bits = float(np.nan_to_num((model.fit_n * np.log2(s) + model.fit_r2 / (2 * s * s * np.log(2))).sum(),
+                                   nan=np.inf))
+    if param_bits is None:
+        param_bits = 8 * ChannelParams.packed_size(source, s.shape[0], s.shape[1])
+    return bits + param_bits
 
 

@@ -4,12 +4,13 @@ Each of the ``N_CLASSES`` classes of :mod:`bins` has its own table of 256 freque
 ``2**12`` (the 32-lane rANS of :mod:`kvcodec.entropy.rans_lanes`), fitted per tensor on the exact
 symbol counts (so every symbol that occurs has a frequency; an unused class has none). Stored
 compactly: per class the range of nonzero frequencies below ESC, the frequencies in it and ESC's,
-as one uint16 stream coded with :func:`kvcodec.entropy.encode`.
+as bytes (a value >= 255 as 255 and two bytes) coded with :func:`kvcodec.entropy.encode`.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from kvcodec import entropy
 from kvcodec.entropy import rans_lanes
@@ -39,42 +40,89 @@ def pack_tables(freq: np.ndarray) -> np.ndarray:
             continue
         lo, hi = (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
         out.append([hi - lo, lo, *row[lo:hi].tolist(), int(row[ESC])] if nz.size else [0xFFFF, int(row[ESC])])
-    flat = np.array([v for part in out for v in part], np.uint16)
-    return np.frombuffer(entropy.encode(flat, coder="rans"), np.uint8)
+    flat = np.array([v for part in out for v in part], np.int64)
+    return np.frombuffer(entropy.encode(_to_bytes(flat), coder="rans"), np.uint8)
 
 
 def unpack_tables(blob: np.ndarray) -> np.ndarray:
     """Inverse of :func:`pack_tables`; CorruptStreamError unless every used row sums to 2**12."""
-    flat = entropy.decode(blob.tobytes(), max_symbols=N_CLASSES * 260, max_output_bytes=None)
-    if flat.dtype != np.uint16:
+    raw = entropy.decode(blob.tobytes(), max_symbols=N_CLASSES * 260 * 3, max_output_bytes=None)
+    if raw.dtype != np.uint8:
         raise CorruptStreamError("predictive stream has malformed frequency tables")
-    flat = flat.astype(np.int64)
+    flat = _from_bytes(raw)
+    if flat is None:
+        raise CorruptStreamError("predictive stream frequency tables end early")
     freq = np.zeros((N_CLASSES, 256), np.int64)
+    if not _rows_from_flat(flat, freq):
+        raise CorruptStreamError("predictive stream has malformed frequency tables")
+    return freq
+
+
+@njit(cache=True)
+def _rows_from_flat(flat, freq):
+    """Fill ``freq`` from :func:`pack_tables`' values; False unless every row is well formed and
+    every used row sums to 2**12."""
     pos = 0
-    for k in range(N_CLASSES):
+    for k in range(freq.shape[0]):
         if pos >= flat.size:
-            raise CorruptStreamError("predictive stream frequency tables end early")
-        n = int(flat[pos])
+            return False
+        n = flat[pos]
         pos += 1
         if n == 0:
             continue
+        lo = 0
         if n == 0xFFFF:  # only ESC
-            lo, n = 0, 0
+            n = 0
         else:
             if pos >= flat.size:
-                raise CorruptStreamError("predictive stream frequency tables end early")
-            lo = int(flat[pos])
+                return False
+            lo = flat[pos]
             pos += 1
         if lo + n > ESC or pos + n + 1 > flat.size:
-            raise CorruptStreamError("predictive stream has malformed frequency tables")
-        freq[k, lo:lo + n] = flat[pos:pos + n]
+            return False
+        total = 0
+        for s in range(n):
+            freq[k, lo + s] = flat[pos + s]
+            total += flat[pos + s]
         freq[k, ESC] = flat[pos + n]
+        total += flat[pos + n]
         pos += n + 1
-        if int(freq[k].sum()) != TOTAL:
-            raise CorruptStreamError("predictive stream frequency table does not sum to 2**12")
-    if pos != flat.size:
-        raise CorruptStreamError("predictive stream has trailing frequency table data")
-    return freq
+        if total != TOTAL:
+            return False
+    return pos == flat.size
+
+
+@njit(cache=True)
+def _to_bytes(values):
+    """uint16 values as bytes: v < 255 as one byte, else 255 and two bytes (little-endian)."""
+    out = np.empty(3 * values.size, np.uint8)
+    k = 0
+    for v in values:
+        if v < 255:
+            out[k] = v
+            k += 1
+        else:
+            out[k], out[k + 1], out[k + 2] = 255, v & 0xFF, v >> 8
+            k += 3
+    return out[:k]
+
+
+@njit(cache=True)
+def _from_bytes(raw):
+    """Inverse of :func:`_to_bytes`; None if the bytes end inside a two-byte value."""
+    out = np.empty(raw.size, np.int64)
+    i = k = 0
+    while i < raw.size:
+        if raw[i] < 255:
+            out[k] = raw[i]
+            i += 1
+        elif i + 2 < raw.size:
+            out[k] = np.int64(raw[i + 1]) | (np.int64(raw[i + 2]) << 8)
+            i += 3
+        else:
+            return None
+        k += 1
+    return out[:k]
 
 
 def decode_tables(freq: np.ndarray) -> np.ndarray:
