@@ -262,7 +262,8 @@ class StaticCompressedLayer(CacheLayerMixin):
             side_data = {name.split("_", 1)[1]: t for name, t in self.pre.items() if name.startswith(side + "_")}
             qt = QuantizedTensor(config=enc.q_config(), lead_shape=(self.batch_size, self.num_heads),
                                  num_tokens=self.capacity, dim=self.head_dim, side=side_data,
-                                 token={"codes": getattr(self, side + "_codes"), "norms": getattr(self, side + "_norms")})
+                                 token={"codes": getattr(self, side + "_codes"),
+                                        "norms": getattr(self, side + "_norms")})
             p = enc.packed(qt)
             rot, cb = _device_const(p.rotation, self.device), _device_const(p.codebook, self.device)
             _mark_static(rot)  # the kernels' caches key on these tensors: a cudagraph tree must not copy them

@@ -31,17 +31,19 @@ def to_eager(static):
         le.lazy_initialization(torch.empty(0, dtype=ls.dtype, device=ls.device), None)
         store = le.store
         store.dtype = ls.dtype
-        slots = L.slot_of(torch.arange(S + c, n, device=ls.device))
-        exact = lambda t, part: part(t).to(ls.dtype) if part(t).shape[-2] else None  # noqa: E731
-        sink, window = (lambda t: t[:, :, :min(S, n)]), (lambda t: t.index_select(2, slots))
-        store.set_exact(exact(ls.exact_k, sink), exact(ls.exact_v, sink), exact(ls.exact_k, window),
-                        exact(ls.exact_v, window))
+        sink, window = min(S, n), L.slot_of(torch.arange(S + c, n, device=ls.device))  # window: in token order
+        exact = {}
+        for name, buf in (("k", ls.exact_k), ("v", ls.exact_v)):
+            exact["sink_" + name] = buf[:, :, :sink].to(ls.dtype) if sink else None
+            exact["win_" + name] = buf.index_select(2, window).to(ls.dtype) if window.numel() else None
+        store.set_exact(**exact)
         if c:
             parts = []
             for side, enc in (("k", store.key_encoding), ("v", store.value_encoding)):
                 qt = QuantizedTensor(
                     config=enc.q_config(), lead_shape=(ls.batch_size, ls.num_heads), num_tokens=c, dim=ls.head_dim,
-                    token={"codes": getattr(ls, side + "_codes")[:, :, :c], "norms": getattr(ls, side + "_norms")[:, :, :c]},
+                    token={"codes": getattr(ls, side + "_codes")[:, :, :c],
+                           "norms": getattr(ls, side + "_norms")[:, :, :c]},
                     side={name.split("_", 1)[1]: t for name, t in ls.pre.items() if name.startswith(side + "_")})
                 parts.append(enc.restore(*enc.state(qt.clone())))  # restore: the encoding keeps the side data
             store.blocks = [Block(parts[0], parts[1], c)]
