@@ -277,3 +277,50 @@ def test_preset_with_per_layer_widths_matches_eager(model):
         from kvcodec.hf import AttentionOptions
 
         CompressedCache(model, attention=AttentionOptions(), max_cache_len=32)
+
+
+def test_decode_step_work_per_layer_stays_small(model, monkeypatch):
+    """What a CUDA graph of the step replays, counted on CPU as torch ops (views excluded) on the CUDA
+    path (quantize on append): per layer about 22 besides the kernel's own launches, and the shared
+    per-step lengths/mask work once per forward (24), not once per layer (session 3: ~60 per layer)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvcodec.hf.static_cache import SharedLengths, StaticCompressedLayer
+
+    views = {"view", "_unsafe_view", "expand", "transpose", "slice", "select", "unsqueeze", "squeeze", "t", "alias",
+             "as_strided", "reshape", "permute", "detach", "empty", "new_empty", "empty_strided", "lift_fresh"}
+    counts = Counter()
+
+    class Count(TorchDispatchMode):
+        def __init__(self, key):
+            super().__init__()
+            self.key = key
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] not in views:
+                counts[self.key] += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(cls, name):
+        real = getattr(cls, name)
+
+        def run(self, *a, **kw):
+            with Count(name):
+                return real(self, *a, **kw)
+        monkeypatch.setattr(cls, name, run)
+
+    monkeypatch.setattr(StaticCompressedLayer, "on_append", property(lambda self: not self.device_fit))
+    with torch.no_grad():
+        cache = CompressedCache(model, **KW, max_cache_len=64)
+        model(_tokens(2, 11, 9), past_key_values=cache)
+        model(_tokens(2, 1, 10), past_key_values=cache)
+        for cls, name in ((StaticCompressedLayer, "update"), (StaticCompressedLayer, "attend"),
+                          (SharedLengths, "begin_step")):
+            counted(cls, name)
+        model(_tokens(2, 1, 11), past_key_values=cache)
+    layers = len(cache.layers)
+    assert counts["begin_step"] <= 26  # once per forward
+    per_layer = (counts["update"] - counts["begin_step"] + counts["attend"]) / layers
+    assert 10 <= per_layer <= 24, counts
