@@ -100,6 +100,23 @@ def copy_bandwidth() -> float:
 codebook = reference.codebook_tensor
 make_case = reference.random_decode_case
 
+
+def with_rotations(kw: dict, kind: str, d: int, seed: int = 0) -> dict:
+    """kw with other K and V rotations than random_decode_case's one-round Hadamard ones: "orthogonal"
+    (dense random: the one-launch kernel reads the matrix) or "hadamard2" (H diag(s2) H diag(s1) / D,
+    kvcodec.quant's default: two rounds of butterflies)."""
+    kw = dict(kw)
+    for i, name in enumerate(("k_rotation", "v_rotation")):
+        g = torch.Generator().manual_seed(seed * 2 + i)
+        if kind == "orthogonal":
+            rot = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0]
+        else:
+            s1, s2 = (torch.randint(0, 2, (2, d), generator=g).to(torch.float64) * 2 - 1)
+            h = reference.hadamard_matrix(d)
+            rot = (h * s2) @ (h * s1) / d
+        kw[name] = rot.to(torch.float32).to(kw[name].device)
+    return kw
+
 CHECKS = [
     # name, (b, hq, hkv, ql, tcap, d, kb, vb, lens), options
     ("d128 k4v4 g4", (3, 8, 2, 1, 300, 128, 4, 4, [300, 17, 0]), {}),
@@ -123,7 +140,17 @@ CHECKS = [
     ("d128 lens 0/1/odd", (4, 32, 8, 1, 1000, 128, 4, 4, [0, 1, 777, 1000]), {}),
     ("d64 g3 window", (2, 9, 3, 1, 400, 64, 4, 4, [400, 33]), {}),
     ("d128 long split b1", (1, 32, 8, 1, 33000, 128, 4, 4, [32999]), {}),
+    ("d128 dense rotations", (2, 32, 8, 1, 700, 128, 4, 4, [700, 301]), {"rotation": "orthogonal"}),
+    ("d64 hadamard2 rotations g3", (2, 9, 3, 2, 700, 64, 4, 4, [699, 0]), {"rotation": "hadamard2"}),
+    ("d128 hadamard2 g20 window", (2, 40, 2, 1, 500, 128, 4, 4, [500, 77]), {"rotation": "hadamard2"}),
 ]
+
+
+def _make_check_case(shape, opts):
+    opts = dict(opts)
+    rotation = opts.pop("rotation", None)
+    case, kw = make_case(*shape, **opts)
+    return case, (with_rotations(kw, rotation, shape[5]) if rotation else kw)
 
 
 def run_checks(best: str = "default") -> list[dict]:
@@ -153,7 +180,7 @@ def _run_checks(prefix: str, variant: KernelVariant) -> list[dict]:
     for name, shape, opts in CHECKS:
         row = {"check": prefix + name}
         try:
-            case, kw = make_case(*shape, **opts)
+            case, kw = _make_check_case(shape, opts)
             extra = {}
             if "g4" in name and "k4v4" in name:
                 extra["tokens_per_warp"] = 64
@@ -263,14 +290,17 @@ def compressed_bytes(b, hkv, t, d, kb, vb) -> int:
     return b * hkv * t * (d * kb // 8 + d * vb // 8 + 2 + 2)
 
 
-def time_decode(b, t, hq, hkv, d, kb, vb, *, variant: KernelVariant, tokens_per_warp=None, sdpa=True) -> dict:
+def time_decode(b, t, hq, hkv, d, kb, vb, *, variant: KernelVariant, tokens_per_warp=None, sdpa=True,
+                rotation=None) -> dict:
+    """One decode shape timed (and bf16 flash SDPA beside it); ``rotation``: see with_rotations
+    (default: one-round Hadamard rotations, which the one-launch kernel runs as butterflies)."""
     row = dict(batch=b, ctx=t, heads=f"{hq}/{hkv}", d=d, bits=f"{kb}/{vb}")
     per_set = compressed_bytes(b, hkv, t, d, kb, vb)
     nsets = max(1, min(8, L2_ROTATE_BYTES // per_set))
     sets = []
     for i in range(nsets):
         case, kw = make_case(b, hq, hkv, 1, t, d, kb, vb, [t] * b, seed=i)
-        sets.append((case, kw))
+        sets.append((case, with_rotations(kw, rotation, d, seed=i) if rotation else kw))
     fns = [lambda c=c, k=k: kc.decode_attention(**c, **k, tokens_per_warp=tokens_per_warp, variant=variant)
            for c, k in sets]
     ms, mode = cuda_time_ms(fns)
@@ -472,13 +502,28 @@ def _breakdown(label: str, variant: KernelVariant,
 
 # ---------------------------------------------------------------- the one-launch kernel (issue 13 part 2)
 ONE, THREE = KernelVariant(fused=True), KernelVariant(fused=False)
-FUSED_CHECK_MODES = CHECK_MODES[:6]  # automatic, one-launch, three-launch, wide-only (both), scalar
+# automatic, one-launch, three-launch, wide-only (both), scalar; the one-launch kernel's other depths
+FUSED_CHECK_MODES = CHECK_MODES[:6] + [("one-launch 1 stage: ", ("TQ_FUSED_STAGES=1",), True, True),
+                                       ("one-launch 2 stages: ", ("TQ_FUSED_STAGES=2",), True, True)]
 TABLE_SHAPES = [(b, t, 32, 8, 128, 4, 4) for b in (1, 8, 32) for t in (4096, 32768, 131072)] + [
     (1, 32768, 32, 8, 128, 3, 3), (8, 32768, 32, 8, 128, 3, 3), (1, 32768, 32, 8, 128, 4, 2),
     (1, 32768, 9, 3, 64, 4, 4), (8, 32768, 9, 3, 64, 4, 4), (8, 131072, 9, 3, 64, 4, 4)]
 FUSED_TPW_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 4096, 32, 8, 128, 4, 4),
                     (8, 32768, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4)]
 FUSED_TPW_GRID = (32, 64, 128, 256, 512, 1024, 2048)
+# Builds of the one-launch kernel timed against the default (label, macros, split sizes to time
+# beside the automatic one); "timing only" builds skip a phase to measure what it costs (wrong
+# results, never checked or used).
+FUSED_VARIANTS = [
+    ("1 stage", ("TQ_FUSED_STAGES=1",), (128, 256)),
+    ("2 stages", ("TQ_FUSED_STAGES=2",), (128, 256)),
+    ("tail batch 8", ("TQ_FUSED_TAIL_BATCH=8",), ()),
+    ("no query rotation (timing only)", ("TQ_FUSED_PROFILE=1",), ()),
+    ("no last-block merge (timing only)", ("TQ_FUSED_PROFILE=2",), ()),
+    ("neither (timing only)", ("TQ_FUSED_PROFILE=3",), ()),
+]
+FUSED_VARIANT_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 4096, 32, 8, 128, 4, 4),
+                        (8, 32768, 32, 8, 128, 4, 4)]
 
 
 def _compile_one(job) -> str:
@@ -530,7 +575,7 @@ def _check_calls(modes) -> list:
     calls = []
     for prefix, defines, narrow, fused in modes:
         for name, shape, opts in CHECKS:
-            case, kw = make_case(*shape, **opts)
+            case, kw = _make_check_case(shape, opts)
             extra = {"variant": KernelVariant(defines, narrow, fused)}
             if "g4" in name and "k4v4" in name:
                 extra["tokens_per_warp"] = 64
@@ -543,16 +588,42 @@ def _table_calls() -> list:
     for b, t, hq, hkv, d, kb, vb in TABLE_SHAPES:
         case, kw = make_case(b, hq, hkv, 1, 64, d, kb, vb, [64] * b)
         calls += [(case, kw, {"variant": v}) for v in (ONE, THREE)]
+    case, kw = make_case(1, 32, 8, 1, 64, 128, 4, 4, [64])
+    calls += [(case, kw, {"variant": KernelVariant(defines, True, True)}) for _, defines, _ in FUSED_VARIANTS]
     return calls
 
 
-def auto_path(b, t, hq, hkv, d) -> str:
-    """The path the launcher's model picks for a decode shape (q_len 1)."""
-    from kvcodec.cuda import split_size
+def fused_variants() -> list[dict]:
+    """FUSED_VARIANTS on FUSED_VARIANT_SHAPES (the default build's numbers: the table and split sweep),
+    and both paths with dense rotation matrices (what a rotation that is no Hadamard transform costs)."""
+    rows = []
+    for shp in FUSED_VARIANT_SHAPES:
+        for label, v in (("dense rotations, one-launch", ONE), ("dense rotations, three-launch", THREE)):
+            try:
+                row = time_decode(*shp, variant=v, sdpa=False, rotation="orthogonal")
+                row.update(variant=label, tpw="auto")
+            except Exception as e:
+                row = dict(shape=str(shp), variant=label, error=f"{type(e).__name__}: {e}"[:200])
+            log("fused variant", row)
+            rows.append(row)
+    for label, defines, tpws in FUSED_VARIANTS:
+        for shp in FUSED_VARIANT_SHAPES:
+            for tpw in (None,) + (tpws if shp[0] == 1 else ()):
+                try:
+                    row = time_decode(*shp, variant=KernelVariant(defines, True, True), tokens_per_warp=tpw, sdpa=False)
+                    row.update(variant=label, tpw=tpw or "auto")
+                except Exception as e:
+                    row = dict(shape=str(shp), variant=label, tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
+                log("fused variant", row)
+                rows.append(row)
+    return rows
 
-    r = hq // hkv
-    fast = split_size.fused_is_faster(b * hkv * -(-r // 16), t, torch.device("cuda"), None, None, d, r, True)
-    return "one-launch" if fast else "three-launch"
+
+def auto_path(t) -> str:
+    """The path the launcher picks for a decode call (MSE keys, automatic split size)."""
+    from kvcodec.cuda import attention
+
+    return "one-launch" if attention.use_fused(KernelVariant(), False, t, None) else "three-launch"
 
 
 def fused_table() -> list[dict]:
@@ -568,7 +639,7 @@ def fused_table() -> list[dict]:
         try:
             one = time_decode(*shp, variant=ONE, sdpa=(kb, vb) == (4, 4))
             three = time_decode(*shp, variant=THREE, sdpa=False)
-            path = auto_path(b, t, hq, hkv, d)
+            path = auto_path(t)
             row = dict(one)
             row.update(path=path, one_launch_ms=one["fused_ms"], three_launch_ms=three["fused_ms"],
                        one_vs_three=three["fused_ms"] / one["fused_ms"])
@@ -606,7 +677,11 @@ def fused_tpw_sweep() -> list[dict]:
 
 
 def run_fused_study(out_dir: str) -> dict:
-    """``--fused``: checks of every launch mode, kernel table, split sizes, per-kernel device times."""
+    """``--fused``: checks of every launch mode, kernel table, split sizes, per-kernel device times.
+    The launcher's automatic choice is allowed to pick the one-launch kernel here (what would ship)."""
+    from kvcodec.cuda import attention
+
+    attention.FUSED_BY_DEFAULT = True
     t0 = time.time()
     rec = machine_record()
     rec["gpu"] = torch.cuda.get_device_name(0)
@@ -630,12 +705,14 @@ def run_fused_study(out_dir: str) -> dict:
     table = fused_table()
     log(f"table done {time.time() - t0:.0f}s")
     tpw_rows = fused_tpw_sweep()
-    for r in table + tpw_rows:
+    variant_rows = fused_variants()
+    for r in table + tpw_rows + variant_rows:
         if "fused_TBps" in r:
             r["pct_copy_bw"] = 100 * r["fused_TBps"] / bw
     result = {
         "suite": "gpu_kernels", "rows": table, "checks": checks, "quant_checks": quant_checks,
-        "tpw_sweep": tpw_rows, "breakdown": breakdown, "copy_TBps": bw, "machine": rec,
+        "tpw_sweep": tpw_rows, "fused_variants": variant_rows, "breakdown": breakdown, "copy_TBps": bw,
+        "machine": rec,
         "notes": [f"GPU {rec['gpu']}, copy bandwidth {bw:.2f} TB/s (read+write); q_len 1 decode, CUDA-graph timed; "
                   "fused_ms = the path the launcher picks (column path); one_launch_ms = tq_decode_fused, "
                   "three_launch_ms = prep + split + merge; bytes = packed codes + fp16 norms of K and V; "

@@ -76,6 +76,17 @@ def test_fused_random_shapes_lengths_and_windows():
         check(case, kw, **extra)
 
 
+@pytest.mark.parametrize("rotation", ["orthogonal", "hadamard2"])
+def test_fused_dense_and_two_round_rotations(rotation):
+    """The one-launch kernel reads a dense rotation matrix, and runs randomized Hadamard rotations
+    (one round: the other tests; two rounds here) as butterflies: both against the reference."""
+    from benchmarks.gpu_kernels import with_rotations
+
+    for d, hq, hkv, ql in ((128, 32, 8, 1), (64, 9, 3, 2), (128, 40, 2, 1)):
+        case, kw = make_case(2, hq, hkv, ql, 600, d, 4, 4, [600, 257])
+        check(case, with_rotations(kw, rotation, d, seed=d), variant=kc.KernelVariant(fused=True))
+
+
 def test_fused_graph_replay_resets_its_counters():
     """A captured one-launch call replayed with new queries and lengths equals the reference every
     time: the last block of each tile returns its counter to 0 for the next launch."""

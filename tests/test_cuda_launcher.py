@@ -6,6 +6,7 @@ CuPy would otherwise turn a Python int into a 64-bit value and shift every later
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 
 import numpy as np
@@ -148,3 +149,42 @@ def test_split_model_for_the_one_launch_kernel():
     assert split_size.best_split(8, 32768, 132, 4, True)[1] < split_size.best_split(8, 32768, 132, 4, False)[1]
     for bh, cap in ((64, 32768), (256, 131072)):
         assert split_size.best_split(bh, cap, 132, 4, True)[1] < 1.05 * split_size.best_split(bh, cap, 132, 4, False)[1]
+
+
+def _fwht_rows(buf, d):
+    """tq::fwht_rows op for op (the kernel's butterfly index arithmetic)."""
+    lg = 0
+    while (1 << lg) < d:
+        h = 1 << lg
+        for k in range(d // 2):
+            lo = ((k >> lg) << (lg + 1)) + (k & (h - 1))
+            a, b = buf[:, lo].copy(), buf[:, lo + h].copy()
+            buf[:, lo], buf[:, lo + h] = a + b, a - b
+        lg += 1
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_hadamard_butterflies_equal_the_rotation_matrix(rounds):
+    """tq::hadamard_forward / hadamard_inverse (emulated) give R q and R^T y for the rotations the
+    launcher recognises (signs from attention._hadamard)."""
+    d = 64
+    h = reference.hadamard_matrix(d)
+    g = torch.Generator().manual_seed(rounds)
+    s1, s2 = torch.randint(0, 2, (2, d), generator=g).to(torch.float64) * 2 - 1
+    rot = (h * s1 / math.sqrt(d)) if rounds == 1 else (h * s2) @ (h * s1) / d
+    signs, n = attention._hadamard(rot.to(torch.float32), "cpu")
+    assert n == rounds and signs.shape == (rounds, d)
+    sg = signs.double().numpy()
+    x = np.random.default_rng(0).standard_normal((3, d))
+    scale = 1 / math.sqrt(d) if rounds == 1 else 1 / d
+    buf = x.copy()
+    for rd in range(rounds):  # forward: dst = R src
+        buf = (buf * scale if rd == 0 else buf) * sg[rd]
+        _fwht_rows(buf, d)
+    np.testing.assert_allclose(buf, x @ rot.numpy().T, atol=1e-12)
+    buf = x.copy()
+    for rd in reversed(range(rounds)):  # inverse: buf = R^T buf = buf @ R (row vectors)
+        _fwht_rows(buf, d)
+        buf = buf * sg[rd] * (scale if rd == 0 else 1.0)
+    np.testing.assert_allclose(buf, x @ rot.numpy(), atol=1e-12)
+    assert attention._hadamard(torch.linalg.qr(torch.randn(d, d))[0], "cpu") == (None, 0)

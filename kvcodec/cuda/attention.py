@@ -6,8 +6,8 @@ it for quantizer objects). On CUDA tensors it launches either the one-launch ker
 tile merges) or the three kernels ``tq_decode_prep`` (query rotation, scaling, fp16, mma order),
 ``tq_decode_split`` (reads packed codes + norms, dequantizes in registers, tensor-core scores and
 P.V, online softmax, split-KV) and ``tq_decode_merge`` (log-sum-exp merge of the splits and the
-inverse rotation), whichever the split-size model says is faster (``KernelVariant.fused`` forces
-one). The full-precision recent window, if given, is attended with torch and merged by log-sum-exp
+inverse rotation) for prod keys and splits the one-launch kernel cannot merge
+(``KernelVariant.fused`` forces one path). The full-precision recent window, if given, is attended with torch and merged by log-sum-exp
 (``merge_window``). Everything runs on torch's current stream. On CPU it falls back to the float64
 torch reference (same arguments, same results up to rounding).
 
@@ -42,7 +42,8 @@ from kvcodec.cuda.decode_kernels import (
     split_defines,
     split_name,
 )
-from kvcodec.cuda.split_size import default_tokens_per_warp, fused_is_faster
+from kvcodec.cuda.pack import _signs_for
+from kvcodec.cuda.split_size import default_tokens_per_warp
 
 _QIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _perm_cache: dict = {}
@@ -233,6 +234,7 @@ class DecodePlan:
     scratch: tuple  # byte offsets of q16, row scales, partial outputs, partial (m, l); total bytes
     fused_fn: object = None  # the one-launch kernel (None: the three launches above)
     fused_launch: tuple = ()  # (grid, block, scalar args from Hkv to nsplit)
+    fused_rotations: tuple = ()  # (k signs pointer, k rounds, v signs pointer, v rounds): see _hadamard
     counters: torch.Tensor | None = None  # [BH * row tiles] int32 zeros: the last-block counters
     tokens_per_warp: int = 0
 
@@ -305,8 +307,6 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
     narrow = r <= 8 and variant.narrow
     defines = split_defines(variant.defines, k_bits, v_bits, k_codebook, v_codebook, v_bf)
     fused = use_fused(variant, qjl, tcap, tokens_per_warp)
-    if fused is None:  # the launcher decides: both paths at their modelled best split size
-        fused = fused_is_faster(bh * rt, tcap, dev, None, None, d, r, variant.narrow)
     fused_fn = split_fn = None
     if fused:
         kernel = fused_fn = build.get_function(SOURCE, fused_name(d, k_bits, v_bits, k_bf, v_bf, narrow), defines)
@@ -335,8 +335,12 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
     if fused:
         # scratch: one partial output [BH, nblk, rows, D] and (m, l) [BH, nblk, rows, 2] per block
         scratch = _scratch_layout(0, 0, bh * nblk * r * d * 4, bh * nblk * r * 2 * 4)
+        (ks, kr_n), (vs, vr_n) = _hadamard(k_rotation, dev), _hadamard(v_rotation, dev)
+        common["keep"] += (ks, vs)
         return DecodePlan(**common, prep_fn=None, split_fn=None, merge_fn=None, prep_launch=(), split_launch=(),
                           merge_launch=(), scratch=scratch, fused_fn=fused_fn,
+                          fused_rotations=(ks.data_ptr() if kr_n else kr_t.data_ptr(), i32(kr_n),
+                                           vs.data_ptr() if vr_n else vrot.data_ptr(), i32(vr_n)),
                           fused_launch=((nblk, bh, rt), (32 * WARPS_PER_BLOCK,),
                                         (i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit))),
                           counters=_counters(dev, bh * rt))
@@ -355,6 +359,17 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
         merge_launch=((bh * r,), (d,), (i32(r), i32(nsplit)), 8 * nsplit),
         scratch=scratch,
     )
+
+
+def _hadamard(rotation: torch.Tensor, device) -> tuple[torch.Tensor | None, int]:
+    """(signs [rounds, D] float32 on ``device``, rounds) when ``rotation`` is a randomized Hadamard
+    transform of kvcodec's kinds ("hadamard": 1 round, "hadamard2": 2; the one-launch kernel then
+    runs butterflies instead of reading the matrix), else (None, 0). Checked once per tensor version."""
+    signs = _signs_for(rotation, device)
+    if signs is None:
+        return None, 0
+    signs = signs.reshape(-1, rotation.shape[-1]).contiguous()
+    return signs, signs.shape[0]
 
 
 _counter_pool: dict = {}
@@ -381,19 +396,18 @@ def _scratch_layout(*nbytes) -> tuple:
     return (*offsets, total)
 
 
-# Whether the launcher may pick the one-launch kernel by itself (KernelVariant.fused=None); off until
-# the kernel has passed the device checks (benchmarks/GPU_NOTES.md).
-FUSED_BY_DEFAULT = False
+# Whether the launcher picks the one-launch kernel wherever it applies (KernelVariant.fused=None):
+# measured as fast or faster than the three launches on every shape of the kernel table (H200,
+# benchmarks/GPU_NOTES.md, session 4); False: three launches unless a variant asks for one.
+FUSED_BY_DEFAULT = True
 
 
-def use_fused(variant: KernelVariant, qjl: bool, tcap: int, tokens_per_warp: int | None) -> bool | None:
-    """True / False when the one-launch kernel must / cannot be used, None when the model decides.
-    It takes MSE keys only (prod keys: three launches) and at most FUSED_MAX_BLOCKS blocks per tile."""
+def use_fused(variant: KernelVariant, qjl: bool, tcap: int, tokens_per_warp: int | None) -> bool:
+    """Whether a call runs the one-launch kernel: it takes MSE keys only (prod keys: three launches)
+    and at most FUSED_MAX_BLOCKS blocks per tile (an explicit ``tokens_per_warp`` may ask for more)."""
     if variant.fused is False or qjl or (variant.fused is None and not FUSED_BY_DEFAULT):
         return False
-    if tokens_per_warp and -(-tcap // tokens_per_warp) > WARPS_PER_BLOCK * FUSED_MAX_BLOCKS:
-        return False
-    return True if variant.fused else None
+    return not (tokens_per_warp and -(-tcap // tokens_per_warp) > WARPS_PER_BLOCK * FUSED_MAX_BLOCKS)
 
 
 def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_qjl, k_rnorms, *,
@@ -421,7 +435,8 @@ def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k
         with build.cupy_stream(dev):
             plan.fused_fn(grid, block, (q_in.data_ptr(), np.int32(_QIN[q_in.dtype]), kr_t, perm,
                                         np.float32(plan.scale * LOG2E), kc.data_ptr(), kn.data_ptr(), vc.data_ptr(),
-                                        vn.data_ptr(), kcb, vcb, vrot, lens.data_ptr(), *scalars, part_o, part_ml,
+                                        vn.data_ptr(), kcb, vcb, vrot, *plan.fused_rotations, lens.data_ptr(),
+                                        *scalars, part_o, part_ml,
                                         plan.counters.data_ptr(), out.data_ptr(), np.int32(_QIN[out_dtype]),
                                         lse.data_ptr()))
         return out, lse

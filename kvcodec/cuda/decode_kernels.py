@@ -28,8 +28,8 @@ MERGE_SIGNATURE = "(const float*, const float*, const float*, int, int, float*, 
 PREP_SIGNATURE = "(const void*, const float*, const int*, float, int, int, tq_u16*, float*)"
 FUSED_SIGNATURE = (
     "(const void*, int, const float*, const int*, float, const tq_u8*, const tq_u16*, const tq_u8*, "
-    "const tq_u16*, const float*, const float*, const float*, const int*, int, int, int, int, int, int, "
-    "float*, float*, unsigned int*, void*, int, float*)"
+    "const tq_u16*, const float*, const float*, const float*, const float*, int, const float*, int, const int*, "
+    "int, int, int, int, int, int, float*, float*, unsigned int*, void*, int, float*)"
 )
 MAX_SPLITS = 4096  # the merge keeps one weight per split in shared memory
 FUSED_MAX_BLOCKS = 64  # TQ_FUSED_MAX_BLOCKS: blocks per tile the one-launch kernel's last block merges

@@ -19,12 +19,11 @@ STEP_US = ((4, 1.0), (8, 1.4), (16, 2.2), (24, 3.0))
 WARP_FIXED_US = 2.0
 MERGE_US_PER_16_SPLITS = 1.5
 # The one-launch kernel (tq_decode_fused): each block rotates its query tile first (prologue), the
-# tile's last block merges one partial per block and applies the inverse rotation (tail); the prep
-# and merge launches of the three-launch path cost THREE_LAUNCH_US more (two kernels and their gaps).
+# tile's last block merges one partial per block and applies the inverse rotation (tail). Fitted to
+# its split-size sweep (H200, session 4: the tail costs ~1.5 us at 8 blocks per tile, ~7 at 32-64).
 FUSED_PROLOGUE_US = 1.0
-FUSED_TAIL_US = 2.0
-FUSED_TAIL_US_PER_BLOCK = 0.03
-THREE_LAUNCH_US = 8.0
+FUSED_TAIL_US = 1.0
+FUSED_TAIL_US_PER_BLOCK = 0.15
 
 
 def blocks_per_sm(dim: int, rows: int, qjl: bool, num_regs: int | None = None, narrow: bool = True) -> int:
@@ -54,7 +53,7 @@ def modelled_us(bh_tiles: int, capacity: int, sms: int, per_sm: int, tpw: int, f
     at most ``per_sm`` at once; a round costs its warps' steps at the per-warp step time of that
     occupancy (STEP_US) plus a fixed per-warp cost (fused: plus the block's query prologue); the
     three-launch merge costs a little per split, the fused tail a little per block (plus its fixed
-    part; the three-launch path's extra launches are THREE_LAUNCH_US)."""
+    part)."""
     n = -(-capacity // tpw)
     nblk = -(-n // WARPS_PER_BLOCK)
     on_sm = -(-(bh_tiles * nblk) // sms)  # blocks the busiest SM runs
@@ -63,7 +62,7 @@ def modelled_us(bh_tiles: int, capacity: int, sms: int, per_sm: int, tpw: int, f
     step = (tpw / 16) * _step_us(warps) + WARP_FIXED_US
     if fused:
         return rounds * (step + FUSED_PROLOGUE_US) + FUSED_TAIL_US + FUSED_TAIL_US_PER_BLOCK * nblk
-    return rounds * step + MERGE_US_PER_16_SPLITS * -(-n // 16) + THREE_LAUNCH_US
+    return rounds * step + MERGE_US_PER_16_SPLITS * -(-n // 16)
 
 
 def _split_sizes(capacity: int, max_splits: int):
@@ -98,12 +97,3 @@ def default_tokens_per_warp(bh_tiles: int, capacity: int, device: torch.device, 
     per_sm = blocks_per_sm(dim, rows, qjl, num_regs, narrow)
     return best_split(bh_tiles, capacity, sm_count(device), per_sm, fused)[0]
 
-
-def fused_is_faster(bh_tiles: int, capacity: int, device: torch.device, fused_regs: int | None,
-                    split_regs: int | None, dim: int = 128, rows: int = 4, narrow: bool = True) -> bool:
-    """Whether the one-launch kernel's modelled best beats the three launches' (both at their best
-    split size; register counts of the two compiled kernels, None: their launch bounds)."""
-    sms = sm_count(device)
-    fused = best_split(bh_tiles, capacity, sms, blocks_per_sm(dim, rows, False, fused_regs, narrow), True)[1]
-    three = best_split(bh_tiles, capacity, sms, blocks_per_sm(dim, rows, False, split_regs, narrow), False)[1]
-    return fused <= three

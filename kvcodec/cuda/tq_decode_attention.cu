@@ -79,6 +79,8 @@
 // 1 (loads at the top of each step, latency covered by the other warps) measured fastest on an H200:
 // the kernel is issue/dependency bound, not waiting on memory (deeper register rings, L2 prefetch
 // and a cp.async shared-memory ring all measured slower: benchmarks/GPU_NOTES.md, session 2).
+// The one-launch kernel (tq_decode_fused) has its own depth, TQ_FUSED_STAGES (default 3: measured
+// 2-8% faster than 1 there, H200 session 4).
 #ifndef TQ_STAGES
 #define TQ_STAGES 1
 #endif
@@ -293,8 +295,8 @@ struct WarpResult {
 // against a 16-row query tile. q16t [16, D] fp16 (rotated, key-permuted, divided by each row's max
 // |.|; pad rows 0), rst [16] the row scales; qs16t / qsst the QJL analogues (prod keys only). The
 // block's shared and register codebook tables must be filled. Empty ranges (begin >= end) give
-// m = -inf, l = 0 and zero accumulators.
-template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW>
+// m = -inf, l = 0 and zero accumulators. DEPTH: steps of loads in flight (see TQ_STAGES).
+template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW, int DEPTH = TQ_STAGES>
 TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& ktab, const CodeTable<BV, VBF>& vtab,
                         const RegLut& kreg, const RegLut& vreg, const tq_u16* q16t, const float* rst,
                         const tq_u16* qs16t, const float* qsst, const tq_u8* __restrict__ kcodes,
@@ -361,7 +363,7 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
   m0 = m1 = NEG_INF;
   l0 = l1 = 0.f;
 
-  constexpr int STAGES = QJL ? 2 : TQ_STAGES;  // prod keys hold more registers per step
+  constexpr int STAGES = QJL ? 2 : DEPTH;  // prod keys hold more registers per step
   StepRegs<T> ring[STAGES];
   // O^T += V^T P^T for narrow tiles: A = values (dims x the 16 tokens), B = P^T fragments pb0 (row g |
   // tokens 2t, 2t+1) and pb1 (tokens 8 + 2t, 8 + 2t + 1), value norms already applied
@@ -661,15 +663,16 @@ struct GlobalSink {
   }
 };
 
-// Fill a block's codebook tables (shared always, registers where the traits use them) and sync.
-template <class T, int BK, int BV, bool VBF>
+// Fill a block's codebook tables (shared always, registers where the traits use them); SYNC: then
+// wait for the whole block (otherwise the caller's next barrier must come before the first lookup).
+template <class T, int BK, int BV, bool VBF, bool SYNC = true>
 TQ_DEVI void fill_tables(CodeTable<BK, false>& ktab, CodeTable<BV, VBF>& vtab, RegLut& kreg, RegLut& vreg,
                          const float* __restrict__ k_codebook, const float* __restrict__ v_codebook) {
   ktab.fill(k_codebook, threadIdx.x, blockDim.x);
   vtab.fill(v_codebook, threadIdx.x, blockDim.x);
   if constexpr (T::KREG) kreg.template fill<false>(k_codebook);
   if constexpr (T::VREG) vreg.template fill<VBF>(v_codebook);
-  __syncthreads();
+  if constexpr (SYNC) __syncthreads();
 }
 
 }  // namespace tq
@@ -873,24 +876,84 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
 #ifndef TQ_FUSED_MAX_BLOCKS
 #define TQ_FUSED_MAX_BLOCKS 64  // blocks per tile the last block merges (shared weights per row)
 #endif
+#ifndef TQ_FUSED_STAGES
+#define TQ_FUSED_STAGES 3
+#endif
+#ifndef TQ_FUSED_COL_BATCH
+#define TQ_FUSED_COL_BATCH 32  // dense rotation-column loads in flight per thread (query prep, output)
+#endif
+// Partial loads in flight per thread in the last block's merge; 0: 16, or 8 for narrow tiles of
+// head_dim <= 64 (their 128-register bound would spill).
+#ifndef TQ_FUSED_TAIL_BATCH
+#define TQ_FUSED_TAIL_BATCH 0
+#endif
+// Timing only, results wrong: bit 0 skips the query rotation, bit 1 the last block's merge
+// (benchmarks/gpu_kernels.py measures what each phase costs with them). Default 0.
+#ifndef TQ_FUSED_PROFILE
+#define TQ_FUSED_PROFILE 0
+#endif
 
 namespace tq {
 // acc[k] = sum_i v[k][i] * M[i][j] for N rows v (shared, row stride D) and column j of a row-major
-// [D, D] matrix in global memory (coalesced across j; the column loaded in batches of 32 loads).
-template <int D, int N>
+// [D, D] matrix in global memory (coalesced across j; the column loaded in batches of NB loads: one
+// L2 round trip per batch, NB registers).
+template <int D, int N, int NB = (D >= TQ_FUSED_COL_BATCH ? TQ_FUSED_COL_BATCH : 32)>
 TQ_DEVI void col_dot_rows(const float* v, const float* __restrict__ M, int j, float (&acc)[N]) {
 #pragma unroll
   for (int k = 0; k < N; ++k) acc[k] = 0.f;
 #pragma unroll 1
-  for (int i0 = 0; i0 < D; i0 += 32) {  // not unrolled: 32 loads in flight, not D (registers)
-    float m[32];
+  for (int i0 = 0; i0 < D; i0 += NB) {  // not unrolled: NB loads in flight, not D (registers)
+    float m[NB];
 #pragma unroll
-    for (int k = 0; k < 32; ++k) m[k] = __ldg(M + (i0 + k) * D + j);
+    for (int k = 0; k < NB; ++k) m[k] = __ldg(M + (i0 + k) * D + j);
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
+    for (int k = 0; k < NB; ++k) {
 #pragma unroll
       for (int n = 0; n < N; ++n) acc[n] += v[n * D + i0 + k] * m[k];
     }
+  }
+}
+
+// In-place fast Walsh-Hadamard transform (Sylvester order, unnormalized) of rows r < nr of a shared
+// [*, D] buffer: log2(D) butterfly passes, one block barrier after each. D a power of two.
+template <int D>
+TQ_DEVI void fwht_rows(float* buf, int nr) {
+  for (int lg = 0; (1 << lg) < D; ++lg) {
+    const int h = 1 << lg;
+    for (int i = threadIdx.x; i < nr * (D / 2); i += blockDim.x) {
+      const int r = i / (D / 2), k = i - r * (D / 2);
+      const int lo = r * D + ((k >> lg) << (lg + 1)) + (k & (h - 1));
+      const float a = buf[lo], b = buf[lo + h];
+      buf[lo] = a + b;
+      buf[lo + h] = a - b;
+    }
+    __syncthreads();
+  }
+}
+
+// Randomized Hadamard rotations without a matrix (kvcodec's "hadamard" R = H diag(s) / sqrt(D) and
+// "hadamard2" R = H diag(s2) H diag(s1) / D; signs [rounds, D]), on rows r < nr of shared buffers.
+// forward: dst = R src (the query prep's q @ R^T); the caller has synced src; ends synced.
+template <int D>
+TQ_DEVI void hadamard_forward(const float* src, float* dst, int nr, const float* __restrict__ signs, int rounds) {
+  const float scale = rounds == 1 ? 1.f / sqrtf((float)D) : 1.f / (float)D;
+  for (int rd = 0; rd < rounds; ++rd) {
+    for (int i = threadIdx.x; i < nr * D; i += blockDim.x)
+      dst[i] = (rd == 0 ? src[i] * scale : dst[i]) * __ldg(signs + rd * D + (i % D));
+    __syncthreads();
+    fwht_rows<D>(dst, nr);
+  }
+}
+
+// inverse, in place: buf = R^T buf (the merge's y @ R); the caller has synced buf; ends synced.
+template <int D>
+TQ_DEVI void hadamard_inverse(float* buf, int nr, const float* __restrict__ signs, int rounds) {
+  const float scale = rounds == 1 ? 1.f / sqrtf((float)D) : 1.f / (float)D;
+  for (int rd = rounds - 1; rd >= 0; --rd) {
+    fwht_rows<D>(buf, nr);
+    for (int i = threadIdx.x; i < nr * D; i += blockDim.x)
+      buf[i] *= __ldg(signs + rd * D + (i % D)) * (rd == 0 ? scale : 1.f);
+    __syncthreads();
   }
 }
 
@@ -918,6 +981,9 @@ struct SharedSink {
 
 // q:         [BH, R, D] the query rows (QIN 0 fp32, 1 fp16, 2 bf16; runtime qin); kr_t = R_k^T
 //            row-major, perm the key permutation, mult = softmax_scale * log2(e)
+// k_signs / k_rounds, v_signs / v_rounds: rotations that are randomized Hadamard transforms
+//            (rounds 1 or 2, signs [rounds, D]) run as butterflies in shared memory instead of reading
+//            the [D, D] matrix; rounds 0: the matrix (kr_t, v_rotation)
 // part_o:    [BH, nblk, R, D] fp32, part_ml [BH, nblk, R, 2]: scratch, one partial per block
 // counters:  [BH * RT] uint32, zero before the launch (and again after it)
 // out:       [BH, R, D] (out_kind 0 fp32, 1 fp16, 2 bf16); lse [BH, R] fp32 (natural log)
@@ -928,8 +994,9 @@ tq_decode_fused(
     const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
     const tq_u8* __restrict__ vcodes, const tq_u16* __restrict__ vnorms,
     const float* __restrict__ k_codebook, const float* __restrict__ v_codebook,
-    const float* __restrict__ v_rotation, const int* __restrict__ seq_lens, int Hkv, int R, int RT, int Tcap,
-    int tokens_per_warp, int nsplit, float* __restrict__ part_o, float* __restrict__ part_ml,
+    const float* __restrict__ v_rotation, const float* __restrict__ k_signs, int k_rounds,
+    const float* __restrict__ v_signs, int v_rounds, const int* __restrict__ seq_lens, int Hkv, int R, int RT,
+    int Tcap, int tokens_per_warp, int nsplit, float* __restrict__ part_o, float* __restrict__ part_ml,
     unsigned int* __restrict__ counters, void* __restrict__ out, int out_kind, float* __restrict__ lse) {
   using T = tq::DecodeTraits<D, BK, BV, KBF, VBF, false>;
   constexpr int ROWS = NARROW ? 8 : 16;  // query rows of a tile that can be used
@@ -945,7 +1012,8 @@ tq_decode_fused(
   __shared__ float rowm[ROWS], rowl[ROWS];        // block (later: tile) max and sum per row
   __shared__ int is_last;
   tq::RegLut kreg, vreg;
-  tq::fill_tables<T>(ktab, vtab, kreg, vreg, k_codebook, v_codebook);  // ends with __syncthreads
+  // the tables' loads overlap the query's: one barrier for both (below)
+  tq::fill_tables<T, BK, BV, VBF, false>(ktab, vtab, kreg, vreg, k_codebook, v_codebook);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int bh = blockIdx.y, rt = blockIdx.z, nblk = gridDim.x;
@@ -954,21 +1022,33 @@ tq_decode_fused(
   const float NEG_INF = -__int_as_float(0x7f800000);
 
   // ---- 1. query prep for this tile: y = q @ R_k^T, then fp16(y[perm] / max|y|)
+  int pk[D / 32];  // this lane's permutation entries, loaded early (used after two barriers)
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) pk[i] = __ldg(perm + lane + 32 * i);
   for (int i = tid; i < ROWS * D; i += blockDim.x) {
     const int r = i / D;
     xq[i] = (r < nr) ? tq::load_query(q, ((long long)bh * R + R0 + r) * D + (i - r * D), qin) : 0.f;
   }
   __syncthreads();
+  if (k_rounds > 0 && !(TQ_FUSED_PROFILE & 1)) {
+    if constexpr ((D & (D - 1)) == 0) tq::hadamard_forward<D>(xq, ybuf, nr, k_signs, k_rounds);
+  } else {
   for (int j = tid; j < D; j += blockDim.x) {
     for (int r0 = 0; r0 < nr; r0 += 4) {
       float a[4];
-      tq::col_dot_rows<D, 4>(xq + r0 * D, kr_t, j, a);
+      if (TQ_FUSED_PROFILE & 1) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) a[k] = xq[(r0 + k) * D + j];
+      } else {
+        tq::col_dot_rows<D, 4>(xq + r0 * D, kr_t, j, a);
+      }
 #pragma unroll
       for (int k = 0; k < 4; ++k)
         if (r0 + k < ROWS) ybuf[(r0 + k) * D + j] = a[k];
     }
   }
   __syncthreads();
+  }
   for (int r = warp; r < 16; r += 4) {
     float m = 0.f;
     if (r < nr)
@@ -976,8 +1056,9 @@ tq_decode_fused(
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     const float amax = m > 0.f ? m : 1e-30f;
-    for (int k = lane; k < D; k += 32)
-      q16s[r * D + k] = (r < nr) ? tq_f2h(ybuf[r * D + __ldg(perm + k)] / amax) : (tq_u16)0;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i)
+      q16s[r * D + lane + 32 * i] = (r < nr) ? tq_f2h(ybuf[r * D + pk[i]] / amax) : (tq_u16)0;
     if (lane == 0) rss[r] = (r < nr) ? amax * mult : 0.f;
   }
   __syncthreads();
@@ -988,9 +1069,9 @@ tq_decode_fused(
   const int begin = split < nsplit ? split * tokens_per_warp : 0;
   const int end = split < nsplit ? min(begin + tokens_per_warp, len) : 0;
   tq::WarpResult<D, NARROW> res;
-  tq::split_warp<D, BK, BV, KBF, VBF, false, NARROW>(res, ktab, vtab, kreg, vreg, q16s, rss, q16s, rss, kcodes,
-                                                     knorms, vcodes, vnorms, nullptr, nullptr,
-                                                     (long long)bh * Tcap, begin, end);
+  tq::split_warp<D, BK, BV, KBF, VBF, false, NARROW, TQ_FUSED_STAGES>(res, ktab, vtab, kreg, vreg, q16s, rss, q16s,
+                                                                      rss, kcodes, knorms, vcodes, vnorms, nullptr,
+                                                                      nullptr, (long long)bh * Tcap, begin, end);
 
   // ---- 3. merge the four warps in shared memory
   int ra, rb;
@@ -1041,8 +1122,21 @@ tq_decode_fused(
   __syncthreads();
   if (tid == 0) is_last = atomicInc(counters + (long long)bh * RT + rt, (unsigned)nblk - 1u) == (unsigned)nblk - 1u;
   __syncthreads();
-  if (!is_last) return;
+  if (!is_last || (TQ_FUSED_PROFILE & 2)) return;
   __threadfence();
+  constexpr int TPR = D / 4;  // threads per row in the weighted sum (one float4 each)
+  constexpr int TB = TQ_FUSED_TAIL_BATCH > 0 ? TQ_FUSED_TAIL_BATCH : (NARROW && D <= 64) ? 8 : 16;
+  const float* pbase = part_o + (long long)bh * nblk * R * D + (long long)R0 * D;
+  const long long bstride = (long long)R * D;
+  // the first batch of this thread's first (row, float4) does not depend on the weights: in flight
+  // while they are computed
+  float4 pre[TB];
+  if (tid < nr * TPR) {
+    const float* p = pbase + (long long)(tid / TPR) * D + 4 * (tid % TPR);
+#pragma unroll
+    for (int k = 0; k < TB; ++k)
+      pre[k] = k < nblk ? __ldcg(reinterpret_cast<const float4*>(p + k * bstride)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   float* sm = xq;                // [ROWS][MAXB] maxima, then weights
   float* sl = xq + ROWS * MAXB;  // [ROWS][MAXB] sums
   for (int i = tid; i < nr * nblk; i += blockDim.x) {
@@ -1073,40 +1167,29 @@ tq_decode_fused(
     }
   }
   __syncthreads();
-  // weighted sum of the block partials: one float4 of one row per thread, 8 loads in flight
+  // weighted sum of the block partials: one float4 of one row per thread, TB loads in flight
   {
-    constexpr int TPR = D / 4;  // threads per row
-    const float* pbase = part_o + (long long)bh * nblk * R * D + (long long)R0 * D;
-    const long long bstride = (long long)R * D;
     for (int i = tid; i < nr * TPR; i += blockDim.x) {
       const int r = i / TPR, c = 4 * (i - r * TPR);
       const float* p = pbase + (long long)r * D + c;
       const float* w = sm + r * MAXB;
       float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-      int b = 0;
-      for (; b + 8 <= nblk; b += 8) {
-        float4 v[8];
+      for (int b = 0; b < nblk; b += TB) {
+        float4 v[TB];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = __ldcg(reinterpret_cast<const float4*>(p + (b + k) * bstride));
+        for (int k = 0; k < TB; ++k)
+          v[k] = (i == tid && b == 0) ? pre[k]
+                 : (b + k < nblk) ? __ldcg(reinterpret_cast<const float4*>(p + (b + k) * bstride))
+                                  : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const float wk = w[b + k];
+        for (int k = 0; k < TB; ++k) {
+          const float wk = (b + k < nblk) ? w[b + k] : 0.f;
           if (wk != 0.f) {
             a.x += wk * v[k].x;
             a.y += wk * v[k].y;
             a.z += wk * v[k].z;
             a.w += wk * v[k].w;
           }
-        }
-      }
-      for (; b < nblk; ++b) {
-        const float wk = w[b];
-        if (wk != 0.f) {
-          const float4 v = __ldcg(reinterpret_cast<const float4*>(p + b * bstride));
-          a.x += wk * v.x;
-          a.y += wk * v.y;
-          a.z += wk * v.z;
-          a.w += wk * v.w;
         }
       }
       const float L = rowl[r];
@@ -1120,6 +1203,15 @@ tq_decode_fused(
   }
   __syncthreads();
   // out = y @ R_v, in the output dtype; lse in natural log
+  if (v_rounds > 0) {
+    if constexpr ((D & (D - 1)) == 0) tq::hadamard_inverse<D>(ybuf, nr, v_signs, v_rounds);
+    for (int i = tid; i < nr * D; i += blockDim.x) {
+      const long long o = ((long long)bh * R + R0) * D + i;
+      if (out_kind == 0) reinterpret_cast<float*>(out)[o] = ybuf[i];
+      else if (out_kind == 1) reinterpret_cast<tq_u16*>(out)[o] = tq_f2h(ybuf[i]);
+      else reinterpret_cast<tq_u16*>(out)[o] = tq_f2bf(ybuf[i]);
+    }
+  } else {
   for (int j = tid; j < D; j += blockDim.x) {
     for (int r0 = 0; r0 < nr; r0 += 4) {
       float a[4];
@@ -1134,6 +1226,7 @@ tq_decode_fused(
         }
       }
     }
+  }
   }
   if (tid < nr) {
     const float L = rowl[tid];
