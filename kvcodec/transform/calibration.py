@@ -263,14 +263,16 @@ MAX_AUTO_DIM = 2048  # the automatic layer grouping keeps every basis at most th
 
 
 def auto_layers_per_group(n_layers: int, n_kv_heads: int, head_dim: int, joint_kv: bool, per_head: bool = False,
-                          max_layers: int = 5) -> int:
+                          tokens: int | None = None, max_layers: int = 5) -> int:
     """The default ``layers_per_group``: the largest divisor of ``n_layers`` up to ``max_layers``
-    whose basis stays within MAX_AUTO_DIM dimensions (SmolLM2-135M: 5 layers x K+V x 192 = 1920;
-    a model with 8 x 128-dim kv heads: 1 layer, K+V = 2048)."""
+    whose basis stays within MAX_AUTO_DIM dimensions and, given the calibration ``tokens``, within
+    tokens / 4 (a covariance fitted on fewer tokens than dimensions codes held-out text badly)
+    (SmolLM2-135M with 8k tokens: 5 layers x K+V x 192 = 1920; 8 x 128-dim kv heads: 1 layer)."""
     width = (2 if joint_kv else 1) * head_dim * (1 if per_head else n_kv_heads)
+    limit = MAX_AUTO_DIM if tokens is None else min(MAX_AUTO_DIM, tokens // 4)
     best = 1
     for g in range(1, max_layers + 1):
-        if n_layers % g == 0 and g * width <= MAX_AUTO_DIM:
+        if n_layers % g == 0 and g * width <= limit:
             best = g
     return best
 
@@ -309,7 +311,8 @@ def fit(keys, values, rope: RoPE | None, *, per_head: bool = False, layers_per_g
     L, H, _, D = ks[0].shape
     if not isinstance(joint_kv, bool) or not isinstance(per_head, bool):
         raise ValueError("per_head and joint_kv must be bools")
-    g = auto_layers_per_group(L, H, D, joint_kv, per_head) if layers_per_group is None else layers_per_group
+    n_fit = sum(max(0, k.shape[2] - skip_sinks) for k in ks) if isinstance(skip_sinks, int) else None
+    g = auto_layers_per_group(L, H, D, joint_kv, per_head, n_fit) if layers_per_group is None else layers_per_group
     if isinstance(g, bool) or not isinstance(g, int) or g < 1 or L % g:
         raise ValueError(f"layers_per_group must be a positive divisor of the {L} layers, got {g!r}")
     if rope is not None and rope.head_dim != D:

@@ -51,7 +51,8 @@ def encode(keys, values, calib: Calibration, bits: float | None = None, *, disto
     """Transform-code post-RoPE keys and values [L, H, T, D] (bf16/fp16/fp32, CPU or CUDA).
 
     bits: target *true* bits per value: len(blob) * 8 / (2 * L * H * T * D), everything counted
-    (exact tokens, tables, headers); the result lands within 2% of it. distortion: instead, a
+    (exact tokens, tables, headers); the result lands within 2% of it (or below it, when even
+    the finest useful step, every coefficient kept to 1/32766 of the largest, needs fewer bits). distortion: instead, a
     target relative squared error ||m(x_hat - x)||^2 / ||m(x)||^2 over the coded tokens, m = the
     calibration's metric (channel scales x sqrt(layer weights); with scales and weights all 1, the
     plain relative error). Default: bits=2.
@@ -111,8 +112,14 @@ def encode(keys, values, calib: Calibration, bits: float | None = None, *, disto
                      for kind, x in enumerate((keys, values)))
         ceiling = 4 * float(rows.abs().max()) + 1e-30  # every symbol is 0 from here on: the error cannot grow
         step = min(solve_step(model.squared_error, distortion * energy, start, increasing=True), ceiling)
-        return builder.build(rows, step, rounding)
+        return builder.build(rows, max(step, _step_floor(rows)), rounding)
     return _encode_at_rate(builder, model, rows, bits * 2 * L * H * T * D / 8, start, rounding)
+
+
+def _step_floor(rows: torch.Tensor) -> float:
+    """The finest useful step: below it the largest coefficient's symbol would pass QMAX (clamped).
+    A step this fine already keeps every coefficient to ~1/QMAX of the largest one."""
+    return float(rows.abs().max()) / (qz.QMAX - 1) or 1e-30
 
 
 def _encode_at_rate(builder, model: StepModel, rows, target: float, start: float, rounding: float) -> bytes:
@@ -123,14 +130,17 @@ def _encode_at_rate(builder, model: StepModel, rows, target: float, start: float
                          f"tokens and headers alone ({fixed * 8 / builder.n_values:.3f} bits/value)")
     want = target - fixed
     best = None
+    floor = _step_floor(rows)
     for _ in range(_RATE_ITERATIONS):
         step = solve_step(model.stream_bytes, max(want, 1.0), start, increasing=False)
-        blob = builder.build(rows, step, rounding)
+        blob = builder.build(rows, max(step, floor), rounding)
         err = len(blob) - target
         if best is None or abs(err) < abs(len(best) - target):
             best = blob
         if abs(err) <= RATE_TOLERANCE * target:
             break
+        if step <= floor and err < 0:  # finer steps buy nothing: return the smaller blob
+            return blob
         want -= err
         start = step
     if abs(len(best) - target) > 2 * RATE_TOLERANCE * target:
