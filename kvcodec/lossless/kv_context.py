@@ -5,8 +5,9 @@ channel) has its own location and spread (keys carry a few large outlier channel
 key channels drift slowly from token to token (low RoPE frequencies). kvctx fits, per leading
 index and channel, a location, a previous-token coefficient and a scale, plus one shared
 shape CDF for the whole tensor, stores them quantised, and codes every scalar's bit pattern
-with the probability its rounding bin gets under that model (the engine of
-:mod:`kvcodec.lossless.predictive` with no prediction). Every bit pattern round-trips.
+with the probability that model gives it (the engine of :mod:`kvcodec.lossless.predictive` with
+no prediction; format 2: bins and per-class tables, see docs/lossless_kv.md). Every bit pattern
+round-trips.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ class KVContextCodec:
 
     name = "kvctx"
 
-    def encode(self, t, prediction=None, threads: int = 0, **opts):
+    def encode(self, t, prediction=None, threads: int = 0, version: int | None = None, **opts):
+        """``version``: the stream format (None: format 2 for 16-/32-bit floats, 1 for fp8)."""
         if opts:
             raise ValueError(f"unknown option(s) for the kvctx codec: {', '.join(sorted(opts))}")
         if prediction is not None:
             raise ValueError("the kvctx codec takes no prediction (use codec='predictive')")
-        return encode_tensor(t, None, "none", threads)
+        return encode_tensor(t, None, "none", threads, version)
 
     def decode(self, meta, sections, prediction=None, threads: int = 0):
         if prediction is not None:

@@ -138,20 +138,15 @@ def _decode_mag(sym, ep, centre, mb, maxmag, acc, have):
         if mag > maxmag:
             return neg, np.int64(0), 0, False
         return neg, mag, used, True
-    if u >= LOG2_FLOOR.size:
-        return neg, np.int64(0), 0, False
-    big_e = LOG2_FLOOR[u] + ep
-    uk = big_e - mb if big_e > mb else 0
-    nb = ep - uk
-    if nb >= 0:
+    if u >= (np.int64(1) << mb):  # one pattern per bin
+        mag = u + (np.int64(ep) << mb)
+        used = 0
+    else:  # 1 <= u < 2**mb: 2**nb patterns in one binade
+        big_e = LOG2_FLOOR[u] + ep
+        nb = ep - (big_e - mb if big_e > mb else 0)
         first = (u << ep) if big_e < mb else ((big_e - mb + 1) << mb) + (u << nb) - (np.int64(1) << mb)
         mag = first + (acc & ((np.int64(1) << nb) - 1))
         used = nb
-    else:
-        if u & ((np.int64(1) << -nb) - 1):
-            return neg, np.int64(0), 0, False  # a bin finer than the grid that holds no pattern
-        mag = ((big_e - mb + 1) << mb) + (u >> -nb) - (np.int64(1) << mb)
-        used = 0
     if mag > maxmag:
         return neg, np.int64(0), 0, False
     return neg, mag, used, True

@@ -131,35 +131,43 @@ def float64_bits(typingctx, x):
 @njit(inline="always", cache=True)
 def locate(mu_v, es, level, mb):
     """(ep, centre, cls) of a value predicted at ``mu_v`` (V units, finite) in a channel with
-    bin exponent ``es`` and scale level ``level``. Branch-free (data-dependent branches here cost
-    more than everything else): the exponent comes from the float64 bits, a negative ``mu_v``
-    (or -0.0) flips the bin."""
+    bin exponent ``es`` and scale level ``level``: ``centre`` = the bin coordinate (see
+    :func:`bin_of`) holding ``mu_v``. Branch-free (data-dependent branches here cost more than
+    everything else): the exponent comes from the float64 bits, a negative ``mu_v`` (or -0.0)
+    flips the bin."""
     bits = float64_bits(mu_v)
-    eu = max(((bits >> 52) & 0x7FF) - 1023 - mb, 0)  # 0 for |mu_v| < 2**(mb + 1)
-    ep = min(max(es, eu), EP_MAX)
-    y = abs(mu_v) * POW2_NEG[ep]
+    ex = ((bits >> 52) & 0x7FF) - 1023  # floor(log2 |mu_v|) (negative below 1: no step there)
+    ep = min(es, EP_MAX)
+    av = abs(mu_v)
+    eu = max(ex - mb, 0)  # exponent of one grid step at mu
+    # below 2**(ep + mb) the coordinate is V / 2**ep; above, one unit per grid step
+    y = av * POW2_NEG[ep]
+    y_steps = (eu - ep) * (1 << mb) + av * POW2_NEG[min(eu, EP_MAX)]
+    if eu > ep:
+        y = y_steps
     u = np.int64(y)
     neg = np.int64(bits < 0)
     centre = u ^ (-neg)  # u, or -1 - u
     f = y - u
     f = f + neg * (1.0 - 2.0 * f)  # where mu lies in its bin, in the direction of increasing value
-    lvl = level - 4 * ep
+    lvl = level - 4 * max(ep, eu)  # scale / local bin width, in quarter octaves
     fine = min(lvl, 15) - 12
     coarse = N_FINE + (11 - max(lvl, LVL_LO)) * N_FRAC + min(np.int64(f * N_FRAC), N_FRAC - 1)
     return ep, centre, (fine if lvl >= 12 else coarse)
 
 
 @njit(inline="always", cache=True)
-def _bin_of_mag(mag, ep, mb):
-    """u = floor(V(mag) / 2**ep), capped at 2**40 (far past any codable bin)."""
+def bin_of(mag, ep, mb):
+    """The bin coordinate of a magnitude pattern: ``V >> ep`` where grid steps are finer than a
+    bin (exponent field <= ep: below 2**mb), else one unit per pattern (``mag - ep * 2**mb``,
+    continuing the count), so no bin is ever empty."""
     ef = mag >> mb
+    if ef > ep:
+        return mag - (np.int64(ep) << mb)
     if ef == 0:
         return mag >> ep if ep < 62 else 0
-    mant = (np.int64(1) << mb) | (mag & ((1 << mb) - 1))
-    sh = ef - 1 - ep
-    if sh >= 0:
-        return mant << sh if sh < 24 else np.int64(1) << 40
-    return mant >> (-sh) if -sh < 62 else 0
+    sh = ep + 1 - ef
+    return ((np.int64(1) << mb) | (mag & ((1 << mb) - 1))) >> sh if sh < 62 else 0
 
 
 @njit(inline="always", cache=True)
@@ -168,12 +176,14 @@ def encode_value(pat, ep, centre, width, sign, mb, escape):
     if escape[pat]:
         return ESC, np.int64(pat), width
     mag = pat & ~sign & ((1 << width) - 1)
-    u = _bin_of_mag(mag, ep, mb)
+    u = bin_of(mag, ep, mb)
     j = u ^ -np.int64((pat & sign) != 0)  # u, or -1 - u (branch-free: the sign is a coin flip)
     r = j - centre
     if r < -CENTRE or r > CENTRE:
         return ESC, np.int64(pat), width
     sym = r + CENTRE
+    if u >= (1 << mb):  # one pattern per bin
+        return sym, np.int64(0), 0
     if u == 0:
         if ep <= mb + 1:
             return sym, np.int64(mag), ep
@@ -185,13 +195,8 @@ def encode_value(pat, ep, centre, width, sign, mb, escape):
         if d == last:
             return sym, np.int64(mag) << d, d + mb + 1
         return sym, ((np.int64(mag) & ((1 << mb) - 1)) << (d + 1)) | (np.int64(1) << d), d + 1 + mb
-    if u >= _LOG2_TABLE:  # never within reach of a real centre (< 2**(mb + 1)): escape
-        return ESC, np.int64(pat), width
-    big_e = LOG2_FLOOR[u] + ep
-    uk = big_e - mb if big_e > mb else 0
-    nb = ep - uk
-    if nb <= 0:
-        return sym, np.int64(0), 0
+    big_e = LOG2_FLOOR[u] + ep  # 1 <= u < 2**mb: a bin of 2**nb patterns in one binade
+    nb = ep - (big_e - mb if big_e > mb else 0)
     return sym, np.int64(mag) & ((np.int64(1) << nb) - 1), nb
 
 
