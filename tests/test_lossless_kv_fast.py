@@ -117,7 +117,7 @@ def reference_stream(t: torch.Tensor, meta, sections, prediction=None):
                 ctxs.append(k)
                 raw.append((int(code), int(nb)))
                 val = float(t.reshape(g_n, t_n, d_n)[g, tok, d].double())
-                dev[d] = val - base if math.isfinite(val) and not bg.escape[pats[g, tok, d]] else 0.0
+                dev[d] = val - base if s != bins.ESC else 0.0  # an escaped value leaves no residual
     freq = tables.unpack_tables(np.frombuffer(format2._split(
         sections["model"][4:4 + int.from_bytes(sections["model"][:4].tobytes(), "little")].tobytes(), 2)[1], np.uint8))
     counts = np.zeros((bins.N_CLASSES, 256), np.int64)

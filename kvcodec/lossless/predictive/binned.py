@@ -65,10 +65,9 @@ def symbolise(pats, pred, has_pred, m, c, a, es, level, shared, cg0, cng, ct0, c
                     s, cd, nb = encode_value(np.int64(pats[g, t, d]), t_ep[d], t_centre[d], width, sign, mb, escape)
                     packed[i + d] = (cd << 24) | (nb << 16) | (t_cls[d] << 8) | s
                     total += nb
-                for d in range(d_n):
-                    pat = np.int64(pats[g, t, d])
-                    ok, v = value_of(pat, sign, mb, maxmag, unit)
-                    dev[d] = v - base[d] if (ok and escape[pat] == 0) else 0.0
+                for d in range(d_n):  # an escaped value (NaN, Inf, outlier) leaves no residual
+                    v = value_of(np.int64(pats[g, t, d]), sign, mb, maxmag, unit)[1]
+                    dev[d] = v - base[d] if (packed[i + d] & 0xFF) != ESC else 0.0
                 i += d_n
         chunk_bits[ci] = total
         for i in range(coff[ci], coff[ci + 1]):
@@ -182,6 +181,7 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
         t_centre = np.empty(d_n, np.int64)
         t_base = np.empty(d_n, np.int64)
         t_sym = np.empty(d_n, np.int64)
+        t_pat = np.empty(d_n, np.int64)
         i = 0
         bad = 0
         for g in range(cg0[ci], cg0[ci] + cng[ci]):
@@ -212,14 +212,14 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
                     acc >>= n
                     have -= n
                     used += n
-                    t_sym[d] = pat
+                    t_pat[d] = pat
                 if bad:
                     break
                 for d in range(d_n):
-                    pat = t_sym[d]
+                    pat = t_pat[d]
                     out[g - out_g0, t - out_t0, d] = pat
-                    okv, v = value_of(pat, sign, mb, maxmag, unit)
-                    dev[d] = v - base[d] if (okv and escape[pat] == 0) else 0.0
+                    v = value_of(pat, sign, mb, maxmag, unit)[1]
+                    dev[d] = v - base[d] if t_sym[d] != ESC else 0.0
             if bad:
                 break
         if bad:
