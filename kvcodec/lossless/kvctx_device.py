@@ -1,0 +1,169 @@
+"""The kvctx and predictive codecs' format 2 streams decoded on a CUDA device.
+
+Why: a KV cache lives on the GPU; decoding its blob on the CPU and copying the tensor back costs
+more than decoding it where it is. The stream's chunks are 32-lane rANS streams (the warp layout of
+``kvcodec.entropy.rans_lanes``) plus a raw bit stream per chunk, so one warp decodes one chunk
+(``kvcodec/cuda/kvctx_decode.cu``, the CPU kernel ``predictive.binned.decode_chunks`` computed bit
+for bit).
+
+Host work (:func:`plan`): the stream is checked by the CPU decoder's own parser
+(``predictive.codec.parse_stream``): only the small ``model`` section is copied to the host; the
+payload, raw-bit and ``lo16`` sections stay on the device and the parser sees size-only stand-ins
+for them (zero-stride arrays of their dtype and length). Decoding (:func:`decode`): one launch for
+every chunk (a ``"neighbour_layer"`` stream: one per layer, each predicted from the layer decoded
+before it); every chunk's status and the prediction's checksum are checked once, with the
+container's checks, by the caller (``kvcodec.lossless.api``).
+
+Blobs the kernel does not take return None (the caller decodes on the CPU): format 1, 8-lane
+streams (tensors under 16384 values), the ``raw`` mode, a prediction that is not a real CUDA tensor
+of the blob's shape on the blob's device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvcodec.lossless.predictive import codec as pcodec
+from kvcodec.lossless.predictive.bins import bin_grid
+from kvcodec.lossless.predictive.grid import value_table
+
+SOURCES = ("none", "previous_token", "external", "neighbour_layer")
+
+
+def gpu_decodable(meta) -> bool:
+    """Whether the GPU kernel takes a kvctx / predictive codec meta: format 2, 32 lanes, a coded mode."""
+    return (isinstance(meta, dict) and meta.get("v") == 2 and type(meta.get("v")) is int
+            and meta.get("lanes") == 32 and type(meta.get("lanes")) is int
+            and meta.get("mode") in ("grid", "f32split") and meta.get("source") in SOURCES)
+
+
+def grid_constants(dtype: torch.dtype) -> tuple:
+    """The kernel's ``(width, sign, mb, maxmag, eoff, inv_unit)`` of a dtype (``bins.bin_grid``)."""
+    g = bin_grid(dtype)
+    return (g.width, g.sign, g.mb, g.maxmag, g.eoff, 2.0 ** -g.eoff)
+
+
+def _stand_ins(meta, sections) -> dict:
+    """The sections as the CPU parser reads them: ``model`` copied to the host, the others size-only
+    zero-stride arrays of their dtype and shape (nothing but sizes is read from them)."""
+    out = {}
+    for name, s in sections.items():
+        if name == "model" and len(s.shape) == 1:
+            out[name] = s.bytes.cpu().numpy().view(s.dtype)
+        else:
+            out[name] = np.broadcast_to(np.zeros(1, s.dtype), s.shape)
+    return out
+
+
+def plan(meta, sections):
+    """(ParsedStream, KernelPlan) of a format 2 stream whose ``sections`` are device sections, or None
+    when the kernel cannot take it. CorruptStreamError for what the CPU decoder refuses."""
+    from kvcodec.cuda.kvctx_decode import KernelPlan
+
+    if not gpu_decodable(meta):
+        return None
+    ps = pcodec.parse_stream(meta, _stand_ins(meta, sections))
+    p2 = ps.v2
+    if p2 is None or p2.lanes != 32:
+        return None
+    bdtype = torch.bfloat16 if ps.mode == "f32split" else ps.dtype
+    grid = grid_constants(bdtype)
+    g, tt, d = pcodec.kv_layout(ps.shape)
+    cg0, cng, ct0, cnt = p2.chunks
+    chunks = np.stack([p2.wstart, p2.wlen, p2.bstart, p2.blen, cg0, cng, ct0, cnt], 1).astype(np.int64)
+    m, c, a, es, level = p2.margs
+    out_kind = 4 if ps.mode == "f32split" else bin_grid(bdtype).width // 8
+    kp = KernelPlan(chunks=np.ascontiguousarray(chunks), m=m.reshape(-1), c=np.broadcast_to(c, m.shape).reshape(-1),
+                    a=np.broadcast_to(a, m.shape).reshape(-1), es=es.reshape(-1).astype(np.int32),
+                    level=level.reshape(-1).astype(np.int32), shared=p2.shared, tabs=p2.tabs, grid=grid,
+                    shape=(g, tt, d), out_kind=out_kind)
+    return ps, kp
+
+
+def layer_ranges(ps, kp) -> list[tuple[int, int]]:
+    """Chunk index ranges decoded by one launch each: all chunks, or one range per layer (a
+    neighbour-layer stream; its chunks are layer-major and never cross a layer)."""
+    n = kp.chunks.shape[0]
+    if ps.source != "neighbour_layer":
+        return [(0, n)]
+    per_layer = kp.shape[0] // ps.shape[0]
+    layer = kp.chunks[:, 4] // per_layer
+    return [(int(np.searchsorted(layer, k)), int(np.searchsorted(layer, k, side="right")))
+            for k in range(ps.shape[0])]
+
+
+def _aligned(sec, align: int):
+    """(device address, keep-alive) of a section's bytes at ``align``: the blob itself when aligned,
+    else an aligned copy."""
+    if sec is None:
+        return 0, None
+    if (sec.blob.data_ptr() + sec.offset) % align == 0:
+        return sec.blob.data_ptr() + sec.offset, None
+    copy = torch.empty(-(-max(sec.nbytes, 1) // 8), dtype=torch.int64, device=sec.blob.device)
+    copy.view(torch.uint8)[:sec.nbytes].copy_(sec.bytes)
+    return copy.data_ptr(), copy
+
+
+def _prediction_f32(prediction: torch.Tensor, g: int, t: int, d: int) -> torch.Tensor:
+    """The prediction as float32 [G, T, D] on its device, the CPU's conversion (bf16 by its bits)."""
+    p = prediction.detach().contiguous()
+    if p.dtype == torch.bfloat16:
+        return (p.reshape(-1).view(torch.int16).to(torch.int32) << 16).view(torch.float32).reshape(g, t, d)
+    return p.to(torch.float32).reshape(g, t, d)
+
+
+def _layer_values(out: torch.Tensor, ps, values: torch.Tensor) -> torch.Tensor:
+    """The float32 values of decoded patterns, the next layer's prediction: the CPU's
+    ``grid.value_table`` (non-finite values as 0) looked up by pattern (a float32 element by its
+    upper, bf16 half)."""
+    pats = out.to(torch.int64)
+    return values[(pats >> 16) & 0xFFFF if ps.mode == "f32split" else pats & (values.numel() - 1)]
+
+
+def _pattern_values(ps, device) -> torch.Tensor:
+    """float32 [2**width]: the value of every bit pattern as ``grid.value_table`` has it."""
+    return torch.from_numpy(value_table(ps.grid)[ps.grid.k_of_bits]).to(device)
+
+
+def decode(meta, sections, device, prediction=None, launch=None):
+    """Decode a format 2 stream whose sections are ``device_container.DeviceSection``s on ``device``.
+    Returns (tensor, status int32 [chunks] with 0 = good, [(tensor, crc32, message)] to check) without
+    synchronizing, or None when the CPU must decode it. CorruptStreamError for metadata the CPU
+    decoder refuses. ``launch``: ``kvctx_decode.launch`` (the default) or a stand-in with its
+    signature (the tests' CPU emulation of the kernel)."""
+    from kvcodec.cuda import kvctx_decode as kd
+
+    launch = launch or kd.launch
+    res = plan(meta, sections)
+    if res is None:
+        return None
+    ps, kp = res
+    g, tt, d = kp.shape
+    checks = []
+    pred = None
+    if ps.source == "external":
+        if (not isinstance(prediction, torch.Tensor) or prediction.device != device
+                or tuple(prediction.shape) != ps.shape or prediction.dtype.is_complex
+                or prediction.dtype == torch.bool):
+            return None
+        pred = _prediction_f32(prediction, g, tt, d)
+        checks.append((pred, meta["pred_crc"], "the prediction differs from the one this stream was coded with"))
+    words, keep_w = _aligned(sections["payload"], 2)
+    bits, keep_b = _aligned(sections["bits"], 4)
+    lo16, keep_l = _aligned(sections.get("lo16"), 2)
+    dp = kd.DevicePlan(kp, device)
+    torch_kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[kp.out_kind]
+    out = torch.empty((g, tt, d), dtype=torch_kind, device=device)
+    status = torch.zeros(kp.chunks.shape[0], dtype=torch.int32, device=device)
+    if ps.source == "neighbour_layer":  # layer by layer, each predicted by the one before (layer 0: by 0)
+        per_layer = g // ps.shape[0]
+        values = _pattern_values(ps, device)
+        for layer, (lo, hi) in enumerate(layer_ranges(ps, kp)):
+            pred = None if layer == 0 else _layer_values(out[(layer - 1) * per_layer:layer * per_layer], ps, values)
+            launch(dp, words, bits, out, status, lo, hi - lo, pred, layer * per_layer, lo16)
+    else:
+        launch(dp, words, bits, out, status, 0, None, pred, 0, lo16)
+    del keep_w, keep_b, keep_l  # freed in stream order: after the launches that read them
+    tensor = out.view(torch.float32 if ps.mode == "f32split" else ps.dtype).reshape(ps.shape)
+    return tensor, status, checks
