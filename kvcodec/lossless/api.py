@@ -17,7 +17,7 @@ import torch
 from kvcodec import container
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output, numel, resolve_max_output
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless import device_container, planes_device, registry
+from kvcodec.lossless import device_container, kvctx_device, planes_device, registry
 from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
 from kvcodec.lossless.threads import resolve_threads
 
@@ -290,12 +290,16 @@ def _target_device(stored: str, prediction: torch.Tensor | None, device) -> torc
 
 
 def _gpu_decodable(header: dict) -> bool:
-    """Whether a parsed header describes a planes blob the GPU kernels decode."""
+    """Whether a parsed header describes a blob the GPU kernels decode: planes (32 lanes, one table
+    per plane) or kvctx / predictive format 2 with 32 lanes."""
     meta = header.get("meta") if isinstance(header, dict) else None
-    return (header.get("kind") == KIND and isinstance(meta, dict) and meta.get("codec") == "planes"
-            and meta.get("uses_prediction") is False and isinstance(meta.get("device"), str) and isinstance(meta.get("shape"), list)
-            and all(type(d) is int for d in meta["shape"]) and numel(meta["shape"]) > 0
-            and planes_device.gpu_decodable(meta.get("codec_meta")))
+    if not (header.get("kind") == KIND and isinstance(meta, dict) and isinstance(meta.get("device"), str)
+            and isinstance(meta.get("shape"), list) and all(type(d) is int for d in meta["shape"])
+            and numel(meta["shape"]) > 0):
+        return False
+    if meta.get("codec") == "planes":
+        return meta.get("uses_prediction") is False and planes_device.gpu_decodable(meta.get("codec_meta"))
+    return meta.get("codec") in ("kvctx", "predictive") and kvctx_device.gpu_decodable(meta.get("codec_meta"))
 
 
 def _cuda_kernels() -> bool:
@@ -314,10 +318,12 @@ def _upload(blob, device: torch.device) -> torch.Tensor:
         return torch.frombuffer(mv, dtype=torch.uint8).to(device)
 
 
-def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_bytes) -> torch.Tensor | None:
+def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_bytes,
+                          prediction: torch.Tensor | None = None) -> torch.Tensor | None:
     """Decode a CUDA uint8 blob on its device (None: not a blob the GPU decodes). Only the header
     and, at the end, a few status flags cross to the host; checks as on the CPU (container,
-    section crc32s, zero padding, streams, the tensor's crc32), all raising CorruptStreamError."""
+    section crc32s, zero padding, streams, the prediction's and the tensor's crc32), all raising
+    CorruptStreamError."""
     import kvcodec.cuda
 
     if not kvcodec.cuda.is_available():
@@ -333,21 +339,36 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     if not _gpu_decodable(header):
         return None
     secs, gaps = device_container.sections(blob, header, header_end)
-    res = planes_device.decode(meta["codec_meta"], secs, blob.device)
+    if meta["codec"] == "planes":
+        res = planes_device.decode(meta["codec_meta"], secs, blob.device)
+        if res is not None:
+            res = (*res, [])  # no checks beyond the container's
+        stream_error = "planes: a rANS chunk stream is corrupt"
+    else:  # kvctx / predictive: a prediction only for a predictive blob that was coded with one
+        with_pred = meta["codec"] == "predictive" and meta["uses_prediction"]
+        if with_pred and prediction is None:
+            return None  # the CPU path raises
+        res = kvctx_device.decode(meta["codec_meta"], secs, blob.device, prediction if with_pred else None)
+        stream_error = "predictive stream payload is corrupted (rANS state check failed)"
     if res is None:
         return None
-    out, status = res
-    flags = device_container.integrity_errors(blob, secs, gaps, extra=[(out, meta["crc32"])])
+    out, status, checks = res
+    extra = [(out, meta["crc32"])] + [(t, crc) for t, crc, _ in checks]
+    flags = device_container.integrity_errors(blob, secs, gaps, extra=extra)
     errors = torch.cat([flags, (status != 0).any().to(torch.int32).reshape(1)]).cpu().numpy()  # the one sync
     names = list(secs)
+    n = len(names)
     for i, name in enumerate(names):
         if errors[i]:
             raise CorruptStreamError(f"section {name!r}: checksum mismatch")
-    if errors[len(names) + 1]:
+    if errors[n + len(extra)]:
         raise CorruptStreamError("nonzero padding in container")
-    if errors[len(names) + 2]:
-        raise CorruptStreamError("planes: a rANS chunk stream is corrupt")
-    if errors[len(names)]:
+    for i, (_, _, message) in enumerate(checks):
+        if errors[n + 1 + i]:
+            raise CorruptStreamError(message)
+    if errors[n + len(extra) + 1]:
+        raise CorruptStreamError(stream_error)
+    if errors[n]:
         raise CorruptStreamError("decoded tensor fails its checksum: wrong prediction, or a corrupted stream")
     return out if target == blob.device else out.to(target)
 
@@ -376,18 +397,18 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
     if isinstance(blob, torch.Tensor) and blob.is_cuda and blob.dtype == torch.uint8 and blob.dim() == 1:
         target = torch.device(device) if device is not None else (
             prediction.device if prediction is not None else blob.device)
-        out = _decompress_on_device(blob, target, max_output_bytes)
+        out = _decompress_on_device(blob, target, max_output_bytes, prediction)
         if out is not None:
             return out
         gpu_tried = True  # a blob the GPU kernels cannot take: decoded on the CPU below
     blob = _host_bytes(blob)
-    if not gpu_tried and prediction is None and _cuda_kernels() and (
-            device is None or torch.device(device).type == "cuda"):
+    cuda_pred = prediction is None or (isinstance(prediction, torch.Tensor) and prediction.is_cuda)
+    if not gpu_tried and cuda_pred and _cuda_kernels() and (device is None or torch.device(device).type == "cuda"):
         head, _ = container.read_header(blob)  # header only: is this a blob the GPU decodes, to a GPU?
         if _gpu_decodable(head):
-            target = _target_device(head["meta"]["device"], None, device)
+            target = _target_device(head["meta"]["device"], prediction, device)
             if target.type == "cuda":
-                out = _decompress_on_device(_upload(blob, target), target, max_output_bytes)
+                out = _decompress_on_device(_upload(blob, target), target, max_output_bytes, prediction)
                 if out is not None:
                     return out
     meta, sections = _load(blob, max_output_bytes)
