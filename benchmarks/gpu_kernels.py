@@ -504,7 +504,8 @@ def _breakdown(label: str, variant: KernelVariant,
 ONE, THREE = KernelVariant(fused=True), KernelVariant(fused=False)
 # automatic, one-launch, three-launch, wide-only (both), scalar; the one-launch kernel's other depths
 FUSED_CHECK_MODES = CHECK_MODES[:6] + [("one-launch 1 stage: ", ("TQ_FUSED_STAGES=1",), True, True),
-                                       ("one-launch 2 stages: ", ("TQ_FUSED_STAGES=2",), True, True)]
+                                       ("one-launch 2 stages: ", ("TQ_FUSED_STAGES=2",), True, True),
+                                       ("one-launch values in registers: ", ("TQ_REG_LUT=3",), True, True)]
 TABLE_SHAPES = [(b, t, 32, 8, 128, 4, 4) for b in (1, 8, 32) for t in (4096, 32768, 131072)] + [
     (1, 32768, 32, 8, 128, 3, 3), (8, 32768, 32, 8, 128, 3, 3), (1, 32768, 32, 8, 128, 4, 2),
     (1, 32768, 9, 3, 64, 4, 4), (8, 32768, 9, 3, 64, 4, 4), (8, 131072, 9, 3, 64, 4, 4)]
@@ -518,6 +519,8 @@ FUSED_VARIANTS = [
     ("1 stage", ("TQ_FUSED_STAGES=1",), (128, 256)),
     ("2 stages", ("TQ_FUSED_STAGES=2",), (128, 256)),
     ("tail batch 8", ("TQ_FUSED_TAIL_BATCH=8",), ()),
+    ("values in registers", ("TQ_REG_LUT=3",), (128, 256)),
+    ("L2 256B prefetch hint", ("TQ_NO_L1=2",), ()),
     ("no query rotation (timing only)", ("TQ_FUSED_PROFILE=1",), ()),
     ("no last-block merge (timing only)", ("TQ_FUSED_PROFILE=2",), ()),
     ("neither (timing only)", ("TQ_FUSED_PROFILE=3",), ()),
