@@ -99,6 +99,8 @@ def test_truncated_rank_codes_only_the_kept_components(rope):
     full, cut = T.fit(k, v, rope), T.fit(k, v, rope, rank=40)
     assert cut.basis.shape[-1] == 40 and cut.eigenvalues.shape[-1] == 40
     assert T.Calibration.from_bytes(cut.to_bytes()).rank == 40
+    same = full.truncated(40)
+    assert np.array_equal(same.basis, cut.basis) and same.fingerprint == cut.fingerprint
     k2, v2 = synthetic_kv(700, seed=3, rope=rope)
     errs = [rel_sq_error(T.decode(T.encode(k2, v2, c, bits=4.0, window=16), c)[1], v2) for c in (full, cut)]
     assert errs[0] < errs[1] < 0.05  # the dropped tail costs a little at a high rate, nothing breaks

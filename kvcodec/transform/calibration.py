@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +93,14 @@ class Calibration:
     @property
     def rank(self) -> int:
         return self.basis.shape[-1]
+
+    def truncated(self, rank: int) -> "Calibration":
+        """The same calibration keeping only the first ``rank`` components of every basis (a smaller
+        file; components past it are never coded). Needs no refit: the components are sorted."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= self.rank:
+            raise ValueError(f"rank must be an int in [1, {self.rank}], got {rank!r}")
+        return replace(self, basis=np.ascontiguousarray(self.basis[..., :rank]),
+                       eigenvalues=np.ascontiguousarray(self.eigenvalues[..., :rank]))
 
     def coef_shape(self, tokens: int) -> tuple[int, ...]:
         """Shape of the coefficients of ``tokens`` tokens: [L / g, P, G, n, tokens]."""
