@@ -236,7 +236,7 @@ def test_fs_transform_round_trip_slot_and_corruption(tmp_path, sample, chunk, tr
     assert back is not None and back.dtype == chunk.dtype and back.shape == chunk.shape
     assert bit_equal(back[:, :, :1], chunk[:, :, :1])  # exact_tokens=1: the attention sink
     k_hat, v_hat = kvlm.kv_unchunk(back, sample.n_kv_heads)
-    assert attention_error(sample, k_hat, v_hat) < 0.12  # measured 0.072 (calibration on the same text)
+    assert attention_error(sample, k_hat, v_hat) < 0.12  # measured 0.061 (calibration on the same text)
     assert damaged is None
 
 
