@@ -1,5 +1,6 @@
-"""Lossless codecs on a GPU, data already on the device: kvcodec planes (GPU encode + decode) against
-nvCOMP ANS and Bitcomp and a plain device copy, with CPU rows (kvcodec planes, zstd) for reference.
+"""Lossless codecs on a GPU, data already on the device: kvcodec planes (GPU encode + decode) and the
+kvctx / predictive codecs (CPU encode, GPU decode) against nvCOMP ANS and Bitcomp and a plain device
+copy, with CPU rows (kvcodec planes, kvctx, predictive, zstd) for reference.
 
     PYTHONPATH=. python3 benchmarks/gpu_lossless.py [--mb 256] [--out benchmarks/results]
 
@@ -9,7 +10,12 @@ end to end (wall clock around the call with ``torch.cuda.synchronize()``, median
 warm-up; every GPU row of every tensor runs before the CPU rows): ``compress_device(x)`` / ``decompress(blob_tensor)`` for kvcodec (host work, every kernel
 and the final status read included), ``Codec.encode`` / ``decode`` for nvCOMP; every decode is
 checked bit-exact. ``kvcodec planes (host blob)`` is ``compress(x)`` -> bytes and
-``decompress(bytes, device="cuda")`` (the PCIe copies included). CPU rows: one run on all cores.
+``decompress(bytes, device="cuda")`` (the PCIe copies included). kvctx rows (KV tensors as [heads,
+256 tokens, 64], the sample's own blocks; fp8 with ``version=2``, its GPU-decodable format) and the
+predictive row (keys and values predicted by their fp8-weight twins, half the size) are encoded on the
+CPU (all cores; that time is the row's encode column) and decoded by ``decompress`` of the device
+blob / of the host bytes; ``gpu_path`` says the GPU kernel decoded it (not a CPU fallback). CPU
+rows: one run on all cores.
 Writes gpu_lossless.{json,md}; prints the table last.
 """
 
@@ -91,6 +97,93 @@ def kvcodec_rows(name, x):
     return rows
 
 
+_KV_BLOBS: dict = {}  # name -> (tensor, host blob, prediction): the CPU rows decode the same blobs
+
+
+def kv_shaped(x):
+    return x.reshape(-1, 256, 64)  # [heads, tokens, head_dim] blocks of the tiled sample
+
+
+class GpuPathCount:
+    """Counts decodes that went through the GPU kernel (kvctx_device.decode returned a result)."""
+
+    def __enter__(self):
+        from kvcodec.lossless import kvctx_device
+
+        self.mod, self.real, self.hits = kvctx_device, kvctx_device.decode, []
+
+        def counting(*a, **k):
+            res = self.real(*a, **k)
+            self.hits.append(res is not None)
+            return res
+
+        kvctx_device.decode = counting
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.decode = self.real
+
+
+def kvctx_gpu_rows(name, x):
+    """kvctx (and, for bf16 KV, predictive) blobs encoded on the CPU, decoded on the GPU."""
+    import torch
+
+    import kvcodec
+
+    if not name.startswith("kv"):
+        return []
+    jobs = [("kvctx", kv_shaped(x), None, {"layout": "kv", **({"version": 2} if x.element_size() == 1 else {})})]
+    if name == "kv_bf16":
+        from kvcodec.data import load_kv_sample
+
+        s = load_kv_sample()
+        half = x.numel() // 2
+        truth = torch.cat([s.keys.reshape(-1), s.values.reshape(-1)])
+        twin = torch.cat([s.keys_fp8pred.reshape(-1), s.values_fp8pred.reshape(-1)])
+        reps = -(-half // truth.numel())
+        xp = kv_shaped(truth.repeat(reps)[:half].cuda())
+        pred = kv_shaped(twin.repeat(reps)[:half].to(torch.bfloat16).cuda())
+        jobs.append(("predictive (fp8-weight twin)", xp, pred, {}))
+    rows = []
+    for label, t, pred, opts in jobs:
+        nbytes = t.numel() * t.element_size()
+        t0 = time.perf_counter()
+        hblob = kvcodec.compress(t, prediction=pred, **opts)
+        enc = time.perf_counter() - t0
+        _KV_BLOBS[f"{name}/{label}"] = (t, hblob, pred)
+        dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
+        with GpuPathCount() as dev_count:
+            dec_s, y = timed(lambda: kvcodec.decompress(dblob, prediction=pred))
+        rows.append(dict(data=name, codec=f"kvcodec {label} (GPU decode, device blob; CPU encode)", MB=nbytes / 1e6,
+                         ratio=nbytes / len(hblob), enc_GBps=nbytes / enc / 1e9, dec_GBps=nbytes / dec_s / 1e9,
+                         exact=same_bits(t, y) and y.is_cuda, gpu_path=all(dev_count.hits) and bool(dev_count.hits)))
+        with GpuPathCount() as host_count:
+            dec_s, y = timed(lambda: kvcodec.decompress(hblob, prediction=pred, device="cuda"), reps=3)
+        rows.append(dict(data=name, codec=f"kvcodec {label} (GPU decode, host blob: PCIe incl.)", MB=nbytes / 1e6,
+                         ratio=nbytes / len(hblob), dec_GBps=nbytes / dec_s / 1e9, exact=same_bits(t, y) and y.is_cuda,
+                         gpu_path=all(host_count.hits) and bool(host_count.hits)))
+    return rows
+
+
+def kvctx_cpu_rows(name, x):
+    """The same kvctx / predictive blobs decoded on the CPU (all cores), then the same encode on the CPU."""
+    import kvcodec
+
+    rows = []
+    for key, (t, hblob, pred) in _KV_BLOBS.items():
+        if not key.startswith(name + "/"):
+            continue
+        label = key.split("/", 1)[1]
+        nbytes = t.numel() * t.element_size()
+        tc, pc = t.cpu(), (pred.cpu() if pred is not None else None)
+        t0 = time.perf_counter()
+        y = kvcodec.decompress(hblob, prediction=pc, device="cpu")
+        dec = time.perf_counter() - t0
+        rows.append(dict(data=name, codec=f"kvcodec {label} (CPU, {os.cpu_count()} cores)", MB=nbytes / 1e6,
+                         ratio=nbytes / len(hblob), dec_GBps=nbytes / dec / 1e9, exact=same_bits(tc, y)))
+    return rows
+
+
 def nvcomp_rows(name, x):
     import torch
 
@@ -133,9 +226,9 @@ def copy_row(name, x):
 def cpu_rows(name, x):
     import kvcodec
 
+    rows = kvctx_cpu_rows(name, x)
     xc = x.cpu()
     nbytes = xc.numel() * xc.element_size()
-    rows = []
     t0 = time.perf_counter()
     blob = kvcodec.compress(xc)
     enc = time.perf_counter() - t0
@@ -166,9 +259,10 @@ def cpu_rows(name, x):
     return rows
 
 
-def breakdown(x) -> dict:
+def breakdown(name, x) -> dict:
     """Where one encode and one decode spend their time: GPU kernel time per kernel (torch.profiler,
-    CUPTI sees the CuPy launches too) against the call's wall clock."""
+    CUPTI sees the CuPy launches too) against the call's wall clock; also the GPU decode of the
+    tensor's kvctx / predictive blobs."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -177,8 +271,15 @@ def breakdown(x) -> dict:
 
     blob = compress_device(x)
     kvcodec.decompress(blob)
+    calls = [("encode", lambda: compress_device(x)), ("decode", lambda: kvcodec.decompress(blob))]
+    for key, (_, hblob, pred) in _KV_BLOBS.items():
+        if key.startswith(name + "/"):
+            dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
+            label = f"{key.split('/', 1)[1]} decode"
+            calls.append((label, lambda d=dblob, p=pred: kvcodec.decompress(d, prediction=p)))
     res = {}
-    for label, fn in (("encode", lambda: compress_device(x)), ("decode", lambda: kvcodec.decompress(blob))):
+    for label, fn in calls:
+        fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -208,7 +309,7 @@ def main(out_dir: str, mb: int) -> dict:
     rows, notes = [], []
     # every GPU row first, the CPU rows last: CPU work (16 numba / zstd threads) must not share the
     # host with a GPU row's host-side work
-    phases = [(kvcodec_rows, nvcomp_rows, lambda n, t: [copy_row(n, t)]), (cpu_rows,)]
+    phases = [(kvcodec_rows, kvctx_gpu_rows, nvcomp_rows, lambda n, t: [copy_row(n, t)]), (cpu_rows,)]
     for phase in phases:
         for name, x in data.items():
             for fn in phase:
@@ -221,7 +322,7 @@ def main(out_dir: str, mb: int) -> dict:
                 rows += got
             if phase is phases[0]:
                 try:
-                    notes.append(f"{name}: profile of one call: {breakdown(x)}")
+                    notes.append(f"{name}: profile of one call: {breakdown(name, x)}")
                 except Exception as e:  # noqa: BLE001
                     notes.append(f"{name}: breakdown failed: {type(e).__name__}: {e}"[:300])
                 torch.cuda.empty_cache()
@@ -232,10 +333,12 @@ def main(out_dir: str, mb: int) -> dict:
         "torch.cuda.synchronize(), median of 5 (host-blob rows: 3) after a warm-up; every decode checked bit-exact",
         "kvcodec GPU rows: planes codec, GPU defaults (64 KiB chunks, one table per plane); device blob = "
         "compress_device / decompress(tensor); host blob = compress(x) -> bytes, decompress(bytes, device='cuda')",
+        "kvctx / predictive rows: format 2 encoded on the CPU (all cores: the encode column), decoded on the GPU "
+        "(kvcodec/cuda/kvctx_decode.cu, one warp per ~65536-value chunk); CPU rows decode the same blobs",
         "nvCOMP: nvidia-nvcomp-cu13 6.0.0.12 Python API, Codec(algorithm, data_type), default chunk size (64 KiB), "
         "NVCOMP_NATIVE bitstream",
         *notes]}
-    save_with_out(result, out_dir, columns=["data", "codec", "MB", "ratio", "enc_GBps", "dec_GBps", "exact", "error"])
+    save_with_out(result, out_dir, columns=["data", "codec", "MB", "ratio", "enc_GBps", "dec_GBps", "exact", "gpu_path", "error"])
     return result
 
 

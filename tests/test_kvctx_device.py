@@ -146,16 +146,16 @@ def emulated_api(emulator, monkeypatch):
 
 CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)
     ((2, 128, 64), torch.bfloat16, "none"),  # D a multiple of 32: one lane per channel
-    ((2, 300, 40), torch.bfloat16, "none"),  # rounds start at every lane
-    ((2, 1024, 16), torch.bfloat16, "none"),  # per-(g, d) parameters, D < 32: a round spans two tokens' lanes
+    ((2, 205, 40), torch.bfloat16, "none"),  # rounds start at every lane
+    ((2, 1024, 8), torch.bfloat16, "none"),  # per-(g, d) parameters; D < 32: a round spans 4 tokens
     ((1, 12, 2050), torch.bfloat16, "none"),  # D too big for shared memory: deviations in a global scratch
     ((2, 128, 64), torch.float16, "none"),
     ((4, 64, 64), torch.float32, "none"),  # f32split: the lo16 section
     ((2, 128, 64), torch.float8_e4m3fn, "none"),
     ((2, 128, 64), torch.float8_e5m2, "previous_token"),
     ((2, 128, 64), torch.bfloat16, "external"),
-    ((3, 2, 64, 128), torch.bfloat16, "neighbour_layer"),
-    ((3, 2, 64, 128), torch.float32, "neighbour_layer"),
+    ((2, 2, 64, 128), torch.bfloat16, "neighbour_layer"),
+    ((2, 2, 64, 128), torch.float32, "neighbour_layer"),
 ]
 
 
@@ -178,7 +178,7 @@ def test_emulated_kernel_equals_cpu_decoder(emulator, shape, dtype, source):
 def test_emulated_kernel_on_real_kv(emulator):
     from kvcodec.data import load_kv_sample
 
-    keys = load_kv_sample().keys[:2]  # [layers, heads, tokens, head_dim] bf16
+    keys = load_kv_sample().keys[:1]  # [layers, heads, tokens, head_dim] bf16: 49152 values, one chunk
     blob = kvcodec.compress(keys, layout="kv")
     out, status, _ = emulated_decode(emulator, blob)
     assert not status.any() and same_bits(out, keys)
@@ -200,7 +200,7 @@ def test_emulated_kernel_flags_damaged_streams(emulator):
     blob = kvcodec.compress(x, layout="kv")
     kind, meta, sections = container.loads(blob)
     rng = np.random.default_rng(0)
-    for trial in range(8):
+    for trial in range(4):
         secs = {k: np.array(v) for k, v in sections.items()}
         name = ("payload", "bits")[trial % 2]
         words = secs[name]

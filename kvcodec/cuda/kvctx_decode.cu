@@ -14,8 +14,8 @@
 //      whose unary depth is read from the stream: an exclusive scan of the known counts gives every
 //      value its offset, then those unary values are resolved in value order (each adds its count to
 //      the values after it); then every value reads its bits at its offset;
-//   4. patterns out, dev[d] = value - base for the next token (0 after an ESC) (in shared memory: the thread of channel d
-//      changes from token to token when 32 does not divide D).
+//   4. patterns out, dev[d] = value - base for the next token (0 after an ESC; in shared memory: the
+//      thread of channel d changes from token to token when 32 does not divide D).
 // Every read is bounded: rANS words through min(pos, end - 1), raw bits as zeros past the chunk's end
 // (as the CPU); a malformed chunk sets its status, checked once on the host after the launch.
 
