@@ -933,13 +933,14 @@ TQ_DEVI void fwht_rows(float* buf, int nr) {
 
 // Randomized Hadamard rotations without a matrix (kvcodec's "hadamard" R = H diag(s) / sqrt(D) and
 // "hadamard2" R = H diag(s2) H diag(s1) / D; signs [rounds, D]), on rows r < nr of shared buffers.
-// forward: dst = R src (the query prep's q @ R^T); the caller has synced src; ends synced.
+// forward: dst = R src (the query prep's q @ R^T); the caller has synced src and the signs (shared
+// memory, loaded at kernel start: no global round trip here); ends synced.
 template <int D>
-TQ_DEVI void hadamard_forward(const float* src, float* dst, int nr, const float* __restrict__ signs, int rounds) {
+TQ_DEVI void hadamard_forward(const float* src, float* dst, int nr, const float* signs, int rounds) {
   const float scale = rounds == 1 ? 1.f / sqrtf((float)D) : 1.f / (float)D;
   for (int rd = 0; rd < rounds; ++rd) {
     for (int i = threadIdx.x; i < nr * D; i += blockDim.x)
-      dst[i] = (rd == 0 ? src[i] * scale : dst[i]) * __ldg(signs + rd * D + (i % D));
+      dst[i] = (rd == 0 ? src[i] * scale : dst[i]) * signs[rd * D + (i % D)];
     __syncthreads();
     fwht_rows<D>(dst, nr);
   }
@@ -947,12 +948,12 @@ TQ_DEVI void hadamard_forward(const float* src, float* dst, int nr, const float*
 
 // inverse, in place: buf = R^T buf (the merge's y @ R); the caller has synced buf; ends synced.
 template <int D>
-TQ_DEVI void hadamard_inverse(float* buf, int nr, const float* __restrict__ signs, int rounds) {
+TQ_DEVI void hadamard_inverse(float* buf, int nr, const float* signs, int rounds) {
   const float scale = rounds == 1 ? 1.f / sqrtf((float)D) : 1.f / (float)D;
   for (int rd = rounds - 1; rd >= 0; --rd) {
     fwht_rows<D>(buf, nr);
     for (int i = threadIdx.x; i < nr * D; i += blockDim.x)
-      buf[i] *= __ldg(signs + rd * D + (i % D)) * (rd == 0 ? scale : 1.f);
+      buf[i] *= signs[rd * D + (i % D)] * (rd == 0 ? scale : 1.f);
     __syncthreads();
   }
 }
@@ -1008,6 +1009,7 @@ tq_decode_fused(
   __shared__ __align__(16) float ybuf[ROWS * D];  // prologue: rotated rows; then the block's partial
   __shared__ __align__(16) tq_u16 q16s[16 * D];   // the fp16 query tile (rows >= ROWS stay unread)
   __shared__ float rss[16];
+  __shared__ float ksg[2 * D], vsg[2 * D];       // Hadamard signs of the key / value rotations
   __shared__ float wm[4][ROWS], wl[4][ROWS];      // per warp (m, l) of each row
   __shared__ float rowm[ROWS], rowl[ROWS];        // block (later: tile) max and sum per row
   __shared__ int is_last;
@@ -1029,9 +1031,12 @@ tq_decode_fused(
     const int r = i / D;
     xq[i] = (r < nr) ? tq::load_query(q, ((long long)bh * R + R0 + r) * D + (i - r * D), qin) : 0.f;
   }
+  // the signs come with the query (the last block's value signs too: one round trip less in its tail)
+  for (int i = tid; i < k_rounds * D; i += blockDim.x) ksg[i] = __ldg(k_signs + i);
+  for (int i = tid; i < v_rounds * D; i += blockDim.x) vsg[i] = __ldg(v_signs + i);
   __syncthreads();
   if (k_rounds > 0 && !(TQ_FUSED_PROFILE & 1)) {
-    if constexpr ((D & (D - 1)) == 0) tq::hadamard_forward<D>(xq, ybuf, nr, k_signs, k_rounds);
+    if constexpr ((D & (D - 1)) == 0) tq::hadamard_forward<D>(xq, ybuf, nr, ksg, k_rounds);
   } else {
   for (int j = tid; j < D; j += blockDim.x) {
     for (int r0 = 0; r0 < nr; r0 += 4) {
@@ -1204,7 +1209,7 @@ tq_decode_fused(
   __syncthreads();
   // out = y @ R_v, in the output dtype; lse in natural log
   if (v_rounds > 0) {
-    if constexpr ((D & (D - 1)) == 0) tq::hadamard_inverse<D>(ybuf, nr, v_signs, v_rounds);
+    if constexpr ((D & (D - 1)) == 0) tq::hadamard_inverse<D>(ybuf, nr, vsg, v_rounds);
     for (int i = tid; i < nr * D; i += blockDim.x) {
       const long long o = ((long long)bh * R + R0) * D + i;
       if (out_kind == 0) reinterpret_cast<float*>(out)[o] = ybuf[i];
