@@ -215,6 +215,15 @@ def test_chunks_group_short_heads_and_respect_layers():
     assert list(zip(cg0, ct0, cnt)) == [(0, 0, 2048), (0, 2048, 452), (1, 0, 2048), (1, 2048, 452),
                                         (2, 0, 2048), (2, 2048, 452)]
     assert int((cng * cnt).sum()) * 32 == 3 * 2500 * 32
+    for shape in ((12, 40, 64, 40, 4), (3, 2500, 32, 2048, 3), (7, 5, 3, 5, 7), (8, 1, 1, 1, 1), (6, 300, 512, 128, 2)):
+        assert format2.chunk_count(*shape) == format2.chunk_layout(*shape)[0].size
+
+
+def test_a_forged_shape_is_refused_before_anything_is_sized_by_it():
+    x = torch.randn(4, 1, 1, 1).to(torch.bfloat16)  # one chunk per layer with the neighbour-layer predictor
+    meta, sections = predictive.encode_tensor(x, None, "neighbour_layer", 1)
+    with pytest.raises(CorruptStreamError):  # 2**31 chunks claimed: 16 GiB of chunk sizes missing
+        predictive.decode_tensor(dict(meta, shape=[1 << 31, 1, 1, 1]), sections, None, 1)
 
 
 def test_scale_levels_are_exact_quarter_octaves():

@@ -337,6 +337,8 @@ def _decode_v2(ps: ParsedStream, pred, threads: int, start: int, stop: int) -> n
     hit = (ct0 < stop) & (ct0 + cnt > start)
     t0 = int(ct0[hit].min())
     out = np.empty((g, int((ct0 + cnt)[hit].max()) - t0, d), grid.bits_np)
+    if ps.source == "neighbour_layer" and int(hit.sum()) <= ps.shape[0]:
+        threads = 1  # one chunk per layer: waking the other workers per layer only costs time
     with _Threads(threads):
         if ps.source == "neighbour_layer":
             per_layer = g // ps.shape[0]

@@ -36,14 +36,27 @@ _LEVEL_LO, _LEVEL_HI = -64, 4 * EP_MAX + 15
 _MQ_MAX = 32767
 
 
+def _blocks(g: int, tt: int, d: int, tb: int, unit: int) -> tuple[int, int]:
+    """(leading indices per chunk, chunks per unit of ``unit`` leading indices)."""
+    gb = max(1, min(unit, CHUNK_VALUES // max(tb * d, 1)))
+    return gb, -(-unit // gb)
+
+
+def chunk_count(g: int, tt: int, d: int, tb: int, unit: int) -> int:
+    """How many chunks :func:`chunk_layout` lists (without building it: a forged shape must be
+    checked against the stream before anything is sized by it)."""
+    gb, per_unit = _blocks(g, tt, d, tb, unit)
+    return (g // unit) * per_unit * -(-tt // tb)
+
+
 def chunk_layout(g: int, tt: int, d: int, tb: int, unit: int):
     """(first g, g count, first token, token count) per chunk, int64 arrays: blocks of ``tb``
     tokens x as many consecutive leading indices as fill ~CHUNK_VALUES, never crossing a multiple
-    of ``unit`` (a layer, for the neighbour-layer predictor)."""
-    gb = max(1, min(unit, CHUNK_VALUES // max(tb * d, 1)))
-    starts = [(u0 + k, min(gb, unit - k)) for u0 in range(0, g, unit) for k in range(0, unit, gb)]
-    gs = np.array([s for s, _ in starts], np.int64)
-    ng = np.array([n for _, n in starts], np.int64)
+    of ``unit`` (a layer, for the neighbour-layer predictor); g-major."""
+    gb, per_unit = _blocks(g, tt, d, tb, unit)
+    k = np.arange(per_unit, dtype=np.int64) * gb
+    gs = (np.arange(0, g, unit, dtype=np.int64)[:, None] + k[None, :]).reshape(-1)
+    ng = np.tile(np.minimum(gb, unit - k), g // unit)
     ts = np.arange(0, tt, tb, dtype=np.int64)
     nt = np.minimum(tb, tt - ts)
     return np.repeat(gs, ts.size), np.repeat(ng, ts.size), np.tile(ts, gs.size), np.tile(nt, gs.size)
@@ -203,14 +216,14 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
     shared, lanes = meta.get("shared"), meta.get("lanes")
     if not isinstance(shared, bool) or lanes not in rans_lanes.LANES or type(lanes) is not int:
         raise CorruptStreamError("predictive stream has a bad sharing or lane field")
-    chunks = chunk_layout(g, tt, d, tb, unit)
-    nc = chunks[0].size
+    nc = chunk_count(g, tt, d, tb, unit)
     blob = section(sections, "model", np.uint8)
     if blob.size < 4:
         raise CorruptStreamError("predictive stream model section is too short")
     k = int.from_bytes(blob[:4].tobytes(), "little")
     if blob.size != 4 + k + 8 * nc:
         raise CorruptStreamError("predictive stream model section has the wrong size")
+    chunks = chunk_layout(g, tt, d, tb, unit)
     params, tables = _split(blob[4:4 + k].tobytes(), 2)
     gp = 1 if shared else g
     margs = BinParams.unpack(params, source, gp, d, shared).kernel_args(grid)
