@@ -8,21 +8,26 @@ flattened, ``t``: axis -2, ``d``: axis -1) gets a continuous density on the real
     mu   = base + a[g, d] * (x[g, t-1, d] - base[g, t-1, d])    # previous-token residual
     x    ~ G((x - mu) / s[g, d])                                # G: a fitted, stored CDF table
 
-and a bit pattern's probability is the mass of its rounding bin on the dtype's float grid under
+and (format 1) a bit pattern's probability is the mass of its rounding bin on the dtype's float grid under
 that density, plus one unit (out of 2**28) for every pattern, so NaN payloads, +-Inf, -0.0,
 subnormals and far outliers always round-trip. All parameters are quantised and stored; the
 per-symbol CDF is exact integer arithmetic after a few correctly rounded float64 adds and
 multiplies (numba without fast-math: nothing fused or reordered), so encoder and decoder build
 identical frequencies and the decoder never refits anything.
 
-The symbols are coded with the 64-bit rANS of :mod:`kvcodec.entropy.rans64` (32-bit
-renormalisation, 28-bit probabilities: the model computes each symbol's interval, the coder only
-moves bits) in independent chunks (one leading index x a block of tokens) that are coded in
-parallel and decode alone.
+How a value's probability is found is the stream format. Format 2 (written by default for
+bf16, fp16 and float32; ``bins``, ``tables``, ``binned``, ``format2``): the value's bin relative
+to mu's bin is one byte symbol coded by table lookup in the 32-lane rANS of
+:mod:`kvcodec.entropy.rans_lanes` (one 12-bit table per class: the scale-to-bin ratio and where mu
+lies in its bin), the position inside the bin is raw bits; 3-4x faster than format 1. Format 1
+(the density above evaluated at every pattern's rounding-bin edges, coded with the 64-bit rANS of
+:mod:`kvcodec.entropy.rans64`; ``grid``, ``cdf``, ``kernels``) is still read, written for fp8 by
+default (its ratio is higher there) and on request (``version=1``). Chunks are independent, coded
+in parallel and decode alone.
 
-Modules: ``grid`` (float grids, shape table), ``cdf`` (the per-symbol CDF in numba), ``params``
-(the fitted per-channel parameters, stored and fitted), ``kernels`` (the parallel chunk coders),
-``codec`` (tensor layout, encode/decode, the registered codec).
+Modules: ``params`` (the fitted per-channel parameters), ``bins`` / ``tables`` / ``binned`` /
+``format2`` (format 2), ``grid`` / ``cdf`` / ``kernels`` (format 1), ``codec`` (tensor layout,
+encode/decode, the registered codec).
 
 Prediction sources (``P``): an external tensor (a cheaper model's KV, e.g. an fp8-weight copy;
 gain c = 1), ``"previous_token"`` (mu = the previous token's value) or ``"neighbour_layer"``
