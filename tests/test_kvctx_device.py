@@ -146,16 +146,13 @@ def emulated_api(emulator, monkeypatch):
 
 CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)
     ((2, 128, 64), torch.bfloat16, "none"),  # D a multiple of 32: one lane per channel
-    ((2, 205, 40), torch.bfloat16, "none"),  # rounds start at every lane
-    ((2, 1024, 8), torch.bfloat16, "none"),  # per-(g, d) parameters; D < 32: a round spans 4 tokens
+    ((2, 1024, 8), torch.bfloat16, "none"),  # per-(g, d) parameters; D < 32: rounds start at lanes 0/8/16/24
     ((1, 12, 2050), torch.bfloat16, "none"),  # D too big for shared memory: deviations in a global scratch
     ((2, 128, 64), torch.float16, "none"),
     ((4, 64, 64), torch.float32, "none"),  # f32split: the lo16 section
-    ((2, 128, 64), torch.float8_e4m3fn, "none"),
     ((2, 128, 64), torch.float8_e5m2, "previous_token"),
     ((2, 128, 64), torch.bfloat16, "external"),
     ((2, 2, 64, 128), torch.bfloat16, "neighbour_layer"),
-    ((2, 2, 64, 128), torch.float32, "neighbour_layer"),
 ]
 
 
@@ -200,7 +197,7 @@ def test_emulated_kernel_flags_damaged_streams(emulator):
     blob = kvcodec.compress(x, layout="kv")
     kind, meta, sections = container.loads(blob)
     rng = np.random.default_rng(0)
-    for trial in range(4):
+    for trial in range(2):
         secs = {k: np.array(v) for k, v in sections.items()}
         name = ("payload", "bits")[trial % 2]
         words = secs[name]
