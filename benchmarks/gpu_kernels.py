@@ -679,6 +679,42 @@ def fused_tpw_sweep() -> list[dict]:
     return rows
 
 
+TRACE_PHASES = ["prologue", "split", "block merge + partial write", "fences + atomic", "(m, l) + first partials",
+                "weights", "weighted sum", "inverse rotation", "output"]  # between the kernel's 10 stamps
+
+
+def trace_phases() -> list[dict]:
+    """``--trace``: where the one-launch kernel's time goes, from a ``TQ_FUSED_TRACE`` build: the last
+    block of every tile stamps (clock64, globaltimer) at each phase boundary into its output (timing
+    only: that output is never checked or used). Phase durations of the last block, in SM cycles and
+    ns, per tile; the median over tiles is logged."""
+    v = KernelVariant(("TQ_FUSED_TRACE=1",), True, True)
+    rows = []
+    for b, t in ((1, 32768), (1, 131072), (8, 32768)):
+        case, kw = make_case(b, 32, 8, 1, t, 128, 4, 4, [t] * b)
+        case["query"] = case["query"].float()
+        for _ in range(3):
+            out = kc.decode_attention(**case, **kw, variant=v)
+        torch.cuda.synchronize()
+        ms, _ = cuda_time_ms(lambda: kc.decode_attention(**case, **kw, variant=v), graphs=True)
+        out = kc.decode_attention(**case, **kw, variant=v)
+        torch.cuda.synchronize()
+        flat = out.reshape(-1, 128)
+        tiles = []
+        for bh in range(b * 8):
+            st = flat[bh * 4, :4 * (len(TRACE_PHASES) + 1)].contiguous().view(torch.int64).cpu().tolist()
+            clk, gt = st[0::2], st[1::2]
+            row = {"shape": f"b{b} t{t}", "tile": bh, "call_us": ms * 1e3, "block_total_ns": gt[-1] - gt[0]}
+            for i, name in enumerate(TRACE_PHASES):
+                row[f"{name} cycles"] = clk[i + 1] - clk[i]
+                row[f"{name} ns"] = gt[i + 1] - gt[i]
+            tiles.append(row)
+        rows += tiles
+        med = {k: sorted(r[k] for r in tiles)[len(tiles) // 2] for k in tiles[0] if k not in ("shape", "tile")}
+        log("trace", f"b{b} t{t}", {k: round(x, 1) for k, x in med.items()})
+    return rows
+
+
 def run_fused_study(out_dir: str) -> dict:
     """``--fused``: checks of every launch mode, kernel table, split sizes, per-kernel device times.
     The launcher's automatic choice is allowed to pick the one-launch kernel here (what would ship)."""
@@ -817,8 +853,16 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--profile-one", action="store_true", help="one decode call, for ncu")
     ap.add_argument("--fused", action="store_true", help="the one-launch kernel's study only")
+    ap.add_argument("--trace", action="store_true", help="the one-launch kernel's phase times (TQ_FUSED_TRACE)")
     args = ap.parse_args()
     if args.profile_one:
         profile_one()
+        sys.exit(0)
+    if args.trace and kc.is_available():
+        import json
+
+        rows = trace_phases()
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "trace.json").write_text(json.dumps(rows, indent=1))
         sys.exit(0)
     run(quick=args.quick, out_dir=args.out, do_variants=not args.no_variants, fused_only=args.fused)

@@ -892,6 +892,28 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
 #ifndef TQ_FUSED_PROFILE
 #define TQ_FUSED_PROFILE 0
 #endif
+// Timing only, results wrong: 1 = the last block of each tile writes (clock64, globaltimer) pairs at
+// TQ_TRACE_POINTS phase boundaries over the start of its tile's first output row (float32 output
+// only; benchmarks/gpu_kernels.py --trace reads them). Default 0.
+#ifndef TQ_FUSED_TRACE
+#define TQ_FUSED_TRACE 0
+#endif
+#define TQ_TRACE_POINTS 10
+#if TQ_FUSED_TRACE
+#define TQ_STAMP(k)                                                                      \
+  do {                                                                                   \
+    if (threadIdx.x == 0) {                                                              \
+      unsigned long long g_;                                                             \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_));                             \
+      tstamp[2 * (k)] = (unsigned long long)clock64();                                   \
+      tstamp[2 * (k) + 1] = g_;                                                          \
+    }                                                                                    \
+  } while (0)
+#else
+#define TQ_STAMP(k) \
+  do {          \
+  } while (0)
+#endif
 
 namespace tq {
 // acc[k] = sum_i v[k][i] * M[i][j] for N rows v (shared, row stride D) and column j of a row-major
@@ -989,7 +1011,9 @@ struct SharedSink {
 // counters:  [BH * RT] uint32, zero before the launch (and again after it)
 // out:       [BH, R, D] (out_kind 0 fp32, 1 fp16, 2 bf16); lse [BH, R] fp32 (natural log)
 template <int D, int BK, int BV, bool KBF, bool VBF, bool NARROW>
-__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : !NARROW ? 2 : D <= 64 ? 4 : TQ_NARROW128_BLOCKS_ARCH))
+// (3 blocks per SM for narrow head_dim-128 tiles whatever TQ_NARROW128_BLOCKS says: its 3 load stages
+// need ~167 registers)
+__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : !NARROW ? 2 : D <= 64 ? 4 : 3))
 tq_decode_fused(
     const void* __restrict__ q, int qin, const float* __restrict__ kr_t, const int* __restrict__ perm, float mult,
     const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
@@ -1013,6 +1037,10 @@ tq_decode_fused(
   __shared__ float wm[4][ROWS], wl[4][ROWS];      // per warp (m, l) of each row
   __shared__ float rowm[ROWS], rowl[ROWS];        // block (later: tile) max and sum per row
   __shared__ int is_last;
+#if TQ_FUSED_TRACE
+  __shared__ unsigned long long tstamp[2 * TQ_TRACE_POINTS];
+#endif
+  TQ_STAMP(0);
   tq::RegLut kreg, vreg;
   // the tables' loads overlap the query's: one barrier for both (below)
   tq::fill_tables<T, BK, BV, VBF, false>(ktab, vtab, kreg, vreg, k_codebook, v_codebook);
@@ -1068,6 +1096,7 @@ tq_decode_fused(
   }
   __syncthreads();
 
+  TQ_STAMP(1);
   // ---- 2. this warp's split
   const int split = blockIdx.x * 4 + warp;
   const int len = min(max(seq_lens[bh / Hkv], 0), Tcap);
@@ -1088,6 +1117,7 @@ tq_decode_fused(
     wl[warp][rb] = res.l1;
   }
   __syncthreads();
+  TQ_STAMP(2);
   float ma = NEG_INF, mb = NEG_INF;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
@@ -1123,12 +1153,14 @@ tq_decode_fused(
   }
 
   // ---- 4. the last block of the tile merges every block's partial
+  TQ_STAMP(3);
   __threadfence();
   __syncthreads();
   if (tid == 0) is_last = atomicInc(counters + (long long)bh * RT + rt, (unsigned)nblk - 1u) == (unsigned)nblk - 1u;
   __syncthreads();
   if (!is_last || (TQ_FUSED_PROFILE & 2)) return;
   __threadfence();
+  TQ_STAMP(4);
   constexpr int TPR = D / 4;  // threads per row in the weighted sum (one float4 each)
   constexpr int TB = TQ_FUSED_TAIL_BATCH > 0 ? TQ_FUSED_TAIL_BATCH : (NARROW && D <= 64) ? 8 : 16;
   const float* pbase = part_o + (long long)bh * nblk * R * D + (long long)R0 * D;
@@ -1151,6 +1183,7 @@ tq_decode_fused(
     sl[r * MAXB + b] = v.y;
   }
   __syncthreads();
+  TQ_STAMP(5);
   for (int r = warp; r < nr; r += 4) {
     float M = NEG_INF;
     for (int b = lane; b < nblk; b += 32) M = fmaxf(M, sm[r * MAXB + b]);
@@ -1172,6 +1205,7 @@ tq_decode_fused(
     }
   }
   __syncthreads();
+  TQ_STAMP(6);
   // weighted sum of the block partials: one float4 of one row per thread, TB loads in flight
   {
     for (int i = tid; i < nr * TPR; i += blockDim.x) {
@@ -1207,9 +1241,11 @@ tq_decode_fused(
     }
   }
   __syncthreads();
+  TQ_STAMP(7);
   // out = y @ R_v, in the output dtype; lse in natural log
   if (v_rounds > 0) {
     if constexpr ((D & (D - 1)) == 0) tq::hadamard_inverse<D>(ybuf, nr, vsg, v_rounds);
+    TQ_STAMP(8);
     for (int i = tid; i < nr * D; i += blockDim.x) {
       const long long o = ((long long)bh * R + R0) * D + i;
       if (out_kind == 0) reinterpret_cast<float*>(out)[o] = ybuf[i];
@@ -1237,4 +1273,11 @@ tq_decode_fused(
     const float L = rowl[tid];
     lse[(long long)bh * R + R0 + tid] = (L > 0.f) ? (rowm[tid] + __log2f(L)) * 0.69314718055994531f : NEG_INF;
   }
+#if TQ_FUSED_TRACE
+  __syncthreads();
+  TQ_STAMP(9);
+  __syncthreads();
+  if (tid < 2 * TQ_TRACE_POINTS && out_kind == 0)
+    reinterpret_cast<unsigned long long*>(out)[((long long)bh * R + R0) * D / 2 + tid] = tstamp[tid];
+#endif
 }
