@@ -7,10 +7,10 @@ cache (30 layers x 2048 tokens, ``kvcodec.data.full_sample_location()``, made by
 always uses the shipped sample. Then held-out KV (unless ``--no-heldout`` or the real model is
 not installed): the same model over text kvcodec was never tuned on (the IDLE help page shipped
 with CPython, ``bench_quality.held_out_texts``), all 30 layers x ``--heldout-tokens`` tokens,
-computed once with ``kvcodec.smollm2`` and cached under ``benchmarks/results/cache/``. fp8 rows: keys/values cast to float8_e4m3fn with a per-(layer,
-head) scale (``kvcodec.lossless.fp8``); the ratio is over raw fp8 bytes and the predictor is
-given in the fp8 tensor's units; fp8 is coded in format 1 by default (the better ratio) and in
-format 2 (the fast one) in the ``format 2`` rows.
+computed once with ``kvcodec.smollm2`` and cached under ``benchmarks/results/cache/``. fp8 rows:
+keys/values cast to float8_e4m3fn with a per-(layer, head) scale (``kvcodec.lossless.fp8``); the
+ratio is over raw fp8 bytes and the predictor is given in the fp8 tensor's units; fp8 is coded in
+format 1 by default (the better ratio) and in format 2 (the fast one) in the ``format 2`` rows.
 
 Every method codes keys and values separately (sizes and times summed) and every result is checked
 bit-exact. Ratios are whole blobs (container headers included); speeds are MB/s of raw bytes, best
@@ -72,7 +72,8 @@ def heldout_sample(n_tokens: int):
 
     from kvcodec import smollm2
 
-    cache = Path(__file__).resolve().parent / "results" / "cache" / f"lossless_kv_heldout_{HELDOUT_TEXT}_{n_tokens}.pt"
+    cache_dir = Path(__file__).resolve().parent / "results" / "cache"
+    cache = cache_dir / f"lossless_kv_heldout_{HELDOUT_TEXT}_{n_tokens}.pt"
     if cache.is_file():
         return SimpleNamespace(**torch.load(cache))
     from bench_quality import held_out_texts

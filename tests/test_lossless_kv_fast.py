@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvcodec import CorruptStreamError
+from kvcodec import CorruptStreamError, entropy
 from kvcodec.entropy import rans, rans_lanes
 from kvcodec.lossless import predictive
 from kvcodec.lossless.api import compress, decompress
@@ -29,7 +29,8 @@ def _magnitude_values(dtype):
     bg = bins.bin_grid(dtype)
     mags = np.arange(1 << (bg.width - (1 if bg.sign else 0)))
     signed = np.int8 if bg.width == 8 else np.int16
-    return torch.from_numpy(mags.astype(np.uint16 if bg.width == 16 else np.uint8).view(signed)).view(dtype).double().numpy()
+    mags = mags.astype(np.uint16 if bg.width == 16 else np.uint8).view(signed)
+    return torch.from_numpy(mags).view(dtype).double().numpy()
 
 
 MAG_VALUES = {d: _magnitude_values(d) for d in DTYPES}
@@ -118,8 +119,12 @@ def reference_stream(t: torch.Tensor, meta, sections, prediction=None):
                 raw.append((int(code), int(nb)))
                 val = float(t.reshape(g_n, t_n, d_n)[g, tok, d].double())
                 dev[d] = val - base if s != bins.ESC else 0.0  # an escaped value leaves no residual
-    freq = tables.unpack_tables(np.frombuffer(format2._split(
-        sections["model"][4:4 + int.from_bytes(sections["model"][:4].tobytes(), "little")].tobytes(), 2)[1], np.uint8))
+    k = int.from_bytes(sections["model"][:4].tobytes(), "little")
+    head = sections["model"][4:4 + k].tobytes()
+    n_head = 5 * len(predictive.params.stored_fields(meta["source"]))
+    _, rest = format2.BinParams.from_bytes(head[:n_head], entropy.decode(head[n_head:]), meta["source"],
+                                          m.shape[0], d_n, p2.shared)
+    freq = tables.tables_from_bytes(rest)
     counts = np.zeros((bins.N_CLASSES, 256), np.int64)
     np.add.at(counts, (np.array(ctxs), np.array(syms)), 1)
     assert np.array_equal(freq, tables.fit_tables(counts))  # the tables are fitted on exactly these symbols

@@ -3,16 +3,17 @@
 The model is format 1's (location ``m``, gain ``c``, previous-token coefficient ``a`` per channel,
 fitted by :func:`params.fit_params`); what changed is how a value's probability is found: not by
 evaluating a CDF at its bin edges but by the bins of :mod:`bins` and a table lookup
-(:mod:`tables`), which is what makes it ~10x faster. Stored per channel (each field coded with
-:func:`kvcodec.entropy.encode`, so a field of similar values costs a few bits a channel):
+(:mod:`tables`), which is what makes it faster. Stored per channel (the fields and the tables in
+one :func:`kvcodec.entropy.encode` stream, so a field of similar values costs a few bits a channel):
 
 - ``level``: the scale as floor(4 * log2(s / step)), only its quarter octave matters (bins and class);
 - ``mq``: the location in units of the channel's bin width ``2**es`` steps (round(m / 2**es));
 - ``c``, ``a``: int8 / 64, as in format 1 (only the fields the source does not fix).
 
-Stream: meta adds ``lanes`` (8 or 32) to format 1's fields; sections ``model`` (uint8: u32 length +
-parameters, u32 length + tables, then per chunk the u32 rANS word count and u32 raw-bit word
-count), ``payload`` (uint16: the chunks' rANS streams in order, each ``rans_lanes``' layout) and
+Stream: meta adds ``lanes`` (8 or 32) to format 1's fields; sections ``model`` (uint8: u32 length,
+then the parameter fields' offsets and widths (5 bytes a field) and one ``entropy.encode`` stream
+of the fields' bytes followed by the tables' bytes; then per chunk the u32 rANS word count and the
+u32 raw-bit word count), ``payload`` (uint16: the chunks' rANS streams in order, each ``rans_lanes``' layout) and
 ``bits`` (uint32: the chunks' raw bits in order). Chunks: :func:`chunk_layout`.
 """
 
@@ -28,7 +29,7 @@ from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.binned import decode_chunks, symbolise, write_chunks
 from kvcodec.lossless.predictive.bins import EP_MAX, N_CLASSES, BinGrid, bin_exponent, scale_levels
 from kvcodec.lossless.predictive.params import Q, ChannelParams, stored_fields
-from kvcodec.lossless.predictive.tables import decode_tables, fit_tables, pack_tables, unpack_tables
+from kvcodec.lossless.predictive.tables import decode_tables, fit_tables, table_bytes, tables_from_bytes
 
 CHUNK_VALUES = 1 << 16  # about this many values per independently decodable chunk
 WIDE_LANES_FROM = 1 << 14  # chunks this large use 32 lanes (the GPU warp), smaller ones 8
@@ -88,11 +89,11 @@ class BinParams:
         m = self.mq.astype(np.float64) * 2.0 ** (es + grid.eoff).astype(np.float64)
         return m, self.c.astype(np.float64) / Q, self.a.astype(np.float64) / Q, es, self.level
 
-    def pack(self, source: str) -> bytes:
-        """Each stored field as non-negative integers (level - its minimum, zigzag mq, int8 bytes)
-        coded with ``entropy.encode`` (bytes when they fit: the faster decoder), after a 4-byte
-        offset."""
-        parts = []
+    def field_bytes(self, source: str) -> tuple[bytes, np.ndarray]:
+        """(header, bytes) of the stored fields: each as non-negative integers (level - its
+        minimum, zigzag mq, int8 bytes) in one byte (or a low and a high byte plane); the header
+        has per field the 4-byte offset and the width (1 or 2)."""
+        head, body = b"", []
         for f in stored_fields(source):
             if f == "s":
                 lo = int(self.level.min())
@@ -100,54 +101,45 @@ class BinParams:
             elif f == "m":
                 lo, arr = 0, (self.mq << 1) ^ (self.mq >> 63)  # zigzag
             else:
-                lo, arr = 0, getattr(self, f).view(np.uint8)
-            arr = np.ascontiguousarray(arr, np.uint8 if int(arr.max()) < 256 else np.uint16).reshape(-1)
-            parts.append(lo.to_bytes(4, "little", signed=True) + entropy.encode(arr, coder="rans"))
-        return _join(parts)
+                lo, arr = 0, getattr(self, f).view(np.uint8).astype(np.int64)
+            arr = arr.reshape(-1)
+            width = 1 if int(arr.max()) < 256 else 2
+            head += lo.to_bytes(4, "little", signed=True) + bytes([width])
+            body += [arr & 0xFF] if width == 1 else [arr & 0xFF, arr >> 8]
+        return head, np.concatenate(body).astype(np.uint8)
 
     @classmethod
-    def unpack(cls, blob: bytes, source: str, gp: int, d: int, shared: bool) -> "BinParams":
+    def from_bytes(cls, head: bytes, raw: np.ndarray, source: str, gp: int, d: int,
+                   shared: bool) -> tuple["BinParams", np.ndarray]:
+        """Inverse of :func:`field_bytes`: (params, the bytes after them)."""
         fields = stored_fields(source)
-        parts = _split(blob, len(fields))
+        n = gp * d
         vals = {"level": np.zeros((gp, d), np.int64), "mq": np.zeros((gp, d), np.int64),
                 "c": np.full((gp, d), Q if source == "external" else 0, np.int8),
                 "a": np.full((gp, d), Q, np.int8)}
-        for f, part in zip(fields, parts):
-            lo = int.from_bytes(part[:4], "little", signed=True)
-            arr = entropy.decode(part[4:], max_symbols=gp * d, max_output_bytes=None)
-            if len(part) < 4 or arr.size != gp * d or (f in ("a", "c") and arr.dtype != np.uint8):
+        pos = 0
+        for k, f in enumerate(fields):
+            lo = int.from_bytes(head[5 * k:5 * k + 4], "little", signed=True)
+            width = head[5 * k + 4]
+            bad = width not in (1, 2) or (f != "s" and lo) or (width == 2 and f in ("a", "c"))
+            if bad or pos + width * n > raw.size:
                 raise CorruptStreamError("predictive stream has a malformed parameter field")
-            arr = arr.reshape(gp, d).astype(np.int64)
+            arr = raw[pos:pos + n].astype(np.int64)
+            if width == 2:
+                arr |= raw[pos + n:pos + 2 * n].astype(np.int64) << 8
+            pos += width * n
+            arr = arr.reshape(gp, d)
             if f == "s":
                 vals["level"] = arr + lo
                 if lo < _LEVEL_LO or vals["level"].max() > _LEVEL_HI:
                     raise CorruptStreamError("predictive stream has a scale level out of range")
             elif f == "m":
-                if lo or arr.max() > 2 * _MQ_MAX:
+                if arr.max() > 2 * _MQ_MAX:
                     raise CorruptStreamError("predictive stream has a location out of range")
                 vals["mq"] = (arr >> 1) ^ -(arr & 1)
             else:
                 vals[f] = arr.astype(np.uint8).view(np.int8)
-        return cls(shared=shared, **vals)
-
-
-def _join(parts: list[bytes]) -> bytes:
-    return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
-
-
-def _split(blob: bytes, n: int) -> list[bytes]:
-    parts, pos = [], 0
-    for _ in range(n):
-        if pos + 4 > len(blob):
-            raise CorruptStreamError("predictive stream model section ends early")
-        k = int.from_bytes(blob[pos:pos + 4], "little")
-        if pos + 4 + k > len(blob):
-            raise CorruptStreamError("predictive stream model section ends early")
-        parts.append(blob[pos + 4:pos + 4 + k])
-        pos += 4 + k
-    if pos != len(blob):
-        raise CorruptStreamError("predictive stream model section has trailing bytes")
-    return parts
+        return cls(shared=shared, **vals), raw[pos:]
 
 
 def _grid_args(grid: BinGrid):
@@ -187,7 +179,8 @@ def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int,
     for s0, s1 in zip(wstart, wcap[1:]):
         keep[s0:s1] = True
     counts = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
-    head = _join([bp.pack(source), pack_tables(freq).tobytes()])
+    fields_head, fields = bp.field_bytes(source)
+    head = fields_head + entropy.encode(np.concatenate([fields, table_bytes(freq)]), coder="rans")
     model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts])
     return {"shared": bp.shared, "lanes": lanes}, {"model": model_blob, "payload": words[keep], "bits": bits}
 
@@ -224,10 +217,17 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
     if blob.size != 4 + k + 8 * nc:
         raise CorruptStreamError("predictive stream model section has the wrong size")
     chunks = chunk_layout(g, tt, d, tb, unit)
-    params, tables = _split(blob[4:4 + k].tobytes(), 2)
     gp = 1 if shared else g
-    margs = BinParams.unpack(params, source, gp, d, shared).kernel_args(grid)
-    tabs = decode_tables(unpack_tables(np.frombuffer(tables, np.uint8)))
+    n_head = 5 * len(stored_fields(source))
+    head = blob[4:4 + k].tobytes()
+    if k < n_head:
+        raise CorruptStreamError("predictive stream model section is too short")
+    raw = entropy.decode(head[n_head:], max_symbols=2 * 4 * gp * d + 3 * 260 * N_CLASSES, max_output_bytes=None)
+    if raw.dtype != np.uint8:
+        raise CorruptStreamError("predictive stream has a malformed model")
+    params, rest = BinParams.from_bytes(head[:n_head], raw, source, gp, d, shared)
+    margs = params.kernel_args(grid)
+    tabs = decode_tables(tables_from_bytes(rest))
     counts = blob[4 + k:].copy().view("<u4").astype(np.int64)
     wlen, blen = counts[:nc], counts[nc:]
     words = section(sections, "payload", np.uint16)

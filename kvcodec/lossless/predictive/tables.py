@@ -4,7 +4,8 @@ Each of the ``N_CLASSES`` classes of :mod:`bins` has its own table of 256 freque
 ``2**12`` (the 32-lane rANS of :mod:`kvcodec.entropy.rans_lanes`), fitted per tensor on the exact
 symbol counts (so every symbol that occurs has a frequency; an unused class has none). Stored
 compactly: per class the range of nonzero frequencies below ESC, the frequencies in it and ESC's,
-as bytes (a value >= 255 as 255 and two bytes) coded with :func:`kvcodec.entropy.encode`.
+as bytes (a value >= 255 as 255 and two bytes), which the stream codes with the parameters in one
+:func:`kvcodec.entropy.encode` stream.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvcodec import entropy
 from kvcodec.entropy import rans_lanes
 from kvcodec.entropy.freq import quantize_frequencies
 from kvcodec.errors import CorruptStreamError
@@ -29,9 +29,9 @@ def fit_tables(counts: np.ndarray) -> np.ndarray:
     return freq
 
 
-def pack_tables(freq: np.ndarray) -> np.ndarray:
-    """The tables as bytes: per class ``n`` (0 = unused), then ``lo``, ``n`` frequencies of symbols
-    lo .. lo+n-1 and ESC's frequency."""
+def table_bytes(freq: np.ndarray) -> np.ndarray:
+    """The tables as bytes (uint8; the caller entropy-codes them): per class ``n`` (0 = unused),
+    then ``lo``, ``n`` frequencies of symbols lo .. lo+n-1 and ESC's frequency."""
     out = []
     for row in freq:
         nz = np.flatnonzero(row[:ESC])
@@ -41,15 +41,12 @@ def pack_tables(freq: np.ndarray) -> np.ndarray:
         lo, hi = (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
         out.append([hi - lo, lo, *row[lo:hi].tolist(), int(row[ESC])] if nz.size else [0xFFFF, int(row[ESC])])
     flat = np.array([v for part in out for v in part], np.int64)
-    return np.frombuffer(entropy.encode(_to_bytes(flat), coder="rans"), np.uint8)
+    return _to_bytes(flat)
 
 
-def unpack_tables(blob: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_tables`; CorruptStreamError unless every used row sums to 2**12."""
-    raw = entropy.decode(blob.tobytes(), max_symbols=N_CLASSES * 260 * 3, max_output_bytes=None)
-    if raw.dtype != np.uint8:
-        raise CorruptStreamError("predictive stream has malformed frequency tables")
-    flat = _from_bytes(raw)
+def tables_from_bytes(raw: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`table_bytes`; CorruptStreamError unless every used row sums to 2**12."""
+    flat = _from_bytes(np.ascontiguousarray(raw, np.uint8))
     if flat is None:
         raise CorruptStreamError("predictive stream frequency tables end early")
     freq = np.zeros((N_CLASSES, 256), np.int64)
