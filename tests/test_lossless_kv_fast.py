@@ -249,3 +249,18 @@ def test_default_format_per_dtype_and_the_version_option():
             assert torch.equal(decompress(blob).view(torch.uint8), t.view(torch.uint8))
     with pytest.raises(ValueError):
         compress(x, layout="kv", version=3)
+
+
+@pytest.mark.parametrize("dtype", [d for d in bins._LAYOUTS if d.itemsize == 1])
+@pytest.mark.parametrize("source", ["none", "external", "neighbour_layer"])
+def test_format_2_round_trips_every_8_bit_float(dtype, source):
+    """fp8 defaults to format 1; format 2 must still be exact on every pattern (e8m0 has no sign
+    bit and no mantissa; the fnuz formats have no -0.0)."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(3, 2, 70, 8, generator=g) * 4).to(dtype)
+    flat = x.view(torch.uint8).reshape(-1)  # every 7th value: any pattern (NaN, Inf, subnormals)
+    flat[::7] = torch.randint(0, 256, (flat[::7].numel(),), generator=g, dtype=torch.uint8)
+    pred = x.float() + 0.3 * torch.randn(x.shape, generator=g) if source == "external" else None
+    meta, sections = predictive.encode_tensor(x, pred, source, 1, version=2)
+    assert meta["v"] == 2
+    assert torch.equal(predictive.decode_tensor(meta, sections, pred, 1).view(torch.uint8), x.view(torch.uint8))
