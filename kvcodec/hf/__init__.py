@@ -9,12 +9,14 @@
 from kvcodec.hf.attention import NAME, AttentionOptions, compressed_attention, disable, enable, register
 from kvcodec.hf.cache import CompressedCache, CompressedLayer
 from kvcodec.hf.methods import METHODS
+from kvcodec.hf.static_cache import StaticCompressedCache
 
 __all__ = [
     "AttentionOptions",
     "CompressedCache",
     "CompressedLayer",
     "METHODS",
+    "StaticCompressedCache",
     "NAME",
     "compressed_attention",
     "disable",

@@ -23,6 +23,19 @@ from kvcodec.hf.methods import build_spec
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
 
 
+_STATIC_MODE: list = []  # the static cache class, registered by kvcodec.hf.static_cache at package import
+
+
+def register_static_mode(cls) -> None:
+    """Called once by ``kvcodec.hf.static_cache``: the class ``max_cache_len=`` builds (kept apart so
+    this module does not import the static cache, which builds on it)."""
+    _STATIC_MODE[:] = [cls]
+
+
+def _static_mode():
+    return _STATIC_MODE[0]  # registered when the package kvcodec.hf is imported (its __init__)
+
+
 class CompressedCache(Cache):
     """A Hugging Face cache that keeps K/V compressed (TurboQuant, QJL, KIVI, lossless or none).
 
@@ -56,9 +69,7 @@ class CompressedCache(Cache):
         """``max_cache_len=N`` gives the static, graph-capturable mode (kvcodec.hf.static_cache)."""
         if max_cache_len is None:
             return super().__new__(cls)
-        from kvcodec.hf.static_cache import StaticCompressedCache
-
-        return StaticCompressedCache(*args, max_cache_len=max_cache_len, **kwargs)
+        return _static_mode()(*args, max_cache_len=max_cache_len, **kwargs)
 
     def __init__(
         self,
@@ -138,10 +149,5 @@ class CompressedCache(Cache):
 
         if max_cache_len is None:
             return load_cache(cls, path, config_or_model, device=device, max_output_bytes=max_output_bytes)
-        from kvcodec.hf.static_convert import from_eager
-
-        if not isinstance(config_or_model, torch.nn.Module) or not hasattr(config_or_model, "config"):
-            raise ValueError("loading a static cache (max_cache_len) needs the model, not only its config")
-        eager = load_cache(CompressedCache, path, config_or_model.config, device=device,
-                           max_output_bytes=max_output_bytes)
-        return from_eager(eager, config_or_model, max_cache_len)
+        return _static_mode().load(path, config_or_model, max_cache_len, device=device,
+                                   max_output_bytes=max_output_bytes)

@@ -52,6 +52,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcodec.cuda import ops
 from kvcodec.cuda.quantized import PackedConsts, attend_packed
+from kvcodec.hf.cache import register_static_mode
 from kvcodec.hf.methods import build_spec
 from kvcodec.quant import QuantizedTensor
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
@@ -641,9 +642,13 @@ class StaticCompressedCache(Cache):
              max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> "StaticCompressedCache":
         """Read a cache file written by either cache's ``save`` into a static cache of ``max_cache_len``."""
         from kvcodec.hf.cache import CompressedCache
+        from kvcodec.hf.persist import load_cache
+        from kvcodec.hf.static_convert import from_eager
 
-        return CompressedCache.load(path, model, device=device, max_output_bytes=max_output_bytes,
-                                    max_cache_len=max_cache_len)
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise ValueError("loading a static cache (max_cache_len) needs the model, not only its config")
+        eager = load_cache(CompressedCache, path, model.config, device=device, max_output_bytes=max_output_bytes)
+        return from_eager(eager, cls(model, **eager.spec.options(), max_cache_len=max_cache_len))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -684,3 +689,6 @@ def enable_static(model: torch.nn.Module) -> torch.nn.Module:
     AttentionMaskInterface.register(NAME, static_mask)
     model.set_attn_implementation(NAME)
     return model
+
+
+register_static_mode(StaticCompressedCache)

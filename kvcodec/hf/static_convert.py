@@ -50,13 +50,11 @@ def to_eager(static):
     return eager
 
 
-def from_eager(eager, model, max_cache_len: int):
-    """A static cache of ``max_cache_len`` tokens holding an eager CompressedCache's tokens (same bytes).
-    ValueError when the static mode cannot hold them (options it does not take, too many tokens, fewer
-    tokens than the sink, a window longer than the eager store ever leaves)."""
-    from kvcodec.hf.static_cache import StaticCompressedCache
-
-    static = StaticCompressedCache(model, **eager.spec.options(), max_cache_len=max_cache_len)
+def from_eager(eager, static):
+    """Fill ``static``, a fresh static cache built with ``eager``'s options, with an eager CompressedCache's
+    tokens (same bytes) and return it. ValueError when the static mode cannot hold them (too many tokens,
+    fewer tokens than the sink, a window longer than the eager store ever leaves)."""
+    max_cache_len = static.layers[0].max_cache_len
     spec = static.spec
     for le, ls in zip(eager.layers, static.layers):
         store = le.store
