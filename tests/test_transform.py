@@ -388,3 +388,8 @@ def test_hf_compressed_cache_saved_and_loaded_as_a_file(tiny_llama, tmp_path):
     assert rel_sq_error(dense.layers[2].keys[0], held_k[2]) < 0.03
     with pytest.raises(ValueError, match="empty cache"):
         thf.load_cache(path, cal, cache=back)
+    # the same through CompressedCache's own save/load (a delegating hook)
+    cache.save(tmp_path / "hook.kvt", transform=cal, distortion=0.01, window=16)
+    assert (tmp_path / "hook.kvt").read_bytes() == path.read_bytes()
+    again = CompressedCache.load(tmp_path / "hook.kvt", cfg, transform=cal)
+    assert isinstance(again, CompressedCache) and again.get_seq_length() == 300

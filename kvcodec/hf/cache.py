@@ -132,19 +132,34 @@ class CompressedCache(Cache):
         """Per-layer bytes by part (sink, window, compressed keys/values, side data) and tokens."""
         return [{"layer": i, **layer.memory()} for i, layer in enumerate(self.layers)]
 
-    def save(self, path) -> None:
-        """Write the cache (compressed as held) to ``path``; reload with :meth:`load`."""
+    def save(self, path, *, transform=None, **options) -> None:
+        """Write the cache (compressed as held) to ``path``; reload with :meth:`load`. ``transform``: a
+        ``kvcodec.transform.Calibration``: store it transform-coded instead (lossy, ``options`` as for
+        ``kvcodec.transform.encode``, e.g. ``bits=2.0``; reload with ``load(..., transform=)``)."""
+        if transform is not None:
+            from kvcodec.transform.hf import save_cache as save_transformed
+
+            save_transformed(self, path, transform, **options)
+            return
         from kvcodec.hf.persist import save_cache
 
         save_cache(self, path)
 
     @classmethod
     def load(cls, path, config_or_model, device: str | torch.device = "cpu",
-             max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES, max_cache_len: int | None = None):
+             max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES, max_cache_len: int | None = None,
+             transform=None):
         """Read a cache written by :meth:`save`; ``config_or_model`` must match the saving model.
         ``max_output_bytes`` caps the cache's decoded size (default 4 GiB; ``None``: no cap).
         ``max_cache_len``: load into a static cache (kvcodec.hf.static_cache; needs the model); files of
-        static and eager caches are the same format, so either loads as either."""
+        static and eager caches are the same format, so either loads as either. ``transform``: the
+        calibration of a file saved with ``save(..., transform=)``; its K/V fill a new cache with this
+        class's default options (``kvcodec.transform.hf.load_cache(path, calib, cache=...)`` for others)."""
+        if transform is not None:
+            from kvcodec.transform.hf import load_cache as load_transformed
+
+            return load_transformed(path, transform, cache=cls(config_or_model), device=device,
+                                    max_output_bytes=max_output_bytes)
         from kvcodec.hf.persist import load_cache
 
         if max_cache_len is None:
