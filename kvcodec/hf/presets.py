@@ -15,6 +15,11 @@ Where the bits go:
   first two and the last layer cost four times the others: boundary layers are where Qwen2-style
   key biases and attention sinks live) goes through the same budgeted allocation. For a better
   allocation, run :func:`calibrated_options` on the model with some of its own text.
+
+Levers measured and left out (docs/quality.md, benchmarks/bench_quality_levers.py): query-aware key
+scales and codebooks fitted to real K/V (``calibration=``, kvcodec.hf.fitted) did not lower the KL on
+SmolLM2 (the query-aware scales raised it); the paper's outlier split costs bits + 0.5 or more at
+head_dim 64; 4 sink tokens instead of 1 bought nothing measurable and break the budget.
 """
 
 from __future__ import annotations
