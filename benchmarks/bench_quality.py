@@ -1,8 +1,9 @@
 """Quality per bit: perplexity change with a confidence interval, greedy agreement and passkey retrieval.
 
 Every cache in the same run, on real SmolLM2-135M (bf16, CPU): DynamicCache (the reference), each
-kvcodec preset (``CompressedCache(model, preset=...)``), uniform TurboQuant baselines, kvcodec's
-KIVI and HF ``QuantizedCache`` (quanto).
+kvcodec preset (``CompressedCache(model, preset=...)``), uniform TurboQuant baselines, the paper's
+outlier split, the presets with fitted codebooks (``calibration=``), kvcodec's KIVI and HF
+``QuantizedCache`` (quanto). Levers are chosen beforehand on calibration text (bench_quality_levers.py).
 
 Texts: held-out real text shipped with Python itself (no hub, no download), none of which the
 project ever tuned on (its calibration and earlier benchmarks use ``kvcodec.smollm2.real_text``,
