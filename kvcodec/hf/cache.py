@@ -62,7 +62,7 @@ class CompressedCache(Cache):
             key_mode, sink, outliers and the preconditioning (residual, block_size, seed stay yours).
             key_bits / value_bits may also be lists with one width per layer.
         calibration: name of fitted quantizer statistics (kvcodec.hf.fitted: query-aware key scales,
-            codebooks fitted to real K/V); presets set it where the model has a stored fit.
+            codebooks fitted to real K/V; opt-in: on SmolLM2 they did not beat the presets, docs/quality.md).
     """
 
     def __new__(cls, *args, max_cache_len: int | None = None, **kwargs):
