@@ -12,8 +12,8 @@ from kvcodec.lossless.fp8 import fp8_prediction, from_fp8_kv, to_fp8_kv
 from kvcodec.lossless.kv_context import KVContextCodec
 from kvcodec.lossless.predictive import PredictiveCodec
 
-MODELLED = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float32,
-            torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu]
+MODELLED = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float32] + [
+    getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)]
 VERBATIM = [torch.float64, torch.int8, torch.int32, torch.uint8, torch.bool, torch.complex32]
 KVCTX, PRED = KVContextCodec(), PredictiveCodec()
 

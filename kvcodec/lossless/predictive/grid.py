@@ -53,7 +53,8 @@ def grid_for(dtype: torch.dtype) -> FloatGrid | None:
     patterns = np.arange(n, dtype=bits_np)
     vals = torch.from_numpy(patterns.view(signed).copy()).view(dtype).to(torch.float64).numpy()
     nan = np.isnan(vals)
-    neg = (patterns >> (8 * dtype.itemsize - 1)) & 1 if dtype != torch.float8_e8m0fnu else 0 * patterns
+    unsigned = str(dtype) == "torch.float8_e8m0fnu"  # by name: older torch has no such attribute
+    neg = 0 * patterns if unsigned else (patterns >> (8 * dtype.itemsize - 1)) & 1
     ok = np.flatnonzero(~nan)
     # by value, -0.0 before +0.0; NaN patterns after everything, in pattern order
     order = np.concatenate([ok[np.lexsort((1 - neg[ok], vals[ok]))], np.flatnonzero(nan)])
