@@ -156,6 +156,12 @@ def test_decode_step_compiles_with_fullgraph(model):
     """The decode step traces as one graph (the kernels are opaque custom ops); no recompilation."""
     import torch._dynamo
 
+    with torch.no_grad():  # first: can this torch trace transformers' own forward at all?
+        try:
+            torch._dynamo.reset()
+            torch.compile(lambda t: model(t, use_cache=False).logits, fullgraph=True, backend="eager")(_tokens(1, 3, 5))
+        except torch._dynamo.exc.Unsupported as exc:  # e.g. torch 2.6 with transformers 5.23
+            pytest.skip(f"this torch's dynamo cannot trace transformers' forward without the cache: {exc}"[:300])
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     with torch.no_grad():
