@@ -447,17 +447,21 @@ TPW_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (8, 32768, 32, 8, 128, 4, 4), (32, 3
 TPW_GRID = (256, 512, 1024, 2048)
 
 
-def tpw_sweep(variant: KernelVariant) -> list[dict]:
-    """Split size (tokens per warp) grid with the chosen variant, for fitting the launcher's model."""
+def tpw_sweep(variant: KernelVariant, shapes=TPW_SHAPES, grid=TPW_GRID, max_warps: int | None = None,
+              tag: str = "tpw") -> list[dict]:
+    """Split size (tokens per warp) grid with the chosen variant, the launcher's choice (None) first,
+    for fitting the launcher's model; sizes needing more than ``max_warps`` warps are left out."""
     rows = []
-    for shp in TPW_SHAPES:
-        for tpw in (None,) + TPW_GRID:
+    for shp in shapes:
+        for tpw in (None,) + tuple(grid):
+            if tpw and max_warps is not None and -(-shp[1] // tpw) > max_warps:
+                continue
             try:
                 row = time_decode(*shp, variant=variant, tokens_per_warp=tpw, sdpa=False)
                 row["tpw"] = tpw or "auto"
             except Exception as e:
                 row = dict(shape=str(shp), tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
-            log("tpw", row)
+            log(tag, row)
             rows.append(row)
     return rows
 
@@ -663,20 +667,7 @@ def fused_tpw_sweep() -> list[dict]:
     """Split sizes of the one-launch kernel (for its cost model), the launcher's choice first."""
     from kvcodec.cuda.decode_kernels import FUSED_MAX_BLOCKS, WARPS_PER_BLOCK
 
-    rows = []
-    for shp in FUSED_TPW_SHAPES:
-        t = shp[1]
-        for tpw in (None,) + FUSED_TPW_GRID:
-            if tpw and -(-t // tpw) > WARPS_PER_BLOCK * FUSED_MAX_BLOCKS:
-                continue
-            try:
-                row = time_decode(*shp, variant=ONE, tokens_per_warp=tpw, sdpa=False)
-                row["tpw"] = tpw or "auto"
-            except Exception as e:
-                row = dict(shape=str(shp), tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
-            log("fused tpw", row)
-            rows.append(row)
-    return rows
+    return tpw_sweep(ONE, FUSED_TPW_SHAPES, FUSED_TPW_GRID, WARPS_PER_BLOCK * FUSED_MAX_BLOCKS, "fused tpw")
 
 
 TRACE_PHASES = ["prologue", "split", "block merge + partial write", "fences + atomic", "(m, l) + first partials",
