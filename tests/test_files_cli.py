@@ -131,6 +131,76 @@ def test_damaged_files_raise_corrupt_stream_error(tmp_path):
         assert not (tmp_path / "x.safetensors").exists()  # no partial output left behind
 
 
+def _write_norms(path):
+    """A checkpoint shaped like real ones: big matrices with small norm/bias vectors between them."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {}
+    for i in range(12):
+        tensors[f"l{i}.norm.weight"] = (1 + 0.05 * torch.randn(320, generator=g)).to(torch.bfloat16)
+        tensors[f"l{i}.proj.weight"] = (torch.randn(64, 48, generator=g) * 0.02).to(torch.bfloat16)
+        tensors[f"l{i}.proj.bias"] = (torch.randn(96, generator=g) * 0.01).to(torch.float32)
+    save_file(tensors, str(path))
+    return tensors
+
+
+def _rewrite_index(kvc, out, edit):
+    """A copy of ``kvc`` whose index meta went through ``edit`` (checksums valid: only the reader's checks stand)."""
+    from kvcodec import container
+    blob = kvc.read_bytes()
+    _, _, ioff, ilen = files._FOOTER.unpack(blob[-files._FOOTER.size:])
+    _, meta, sections = container.loads(blob[ioff:ioff + ilen], expect_kind=files.INDEX_KIND)
+    meta = json.loads(json.dumps(meta))
+    edit(meta)
+    index = container.dumps(files.INDEX_KIND, meta, {"header": bytes(sections["header"])})
+    out.write_bytes(blob[:ioff] + index + files._FOOTER.pack(files.FOOTER_MAGIC, 0, ioff, len(index)))
+
+
+def test_small_tensors_are_coded_in_groups(tmp_path):
+    src, kvc, back = tmp_path / "m.safetensors", tmp_path / "m.kvc", tmp_path / "back.safetensors"
+    tensors = _write_norms(src)
+    files.compress_file(src, kvc, progress=False)
+    files.decompress_file(kvc, back, progress=False)
+    assert back.read_bytes() == src.read_bytes()
+    with files.KvcFile(kvc) as kf:
+        modes = {e["name"]: e["mode"] for e in kf.entries}
+        assert sorted(g["st_dtype"] for g in kf.groups) == ["BF16", "F32"]
+        bf16 = next(g for g in kf.groups if g["st_dtype"] == "BF16")
+        assert bf16["mode"] == "tensor" and bf16["length"] < bf16["bytes"]
+    assert modes["l0.norm.weight"] == modes["l5.proj.bias"] == "grouped" and modes["l0.proj.weight"] == "tensor"
+    for name, t in tensors.items():
+        assert _same_tensor(files.read_tensor(kvc, name), t), name
+    rows = {r["name"]: r for r in files.inspect_file(kvc)}
+    assert rows["l3.norm.weight"]["codec"] == "group planes" and rows["l3.norm.weight"]["ratio"] > 1.2
+
+    def mutations():
+        yield lambda m: m["groups"][0].update(bytes=m["groups"][0]["bytes"] + 2)
+        yield lambda m: m["groups"][1].update(st_dtype=m["groups"][0]["st_dtype"])
+        yield lambda m: m["groups"][0].update(offset=m["groups"][0]["offset"] + 1)
+        yield lambda m: m["groups"][0].update(mode="grouped")
+        yield lambda m: m["groups"].pop()
+        yield lambda m: m.pop("groups")
+        first = next(i for i, e in enumerate(m0["entries"]) if e["mode"] == "grouped")
+        yield lambda m: m["entries"][first].update(group=7)
+        yield lambda m: m["entries"][first].update(group_start=2)
+        yield lambda m: m["entries"][first].update(length=1)
+        yield lambda m: m["entries"][first].pop("group")
+        yield lambda m: m["entries"][first].update(mode="raw")
+
+    from kvcodec import container
+    blob = kvc.read_bytes()
+    _, _, ioff, ilen = files._FOOTER.unpack(blob[-files._FOOTER.size:])
+    m0 = container.loads(blob[ioff:ioff + ilen])[1]
+    bad = tmp_path / "bad.kvc"
+    for edit in mutations():
+        _rewrite_index(kvc, bad, edit)
+        with pytest.raises(CorruptStreamError):
+            files.decompress_file(bad, tmp_path / "x.safetensors", progress=False)
+        assert not (tmp_path / "x.safetensors").exists()
+    _rewrite_index(kvc, bad, lambda m: None)  # the rewrite itself keeps a valid file
+    files.decompress_file(bad, tmp_path / "x.safetensors", progress=False)
+    assert (tmp_path / "x.safetensors").read_bytes() == src.read_bytes()
+
+
 def test_not_safetensors_input(tmp_path):
     p = tmp_path / "x.bin"
     for content in (b"", b"\x05\x00\x00\x00\x00\x00\x00\x00{}", struct.pack("<Q", 2) + b"[]", struct.pack("<Q", 1 << 40)):

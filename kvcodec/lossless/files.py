@@ -17,11 +17,17 @@ File layout (integers little-endian; see ``docs/format.md``, "Container" / ``.kv
 
     0      8   b"KVCF" + version u16 (1) + flags u16 (0)
     8      ...  records, back to back: one per segment of the safetensors data buffer
-                (a ``kvcodec.tensor`` container for a tensor, or the raw bytes of a small
-                tensor / an unclaimed gap)
+                (a ``kvcodec.tensor`` container for a tensor, the raw bytes of an unclaimed
+                gap or of a tensor that does not compress, or nothing for a small tensor
+                coded in a group), then one record per group (version 2)
     I      L   index: a container of kind "kvcodec.file-index" (meta: entries, sizes, crc32 of
                the whole source file; section "header": the source's header bytes, zstd)
     end-24 24  footer: b"KVCE" + u32 0 + index offset I (u64) + index length L (u64)
+
+Small tensors (under 4 KiB: norms, biases, scales) cost more in a container header than they
+save alone, so version 2 concatenates all small tensors of one dtype, in file order, into a
+*group* coded as one 1-D tensor; each member's entry says where its bytes start in the group.
+Version 1 files (no groups) still read.
 """
 
 from __future__ import annotations
@@ -46,11 +52,13 @@ from kvcodec.lossless.planes import DEFAULT_CHUNK_BYTES
 
 FILE_MAGIC = magics.FILE
 FOOTER_MAGIC = magics.FILE_FOOTER  # the same bytes as an entropy stream's magic: see kvcodec.magics
-FILE_VERSION = 1
+FILE_VERSION = 2  # 2: small tensors coded in groups (index "groups"); 1 (no groups) still reads
+_READ_VERSIONS = (1, 2)
 _HEAD = struct.Struct("<4sHH")
 _FOOTER = struct.Struct("<4sIQQ")
 INDEX_KIND = "kvcodec.file-index"
-SMALL_TENSOR_BYTES = 4096  # below this, a tensor is stored raw: a container would cost more than it saves
+SMALL_TENSOR_BYTES = 4096  # below this, a tensor alone would cost more in container header than it saves
+MAX_GROUP_BYTES = 16 << 20  # one group of small tensors is decoded whole: this bounds that memory
 MAX_ST_HEADER = 100 << 20  # the safetensors format's own limit
 
 # safetensors dtype code -> torch dtype name (kvcodec.container allow-list)
@@ -164,6 +172,42 @@ class _OrderedPipeline:
             self.pool.shutdown(wait=True)
 
 
+def _plan_groups(segs: list[dict]) -> list[dict]:
+    """Assign small tensor segments to groups: one per dtype (split at MAX_GROUP_BYTES), in file
+    order, when the dtype's small tensors together reach SMALL_TENSOR_BYTES. Marks each member
+    segment with ``group`` / ``group_start``; returns the groups (st_dtype, bytes)."""
+    by_dtype: dict[str, list[dict]] = {}
+    for seg in segs:
+        n = seg["end"] - seg["start"]
+        if seg["name"] is not None and 0 < n < SMALL_TENSOR_BYTES and _tensor_dtype(seg) is not None:
+            by_dtype.setdefault(seg["st_dtype"], []).append(seg)
+    groups: list[dict] = []
+    for st_dtype, members in by_dtype.items():
+        if sum(m["end"] - m["start"] for m in members) < SMALL_TENSOR_BYTES:
+            continue
+        group = None
+        for m in members:
+            n = m["end"] - m["start"]
+            if group is None or group["bytes"] + n > MAX_GROUP_BYTES:
+                group = {"st_dtype": st_dtype, "bytes": 0}
+                groups.append(group)
+            m["group"], m["group_start"] = len(groups) - 1, group["bytes"]
+            group["bytes"] += n
+    return groups
+
+
+def _compress_group(st_dtype: str, data: bytearray, codec: str, threads: int, opts: dict) -> tuple[bytes, str]:
+    """(record, mode) for a group: its concatenation as one 1-D tensor blob, or raw when that is not
+    smaller (or when ``codec``/``opts`` do not apply to a 1-D tensor, e.g. ``layout="kv"``)."""
+    dtype = container.torch_dtypes()[ST_DTYPES[st_dtype]]
+    t = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+    try:
+        record = api.compress(t, codec=codec, threads=threads, **opts)
+    except ValueError:
+        return bytes(data), "raw"
+    return (record, "tensor") if len(record) < len(data) else (bytes(data), "raw")
+
+
 def _compress_segment(seg: dict, buf: bytearray, codec: str, threads: int, opts: dict) -> tuple[bytes, str]:
     """(record, mode) for one segment: a tensor blob, or the raw bytes when that is not smaller."""
     n = len(buf)
@@ -205,6 +249,8 @@ def _compress_to(src: Path, dst: Path, size: int, entries: list, threads: int, p
         st_header, header = _read_safetensors_header(f, size)
         data_start = len(st_header)
         segs = _segments(header, size - data_start)
+        groups = _plan_groups(segs)
+        group_data = [bytearray() for _ in groups]
         running_crc = container.crc32(st_header)
         out.write(_HEAD.pack(FILE_MAGIC, FILE_VERSION, 0))
         pos = _HEAD.size
@@ -215,9 +261,12 @@ def _compress_to(src: Path, dst: Path, size: int, entries: list, threads: int, p
             nonlocal pos
             record, mode = result
             out.write(record)
-            entries.append({"name": seg["name"], "st_dtype": seg["st_dtype"], "shape": seg["shape"],
-                            "start": seg["start"], "end": seg["end"], "mode": mode, "offset": pos,
-                            "length": len(record), "crc32": container.crc32(record)})
+            entry = {"name": seg["name"], "st_dtype": seg["st_dtype"], "shape": seg["shape"],
+                     "start": seg["start"], "end": seg["end"], "mode": mode, "offset": pos,
+                     "length": len(record), "crc32": container.crc32(record)}
+            if mode == "grouped":
+                entry["group"], entry["group_start"] = seg["group"], seg["group_start"]
+            entries.append(entry)
             pos += len(record)
             if bar is not None:
                 bar.update(seg["end"] - seg["start"])
@@ -230,15 +279,24 @@ def _compress_to(src: Path, dst: Path, size: int, entries: list, threads: int, p
                 if f.readinto(buf) != n:
                     raise CorruptStreamError("safetensors file is truncated")
                 running_crc = container.crc32(buf, running_crc)
+                if "group" in seg:  # its bytes go into the group's record, written after the entries
+                    group_data[seg["group"]] += buf
+                    pipe.submit(seg, False, lambda th: (b"", "grouped"), emit)
+                    continue
                 big = n >= 2 * opts.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
                 pipe.submit(seg, big, lambda th, seg=seg, buf=buf: _compress_segment(seg, buf, codec, th, opts), emit)
             pipe.drain(emit)
         finally:
             pipe.close()
+        for group, data in zip(groups, group_data):
+            record, mode = _compress_group(group["st_dtype"], data, codec, threads, opts)
+            out.write(record)
+            group.update(mode=mode, offset=pos, length=len(record), crc32=container.crc32(record))
+            pos += len(record)
         if bar is not None:
             bar.close()
         meta = {"format": "safetensors", "source_bytes": size, "source_crc32": running_crc,
-                "header_bytes": len(st_header), "entries": entries}
+                "header_bytes": len(st_header), "entries": entries, "groups": groups}
         index = container.dumps(INDEX_KIND, meta, {"header": zstandard.ZstdCompressor(level=19).compress(st_header)})
         out.write(index)
         out.write(_FOOTER.pack(FOOTER_MAGIC, 0, pos, len(index)))
@@ -269,17 +327,19 @@ def _segment_from_record(e: dict, blob: bytes, threads: int, max_output_bytes: i
 _ENTRY_KEYS = ("name", "st_dtype", "shape", "start", "end", "mode", "offset", "length", "crc32")
 
 
-def _check_entry(e) -> None:
+def _check_entry(e, version: int) -> None:
     """One index entry: the field types and ranges compress_file writes (positions checked by the caller).
 
-    A "tensor" record always has a name, a safetensors dtype torch has and a shape whose size is
-    the segment's; an unnamed gap is raw with no dtype or shape.
+    A "tensor" or "grouped" record always has a name, a safetensors dtype torch has and a shape
+    whose size is the segment's; an unnamed gap is raw with no dtype or shape; a "grouped" entry
+    (version 2) has an empty record and names its group and where its bytes start there.
     """
-    validate.require_keys(e, _ENTRY_KEYS, "kvcodec file index entry")
+    grouped = version >= 2 and type(e) is dict and e.get("mode") == "grouped"
+    validate.require_keys(e, _ENTRY_KEYS + (("group", "group_start") if grouped else ()), "kvcodec file index entry")
     for k in ("start", "end", "offset", "length"):
         validate.require_int(e[k], 0, validate.MAX_ADDRESSABLE, f"kvcodec file entry {k}")
     validate.require_int(e["crc32"], 0, 0xFFFFFFFF, "kvcodec file entry crc32")
-    if e["end"] < e["start"] or e["mode"] not in ("tensor", "raw"):
+    if e["end"] < e["start"] or e["mode"] not in ("tensor", "raw", "grouped"):
         raise CorruptStreamError("kvcodec file index: malformed entry")
     if e["name"] is None:
         if e["mode"] != "raw" or e["st_dtype"] is not None or e["shape"] is not None:
@@ -290,8 +350,45 @@ def _check_entry(e) -> None:
         validate.check_shape(e["shape"], f"kvcodec file entry {e['name'][:80]!r}", max_ndim=64)
     if e["mode"] == "raw" and e["length"] != e["end"] - e["start"]:
         raise CorruptStreamError("kvcodec file index: raw entry has the wrong length")
-    if e["mode"] == "tensor" and _tensor_dtype(e) is None:
+    if e["mode"] in ("tensor", "grouped") and _tensor_dtype(e) is None:
         raise CorruptStreamError("kvcodec file index: tensor entry's dtype/shape do not match its segment")
+    if grouped:
+        validate.require_int(e["group"], 0, validate.MAX_ADDRESSABLE, "kvcodec file entry group")
+        validate.require_int(e["group_start"], 0, MAX_GROUP_BYTES, "kvcodec file entry group_start")
+        if e["length"] != 0 or e["crc32"] != 0:
+            raise CorruptStreamError("kvcodec file index: a grouped entry has a record of its own")
+
+
+_GROUP_KEYS = ("st_dtype", "bytes", "mode", "offset", "length", "crc32")
+
+
+def _check_groups(groups, entries: list, rec_pos: int) -> int:
+    """The groups' fields, their records back to back from ``rec_pos``, and their members tiling
+    each group exactly in entry order; returns the end of the last group's record."""
+    groups = validate.require_type(groups, list, "kvcodec file index groups")
+    filled = [0] * len(groups)
+    for g in groups:
+        validate.require_keys(g, _GROUP_KEYS, "kvcodec file group")
+        if g["st_dtype"] not in ST_DTYPES or container.torch_dtypes().get(ST_DTYPES[g["st_dtype"]]) is None:
+            raise CorruptStreamError("kvcodec file group: bad dtype")
+        validate.require_int(g["bytes"], 1, MAX_GROUP_BYTES, "kvcodec file group bytes")
+        validate.require_int(g["length"], 0, validate.MAX_ADDRESSABLE, "kvcodec file group length")
+        validate.require_int(g["crc32"], 0, 0xFFFFFFFF, "kvcodec file group crc32")
+        if g["mode"] not in ("tensor", "raw") or g["offset"] != rec_pos or (g["mode"] == "raw" and g["length"] != g["bytes"]):
+            raise CorruptStreamError("kvcodec file group: bad mode, offset or length")
+        rec_pos += g["length"]
+    for e in entries:
+        if e["mode"] != "grouped":
+            continue
+        if e["group"] >= len(groups):
+            raise CorruptStreamError("kvcodec file index: entry names a missing group")
+        g = groups[e["group"]]
+        if g["st_dtype"] != e["st_dtype"] or e["group_start"] != filled[e["group"]]:
+            raise CorruptStreamError("kvcodec file index: grouped entry does not match its group")
+        filled[e["group"]] += e["end"] - e["start"]
+    if filled != [g["bytes"] for g in groups]:
+        raise CorruptStreamError("kvcodec file index: a group's members do not fill it")
+    return rec_pos
 
 
 class KvcFile:
@@ -323,7 +420,7 @@ class KvcFile:
         magic, version, flags = _HEAD.unpack(f.read(_HEAD.size))
         if magic != FILE_MAGIC:
             raise CorruptStreamError("not a kvcodec .kvc file (bad magic)")
-        if version != FILE_VERSION or flags != 0:
+        if version not in _READ_VERSIONS or flags != 0:
             raise CorruptStreamError(f"unsupported .kvc version {version} / flags {flags}")
         f.seek(size - _FOOTER.size)
         fmagic, _, ioff, ilen = _FOOTER.unpack(f.read(_FOOTER.size))
@@ -334,16 +431,18 @@ class KvcFile:
         if set(sections) != {"header"} or not isinstance(sections["header"], memoryview):
             raise CorruptStreamError("kvcodec file index: expected one bytes section 'header'")
         st_header = validate.zstd_decompress(sections["header"], MAX_ST_HEADER + 8, "kvcodec file index header")
-        self.meta = self._check_meta(meta, ioff, len(st_header))
+        self.meta = self._check_meta(meta, ioff, len(st_header), version)
         self.st_header = st_header
         self.entries = self.meta["entries"]
+        self.groups = self.meta.get("groups", [])
+        self._group_cache: dict[int, memoryview] = {}
         self.by_name = {e["name"]: e for e in self.entries if e["name"] is not None}
 
     @staticmethod
-    def _check_meta(meta: dict, records_end: int, header_len: int) -> dict:
+    def _check_meta(meta: dict, records_end: int, header_len: int, version: int) -> dict:
         """Every index field checked against what compress_file writes and the file's real size."""
-        validate.require_keys(meta, ("format", "source_bytes", "source_crc32", "header_bytes", "entries"),
-                              "kvcodec file index meta")
+        keys = ("format", "source_bytes", "source_crc32", "header_bytes", "entries") + (("groups",) if version >= 2 else ())
+        validate.require_keys(meta, keys, "kvcodec file index meta")
         if meta["format"] != "safetensors" or meta["header_bytes"] != header_len:
             raise CorruptStreamError("kvcodec file index: bad meta")
         validate.require_int(meta["source_bytes"], 0, validate.MAX_ADDRESSABLE, "kvcodec file source_bytes")
@@ -351,7 +450,7 @@ class KvcFile:
         entries = validate.require_type(meta["entries"], list, "kvcodec file index entries")
         data_pos, rec_pos, names = 0, _HEAD.size, set()
         for e in entries:
-            _check_entry(e)
+            _check_entry(e, version)
             if e["start"] != data_pos or e["offset"] != rec_pos:
                 raise CorruptStreamError("kvcodec file index: entries are not contiguous")
             if e["name"] is not None:
@@ -361,6 +460,8 @@ class KvcFile:
             data_pos, rec_pos = e["end"], e["offset"] + e["length"]
             if rec_pos > records_end:
                 raise CorruptStreamError("kvcodec file index: a record runs past the index")
+        if version >= 2:
+            rec_pos = _check_groups(meta["groups"], entries, rec_pos)
         if rec_pos != records_end or header_len + data_pos != meta["source_bytes"]:
             raise CorruptStreamError("kvcodec file index: sizes do not add up")
         return meta
@@ -369,8 +470,27 @@ class KvcFile:
         self._f.seek(e["offset"])
         blob = self._f.read(e["length"])
         if len(blob) != e["length"] or container.crc32(blob) != e["crc32"]:
-            raise CorruptStreamError(f"record of {e['name'] or 'a gap'} is corrupt")
+            raise CorruptStreamError(f"record of {e.get('name', 'a group') or 'a gap'} is corrupt")
         return blob
+
+    def group_bytes(self, index: int, threads: int = 0) -> memoryview:
+        """The decoded bytes of one group of small tensors (decoded once, then cached)."""
+        data = self._group_cache.get(index)
+        if data is None:
+            g = self.groups[index]
+            blob = self.record(g)
+            if g["mode"] == "raw":
+                data = memoryview(blob)
+            else:
+                itemsize = container.torch_dtypes()[ST_DTYPES[g["st_dtype"]]].itemsize
+                member = {"name": f"group {index}", "st_dtype": g["st_dtype"], "shape": [g["bytes"] // itemsize],
+                          "start": 0, "end": g["bytes"]}
+                raw = api.tensor_bytes(_decode_record(member, blob, threads))
+                if raw.size != g["bytes"]:
+                    raise CorruptStreamError(f"group {index} decodes to the wrong size")
+                data = memoryview(raw).cast("B")
+            self._group_cache[index] = data
+        return data
 
     def record_codec(self, e: dict) -> str:
         """The codec name of a tensor record, reading only its container header."""
@@ -388,6 +508,8 @@ class KvcFile:
     def segment_bytes(self, e: dict, threads: int = 0, max_output_bytes: int | None = CAP) -> memoryview | bytes:
         """The original bytes of one entry's segment of the safetensors data buffer (capped, default 4 GiB)."""
         validate.check_output(e["end"] - e["start"], max_output_bytes, f"segment of {e['name'] or 'a gap'}")
+        if e["mode"] == "grouped":
+            return self.group_bytes(e["group"], threads)[e["group_start"]:e["group_start"] + e["end"] - e["start"]]
         return _segment_from_record(e, self.record(e), threads, max_output_bytes)
 
     def tensor(self, name: str, threads: int = 0, max_output_bytes: int | None = CAP) -> torch.Tensor:
@@ -398,7 +520,7 @@ class KvcFile:
         if e["mode"] == "tensor":
             return _decode_record(e, self.record(e), threads)
         dtype = _tensor_dtype(e)
-        raw = bytearray(self.record(e))
+        raw = bytearray(self.segment_bytes(e, threads) if e["mode"] == "grouped" else self.record(e))
         if dtype is None:  # a dtype torch lacks (or an inconsistent entry): the raw bytes
             return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         if not raw:
@@ -453,6 +575,10 @@ def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: 
 
                 try:
                     for e in kf.entries:
+                        if e["mode"] == "grouped":  # its group is decoded here once, in file order
+                            data = kf.segment_bytes(e, threads, total)
+                            pipe.submit(e, False, lambda th, data=data: data, emit)
+                            continue
                         blob = kf.record(e)
                         big = e["end"] - e["start"] >= 2 * DEFAULT_CHUNK_BYTES
                         pipe.submit(e, big, lambda th, e=e, blob=blob: _segment_from_record(e, blob, th, total), emit)
@@ -479,12 +605,16 @@ def inspect_file(path: str | os.PathLike) -> list[dict[str, Any]]:
             if e["name"] is None:
                 continue
             raw = e["end"] - e["start"]
-            codec = "stored"
+            codec, length = "stored", e["length"]
             if e["mode"] == "tensor":
                 codec = kf.record_codec(e)
+            elif e["mode"] == "grouped":  # its share of the group's record, by bytes
+                g = kf.groups[e["group"]]
+                codec = "group " + (kf.record_codec(g) if g["mode"] == "tensor" else "stored")
+                length = raw * g["length"] / g["bytes"]
             rows.append({"name": e["name"], "dtype": e["st_dtype"], "shape": tuple(e["shape"] or ()),
-                         "raw_bytes": raw, "compressed_bytes": e["length"],
-                         "ratio": raw / e["length"] if e["length"] else float("inf") if raw else 1.0,
+                         "raw_bytes": raw, "compressed_bytes": length,
+                         "ratio": raw / length if length else float("inf") if raw else 1.0,
                          "codec": codec})
     return rows
 
@@ -493,10 +623,10 @@ def format_inspect_table(rows: list[dict[str, Any]]) -> str:
     """A plain-text table of :func:`inspect_file` rows with a total line."""
     cols = ["name", "dtype", "shape", "raw_bytes", "compressed_bytes", "ratio", "codec"]
     cells = [[str(r["name"]), str(r["dtype"]), "x".join(map(str, r["shape"])) or "scalar", str(r["raw_bytes"]),
-              str(r["compressed_bytes"]), f"{r['ratio']:.3f}", str(r["codec"])] for r in rows]
+              str(round(r["compressed_bytes"])), f"{r['ratio']:.3f}", str(r["codec"])] for r in rows]
     raw = sum(r["raw_bytes"] for r in rows)
     comp = sum(r["compressed_bytes"] for r in rows)
-    cells.append(["TOTAL", "", f"{len(rows)} tensors", str(raw), str(comp), f"{raw / comp:.3f}" if comp else "-", ""])
+    cells.append(["TOTAL", "", f"{len(rows)} tensors", str(raw), str(round(comp)), f"{raw / comp:.3f}" if comp else "-", ""])
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     right = {3, 4, 5}
 
