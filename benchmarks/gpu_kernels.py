@@ -175,13 +175,15 @@ CHECK_MODES = [("", (), True, None), ("one-launch: ", (), True, True), ("three-l
                ("2 stages, wide-only: ", ("TQ_STAGES=2",), False, None)]
 
 
-def _run_checks(prefix: str, variant: KernelVariant) -> list[dict]:
+def _run_checks(prefix: str, variant: KernelVariant, checks=CHECKS) -> list[dict]:
     rows = []
-    for name, shape, opts in CHECKS:
+    for name, shape, opts in checks:
         row = {"check": prefix + name}
         try:
+            opts = dict(opts)
+            tpw = opts.pop("tpw", None)
             case, kw = _make_check_case(shape, opts)
-            extra = {}
+            extra = {} if tpw is None else {"tokens_per_warp": tpw}
             if "g4" in name and "k4v4" in name:
                 extra["tokens_per_warp"] = 64
             if "window" in name or name.startswith("d128 q_len"):
@@ -534,11 +536,11 @@ FUSED_VARIANT_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4,
 
 
 def _compile_one(job) -> str:
-    name, defines = job
+    name, defines, arch = job
     from kvcodec.cuda import build as _build
     from kvcodec.cuda.decode_kernels import SOURCE
 
-    _build.get_function(SOURCE, name, tuple(defines))
+    _build.get_function(SOURCE, name, tuple(defines), arch)
     return name
 
 
@@ -556,8 +558,8 @@ def precompile(calls) -> int:
     jobs = set()
     real, saved = build.get_function, dict(attention._plans)
 
-    def record(source, name, defines=()):
-        jobs.add((name, tuple(defines)))
+    def record(source, name, defines=(), arch=None):
+        jobs.add((name, tuple(defines), arch))
         return types.SimpleNamespace(num_regs=None)
 
     build.get_function = record
@@ -574,16 +576,19 @@ def precompile(calls) -> int:
         attention._plans.update(saved)
     if jobs:
         with ProcessPoolExecutor(min(16, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as ex:
-            list(ex.map(_compile_one, sorted(jobs)))
+            list(ex.map(_compile_one, sorted(jobs, key=str)))
     return len(jobs)
 
 
-def _check_calls(modes) -> list:
+def _check_calls(modes, checks=CHECKS) -> list:
+    """The decode calls of ``_run_checks`` for each mode (prefix, macros, narrow, fused[, arch])."""
     calls = []
-    for prefix, defines, narrow, fused in modes:
-        for name, shape, opts in CHECKS:
+    for prefix, defines, narrow, fused, *arch in modes:
+        for name, shape, opts in checks:
+            opts = dict(opts)
+            tpw = opts.pop("tpw", None)
             case, kw = _make_check_case(shape, opts)
-            extra = {"variant": KernelVariant(defines, narrow, fused)}
+            extra = {"variant": KernelVariant(defines, narrow, fused, *arch), "tokens_per_warp": tpw}
             if "g4" in name and "k4v4" in name:
                 extra["tokens_per_warp"] = 64
             calls.append((case, kw, extra))
@@ -757,6 +762,93 @@ def run_fused_study(out_dir: str) -> dict:
     return result
 
 
+# ---------------------------------------------------------------- the bulk-copy ring (session 5, sm_90)
+# Builds of the one-launch kernel with the code stream through the copy engine (TQ_FUSED_BULK), timed
+# against the default in one run; the last one is built by the explicit-target route (sm_90a cubin).
+BULK = ("TQ_FUSED_BULK=1",)
+BULK4 = BULK + ("TQ_FUSED_BULK_BLOCKS=4", "TQ_FUSED_TAIL_BATCH=8")
+BULK_VARIANTS = [
+    ("default", KernelVariant(fused=True)),
+    ("bulk ring", KernelVariant(BULK, True, True)),
+    ("bulk ring, 4 blocks/SM", KernelVariant(BULK4, True, True)),
+    ("bulk ring, 4 blocks/SM, sm_90a cubin", KernelVariant(BULK4, True, True, "sm_90a")),
+    ("tail batch 8 (no bulk)", KernelVariant(("TQ_FUSED_TAIL_BATCH=8",), True, True)),
+    ("default (again)", KernelVariant(fused=True)),
+]
+# Checks whose caches have Tcap % 16 == 0 (where the ring runs): lengths 0 / 1 / odd / full, one to
+# many steps per warp, both head dims, every bit pair the ring takes (word-aligned chunks) and two it
+# does not (register path in the same build), bf16 norms, windows, a wide tile, a Tcap % 16 != 0 cache.
+BULK_CHECKS = [
+    ("bulk d128 k4v4 g4 tpw16", (3, 8, 2, 1, 320, 128, 4, 4, [320, 17, 0]), {"tpw": 16}),
+    ("bulk d128 k4v4 g4 tpw48", (3, 8, 2, 1, 320, 128, 4, 4, [320, 33, 1]), {"tpw": 48}),
+    ("bulk d128 k4v2 g8", (2, 64, 8, 1, 1008, 128, 4, 2, [1008, 999]), {}),
+    ("bulk d128 k2v2 g4 tpw32", (2, 8, 2, 1, 304, 128, 2, 2, [250, 304]), {"tpw": 32}),
+    ("bulk d64 k4v4 g3", (2, 9, 3, 1, 512, 64, 4, 4, [512, 33]), {}),
+    ("bulk d64 k2v4 g3 q_len 2", (2, 9, 3, 2, 496, 64, 2, 4, [495, 250]), {}),
+    ("bulk d128 lens 0/1/odd", (4, 32, 8, 1, 1024, 128, 4, 4, [0, 1, 777, 1024]), {}),
+    ("bulk d128 long split b1", (1, 32, 8, 1, 32768, 128, 4, 4, [32767]), {}),
+    ("bulk d128 bf16 norms", (2, 8, 2, 1, 320, 128, 4, 4, [320, 150]), {"norm_dtype": torch.bfloat16}),
+    ("bulk d128 hadamard2 g8 window", (2, 64, 8, 1, 640, 128, 4, 4, [640, 77]), {"rotation": "hadamard2"}),
+    ("bulk d128 k3v3 g4 (register path)", (2, 8, 2, 1, 320, 128, 3, 3, [320, 150]), {}),
+    ("bulk d128 g5 q_len 2 (wide: register path)", (2, 10, 2, 2, 320, 128, 4, 4, [320, 100]), {}),
+    ("bulk d128 tcap 300 (ring dropped)", (2, 8, 2, 1, 300, 128, 4, 4, [300, 150]), {}),
+]
+BULK_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 4096, 32, 8, 128, 4, 4),
+               (8, 32768, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4), (32, 131072, 32, 8, 128, 4, 4),
+               (8, 32768, 9, 3, 64, 4, 4)]
+
+
+def run_bulk_study(out_dir: str) -> dict:
+    """``--bulk``: the bulk-copy builds checked (float64 reference, poisoned outputs: BULK_CHECKS for
+    every build, CHECKS too for the two CuPy-built bulk builds) and timed against the default on
+    BULK_SHAPES, in one run."""
+    t0 = time.time()
+    rec = machine_record()
+    rec["gpu"] = torch.cuda.get_device_name(0)
+    log("device", rec["gpu"], "capability", torch.cuda.get_device_capability(0), "torch", torch.__version__)
+    # every build on BULK_CHECKS; the two bulk builds on CHECKS too
+    plan = [(label, v, BULK_CHECKS + (CHECKS if label.startswith("bulk ring") and v.arch is None else []))
+            for label, v in BULK_VARIANTS[:4]]
+    calls = []
+    for label, v, checks in plan:
+        calls += _check_calls([(f"{label}: ", v.defines, v.narrow, v.fused, v.arch)], checks)
+    for b, t, hq, hkv, d, kb, vb in BULK_SHAPES:
+        case, kw = make_case(b, hq, hkv, 1, 64, d, kb, vb, [64] * b)
+        calls += [(case, kw, {"variant": v}) for _, v in BULK_VARIANTS]
+    n = precompile(calls)
+    log(f"precompiled {n} kernel instances in parallel: {time.time() - t0:.0f}s")
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw:.3f} TB/s (read+write)")
+    checks = []
+    for label, v, cases in plan:
+        checks += _run_checks(f"{label}: ", v, cases)
+    ok = sum(bool(c.get("ok")) for c in checks)
+    log(f"checks done {time.time() - t0:.0f}s: {ok}/{len(checks)}")
+    rows = []
+    for shp in BULK_SHAPES:
+        for label, v in BULK_VARIANTS:
+            try:
+                row = time_decode(*shp, variant=v, sdpa=label == "default" and shp[4] == 128)
+                row["variant"] = label
+                row["pct_copy_bw"] = 100 * row["fused_TBps"] / bw
+            except Exception as e:
+                row = dict(shape=str(shp), variant=label, error=f"{type(e).__name__}: {e}"[:200])
+                traceback.print_exc()
+            log("bulk", row)
+            rows.append(row)
+    result = {
+        "suite": "gpu_kernels_bulk", "rows": rows, "checks": checks, "copy_TBps": bw, "machine": rec,
+        "notes": [f"GPU {rec['gpu']}, copy bandwidth {bw:.2f} TB/s (read+write); q_len 1 decode, one-launch kernel, "
+                  "CUDA-graph timed; bytes = packed codes + fp16 norms of K and V; sdpa = flash backend on bf16 K/V",
+                  f"checks ok: {ok}/{len(checks)} (float64 reference, poisoned outputs)",
+                  f"total {time.time() - t0:.0f}s"],
+    }
+    cols = ["batch", "ctx", "heads", "d", "bits", "variant", "fused_ms", "fused_TBps", "pct_copy_bw", "sdpa_ms",
+            "speedup"]
+    save_with_out(result, out_dir, columns=cols)
+    return result
+
+
 def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: bool = True,
         fused_only: bool = False) -> dict:
     """The whole suite; on a machine without a CUDA GPU + CuPy it prints a skip message and returns
@@ -845,7 +937,11 @@ if __name__ == "__main__":
     ap.add_argument("--profile-one", action="store_true", help="one decode call, for ncu")
     ap.add_argument("--fused", action="store_true", help="the one-launch kernel's study only")
     ap.add_argument("--trace", action="store_true", help="the one-launch kernel's phase times (TQ_FUSED_TRACE)")
+    ap.add_argument("--bulk", action="store_true", help="the bulk-copy (TQ_FUSED_BULK) builds: checks and timings")
     args = ap.parse_args()
+    if args.bulk and kc.is_available():
+        run_bulk_study(args.out)
+        sys.exit(0)
     if args.profile_one:
         profile_one()
         sys.exit(0)

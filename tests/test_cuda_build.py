@@ -105,6 +105,60 @@ def test_benchmark_variant_macros_are_compiled_here():
     assert mod.VARIANTS[0] == ("default", (), True)
 
 
+# The one-launch kernel's bulk-copy ring (TQ_FUSED_BULK, benchmarks/gpu_kernels.py BULK_VARIANTS): built
+# for Hopper's arch-specific target (the -gencode form the sm_90a route needs) and for Blackwell, no spills.
+BULK_DEFINES = [("TQ_FUSED_BULK=1",), ("TQ_FUSED_BULK=1", "TQ_FUSED_BULK_BLOCKS=4", "TQ_FUSED_TAIL_BATCH=8")]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100"])
+@pytest.mark.parametrize("defines", BULK_DEFINES, ids=["3 blocks", "4 blocks"])
+def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed: CUDA compile check skipped")
+    decls = [f"__global__ void {decode_kernels.fused_name(d, 4, 4, False, False, True)}{decode_kernels.FUSED_SIGNATURE}"
+             for d in (128, 64)]
+    proc = build.nvcc_compile(decode_kernels.SOURCE, decls, arch, tmp_path,
+                              extra=tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    spills = [line for line in proc.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
+    assert not spills, "\n".join(spills)
+    assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_command("w.cu", "sm_90a", "o.cubin")
+
+
+def test_bulk_variants_of_the_benchmark_are_compiled_here():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("_gpu_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert {v.defines for _, v in mod.BULK_VARIANTS} <= set(BULK_DEFINES) | {(), ("TQ_FUSED_TAIL_BATCH=8",)}
+    assert mod.BULK_VARIANTS[0] == ("default", decode_kernels.KernelVariant(fused=True))
+
+
+def test_fused_defines_drop_the_bulk_ring_when_tcap_is_not_a_multiple_of_16():
+    d = ("TQ_FUSED_BULK=1", "TQ_FUSED_BULK_BLOCKS=4", "TQ_REG_LUT_SYM=1")
+    assert decode_kernels.fused_defines(d, 4096) == d
+    assert decode_kernels.fused_defines(d, 4100) == ("TQ_REG_LUT_SYM=1",)
+
+
+def test_explicit_target_route_options_and_cache_key():
+    opts = build.nvrtc_arch_options("sm_90a", ("TQ_FUSED_BULK=1",))
+    assert "--gpu-architecture=sm_90a" in opts and "-DTQ_FUSED_BULK=1" in opts and "-std=c++17" in opts
+    with pytest.raises(ValueError):
+        build.nvrtc_arch_options("compute_90; rm -rf /")
+    text = build.source_text(decode_kernels.SOURCE)
+    name = decode_kernels.fused_name(128, 4, 4, False, False, True)
+    key = build.cubin_key(text, name, opts, "nvrtc 13.0")
+    assert key == build.cubin_key(text, name, opts, "nvrtc 13.0")
+    others = {build.cubin_key(text + " ", name, opts, "nvrtc 13.0"),
+              build.cubin_key(text, name.replace("128", "64"), opts, "nvrtc 13.0"),
+              build.cubin_key(text, name, build.nvrtc_arch_options("sm_100a", ("TQ_FUSED_BULK=1",)), "nvrtc 13.0"),
+              build.cubin_key(text, name, opts, "nvrtc 13.1")}
+    assert key not in others and len(others) == 4
+
+
 def test_source_text_inlines_common_header():
     text = build.source_text(decode_kernels.SOURCE)
     assert '#include "tq_common.cuh"' not in text

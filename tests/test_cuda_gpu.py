@@ -190,3 +190,50 @@ def test_quantize_pack_matches_quant_package_hadamard2():
     rel = (norms.float() - qt.token["norms"].float()).abs() / qt.token["norms"].float()
     same = (got == want).all(-1)
     assert (rel[same] <= 2e-3).all() and (rel <= 0.05).all()
+
+
+# ---- the bulk-copy ring of the one-launch kernel (TQ_FUSED_BULK, sm_90+) and the sm_90a build route
+BULK = ("TQ_FUSED_BULK=1",)
+BULK4 = BULK + ("TQ_FUSED_BULK_BLOCKS=4", "TQ_FUSED_TAIL_BATCH=8")
+
+
+def _capability():
+    return torch.cuda.get_device_capability() if kc.is_available() else (0, 0)
+
+
+@pytest.mark.skipif(_capability() < (9, 0), reason="cp.async.bulk needs sm_90 or newer")
+@pytest.mark.parametrize("defines", [BULK, BULK4], ids=["3 blocks", "4 blocks"])
+def test_fused_bulk_ring_random_shapes(defines):
+    """The bulk-copy build on random shapes whose caches take the ring (Tcap % 16 == 0): lengths
+    0 / 1 / odd / full, one to many 16-token steps per warp, both head dims and the bit pairs with
+    word-aligned chunks (the others, wide tiles and Tcap % 16 != 0 run the register path of the build)."""
+    rng = torch.Generator().manual_seed(23)
+
+    def pick(xs):
+        return xs[int(torch.randint(len(xs), (1,), generator=rng))]
+
+    for i in range(10):
+        b, hkv, grp, ql = pick([1, 2, 3]), pick([1, 2, 8]), pick([1, 3, 4, 8]), pick([1, 1, 2])
+        d, kb, vb = pick([64, 128]), pick([2, 4, 4, 3]), pick([2, 4, 4, 1])
+        tcap = 16 * int(torch.randint(1, 160, (1,), generator=rng)) + (3 if i == 9 else 0)
+        lens = [pick([0, 1, tcap, tcap - 1, max(1, tcap // 2 - 1) | 1]) for _ in range(b)]
+        norm = pick([torch.float16, torch.bfloat16])
+        case, kw = make_case(b, hkv * grp, hkv, ql, tcap, d, kb, vb, lens, norm_dtype=norm, seed=100 + i)
+        check(case, kw, variant=kc.KernelVariant(defines, True, True), tokens_per_warp=pick([None, 16, 32, 48, 256]))
+
+
+@pytest.mark.skipif(_capability() != (9, 0), reason="an sm_90a cubin runs on Hopper (compute capability 9.0) only")
+def test_sm90a_route_compiles_caches_and_matches(tmp_path, monkeypatch):
+    """build.compile_cubin: NVRTC for sm_90a, cached on disk (a second call compiles nothing), loaded
+    with cupy.RawModule(path=...); the one-launch kernel built so equals the reference."""
+    from kvcodec.cuda import build, decode_kernels
+
+    monkeypatch.setenv("KVCODEC_CUBIN_CACHE", str(tmp_path))
+    name = decode_kernels.fused_name(128, 4, 4, False, False, True)
+    path, lowered = build.compile_cubin(decode_kernels.SOURCE, name, "sm_90a", BULK)
+    assert path.parent == tmp_path and path.stat().st_size > 10000 and lowered.startswith("_Z15tq_decode_fused")
+    stamp = path.stat().st_mtime_ns
+    assert build.compile_cubin(decode_kernels.SOURCE, name, "sm_90a", BULK) == (path, lowered)
+    assert path.stat().st_mtime_ns == stamp
+    case, kw = make_case(2, 32, 8, 1, 1024, 128, 4, 4, [1024, 513])
+    check(case, kw, variant=kc.KernelVariant(BULK, True, True, "sm_90a"))

@@ -35,6 +35,7 @@ from kvcodec.cuda.decode_kernels import (
     SOURCE,
     WARPS_PER_BLOCK,
     KernelVariant,
+    fused_defines,
     fused_name,
     key_permutation,
     merge_name,
@@ -309,9 +310,11 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
     fused = use_fused(variant, qjl, tcap, tokens_per_warp)
     fused_fn = split_fn = None
     if fused:
-        kernel = fused_fn = build.get_function(SOURCE, fused_name(d, k_bits, v_bits, k_bf, v_bf, narrow), defines)
+        kernel = fused_fn = build.get_function(SOURCE, fused_name(d, k_bits, v_bits, k_bf, v_bf, narrow),
+                                               fused_defines(defines, tcap), variant.arch)
     else:
-        kernel = split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), defines)
+        kernel = split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), defines,
+                                               variant.arch)
     tpw = tokens_per_warp or default_tokens_per_warp(bh * rt, tcap, dev, d, r, qjl, getattr(kernel, "num_regs", None),
                                                      variant.narrow, fused)
     if tpw <= 0 or tpw % 16:
@@ -419,9 +422,9 @@ def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k
     dev = query.device
     q_in = (query.to(torch.float32) if plan.q_cast else query).contiguous()
     kc, kn, vc, vn = k_codes.contiguous(), k_norms.contiguous(), v_codes.contiguous(), v_norms.contiguous()
-    # the kernel reads code chunks with 16-byte vector loads: a misaligned view gets an aligned copy
-    kc = kc if kc.data_ptr() % 16 == 0 else kc.clone()
-    vc = vc if vc.data_ptr() % 16 == 0 else vc.clone()
+    # the kernel reads code chunks with 16-byte vector loads (and the bulk-copy variant norms with 16-byte
+    # copies): a misaligned view gets an aligned copy
+    kc, vc, kn, vn = (x if x.data_ptr() % 16 == 0 else x.clone() for x in (kc, vc, kn, vn))
     lens = plan.full_lens if seq_lens is None else seq_lens.to(dev, torch.int32).contiguous()
     o_q16, o_scale, o_part, o_ml, nbytes = plan.scratch
     scratch = torch.empty(nbytes, device=dev, dtype=torch.uint8)  # alive until the launches are queued

@@ -4,10 +4,17 @@ The sources include ``tq_common.cuh``; NVRTC gets no include path from us, so th
 inlined textually (``source_text``). Compiled modules are cached per (device, source, template
 instance): NVRTC compiles once per process per instance, CuPy's disk cache makes later processes fast.
 Importing this module needs neither CuPy nor a GPU; only ``get_function`` does.
+
+A second route compiles for an explicit target such as ``sm_90a`` (Hopper's arch-specific
+instructions: wgmma, setmaxnreg), which CuPy's ``RawModule`` cannot ask for (it appends its own
+``-arch``): NVRTC is called directly (CuPy's binding of it) to a cubin, cached on disk by a hash of
+the source, options and NVRTC version, and loaded with ``cupy.RawModule(path=...)`` (``compile_cubin``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -46,26 +53,89 @@ def source_text(name: str) -> str:
     return expand(source_path(name).read_text()).replace("#pragma once", "")
 
 
-def get_function(source: str, name_expression: str, defines: tuple[str, ...] = ()):
+def get_function(source: str, name_expression: str, defines: tuple[str, ...] = (), arch: str | None = None):
     """The compiled ``cupy.RawKernel`` for one template instance, compiled once per device.
 
-    ``defines`` are extra ``NAME=value`` macros (tuning knobs such as ``TQ_MIN_BLOCKS=2``).
+    ``defines`` are extra ``NAME=value`` macros (tuning knobs such as ``TQ_MIN_BLOCKS=2``); ``arch``
+    an explicit target (``"sm_90a"``: ``compile_cubin``), None for CuPy's NVRTC route (the device's
+    own ``sm_XX``).
     """
     import cupy
 
     dev = cupy.cuda.Device().id
-    key = (dev, source, name_expression, tuple(defines))
+    key = (dev, source, name_expression, tuple(defines), arch)
     fn = _modules.get(key)
     if fn is None:
         with _lock:
             fn = _modules.get(key)
             if fn is None:
                 options = NVRTC_OPTIONS + tuple(f"-D{d}" for d in defines)
-                mod = cupy.RawModule(code=source_text(source), options=options,
-                                     name_expressions=[name_expression])
-                fn = mod.get_function(name_expression)
+                if arch is None:
+                    mod = cupy.RawModule(code=source_text(source), options=options,
+                                         name_expressions=[name_expression])
+                    fn = mod.get_function(name_expression)
+                else:
+                    path, lowered = compile_cubin(source, name_expression, arch, defines)
+                    fn = cupy.RawModule(path=str(path)).get_function(lowered)
                 _modules[key] = fn
     return fn
+
+
+def cubin_cache_dir() -> Path:
+    """Where ``compile_cubin`` keeps its cubins: ``$KVCODEC_CUBIN_CACHE`` or ~/.cache/kvcodec/cubin."""
+    return Path(os.environ.get("KVCODEC_CUBIN_CACHE") or Path.home() / ".cache" / "kvcodec" / "cubin")
+
+
+def nvrtc_arch_options(arch: str, defines: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """NVRTC options of the explicit-target route: ours, the target, the macros."""
+    if not re.fullmatch(r"sm_\d+[af]?", arch):
+        raise ValueError(f"arch must look like sm_90, sm_90a or sm_100a, got {arch!r}")
+    return NVRTC_OPTIONS + (f"--gpu-architecture={arch}",) + tuple(f"-D{d}" for d in defines)
+
+
+def cubin_key(text: str, name_expression: str, options: tuple[str, ...], compiler: str) -> str:
+    """Disk-cache key of one cubin: a hash of everything its bytes depend on."""
+    h = hashlib.sha256()
+    for part in (text, name_expression, *options, compiler):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def compile_cubin(source: str, name_expression: str, arch: str, defines: tuple[str, ...] = ()) -> tuple[Path, str]:
+    """NVRTC (CuPy's binding) straight to a cubin for ``arch`` with one template instance; returns
+    (cubin path, the instance's mangled name). Cached in ``cubin_cache_dir`` by ``cubin_key``: the
+    name file is written before the cubin, each atomically, so a cubin on disk always has its name."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    text = source_text(source)
+    options = nvrtc_arch_options(arch, tuple(defines))
+    key = cubin_key(text, name_expression, options, "nvrtc %d.%d" % nvrtc.getVersion())
+    folder = cubin_cache_dir()
+    cubin, name_file = folder / f"{key}.cubin", folder / f"{key}.name"
+    if cubin.exists():
+        return cubin, name_file.read_text()
+    prog = nvrtc.createProgram(text, f"{Path(source).stem}_{arch}.cu", (), ())
+    try:
+        nvrtc.addNameExpression(prog, name_expression)
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
+        data = nvrtc.getCUBIN(prog)
+        lowered = nvrtc.getLoweredName(prog, name_expression)
+    finally:
+        nvrtc.destroyProgram(prog)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomically(name_file, lowered.encode())
+    _write_atomically(cubin, data)
+    return cubin, lowered
 
 
 _streams: dict = {}
@@ -130,7 +200,10 @@ def instantiation_wrapper(source: str, instances: list[str]) -> str:
 def nvcc_command(wrapper_path: str | Path, arch: str, out_path: str | Path, extra: tuple[str, ...] = ()) -> list[str]:
     """The nvcc command line that compiles a wrapper to a cubin for ``arch`` (e.g. ``"sm_90"``)."""
     nvcc = shutil.which("nvcc") or "nvcc"
-    return [nvcc, f"-arch={arch}", "-std=c++17", "-cubin", *extra, "-o", str(out_path), str(wrapper_path)]
+    # arch-specific targets (sm_90a) in the -gencode form: nvcc 13.0's -arch=sm_90a shorthand also runs
+    # a plain sm_90 pass (device/HOPPER.md)
+    target = f"-gencode=arch=compute_{arch[3:]},code={arch}" if arch[-1].isalpha() else f"-arch={arch}"
+    return [nvcc, target, "-std=c++17", "-cubin", *extra, "-o", str(out_path), str(wrapper_path)]
 
 
 def nvcc_compile(source: str, instances: list[str], arch: str, workdir: str | Path,

@@ -42,11 +42,14 @@ class KernelVariant:
     ``defines``: extra ``NAME=value`` macros for the kernels (tuning knobs such as ``TQ_REG_LUT=0``);
     ``narrow``: let tiles of <= 8 query rows use the transposed-P.V split kernel (off: always the
     general one); ``fused``: the one-launch kernel ``tq_decode_fused`` (True: wherever it applies,
-    False: always the three launches prep/split/merge, None: the launcher decides)."""
+    False: always the three launches prep/split/merge, None: the launcher decides); ``arch``: an
+    explicit compile target of the split and one-launch kernels such as ``"sm_90a"`` (``build.compile_cubin``),
+    None: CuPy's NVRTC route."""
 
     defines: tuple[str, ...] = ()
     narrow: bool = True
     fused: bool | None = None
+    arch: str | None = None
 
 
 DEFAULT_VARIANT = KernelVariant()
@@ -74,6 +77,16 @@ def split_defines(defines, k_bits, v_bits, k_codebook, v_codebook, v_bf16) -> tu
              for bits, cb, bf in ((k_bits, k_codebook, False), (v_bits, v_codebook, v_bf16)))
     rest = tuple(d for d in defines if not d.startswith("TQ_REG_LUT_SYM"))
     return rest + ("TQ_REG_LUT_SYM=1",) if ok else rest
+
+
+def fused_defines(defines, tcap: int) -> tuple[str, ...]:
+    """The one-launch kernel's macros for a cache of ``tcap`` slots: the bulk-copy ring
+    (``TQ_FUSED_BULK``, and its block count) copies whole 16-token steps, so it needs ``tcap % 16 == 0``
+    and is dropped otherwise (the register path runs)."""
+    defines = tuple(defines)
+    if tcap % 16 == 0:
+        return defines
+    return tuple(d for d in defines if not d.startswith("TQ_FUSED_BULK"))
 
 
 def _b(x: bool) -> str:

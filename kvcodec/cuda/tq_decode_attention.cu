@@ -276,6 +276,161 @@ TQ_DEVI void load_any(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
 }
 
 
+// ---- TQ_FUSED_BULK: the code stream through the bulk copy engine (sm_90+, plain cp.async.bulk) ----
+// 1: the one-launch kernel's narrow tiles (head_dim <= 128, word-aligned code chunks) copy each warp's
+// 16-token steps (key codes, value codes, key and value norms: four contiguous ranges) into a
+// per-warp shared-memory ring of TQ_BULK_STAGES steps with cp.async.bulk, each stage completed on its
+// own mbarrier; the warp then reads its fragments from shared memory. No global loads are held in
+// registers (the register ring of TQ_FUSED_STAGES steps goes), and the first steps' copies are issued
+// during the query prologue. Needs Tcap % 16 == 0 and 16-byte aligned code and norm tensors (the
+// launcher drops the macro otherwise: decode_kernels.fused_defines). Default 0 (opt-in variant).
+#ifndef TQ_FUSED_BULK
+#define TQ_FUSED_BULK 0
+#endif
+#ifndef TQ_BULK_STAGES
+#define TQ_BULK_STAGES 3
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define TQ_BULK_ARCH 0  // no bulk copies before Hopper: the register path
+#else
+#define TQ_BULK_ARCH 1
+#endif
+
+// One 16-token step of a warp's stream as the copy engine lays it down: rows of packed codes as in
+// the cache, then the 16 key norms and the 16 value norms. Every part is a multiple of 16 bytes.
+template <class T>
+struct __align__(16) BulkStep {
+  tq_u32 k[16 * T::KROW_WORDS];
+  tq_u32 v[16 * T::VROW_WORDS];
+  tq_u16 kn[16], vn[16];
+  static constexpr tq_u32 BYTES = 4 * 16 * (T::KROW_WORDS + T::VROW_WORDS) + 64;
+};
+
+// Whether a split runs on the bulk ring (ON) and the ring's shared-memory type.
+template <class T, bool ON_>
+struct BulkSel {
+  static constexpr bool ON = ON_;
+  static constexpr int NS = TQ_BULK_STAGES;
+  struct Ring {
+    BulkStep<T> st[NS];
+    unsigned long long bar[NS];
+  };
+};
+template <class T>
+struct BulkSel<T, false> {
+  static constexpr bool ON = false;
+  static constexpr int NS = 1;
+  struct Ring {
+    int unused;
+  };
+};
+
+// shared-memory address of a generic pointer (inline PTX: no header needed under NVRTC)
+TQ_DEVI tq_u32 smem_u32(const void* p) {
+  tq_u32 a;
+  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
+  return a;
+}
+
+TQ_DEVI void mbar_init(unsigned long long* bar) {
+#if TQ_BULK_ARCH
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+#endif
+}
+
+// makes the initialized barriers visible to the copy engine (the async proxy)
+TQ_DEVI void mbar_init_fence() {
+#if TQ_BULK_ARCH
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+TQ_DEVI void mbar_wait(unsigned long long* bar, tq_u32 parity) {
+#if TQ_BULK_ARCH
+  asm volatile(
+      "{\n\t.reg .pred P1;\n\tTQ_WAIT:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n\t"
+      "@P1 bra TQ_DONE;\n\tbra TQ_WAIT;\n\tTQ_DONE:\n\t}" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// this thread's earlier shared-memory accesses ordered before its later bulk copies
+TQ_DEVI void fence_proxy_async() {
+#if TQ_BULK_ARCH
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+TQ_DEVI void bulk_copy(void* dst, const void* src, tq_u32 bytes, unsigned long long* bar) {
+#if TQ_BULK_ARCH
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+#endif
+}
+
+// One lane: the copies of the 16 tokens from row-major token index `tok` (= bh * Tcap + token) into
+// stage `st`, completing on `bar` (which expects the step's bytes). Always 16 whole tokens: the
+// launcher guarantees Tcap % 16 == 0, so they stay inside the kv row; slots past the sequence are
+// masked by the reader.
+template <class T>
+TQ_DEVI void bulk_issue(BulkStep<T>& st, unsigned long long* bar, const tq_u8* kcodes, const tq_u16* knorms,
+                        const tq_u8* vcodes, const tq_u16* vnorms, long long tok) {
+#if TQ_BULK_ARCH
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(BulkStep<T>::BYTES)
+               : "memory");
+#endif
+  bulk_copy(st.k, kcodes + tok * (4 * T::KROW_WORDS), sizeof(st.k), bar);
+  bulk_copy(st.v, vcodes + tok * (4 * T::VROW_WORDS), sizeof(st.v), bar);
+  bulk_copy(st.kn, knorms + tok, sizeof(st.kn), bar);
+  bulk_copy(st.vn, vnorms + tok, sizeof(st.vn), bar);
+}
+
+// words [0, N) of a thread's chunk from shared memory, 16/8-byte reads where aligned (VEC)
+template <int N, int VEC>
+TQ_DEVI void lds_words(tq_u32* w, const tq_u32* p) {
+#pragma unroll
+  for (int i = 0; i < N; i += VEC) {
+    if constexpr (VEC == 4) {
+      const uint4 x = *reinterpret_cast<const uint4*>(p + i);
+      w[i] = x.x, w[i + 1] = x.y, w[i + 2] = x.z, w[i + 3] = x.w;
+    } else if constexpr (VEC == 2) {
+      const uint2 x = *reinterpret_cast<const uint2*>(p + i);
+      w[i] = x.x, w[i + 1] = x.y;
+    } else {
+      w[i] = p[i];
+    }
+  }
+}
+
+// A narrow tile's step registers (load_step<.., KA = true> layout) read from a bulk stage: key rows
+// g, 8 + g (chunk of thread t), value rows 2t, 2t+1, 2t+8, 2t+9 (chunk of g), norms of tokens g,
+// 8 + g; value norms of tokens at or past `end` are 0, so those slots never reach the output.
+template <class T>
+TQ_DEVI void load_step_shared(StepRegs<T>& r, const BulkStep<T>& st, int base, int end, int g, int t) {
+  constexpr int KW = T::KBITS / 32, VW = T::VBITS / 32;
+  static_assert(T::KALIGN && T::VALIGN, "bulk steps need word-aligned chunks");
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    lds_words<KW, T::KVEC>(r.k[j].w, st.k + (8 * j + g) * T::KROW_WORDS + t * KW);
+    r.k[j].w[KW] = 0u;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int row = (j & 1) + 8 * (j >> 1) + 2 * t;
+    lds_words<VW, T::VVEC>(r.v[j].w, st.v + row * T::VROW_WORDS + g * VW);
+    r.v[j].w[VW] = 0u;
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    r.kn[j] = st.kn[8 * j + g];
+    r.vn[j] = (base + 8 * j + g < end) ? st.vn[8 * j + g] : (tq_u16)0;
+  }
+}
+
 #if TQ_REG_LUT_SYM
 typedef TqRegLut4Sym RegLut;
 #else
@@ -296,13 +451,15 @@ struct WarpResult {
 // |.|; pad rows 0), rst [16] the row scales; qs16t / qsst the QJL analogues (prod keys only). The
 // block's shared and register codebook tables must be filled. Empty ranges (begin >= end) give
 // m = -inf, l = 0 and zero accumulators. DEPTH: steps of loads in flight (see TQ_STAGES).
-template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW, int DEPTH = TQ_STAGES>
+template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW, int DEPTH = TQ_STAGES,
+          class BulkT = BulkSel<void, false>>
 TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& ktab, const CodeTable<BV, VBF>& vtab,
                         const RegLut& kreg, const RegLut& vreg, const tq_u16* q16t, const float* rst,
                         const tq_u16* qs16t, const float* qsst, const tq_u8* __restrict__ kcodes,
                         const tq_u16* __restrict__ knorms, const tq_u8* __restrict__ vcodes,
                         const tq_u16* __restrict__ vnorms, const tq_u8* __restrict__ qjl,
-                        const tq_u16* __restrict__ rnorms, long long tok0, int begin, int end) {
+                        const tq_u16* __restrict__ rnorms, long long tok0, int begin, int end,
+                        typename BulkT::Ring* bring = nullptr) {
   using T = DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 
@@ -363,7 +520,7 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
   m0 = m1 = NEG_INF;
   l0 = l1 = 0.f;
 
-  constexpr int STAGES = QJL ? 2 : DEPTH;  // prod keys hold more registers per step
+  constexpr int STAGES = BulkT::ON ? 1 : QJL ? 2 : DEPTH;  // prod keys hold more registers per step
   StepRegs<T> ring[STAGES];
   // O^T += V^T P^T for narrow tiles: A = values (dims x the 16 tokens), B = P^T fragments pb0 (row g |
   // tokens 2t, 2t+1) and pb1 (tokens 8 + 2t, 8 + 2t + 1), value norms already applied
@@ -564,6 +721,29 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
       }
     }
   };
+  if constexpr (BulkT::ON) {
+    // the bulk ring: stage s holds step n (n % NS == s); the copies of steps 0 .. NS - 2 were issued
+    // by the caller; step n issues step n + NS - 1 into the stage step n - 1 read (every lane is past
+    // its reads of it: __syncwarp)
+    static_assert(KA && !QJL, "bulk steps: narrow MSE-key tiles only");
+    constexpr int NS = BulkT::NS;
+    tq_u32 phases = 0u;
+    int s = 0;
+    for (int at = begin; at < end; at += 16) {
+      mbar_wait(&bring->bar[s], (phases >> s) & 1u);
+      phases ^= 1u << s;
+      load_step_shared<T>(ring[0], bring->st[s], at, end, g, t);
+      const int ahead = at + 16 * (NS - 1);
+      const int sn = s == 0 ? NS - 1 : s - 1;
+      __syncwarp();
+      if (lane == 0 && ahead < end) {
+        fence_proxy_async();
+        bulk_issue<T>(bring->st[sn], &bring->bar[sn], kcodes, knorms, vcodes, vnorms, tok0 + ahead);
+      }
+      step(ring[0], at);
+      s = (s + 1 == NS) ? 0 : s + 1;
+    }
+  } else {
   // A ring of STAGES (TQ_STAGES) register buffers: the loads of the next STAGES - 1 steps are in flight
   // while one step computes (the loop is unrolled by the ring size so every index is static).
 #if TQ_PTR_STEP
@@ -593,6 +773,7 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
         step(ring[k], here);
       }
     }
+  }
   }
 
   // l: sum over the lanes holding the other tokens of the same rows (t for S = Q K^T, g for KA)
@@ -915,7 +1096,26 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
   } while (0)
 #endif
 
+#ifndef TQ_FUSED_BULK_BLOCKS
+#define TQ_FUSED_BULK_BLOCKS 3
+#endif
+
 namespace tq {
+// A one-launch instance's build choices. BULK: its splits run on the bulk ring (TQ_FUSED_BULK): narrow
+// tiles of head_dim <= 128 whose code chunks are whole words (else the register path of the same
+// build). MIN_BLOCKS: blocks per SM its registers must allow: 3 for narrow head_dim-128 tiles (3 load
+// stages need ~167 registers), TQ_FUSED_BULK_BLOCKS on the bulk ring (no loads held in registers).
+template <int D, int BK, int BV, bool NARROW>
+struct FusedBuild {
+  using T = DecodeTraits<D, BK, BV, false, false, false>;
+  static constexpr bool BULK = TQ_FUSED_BULK && TQ_BULK_ARCH && NARROW && D <= 128 && T::KALIGN && T::VALIGN;
+  static constexpr int MIN_BLOCKS = TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS
+                                    : !NARROW         ? 2
+                                    : D <= 64         ? 4
+                                    : BULK            ? TQ_FUSED_BULK_BLOCKS
+                                                      : 3;
+};
+
 // acc[k] = sum_i v[k][i] * M[i][j] for N rows v (shared, row stride D) and column j of a row-major
 // [D, D] matrix in global memory (coalesced across j; the column loaded in batches of NB loads: one
 // L2 round trip per batch, NB registers).
@@ -1011,9 +1211,7 @@ struct SharedSink {
 // counters:  [BH * RT] uint32, zero before the launch (and again after it)
 // out:       [BH, R, D] (out_kind 0 fp32, 1 fp16, 2 bf16); lse [BH, R] fp32 (natural log)
 template <int D, int BK, int BV, bool KBF, bool VBF, bool NARROW>
-// (3 blocks per SM for narrow head_dim-128 tiles whatever TQ_NARROW128_BLOCKS says: its 3 load stages
-// need ~167 registers)
-__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : !NARROW ? 2 : D <= 64 ? 4 : 3))
+__global__ void __launch_bounds__(128, (tq::FusedBuild<D, BK, BV, NARROW>::MIN_BLOCKS))
 tq_decode_fused(
     const void* __restrict__ q, int qin, const float* __restrict__ kr_t, const int* __restrict__ perm, float mult,
     const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
@@ -1037,6 +1235,10 @@ tq_decode_fused(
   __shared__ float wm[4][ROWS], wl[4][ROWS];      // per warp (m, l) of each row
   __shared__ float rowm[ROWS], rowl[ROWS];        // block (later: tile) max and sum per row
   __shared__ int is_last;
+  // the bulk ring of each warp (TQ_FUSED_BULK; an unused int otherwise)
+  constexpr bool BULK = tq::FusedBuild<D, BK, BV, NARROW>::BULK;
+  using Bulk = tq::BulkSel<T, BULK>;
+  __shared__ typename Bulk::Ring bring[BULK ? 4 : 1];
 #if TQ_FUSED_TRACE
   __shared__ unsigned long long tstamp[2 * TQ_TRACE_POINTS];
 #endif
@@ -1051,6 +1253,9 @@ tq_decode_fused(
   const int nr = min(ROWS, R - R0);     // rows of the tile that exist
   const float NEG_INF = -__int_as_float(0x7f800000);
 
+  // bulk ring: this warp's split is known before the prologue (its first copies are issued in it)
+  int blen = 0;
+  if constexpr (BULK) blen = min(max(seq_lens[bh / Hkv], 0), Tcap);
   // ---- 1. query prep for this tile: y = q @ R_k^T, then fp16(y[perm] / max|y|)
   int pk[D / 32];  // this lane's permutation entries, loaded early (used after two barriers)
 #pragma unroll
@@ -1063,6 +1268,23 @@ tq_decode_fused(
   for (int i = tid; i < k_rounds * D; i += blockDim.x) ksg[i] = __ldg(k_signs + i);
   for (int i = tid; i < v_rounds * D; i += blockDim.x) vsg[i] = __ldg(v_signs + i);
   __syncthreads();
+  if constexpr (BULK) {
+    // lane 0 of each warp: barriers, then the copies of its split's first NS - 1 steps, which land
+    // while the block rotates the query
+    const int split = blockIdx.x * 4 + warp;
+    const int begin = split < nsplit ? split * tokens_per_warp : 0;
+    const int end = split < nsplit ? min(begin + tokens_per_warp, blen) : 0;
+    if (lane == 0) {
+#pragma unroll
+      for (int k = 0; k < Bulk::NS; ++k) tq::mbar_init(&bring[warp].bar[k]);
+      tq::mbar_init_fence();
+#pragma unroll
+      for (int k = 0; k < Bulk::NS - 1; ++k)
+        if (begin + 16 * k < end)
+          tq::bulk_issue<T>(bring[warp].st[k], &bring[warp].bar[k], kcodes, knorms, vcodes, vnorms,
+                            (long long)bh * Tcap + begin + 16 * k);
+    }
+  }
   if (k_rounds > 0 && !(TQ_FUSED_PROFILE & 1)) {
     if constexpr ((D & (D - 1)) == 0) tq::hadamard_forward<D>(xq, ybuf, nr, ksg, k_rounds);
   } else {
@@ -1099,13 +1321,13 @@ tq_decode_fused(
   TQ_STAMP(1);
   // ---- 2. this warp's split
   const int split = blockIdx.x * 4 + warp;
-  const int len = min(max(seq_lens[bh / Hkv], 0), Tcap);
+  const int len = BULK ? blen : min(max(seq_lens[bh / Hkv], 0), Tcap);
   const int begin = split < nsplit ? split * tokens_per_warp : 0;
   const int end = split < nsplit ? min(begin + tokens_per_warp, len) : 0;
   tq::WarpResult<D, NARROW> res;
-  tq::split_warp<D, BK, BV, KBF, VBF, false, NARROW, TQ_FUSED_STAGES>(res, ktab, vtab, kreg, vreg, q16s, rss, q16s,
-                                                                      rss, kcodes, knorms, vcodes, vnorms, nullptr,
-                                                                      nullptr, (long long)bh * Tcap, begin, end);
+  tq::split_warp<D, BK, BV, KBF, VBF, false, NARROW, TQ_FUSED_STAGES, Bulk>(
+      res, ktab, vtab, kreg, vreg, q16s, rss, q16s, rss, kcodes, knorms, vcodes, vnorms, nullptr, nullptr,
+      (long long)bh * Tcap, begin, end, &bring[warp]);
 
   // ---- 3. merge the four warps in shared memory
   int ra, rb;
