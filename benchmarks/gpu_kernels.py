@@ -764,15 +764,18 @@ def run_fused_study(out_dir: str) -> dict:
 
 # ---------------------------------------------------------------- the bulk-copy ring (session 5, sm_90)
 # Builds of the one-launch kernel with the code stream through the copy engine (TQ_FUSED_BULK), timed
-# against the default in one run; the last one is built by the explicit-target route (sm_90a cubin).
+# against the default in one run; one is built by the explicit-target route (an sm_90a cubin).
 BULK = ("TQ_FUSED_BULK=1",)
 BULK4 = BULK + ("TQ_FUSED_BULK_BLOCKS=4", "TQ_FUSED_TAIL_BATCH=8")
+BULK_NO_PREFETCH = BULK + ("TQ_BULK_PREFETCH=0",)
+BULK_CHAINS = BULK + ("TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4")
 BULK_VARIANTS = [
     ("default", KernelVariant(fused=True)),
     ("bulk ring", KernelVariant(BULK, True, True)),
     ("bulk ring, 4 blocks/SM", KernelVariant(BULK4, True, True)),
-    ("bulk ring, 4 blocks/SM, sm_90a cubin", KernelVariant(BULK4, True, True, "sm_90a")),
-    ("tail batch 8 (no bulk)", KernelVariant(("TQ_FUSED_TAIL_BATCH=8",), True, True)),
+    ("bulk ring, no prefetch", KernelVariant(BULK_NO_PREFETCH, True, True)),
+    ("bulk ring, 2 chains", KernelVariant(BULK_CHAINS, True, True)),
+    ("bulk ring, 2 chains, sm_90a cubin", KernelVariant(BULK_CHAINS, True, True, "sm_90a")),
     ("default (again)", KernelVariant(fused=True)),
 ]
 # Checks whose caches have Tcap % 16 == 0 (where the ring runs): lengths 0 / 1 / odd / full, one to
@@ -799,7 +802,7 @@ BULK_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 
 
 def run_bulk_study(out_dir: str) -> dict:
     """``--bulk``: the bulk-copy builds checked (float64 reference, poisoned outputs: BULK_CHECKS for
-    every build, CHECKS too for the two CuPy-built bulk builds) and timed against the default on
+    every build, CHECKS too for the CuPy-built bulk builds) and timed against the default on
     BULK_SHAPES, in one run."""
     t0 = time.time()
     rec = machine_record()
@@ -807,7 +810,7 @@ def run_bulk_study(out_dir: str) -> dict:
     log("device", rec["gpu"], "capability", torch.cuda.get_device_capability(0), "torch", torch.__version__)
     # every build on BULK_CHECKS; the two bulk builds on CHECKS too
     plan = [(label, v, BULK_CHECKS + (CHECKS if label.startswith("bulk ring") and v.arch is None else []))
-            for label, v in BULK_VARIANTS[:4]]
+            for label, v in BULK_VARIANTS[:-1]]
     calls = []
     for label, v, checks in plan:
         calls += _check_calls([(f"{label}: ", v.defines, v.narrow, v.fused, v.arch)], checks)
@@ -835,8 +838,18 @@ def run_bulk_study(out_dir: str) -> dict:
                 traceback.print_exc()
             log("bulk", row)
             rows.append(row)
+    # split sizes: whether a bulk build wants other ones than the model (fitted to the default) picks
+    from kvcodec.cuda.decode_kernels import FUSED_MAX_BLOCKS, WARPS_PER_BLOCK
+
+    sweep = []
+    for label, v in (BULK_VARIANTS[0], BULK_VARIANTS[2], BULK_VARIANTS[4]):
+        for r in tpw_sweep(v, BULK_SHAPES[:1] + BULK_SHAPES[2:3], FUSED_TPW_GRID, WARPS_PER_BLOCK * FUSED_MAX_BLOCKS,
+                           f"bulk tpw {label}"):
+            r["variant"] = label
+            sweep.append(r)
     result = {
-        "suite": "gpu_kernels_bulk", "rows": rows, "checks": checks, "copy_TBps": bw, "machine": rec,
+        "suite": "gpu_kernels_bulk", "rows": rows, "checks": checks, "tpw_sweep": sweep, "copy_TBps": bw,
+        "machine": rec,
         "notes": [f"GPU {rec['gpu']}, copy bandwidth {bw:.2f} TB/s (read+write); q_len 1 decode, one-launch kernel, "
                   "CUDA-graph timed; bytes = packed codes + fp16 norms of K and V; sdpa = flash backend on bf16 K/V",
                   f"checks ok: {ok}/{len(checks)} (float64 reference, poisoned outputs)",

@@ -290,6 +290,17 @@ TQ_DEVI void load_any(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
 #ifndef TQ_BULK_STAGES
 #define TQ_BULK_STAGES 3
 #endif
+// 1: the next step's fragments are read from its stage before the current step computes (hides the
+// shared-memory latency; two register buffers); 0: read right before use (measured slower, run B1)
+#ifndef TQ_BULK_PREFETCH
+#define TQ_BULK_PREFETCH 1
+#endif
+// 2: two online-softmax chains per warp (even and odd steps, merged at the end): two independent
+// dependency chains for the scheduler to interleave; each iteration reads two steps (needs
+// TQ_BULK_STAGES >= 4: two steps read, two in flight). 1: one chain. Default 1.
+#ifndef TQ_BULK_CHAINS
+#define TQ_BULK_CHAINS 1
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define TQ_BULK_ARCH 0  // no bulk copies before Hopper: the register path
 #else
@@ -311,6 +322,13 @@ template <class T, bool ON_>
 struct BulkSel {
   static constexpr bool ON = ON_;
   static constexpr int NS = TQ_BULK_STAGES;
+  static constexpr int CHAINS = TQ_BULK_CHAINS;
+  static constexpr int LOOK = NS - CHAINS;  // steps in flight ahead of the ones being read
+  // the steps an iteration reads were issued an iteration earlier (LOOK >= CHAINS); a prefetching
+  // single chain reads step n + 1 while step n + NS - 1 is issued (NS >= 3)
+  static_assert((CHAINS == 1 || CHAINS == 2) && LOOK >= CHAINS && NS <= 8 &&
+                    (CHAINS == 2 || !TQ_BULK_PREFETCH || NS >= 3),
+                "bulk ring: 1 chain with >= 2 stages (3 prefetching), 2 chains with >= 4");
   struct Ring {
     BulkStep<T> st[NS];
     unsigned long long bar[NS];
@@ -319,7 +337,7 @@ struct BulkSel {
 template <class T>
 struct BulkSel<T, false> {
   static constexpr bool ON = false;
-  static constexpr int NS = 1;
+  static constexpr int NS = 1, CHAINS = 1, LOOK = 0;
   struct Ring {
     int unused;
   };
@@ -520,11 +538,11 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
   m0 = m1 = NEG_INF;
   l0 = l1 = 0.f;
 
-  constexpr int STAGES = BulkT::ON ? 1 : QJL ? 2 : DEPTH;  // prod keys hold more registers per step
+  constexpr int STAGES = BulkT::ON ? (TQ_BULK_PREFETCH || TQ_BULK_CHAINS == 2 ? 2 : 1) : QJL ? 2 : DEPTH;  // prod keys: more regs
   StepRegs<T> ring[STAGES];
   // O^T += V^T P^T for narrow tiles: A = values (dims x the 16 tokens), B = P^T fragments pb0 (row g |
   // tokens 2t, 2t+1) and pb1 (tokens 8 + 2t, 8 + 2t + 1), value norms already applied
-  auto pv_narrow = [&](const StepRegs<T>& cur, tq_u32 pb0, tq_u32 pb1) {
+  auto pv_narrow = [&](float (&acc)[NACC][4], const StepRegs<T>& cur, tq_u32 pb0, tq_u32 pb1) {
     if constexpr (NARROW) {
       if constexpr (T::VREG) {
         // word i of the interleaved codes holds coordinates 8i + 2k (ev) / 8i + 2k + 1 (od) of
@@ -571,7 +589,10 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
       }
     }
   };
-  auto step = [&](const StepRegs<T>& cur, int base) {
+  // one 16-token step into the online-softmax state st (res; a second chain's state with TQ_BULK_CHAINS)
+  auto step_on = [&](WarpResult<D, NARROW>& st, const StepRegs<T>& cur, int base) {
+    float (&acc)[NACC][4] = st.acc;
+    float &m0 = st.m0, &m1 = st.m1, &l0 = st.l0, &l1 = st.l1;
     if constexpr (KA) {
       // ---- S^T (16 tokens x 8 rows) = K Q^T: A = keys (slot g = token base + g, slot g + 8 =
       // token base + 8 + g), B = query rows; s4 = (slot g | rows 2t, 2t+1), (slot g + 8 | same rows)
@@ -633,7 +654,7 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
       const tq_u32 pb1 = tq_movmatrix_t(tq_pack2(tq_f_to_16<VBF>(e2 * vn1), tq_f_to_16<VBF>(e3 * vn1)));
       // a running max moved: rescale (accumulator columns are rows 2t, 2t + 1)
       if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) rescale(acc, al0, al1, al0, al1);
-      pv_narrow(cur, pb0, pb1);
+      pv_narrow(acc, cur, pb0, pb1);
     } else {
       // ---- wide tiles (more than 8 rows): S = Q K^T, two n8 tiles (tokens base + 0..7, base + 8..15)
       float sc[2][4];
@@ -721,27 +742,92 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
       }
     }
   };
+  auto step = [&](const StepRegs<T>& cur, int base) { step_on(res, cur, base); };
   if constexpr (BulkT::ON) {
-    // the bulk ring: stage s holds step n (n % NS == s); the copies of steps 0 .. NS - 2 were issued
-    // by the caller; step n issues step n + NS - 1 into the stage step n - 1 read (every lane is past
-    // its reads of it: __syncwarp)
+    // the bulk ring: step n lives in stage n % NS; the copies of steps 0 .. LOOK - 1 were issued by
+    // the caller; before computing steps n .. n + CHAINS - 1 the warp issues steps n + LOOK ..
+    // n + LOOK + CHAINS - 1 into the stages steps n - CHAINS .. n - 1 used (every lane is past its
+    // reads of them: __syncwarp). TQ_BULK_PREFETCH (one chain): step n + 1's registers are read from
+    // its stage before step n computes (two register buffers; the loop is unrolled by 2)
     static_assert(KA && !QJL, "bulk steps: narrow MSE-key tiles only");
-    constexpr int NS = BulkT::NS;
+    constexpr int NS = BulkT::NS, CH = BulkT::CHAINS, LOOK = BulkT::LOOK;
     tq_u32 phases = 0u;
-    int s = 0;
-    for (int at = begin; at < end; at += 16) {
-      mbar_wait(&bring->bar[s], (phases >> s) & 1u);
-      phases ^= 1u << s;
-      load_step_shared<T>(ring[0], bring->st[s], at, end, g, t);
-      const int ahead = at + 16 * (NS - 1);
-      const int sn = s == 0 ? NS - 1 : s - 1;
+    int sc = 0;  // stage of the step computed next
+    auto next = [](int x) { return x + 1 == NS ? 0 : x + 1; };
+    auto wait = [&](int stage) {
+      mbar_wait(&bring->bar[stage], (phases >> stage) & 1u);
+      phases ^= 1u << stage;
+    };
+    auto read = [&](StepRegs<T>& r, int stage, int at) {
+      wait(stage);
+      load_step_shared<T>(r, bring->st[stage], at, end, g, t);
+    };
+    auto refill = [&](int at) {
       __syncwarp();
-      if (lane == 0 && ahead < end) {
+      if (lane == 0) {
         fence_proxy_async();
-        bulk_issue<T>(bring->st[sn], &bring->bar[sn], kcodes, knorms, vcodes, vnorms, tok0 + ahead);
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+          const int ahead = at + 16 * (LOOK + c);
+          const int sn = sc + LOOK + c >= NS ? sc + LOOK + c - NS : sc + LOOK + c;
+          if (ahead < end)
+            bulk_issue<T>(bring->st[sn], &bring->bar[sn], kcodes, knorms, vcodes, vnorms, tok0 + ahead);
+        }
       }
-      step(ring[0], at);
-      s = (s + 1 == NS) ? 0 : s + 1;
+    };
+    if constexpr (CH == 2) {
+      // chain B (odd steps) in res2, merged into res at the end; a last odd step count runs B on a
+      // stale stage with every token masked (no effect on B's state)
+      WarpResult<D, NARROW> res2;
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) res2.acc[i][0] = res2.acc[i][1] = res2.acc[i][2] = res2.acc[i][3] = 0.f;
+      res2.m0 = res2.m1 = NEG_INF;
+      res2.l0 = res2.l1 = 0.f;
+      for (int base = begin; base < end; base += 32) {
+        const int s1 = next(sc);
+        read(ring[0], sc, base);
+        if (base + 16 < end) wait(s1);
+        load_step_shared<T>(ring[1], bring->st[s1], base + 16, end, g, t);
+        refill(base);
+        step_on(res, ring[0], base);
+        step_on(res2, ring[1], base + 16);
+        sc = next(s1);
+      }
+      const float n0 = fmaxf(m0, res2.m0), n1 = fmaxf(m1, res2.m1);
+      const float a0 = m0 == NEG_INF ? 0.f : tq_exp2(m0 - n0), b0 = res2.m0 == NEG_INF ? 0.f : tq_exp2(res2.m0 - n0);
+      const float a1 = m1 == NEG_INF ? 0.f : tq_exp2(m1 - n1), b1 = res2.m1 == NEG_INF ? 0.f : tq_exp2(res2.m1 - n1);
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) {  // narrow accumulators: elements 0, 2 row 2t; 1, 3 row 2t + 1
+        acc[i][0] = acc[i][0] * a0 + res2.acc[i][0] * b0;
+        acc[i][1] = acc[i][1] * a1 + res2.acc[i][1] * b1;
+        acc[i][2] = acc[i][2] * a0 + res2.acc[i][2] * b0;
+        acc[i][3] = acc[i][3] * a1 + res2.acc[i][3] * b1;
+      }
+      l0 = l0 * a0 + res2.l0 * b0;
+      l1 = l1 * a1 + res2.l1 * b1;
+      m0 = n0;
+      m1 = n1;
+    } else if constexpr (TQ_BULK_PREFETCH) {
+      if (begin < end) read(ring[0], 0, begin);
+      for (int base = begin; base < end; base += 32) {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int here = base + 16 * k;
+          if (here < end) {
+            if (here + 16 < end) read(ring[k ^ 1], next(sc), here + 16);
+            refill(here);
+            step(ring[k], here);
+            sc = next(sc);
+          }
+        }
+      }
+    } else {
+      for (int at = begin; at < end; at += 16) {
+        read(ring[0], sc, at);
+        refill(at);
+        step(ring[0], at);
+        sc = next(sc);
+      }
     }
   } else {
   // A ring of STAGES (TQ_STAGES) register buffers: the loads of the next STAGES - 1 steps are in flight
@@ -1229,14 +1315,15 @@ tq_decode_fused(
   __shared__ tq::CodeTable<BV, VBF> vtab;
   __shared__ __align__(16) float xq[XQ];          // prologue: query rows; last block: (m, l) of every block
   __shared__ __align__(16) float ybuf[ROWS * D];  // prologue: rotated rows; then the block's partial
-  __shared__ __align__(16) tq_u16 q16s[16 * D];   // the fp16 query tile (rows >= ROWS stay unread)
+  constexpr bool BULK = tq::FusedBuild<D, BK, BV, NARROW>::BULK;
+  constexpr int QROWS = BULK ? 8 : 16;             // narrow tiles read rows < 8 (the bulk ring needs the room)
+  __shared__ __align__(16) tq_u16 q16s[QROWS * D];  // the fp16 query tile (rows >= ROWS stay unread)
   __shared__ float rss[16];
   __shared__ float ksg[2 * D], vsg[2 * D];       // Hadamard signs of the key / value rotations
   __shared__ float wm[4][ROWS], wl[4][ROWS];      // per warp (m, l) of each row
   __shared__ float rowm[ROWS], rowl[ROWS];        // block (later: tile) max and sum per row
   __shared__ int is_last;
   // the bulk ring of each warp (TQ_FUSED_BULK; an unused int otherwise)
-  constexpr bool BULK = tq::FusedBuild<D, BK, BV, NARROW>::BULK;
   using Bulk = tq::BulkSel<T, BULK>;
   __shared__ typename Bulk::Ring bring[BULK ? 4 : 1];
 #if TQ_FUSED_TRACE
@@ -1269,7 +1356,7 @@ tq_decode_fused(
   for (int i = tid; i < v_rounds * D; i += blockDim.x) vsg[i] = __ldg(v_signs + i);
   __syncthreads();
   if constexpr (BULK) {
-    // lane 0 of each warp: barriers, then the copies of its split's first NS - 1 steps, which land
+    // lane 0 of each warp: barriers, then the copies of its split's first LOOK steps, which land
     // while the block rotates the query
     const int split = blockIdx.x * 4 + warp;
     const int begin = split < nsplit ? split * tokens_per_warp : 0;
@@ -1279,7 +1366,7 @@ tq_decode_fused(
       for (int k = 0; k < Bulk::NS; ++k) tq::mbar_init(&bring[warp].bar[k]);
       tq::mbar_init_fence();
 #pragma unroll
-      for (int k = 0; k < Bulk::NS - 1; ++k)
+      for (int k = 0; k < Bulk::LOOK; ++k)
         if (begin + 16 * k < end)
           tq::bulk_issue<T>(bring[warp].st[k], &bring[warp].bar[k], kcodes, knorms, vcodes, vnorms,
                             (long long)bh * Tcap + begin + 16 * k);
@@ -1304,7 +1391,7 @@ tq_decode_fused(
   }
   __syncthreads();
   }
-  for (int r = warp; r < 16; r += 4) {
+  for (int r = warp; r < QROWS; r += 4) {
     float m = 0.f;
     if (r < nr)
       for (int k = lane; k < D; k += 32) m = fmaxf(m, fabsf(ybuf[r * D + k]));
