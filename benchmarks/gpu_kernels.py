@@ -769,11 +769,13 @@ BULK = ("TQ_FUSED_BULK=1",)
 BULK4 = BULK + ("TQ_FUSED_BULK_BLOCKS=4", "TQ_FUSED_TAIL_BATCH=8")
 BULK_NO_PREFETCH = BULK + ("TQ_BULK_PREFETCH=0",)
 BULK_CHAINS = BULK + ("TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4")
+BULK_STAGES4 = BULK + ("TQ_BULK_STAGES=4",)
 BULK_VARIANTS = [
     ("default", KernelVariant(fused=True)),
     ("bulk ring", KernelVariant(BULK, True, True)),
     ("bulk ring, 4 blocks/SM", KernelVariant(BULK4, True, True)),
     ("bulk ring, no prefetch", KernelVariant(BULK_NO_PREFETCH, True, True)),
+    ("bulk ring, 4 stages", KernelVariant(BULK_STAGES4, True, True)),
     ("bulk ring, 2 chains", KernelVariant(BULK_CHAINS, True, True)),
     ("bulk ring, 2 chains, sm_90a cubin", KernelVariant(BULK_CHAINS, True, True, "sm_90a")),
     ("default (again)", KernelVariant(fused=True)),
@@ -842,7 +844,7 @@ def run_bulk_study(out_dir: str) -> dict:
     from kvcodec.cuda.decode_kernels import FUSED_MAX_BLOCKS, WARPS_PER_BLOCK
 
     sweep = []
-    for label, v in (BULK_VARIANTS[0], BULK_VARIANTS[2], BULK_VARIANTS[4]):
+    for label, v in (BULK_VARIANTS[0], BULK_VARIANTS[2], BULK_VARIANTS[5]):
         for r in tpw_sweep(v, BULK_SHAPES[:1] + BULK_SHAPES[2:3], FUSED_TPW_GRID, WARPS_PER_BLOCK * FUSED_MAX_BLOCKS,
                            f"bulk tpw {label}"):
             r["variant"] = label

@@ -108,11 +108,12 @@ def test_benchmark_variant_macros_are_compiled_here():
 # The one-launch kernel's bulk-copy ring (TQ_FUSED_BULK, benchmarks/gpu_kernels.py BULK_VARIANTS): built
 # for Hopper's arch-specific target (the -gencode form the sm_90a route needs) and for Blackwell, no spills.
 BULK_DEFINES = [("TQ_FUSED_BULK=1",), ("TQ_FUSED_BULK=1", "TQ_FUSED_BULK_BLOCKS=4", "TQ_FUSED_TAIL_BATCH=8"),
-                ("TQ_FUSED_BULK=1", "TQ_BULK_PREFETCH=0"), ("TQ_FUSED_BULK=1", "TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4")]
+                ("TQ_FUSED_BULK=1", "TQ_BULK_PREFETCH=0"), ("TQ_FUSED_BULK=1", "TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4"),
+                ("TQ_FUSED_BULK=1", "TQ_BULK_STAGES=4")]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100"])
-@pytest.mark.parametrize("defines", BULK_DEFINES, ids=["3 blocks", "4 blocks", "no prefetch", "2 chains"])
+@pytest.mark.parametrize("defines", BULK_DEFINES, ids=["3 blocks", "4 blocks", "no prefetch", "2 chains", "4 stages"])
 def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed: CUDA compile check skipped")
