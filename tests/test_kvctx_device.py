@@ -87,8 +87,8 @@ def emulator(tmp_path_factory):
     if proc.returncode:
         pytest.skip(f"g++ cannot build the emulator: {proc.stderr[-500:]}")
     lib = ctypes.CDLL(str(lib_path))
-    p, i, ll, dbl = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_double
-    lib.kx_emulate.argtypes = [i, p, p, p, i, p, ll, ll, p, p, p, p, p, i, p, i, i, i, i, i, dbl, i, ll, p, p, p, p]
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.kx_emulate.argtypes = [i, i, p, p, p, i, p, ll, ll, p, p, i, p, i, i, i, i, i, i, ll, p, p, p, p]
     lib.kx_emulate.restype = i
     return lib
 
@@ -102,12 +102,13 @@ def emulated_launch(lib):
         if count <= 0:
             return
         _, tt, d = plan.shape
-        scratch = None if plan.dev_in_shared() else torch.empty(count * d, dtype=torch.float64)
-        rc = lib.kx_emulate(plan.out_kind, words, bits, dp.chunks.data_ptr() + 8 * kd.CHUNK_FIELDS * first, count,
-                            pred.data_ptr() if pred is not None else None, pred_g0, tt, dp.m.data_ptr(),
-                            dp.c.data_ptr(), dp.a.data_ptr(), dp.es.data_ptr(), dp.level.data_ptr(), int(plan.shared),
-                            dp.tabs.data_ptr(), *plan.grid, d, tt, out.data_ptr(), lo16 or None,
-                            scratch.data_ptr() if scratch is not None else None, status.data_ptr() + 4 * first)
+        scratch = plan.scratch(count, "cpu")
+        rc = lib.kx_emulate(plan.out_kind, kd.rounds_for(d), words, bits,
+                            dp.chunks.data_ptr() + 8 * kd.CHUNK_FIELDS * first, count,
+                            pred.data_ptr() if pred is not None else None, pred_g0, tt, dp.raw.data_ptr(),
+                            dp.layout.data_ptr(), int(plan.shared), dp.tabs.data_ptr(), *plan.grid, d, tt,
+                            out.data_ptr(), lo16 or None, scratch.data_ptr() if scratch is not None else None,
+                            status.data_ptr() + 4 * first)
         assert rc == 0
 
     return launch
@@ -284,6 +285,23 @@ def test_gpu_kvctx_decode_is_bit_exact(shape, dtype, specials, gpu_calls):
     on_dev = kvcodec.decompress(torch.frombuffer(bytearray(blob), dtype=torch.uint8).cuda())  # device blob
     assert on_gpu.is_cuda and on_dev.is_cuda and gpu_calls == [True, True]
     assert same_bits(on_gpu, host) and same_bits(on_dev, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("nr,warps", [(1, 4), (2, 1), (4, 2), (4, 4)])
+@pytest.mark.parametrize("shape", [(2, 4, 256, 64), (3, 700, 40)])
+def test_gpu_kernel_variants_are_bit_exact(nr, warps, shape):
+    """Every rounds-per-batch / warps-per-block instance the benchmark sweeps decodes the same bits."""
+    from functools import partial
+
+    x = with_specials(kv_like(shape, seed=4))
+    blob = torch.frombuffer(bytearray(kvcodec.compress(x, layout="kv")), dtype=torch.uint8).cuda()
+    header, end = device_container.read_header(blob)
+    secs, _ = device_container.sections(blob, header, end)
+    out, status, _ = kvctx_device.decode(header["meta"]["codec_meta"], secs, blob.device,
+                                         launch=partial(kd.launch, nr=nr, warps=warps))
+    assert not status.any() and same_bits(out, x)
 
 
 @pytest.mark.gpu

@@ -4,18 +4,23 @@
 //
 // One warp per chunk; thread j owns rANS lane j (value i of a chunk uses lane i % 32). A chunk's values
 // go in order (g, t, d) and the model of token t depends only on token t - 1, so a token's D values are
-// decoded in rounds of up to 32 consecutive values (the round that starts at value i begins at lane
-// i % 32: value order is lane order rotated by s = i % 32; k below is a thread's place in its round):
-//   1. model: location mu = base + a * dev[d] (float64, __dmul_rn/__dadd_rn: no FMA, the CPU's order),
-//      bins.locate -> (ep, centre, class);
-//   2. rANS: one step per value with its class's table; the words are read in value order
-//      (a ballot rotated by s gives each value its word's place);
+// decoded in rounds of up to 32 consecutive values (every round of a token begins at lane s = i % 32 of
+// the token's first value i: value order is lane order rotated by s; k below is a thread's place in its
+// round), NR rounds at a time (a batch): their models are independent, so they overlap:
+//   1. model: the channel's parameters from the stored field bytes (format2.StoredFields, exact:
+//      m = mq * 2**(es + eoff), c = cq / 64, a = aq / 64), location mu = base + a * dev[d] (float64,
+//      __dmul_rn/__dadd_rn: no FMA, the CPU's order), bins.locate -> (ep, centre, class);
+//   2. rANS: one step per value with its class's table, round after round (the lane states chain);
+//      the words are read in value order (a ballot rotated by s gives each value its word's place);
 //   3. raw bits: each value's bit count follows from its symbol, except a value in bin 0 of a wide bin,
-//      whose unary depth is read from the stream: an exclusive scan of the known counts gives every
-//      value its offset, then those unary values are resolved in value order (each adds its count to
-//      the values after it); then every value reads its bits at its offset;
+//      whose unary depth is read from the stream: an exclusive scan of the known counts per round gives
+//      every value its offset, then those unary values are resolved in value order (each adds its count
+//      to the values after it, in its round and the later ones); then every value reads its bits;
 //   4. patterns out, dev[d] = value - base for the next token (0 after an ESC; in shared memory: the
 //      thread of channel d changes from token to token when 32 does not divide D).
+// The chunk's rANS words and raw-bit words are read through per-warp rings in shared memory, filled
+// ahead of the reads (each fill step's global loads are issued one step before they are stored), so
+// the dependent reads of a round wait for shared memory, not for DRAM.
 // Every read is bounded: rANS words through min(pos, end - 1), raw bits as zeros past the chunk's end
 // (as the CPU); a malformed chunk sets its status, checked once on the host after the launch.
 
@@ -34,9 +39,12 @@ typedef unsigned long long kx_u64;
 #define KX_LVL_LO (-4)
 #define KX_N_FRAC 4
 #define KX_EP_MAX 600
+#define KX_Q 64
 #define KX_CHUNK_FIELDS 8
+#define KX_RING_WORDS 512  // rANS words (uint16) per warp ring
+#define KX_RING_BITS 256   // raw-bit words (uint32) per warp ring
 
-// The dtype's bit layout (bins.BinGrid) and the model's fixed arrays.
+// The dtype's bit layout (bins.BinGrid).
 struct KxGrid {
   int width, sign, mb, maxmag, eoff;
   double inv_unit;  // 2**-eoff
@@ -47,6 +55,38 @@ __device__ __forceinline__ double kx_pow2(int e) {  // exact 2**e for -1022 <= e
 }
 
 __device__ __forceinline__ int kx_floor_log2(long long u) { return 63 - __clzll(u); }
+
+// The stored per-channel fields (format2.StoredFields): byte planes and per field (level, mq, c, a) the
+// offset of its low plane, its width (0: not stored) and its value (level's minimum; c's/a's default).
+struct KxFields {
+  const kx_u8* raw;
+  long long n;  // channels (planes' length)
+  long long off[4];
+  int width[4], value[4];
+};
+
+// One field's stored integer (0 when not stored).
+__device__ __forceinline__ int kx_field(const KxFields& f, int k, long long pi) {
+  if (f.width[k] == 0) return 0;
+  int v = __ldg(f.raw + f.off[k] + pi);
+  if (f.width[k] == 2) v |= (int)__ldg(f.raw + f.off[k] + f.n + pi) << 8;
+  return v;
+}
+
+// format2.BinParams.kernel_args of channel pi, exactly, into a warp's channel table at d: m, c, a and
+// es | level << 10 (es <= 600).
+__device__ __forceinline__ void kx_channel(const KxFields& f, long long pi, int eoff, double* chan, int D, int d) {
+  const int level = kx_field(f, 0, pi) + f.value[0];
+  const int z = kx_field(f, 1, pi);
+  const int mq = (z >> 1) ^ -(z & 1);
+  const int es = min(max((level >> 2) - 3, 0), KX_EP_MAX);  // bins.bin_exponent (>> floors)
+  const int cq = f.width[2] ? (int)(signed char)kx_field(f, 2, pi) : f.value[2];
+  const int aq = f.width[3] ? (int)(signed char)kx_field(f, 3, pi) : f.value[3];
+  chan[d] = __dmul_rn((double)mq, kx_pow2(es + eoff));
+  chan[D + d] = __dmul_rn((double)cq, 1.0 / KX_Q);
+  chan[2 * D + d] = __dmul_rn((double)aq, 1.0 / KX_Q);
+  reinterpret_cast<int*>(chan + 3 * D)[d] = es | level << 10;
+}
 
 // bins.locate: (ep, centre, class) of a location mv (V units, finite). The bin coordinate is V / 2**ep
 // below 2**(ep + mb), one unit per grid step above (bins.bin_of).
@@ -104,8 +144,7 @@ __device__ __forceinline__ long long kx_pattern(int sym, int ep, long long centr
       mag = (long long)(win & ((1ull << ep) - 1));
     } else {
       const int last = ep - mb - 1;
-      int d = 0;
-      while (d < KX_UNARY && ((win >> d) & 1ull) == 0) ++d;
+      const int d = win ? min(__ffsll((long long)win) - 1, KX_UNARY) : KX_UNARY;  // zero bits before a one
       if (last < KX_DEPTH_MAX && d >= last) {
         mag = (long long)((win >> last) & ((1ull << (mb + 1)) - 1));
         used = last + mb + 1;
@@ -147,31 +186,70 @@ __device__ __forceinline__ double kx_value(long long pat, const KxGrid& gr) {
   return __dsub_rn(x, __dmul_rn(__dmul_rn(2.0, x), (pat & gr.sign) != 0 ? 1.0 : 0.0));
 }
 
-// 64 stream bits from bit pos of a chunk's raw words (zeros past its nw words), shifted so that bit 0 is
-// pos: at least 33 valid bits.
-__device__ __forceinline__ kx_u64 kx_window(const kx_u32* __restrict__ bw, long long nw, long long pos) {
-  const long long wi = pos >> 5;
-  const kx_u64 w0 = wi < nw ? bw[wi] : 0u;
-  const kx_u64 w1 = wi + 1 < nw ? bw[wi + 1] : 0u;
-  return ((w1 << 32) | w0) >> (pos & 31);
-}
+// A warp's ring of one of its chunk's word streams (n words at src) in shared memory: words [hi - R, hi)
+// are in buf (those not yet passed by the reader), and each lane holds its word of the next 32 (stage),
+// loaded one fill step before it is stored. Words past n read as 0.
+template <typename T, int R>
+struct KxRing {
+  T* buf;
+  const T* src;
+  long long n, hi;
+  T stage;
+
+  __device__ __forceinline__ T load(long long q) const { return q < n ? __ldg(src + q) : (T)0; }
+
+  __device__ __forceinline__ void init(T* ring, const T* words, long long count, int lane) {
+    buf = ring;
+    src = words;
+    n = count;
+#pragma unroll 4
+    for (int q = lane; q < R; q += 32) buf[q] = load(q);
+    hi = R;
+    stage = load(hi + lane);
+    __syncwarp();
+  }
+
+  // Store the staged words while that keeps every word from pos on (the reader's next word) in buf.
+  // The barriers: every lane's reads of the words replaced are done before, the new words seen after.
+  __device__ __forceinline__ void fill(long long pos, int lane) {
+    if (hi + 32 - pos > R) return;  // warp-uniform
+    __syncwarp();
+    do {
+      buf[(hi + lane) & (R - 1)] = stage;
+      hi += 32;
+      stage = load(hi + lane);
+    } while (hi + 32 - pos <= R);
+    __syncwarp();
+  }
+
+  // Word q (q >= the reader's position at the last fill).
+  __device__ __forceinline__ T get(long long q) const { return q < hi ? buf[q & (R - 1)] : load(q); }
+
+  // 64 stream bits from bit pos, shifted so that bit 0 is pos: at least 33 valid bits (32-bit words).
+  __device__ __forceinline__ kx_u64 window(long long pos) const {
+    const long long wi = pos >> 5;
+    return (((kx_u64)get(wi + 1) << 32) | (kx_u64)get(wi)) >> (pos & 31);
+  }
+};
 
 // chunks [n, 8] int64: rANS word start, word count, raw-bit word start, raw-bit word count, first g,
-// g count, first token, token count. pred: float32 [., pred_t, D] at (pred_g0, 0) or null; m/c/a/es/level:
-// [Gp, D] (Gp = 1 when shared). out: patterns [G, T, D] (OUT = 1, 2 bytes; 4: float32 = pattern << 16 |
-// lo16). dev_global: n x D doubles, or null to keep dev in dynamic shared memory (WARPS x D doubles).
-// status[n]: 0 good, else the CPU's error codes (1 short stream, 2 bad state, 4 end checks, 5 bad value).
-template <int OUT, int WARPS>
+// g count, first token, token count. pred: float32 [., pred_t, D] at (pred_g0, 0) or null. Parameters:
+// the stored field bytes raw (byte planes of Gp * D values, Gp = 1 when shared) and layout int64 [13]:
+// format2.StoredFields.layout [4, 3], then Gp * D. out: patterns [G, T, D] (OUT = 1, 2 bytes; 4: float32 = pattern << 16 | lo16).
+// Dynamic shared memory: per warp a ring of rANS words and one of raw-bit words, then (scratch null) per
+// warp 5 x D doubles: dev and the channel table of the current g (kx_channel); else those in scratch,
+// n x 5 x D doubles. status[n]: 0 good, else the CPU's error
+// codes (1 short stream, 2 bad state, 4 end checks, 5 bad value).
+template <int OUT, int WARPS, int NR>
 __global__ void __launch_bounds__(32 * WARPS)
     kx_decode(const kx_u16* __restrict__ words, const kx_u32* __restrict__ bits, const long long* __restrict__ chunks,
               int n_chunks, const float* __restrict__ pred, long long pred_g0, long long pred_t,
-              const double* __restrict__ m, const double* __restrict__ c, const double* __restrict__ a,
-              const int* __restrict__ es, const int* __restrict__ level, int shared, const kx_u32* __restrict__ tabs,
-              int width, int sign, int mb, int maxmag, int eoff, double inv_unit, int D,
-              long long T, void* __restrict__ out, const kx_u16* __restrict__ lo16,
-              double* __restrict__ dev_global, int* __restrict__ status) {
+              const kx_u8* __restrict__ raw, const long long* __restrict__ layout, int shared,
+              const kx_u32* __restrict__ tabs, int width, int sign, int mb, int maxmag, int eoff, int D, long long T,
+              void* __restrict__ out, const kx_u16* __restrict__ lo16, double* __restrict__ scratch,
+              int* __restrict__ status) {
   extern __shared__ double kx_smem[];
-  const KxGrid gr = {width, sign, mb, maxmag, eoff, inv_unit};
+  const KxGrid gr = {width, sign, mb, maxmag, eoff, kx_pow2(-eoff)};
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ci = blockIdx.x * WARPS + warp;
   if (ci >= n_chunks) return;  // warp-uniform
@@ -179,8 +257,21 @@ __global__ void __launch_bounds__(32 * WARPS)
   const long long wlen = cd[1], nbw = cd[3];
   const long long g0 = cd[4], ng = cd[5], t0 = cd[6], nt = cd[7];
   const kx_u16* __restrict__ w = words + cd[0];
-  const kx_u32* __restrict__ bw = bits + cd[2];
-  double* dev = dev_global ? dev_global + (long long)ci * D : kx_smem + (long long)warp * D;
+  KxFields fl;
+  fl.raw = raw;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    fl.off[k] = layout[3 * k];
+    fl.width[k] = (int)layout[3 * k + 1];
+    fl.value[k] = (int)layout[3 * k + 2];
+  }
+  fl.n = layout[12];
+  kx_u16* ring_w = reinterpret_cast<kx_u16*>(kx_smem) + warp * KX_RING_WORDS;
+  kx_u32* ring_b = reinterpret_cast<kx_u32*>(reinterpret_cast<kx_u16*>(kx_smem) + WARPS * KX_RING_WORDS) +
+                   warp * KX_RING_BITS;
+  double* const dev = scratch ? scratch + (long long)ci * 5 * D
+                              : reinterpret_cast<double*>(ring_b + (WARPS - warp) * KX_RING_BITS) + warp * 5 * D;
+  const double* const chan = dev + D;  // m, c, a, then es | level << 10 as ints
   if (wlen < 64) {
     if (lane == 0) status[ci] = 1;
     return;
@@ -190,94 +281,136 @@ __global__ void __launch_bounds__(32 * WARPS)
     if (lane == 0) status[ci] = 2;
     return;
   }
+  KxRing<kx_u16, KX_RING_WORDS> rw;
+  KxRing<kx_u32, KX_RING_BITS> rb;
+  rw.init(ring_w, w, wlen, lane);
+  rb.init(ring_b, bits + cd[2], nbw, lane);
   long long ptr = 64;  // next rANS word
   long long bpos = 0;  // next raw bit
   long long i = 0;     // values decoded in this chunk
   bool bad = false;
   for (long long g = g0; g < g0 + ng && !bad; ++g) {
     const long long gp = shared ? 0 : g;
-    for (int d = lane; d < D; d += 32) dev[d] = 0.0;
+    for (int d = lane; d < D; d += 32) {
+      dev[d] = 0.0;
+      kx_channel(fl, gp * D + d, eoff, dev + D, D, d);
+    }
     __syncwarp();
     for (long long t = t0; t < t0 + nt; ++t) {
       const int s = (int)(i & 31);
       const int k = (lane - s) & 31;  // this thread's place in a round
       const kx_u32 before = (1u << k) - 1u;
-      for (int r0 = 0; r0 < D; r0 += 32) {
-        const int cnt = min(32, D - r0);
-        const int d = r0 + k;
-        const bool active = k < cnt;
+      const float* const prow = pred ? pred + ((g - pred_g0) * pred_t + t) * D : nullptr;
+      const long long orow = (g * T + t) * D;
+      for (int r0 = 0; r0 < D; r0 += 32 * NR) {
+        double base[NR];
+        int ep[NR], cls[NR], sym[NR], nbits[NR], known[NR], incl[NR];
+        long long centre[NR], off[NR], pat[NR];
+        bool act[NR], unary[NR];
         // 1. model
-        double base = 0.0;
-        int ep = 0, cls = 0;
-        long long centre = 0;
-        if (active) {
-          const long long pi = gp * D + d;
-          double p = 0.0;
-          if (pred) {
-            const float pf = pred[((g - pred_g0) * pred_t + t) * D + d];
-            p = isfinite(pf) ? (double)pf : 0.0;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          const int d = r0 + 32 * r + k;
+          act[r] = d < D;
+          base[r] = 0.0;
+          ep[r] = 0;
+          cls[r] = 0;
+          centre[r] = 0;
+          if (act[r]) {
+            double p = 0.0;
+            if (prow) {
+              const float pf = prow[d];
+              p = isfinite(pf) ? (double)pf : 0.0;
+            }
+            base[r] = __dadd_rn(chan[d], __dmul_rn(chan[D + d], p));
+            const double mu = __dadd_rn(base[r], __dmul_rn(chan[2 * D + d], dev[d]));
+            double mv = __dmul_rn(mu, gr.inv_unit);
+            if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
+            const int el = reinterpret_cast<const int*>(chan + 3 * D)[d];
+            kx_locate(mv, el & 1023, el >> 10, gr.mb, ep[r], centre[r], cls[r]);
           }
-          base = __dadd_rn(m[pi], __dmul_rn(c[pi], p));
-          const double mu = __dadd_rn(base, __dmul_rn(a[pi], dev[d]));
-          double mv = __dmul_rn(mu, gr.inv_unit);
-          if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
-          kx_locate(mv, es[pi], level[pi], gr.mb, ep, centre, cls);
         }
-        // 2. rANS
-        int sym = 0;
-        {
-          const kx_u32 e = active ? __ldg(tabs + (cls << 12) + (x & 4095u)) : 0u;
+        // 2. rANS, round after round
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          sym[r] = 0;
+          if (r0 + 32 * r >= D) continue;  // warp-uniform
+          const kx_u32 e = act[r] ? __ldg(tabs + (cls[r] << 12) + (x & 4095u)) : 0u;
           kx_u32 xn = (((e >> 12) & 0xFFFu) + 1u) * (x >> 12) + (e & 0xFFFu);
-          const bool need = active && xn < KX_L;
+          const bool need = act[r] && xn < KX_L;
           const kx_u32 bal = __ballot_sync(KX_FULL, need);
           const kx_u32 vo = __funnelshift_r(bal, bal, s);  // value order
-          if (need) {
-            const long long wi = min(ptr + __popc(vo & before), wlen - 1);
-            xn = (xn << 16) | (kx_u32)w[wi];
-          }
-          if (active) x = xn;
+          if (need) xn = (xn << 16) | (kx_u32)rw.get(min(ptr + __popc(vo & before), wlen - 1));
+          if (act[r]) x = xn;
           ptr += __popc(bal);
-          sym = (int)(e >> 24);
+          sym[r] = (int)(e >> 24);
         }
-        // 3. raw bits: offsets by an exclusive scan in value order, unary depths resolved in order
-        bool ok = true;
-        int nbits = active ? kx_fixed_bits(sym, ep, centre, gr.mb, gr.width) : 0;
-        const bool unary = nbits < 0;
-        int known = unary ? 0 : nbits;
-        int incl = known;
+        // 3. raw bits: offsets by exclusive scans in value order, unary depths resolved in order
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          nbits[r] = act[r] ? kx_fixed_bits(sym[r], ep[r], centre[r], gr.mb, gr.width) : 0;
+          unary[r] = nbits[r] < 0;
+          known[r] = unary[r] ? 0 : nbits[r];
+          incl[r] = known[r];
+        }
+#pragma unroll
         for (int delta = 1; delta < 32; delta <<= 1) {
-          const int o = __shfl_sync(KX_FULL, incl, (lane - delta) & 31);
-          if (k >= delta) incl += o;
+#pragma unroll
+          for (int r = 0; r < NR; ++r) {
+            const int o = __shfl_sync(KX_FULL, incl[r], (lane - delta) & 31);
+            if (k >= delta) incl[r] += o;
+          }
         }
-        long long off = bpos + (incl - known);
-        long long pat = 0;
-        const kx_u32 ub = __ballot_sync(KX_FULL, unary);
-        kx_u32 pending = __funnelshift_r(ub, ub, s);
-        while (pending) {  // at most 32 turns
-          const int jv = __ffs(pending) - 1;
-          if (k == jv) pat = kx_pattern(sym, ep, centre, kx_window(bw, nbw, off), gr, nbits, ok);
-          const int add = __shfl_sync(KX_FULL, nbits, (jv + s) & 31);
-          if (k > jv) off += add;
-          pending &= pending - 1u;
+        long long end = bpos;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          off[r] = end + (incl[r] - known[r]);
+          end += __shfl_sync(KX_FULL, incl[r], (31 + s) & 31);  // the round's known total
         }
-        if (active && !unary) {
-          int used = 0;
-          pat = kx_pattern(sym, ep, centre, kx_window(bw, nbw, off), gr, used, ok);
+        bool ok = true;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          pat[r] = 0;
+          if (r0 + 32 * r >= D) continue;  // warp-uniform
+          const kx_u32 ub = __ballot_sync(KX_FULL, unary[r]);
+          kx_u32 pending = __funnelshift_r(ub, ub, s);
+          while (pending) {  // at most 32 turns
+            const int jv = __ffs(pending) - 1;
+            if (k == jv) pat[r] = kx_pattern(sym[r], ep[r], centre[r], rb.window(off[r]), gr, nbits[r], ok);
+            const int add = __shfl_sync(KX_FULL, nbits[r], (jv + s) & 31);
+            if (k > jv) off[r] += add;
+#pragma unroll
+            for (int r2 = r + 1; r2 < NR; ++r2) off[r2] += add;
+            end += add;
+            pending &= pending - 1u;
+          }
         }
-        bpos = __shfl_sync(KX_FULL, off + (active ? nbits : 0), (cnt - 1 + s) & 31);
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          if (act[r] && !unary[r]) {
+            int used = 0;
+            pat[r] = kx_pattern(sym[r], ep[r], centre[r], rb.window(off[r]), gr, used, ok);
+          }
+        }
+        bpos = end;
         bad |= !ok;
         // 4. patterns out, previous-token deviations
-        if (active) {
-          const long long oi = (g * T + t) * D + d;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          if (!act[r]) continue;
+          const int d = r0 + 32 * r + k;
+          const long long oi = orow + d;
           if (OUT == 1) {
-            reinterpret_cast<kx_u8*>(out)[oi] = (kx_u8)pat;
+            reinterpret_cast<kx_u8*>(out)[oi] = (kx_u8)pat[r];
           } else if (OUT == 2) {
-            reinterpret_cast<kx_u16*>(out)[oi] = (kx_u16)pat;
+            reinterpret_cast<kx_u16*>(out)[oi] = (kx_u16)pat[r];
           } else {
-            reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat << 16) | (kx_u32)lo16[oi];
+            reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat[r] << 16) | (kx_u32)lo16[oi];
           }
-          dev[d] = sym != KX_ESC ? __dsub_rn(kx_value(pat, gr), base) : 0.0;  // an escaped value: no residual
+          dev[d] = sym[r] != KX_ESC ? __dsub_rn(kx_value(pat[r], gr), base[r]) : 0.0;  // ESC: no residual
         }
+        rw.fill(ptr, lane);
+        rb.fill(bpos >> 5, lane);
       }
       i += D;
       __syncwarp();

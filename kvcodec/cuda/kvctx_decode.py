@@ -1,9 +1,9 @@
 """Launcher of the kvctx / predictive format 2 GPU decoder (``kvctx_decode.cu``): one warp per chunk.
 
-``KernelPlan`` holds everything the kernel reads besides the blob (chunk descriptors, the model's
-per-channel arrays, decode tables, the dtype's bit layout), as host arrays built by
-``kvcodec.lossless.kvctx_device``; ``launch`` uploads them in one asynchronous copy and runs the
-kernel on torch's current stream without synchronizing. The same plan drives the CPU emulation of
+``KernelPlan`` holds everything the kernel reads besides the blob (chunk descriptors, the stored
+per-channel field bytes as the stream has them, decode tables, the dtype's bit layout), as host arrays
+built by ``kvcodec.lossless.kvctx_device``; ``launch`` uploads them in one asynchronous copy and runs
+the kernel on torch's current stream without synchronizing. The same plan drives the CPU emulation of
 the kernel in the tests.
 """
 
@@ -19,46 +19,61 @@ from kvcodec.cuda.transfer import upload
 
 SOURCE = "kvctx_decode.cu"
 WARPS = 4  # chunks (warps) per block
+ROUNDS = (2, 4)  # rounds of 32 values decoded together (template NR): 2 up to D = 64, else 4
 OUT_KINDS = (1, 2, 4)  # bytes per output element: 8-bit and 16-bit patterns, float32 (bf16 half + lo16)
 CHUNK_FIELDS = 8
-SMEM_MAX = 48 * 1024  # dev[] in shared memory up to this (no opt-in); beyond it, a global scratch
+RING_BYTES = 512 * 2 + 256 * 4  # per warp: the rANS-word and raw-bit-word rings (KX_RING_*)
+CHANNEL_BYTES = 5 * 8  # per warp and channel: dev, and the channel table's m, c, a, es | level
+SMEM_MAX = 48 * 1024  # rings + channel tables in shared memory up to this (no opt-in); beyond, a global scratch
 SIGNATURE = ("(const unsigned short*, const unsigned int*, const long long*, int, const float*, long long, "
-             "long long, const double*, const double*, const double*, const int*, const int*, int, "
-             "const unsigned int*, int, int, int, int, int, double, int, long long, void*, "
-             "const unsigned short*, double*, int*)")
+             "long long, const unsigned char*, const long long*, int, const unsigned int*, int, int, int, int, "
+             "int, int, long long, void*, const unsigned short*, double*, int*)")
 
 
-def kernel_name(out_kind: int) -> str:
-    return f"kx_decode<{out_kind}, {WARPS}>"
+def rounds_for(d: int) -> int:
+    """The kernel's NR for D channels: a token's rounds decoded together (2 or 4)."""
+    return ROUNDS[0] if d <= 32 * ROUNDS[0] else ROUNDS[1]
+
+
+def kernel_name(out_kind: int, nr: int, warps: int = WARPS) -> str:
+    return f"kx_decode<{out_kind}, {warps}, {nr}>"
 
 
 def instance_declarations() -> list[str]:
     """Explicit instantiations for the nvcc compile check."""
-    return [f"__global__ void kx_decode<{k}, {WARPS}>{SIGNATURE}" for k in OUT_KINDS]
+    return [f"__global__ void {kernel_name(k, nr)}{SIGNATURE}" for k in OUT_KINDS for nr in ROUNDS]
 
 
 @dataclass
 class KernelPlan:
     """The kernel's inputs besides the blob: ``chunks`` [n, 8] int64 (rANS word start and count, raw
-    word start and count, first g, g count, first token, token count), the model ``m``/``c``/``a``
-    (float64 [Gp * D]) and ``es``/``level`` (int32), ``tabs`` (uint32 decode tables), the grid's
-    ``(width, sign, mb, maxmag, eoff, inv_unit)``, the output's shape [G, T, D] and kind."""
+    word start and count, first g, g count, first token, token count), the stored parameter fields
+    (``raw`` uint8 byte planes, ``layout`` int64 [13]: ``format2.StoredFields.layout`` then Gp * D),
+    ``tabs`` (uint32 decode tables), the grid's ``(width, sign, mb, maxmag, eoff)``, the output's shape
+    [G, T, D] and kind."""
 
     chunks: np.ndarray
-    m: np.ndarray
-    c: np.ndarray
-    a: np.ndarray
-    es: np.ndarray
-    level: np.ndarray
+    raw: np.ndarray
+    layout: np.ndarray
     shared: bool
     tabs: np.ndarray
     grid: tuple
     shape: tuple[int, int, int]
     out_kind: int
 
-    def dev_in_shared(self) -> bool:
-        """Whether the per-channel deviations of a block's chunks fit in shared memory."""
-        return WARPS * self.shape[2] * 8 <= SMEM_MAX
+    def smem_bytes(self, warps: int = WARPS) -> int:
+        """Dynamic shared memory per block: the warps' rings, and their channel tables when they fit."""
+        return warps * (RING_BYTES + (self.shape[2] * CHANNEL_BYTES if self.tables_in_shared(warps) else 0))
+
+    def tables_in_shared(self, warps: int = WARPS) -> bool:
+        """Whether the per-channel tables (dev and parameters) of a block's chunks fit in shared memory."""
+        return warps * (RING_BYTES + self.shape[2] * CHANNEL_BYTES) <= SMEM_MAX
+
+    def scratch(self, count: int, device, warps: int = WARPS) -> torch.Tensor | None:
+        """The global scratch for the channel tables of ``count`` chunks, or None (shared memory)."""
+        if self.tables_in_shared(warps):
+            return None
+        return torch.empty(count * self.shape[2] * CHANNEL_BYTES // 8, dtype=torch.float64, device=device)
 
 
 class DevicePlan:
@@ -66,19 +81,19 @@ class DevicePlan:
 
     def __init__(self, plan: KernelPlan, device):
         self.plan = plan
-        f64 = [np.ascontiguousarray(x, np.float64).view(np.int64) for x in (plan.m, plan.c, plan.a)]
-        (self.chunks, m, c, a, self.es, self.level, self.tabs) = upload(
-            [plan.chunks, *f64, plan.es, plan.level, plan.tabs], device)
-        self.m, self.c, self.a = (x.view(torch.float64) for x in (m, c, a))
+        self.chunks, self.raw, self.layout, self.tabs = upload(
+            [plan.chunks, plan.raw if plan.raw.size else np.zeros(1, np.uint8), plan.layout, plan.tabs], device)
 
 
 def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: torch.Tensor, first: int = 0,
            count: int | None = None, pred: torch.Tensor | None = None, pred_g0: int = 0,
-           lo16: int = 0) -> None:
+           lo16: int = 0, nr: int | None = None, warps: int = WARPS) -> None:
     """Decode chunks ``first .. first + count`` into ``out`` (the whole [G, T, D] output; uint8, int16 or
     int32 by the plan's kind); ``words``/``bits``: device addresses of the blob's payload and raw-bit
     sections (2- and 4-byte aligned); ``pred``: float32 [., T, D] CUDA tensor whose row 0 is g = ``pred_g0``;
-    ``lo16``: address of the float32 low halves; ``status`` int32 [n chunks], zeroed by the caller."""
+    ``lo16``: address of the float32 low halves; ``status`` int32 [n chunks], zeroed by the caller.
+    ``nr`` / ``warps``: the kernel's rounds per batch and warps per block (default: ``rounds_for(D)``,
+    ``WARPS``; other values for benchmark sweeps)."""
     plan = dp.plan
     n_all = plan.chunks.shape[0]
     count = n_all - first if count is None else count
@@ -86,17 +101,15 @@ def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: tor
         return
     _, tt, d = plan.shape
     device = out.device
-    smem = WARPS * d * 8 if plan.dev_in_shared() else 0
-    scratch = None if smem else torch.empty(count * d, dtype=torch.float64, device=device)
-    fn = build.get_function(SOURCE, kernel_name(plan.out_kind))
-    width, sign, mb, maxmag, eoff, inv_unit = plan.grid
+    scratch = plan.scratch(count, device, warps)
+    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr or rounds_for(d), warps))
+    width, sign, mb, maxmag, eoff = plan.grid
     with build.cupy_stream(device):
-        fn((-(-count // WARPS),), (32 * WARPS,),
+        fn((-(-count // warps),), (32 * warps,),
            (np.uint64(words), np.uint64(bits), np.uint64(dp.chunks.data_ptr() + 8 * CHUNK_FIELDS * first),
             np.int32(count), np.uint64(pred.data_ptr() if pred is not None else 0), np.int64(pred_g0),
-            np.int64(tt), dp.m.data_ptr(), dp.c.data_ptr(), dp.a.data_ptr(), dp.es.data_ptr(), dp.level.data_ptr(),
-            np.int32(plan.shared), dp.tabs.data_ptr(), np.int32(width), np.int32(sign), np.int32(mb),
-            np.int32(maxmag), np.int32(eoff), np.float64(inv_unit), np.int32(d), np.int64(tt),
-            out.data_ptr(), np.uint64(lo16), np.uint64(scratch.data_ptr() if scratch is not None else 0),
+            np.int64(tt), dp.raw.data_ptr(), dp.layout.data_ptr(), np.int32(plan.shared), dp.tabs.data_ptr(),
+            np.int32(width), np.int32(sign), np.int32(mb), np.int32(maxmag), np.int32(eoff), np.int32(d),
+            np.int64(tt), out.data_ptr(), np.uint64(lo16), np.uint64(scratch.data_ptr() if scratch is not None else 0),
             np.uint64(status.data_ptr() + 4 * first)),
-           shared_mem=smem)
+           shared_mem=plan.smem_bytes(warps))

@@ -39,9 +39,9 @@ def gpu_decodable(meta) -> bool:
 
 
 def grid_constants(dtype: torch.dtype) -> tuple:
-    """The kernel's ``(width, sign, mb, maxmag, eoff, inv_unit)`` of a dtype (``bins.bin_grid``)."""
+    """The kernel's ``(width, sign, mb, maxmag, eoff)`` of a dtype (``bins.bin_grid``)."""
     g = bin_grid(dtype)
-    return (g.width, g.sign, g.mb, g.maxmag, g.eoff, 2.0 ** -g.eoff)
+    return (g.width, g.sign, g.mb, g.maxmag, g.eoff)
 
 
 def _stand_ins(meta, sections) -> dict:
@@ -72,12 +72,10 @@ def plan(meta, sections):
     g, tt, d = pcodec.kv_layout(ps.shape)
     cg0, cng, ct0, cnt = p2.chunks
     chunks = np.stack([p2.wstart, p2.wlen, p2.bstart, p2.blen, cg0, cng, ct0, cnt], 1).astype(np.int64)
-    m, c, a, es, level = p2.margs
+    fields = p2.fields
     out_kind = 4 if ps.mode == "f32split" else bin_grid(bdtype).width // 8
-    kp = KernelPlan(chunks=np.ascontiguousarray(chunks), m=m.reshape(-1), c=np.broadcast_to(c, m.shape).reshape(-1),
-                    a=np.broadcast_to(a, m.shape).reshape(-1), es=es.reshape(-1).astype(np.int32),
-                    level=level.reshape(-1).astype(np.int32), shared=p2.shared, tabs=p2.tabs, grid=grid,
-                    shape=(g, tt, d), out_kind=out_kind)
+    kp = KernelPlan(chunks=chunks, raw=fields.raw, layout=np.append(fields.layout.reshape(-1), fields.n),
+                    shared=p2.shared, tabs=p2.tabs, grid=grid, shape=(g, tt, d), out_kind=out_kind)
     return ps, kp
 
 

@@ -39,6 +39,7 @@ static inline double __longlong_as_double(long long x) { double r; std::memcpy(&
 static inline int __clzll(long long x) { return x ? __builtin_clzll((unsigned long long)x) : 64; }
 static inline int __popc(unsigned x) { return __builtin_popcount(x); }
 static inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+static inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
   return (unsigned)(((((unsigned long long)hi) << 32) | lo) >> (sh & 31));
 }
@@ -70,19 +71,25 @@ static unsigned __ballot_sync(unsigned, bool p) {
 
 static bool __any_sync(unsigned mask, bool p) { return __ballot_sync(mask, p) != 0u; }
 
-double kx_smem[1 << 16];  // the dynamic shared memory of the one block run at a time
+double kx_smem[1 << 16];  // the dynamic shared memory of the one warp run at a time (rings, dev)
 
 #include "../../kvcodec/cuda/kvctx_decode.cu"
 
-template <int OUT>
-static void run(int warps_per_block, const kx_u16* words, const kx_u32* bits, const long long* chunks, int n,
-                const float* pred, long long pred_g0, long long pred_t, const double* m, const double* c,
-                const double* a, const int* es, const int* level, int shared, const kx_u32* tabs, int width,
-                int sign, int mb, int maxmag, int eoff, double inv_unit, int D, long long T, void* out,
-                const kx_u16* lo16, double* dev_global, int* status) {
-  const int blocks = (n + warps_per_block - 1) / warps_per_block;
+#define KX_ARGS                                                                                             \
+  const kx_u16 *words, const kx_u32 *bits, const long long *chunks, int n, const float *pred, long long pred_g0, \
+      long long pred_t, const kx_u8 *raw, const long long *layout, int shared, const kx_u32 *tabs, int width,  \
+      int sign, int mb, int maxmag, int eoff, int D, long long T, void *out, const kx_u16 *lo16,                \
+      double *scratch, int *status
+#define KX_PASS \
+  words, bits, chunks, n, pred, pred_g0, pred_t, raw, layout, shared, tabs, width, sign, mb, maxmag, eoff, D, T, \
+      out, lo16, scratch, status
+
+// The blocks one after the other, each block's warps one after the other (32 threads each).
+template <int OUT, int NR>
+static void run(KX_ARGS) {
+  const int blocks = (n + 3) / 4;
   for (int b = 0; b < blocks; ++b) {
-    for (int wi = 0; wi < warps_per_block; ++wi) {
+    for (int wi = 0; wi < 4; ++wi) {
       KxWarp warp;
       std::vector<std::thread> lanes;
       for (int lane = 0; lane < 32; ++lane) {
@@ -90,8 +97,7 @@ static void run(int warps_per_block, const kx_u16* words, const kx_u32* bits, co
           threadIdx.x = (unsigned)(32 * wi + lane);
           blockIdx.x = (unsigned)b;
           kx_warp = &warp;
-          kx_decode<OUT, 4>(words, bits, chunks, n, pred, pred_g0, pred_t, m, c, a, es, level, shared, tabs, width,
-                            sign, mb, maxmag, eoff, inv_unit, D, T, out, lo16, dev_global, status);
+          kx_decode<OUT, 4, NR>(KX_PASS);
         });
       }
       for (auto& t : lanes) t.join();
@@ -99,20 +105,15 @@ static void run(int warps_per_block, const kx_u16* words, const kx_u32* bits, co
   }
 }
 
-extern "C" int kx_emulate(int out_kind, const kx_u16* words, const kx_u32* bits, const long long* chunks, int n,
-                          const float* pred, long long pred_g0, long long pred_t, const double* m, const double* c,
-                          const double* a, const int* es, const int* level, int shared, const kx_u32* tabs,
-                          int width, int sign, int mb, int maxmag, int eoff, double inv_unit, int D,
-                          long long T, void* out, const kx_u16* lo16, double* dev_global, int* status) {
-  if (!dev_global && 4 * D > (int)(sizeof(kx_smem) / sizeof(double))) return 1;
+// kvctx_decode.launch's kernel call (WARPS = 4) with NR = nr; 1 when the shared memory it needs is too big.
+extern "C" int kx_emulate(int out_kind, int nr, KX_ARGS) {
+  if (!scratch && 4 * (5 * D + 256) > (int)(sizeof(kx_smem) / sizeof(double))) return 1;
+  if (nr != 2 && nr != 4) return 1;
   if (out_kind == 1)
-    run<1>(4, words, bits, chunks, n, pred, pred_g0, pred_t, m, c, a, es, level, shared, tabs, width, sign, mb,
-           maxmag, eoff, inv_unit, D, T, out, lo16, dev_global, status);
+    nr == 2 ? run<1, 2>(KX_PASS) : run<1, 4>(KX_PASS);
   else if (out_kind == 2)
-    run<2>(4, words, bits, chunks, n, pred, pred_g0, pred_t, m, c, a, es, level, shared, tabs, width, sign, mb,
-           maxmag, eoff, inv_unit, D, T, out, lo16, dev_global, status);
+    nr == 2 ? run<2, 2>(KX_PASS) : run<2, 4>(KX_PASS);
   else
-    run<4>(4, words, bits, chunks, n, pred, pred_g0, pred_t, m, c, a, es, level, shared, tabs, width, sign, mb,
-           maxmag, eoff, inv_unit, D, T, out, lo16, dev_global, status);
+    nr == 2 ? run<4, 2>(KX_PASS) : run<4, 4>(KX_PASS);
   return 0;
 }

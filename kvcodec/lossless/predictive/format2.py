@@ -20,6 +20,7 @@ u32 raw-bit word count), ``payload`` (uint16: the chunks' rANS streams in order,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -112,34 +113,80 @@ class BinParams:
     def from_bytes(cls, head: bytes, raw: np.ndarray, source: str, gp: int, d: int,
                    shared: bool) -> tuple["BinParams", np.ndarray]:
         """Inverse of :func:`field_bytes`: (params, the bytes after them)."""
-        fields = stored_fields(source)
+        fields, rest = StoredFields.read(head, raw, source, gp, d)
+        return fields.params(shared), rest
+
+
+# the stored fields' order in StoredFields.layout, and their names in params.stored_fields
+FIELD_ORDER = ("level", "mq", "c", "a")
+_FIELD_OF = {"s": "level", "m": "mq", "c": "c", "a": "a"}
+
+
+@dataclass(frozen=True)
+class StoredFields:
+    """Format 2's per-channel fields as stored, checked but not expanded: the entropy-decoded byte
+    planes ``raw`` and per field (``FIELD_ORDER``) a row of ``layout`` int64 [4, 3]: offset of its
+    low byte plane in ``raw`` (the high plane, if any, follows ``n`` bytes later), width in bytes (0:
+    not stored) and a value (the level's stored minimum; c's / a's fixed value when not stored).
+
+    Why: a stream holds up to ~10**6 channels; expanding them into float64 arrays costs more than
+    the GPU decode of the whole tensor, so the GPU kernel reads these bytes as they are
+    (kvcodec/cuda/kvctx_decode.cu ``kx_params``) and only the CPU decoder expands them
+    (:meth:`params`)."""
+
+    raw: np.ndarray
+    layout: np.ndarray
+    n: int  # channels: Gp * D
+    shape: tuple[int, int]  # (Gp, D)
+
+    @classmethod
+    def read(cls, head: bytes, raw: np.ndarray, source: str, gp: int, d: int) -> tuple["StoredFields", np.ndarray]:
+        """(fields, the bytes after them) of a field header and the decoded bytes; every field's
+        values checked against its range with a few whole-array operations (no per-channel loop)."""
         n = gp * d
-        vals = {"level": np.zeros((gp, d), np.int64), "mq": np.zeros((gp, d), np.int64),
-                "c": np.full((gp, d), Q if source == "external" else 0, np.int8),
-                "a": np.full((gp, d), Q, np.int8)}
+        layout = np.zeros((4, 3), np.int64)
+        layout[FIELD_ORDER.index("c"), 2] = Q if source == "external" else 0
+        layout[FIELD_ORDER.index("a"), 2] = Q
         pos = 0
-        for k, f in enumerate(fields):
+        for k, f in enumerate(stored_fields(source)):
             lo = int.from_bytes(head[5 * k:5 * k + 4], "little", signed=True)
             width = head[5 * k + 4]
             bad = width not in (1, 2) or (f != "s" and lo) or (width == 2 and f in ("a", "c"))
             if bad or pos + width * n > raw.size:
                 raise CorruptStreamError("predictive stream has a malformed parameter field")
-            arr = raw[pos:pos + n].astype(np.int64)
-            if width == 2:
-                arr |= raw[pos + n:pos + 2 * n].astype(np.int64) << 8
-            pos += width * n
-            arr = arr.reshape(gp, d)
+            planes = raw[pos:pos + width * n]
             if f == "s":
-                vals["level"] = arr + lo
-                if lo < _LEVEL_LO or vals["level"].max() > _LEVEL_HI:
+                top = int(planes.max(initial=0)) if width == 1 else int(_u16_planes(planes, n).max(initial=0))
+                if lo < _LEVEL_LO or n and lo + top > _LEVEL_HI:
                     raise CorruptStreamError("predictive stream has a scale level out of range")
-            elif f == "m":
-                if arr.max() > 2 * _MQ_MAX:
-                    raise CorruptStreamError("predictive stream has a location out of range")
-                vals["mq"] = (arr >> 1) ^ -(arr & 1)
-            else:
-                vals[f] = arr.astype(np.uint8).view(np.int8)
-        return cls(shared=shared, **vals), raw[pos:]
+            elif f == "m" and width == 2 and np.any((planes[:n] & planes[n:]) == 0xFF):  # zigzag 65535
+                raise CorruptStreamError("predictive stream has a location out of range")
+            layout[FIELD_ORDER.index(_FIELD_OF[f])] = (pos, width, lo)
+            pos += width * n
+        return cls(raw=raw[:pos], layout=layout, n=n, shape=(gp, d)), raw[pos:]
+
+    def values(self, name: str) -> np.ndarray:
+        """int64 [Gp, D] of one field (``FIELD_ORDER``)."""
+        off, width, value = (int(v) for v in self.layout[FIELD_ORDER.index(name)])
+        if width == 0:
+            return np.full(self.shape, value, np.int64)
+        planes = self.raw[off:off + width * self.n]
+        arr = (planes.astype(np.int64) if width == 1 else _u16_planes(planes, self.n).astype(np.int64)).reshape(self.shape)
+        if name == "level":
+            return arr + value
+        if name == "mq":
+            return (arr >> 1) ^ -(arr & 1)
+        return arr.astype(np.uint8).view(np.int8).astype(np.int64)
+
+    def params(self, shared: bool) -> BinParams:
+        """The fields expanded (the CPU decoder's arrays)."""
+        return BinParams(level=self.values("level"), mq=self.values("mq"), c=self.values("c").astype(np.int8),
+                         a=self.values("a").astype(np.int8), shared=shared)
+
+
+def _u16_planes(planes: np.ndarray, n: int) -> np.ndarray:
+    """uint16 values of a low byte plane followed by a high byte plane."""
+    return planes[:n].astype(np.uint16) | (planes[n:2 * n].astype(np.uint16) << 8)
 
 
 def _grid_args(grid: BinGrid):
@@ -189,7 +236,8 @@ def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int,
 class Parsed2:
     """A format 2 stream's fields, each checked against the others."""
 
-    margs: tuple  # BinParams.kernel_args()
+    fields: StoredFields
+    grid: BinGrid
     shared: bool
     tabs: np.ndarray
     lanes: int
@@ -200,6 +248,11 @@ class Parsed2:
     blen: np.ndarray
     words: np.ndarray
     bits: np.ndarray
+
+    @cached_property
+    def margs(self) -> tuple:
+        """BinParams.kernel_args(): the CPU decoder's per-channel arrays (expanded on first use)."""
+        return self.fields.params(self.shared).kernel_args(self.grid)
 
 
 def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d: int, tb: int, unit: int,
@@ -225,8 +278,7 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
     raw = entropy.decode(head[n_head:], max_symbols=2 * 4 * gp * d + 3 * 260 * N_CLASSES, max_output_bytes=None)
     if raw.dtype != np.uint8:
         raise CorruptStreamError("predictive stream has a malformed model")
-    params, rest = BinParams.from_bytes(head[:n_head], raw, source, gp, d, shared)
-    margs = params.kernel_args(grid)
+    fields, rest = StoredFields.read(head[:n_head], raw, source, gp, d)
     tabs = decode_tables(tables_from_bytes(rest))
     counts = blob[4 + k:].copy().view("<u4").astype(np.int64)
     wlen, blen = counts[:nc], counts[nc:]
@@ -239,7 +291,7 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
     wstart = np.concatenate([[0], np.cumsum(wlen)[:-1]]).astype(np.int64)
     bstart = np.concatenate([[0], np.cumsum(blen)[:-1]]).astype(np.int64)
     bits = bits if bits.size else np.zeros(1, np.uint32)  # the kernel's branch-free reads need one word
-    return Parsed2(margs, shared, tabs, lanes, chunks, wstart, wlen, bstart, blen, words, bits)
+    return Parsed2(fields, grid, shared, tabs, lanes, chunks, wstart, wlen, bstart, blen, words, bits)
 
 
 def decode(ps: Parsed2, grid: BinGrid, select: np.ndarray, out: np.ndarray, out_t0: int, pred, pred_g0: int,
