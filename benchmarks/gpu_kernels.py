@@ -765,17 +765,17 @@ def run_fused_study(out_dir: str) -> dict:
 # ---------------------------------------------------------------- the bulk-copy ring (session 5, sm_90)
 # Builds of the one-launch kernel with the code stream through the copy engine (TQ_FUSED_BULK), timed
 # against the default in one run; one is built by the explicit-target route (an sm_90a cubin).
-BULK = ("TQ_FUSED_BULK=1",)
+BULK = ("TQ_FUSED_BULK=1",)  # 3 stages, no prefetch (the ring's defaults)
 BULK4 = BULK + ("TQ_FUSED_BULK_BLOCKS=4", "TQ_FUSED_TAIL_BATCH=8")
-BULK_NO_PREFETCH = BULK + ("TQ_BULK_PREFETCH=0",)
+BULK_PREFETCH = BULK + ("TQ_BULK_PREFETCH=1",)
+BULK_PREFETCH4 = BULK_PREFETCH + ("TQ_BULK_STAGES=4",)
 BULK_CHAINS = BULK + ("TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4")
-BULK_STAGES4 = BULK + ("TQ_BULK_STAGES=4",)
 BULK_VARIANTS = [
     ("default", KernelVariant(fused=True)),
     ("bulk ring", KernelVariant(BULK, True, True)),
     ("bulk ring, 4 blocks/SM", KernelVariant(BULK4, True, True)),
-    ("bulk ring, no prefetch", KernelVariant(BULK_NO_PREFETCH, True, True)),
-    ("bulk ring, 4 stages", KernelVariant(BULK_STAGES4, True, True)),
+    ("bulk ring, prefetch", KernelVariant(BULK_PREFETCH, True, True)),
+    ("bulk ring, prefetch, 4 stages", KernelVariant(BULK_PREFETCH4, True, True)),
     ("bulk ring, 2 chains", KernelVariant(BULK_CHAINS, True, True)),
     ("bulk ring, 2 chains, sm_90a cubin", KernelVariant(BULK_CHAINS, True, True, "sm_90a")),
     ("default (again)", KernelVariant(fused=True)),

@@ -88,8 +88,8 @@ def test_tuning_variants_compile_without_spills(arch, defines, tmp_path):
     assert "prmt.b32" in build.source_text(decode_kernels.SOURCE)
 
 
-def test_benchmark_variant_macros_are_compiled_here():
-    """Every macro set of the benchmark's variants/add-ons is covered by the compile test above."""
+def _gpu_kernels_benchmark():
+    """benchmarks/gpu_kernels.py as a module (its variant lists; nothing runs without a GPU)."""
     import importlib.util
     from pathlib import Path
 
@@ -97,6 +97,12 @@ def test_benchmark_variant_macros_are_compiled_here():
     spec = importlib.util.spec_from_file_location("_gpu_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmark_variant_macros_are_compiled_here():
+    """Every macro set of the benchmark's variants/add-ons is covered by the compile test above."""
+    mod = _gpu_kernels_benchmark()
     covered = {d for ds in VARIANT_DEFINES for d in ds}
     used = {d for _, ds, _ in mod.VARIANTS for d in ds} | {d for _, ds in mod.ADDONS for d in ds}
     used |= {d for _, ds, _, _ in mod.CHECK_MODES for d in ds}
@@ -108,12 +114,12 @@ def test_benchmark_variant_macros_are_compiled_here():
 # The one-launch kernel's bulk-copy ring (TQ_FUSED_BULK, benchmarks/gpu_kernels.py BULK_VARIANTS): built
 # for Hopper's arch-specific target (the -gencode form the sm_90a route needs) and for Blackwell, no spills.
 BULK_DEFINES = [("TQ_FUSED_BULK=1",), ("TQ_FUSED_BULK=1", "TQ_FUSED_BULK_BLOCKS=4", "TQ_FUSED_TAIL_BATCH=8"),
-                ("TQ_FUSED_BULK=1", "TQ_BULK_PREFETCH=0"), ("TQ_FUSED_BULK=1", "TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4"),
-                ("TQ_FUSED_BULK=1", "TQ_BULK_STAGES=4")]
+                ("TQ_FUSED_BULK=1", "TQ_BULK_PREFETCH=1"), ("TQ_FUSED_BULK=1", "TQ_BULK_PREFETCH=1", "TQ_BULK_STAGES=4"),
+                ("TQ_FUSED_BULK=1", "TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4")]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100"])
-@pytest.mark.parametrize("defines", BULK_DEFINES, ids=["3 blocks", "4 blocks", "no prefetch", "2 chains", "4 stages"])
+@pytest.mark.parametrize("defines", BULK_DEFINES, ids=["3 blocks", "4 blocks", "prefetch", "prefetch 4 stages", "2 chains"])
 def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed: CUDA compile check skipped")
@@ -128,13 +134,7 @@ def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tm
 
 
 def test_bulk_variants_of_the_benchmark_are_compiled_here():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
-    spec = importlib.util.spec_from_file_location("_gpu_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _gpu_kernels_benchmark()
     assert {v.defines for _, v in mod.BULK_VARIANTS} <= set(BULK_DEFINES) | {()}
     assert mod.BULK_VARIANTS[0] == ("default", decode_kernels.KernelVariant(fused=True))
 

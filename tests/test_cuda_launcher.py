@@ -31,7 +31,7 @@ class _Recorder:
 def stub(monkeypatch):
     kernels = {}
 
-    def get_function(source, name, defines=()):
+    def get_function(source, name, defines=(), arch=None):
         return kernels.setdefault((name, tuple(defines)), _Recorder(name))
 
     monkeypatch.setattr(build, "get_function", get_function)

@@ -277,23 +277,29 @@ TQ_DEVI void load_any(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
 
 
 // ---- TQ_FUSED_BULK: the code stream through the bulk copy engine (sm_90+, plain cp.async.bulk) ----
+// Measured on an H200 (benchmarks/GPU_NOTES.md, session 5, runs B1-B2): every build of the ring was
+// 12-30% slower than the register path (b1 x 32k 39.2 vs 34.8 us, b8 x 32k 150 vs 134): the split
+// loop is issue/latency bound, and the ring moves the code loads from registers filled three steps
+// ahead to shared-memory reads on the critical path and adds a barrier wait per step.
 // 1: the one-launch kernel's narrow tiles (head_dim <= 128, word-aligned code chunks) copy each warp's
 // 16-token steps (key codes, value codes, key and value norms: four contiguous ranges) into a
 // per-warp shared-memory ring of TQ_BULK_STAGES steps with cp.async.bulk, each stage completed on its
 // own mbarrier; the warp then reads its fragments from shared memory. No global loads are held in
 // registers (the register ring of TQ_FUSED_STAGES steps goes), and the first steps' copies are issued
-// during the query prologue. Needs Tcap % 16 == 0 and 16-byte aligned code and norm tensors (the
-// launcher drops the macro otherwise: decode_kernels.fused_defines). Default 0 (opt-in variant).
+// during the query prologue. Needs Tcap % 16 == 0 (the launcher drops the macro otherwise:
+// decode_kernels.fused_defines) and 16-byte aligned code and norm tensors (it copies misaligned
+// views). Default 0 (opt-in variant).
 #ifndef TQ_FUSED_BULK
 #define TQ_FUSED_BULK 0
 #endif
 #ifndef TQ_BULK_STAGES
 #define TQ_BULK_STAGES 3
 #endif
-// 1: the next step's fragments are read from its stage before the current step computes (hides the
-// shared-memory latency; two register buffers); 0: read right before use (measured slower, run B1)
+// 1: the next step's fragments are read from its stage before the current step computes (two
+// register buffers); 0: read right before use. Default 0: prefetching was slower on an H200 (run B2:
+// b8 x 32k 174 vs 157 us; waiting for step n + 1 before computing step n stalls on copies in flight).
 #ifndef TQ_BULK_PREFETCH
-#define TQ_BULK_PREFETCH 1
+#define TQ_BULK_PREFETCH 0
 #endif
 // 2: two online-softmax chains per warp (even and odd steps, merged at the end): two independent
 // dependency chains for the scheduler to interleave; each iteration reads two steps (needs
