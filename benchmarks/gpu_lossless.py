@@ -79,16 +79,26 @@ def same_bits(a, b) -> bool:
     return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
+DEVICE_REPS = 21  # device-blob rows: a few ms per call, so more calls for a steady median
+CHUNK_SWEEP: list[int] = []  # --chunks: extra device-blob rows at these chunk sizes (KiB)
+
+
 def kvcodec_rows(name, x):
     import kvcodec
     from kvcodec.lossless import compress_device
 
     nbytes = x.numel() * x.element_size()
     rows = []
-    enc_s, blob = timed(lambda: compress_device(x))
-    dec_s, y = timed(lambda: kvcodec.decompress(blob))
+    enc_s, blob = timed(lambda: compress_device(x), reps=DEVICE_REPS)
+    dec_s, y = timed(lambda: kvcodec.decompress(blob), reps=DEVICE_REPS)
     rows.append(dict(data=name, codec="kvcodec planes (GPU, device blob)", MB=nbytes / 1e6, ratio=nbytes / blob.numel(),
                      enc_GBps=nbytes / enc_s / 1e9, dec_GBps=nbytes / dec_s / 1e9, exact=same_bits(x, y)))
+    for kib in CHUNK_SWEEP:
+        enc_s, b = timed(lambda: compress_device(x, chunk_bytes=kib << 10))
+        dec_s, y = timed(lambda: kvcodec.decompress(b))
+        rows.append(dict(data=name, codec=f"kvcodec planes (GPU, device blob, {kib} KiB chunks)", MB=nbytes / 1e6,
+                         ratio=nbytes / b.numel(), enc_GBps=nbytes / enc_s / 1e9, dec_GBps=nbytes / dec_s / 1e9,
+                         exact=same_bits(x, y)))
     enc_s, hblob = timed(lambda: kvcodec.compress(x), reps=3)
     dec_s, y = timed(lambda: kvcodec.decompress(hblob, device="cuda"), reps=3)
     rows.append(dict(data=name, codec="kvcodec planes (GPU, host blob: PCIe incl.)", MB=nbytes / 1e6,
@@ -216,6 +226,46 @@ def nvcomp_rows(name, x):
     return rows
 
 
+def pcie_rows(name, x):
+    """The PCIe ceiling for the host-blob rows: one copy of the tensor's bytes between the device and
+    a preallocated pinned buffer, each way (no bytes object made)."""
+    import torch
+
+    raw = x.reshape(-1).view(torch.uint8)
+    nbytes = raw.numel()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2h, _ = timed(lambda: host.copy_(raw, non_blocking=True), reps=5)
+    dst = torch.empty_like(raw)
+    h2d, _ = timed(lambda: dst.copy_(host, non_blocking=True), reps=5)
+    return [dict(data=name, codec="pinned copy (PCIe ceiling: enc = D2H, dec = H2D)", MB=nbytes / 1e6, ratio=1.0,
+                 enc_GBps=nbytes / d2h / 1e9, dec_GBps=nbytes / h2d / 1e9, exact=True)]
+
+
+def transfer_rows(name, x):
+    """The host-blob path's copies alone, on the compressed blob's bytes: ``transfer.device_to_bytes``
+    (enc column) and ``bytes_to_device`` (dec column) as shipped, then with huge pages off and with
+    8 workers (the choices made without a measurement)."""
+    from kvcodec.cuda import transfer
+    from kvcodec.lossless import compress_device
+
+    blob = compress_device(x)
+    host = transfer.device_to_bytes(blob)
+    nbytes = blob.numel()
+    rows = []
+    defaults = (transfer.HUGE_PAGES, transfer.MAX_WORKERS)
+    for label, huge, workers in (("as shipped", True, 16), ("no MADV_HUGEPAGE", False, 16), ("8 workers", True, 8)):
+        transfer.HUGE_PAGES, transfer.MAX_WORKERS = huge, workers
+        try:
+            d2h, back = timed(lambda: transfer.device_to_bytes(blob), reps=5)
+            h2d, dev = timed(lambda: transfer.bytes_to_device(host, blob.device), reps=5)
+        finally:
+            transfer.HUGE_PAGES, transfer.MAX_WORKERS = defaults
+        rows.append(dict(data=name, codec=f"blob bytes <-> device only ({label}; MB = blob)", MB=nbytes / 1e6, ratio=1.0,
+                         enc_GBps=nbytes / d2h / 1e9, dec_GBps=nbytes / h2d / 1e9,
+                         exact=back == host and same_bits(dev, blob)))
+    return rows
+
+
 def copy_row(name, x):
     nbytes = x.numel() * x.element_size()
     s, y = timed(lambda: x.clone(), reps=10)
@@ -271,7 +321,10 @@ def breakdown(name, x) -> dict:
 
     blob = compress_device(x)
     kvcodec.decompress(blob)
-    calls = [("encode", lambda: compress_device(x)), ("decode", lambda: kvcodec.decompress(blob))]
+    hblob = kvcodec.compress(x)
+    calls = [("encode", lambda: compress_device(x)), ("decode", lambda: kvcodec.decompress(blob)),
+             ("host-blob encode", lambda: kvcodec.compress(x)),
+             ("host-blob decode", lambda: kvcodec.decompress(hblob, device="cuda"))]
     for key, (_, hblob, pred) in _KV_BLOBS.items():
         if key.startswith(name + "/"):
             dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
@@ -296,7 +349,7 @@ def breakdown(name, x) -> dict:
     return res
 
 
-def main(out_dir: str, mb: int) -> dict:
+def main(out_dir: str, mb: int, only: set | None = None) -> dict:
     import torch
 
     import kvcodec.cuda
@@ -309,7 +362,10 @@ def main(out_dir: str, mb: int) -> dict:
     rows, notes = [], []
     # every GPU row first, the CPU rows last: CPU work (16 numba / zstd threads) must not share the
     # host with a GPU row's host-side work
-    phases = [(kvcodec_rows, kvctx_gpu_rows, nvcomp_rows, lambda n, t: [copy_row(n, t)]), (cpu_rows,)]
+    groups = {"planes": kvcodec_rows, "kvctx": kvctx_gpu_rows, "nvcomp": nvcomp_rows, "pcie": pcie_rows, "transfer": transfer_rows,
+              "copy": lambda n, t: [copy_row(n, t)], "cpu": cpu_rows}
+    pick = [g for g in groups if only is None or g in only]
+    phases = [tuple(groups[g] for g in pick if g != "cpu"), tuple(groups[g] for g in pick if g == "cpu")]
     for phase in phases:
         for name, x in data.items():
             for fn in phase:
@@ -320,7 +376,7 @@ def main(out_dir: str, mb: int) -> dict:
                 for r in got:
                     log(r)
                 rows += got
-            if phase is phases[0]:
+            if phase is phases[0] and (only is None or "profile" in only):
                 try:
                     notes.append(f"{name}: profile of one call: {breakdown(name, x)}")
                 except Exception as e:  # noqa: BLE001
@@ -330,7 +386,8 @@ def main(out_dir: str, mb: int) -> dict:
     rows.sort(key=lambda r: order.index(r["data"]))  # stable: per tensor, GPU rows then CPU rows
     result = {"suite": "gpu_lossless", "rows": rows, "machine": rec, "notes": [
         f"GPU {rec.get('gpu')}; tensors of {mb} MB (fp8: half) on the device; wall clock per call with "
-        "torch.cuda.synchronize(), median of 5 (host-blob rows: 3) after a warm-up; every decode checked bit-exact",
+        f"torch.cuda.synchronize(), median of {DEVICE_REPS} (planes device-blob rows), 5 (nvCOMP, copies) or 3 "
+        "(host-blob rows) after a warm-up; every decode checked bit-exact",
         "kvcodec GPU rows: planes codec, GPU defaults (64 KiB chunks, one table per plane); device blob = "
         "compress_device / decompress(tensor); host blob = compress(x) -> bytes, decompress(bytes, device='cuda')",
         "kvctx / predictive rows: format 2 encoded on the CPU (all cores: the encode column), decoded on the GPU "
@@ -346,5 +403,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--only", default=None,
+                    help="comma-separated row groups: planes, kvctx, nvcomp, pcie, transfer, copy, cpu, profile (default: all)")
+    ap.add_argument("--chunks", default="", help="comma-separated chunk sizes in KiB: extra planes device-blob rows")
     args = ap.parse_args()
-    main(args.out, args.mb)
+    CHUNK_SWEEP[:] = [int(c) for c in args.chunks.split(",") if c]
+    main(args.out, args.mb, set(args.only.split(",")) if args.only else None)

@@ -375,3 +375,23 @@ def test_damaged_device_blobs_raise():
             decompress(torch.frombuffer(bytearray(forged), dtype=torch.uint8).cuda())
     torch.cuda.synchronize()
     assert_bit_exact(decompress(blob).cpu(), t.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_pinned_ring_transfers_round_trip(threads):
+    """transfer.device_to_bytes / bytes_to_device through the pinned ring (sizes around the slot
+    size and the direct-copy threshold) move every byte, also from a view at an odd offset."""
+    from kvcodec.cuda import transfer
+
+    rng = np.random.default_rng(threads)
+    big = rng.integers(0, 256, transfer.DIRECT_BELOW + 5 * transfer.STAGE_BYTES + 12345).astype(np.uint8)
+    for n in (0, 7, transfer.DIRECT_BELOW - 1, transfer.DIRECT_BELOW, transfer.DIRECT_BELOW + 3 * transfer.STAGE_BYTES,
+              big.size - 1):
+        host = big[1: 1 + n].tobytes()
+        dev = transfer.bytes_to_device(host, "cuda", threads)
+        assert dev.is_cuda and dev.numel() == n
+        assert dev.cpu().numpy().tobytes() == host
+        back = transfer.device_to_bytes(torch.from_numpy(big).cuda()[1: 1 + n], threads)
+        assert type(back) is bytes and back == host

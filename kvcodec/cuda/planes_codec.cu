@@ -38,32 +38,156 @@ __device__ __forceinline__ pc_u8 pc_plane_byte(const pc_u8* __restrict__ raw, lo
   }
 }
 
-// planes: nplanes x n bytes (plane k at planes + k * n); hist: nplanes x 256 u64 (zeroed by the
-// caller). Warp-aggregated shared-memory histograms (a plane often holds a handful of values, so
-// lanes collide on one bin: __match_any_sync makes that one atomic per distinct value).
-template <int LAYOUT>
-__global__ void __launch_bounds__(256) pc_split_hist(const pc_u8* __restrict__ raw, long long n, int itemsize,
-                                                     int nplanes, pc_u8* __restrict__ planes,
-                                                     pc_u64* __restrict__ hist) {
-  __shared__ pc_u32 sh[8 * 256];
-  for (int j = threadIdx.x; j < nplanes * 256; j += blockDim.x) sh[j] = 0;
+// Byte k of a 16-byte vector (k < 16, a run-time index: selects, no local memory).
+__device__ __forceinline__ pc_u32 pc_vec_byte(const uint4& v, int k) {
+  const int w = k >> 2;
+  const pc_u32 word = w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+  return (word >> (8 * (k & 3))) & 0xFFu;
+}
+
+// Plane k's byte of element e of a 16-byte vector of elements of ITEM bytes (e compile-time).
+template <int LAYOUT, int ITEM>
+__device__ __forceinline__ pc_u32 pc_vec_symbol(const uint4& v, int e, int k) {
+  if (LAYOUT == 0) {
+    const pc_u32 word = (e >> 1) == 0 ? v.x : (e >> 1) == 1 ? v.y : (e >> 1) == 2 ? v.z : v.w;
+    const pc_u32 u = (e & 1) ? word >> 16 : word & 0xFFFFu;
+    return k == 0 ? (u >> 7) & 0xFFu : ((u >> 8) & 0x80u) | (u & 0x7Fu);
+  } else if (LAYOUT == 1) {
+    const pc_u32 u = e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+    if (k == 0) return (u >> 23) & 0xFFu;
+    if (k == 1) return ((u >> 24) & 0x80u) | ((u >> 16) & 0x7Fu);
+    return k == 2 ? (u >> 8) & 0xFFu : u & 0xFFu;
+  } else {
+    return pc_vec_byte(v, e * ITEM + k);
+  }
+}
+
+// The histogram's counters: per warp and plane, 256 one-byte counters per lane, kept as words
+// [plane][bin / 4][lane] (byte bin % 4 of the word): a lane only touches its own column (bank =
+// lane: no conflicts, no atomics, whatever the data), and counts <= 255 between flushes. A flush
+// adds the warp's 32 columns into registers: lane L owns bins 8L..8L+7 (words 2L, 2L + 1 of every
+// lane; lane L starts at column L so the 32 lanes read 32 banks), then zeroes its own column.
+template <int PP>
+__device__ __forceinline__ void pc_hist_flush(pc_u32 (*cnt)[64][32], int lane, pc_u32 (&tot)[PP][8]) {
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < PP; ++q) {
+    pc_u32 e0 = 0u, o0 = 0u, e1 = 0u, o1 = 0u;  // two 16-bit sums each: bins (0, 2), (1, 3), (4, 6), (5, 7)
+#pragma unroll 8
+    for (int i = 0; i < 32; ++i) {
+      const int j = (i + lane) & 31;
+      const pc_u32 a = cnt[q][2 * lane][j], b = cnt[q][2 * lane + 1][j];
+      e0 += a & 0x00FF00FFu;
+      o0 += (a >> 8) & 0x00FF00FFu;
+      e1 += b & 0x00FF00FFu;
+      o1 += (b >> 8) & 0x00FF00FFu;
+    }
+    tot[q][0] += e0 & 0xFFFFu;
+    tot[q][1] += o0 & 0xFFFFu;
+    tot[q][2] += e0 >> 16;
+    tot[q][3] += o0 >> 16;
+    tot[q][4] += e1 & 0xFFFFu;
+    tot[q][5] += o1 & 0xFFFFu;
+    tot[q][6] += e1 >> 16;
+    tot[q][7] += o1 >> 16;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < PP; ++q)
+#pragma unroll 8
+    for (int r = 0; r < 64; ++r) cnt[q][r][lane] = 0u;
+  __syncwarp();
+}
+
+// Split + histograms. raw: n elements of ITEM bytes, 16-byte aligned. A block handles planes
+// PP * blockIdx.y .. + PP - 1 (PP divides nplanes) and writes them (unless planes is null: a single
+// plane that is the input itself) at planes + k * stride (stride a multiple of 16); partial:
+// [gridDim.x, nplanes, 256] u64, each block's counts of its planes (summed by the caller: no global
+// atomics, which contend on the few hot bins of a skewed plane). Each lane takes 16-byte vectors (a
+// warp 512 contiguous bytes per step), the next one loaded before the current one is counted; the
+// < 16 bytes past the last whole vector are counted by block 0's first warp.
+#define PC_HIST_WARPS_TIMES_PLANES 4
+template <int LAYOUT, int ITEM, int PP>
+__global__ void __launch_bounds__(32 * PC_HIST_WARPS_TIMES_PLANES / PP)
+    pc_split_hist(const pc_u8* __restrict__ raw, long long n, long long stride, pc_u8* __restrict__ planes,
+                  unsigned long long* __restrict__ partial) {
+  constexpr int WARPS = PC_HIST_WARPS_TIMES_PLANES / PP;
+  constexpr int E = 16 / ITEM;                                        // elements per vector
+  constexpr int FLUSH = 255 / E;                                      // vectors per lane between flushes
+  constexpr int NPLANES = LAYOUT == 0 ? 2 : LAYOUT == 1 ? 4 : ITEM;
+  __shared__ pc_u32 cnt_all[WARPS][PP][64][32];  // 32 KiB
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  pc_u32(*cnt)[64][32] = cnt_all[warp];
+  const int k0 = NPLANES == PP ? 0 : PP * blockIdx.y;  // compile-time 0 when one block row covers every plane
+#pragma unroll
+  for (int q = 0; q < PP; ++q)
+    for (int r = 0; r < 64; ++r) cnt[q][r][lane] = 0u;
+  __syncwarp();
+  pc_u32 tot[PP][8];
+#pragma unroll
+  for (int q = 0; q < PP; ++q)
+#pragma unroll
+    for (int b = 0; b < 8; ++b) tot[q][b] = 0u;
+  const long long nvec = (n * ITEM) >> 4;
+  const long long wstride = 32ll * WARPS * gridDim.x;
+  const uint4* src = reinterpret_cast<const uint4*>(raw);
+  long long v = 32ll * (WARPS * (long long)blockIdx.x + warp) + lane;
+  uint4 cur = v < nvec ? __ldg(src + v) : make_uint4(0u, 0u, 0u, 0u);
+  int since = 0;
+  // the loop runs warp-uniformly (the flush needs every lane): v - lane is the warp's first vector
+  for (; v - lane < nvec; v += wstride) {
+    const long long vn = v + wstride;
+    const uint4 nxt = vn < nvec ? __ldg(src + vn) : make_uint4(0u, 0u, 0u, 0u);
+    if (v < nvec) {
+#pragma unroll
+      for (int q = 0; q < PP; ++q) {
+        pc_u32 packed[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const pc_u32 s = pc_vec_symbol<LAYOUT, ITEM>(cur, e, k0 + q);
+          cnt[q][s >> 2][lane] += 1u << (8 * (s & 3u));
+          packed[e >> 2] |= s << (8 * (e & 3));
+        }
+        if (planes) {
+          pc_u8* dst = planes + (long long)(k0 + q) * stride + v * E;
+          if (E == 16) *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+          else if (E == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+          else if (E == 4) *reinterpret_cast<pc_u32*>(dst) = packed[0];
+          else *reinterpret_cast<pc_u16*>(dst) = (pc_u16)packed[0];
+        }
+      }
+    }
+    if (++since == FLUSH) {  // warp-uniform
+      pc_hist_flush<PP>(cnt, lane, tot);
+      since = 0;
+    }
+    cur = nxt;
+  }
+  pc_hist_flush<PP>(cnt, lane, tot);
+  // the block's counts: the warps' registers added in shared memory (the counters' space reused)
   __syncthreads();
-  const int lane = threadIdx.x & 31;
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  // i0 is the warp's first element: every lane of a warp runs the same iterations (match-safe)
-  for (long long i0 = (long long)blockIdx.x * blockDim.x + (threadIdx.x & ~31); i0 < n; i0 += stride) {
-    const long long i = i0 + lane;
-    const bool active = i < n;
-    for (int k = 0; k < nplanes; ++k) {
-      const pc_u32 v = active ? pc_plane_byte<LAYOUT>(raw, i, itemsize, k) : 256u + lane;
-      if (active) planes[(long long)k * n + i] = (pc_u8)v;
-      const unsigned peers = __match_any_sync(PC_FULL, v);
-      if (active && lane == __ffs(peers) - 1) atomicAdd(&sh[k * 256 + v], (pc_u32)__popc(peers));
+  pc_u32* red = &cnt_all[0][0][0][0];
+  for (int j = threadIdx.x; j < PP * 256; j += blockDim.x) red[j] = 0u;
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < PP; ++q)
+#pragma unroll
+    for (int b = 0; b < 8; ++b)
+      if (tot[q][b]) atomicAdd(red + q * 256 + 8 * lane + b, tot[q][b]);
+  if (blockIdx.x == 0 && warp == 0) {  // the elements past the last whole vector (fewer than E)
+    const long long i = nvec * E + lane;
+    if (i < n) {
+      for (int q = 0; q < PP; ++q) {
+        const int k = k0 + q;
+        const pc_u32 s = pc_plane_byte<LAYOUT>(raw, i, ITEM, k);
+        if (planes) planes[(long long)k * stride + i] = (pc_u8)s;
+        atomicAdd(red + q * 256 + s, 1u);
+      }
     }
   }
   __syncthreads();
-  for (int j = threadIdx.x; j < nplanes * 256; j += blockDim.x)
-    if (sh[j]) atomicAdd(hist + j, (pc_u64)sh[j]);
+  unsigned long long* out = partial + ((long long)blockIdx.x * NPLANES + k0) * 256;
+  for (int j = threadIdx.x; j < PP * 256; j += blockDim.x) out[j] = red[j];
 }
 
 // ---------------------------------------------------------------------------------------------- encode
@@ -177,21 +301,76 @@ __global__ void __launch_bounds__(256) pc_gather(const pc_u16* __restrict__ scra
 
 // ---------------------------------------------------------------------------------------------- merge
 // Inverse of pc_split_hist. pdesc [nplanes, 2] int64: device address of the plane's n bytes (0: a
-// constant plane), the constant byte. out: n elements of the layout.
+// constant plane), the constant byte. out: n elements of the layout. A thread rebuilds 16 bytes of
+// out (E elements) from E bytes of each plane when out is 16-byte and every plane E-byte aligned
+// (the decoder's rows and the blob's sections are); the rest, or everything otherwise, by elements.
 template <int LAYOUT>
 __device__ __forceinline__ pc_u32 pc_get(const long long* __restrict__ pd, int k, long long i) {
   const long long p = pd[2 * k];
   return p ? (pc_u32)reinterpret_cast<const pc_u8*>(p)[i] : (pc_u32)pd[2 * k + 1];
 }
 
-template <int LAYOUT>
-__global__ void __launch_bounds__(256) pc_merge(const long long* __restrict__ pdesc, int itemsize, long long n,
+// E bytes of plane k from element g * E on, as words (byte e of the run: word e / 4, byte e % 4).
+template <int E>
+__device__ __forceinline__ void pc_load_run(const long long* __restrict__ pd, int k, long long g, pc_u32 (&w)[4]) {
+  const long long p = pd[2 * k];
+  if (!p) {
+    const pc_u32 c = 0x01010101u * (pc_u32)(pd[2 * k + 1] & 0xFF);
+    w[0] = w[1] = w[2] = w[3] = c;
+    return;
+  }
+  const pc_u8* src = reinterpret_cast<const pc_u8*>(p) + g * E;
+  w[0] = w[1] = w[2] = w[3] = 0u;
+  if (E == 16) {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if (E == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    w[0] = v.x, w[1] = v.y;
+  } else if (E == 4) {
+    w[0] = *reinterpret_cast<const pc_u32*>(src);
+  } else {
+    w[0] = *reinterpret_cast<const pc_u16*>(src);
+  }
+}
+
+template <int LAYOUT, int ITEM>
+__global__ void __launch_bounds__(256) pc_merge(const long long* __restrict__ pdesc, long long n,
                                                 pc_u8* __restrict__ out) {
+  constexpr int NP = LAYOUT == 0 ? 2 : LAYOUT == 1 ? 4 : ITEM;
+  constexpr int E = 16 / ITEM;
   __shared__ long long pd[16];
-  if (threadIdx.x < 2 * (LAYOUT == 0 ? 2 : LAYOUT == 1 ? 4 : itemsize)) pd[threadIdx.x] = pdesc[threadIdx.x];
+  if (threadIdx.x < 2 * NP) pd[threadIdx.x] = pdesc[threadIdx.x];
   __syncthreads();
+  bool vec = (reinterpret_cast<unsigned long long>(out) & 15ull) == 0ull;
+#pragma unroll
+  for (int k = 0; k < NP; ++k) vec = vec && (pd[2 * k] % E) == 0;
+  const long long nv = vec ? n / E : 0;
   const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+  const long long t0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (long long g = t0; g < nv; g += stride) {
+    pc_u32 w[NP][4];
+#pragma unroll
+    for (int k = 0; k < NP; ++k) pc_load_run<E>(pd, k, g, w[k]);
+    pc_u32 ow[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+#define PC_B(k) ((w[k][e >> 2] >> (8 * (e & 3))) & 0xFFu)
+      if (LAYOUT == 0) {
+        const pc_u32 x = PC_B(0), s = PC_B(1);
+        ow[e >> 1] |= (((s & 0x80u) << 8) | (x << 7) | (s & 0x7Fu)) << (16 * (e & 1));
+      } else if (LAYOUT == 1) {
+        const pc_u32 x = PC_B(0), s = PC_B(1);
+        ow[e] = ((s & 0x80u) << 24) | (x << 23) | ((s & 0x7Fu) << 16) | (PC_B(2) << 8) | PC_B(3);
+      } else {
+#pragma unroll
+        for (int k = 0; k < NP; ++k) ow[(e * ITEM + k) >> 2] |= PC_B(k) << (8 * ((e * ITEM + k) & 3));
+      }
+#undef PC_B
+    }
+    *reinterpret_cast<uint4*>(out + 16 * g) = make_uint4(ow[0], ow[1], ow[2], ow[3]);
+  }
+  for (long long i = nv * E + t0; i < n; i += stride) {
     if (LAYOUT == 0) {
       const pc_u32 e = pc_get<LAYOUT>(pd, 0, i), s = pc_get<LAYOUT>(pd, 1, i);
       reinterpret_cast<pc_u16*>(out)[i] = (pc_u16)(((s & 0x80u) << 8) | (e << 7) | (s & 0x7Fu));
@@ -200,7 +379,7 @@ __global__ void __launch_bounds__(256) pc_merge(const long long* __restrict__ pd
       const pc_u32 b1 = pc_get<LAYOUT>(pd, 2, i), b0 = pc_get<LAYOUT>(pd, 3, i);
       reinterpret_cast<pc_u32*>(out)[i] = ((s & 0x80u) << 24) | (e << 23) | ((s & 0x7Fu) << 16) | (b1 << 8) | b0;
     } else {
-      for (int k = 0; k < itemsize; ++k) out[i * itemsize + k] = (pc_u8)pc_get<LAYOUT>(pd, k, i);
+      for (int k = 0; k < ITEM; ++k) out[i * ITEM + k] = (pc_u8)pc_get<LAYOUT>(pd, k, i);
     }
   }
 }

@@ -16,16 +16,26 @@ SOURCE = "planes_codec.cu"
 LAYOUTS = {"f16": 0, "f32": 1, "bytes": 2}
 ENCODE_WARPS = 4
 LANES = 32
-SPLIT_SIG = "(const unsigned char*, long long, int, int, unsigned char*, unsigned long long*)"
+SPLIT_SIG = "(const unsigned char*, long long, long long, unsigned char*, unsigned long long*)"
+HIST_WARPS_TIMES_PLANES = 4
 ENCODE_SIG = "(const unsigned char*, const long long*, int, const unsigned int*, unsigned short*, long long, long long*)"
-MERGE_SIG = "(const long long*, int, long long, unsigned char*)"
+MERGE_SIG = "(const long long*, long long, unsigned char*)"
+
+
+def split_instances() -> list[tuple[str, int, int]]:
+    """(layout, itemsize, planes per block) of every pc_split_hist instance."""
+    return [("f16", 2, 2), ("f32", 4, 2), ("bytes", 1, 1), ("bytes", 2, 2), ("bytes", 4, 2), ("bytes", 8, 2)]
+
+
+def _split_name(layout: str, itemsize: int, pp: int) -> str:
+    return f"pc_split_hist<{LAYOUTS[layout]}, {itemsize}, {pp}>"
 
 
 def instance_declarations() -> list[str]:
     """Explicit instantiations for the nvcc compile check."""
-    return ([f"__global__ void pc_split_hist<{k}>{SPLIT_SIG}" for k in LAYOUTS.values()]
+    return ([f"__global__ void {_split_name(*inst)}{SPLIT_SIG}" for inst in split_instances()]
             + [f"__global__ void pc_rans_encode<{ENCODE_WARPS}>{ENCODE_SIG}"]
-            + [f"__global__ void pc_merge<{k}>{MERGE_SIG}" for k in LAYOUTS.values()])
+            + [f"__global__ void pc_merge<{LAYOUTS[lay]}, {item}>{MERGE_SIG}" for lay, item, _ in split_instances()])
 
 
 def _grid(n: int, device) -> int:
@@ -33,16 +43,28 @@ def _grid(n: int, device) -> int:
 
 
 def split_hist(raw: torch.Tensor, layout: str, itemsize: int, n_planes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte planes ([n_planes, n] uint8) and their histograms ([n_planes, 256] int64) of the
-    contiguous uint8 CUDA tensor ``raw`` (n elements of ``itemsize`` bytes)."""
+    """Byte planes and their histograms ([n_planes, 256] int64) of the contiguous uint8 CUDA
+    tensor ``raw`` (n elements of ``itemsize`` bytes). The planes are a [n_planes, stride] uint8
+    tensor whose rows hold the planes in their first n bytes (stride a multiple of 16, so the
+    kernel stores 16-byte vectors); 1-byte elements have one plane, the input itself (no copy)."""
     n = raw.numel() // itemsize
-    planes = torch.empty((n_planes, n), dtype=torch.uint8, device=raw.device)
-    hist = torch.zeros((n_planes, 256), dtype=torch.int64, device=raw.device)
-    if n:
-        fn = build.get_function(SOURCE, f"pc_split_hist<{LAYOUTS[layout]}>")
-        with build.cupy_stream(raw.device):
-            fn((_grid(n, raw.device),), (256,), (raw.data_ptr(), np.int64(n), np.int32(itemsize), np.int32(n_planes),
-                                                 planes.data_ptr(), hist.data_ptr()))
+    if raw.data_ptr() % 16:
+        raw = raw.clone()  # the kernel loads aligned 16-byte vectors
+    pp = 1 if n_planes == 1 else 2
+    alone = n_planes == 1  # the plane is the input
+    stride = n if alone else row_stride(n)
+    planes = raw.view(1, n) if alone else torch.empty((n_planes, stride), dtype=torch.uint8, device=raw.device)
+    if not n:
+        return planes, torch.zeros((n_planes, 256), dtype=torch.int64, device=raw.device)
+    fn = build.get_function(SOURCE, _split_name(layout, itemsize, pp))
+    warps = HIST_WARPS_TIMES_PLANES // pp
+    nvec = n * itemsize // 16
+    grid = max(1, min(-(-nvec // (32 * warps)), 6 * build.sm_count(raw.device)))
+    partial = torch.empty((grid, n_planes, 256), dtype=torch.int64, device=raw.device)  # every entry written
+    with build.cupy_stream(raw.device):
+        fn((grid, n_planes // pp), (32 * warps,),
+           (raw.data_ptr(), np.int64(n), np.int64(stride), 0 if alone else planes.data_ptr(), partial.data_ptr()))
+    hist = partial.sum(0)
     return planes, hist
 
 
@@ -80,7 +102,8 @@ def gather(scratch: torch.Tensor, cap: int, lens: torch.Tensor, dst_off: np.ndar
 
 def merge(planes: list, layout: str, itemsize: int, n: int, out: torch.Tensor) -> None:
     """Rebuild n elements into the uint8 CUDA tensor ``out`` from planes: each a uint8 CUDA tensor
-    of n bytes, or an int (a constant plane)."""
+    of n bytes, or an int (a constant plane). 16-byte aligned planes (rows of ``row_stride``) take
+    the kernel's vector path."""
     desc = np.zeros(16, np.int64)
     for k, p in enumerate(planes):
         if isinstance(p, torch.Tensor):
@@ -90,6 +113,12 @@ def merge(planes: list, layout: str, itemsize: int, n: int, out: torch.Tensor) -
     if not n:
         return
     (desc_d,) = upload([desc], out.device)
+    elems = max(1, n * itemsize // 16)  # one thread per 16 output bytes
     with build.cupy_stream(out.device):
-        build.get_function(SOURCE, f"pc_merge<{LAYOUTS[layout]}>")(
-            (_grid(n, out.device),), (256,), (desc_d.data_ptr(), np.int32(itemsize), np.int64(n), out.data_ptr()))
+        build.get_function(SOURCE, f"pc_merge<{LAYOUTS[layout]}, {itemsize}>")(
+            (_grid(elems, out.device),), (256,), (desc_d.data_ptr(), np.int64(n), out.data_ptr()))
+
+
+def row_stride(n: int) -> int:
+    """Row length of a [planes, n] buffer whose rows start 16-byte aligned."""
+    return -(-n // 16) * 16

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvcodec import container
+from kvcodec.cuda.transfer import bytes_to_device, device_to_bytes
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output, numel, resolve_max_output
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import device_container, kvctx_device, planes_device, registry
@@ -82,7 +83,7 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         raise ValueError(f"compress() takes a torch.Tensor, got {type(tensor).__name__}")
     gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)
     if gpu_opts is not None:
-        return _compress_on_gpu(tensor, gpu_opts).cpu().numpy().tobytes()
+        return device_to_bytes(_compress_on_gpu(tensor, gpu_opts), threads)  # one pinned, pipelined copy
     layout = opts.pop("layout", None)
     if layout not in (None, "kv"):
         raise ValueError(f"layout must be None or 'kv', got {layout!r}")
@@ -129,7 +130,7 @@ def compress_device(tensor: torch.Tensor, prediction: torch.Tensor | None = None
     if gpu_opts is not None:
         return _compress_on_gpu(tensor, gpu_opts)
     blob = compress(tensor, prediction, codec, threads, gpu=False, **opts)
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(tensor.device)
+    return bytes_to_device(blob, tensor.device, threads)
 
 
 _GPU_OPTIONS = {"chunk_bytes", "min_gain", "max_classes"}
@@ -210,7 +211,9 @@ def _host_bytes(blob):
     if isinstance(blob, torch.Tensor):
         if blob.dtype != torch.uint8 or blob.dim() != 1:
             raise CorruptStreamError("a tensor blob must be a 1-D uint8 tensor")
-        return blob.detach().cpu().contiguous().numpy()
+        if blob.is_cuda:
+            return device_to_bytes(blob.contiguous())
+        return blob.detach().contiguous().numpy()
     return blob
 
 
@@ -308,29 +311,20 @@ def _cuda_kernels() -> bool:
     return kvcodec.cuda.is_available()
 
 
-def _upload(blob, device: torch.device) -> torch.Tensor:
-    """A bytes-like blob as a uint8 tensor on ``device`` (one host-to-device copy, no host copy)."""
-    import warnings
-
-    mv = memoryview(blob).cast("B")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a read-only buffer: the tensor is only copied from
-        return torch.frombuffer(mv, dtype=torch.uint8).to(device)
-
-
 def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_bytes,
-                          prediction: torch.Tensor | None = None) -> torch.Tensor | None:
+                          prediction: torch.Tensor | None = None, header=None) -> torch.Tensor | None:
     """Decode a CUDA uint8 blob on its device (None: not a blob the GPU decodes). Only the header
     and, at the end, a few status flags cross to the host; checks as on the CPU (container,
     section crc32s, zero padding, streams, the prediction's and the tensor's crc32), all raising
-    CorruptStreamError."""
+    CorruptStreamError. ``header``: (header, end offset) when the host already parsed it from the
+    same bytes (then it is not read back from the device)."""
     import kvcodec.cuda
 
     if not kvcodec.cuda.is_available():
         return None  # no CuPy: the CPU decodes
     if not blob.is_contiguous() or blob.data_ptr() % 2:
         blob = blob.clone()  # the stream words must be 2-byte aligned
-    header, header_end = device_container.read_header(blob)
+    header, header_end = header if header is not None else device_container.read_header(blob)
     if header["kind"] != KIND:
         raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
     meta = _checked_meta(header["meta"])
@@ -404,11 +398,13 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
     blob = _host_bytes(blob)
     cuda_pred = prediction is None or (isinstance(prediction, torch.Tensor) and prediction.is_cuda)
     if not gpu_tried and cuda_pred and _cuda_kernels() and (device is None or torch.device(device).type == "cuda"):
-        head, _ = container.read_header(blob)  # header only: is this a blob the GPU decodes, to a GPU?
+        head, mv = container.read_header(blob)  # header only: is this a blob the GPU decodes, to a GPU?
         if _gpu_decodable(head):
             target = _target_device(head["meta"]["device"], prediction, device)
             if target.type == "cuda":
-                out = _decompress_on_device(_upload(blob, target), target, max_output_bytes, prediction)
+                head_end = container.PREFIX.size + container.PREFIX.unpack_from(mv, 0)[3]
+                out = _decompress_on_device(bytes_to_device(blob, target, threads), target, max_output_bytes,
+                                            prediction, header=(head, head_end))
                 if out is not None:
                     return out
     meta, sections = _load(blob, max_output_bytes)

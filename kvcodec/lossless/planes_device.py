@@ -50,7 +50,7 @@ def encode(t: torch.Tensor, chunk_bytes: int = GPU_CHUNK_BYTES, min_gain: float 
     chunk = min(MAX_CHUNK_ELEMS, max(1, chunk_bytes // itemsize))
     n_chunks = -(-n // chunk)
     n_planes = _n_planes(layout, itemsize)
-    planes, hist = pc.split_hist(t.reshape(-1).view(torch.uint8), layout, itemsize, n_planes)
+    planes, hist = pc.split_hist(t.reshape(-1).view(torch.uint8), layout, itemsize, n_planes)  # [P, >= n]
     counts = hist.cpu().numpy()  # synchronizes: the tables are chosen on the host
     meta = {"v": FORMAT_VERSION, "dtype": container.torch_dtype_name(t.dtype), "shape": list(t.shape),
             "layout": layout, "chunk": chunk, "lanes": LANES, "planes": []}
@@ -72,7 +72,7 @@ def encode(t: torch.Tensor, chunk_bytes: int = GPU_CHUNK_BYTES, min_gain: float 
             meta["planes"].append({"mode": "const", "value": value})
         elif mode == "raw":
             meta["planes"].append({"mode": "raw"})
-            sections[f"p{k}"] = planes[k]
+            sections[f"p{k}"] = planes[k, :n]
         else:
             meta["planes"].append({"mode": "rans", "tables": [_table_json(tables[value])],
                                    "offsets": offsets[value].tolist()})
@@ -92,7 +92,7 @@ def _encode_streams(planes: torch.Tensor, coded: list[int], tables: list, n: int
     jobs = np.zeros((len(coded) * n_chunks, 4), np.int64)
     for j, k in enumerate(coded):
         rows = slice(j * n_chunks, (j + 1) * n_chunks)
-        jobs[rows, 0] = k * n + starts
+        jobs[rows, 0] = k * planes.stride(0) + starts
         jobs[rows, 1] = counts
         jobs[rows, 2] = j
     scratch, lens, cap = pc.encode_chunks(planes, jobs, np.stack(tables), chunk)
@@ -134,11 +134,16 @@ def decode(meta, sections, device) -> tuple[torch.Tensor, torch.Tensor] | None:
     layout, itemsize, chunk, n_chunks, info, lanes = PlaneCodec()._prepare(meta, sections, dtype, shape)
     n = math.prod(shape)
     blob = next(iter(sections.values())).blob if sections else None
-    coded, pdesc, table_of, tables = stream_descriptors(meta, sections, info, n, chunk, n_chunks)
-    decoded = torch.empty((max(len(coded), 1), n), dtype=torch.uint8, device=device)
+    row = n if len(info) == 1 else pc.row_stride(n)  # decoded planes' rows: 16-byte aligned for the merge
+    coded, pdesc, table_of, tables = stream_descriptors(meta, sections, info, n, chunk, n_chunks, row)
+    out = torch.empty(n * itemsize, dtype=torch.uint8, device=device)
+    alone = len(info) == 1 and coded  # one coded plane (1-byte elements): decoded straight into out
+    decoded = out.view(1, n) if alone else torch.empty((max(len(coded), 1), row), dtype=torch.uint8, device=device)
     status = torch.zeros(max(len(pdesc), 1), dtype=torch.int32, device=device)
     if coded:
         gr.LaunchPlan.build(pdesc, table_of, tables, device).launch(blob, decoded, status)
+    if alone:
+        return out.view(dtype).reshape(shape), status
     planes = []
     for k, p in enumerate(info):
         if p[0] == "const":
@@ -146,17 +151,16 @@ def decode(meta, sections, device) -> tuple[torch.Tensor, torch.Tensor] | None:
         elif p[0] == "raw":
             planes.append(sections[f"p{k}"].bytes)
         else:
-            planes.append(decoded[coded.index(k)])
-    out = torch.empty(n * itemsize, dtype=torch.uint8, device=device)
+            planes.append(decoded[coded.index(k), :n])
     pc.merge(planes, layout, itemsize, n, out)
     return out.view(dtype).reshape(shape), status
 
 
-def stream_descriptors(meta, sections, info, n: int, chunk: int, n_chunks: int):
+def stream_descriptors(meta, sections, info, n: int, chunk: int, n_chunks: int, row: int | None = None):
     """The decode launch of a checked planes blob (``PlaneCodec._prepare``'s ``info``): coded plane
     indices, the kernel's payload rows [P, 4] (byte offset of chunk c's stream in the blob, its
-    length, output offset in the [coded planes, n] buffer, symbols), each row's table and the
-    tables (``kvcodec.cuda.rans.Table``, one per coded plane)."""
+    length, output offset in the [coded planes, row] buffer (``row`` >= n, default n), symbols),
+    each row's table and the tables (``kvcodec.cuda.rans.Table``, one per coded plane)."""
     from kvcodec.cuda import rans as gr
     from kvcodec.entropy import rans_lanes
 
@@ -166,7 +170,8 @@ def stream_descriptors(meta, sections, info, n: int, chunk: int, n_chunks: int):
     pdesc, table_of, tables = [np.zeros((0, 4), np.int64)], [np.zeros(0, np.int32)], []
     for j, k in enumerate(coded):
         off = np.asarray(info[k][2], np.int64)
-        pdesc.append(np.stack([sections[f"p{k}"].offset + 2 * off[:-1], 2 * np.diff(off), j * n + starts, counts], 1))
+        pdesc.append(np.stack([sections[f"p{k}"].offset + 2 * off[:-1], 2 * np.diff(off), j * (row or n) + starts,
+                               counts], 1))
         table_of.append(np.full(n_chunks, j, np.int32))
         tables.append(gr.build_table(_table_from_json(meta["planes"][k]["tables"][0]), rans_lanes.PRECISION, np.uint8))
     return coded, np.concatenate(pdesc), np.concatenate(table_of), tables
