@@ -18,7 +18,7 @@ from kvcodec import container
 from kvcodec.cuda.transfer import bytes_to_device, device_to_bytes
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output, numel, resolve_max_output
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless import device_container, kvctx_device, planes_device, registry
+from kvcodec.lossless import device_container, kvctx_device, kvctx_device_encode, planes_device, registry
 from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
 from kvcodec.lossless.threads import resolve_threads
 
@@ -81,6 +81,9 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
     """
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"compress() takes a torch.Tensor, got {type(tensor).__name__}")
+    routed = kvctx_device_encode.route(tensor, prediction, codec, opts, gpu)
+    if routed is not None:  # kvctx / predictive format 2, encoded on the GPU
+        return device_to_bytes(kvctx_device_encode.compress(tensor, prediction, *routed, KIND), threads)
     gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)
     if gpu_opts is not None:
         return device_to_bytes(_compress_on_gpu(tensor, gpu_opts), threads)  # one pinned, pipelined copy
@@ -126,6 +129,9 @@ def compress_device(tensor: torch.Tensor, prediction: torch.Tensor | None = None
     hundred bytes of statistics crosses to the host; give the tensor to :func:`decompress` (or
     ``bytes(blob.cpu().numpy())`` to any reader). Other calls code on the CPU and copy the blob.
     """
+    routed = kvctx_device_encode.route(tensor, prediction, codec, opts, gpu)
+    if routed is not None:
+        return kvctx_device_encode.compress(tensor, prediction, *routed, KIND)
     gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)
     if gpu_opts is not None:
         return _compress_on_gpu(tensor, gpu_opts)

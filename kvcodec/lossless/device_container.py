@@ -30,7 +30,7 @@ _HEAD_GUESS = 1 << 16  # bytes fetched first: the prefix and, usually, the whole
 
 
 def _dtype_name(t: torch.Tensor) -> str:
-    return {1: "uint8", 2: "uint16"}[t.element_size()]
+    return {1: "uint8", 2: "uint16", 4: "uint32"}[t.element_size()]
 
 
 def assemble(kind: str, meta: dict, sections: dict[str, torch.Tensor], crcs: list[int], device) -> torch.Tensor:

@@ -1,0 +1,331 @@
+// GPU encoder of the kvctx / predictive stream format 2 (launchers: kvcodec/cuda/kvctx_encode.py; driver:
+// kvcodec/lossless/kvctx_device_encode.py; format: kvcodec/lossless/predictive/{bins,binned,format2}.py).
+// The CPU encoder (binned.symbolise + binned.write_chunks) is the reference; the model arithmetic is the
+// GPU decoder's own (kx_locate, kx_value of kvctx_decode.cu, included), so what the decoder
+// computes from a value's predecessors is what was computed here.
+//
+// A "column" is one channel d of one leading index g over one token block of tb tokens (the previous-token
+// term restarts at every block start, in the fit as in the coder): it is a sequential chain, columns are
+// independent, so the per-value passes run one thread per column (consecutive d on consecutive threads:
+// coalesced loads).
+//   ke_fit_moments / ke_fit_residuals: per-column partial sums of params.fit_params (summed over the
+//     blocks by the host side; the parameters are stored in the stream, so these need not equal the CPU's
+//     bit for bit);
+//   ke_symbolise: every value's (class, symbol, raw code, raw bit count) as binned.symbolise packs it, the
+//     per-class symbol histogram (warp-aggregated atomics into KE_HIST_COPIES copies) and per-chunk raw bits;
+//   ke_encode: one warp per chunk: the 32-lane rANS stream backwards (rans_lanes.encode's word order, as
+//     planes_codec.cu's pc_rans_encode) into a scratch slot, then the raw bits forwards (LSB first) through
+//     a per-warp ring of 32-bit words in shared memory straight into the bits section.
+#include "kvctx_decode.cu"
+
+#ifndef KE_SHARED
+#define KE_SHARED __shared__
+#endif
+
+#define KE_HIST_COPIES 32
+#define KE_RING 64  // raw-bit words per warp ring (a round adds at most 32)
+
+template <int W>
+__device__ __forceinline__ int ke_pat(const void* __restrict__ pats, long long i) {
+  return W == 1 ? (int)__ldg(reinterpret_cast<const kx_u8*>(pats) + i)
+                : (int)__ldg(reinterpret_cast<const kx_u16*>(pats) + i);
+}
+
+__device__ __forceinline__ double ke_pred(const float* __restrict__ pred, long long i) {
+  if (!pred) return 0.0;
+  const float p = __ldg(pred + i);
+  return isfinite(p) ? (double)p : 0.0;  // cdf.prediction_at
+}
+
+// Column col = (g * nblk + b) * D + d: its g, d and token range [t0, t1).
+__device__ __forceinline__ void ke_column(long long col, int D, long long T, long long tb, long long nblk,
+                                          long long& g, int& d, long long& t0, long long& t1) {
+  d = (int)(col % D);
+  const long long gb = col / D;
+  g = gb / nblk;
+  t0 = (gb % nblk) * tb;
+  t1 = min(T, t0 + tb);
+}
+
+// Per column: [n finite, sum x, sum p, n with a bin width, sum log2 width] (params._fit_moments' fields
+// 0, 1, 2, 5, 6). val / lw: float64 per bit pattern, NaN where not finite / no width.
+template <int W>
+__global__ void __launch_bounds__(256)
+    ke_fit_moments(const void* __restrict__ pats, const float* __restrict__ pred, const double* __restrict__ val,
+                   const double* __restrict__ lw, long long G, long long T, int D, long long tb, long long nblk,
+                   double* __restrict__ out) {
+  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= G * nblk * D) return;
+  long long g, t0, t1;
+  int d;
+  ke_column(col, D, T, tb, nblk, g, d, t0, t1);
+  double n = 0.0, sx = 0.0, sp = 0.0, nw = 0.0, slw = 0.0;
+  for (long long t = t0; t < t1; ++t) {
+    const long long i = (g * T + t) * D + d;
+    const int pat = ke_pat<W>(pats, i);
+    const double l = __ldg(lw + pat);
+    if (l == l) {
+      nw += 1.0;
+      slw += l;
+    }
+    const double x = __ldg(val + pat);
+    if (x != x) continue;
+    n += 1.0;
+    sx += x;
+    sp += ke_pred(pred, i);
+  }
+  double* o = out + 5 * col;
+  o[0] = n;
+  o[1] = sx;
+  o[2] = sp;
+  o[3] = nw;
+  o[4] = slw;
+}
+
+// Per column: [sum (x - base) * dev, sum dev**2, sum (x - mu)**2] over finite x with the coder's location
+// (params._fit_residuals): m, c, a float64 [Gp * D].
+template <int W>
+__global__ void __launch_bounds__(256)
+    ke_fit_residuals(const void* __restrict__ pats, const float* __restrict__ pred, const double* __restrict__ val,
+                     const double* __restrict__ m, const double* __restrict__ c, const double* __restrict__ a,
+                     int shared, long long G, long long T, int D, long long tb, long long nblk,
+                     double* __restrict__ out) {
+  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= G * nblk * D) return;
+  long long g, t0, t1;
+  int d;
+  ke_column(col, D, T, tb, nblk, g, d, t0, t1);
+  const long long pi = (shared ? 0 : g) * D + d;
+  const double mm = m[pi], cc = c[pi], aa = a[pi];
+  double dev = 0.0, s0 = 0.0, s1 = 0.0, s2 = 0.0;
+  for (long long t = t0; t < t1; ++t) {
+    const long long i = (g * T + t) * D + d;
+    const double x = __ldg(val + ke_pat<W>(pats, i));
+    const double base = __dadd_rn(mm, __dmul_rn(cc, ke_pred(pred, i)));
+    if (x == x) {
+      const double r = __dsub_rn(x, __dadd_rn(base, __dmul_rn(aa, dev)));
+      s0 += __dmul_rn(__dsub_rn(x, base), dev);
+      s1 += __dmul_rn(dev, dev);
+      s2 += __dmul_rn(r, r);
+      dev = __dsub_rn(x, base);
+    } else {
+      dev = 0.0;
+    }
+  }
+  double* o = out + 3 * col;
+  o[0] = s0;
+  o[1] = s1;
+  o[2] = s2;
+}
+
+// bins.bin_of: the bin coordinate of a magnitude pattern.
+__device__ __forceinline__ long long ke_bin_of(long long mag, int ep, int mb) {
+  const long long ef = mag >> mb;
+  if (ef > ep) return mag - ((long long)ep << mb);
+  if (ef == 0) return ep < 62 ? mag >> ep : 0;
+  const long long sh = ep + 1 - ef;
+  return sh < 62 ? ((1ll << mb) | (mag & ((1ll << mb) - 1))) >> sh : 0;
+}
+
+// bins.encode_value: (symbol, raw code, raw bit count) of pattern pat in the bins of (ep, centre).
+__device__ __forceinline__ int ke_encode_value(long long pat, int ep, long long centre, const KxGrid& gr,
+                                               const kx_u8* __restrict__ escape, kx_u64& code, int& nb) {
+  const int mb = gr.mb;
+  code = (kx_u64)pat;
+  nb = gr.width;
+  if (__ldg(escape + pat)) return KX_ESC;
+  const long long mag = pat & ~(long long)gr.sign & ((1ll << gr.width) - 1);
+  const long long u = ke_bin_of(mag, ep, mb);
+  const long long j = u ^ -(long long)((pat & gr.sign) != 0);
+  const long long r = j - centre;
+  if (r < -KX_CENTRE || r > KX_CENTRE) return KX_ESC;
+  const int sym = (int)r + KX_CENTRE;
+  if (u >= (1ll << mb)) {  // one pattern per bin
+    code = 0;
+    nb = 0;
+    return sym;
+  }
+  if (u == 0) {
+    if (ep <= mb + 1) {
+      code = (kx_u64)mag;
+      nb = ep;
+      return sym;
+    }
+    const int last = ep - mb - 1;  // the level holding both exponent fields 0 and 1
+    const long long ef = mag >> mb;
+    const long long dd = ef <= 1 ? last : ep - mb - ef;
+    if (dd >= KX_DEPTH_MAX) return KX_ESC;
+    if (dd == last) {
+      code = (kx_u64)mag << dd;
+      nb = (int)dd + mb + 1;
+      return sym;
+    }
+    code = ((kx_u64)(mag & ((1ll << mb) - 1)) << (dd + 1)) | (1ull << dd);
+    nb = (int)dd + 1 + mb;
+    return sym;
+  }
+  const int big_e = kx_floor_log2(u) + ep;  // 1 <= u < 2**mb: 2**nb patterns in one binade
+  nb = ep - (big_e > mb ? big_e - mb : 0);
+  code = (kx_u64)mag & ((1ull << nb) - 1);
+  return sym;
+}
+
+// Every value's code << 24 | nbits << 16 | class << 8 | symbol into packed (tensor order), the histogram of
+// class << 8 | symbol (hist: KE_HIST_COPIES x n_keys u64, zeroed) and each chunk's raw bit total (chunk of
+// column (g, b): (g / gb) * nblk + b). The model: per channel (pi = gp * D + d) m, c, a = pm, pc, pa[pi]
+// and es, level = pel[2 pi], pel[2 pi + 1] (format2.BinParams.kernel_args, which the decoder recomputes
+// exactly from the stored fields), then the decoder's kx_locate / kx_value.
+template <int W>
+__global__ void __launch_bounds__(256)
+    ke_symbolise(const void* __restrict__ pats, const float* __restrict__ pred, const double* __restrict__ pm,
+                 const double* __restrict__ pc, const double* __restrict__ pa, const int* __restrict__ pel,
+                 int shared, const kx_u8* __restrict__ escape, int width,
+                 int sign, int mb, int maxmag, int eoff, long long G, long long T, int D, long long tb,
+                 long long nblk, long long gb, int n_keys, kx_u64* __restrict__ packed,
+                 kx_u64* __restrict__ hist, kx_u64* __restrict__ chunk_bits) {
+  const KxGrid gr = {width, sign, mb, maxmag, eoff, kx_pow2(-eoff)};
+  const int lane = threadIdx.x & 31;
+  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const bool valid = col < G * nblk * D;
+  long long g = 0, t0 = 0, t1 = 0;
+  int d = 0;
+  if (valid) ke_column(col, D, T, tb, nblk, g, d, t0, t1);
+  long long steps = t1 - t0;  // warp maximum: every lane runs the same iterations (match-safe)
+  for (int o = 16; o > 0; o >>= 1) steps = max(steps, __shfl_xor_sync(KX_FULL, steps, o));
+  double m = 0.0, c = 0.0, a = 0.0;
+  int es = 0, level = 0;
+  if (valid) {
+    const long long pi = (shared ? 0 : g) * D + d;
+    m = pm[pi];
+    c = pc[pi];
+    a = pa[pi];
+    es = pel[2 * pi];
+    level = pel[2 * pi + 1];
+  }
+  kx_u64* h = hist + (long long)(blockIdx.x % KE_HIST_COPIES) * n_keys;
+  double dev = 0.0;
+  long long total = 0;
+  for (long long s = 0; s < steps; ++s) {
+    const bool act = valid && s < t1 - t0;
+    unsigned key = 0x80000000u | lane;  // inactive lanes match nobody
+    if (act) {
+      const long long i = (g * T + t0 + s) * D + d;
+      const long long pat = ke_pat<W>(pats, i);
+      const double base = __dadd_rn(m, __dmul_rn(c, ke_pred(pred, i)));
+      const double mu = __dadd_rn(base, __dmul_rn(a, dev));
+      double mv = __dmul_rn(mu, gr.inv_unit);
+      if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
+      int ep, cls;
+      long long centre;
+      kx_locate(mv, es, level, mb, ep, centre, cls);
+      kx_u64 code;
+      int nb;
+      const int sym = ke_encode_value(pat, ep, centre, gr, escape, code, nb);
+      packed[i] = (code << 24) | ((kx_u64)nb << 16) | ((kx_u64)cls << 8) | (kx_u64)sym;
+      total += nb;
+      dev = sym != KX_ESC ? __dsub_rn(kx_value(pat, gr), base) : 0.0;  // an escaped value: no residual
+      key = ((unsigned)cls << 8) | (unsigned)sym;
+    }
+    const unsigned peers = __match_any_sync(KX_FULL, key);
+    if (act && lane == __ffs(peers) - 1) atomicAdd(h + key, (kx_u64)__popc(peers));
+  }
+  if (valid && t1 > t0) atomicAdd(chunk_bits + (g / gb) * nblk + t0 / tb, (kx_u64)total);
+}
+
+// chunks [n, 6] int64: first g, g count, first token, token count, raw-bit word start, unused. ftab [n_keys]:
+// freq | cum << 16 of class << 8 | symbol; rcp [n_keys]: floor(2**32 / freq) (0xffffffff for freq <= 1).
+// The chunk's rANS stream goes to the end of scratch slot ci (cap words): lens[ci] = its length, or -1 if
+// a value's symbol has no frequency (an internal error). Its raw bits go to bits[bstart ...].
+template <int WARPS>
+__global__ void __launch_bounds__(32 * WARPS)
+    ke_encode(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks, long long T,
+              int D, const kx_u32* __restrict__ ftab, const kx_u32* __restrict__ rcp, kx_u16* __restrict__ scratch,
+              long long cap, long long* __restrict__ lens, kx_u32* __restrict__ bits) {
+  KE_SHARED kx_u32 ring_all[WARPS][KE_RING];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ci = blockIdx.x * WARPS + warp;
+  if (ci >= n_chunks) return;  // warp-uniform; no block barrier below
+  const long long* cd = chunks + 6 * (long long)ci;
+  const long long g0 = cd[0], t0 = cd[2], nt = cd[3];
+  const long long per = nt * D;
+  const long long n = cd[1] * per;
+  const long long bstart = cd[4];
+  const kx_u32 below = (1u << lane) - 1u;
+  // 1. rANS, backwards (value i on lane i % 32)
+  kx_u16* wb = scratch + (long long)ci * cap;
+  long long wp = cap;
+  kx_u32 x = KX_L;
+  bool bad = false;
+  for (long long grp = ((n + 31) >> 5) - 1; grp >= 0; --grp) {
+    const long long i = 32 * grp + lane;
+    const bool act = i < n;
+    kx_u32 key = 0u;
+    if (act) {
+      const long long gg = i / per;
+      key = (kx_u32)(__ldg(packed + ((g0 + gg) * T + t0) * D + (i - gg * per)) & 0xFFFFu);
+    }
+    const kx_u32 fc = act ? __ldg(ftab + key) : 0u;
+    const kx_u32 f = fc & 0xFFFFu;
+    bad |= act && f == 0u;
+    const bool need = act && (kx_u64)x >= ((kx_u64)f << (32 - 12));
+    const kx_u32 msk = __ballot_sync(KX_FULL, need);
+    const int cnt = __popc(msk);
+    if (need) {
+      wb[wp - cnt + __popc(msk & below)] = (kx_u16)(x & 0xFFFFu);
+      x >>= 16;
+    }
+    wp -= cnt;
+    if (act && f) {
+      kx_u32 q = __umulhi(x, __ldg(rcp + key));
+      kx_u32 r = x - q * f;
+      if (r >= f) {
+        ++q;
+        r -= f;
+      }
+      x = (q << 12) + r + (fc >> 16);
+    }
+  }
+  wb[wp - 64 + 2 * lane] = (kx_u16)(x & 0xFFFFu);
+  wb[wp - 64 + 2 * lane + 1] = (kx_u16)(x >> 16);
+  wp -= 64;
+  const bool any_bad = __any_sync(KX_FULL, bad);
+  if (lane == 0) lens[ci] = any_bad ? -1 : cap - wp;
+  // 2. raw bits, forwards: each value ORs its code into the ring at its offset (warp scan of the counts);
+  // finished words are stored and their ring slots cleared
+  kx_u32* ring = ring_all[warp];
+  ring[lane] = 0u;
+  ring[lane + 32] = 0u;
+  __syncwarp();
+  long long pos = 0, done = 0;  // bits written, words stored
+  for (long long grp = 0; 32 * grp < n; ++grp) {
+    const long long i = 32 * grp + lane;
+    kx_u64 v = 0;
+    if (i < n) {
+      const long long gg = i / per;
+      v = __ldg(packed + ((g0 + gg) * T + t0) * D + (i - gg * per));
+    }
+    const int nb = (int)((v >> 16) & 0xFFu);
+    int incl = nb;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int up = __shfl_up_sync(KX_FULL, incl, o);
+      if (lane >= o) incl += up;
+    }
+    if (nb) {
+      const long long off = pos + incl - nb;
+      const kx_u64 c = (v >> 24) << (off & 31);
+      atomicOr(ring + ((off >> 5) & (KE_RING - 1)), (kx_u32)c);
+      if ((off & 31) + nb > 32) atomicOr(ring + (((off >> 5) + 1) & (KE_RING - 1)), (kx_u32)(c >> 32));
+    }
+    __syncwarp();
+    pos += __shfl_sync(KX_FULL, incl, 31);
+    const long long full = pos >> 5;
+    const long long w = done + lane;
+    if (w < full) {
+      bits[bstart + w] = ring[w & (KE_RING - 1)];
+      ring[w & (KE_RING - 1)] = 0u;
+    }
+    done = full;
+    __syncwarp();
+  }
+  if ((pos & 31) && lane == 0) bits[bstart + done] = ring[done & (KE_RING - 1)];
+}

@@ -1,0 +1,116 @@
+"""Launchers of the kvctx / predictive format 2 GPU encoder (``kvctx_encode.cu``): parameter-fit sums,
+symbolise + histograms, the per-chunk rANS and raw-bit writer.
+
+Each function takes torch tensors (CUDA, or CPU ones under the tests' CPU emulation of the kernels),
+launches on torch's current stream and does not synchronize. Kernels are started through ``runner``:
+``gpu_runner`` (CuPy, the default) or a stand-in with its signature (``tests/cuda_emulation``). The
+orchestration (what to fit, the tables, the stream layout) is ``kvcodec.lossless.kvctx_device_encode``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+SOURCE = "kvctx_encode.cu"
+WARPS = 4  # chunks (warps) per block of ke_encode
+THREADS = 256  # columns per block of the per-column kernels
+HIST_COPIES = 32  # KE_HIST_COPIES
+LANES = 32
+WIDTHS = (1, 2)  # bytes per bit pattern
+
+_P = "const void*, const float*, const double*"
+SIGNATURES = {
+    "ke_fit_moments": f"({_P}, const double*, long long, long long, int, long long, long long, double*)",
+    "ke_fit_residuals": (f"({_P}, const double*, const double*, const double*, int, long long, long long, int, "
+                         "long long, long long, double*)"),
+    "ke_symbolise": ("(const void*, const float*, const double*, const double*, const double*, const int*, int, "
+                     "const unsigned char*, int, int, int, int, int, long long, long long, int, long long, long long, long long, int, "
+                     "unsigned long long*, unsigned long long*, unsigned long long*)"),
+    "ke_encode": ("(const unsigned long long*, const long long*, int, long long, int, const unsigned int*, "
+                  "const unsigned int*, unsigned short*, long long, long long*, unsigned int*)"),
+}
+
+
+def instance_declarations() -> list[str]:
+    """Explicit instantiations for the nvcc compile check."""
+    out = [f"__global__ void {k}<{w}>{SIGNATURES[k]}" for k in ("ke_fit_moments", "ke_fit_residuals", "ke_symbolise")
+           for w in WIDTHS]
+    return out + [f"__global__ void ke_encode<{WARPS}>{SIGNATURES['ke_encode']}"]
+
+
+def gpu_runner(name: str, grid: int, block: int, args: tuple, device) -> None:
+    """Launch kernel instance ``name`` (e.g. ``"ke_encode<4>"``) on torch's current stream."""
+    from kvcodec.cuda import build
+
+    fn = build.get_function(SOURCE, name)
+    with build.cupy_stream(device):
+        fn((grid,), (block,), args)
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(t.data_ptr() if t is not None else 0)
+
+
+def _columns(shape, tb: int) -> tuple[int, int]:
+    g, tt, d = shape
+    nblk = -(-tt // tb)
+    return nblk, g * nblk * d
+
+
+def fit_moments(pats, pred, val, lw, shape, tb: int, runner=gpu_runner) -> torch.Tensor:
+    """float64 [G, nblk, D, 5] per-column sums (n, sum x, sum p, n widths, sum log2 width)."""
+    g, tt, d = shape
+    nblk, cols = _columns(shape, tb)
+    out = torch.empty((g, nblk, d, 5), dtype=torch.float64, device=pats.device)
+    runner(f"ke_fit_moments<{pats.element_size()}>", -(-cols // THREADS), THREADS,
+           (_ptr(pats), _ptr(pred), _ptr(val), _ptr(lw), np.int64(g), np.int64(tt), np.int32(d), np.int64(tb),
+            np.int64(nblk), _ptr(out)), pats.device)
+    return out
+
+
+def fit_residuals(pats, pred, val, m, c, a, shared: bool, shape, tb: int, runner=gpu_runner) -> torch.Tensor:
+    """float64 [G, nblk, D, 3] per-column sums (residual x previous deviation, previous deviation squared,
+    residual squared); ``m, c, a``: float64 [Gp * D] device tensors."""
+    g, tt, d = shape
+    nblk, cols = _columns(shape, tb)
+    out = torch.empty((g, nblk, d, 3), dtype=torch.float64, device=pats.device)
+    runner(f"ke_fit_residuals<{pats.element_size()}>", -(-cols // THREADS), THREADS,
+           (_ptr(pats), _ptr(pred), _ptr(val), _ptr(m), _ptr(c), _ptr(a), np.int32(shared), np.int64(g),
+            np.int64(tt), np.int32(d), np.int64(tb), np.int64(nblk), _ptr(out)), pats.device)
+    return out
+
+
+def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: int, gb: int, n_chunks: int,
+              n_keys: int, runner=gpu_runner):
+    """(packed int64 [G*T*D], hist int64 [HIST_COPIES, n_keys], chunk raw-bit totals int64 [n_chunks]);
+    ``margs``: device tensors m, c, a (float64 [Gp * D]) and es, level (int32 [Gp * D, 2]);
+    ``grid``: the dtype's ``(width, sign, mb, maxmag, eoff)``."""
+    g, tt, d = shape
+    nblk, cols = _columns(shape, tb)
+    dev = pats.device
+    packed = torch.empty(g * tt * d, dtype=torch.int64, device=dev)
+    hist = torch.zeros((HIST_COPIES, n_keys), dtype=torch.int64, device=dev)
+    chunk_bits = torch.zeros(n_chunks, dtype=torch.int64, device=dev)
+    width, sign, mb, maxmag, eoff = grid
+    runner(f"ke_symbolise<{pats.element_size()}>", -(-cols // THREADS), THREADS,
+           (_ptr(pats), _ptr(pred), *(_ptr(x) for x in margs), np.int32(shared), _ptr(escape), np.int32(width),
+            np.int32(sign), np.int32(mb), np.int32(maxmag), np.int32(eoff), np.int64(g), np.int64(tt), np.int32(d),
+            np.int64(tb), np.int64(nblk), np.int64(gb), np.int32(n_keys), _ptr(packed), _ptr(hist),
+            _ptr(chunk_bits)), dev)
+    return packed, hist, chunk_bits
+
+
+def encode_chunks(packed, chunks, ftab, rcp, shape, cap: int, n_bit_words: int, runner=gpu_runner):
+    """(scratch int16 [n * cap], lens int64 [n], bits int32 [n_bit_words]) of every chunk (``chunks``
+    int64 [n, 6] device tensor: first g, g count, first token, token count, raw-bit word start, 0)."""
+    _, tt, d = shape
+    n = chunks.shape[0]
+    dev = packed.device
+    scratch = torch.empty(n * cap, dtype=torch.int16, device=dev)
+    lens = torch.empty(n, dtype=torch.int64, device=dev)
+    bits = torch.empty(max(n_bit_words, 1), dtype=torch.int32, device=dev)
+    runner(f"ke_encode<{WARPS}>", -(-n // WARPS), 32 * WARPS,
+           (_ptr(packed), _ptr(chunks), np.int32(n), np.int64(tt), np.int32(d), _ptr(ftab), _ptr(rcp), _ptr(scratch),
+            np.int64(cap), _ptr(lens), _ptr(bits)), dev)
+    return scratch, lens, bits[:n_bit_words]

@@ -1,0 +1,271 @@
+"""The kvctx and predictive codecs' format 2 streams encoded on a CUDA device.
+
+Why: a KV cache lives on the GPU; the CPU encoder needs the tensor on the host and codes ~0.06 GB/s on
+the GPU box, so offloading or moving KV through it costs seconds per GB.
+
+The stream is the CPU encoder's (``predictive.format2.encode``), so either side decodes it:
+
+1. fit the per-channel model (``params.fit_params``' sums, per column of tb tokens on the device
+   ``kvctx_encode.fit_*``, reduced by torch; the formulas on the [Gp, D] sums on the host, as the CPU
+   encoder; shared or per-(g, d) parameters chosen by ``params.estimated_bits`` as the CPU does);
+2. ``format2.BinParams`` of the model (its ``kernel_args``: the decoder's per-channel values);
+   ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
+   code with the GPU decoder's own model arithmetic and counts the per-class histogram;
+3. the tables on the host (``tables.fit_tables``: the same integer tables as the CPU for the same
+   counts), the ``model`` section as ``format2`` writes it;
+4. ``kvctx_encode.encode_chunks``: one warp per chunk writes its 32-lane rANS stream and its raw bits;
+   the streams are packed into the ``payload`` section (``planes_codec.gather``).
+
+Only the [Gp, D] sums, the histogram, per-chunk sizes and the model section cross to the host.
+Calls the GPU cannot take (:func:`unsupported`: format 1, e.g. fp8 by default; 8-lane streams of small
+tensors; the neighbour-layer predictor; other dtypes) are coded on the CPU by the caller: the format is
+never changed silently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvcodec import container, entropy
+from kvcodec.entropy import rans_lanes
+from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
+from kvcodec.lossless.predictive import codec as pcodec
+from kvcodec.lossless.predictive.bins import N_CLASSES, bin_grid
+from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, BinParams, chunk_layout
+from kvcodec.lossless.predictive.grid import grid_for
+from kvcodec.lossless.predictive.params import Q, S_MAX, S_MIN, ChannelParams, estimated_bits, from_bf16_bits, to_bf16_bits
+from kvcodec.lossless.predictive.tables import fit_tables, table_bytes
+
+SOURCES = ("none", "external", "previous_token")
+N_KEYS = N_CLASSES * 256
+_CODED = {torch.bfloat16, torch.float16, torch.float32}
+
+
+def unsupported(t: torch.Tensor, source: str, version) -> str | None:
+    """Why the GPU encoder does not take this call (None: it does)."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.layout != torch.strided:
+        return "the tensor is not a dense CUDA tensor"
+    if source not in SOURCES:
+        return f"the {source!r} predictor is encoded on the CPU"
+    fp8 = bin_grid(t.dtype) is not None and t.element_size() == 1
+    if t.dtype not in _CODED and not fp8:
+        return f"{t.dtype} is stored verbatim by the CPU encoder"
+    if (pcodec.default_version(t.dtype) if version is None else version) != 2:
+        return "only format 2 is encoded on the GPU (fp8 defaults to format 1: pass version=2)"
+    g, tt, d = pcodec.kv_layout(tuple(t.shape))
+    if t.numel() == 0:
+        return "empty tensor"
+    tb = pcodec.token_block(tt, d)
+    gb = max(1, min(g, CHUNK_VALUES // max(tb * d, 1)))  # format2.chunk_layout's first (largest) chunk
+    if gb * tb * d < WIDE_LANES_FROM:
+        return "chunks under 16384 values are 8-lane streams, coded on the CPU"
+    return None
+
+
+def _f64(a: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, np.float64).reshape(-1)).to(device)
+
+
+def _pattern_tables(bdtype: torch.dtype, device):
+    """float64 per bit pattern: the value (NaN where not finite) and log2 of its rank's bin width (NaN
+    where none), as params.fit_params reads them through the rank."""
+    grid = grid_for(bdtype)
+    with np.errstate(all="ignore"):
+        width = np.diff(grid.edges)
+        log_width = np.where(np.isfinite(width) & (width > 0), np.log2(width), np.nan)
+    k = grid.k_of_bits
+    val = np.where(grid.finite[k], grid.valf[k], np.nan)
+    return _f64(val, device), _f64(log_width[k], device)
+
+
+class _Fitter:
+    """params.fit_params on the device: per-column sums, the formulas on the host."""
+
+    def __init__(self, pats, pred, shape, tb, runner):
+        from kvcodec.cuda import kvctx_encode as ke
+
+        self.ke, self.pats, self.pred, self.shape, self.tb, self.runner = ke, pats, pred, shape, tb, runner
+        self.val = None
+
+    def moments(self, val, lw) -> np.ndarray:
+        self.val = val
+        parts = self.ke.fit_moments(self.pats, self.pred, val, lw, self.shape, self.tb, self.runner)
+        return parts.sum(dim=1).cpu().numpy()  # [G, D, 5]
+
+    def residuals(self, m, c, a, shared: bool) -> np.ndarray:
+        dev = self.pats.device
+        parts = self.ke.fit_residuals(self.pats, self.pred, self.val, _f64(m, dev), _f64(c, dev), _f64(a, dev),
+                                      shared, self.shape, self.tb, self.runner)
+        res = parts.sum(dim=1)
+        return (res.sum(dim=0, keepdim=True) if shared else res).cpu().numpy()
+
+    def fit(self, mom: np.ndarray, gain: str, prev_coef: str, shared: bool) -> ChannelParams:
+        """params.fit_params' formulas (format 2: no shape table) on the summed moments."""
+        if shared:
+            mom = mom.sum(axis=0, keepdims=True)
+        n = mom[..., 0]
+        safe_n = np.maximum(n, 1)
+        c_q = np.full(n.shape, Q if gain == "one" else 0, np.int8)
+        c = c_q.astype(np.float64) / Q
+        if prev_coef == "one":
+            m = np.zeros(n.shape)
+        else:
+            with np.errstate(all="ignore"):
+                mean = np.where(n > 0, (mom[..., 1] - c * mom[..., 2]) / safe_n, 0.0)
+            m = from_bf16_bits(to_bf16_bits(np.clip(np.nan_to_num(mean), -3e38, 3e38)))
+        a_q = np.full(n.shape, Q if prev_coef == "one" else 0, np.int8)
+        if prev_coef != "one":
+            res = self.residuals(m, c, a_q.astype(np.float64) / Q, shared)
+            with np.errstate(all="ignore"):
+                a = np.where(res[..., 1] > 0, res[..., 0] / np.where(res[..., 1] > 0, res[..., 1], 1.0), 0.0)
+            a_q = np.clip(np.round(np.nan_to_num(a) * Q), -Q, Q).astype(np.int8)
+        res = self.residuals(m, c, a_q.astype(np.float64) / Q, shared)
+        with np.errstate(all="ignore"):
+            s = np.sqrt(res[..., 2] / safe_n)
+            floor = np.where(mom[..., 3] > 0, np.exp2(mom[..., 4] / np.maximum(mom[..., 3], 1)) / 4, 0.0)
+            s = np.maximum(np.where(np.isfinite(s), s, S_MAX), np.nan_to_num(floor))
+        s = from_bf16_bits(to_bf16_bits(np.clip(s, S_MIN, S_MAX)))
+        return ChannelParams(m=m, s=s, c=c_q, a=a_q, masses=np.zeros(0, np.uint16), shared=shared, fit_n=n,
+                             fit_r2=res[..., 2])
+
+
+def _symbol_bits(t: torch.Tensor, sections: dict) -> torch.Tensor:
+    """The coded bit patterns (a float32's upper, bf16 half; its lower half to ``sections['lo16']``)."""
+    flat = t.reshape(-1)
+    if t.dtype == torch.float32:
+        w = flat.view(torch.int32)
+        sections["lo16"] = w.to(torch.int16)  # the low half (a C cast keeps the low 16 bits)
+        return (w >> 16).to(torch.int16)
+    return flat.view(torch.uint8 if t.element_size() == 1 else torch.int16)
+
+
+def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -> tuple[dict, dict]:
+    """(codec meta, sections {name: 1-D tensor on t's device}) of the contiguous tensor ``t``, a format 2
+    stream of ``source`` (``SOURCES``; ``prediction``: a tensor of t's shape for "external"). The caller
+    checked :func:`unsupported`. ``runner`` / ``gather``: the kernels' launcher and the stream packer
+    (default: the GPU's; the tests pass the CPU emulation's)."""
+    from kvcodec.cuda import crc32 as gcrc
+    from kvcodec.cuda import kvctx_encode as ke
+
+    runner = runner or ke.gpu_runner
+    if gather is None:
+        from kvcodec.cuda.planes_codec import gather
+    dev = t.device
+    shape = tuple(t.shape)
+    g, tt, d = pcodec.kv_layout(shape)
+    tb = pcodec.token_block(tt, d)
+    f32 = t.dtype == torch.float32
+    bdtype = torch.bfloat16 if f32 else t.dtype
+    meta = {"v": 2, "source": source, "dtype": container.torch_dtype_name(t.dtype), "shape": list(shape),
+            "mode": "f32split" if f32 else "grid"}
+    sections: dict = {}
+    pats = _symbol_bits(t, sections)
+    pred = None
+    if source == "external":
+        pred = _prediction_f32(prediction.to(dev), g, tt, d).contiguous()
+        meta["pred_crc"] = int(gcrc.crc32_many([pred.reshape(-1).view(torch.uint8)]).cpu()[0])
+
+    # 1. the model
+    fitter = _Fitter(pats, pred, (g, tt, d), tb, runner)
+    mom = fitter.moments(*_pattern_tables(bdtype, dev))
+    gain = "one" if source == "external" else "zero"
+    prev_coef = "one" if source == "previous_token" else "fit"
+    choices = (True,) if tt < pcodec._SHARED_PARAMS_BELOW else (False, True) if tt < pcodec._PER_CHANNEL_FROM else (False,)
+    models = [fitter.fit(mom, gain, prev_coef, sh) for sh in choices]
+    model = min(models, key=lambda mdl: estimated_bits(mdl, source, 16.0 * mdl.s.size))
+    bgrid = bin_grid(bdtype)
+    bp = BinParams.from_channel(model, bgrid)
+    fields_head, fields = bp.field_bytes(source)
+    m, c, a, es, level = bp.kernel_args(bgrid)
+    margs = [_f64(m, dev), _f64(c, dev), _f64(a, dev),
+             torch.from_numpy(np.stack([es.reshape(-1), level.reshape(-1)], 1).astype(np.int32)).to(dev)]
+
+    # 2. symbols, histogram, raw-bit counts
+    cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, g)
+    gb = int(cng[0])
+    esc_d = torch.from_numpy(bgrid.escape.astype(np.uint8)).to(dev)
+    packed, hist, chunk_bits = ke.symbolise(pats, pred, margs, bp.shared, esc_d, grid_constants(bdtype),
+                                            (g, tt, d), tb, gb, cg0.size, N_KEYS, runner)
+    counts = hist.sum(dim=0).cpu().numpy().reshape(N_CLASSES, 256)
+    cbits = chunk_bits.cpu().numpy()
+
+    # 3. tables and the chunk layout of the sections
+    freq = fit_tables(counts)
+    cum = rans_lanes.cumulative(freq)
+    f = freq.reshape(-1).astype(np.uint64)
+    ftab = (f | (cum.reshape(-1).astype(np.uint64) << 16)).astype(np.uint32)
+    rcp = np.where(f >= 2, (1 << 32) // np.maximum(f, 1), 0xFFFFFFFF).astype(np.uint32)
+    bwords = (cbits + 31) // 32
+    bstart = np.concatenate([[0], np.cumsum(bwords)[:-1]]).astype(np.int64)
+    chunks = np.stack([cg0, cng, ct0, cnt, bstart, np.zeros_like(bstart)], 1).astype(np.int64)
+    cap = int((cng * cnt).max()) * d + 2 * ke.LANES
+
+    # 4. the chunks' streams
+    chunks_d = torch.from_numpy(chunks).to(dev)
+    ftab_d = torch.from_numpy(ftab.view(np.int32)).to(dev)
+    rcp_d = torch.from_numpy(rcp.view(np.int32)).to(dev)
+    scratch, lens, bits = ke.encode_chunks(packed, chunks_d, ftab_d, rcp_d, (g, tt, d), cap, int(bwords.sum()), runner)
+    del packed
+    wlen = lens.cpu().numpy()
+    if (wlen < 0).any():
+        raise RuntimeError("GPU kvctx encoder: a symbol without frequency (internal error)")
+    woff = np.concatenate([[0], np.cumsum(wlen)]).astype(np.int64)
+    payload = torch.empty(int(woff[-1]), dtype=torch.int16, device=dev)
+    gather(scratch, cap, lens, woff[:-1], payload)
+    head = fields_head + entropy.encode(np.concatenate([fields, table_bytes(freq)]), coder="rans")
+    counts_b = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
+    model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts_b])
+    meta.update(tb=tb, shared=bp.shared, lanes=ke.LANES)
+    sections.update(model=torch.from_numpy(model_blob).to(dev), payload=payload, bits=bits)
+    return meta, sections
+
+
+def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: str) -> torch.Tensor:
+    """The tensor blob (``kvcodec.compress``'s container, a uint8 tensor on the device) of a CUDA tensor
+    coded with codec ``codec`` ("kvctx" / "predictive") and predictor ``source``."""
+    from kvcodec.cuda.crc32 import crc32_many
+    from kvcodec.lossless import device_container
+
+    t = tensor.detach().resolve_conj().resolve_neg().contiguous()
+    codec_meta, sections = encode(t, prediction, source)
+    crcs = crc32_many([t.reshape(-1).view(torch.uint8), *(s.view(torch.uint8) for s in sections.values())])
+    crcs = crcs.cpu().tolist()
+    meta = {"codec": codec, "dtype": container.torch_dtype_name(t.dtype), "shape": list(t.shape),
+            "device": str(tensor.device), "crc32": crcs[0], "uses_prediction": source == "external",
+            "codec_meta": codec_meta}
+    return device_container.assemble(kind, meta, sections, crcs[1:], t.device)
+
+
+def route(tensor, prediction, codec: str, opts: dict, gpu) -> tuple[str, str] | None:
+    """(codec, predictor) when ``kvcodec.compress(tensor, prediction, codec, gpu=gpu, **opts)`` is a
+    kvctx / predictive call the GPU encoder takes, else None (the CPU encodes it, or raises for bad
+    arguments)."""
+    if gpu is False or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
+        return None
+    opts = dict(opts)
+    layout = opts.pop("layout", None)
+    version = opts.pop("version", None)
+    predictor = opts.pop("predictor", None)
+    if opts or layout not in (None, "kv") or version not in (None, 2) or type(version) not in (int, type(None)):
+        return None
+    if prediction is not None and (not isinstance(prediction, torch.Tensor) or prediction.device != tensor.device
+                                   or tuple(prediction.shape) != tuple(tensor.shape) or prediction.dtype.is_complex
+                                   or prediction.dtype == torch.bool):
+        return None
+    from kvcodec.lossless.api import choose_codec
+
+    name = choose_codec(codec, prediction, layout, tensor.dtype)
+    if name == "kvctx" and prediction is None and predictor is None:
+        source = "none"
+    elif name == "predictive" and prediction is not None and predictor in (None, "external"):
+        source = "external"
+    elif name == "predictive" and prediction is None and predictor == "previous_token":
+        source = "previous_token"
+    else:
+        return None
+    import kvcodec.cuda
+
+    if unsupported(tensor, source, version) is not None or not kvcodec.cuda.is_available():
+        return None
+    return name, source

@@ -1,0 +1,236 @@
+"""The kvctx / predictive format 2 GPU encoder (kvcodec.lossless.kvctx_device_encode, kvcodec/cuda/kvctx_encode.cu).
+
+CPU checks (always): the kernel source itself runs on the CPU (``tests/cuda_emulation/kvctx_encode_emulator.cpp``:
+g++ with the CUDA names defined there, 32 threads per warp meeting at every warp collective) through the real
+driver (fit, tables, model section, chunk layout); its streams must decode with the CPU decoder bit-exactly
+(every dtype, special values, the sources it takes) and compress within ~1% of the CPU encoder; the kernels
+compile for sm_90 and sm_100. GPU checks (marked gpu, run on the device): ``compress`` of CUDA tensors
+encodes on the GPU; the blob decodes on the CPU and on the GPU; damaged blobs raise CorruptStreamError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_kvctx_device import GPU, blob_of, kv_like, same_bits, with_specials
+
+import kvcodec
+from kvcodec.cuda import build
+from kvcodec.cuda import kvctx_encode as ke
+from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless import api
+from kvcodec.lossless import kvctx_device_encode as kde
+from kvcodec.lossless.predictive.codec import encode_tensor
+
+EMULATOR = Path(__file__).parent / "cuda_emulation" / "kvctx_encode_emulator.cpp"
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    """The encoder's kernels compiled for the CPU (skipped without g++)."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("needs g++ to run the kernels on the CPU")
+    lib_path = tmp_path_factory.mktemp("kvctx_encode_emulator") / "kvctx_encode_emulator.so"
+    cmd = [gxx, "-O2", "-std=c++20", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-o", str(lib_path),
+           str(EMULATOR)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"g++ cannot build the emulator: {proc.stderr[-500:]}")
+    return ctypes.CDLL(str(lib_path))
+
+
+def _c(v):
+    """A launcher argument as the ctypes value of its C type."""
+    if isinstance(v, np.uint64):
+        return ctypes.c_uint64(int(v))
+    if isinstance(v, np.int64):
+        return ctypes.c_longlong(int(v))
+    return ctypes.c_int(int(v))
+
+
+def emulated_runner(lib):
+    """A stand-in for ``kvctx_encode.gpu_runner`` running the kernels on CPU tensors."""
+
+    def run(name, grid, block, args, device):
+        base, tmpl = name[:-1].split("<")
+        extra = () if base == "ke_encode" else (ctypes.c_int(int(tmpl)),)
+        getattr(lib, base + "_emu")(ctypes.c_int(grid), ctypes.c_int(block), *extra, *(_c(a) for a in args))
+
+    return run
+
+
+def emulated_gather(scratch, cap, lens, dst_off, dst):
+    """planes_codec.gather on CPU tensors: stream j = the last lens[j] words of scratch slot j."""
+    for j, (n, off) in enumerate(zip(lens.tolist(), dst_off.tolist())):
+        dst[off:off + n] = scratch[(j + 1) * cap - n:(j + 1) * cap]
+
+
+@pytest.fixture
+def zlib_crc(monkeypatch):
+    from kvcodec.cuda import crc32 as gcrc
+
+    monkeypatch.setattr(gcrc, "crc32_many", lambda bufs: torch.tensor(
+        [zlib.crc32(b.contiguous().view(torch.uint8).numpy().tobytes()) for b in bufs]))
+
+
+_NP = {torch.uint8: np.uint8, torch.int16: np.uint16, torch.int32: np.uint32}
+
+
+def host_sections(sections: dict) -> dict:
+    """Device-encoder sections as the numpy sections the CPU writes (uint8 / uint16 / uint32)."""
+    return {k: v.cpu().numpy().view(_NP[v.dtype]) for k, v in sections.items()}
+
+
+def emulated_blob(lib, x, pred, source):
+    meta, sections = kde.encode(x, pred, source, runner=emulated_runner(lib), gather=emulated_gather)
+    codec = "kvctx" if source == "none" else "predictive"
+    return meta, host_sections(sections), blob_of(meta, host_sections(sections), x, codec, pred is not None)
+
+
+def compressed_size(sections: dict) -> int:
+    return sum(v.nbytes for v in sections.values())
+
+
+CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)
+    ((2, 128, 64), torch.bfloat16, "none"),  # shared or per-(g, d): the cost decides
+    ((1, 1024, 24), torch.bfloat16, "none"),  # per-(g, d); D < 32: warps of columns of several lanes' tokens
+    ((2, 128, 64), torch.float16, "none"),
+    ((4, 64, 64), torch.float32, "none"),  # f32split: the lo16 section
+    ((2, 128, 64), torch.float8_e5m2, "previous_token"),
+    ((2, 128, 64), torch.float8_e4m3fn, "none"),
+    ((2, 128, 64), torch.bfloat16, "external"),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,source", CASES)
+def test_emulated_encoder_streams_decode_on_the_cpu(emulator, zlib_crc, shape, dtype, source):
+    x = with_specials(kv_like(shape, torch.float32, seed=len(shape) + 1).to(dtype))
+    pred = kv_like(shape, torch.bfloat16, seed=5) if source == "external" else None
+    meta, secs, blob = emulated_blob(emulator, x, pred, source)
+    cpu_meta, cpu_secs = encode_tensor(x, pred, source, version=2)
+    assert meta == cpu_meta | {"shared": meta["shared"]}  # the same fields (sharing: chosen on its own sums)
+    assert same_bits(kvcodec.decompress(blob, prediction=pred), x)
+    assert compressed_size(secs) <= 1.01 * compressed_size(cpu_secs) + 64
+
+
+def test_emulated_encoder_equals_cpu_bytes_with_the_same_model(emulator, zlib_crc):
+    """A large-scale channel set where the fitted parameters agree: the streams are the CPU's byte for byte."""
+    x = kv_like((2, 256, 64), seed=3)
+    meta, secs, _ = emulated_blob(emulator, x, None, "none")
+    cpu_meta, cpu_secs = encode_tensor(x, None, "none", version=2)
+    if not np.array_equal(secs["model"][:200], cpu_secs["model"][:200]):
+        pytest.skip("the fitted parameters differ in a last bit (allowed: they are stored)")
+    assert meta == cpu_meta
+    for k in cpu_secs:
+        assert np.array_equal(secs[k], cpu_secs[k]), k
+
+
+def test_emulated_encoder_damaged_stream_raises(emulator, zlib_crc):
+    from kvcodec import container
+
+    x = kv_like((2, 128, 64), seed=4)
+    _, _, blob = emulated_blob(emulator, x, None, "none")
+    kind, meta, sections = container.loads(blob)
+    secs = {k: np.array(v) for k, v in sections.items()}
+    secs["payload"][len(secs["payload"]) // 3] ^= 1
+    with pytest.raises(CorruptStreamError):
+        kvcodec.decompress(container.dumps(kind, meta, secs))
+
+
+def test_calls_the_gpu_encoder_does_not_take():
+    assert kde.unsupported(torch.zeros(4), "none", None) is not None  # a CPU tensor
+    meta_t = torch.empty((2, 128, 64), dtype=torch.bfloat16, device="meta")
+    assert kde.unsupported(meta_t, "none", None) is not None
+    assert kde.route(torch.zeros(2, 128, 64), None, "kvctx", {}, None) is None
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_kernels_compile_with_nvcc(arch, tmp_path):
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    proc = build.nvcc_compile(ke.SOURCE, ke.instance_declarations(), arch, tmp_path, extra=("-Xptxas", "-v"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "bytes spill" not in proc.stderr or " 0 bytes spill stores" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------ GPU
+gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
+
+
+@pytest.fixture
+def gpu_encodes(monkeypatch):
+    """Counts kvctx_device_encode.encode calls (the GPU encoder was used)."""
+    calls = []
+    real = kde.encode
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kde, "encode", counting)
+    return calls
+
+
+GPU_CASES = [((2, 4, 256, 64), torch.bfloat16, "none"), ((3, 700, 40), torch.bfloat16, "none"),
+             ((2, 2048, 16), torch.float16, "none"), ((4, 256, 64), torch.float32, "none"),
+             ((1, 8, 2100), torch.bfloat16, "none"), ((2, 4, 256, 64), torch.bfloat16, "external"),
+             ((2, 4, 256, 64), torch.bfloat16, "previous_token")]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape,dtype,source", GPU_CASES)
+@pytest.mark.parametrize("specials", [False, True])
+def test_gpu_encode_decodes_everywhere(shape, dtype, source, specials, gpu_encodes):
+    x = kv_like(shape, dtype, seed=len(shape))
+    x = (with_specials(x) if specials else x).cuda()
+    pred = kv_like(shape, torch.bfloat16, seed=7).cuda() if source == "external" else None
+    kw = {"prediction": pred} if pred is not None else (
+        {"layout": "kv"} if source == "none" else {"codec": "predictive", "predictor": source})
+    blob = kvcodec.compress(x, **kw)
+    dblob = api.compress_device(x, **kw)
+    assert len(gpu_encodes) == 2 and bytes(dblob.cpu().numpy()) == blob
+    p_cpu = pred.cpu() if pred is not None else None
+    assert same_bits(kvcodec.decompress(blob, prediction=p_cpu, device="cpu"), x)  # the CPU decoder
+    assert same_bits(kvcodec.decompress(dblob, prediction=pred), x)  # the GPU decoder, device blob
+    cpu_blob = kvcodec.compress(x.cpu(), prediction=p_cpu, **{k: v for k, v in kw.items() if k != "prediction"})
+    assert same_bits(kvcodec.decompress(cpu_blob, prediction=pred, device="cuda"), x)
+    assert len(blob) <= 1.01 * len(cpu_blob) + 256
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_encode_fp8_version2_and_fallbacks(gpu_encodes):
+    x = kv_like((2, 128, 64), torch.float32).to(torch.float8_e4m3fn).cuda()
+    blob = kvcodec.compress(x, layout="kv")  # format 1 by default: the CPU encodes it
+    assert gpu_encodes == [] and same_bits(kvcodec.decompress(blob), x)
+    blob2 = kvcodec.compress(x, layout="kv", version=2)
+    assert gpu_encodes == [1] and same_bits(kvcodec.decompress(blob2, device="cpu"), x)
+    small = kv_like((2, 16, 64)).cuda()  # 8-lane chunks: the CPU
+    assert same_bits(kvcodec.decompress(kvcodec.compress(small, layout="kv")), small) and gpu_encodes == [1]
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_encoded_damaged_blobs_raise():
+    x = kv_like((2, 4, 256, 64)).cuda()
+    host = np.frombuffer(kvcodec.compress(x, layout="kv"), np.uint8)
+    rng = np.random.default_rng(5)
+    for trial in range(30):
+        bad = host.copy()
+        if trial % 2:
+            bad[int(rng.integers(0, bad.size))] ^= np.uint8(1 << int(rng.integers(0, 8)))
+        else:
+            bad = bad[: int(rng.integers(0, bad.size))]
+        for dev in ("cpu", "cuda"):
+            with pytest.raises(CorruptStreamError):
+                kvcodec.decompress(torch.from_numpy(bad).to(dev) if dev == "cuda" else bad.tobytes())
+    torch.cuda.synchronize()
