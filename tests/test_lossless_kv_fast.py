@@ -87,8 +87,14 @@ def test_bins_match_a_reference_from_real_values(dtype, pat, ep, shift):
         assert depth < bins.DEPTH_MAX and 0 <= rank < count
         assert nb == (depth + bg.mb + 1 if depth == last else depth + 1 + bg.mb)
         assert (code & ((1 << (depth + 1)) - 1)) == (0 if depth == last else 1 << depth) or depth == last
-    neg, mag_back, used, ok = binned._decode_mag(sym, ep, centre, bg.mb, bg.maxmag, code, 40)
-    assert ok and used == nb and mag_back == mag and bool(neg) == bool(pat & bg.sign)
+    # the decoder's two paths give the pattern back from the symbol and the raw bits
+    j = centre + sym - bins.CENTRE
+    if j in (0, -1):  # bin 0: unary depth and mantissa, decoded with the raw bits in order
+        back, used, kind = binned.decode_escape_or_bin0(sym, j, ep, code, bg.width, bg.sign, bg.mb, bg.maxmag)
+        assert kind == 0 and used == nb and back == pat
+    else:  # the raw bit count and the pattern less its raw bits come from the symbol alone
+        used, hi = binned.raw_layout(sym, centre - bins.CENTRE, ep, bg.mb)
+        assert used == nb and hi + (code & ((1 << nb) - 1)) == mag and (j < 0) == bool(pat & bg.sign)
 
 
 def reference_stream(t: torch.Tensor, meta, sections, prediction=None):

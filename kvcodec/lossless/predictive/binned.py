@@ -15,12 +15,19 @@ rANS of each chunk through ``rans_lanes.encode`` with one context per value).
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
+
+import llvmlite.ir as ir
 import numpy as np
-from numba import njit, prange
+import torch
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from kvcodec.entropy import rans_lanes
 from kvcodec.lossless.predictive.bins import (
-    CENTRE, DEPTH_MAX, ESC, LOG2_FLOOR, MU_MAX, N_CLASSES, encode_value, locate, value_of,
+    CENTRE, DEPTH_MAX, ESC, MU_MAX, N_CLASSES, bin_grid, encode_value, locate, pow2, value_of,
 )
 from kvcodec.lossless.predictive.cdf import location, prediction_at
 
@@ -103,133 +110,254 @@ def write_chunks(packed, coff, freq, cum, lanes, wcap, words, wstart, bstart, bi
         wstart[ci] = wcap[ci] + rans_lanes.encode(sym, 0, 1, cls, freq, cum, lanes, seg)
 
 
-@njit(inline="always", cache=True)
-def _fill(acc, have, bp, bits, bend):
-    """Top the bit buffer up to >= 32 bits, branch-free (zeros past the chunk's end, which the
-    caller's bit count catches; ``bits`` is never empty)."""
-    refill = np.int64(have < 32)
-    w = np.int64(bits[min(bp, bits.size - 1)]) & -np.int64(bp < bend)
-    acc |= (w << have) & -refill
-    return acc, have + (refill << 5), bp + refill
+def _bit_count_intrinsic(name: str):
+    """An LLVM bit-count intrinsic (``llvm.ctlz`` / ``llvm.cttz``) on int64; 64 for x == 0."""
+
+    @intrinsic
+    def count(typingctx, x):
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(1)])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, f"{name}.i64")
+            return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
+        return types.int64(types.int64), codegen
+
+    return count
+
+
+leading_zeros = _bit_count_intrinsic("llvm.ctlz")
+trailing_zeros = _bit_count_intrinsic("llvm.cttz")
+
+
+@intrinsic
+def load_u64(typingctx, arr, i):
+    """The 8 bytes of a uint8 array from byte ``i`` as a little-endian int64 (one unaligned load,
+    no bounds check: the caller keeps ``i + 8 <= arr.size``)."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        return builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
+    return types.int64(arr, types.int64), codegen
+
+
+@njit(cache=True)
+def _bits_at_end(bits8, pos, n8):
+    """The raw bits from bit ``pos`` on, near the section's end (zeros past it)."""
+    acc = np.int64(0)
+    for q in range(8):
+        if (pos >> 3) + q < n8:
+            acc |= np.int64(bits8[(pos >> 3) + q]) << (8 * q)
+    return np.int64(np.uint64(acc) >> np.uint64(pos & 7))
 
 
 @njit(inline="always", cache=True)
-def _decode_mag(sym, ep, centre, mb, maxmag, acc, have):
-    """(negative: -1 or 0, magnitude, bits used, ok) of a non-ESC symbol; ``acc`` holds >= 32 bits."""
-    j = centre + sym - CENTRE
-    neg = j >> 63  # -1 or 0
-    u = j ^ neg  # -1 - j or j, branch-free
-    if u == 0:
-        if ep <= mb + 1:
-            return neg, acc & ((np.int64(1) << ep) - 1), ep, True
+def raw_layout(sym, cen, ep, mb):
+    """(raw bit count, magnitude pattern less its raw bits) of a non-ESC symbol outside bin 0;
+    ``cen`` = the centre bin - CENTRE. Bin ``u`` of width 2**ep holds the patterns from V = u * 2**ep:
+    ``sh`` = the exponent of their spacing, ``2**nb`` of them (one when the bin is the grid step)."""
+    j = cen + sym
+    u = j ^ (j >> 63)  # -1 - j or j
+    sh = max(63 - leading_zeros(u | 1) + ep - mb, 0)
+    nb = ep - sh
+    hi = (sh << mb) + (u << (nb & 63))
+    if u >= (np.int64(1) << mb):  # one pattern per bin
+        nb = 0
+        hi = u + (np.int64(ep) << mb)
+    return nb, hi
+
+
+@njit(inline="always", cache=True)
+def decode_escape_or_bin0(sym, j, ep, acc, width, sign, mb, maxmag):
+    """(pattern, raw bits used, kind) of an ESC symbol (kind 1: the pattern is verbatim) or of bin 0
+    (kind 0: unary depth, then the mantissa); kind -1: malformed. ``acc`` holds >= 32 raw bits."""
+    if sym == ESC:
+        return acc & ((np.int64(1) << width) - 1), width, 1
+    neg = j >> 63
+    if ep <= mb + 1:
+        mag = acc & ((np.int64(1) << ep) - 1)
+        n = ep
+    else:
         last = ep - mb - 1
-        d = 0
-        while d < _UNARY and ((acc >> d) & 1) == 0:
-            d += 1
+        d = min(trailing_zeros(acc), _UNARY)
         if last < DEPTH_MAX and d >= last:
             mag = (acc >> last) & ((np.int64(1) << (mb + 1)) - 1)
-            used = last + mb + 1
+            n = last + mb + 1
         elif d >= DEPTH_MAX:
-            return neg, np.int64(0), 0, False
+            return 0, 0, -1
         else:
             mag = ((ep - mb - d) << mb) | ((acc >> (d + 1)) & ((np.int64(1) << mb) - 1))
-            used = d + 1 + mb
-        if mag > maxmag:
-            return neg, np.int64(0), 0, False
-        return neg, mag, used, True
-    if u >= (np.int64(1) << mb):  # one pattern per bin
-        mag = u + (np.int64(ep) << mb)
-        used = 0
-    else:  # 1 <= u < 2**mb: 2**nb patterns in one binade
-        big_e = LOG2_FLOOR[u] + ep
-        nb = ep - (big_e - mb if big_e > mb else 0)
-        first = (u << ep) if big_e < mb else ((big_e - mb + 1) << mb) + (u << nb) - (np.int64(1) << mb)
-        mag = first + (acc & ((np.int64(1) << nb) - 1))
-        used = nb
+            n = d + 1 + mb
     if mag > maxmag:
-        return neg, np.int64(0), 0, False
-    return neg, mag, used, True
+        return 0, 0, -1
+    return mag | (sign & neg), n, 0
 
 
-@njit(parallel=True, cache=True)
+@njit(inline="always", cache=True)
+def _value(pat, sign, mb, eoff):
+    """The value of a finite bit pattern (as ``bins.value_of``, from the exponent bits: no table)."""
+    mag = pat & ~sign & 0xFFFF
+    ef = mag >> mb
+    v = ((mag & ((np.int64(1) << mb) - 1)) | (np.int64(ef > 0) << mb)) * pow2(eoff + max(ef, 1) - 1)
+    return 0.0 - v if pat & sign else v
+
+
+def _chunk_decoder(consts):
+    """The one-chunk decoder, with the dtype's (width, sign, mb, maxmag, eoff) compiled in as
+    constants (``consts``), or read from its ``grid`` argument (None): the shifts and masks by
+    constants make the specialised kernels ~10% faster; the generic one serves rarer dtypes."""
+    special = consts is not None
+    c_width, c_sign, c_mb, c_maxmag, c_eoff = consts or (0, 0, 0, 0, 0)
+
+    @njit(nogil=True, cache=True)
+    def decode_chunk(words, ptr, bits8, pos0, g0, ng, t0, nt, pred, has_pred, pred_g0, pred_t0,
+                     m, c, a, es, level, shared, tabs, lanes, out, out_g0, out_t0, xs, grid):
+        """Decode one chunk (see :func:`decode_chunks`): (error, rANS word position, raw bits used)."""
+        if special:
+            width, sign, mb, maxmag, eoff = c_width, c_sign, c_mb, c_maxmag, c_eoff
+        else:
+            width, sign, mb, maxmag, eoff = grid[0], grid[1], grid[2], grid[3], grid[4]
+        inv_unit = pow2(-eoff)
+        d_n = out.shape[2]
+        flat, pflat = out.reshape(-1), pred.reshape(-1)
+        mf, cf, af, esf, lvf = m.reshape(-1), c.reshape(-1), a.reshape(-1), es.reshape(-1), level.reshape(-1)
+        dev = np.zeros(d_n, np.float64)  # the previous token's residuals
+        base = np.empty(d_n, np.float64)
+        tbase = np.empty(d_n, np.int64)  # per channel of the token: its table, bins, symbol, raw bits
+        cen = np.empty(d_n, np.int64)
+        t_ep = np.empty(d_n, np.int64)
+        sym = np.empty(d_n, np.int64)
+        nbits = np.empty(d_n, np.int64)
+        hi = np.empty(d_n, np.int64)
+        low = np.empty(d_n, np.int64)
+        pos = pos0
+        lane0 = 0
+        lm = lanes - 1
+        n8, nw = bits8.size, words.size
+        for g in range(g0, g0 + ng):
+            gp = 0 if shared else g
+            dev[:] = 0.0
+            mo = gp * d_n
+            o = ((g - out_g0) * out.shape[1] + (t0 - out_t0)) * d_n
+            for t in range(t0, t0 + nt):
+                po = ((g - pred_g0) * pred.shape[1] + (t - pred_t0)) * d_n if has_pred else 0
+                # np.uint64 indices below: no negative-index wrap-around code in the hot loops
+                for d in range(d_n):  # 1. the model of every channel (vectorises)
+                    i, di = np.uint64(mo + d), np.uint64(d)
+                    p = np.float64(pflat[np.uint64(po + d)]) if has_pred else 0.0
+                    b, mv = _mu_v(mf[i], cf[i], af[i], p if np.isfinite(p) else 0.0, dev[di], inv_unit)
+                    ep, centre, cls = locate(mv, esf[i], lvf[i], mb)
+                    base[di] = b
+                    tbase[di] = cls * _M
+                    cen[di] = centre - CENTRE
+                    t_ep[di] = ep
+                if ptr + d_n <= nw:  # 2. the symbols (at most one rANS word per symbol)
+                    for d in range(d_n):
+                        j = np.uint64((lane0 + d) & lm)
+                        x = xs[j]
+                        e = np.int64(tabs[np.uint64(tbase[np.uint64(d)] + (x & (_M - 1)))])
+                        x = (((e >> 12) & 0xFFF) + 1) * (x >> 12) + (e & 0xFFF)
+                        need = np.int64(x < rans_lanes.RANS_L)
+                        xs[j] = (x << (need << 4)) | (np.int64(words[np.uint64(ptr)]) & -need)
+                        ptr += need
+                        sym[np.uint64(d)] = e >> 24
+                else:  # the stream's last words: reads clamped, an overrun shows as ptr > end
+                    for d in range(d_n):
+                        j = (lane0 + d) & lm
+                        xs[j], ptr, sym[d] = rans_lanes.decode_step(xs[j], tabs, tbase[d], words, ptr, nw)
+                lane0 = (lane0 + d_n) & lm
+                for d in range(d_n):  # 3. raw bit counts (vectorises); -1: ESC or bin 0
+                    di = np.uint64(d)
+                    nbits[di], hi[di] = raw_layout(sym[di], cen[di], t_ep[di], mb)
+                    j = cen[di] + sym[di]
+                    if (j == 0) | (j == -1) | (sym[di] == ESC):
+                        nbits[di] = -1
+                inside = (pos >> 3) + 4 * d_n + 8 <= n8  # < 32 bits a value: no read past the end
+                for d in range(d_n):  # 4. the raw bits, in order (ESC and bin 0 whole here)
+                    di = np.uint64(d)
+                    acc = load_u64(bits8, pos >> 3) >> (pos & 7) if inside else _bits_at_end(bits8, pos, n8)
+                    n = nbits[di]
+                    if n < 0:
+                        pat, n, kind = decode_escape_or_bin0(sym[di], cen[di] + sym[di], t_ep[di], acc,
+                                                             width, sign, mb, maxmag)
+                        if kind < 0:
+                            return 5, ptr, 0
+                        hi[di] = pat | (kind << 20)  # bit 20: ESC (no residual)
+                        low[di] = 0
+                    else:
+                        low[di] = acc & ((np.int64(1) << n) - 1)
+                    pos += n
+                bad = False
+                for d in range(d_n):  # 5. patterns and residuals (vectorises)
+                    di = np.uint64(d)
+                    mag = hi[di] + low[di]
+                    slow = nbits[di] < 0
+                    pat = mag & 0xFFFFF if slow else mag | (sign & ((cen[di] + sym[di]) >> 63))
+                    bad |= (mag > maxmag) & (not slow)
+                    flat[np.uint64(o + d)] = pat
+                    dev[di] = 0.0 if mag >> 20 else _value(pat, sign, mb, eoff) - base[di]
+                if bad:
+                    return 5, ptr, 0
+                o += d_n
+        return 0, ptr, pos - pos0
+
+    @njit(parallel=True, cache=True)
+    def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
+                      m, c, a, es, level, shared, tabs, lanes, out, out_g0, out_t0, err, grid):
+        bits8 = bits.view(np.uint8)
+        for ci in prange(cg0.size):
+            ptr, end = wstart[ci], wstart[ci] + wlen[ci]
+            if wlen[ci] < 2 * lanes:
+                err[ci] = 1
+                continue
+            xs = np.empty(lanes, np.int64)
+            if not rans_lanes.start_states(words, ptr, lanes, xs):
+                err[ci] = 2
+                continue
+            bad, ptr, used = decode_chunk(words, ptr + 2 * lanes, bits8, 32 * bstart[ci], cg0[ci], cng[ci], ct0[ci],
+                                          cnt[ci], pred, has_pred, pred_g0, pred_t0, m, c, a, es, level, shared,
+                                          tabs, lanes, out, out_g0, out_t0, xs, grid)
+            if bad:
+                err[ci] = bad
+                continue
+            for j in range(lanes):
+                if xs[j] != rans_lanes.RANS_L:
+                    bad = 4
+            if bad or ptr != end or (used + 31) // 32 != blen[ci]:
+                err[ci] = 4
+
+    return decode_chunks
+
+
+_SPECIALISED = tuple(t for t in (torch.bfloat16, torch.float16, getattr(torch, "float8_e4m3fn", None)) if t)
+_DECODERS: dict = {}
+
+
 def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
                   m, c, a, es, level, shared, tabs, lanes, width, sign, mb, maxmag, escape, unit, inv_unit,
                   out, out_g0, out_t0, err):
     """Decode the listed chunks into ``out`` (bit patterns; its [0, 0] is (out_g0, out_t0)); the
     prediction's [0, 0] is (pred_g0, pred_t0). ``err[i]`` is set non-zero for a malformed chunk.
+    Chunks run in parallel (numba ``prange``, the caller's thread count).
 
-    The values of one token depend on the previous token only, so each token is three tight loops:
-    the model (bins and classes of all channels), the rANS symbols, the raw bits and patterns."""
-    d_n = out.shape[2]
-    for ci in prange(cg0.size):
-        ptr, end = wstart[ci], wstart[ci] + wlen[ci]
-        if wlen[ci] < 2 * lanes:
-            err[ci] = 1
-            continue
-        xs = np.empty(lanes, np.int64)
-        if not rans_lanes.start_states(words, ptr, lanes, xs):
-            err[ci] = 2
-            continue
-        ptr += 2 * lanes
-        bp, bend = bstart[ci], bstart[ci] + blen[ci]
-        acc = np.int64(0)
-        have = 0
-        used = np.int64(0)
-        dev = np.zeros(d_n, np.float64)
-        base = np.empty(d_n, np.float64)
-        t_ep = np.empty(d_n, np.int64)
-        t_centre = np.empty(d_n, np.int64)
-        t_base = np.empty(d_n, np.int64)
-        t_sym = np.empty(d_n, np.int64)
-        t_pat = np.empty(d_n, np.int64)
-        i = 0
-        bad = 0
-        for g in range(cg0[ci], cg0[ci] + cng[ci]):
-            gp = 0 if shared else g
-            dev[:] = 0.0
-            for t in range(ct0[ci], ct0[ci] + cnt[ci]):
-                for d in range(d_n):
-                    p = prediction_at(pred, has_pred, g - pred_g0, t - pred_t0, d)
-                    base[d], mv = _mu_v(m[gp, d], c[gp, d], a[gp, d], p, dev[d], inv_unit)
-                    t_ep[d], t_centre[d], k = locate(mv, es[gp, d], level[gp, d], mb)
-                    t_base[d] = k * _M
-                for d in range(d_n):
-                    j = (i + d) & (lanes - 1)
-                    xs[j], ptr, t_sym[d] = rans_lanes.decode_step(xs[j], tabs, t_base[d], words, ptr, end)
-                i += d_n
-                for d in range(d_n):
-                    acc, have, bp = _fill(acc, have, bp, bits, bend)
-                    s = t_sym[d]
-                    if s == ESC:
-                        pat = acc & ((np.int64(1) << width) - 1)
-                        n = width
-                    else:
-                        neg, mag, n, ok = _decode_mag(s, t_ep[d], t_centre[d], mb, maxmag, acc, have)
-                        if not ok:
-                            bad = 5
-                            break
-                        pat = mag | (sign & neg)
-                    acc >>= n
-                    have -= n
-                    used += n
-                    t_pat[d] = pat
-                if bad:
-                    break
-                for d in range(d_n):
-                    pat = t_pat[d]
-                    out[g - out_g0, t - out_t0, d] = pat
-                    v = value_of(pat, sign, mb, maxmag, unit)[1]
-                    dev[d] = v - base[d] if t_sym[d] != ESC else 0.0
-            if bad:
-                break
-        if bad:
-            err[ci] = bad
-            continue
-        for j in range(lanes):
-            if xs[j] != rans_lanes.RANS_L:
-                bad = 4
-        if bad or ptr != end or (used + 31) // 32 != blen[ci]:
-            err[ci] = 4
+    The values of one token depend on the previous token only, so each token is five loops over
+    its channels: the model (bins and class), the rANS symbols, the raw bit counts, the raw bits
+    (a serial bit position), the patterns and residuals; loops 1, 3 and 5 vectorise. The raw bits
+    are read with unaligned 8-byte loads (the last bytes of the section by byte).
+    """
+    del escape, unit  # the encoder's tables (``bins.value_of``); the decoder builds values from bits
+    eoff = 1 - math.frexp(inv_unit)[1]  # inv_unit = 2**-eoff
+    consts = (int(width), int(sign), int(mb), int(maxmag), eoff)
+    key = consts if consts in _specialised_consts() else None
+    if key not in _DECODERS:
+        _DECODERS[key] = _chunk_decoder(key)
+    grid = np.array(consts, np.int64)
+    _DECODERS[key](words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
+                   m, c, a, es, level, shared, tabs, lanes, out, out_g0, out_t0, err, grid)
+
+
+@lru_cache(maxsize=None)
+def _specialised_consts() -> frozenset:
+    """The dtypes with a kernel of their own: bf16 (also float32's upper halves), fp16, fp8 e4m3."""
+    return frozenset((g.width, g.sign, g.mb, g.maxmag, g.eoff) for g in map(bin_grid, _SPECIALISED))
 
 
 _ = N_CLASSES  # tables are [N_CLASSES * 4096]: one per class of ``bins.locate``

@@ -103,7 +103,6 @@ def bin_grid(dtype: torch.dtype) -> BinGrid | None:
 LOG2_FLOOR = np.zeros(_LOG2_TABLE, np.int64)
 for _k in range(1, 13):
     LOG2_FLOOR[1 << _k:] += 1
-POW2_NEG = np.array([2.0 ** -k for k in range(EP_MAX + 1)])  # exact powers of two
 
 
 def scale_levels(s_v: np.ndarray) -> np.ndarray:
@@ -128,28 +127,42 @@ def float64_bits(typingctx, x):
     return types.int64(types.float64), codegen
 
 
+@intrinsic
+def bits_float64(typingctx, x):
+    """The float64 whose IEEE bits are the int64 ``x`` (a register bit cast)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float64))
+    return types.float64(types.int64), codegen
+
+
+@njit(inline="always", cache=True)
+def pow2(k):
+    """2.0 ** k, exact, for -1022 <= k <= 1023 (built from the exponent bits: no table, no libm)."""
+    return bits_float64((np.int64(1023) + k) << 52)
+
+
 @njit(inline="always", cache=True)
 def locate(mu_v, es, level, mb):
-    """(ep, centre, cls) of a value predicted at ``mu_v`` (V units, finite) in a channel with
-    bin exponent ``es`` and scale level ``level``: ``centre`` = the bin coordinate (see
-    :func:`bin_of`) holding ``mu_v``. Branch-free (data-dependent branches here cost more than
-    everything else): the exponent comes from the float64 bits, a negative ``mu_v`` (or -0.0)
-    flips the bin."""
+    """(ep, centre, cls) of a value predicted at ``mu_v`` (V units, finite, below MU_MAX) in a
+    channel with bin exponent ``es`` and scale level ``level``: ``centre`` = the bin coordinate
+    (see :func:`bin_of`) holding ``mu_v``. Branch-free and table-free (data-dependent branches here
+    cost more than everything else, and this form vectorises over channels): the exponent comes
+    from the float64 bits, a negative ``mu_v`` (or -0.0) flips the bin."""
     bits = float64_bits(mu_v)
     ex = ((bits >> 52) & 0x7FF) - 1023  # floor(log2 |mu_v|) (negative below 1: no step there)
     ep = min(es, EP_MAX)
     av = abs(mu_v)
-    eu = max(ex - mb, 0)  # exponent of one grid step at mu
+    eu = max(ex - mb, 0)  # exponent of one grid step at mu (< 400 - mb: |mu_v| < MU_MAX)
     # below 2**(ep + mb) the coordinate is V / 2**ep; above, one unit per grid step
-    y = av * POW2_NEG[ep]
-    y_steps = (eu - ep) * (1 << mb) + av * POW2_NEG[min(eu, EP_MAX)]
+    y = av * pow2(-ep)
     if eu > ep:
-        y = y_steps
+        y = (eu - ep) * (1 << mb) + av * pow2(-eu)
     u = np.int64(y)
-    neg = np.int64(bits < 0)
-    centre = u ^ (-neg)  # u, or -1 - u
+    neg = bits >> 63  # -1 or 0
+    centre = u ^ neg  # u, or -1 - u
     f = y - u
-    f = f + neg * (1.0 - 2.0 * f)  # where mu lies in its bin, in the direction of increasing value
+    if neg:
+        f = f + (1.0 - 2.0 * f)  # where mu lies in its bin, in the direction of increasing value
     lvl = level - 4 * max(ep, eu)  # scale / local bin width, in quarter octaves
     fine = min(lvl, 15) - 12
     coarse = N_FINE + (11 - max(lvl, LVL_LO)) * N_FRAC + min(np.int64(f * N_FRAC), N_FRAC - 1)
