@@ -200,8 +200,8 @@ def instantiation_wrapper(source: str, instances: list[str]) -> str:
 def nvcc_command(wrapper_path: str | Path, arch: str, out_path: str | Path, extra: tuple[str, ...] = ()) -> list[str]:
     """The nvcc command line that compiles a wrapper to a cubin for ``arch`` (e.g. ``"sm_90"``)."""
     nvcc = shutil.which("nvcc") or "nvcc"
-    # arch-specific targets (sm_90a) in the -gencode form: nvcc 13.0's -arch=sm_90a shorthand also runs
-    # a plain sm_90 pass (device/HOPPER.md)
+    # arch-specific targets (sm_90a) in the -gencode form: the -arch=sm_90a shorthand of nvcc 13.0 can
+    # also run a plain sm_90 pass, which rejects the sm_90a-only instructions
     target = f"-gencode=arch=compute_{arch[3:]},code={arch}" if arch[-1].isalpha() else f"-arch={arch}"
     return [nvcc, target, "-std=c++17", "-cubin", *extra, "-o", str(out_path), str(wrapper_path)]
 

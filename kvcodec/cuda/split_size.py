@@ -21,9 +21,12 @@ MERGE_US_PER_16_SPLITS = 1.5
 # The one-launch kernel (tq_decode_fused): each block rotates its query tile first (prologue), the
 # tile's last block merges one partial per block and applies the inverse rotation (tail). Fitted to
 # its split-size sweep (H200, session 4: the tail costs ~1.5 us at 8 blocks per tile, ~7 at 32-64).
+# Per block 0.25 us (was 0.15): b1 x 32k then takes 256 tokens per warp (32 blocks per tile), measured
+# 33.3 and 33.8 us in two runs against 34.6 and 35.0 for the 176 (47 blocks) that 0.15 picked
+# (sessions 4 and 5); the kernel table's other shapes keep their picks for any value in 0.2-0.4.
 FUSED_PROLOGUE_US = 1.0
 FUSED_TAIL_US = 1.0
-FUSED_TAIL_US_PER_BLOCK = 0.15
+FUSED_TAIL_US_PER_BLOCK = 0.25
 
 
 def blocks_per_sm(dim: int, rows: int, qjl: bool, num_regs: int | None = None, narrow: bool = True) -> int:
