@@ -110,6 +110,18 @@ def write_chunks(packed, coff, freq, cum, lanes, wcap, words, wstart, bstart, bi
         wstart[ci] = wcap[ci] + rans_lanes.encode(sym, 0, 1, cls, freq, cum, lanes, seg)
 
 
+@njit(parallel=True, cache=True)
+def gather_words(words, wstart, wcap):
+    """The chunks' rANS words ``words[wstart[i]:wcap[i + 1]]`` back to back (the payload section)."""
+    wlen = wcap[1:] - wstart
+    off = np.zeros(wlen.size + 1, np.int64)
+    off[1:] = np.cumsum(wlen)
+    out = np.empty(off[-1], words.dtype)
+    for ci in prange(wlen.size):
+        out[off[ci]:off[ci + 1]] = words[wstart[ci]:wcap[ci + 1]]
+    return out
+
+
 def _bit_count_intrinsic(name: str):
     """An LLVM bit-count intrinsic (``llvm.ctlz`` / ``llvm.cttz``) on int64; 64 for x == 0."""
 

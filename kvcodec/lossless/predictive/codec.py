@@ -9,7 +9,6 @@ CDF per value, :mod:`kernels`) is still read, and written on request (``version=
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 
 import numba
@@ -127,7 +126,7 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0,
     if source == "external":
         with np.errstate(invalid="ignore"):
             pred = _prediction_f32(prediction, g, tt, d)
-        meta["pred_crc"] = zlib.crc32(pred.reshape(-1).view(np.uint8))
+        meta["pred_crc"] = container.crc32(pred.reshape(-1).view(np.uint8))
     elif source == "neighbour_layer":
         per_layer = g // shape[0]
         pred = np.zeros((g, tt, d), np.float32)
@@ -311,7 +310,7 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
             raise CorruptStreamError(f"prediction must have shape {shape}, the stream's")
         with np.errstate(invalid="ignore"):
             pred = _prediction_f32(prediction, g, tt, d)
-        if zlib.crc32(pred.reshape(-1).view(np.uint8)) != meta.get("pred_crc"):
+        if container.crc32(pred.reshape(-1).view(np.uint8)) != meta.get("pred_crc"):
             raise CorruptStreamError("the prediction differs from the one this stream was coded with")
     elif prediction is not None:
         raise CorruptStreamError("this stream was coded without a prediction tensor")

@@ -27,7 +27,7 @@ import numpy as np
 from kvcodec import entropy
 from kvcodec.entropy import rans_lanes
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless.predictive.binned import decode_chunks, symbolise, write_chunks
+from kvcodec.lossless.predictive.binned import decode_chunks, gather_words, symbolise, write_chunks
 from kvcodec.lossless.predictive.bins import EP_MAX, N_CLASSES, BinGrid, bin_exponent, scale_levels
 from kvcodec.lossless.predictive.params import Q, ChannelParams, stored_fields
 from kvcodec.lossless.predictive.tables import decode_tables, fit_tables, table_bytes, tables_from_bytes
@@ -222,14 +222,12 @@ def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int,
     write_chunks(packed, coff, freq, rans_lanes.cumulative(freq), lanes, wcap, words, wstart,
                  bstart, bits)
     wlen = wcap[1:] - wstart
-    keep = np.zeros(words.size, bool)
-    for s0, s1 in zip(wstart, wcap[1:]):
-        keep[s0:s1] = True
     counts = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
     fields_head, fields = bp.field_bytes(source)
     head = fields_head + entropy.encode(np.concatenate([fields, table_bytes(freq)]), coder="rans")
     model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts])
-    return {"shared": bp.shared, "lanes": lanes}, {"model": model_blob, "payload": words[keep], "bits": bits}
+    payload = gather_words(words, wstart, wcap)
+    return {"shared": bp.shared, "lanes": lanes}, {"model": model_blob, "payload": payload, "bits": bits}
 
 
 @dataclass(frozen=True)
