@@ -145,6 +145,32 @@ def test_emulated_encoder_damaged_stream_raises(emulator, zlib_crc):
         kvcodec.decompress(container.dumps(kind, meta, secs))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_device_bin_params_equal_the_host_ones(dtype):
+    """kvctx_device_fit.bin_params == format2.BinParams.from_channel + kernel_args, bit for bit."""
+    from kvcodec.lossless.predictive.bins import bin_grid
+    from kvcodec.lossless.predictive.format2 import BinParams
+    from kvcodec.lossless.predictive.params import S_MAX, S_MIN, ChannelParams, from_bf16_bits, to_bf16_bits
+
+    rng = np.random.default_rng(1)
+    shape = (3, 500)
+    s = from_bf16_bits(to_bf16_bits(np.clip(10.0 ** rng.uniform(-42, 32, shape), S_MIN, S_MAX)))
+    m = from_bf16_bits(to_bf16_bits(rng.normal(size=shape) * 10.0 ** rng.uniform(-45, 38, shape)))
+    c = rng.integers(-127, 128, shape).astype(np.int8)
+    a = rng.integers(-64, 65, shape).astype(np.int8)
+    grid = bin_grid(dtype)
+    want = BinParams.from_channel(ChannelParams(m=m, s=s, c=c, a=a, masses=None, shared=False), grid)
+    model = kde.kfit.DeviceModel(m=torch.from_numpy(m), s=torch.from_numpy(s), c=torch.from_numpy(c),
+                                 a=torch.from_numpy(a), n=None, r2=None, shared=False)
+    got, margs = kde.kfit.bin_params(model, grid)
+    for f in ("level", "mq", "c", "a"):
+        assert np.array_equal(getattr(got, f), getattr(want, f)), f
+    km, kc, ka, es, level = want.kernel_args(grid)
+    for dev_arg, host in zip(margs[:3], (km, kc, ka)):
+        assert np.array_equal(dev_arg.numpy().view(np.int64), host.reshape(-1).view(np.int64))
+    assert np.array_equal(margs[3].numpy(), np.stack([es.reshape(-1), level.reshape(-1)], 1))
+
+
 def test_calls_the_gpu_encoder_does_not_take():
     assert kde.unsupported(torch.zeros(4), "none", None) is not None  # a CPU tensor
     meta_t = torch.empty((2, 128, 64), dtype=torch.bfloat16, device="meta")

@@ -5,18 +5,18 @@ the GPU box, so offloading or moving KV through it costs seconds per GB.
 
 The stream is the CPU encoder's (``predictive.format2.encode``), so either side decodes it:
 
-1. fit the per-channel model (``params.fit_params``' sums, per column of tb tokens on the device
-   ``kvctx_encode.fit_*``, reduced by torch; the formulas on the [Gp, D] sums on the host, as the CPU
-   encoder; shared or per-(g, d) parameters chosen by ``params.estimated_bits`` as the CPU does);
-2. ``format2.BinParams`` of the model (its ``kernel_args``: the decoder's per-channel values);
-   ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
+1. fit the per-channel model (``params.fit_params``' sums per column of tb tokens,
+   ``kvctx_encode.fit_*``, reduced by torch; its formulas and the bin parameters on the device,
+   ``kvctx_device_fit``; shared or per-(g, d) parameters chosen by the CPU encoder's estimate);
+2. ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
    code with the GPU decoder's own model arithmetic and counts the per-class histogram;
 3. the tables on the host (``tables.fit_tables``: the same integer tables as the CPU for the same
    counts), the ``model`` section as ``format2`` writes it;
 4. ``kvctx_encode.encode_chunks``: one warp per chunk writes its 32-lane rANS stream and its raw bits;
    the streams are packed into the ``payload`` section (``planes_codec.gather``).
 
-Only the [Gp, D] sums, the histogram, per-chunk sizes and the model section cross to the host.
+Only the stored parameter fields (~6 bytes a channel), the histogram, per-chunk sizes and the model
+section cross to the host.
 Calls the GPU cannot take (:func:`unsupported`: format 1, e.g. fp8 by default; 8-lane streams of small
 tensors; the neighbour-layer predictor; other dtypes) are coded on the CPU by the caller: the format is
 never changed silently.
@@ -24,17 +24,19 @@ never changed silently.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 
 from kvcodec import container, entropy
 from kvcodec.entropy import rans_lanes
+from kvcodec.lossless import kvctx_device_fit as kfit
 from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
 from kvcodec.lossless.predictive import codec as pcodec
 from kvcodec.lossless.predictive.bins import N_CLASSES, bin_grid
-from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, BinParams, chunk_layout
+from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, chunk_layout
 from kvcodec.lossless.predictive.grid import grid_for
-from kvcodec.lossless.predictive.params import Q, S_MAX, S_MIN, ChannelParams, estimated_bits, from_bf16_bits, to_bf16_bits
 from kvcodec.lossless.predictive.tables import fit_tables, table_bytes
 
 SOURCES = ("none", "external", "previous_token")
@@ -63,11 +65,8 @@ def unsupported(t: torch.Tensor, source: str, version) -> str | None:
     return None
 
 
-def _f64(a: np.ndarray, device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, np.float64).reshape(-1)).to(device)
-
-
-def _pattern_tables(bdtype: torch.dtype, device):
+@lru_cache(maxsize=16)
+def _pattern_tables(bdtype: torch.dtype, device: torch.device):
     """float64 per bit pattern: the value (NaN where not finite) and log2 of its rank's bin width (NaN
     where none), as params.fit_params reads them through the rank."""
     grid = grid_for(bdtype)
@@ -76,58 +75,27 @@ def _pattern_tables(bdtype: torch.dtype, device):
         log_width = np.where(np.isfinite(width) & (width > 0), np.log2(width), np.nan)
     k = grid.k_of_bits
     val = np.where(grid.finite[k], grid.valf[k], np.nan)
-    return _f64(val, device), _f64(log_width[k], device)
+    return torch.from_numpy(val).to(device), torch.from_numpy(log_width[k]).to(device)
 
 
-class _Fitter:
-    """params.fit_params on the device: per-column sums, the formulas on the host."""
+class _Sums:
+    """The per-column fit kernels, summed over token blocks (and leading indices when shared) by torch."""
 
-    def __init__(self, pats, pred, shape, tb, runner):
+    def __init__(self, pats, pred, val, shape, tb, runner):
         from kvcodec.cuda import kvctx_encode as ke
 
-        self.ke, self.pats, self.pred, self.shape, self.tb, self.runner = ke, pats, pred, shape, tb, runner
-        self.val = None
+        self.ke, self.pats, self.pred, self.val, self.shape, self.tb, self.runner = ke, pats, pred, val, shape, tb, runner
 
-    def moments(self, val, lw) -> np.ndarray:
-        self.val = val
-        parts = self.ke.fit_moments(self.pats, self.pred, val, lw, self.shape, self.tb, self.runner)
-        return parts.sum(dim=1).cpu().numpy()  # [G, D, 5]
+    def moments(self, lw) -> torch.Tensor:
+        """[G, D, 5]: n, sum x, sum p, n widths, sum log2 width."""
+        return self.ke.fit_moments(self.pats, self.pred, self.val, lw, self.shape, self.tb, self.runner).sum(dim=1)
 
-    def residuals(self, m, c, a, shared: bool) -> np.ndarray:
-        dev = self.pats.device
-        parts = self.ke.fit_residuals(self.pats, self.pred, self.val, _f64(m, dev), _f64(c, dev), _f64(a, dev),
-                                      shared, self.shape, self.tb, self.runner)
-        res = parts.sum(dim=1)
-        return (res.sum(dim=0, keepdim=True) if shared else res).cpu().numpy()
-
-    def fit(self, mom: np.ndarray, gain: str, prev_coef: str, shared: bool) -> ChannelParams:
-        """params.fit_params' formulas (format 2: no shape table) on the summed moments."""
-        if shared:
-            mom = mom.sum(axis=0, keepdims=True)
-        n = mom[..., 0]
-        safe_n = np.maximum(n, 1)
-        c_q = np.full(n.shape, Q if gain == "one" else 0, np.int8)
-        c = c_q.astype(np.float64) / Q
-        if prev_coef == "one":
-            m = np.zeros(n.shape)
-        else:
-            with np.errstate(all="ignore"):
-                mean = np.where(n > 0, (mom[..., 1] - c * mom[..., 2]) / safe_n, 0.0)
-            m = from_bf16_bits(to_bf16_bits(np.clip(np.nan_to_num(mean), -3e38, 3e38)))
-        a_q = np.full(n.shape, Q if prev_coef == "one" else 0, np.int8)
-        if prev_coef != "one":
-            res = self.residuals(m, c, a_q.astype(np.float64) / Q, shared)
-            with np.errstate(all="ignore"):
-                a = np.where(res[..., 1] > 0, res[..., 0] / np.where(res[..., 1] > 0, res[..., 1], 1.0), 0.0)
-            a_q = np.clip(np.round(np.nan_to_num(a) * Q), -Q, Q).astype(np.int8)
-        res = self.residuals(m, c, a_q.astype(np.float64) / Q, shared)
-        with np.errstate(all="ignore"):
-            s = np.sqrt(res[..., 2] / safe_n)
-            floor = np.where(mom[..., 3] > 0, np.exp2(mom[..., 4] / np.maximum(mom[..., 3], 1)) / 4, 0.0)
-            s = np.maximum(np.where(np.isfinite(s), s, S_MAX), np.nan_to_num(floor))
-        s = from_bf16_bits(to_bf16_bits(np.clip(s, S_MIN, S_MAX)))
-        return ChannelParams(m=m, s=s, c=c_q, a=a_q, masses=np.zeros(0, np.uint16), shared=shared, fit_n=n,
-                             fit_r2=res[..., 2])
+    def residuals(self, m, c, a, shared: bool) -> torch.Tensor:
+        """[Gp, D, 3] residual sums under the location (m, c, a: float64 [Gp, D] device tensors)."""
+        res = self.ke.fit_residuals(self.pats, self.pred, self.val, m.reshape(-1).contiguous(),
+                                    c.reshape(-1).contiguous(), a.reshape(-1).contiguous(), shared, self.shape,
+                                    self.tb, self.runner).sum(dim=1)
+        return res.sum(dim=0, keepdim=True) if shared else res
 
 
 def _symbol_bits(t: torch.Tensor, sections: dict) -> torch.Tensor:
@@ -167,19 +135,16 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
         meta["pred_crc"] = int(gcrc.crc32_many([pred.reshape(-1).view(torch.uint8)]).cpu()[0])
 
     # 1. the model
-    fitter = _Fitter(pats, pred, (g, tt, d), tb, runner)
-    mom = fitter.moments(*_pattern_tables(bdtype, dev))
+    val, lw = _pattern_tables(bdtype, dev)
+    sums = _Sums(pats, pred, val, (g, tt, d), tb, runner)
+    mom = sums.moments(lw)
     gain = "one" if source == "external" else "zero"
     prev_coef = "one" if source == "previous_token" else "fit"
     choices = (True,) if tt < pcodec._SHARED_PARAMS_BELOW else (False, True) if tt < pcodec._PER_CHANNEL_FROM else (False,)
-    models = [fitter.fit(mom, gain, prev_coef, sh) for sh in choices]
-    model = min(models, key=lambda mdl: estimated_bits(mdl, source, 16.0 * mdl.s.size))
+    model = min((kfit.fit(mom, sums.residuals, gain, prev_coef, sh) for sh in choices), key=kfit.cost)
     bgrid = bin_grid(bdtype)
-    bp = BinParams.from_channel(model, bgrid)
+    bp, margs = kfit.bin_params(model, bgrid)
     fields_head, fields = bp.field_bytes(source)
-    m, c, a, es, level = bp.kernel_args(bgrid)
-    margs = [_f64(m, dev), _f64(c, dev), _f64(a, dev),
-             torch.from_numpy(np.stack([es.reshape(-1), level.reshape(-1)], 1).astype(np.int32)).to(dev)]
 
     # 2. symbols, histogram, raw-bit counts
     cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, g)
