@@ -243,8 +243,8 @@ def pcie_rows(name, x):
 
 def transfer_rows(name, x):
     """The host-blob path's copies alone, on the compressed blob's bytes: ``transfer.device_to_bytes``
-    (enc column) and ``bytes_to_device`` (dec column) as shipped, then with huge pages off and with
-    8 workers (the choices made without a measurement)."""
+    (enc column) and ``bytes_to_device`` (dec column) with 16 workers and huge pages, without the
+    huge-page advice, and with 8 workers."""
     from kvcodec.cuda import transfer
     from kvcodec.lossless import compress_device
 
@@ -252,16 +252,17 @@ def transfer_rows(name, x):
     host = transfer.device_to_bytes(blob)
     nbytes = blob.numel()
     rows = []
-    defaults = (transfer.HUGE_PAGES, transfer.MAX_WORKERS)
-    for label, huge, workers in (("as shipped", True, 16), ("no MADV_HUGEPAGE", False, 16), ("8 workers", True, 8)):
-        transfer.HUGE_PAGES, transfer.MAX_WORKERS = huge, workers
+    defaults = (transfer.HUGE_PAGES, transfer.DOWNLOAD_WORKERS, transfer.UPLOAD_WORKERS)
+    for huge, workers in ((True, 16), (False, 16), (True, 8)):
+        transfer.HUGE_PAGES, transfer.DOWNLOAD_WORKERS, transfer.UPLOAD_WORKERS = huge, workers, workers
         try:
             d2h, back = timed(lambda: transfer.device_to_bytes(blob), reps=5)
             h2d, dev = timed(lambda: transfer.bytes_to_device(host, blob.device), reps=5)
         finally:
-            transfer.HUGE_PAGES, transfer.MAX_WORKERS = defaults
-        rows.append(dict(data=name, codec=f"blob bytes <-> device only ({label}; MB = blob)", MB=nbytes / 1e6, ratio=1.0,
-                         enc_GBps=nbytes / d2h / 1e9, dec_GBps=nbytes / h2d / 1e9,
+            transfer.HUGE_PAGES, transfer.DOWNLOAD_WORKERS, transfer.UPLOAD_WORKERS = defaults
+        label = f"{workers} workers, {'MADV_HUGEPAGE' if huge else 'no huge-page advice'}"
+        rows.append(dict(data=name, codec=f"blob bytes <-> device only ({label}; MB = blob)", MB=nbytes / 1e6,
+                         ratio=1.0, enc_GBps=nbytes / d2h / 1e9, dec_GBps=nbytes / h2d / 1e9,
                          exact=back == host and same_bits(dev, blob)))
     return rows
 

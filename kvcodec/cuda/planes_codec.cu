@@ -193,10 +193,10 @@ __global__ void __launch_bounds__(32 * PC_HIST_WARPS_TIMES_PLANES / PP)
 // ---------------------------------------------------------------------------------------------- encode
 // Symbols of a chunk are read 128 at a time: lane k holds bytes [128 b + 4 k, +4) of block b; the
 // symbol of element 32 g + k is byte k & 3 of lane 8 (g & 3) + (k >> 2)'s word of block g >> 2.
-__device__ __forceinline__ pc_u32 pc_load_block(const pc_u8* __restrict__ sp, long long n, long long b, int lane,
-                                                bool aligned) {
+// Chunks hold < 2^24 symbols, so positions are 32-bit.
+__device__ __forceinline__ pc_u32 pc_load_block(const pc_u8* __restrict__ sp, int n, int b, int lane, bool aligned) {
   if (b < 0) return 0u;
-  const long long off = 128 * b + 4 * lane;
+  const int off = 128 * b + 4 * lane;
   if (aligned && off + 4 <= n) return __ldg(reinterpret_cast<const pc_u32*>(sp + off));
   pc_u32 v = 0u;
   for (int t = 0; t < 4; ++t)
@@ -204,10 +204,14 @@ __device__ __forceinline__ pc_u32 pc_load_block(const pc_u8* __restrict__ sp, lo
   return v;
 }
 
-// jobs [J, 4] int64: byte offset of the chunk's first symbol in src, symbol count, table id, unused.
-// tables [T, 256] u32 frequencies (summing to 4096). scratch: J x cap u16 (cap >= count + 64); the
-// stream of job j is written to the END of its slot: words [cap - len, cap); lens[j] = len, or -1 if
-// a symbol has frequency 0 (a wrong table: the caller raises).
+// jobs [J, 4] int64: byte offset of the chunk's first symbol in src, symbol count (< 2^24), table id,
+// unused. tables [T, 256] u32 frequencies (summing to 4096). scratch: J x cap u16 (cap >= count + 64);
+// the stream of job j is written to the END of its slot: words [cap - len, cap); lens[j] = len, or -1
+// if a symbol has frequency 0 (a wrong table: the caller raises).
+//
+// The warp is issue-bound (one chunk per warp, every chunk in flight at once), so a step is kept
+// short: the four groups of a block unrolled (compile-time shuffle sources), 32-bit positions, the
+// symbol's frequency, reciprocal and start loaded together before the state is touched.
 template <int WARPS>
 __global__ void __launch_bounds__(32 * WARPS) pc_rans_encode(const pc_u8* __restrict__ src,
                                                              const long long* __restrict__ jobs, int njobs,
@@ -221,7 +225,8 @@ __global__ void __launch_bounds__(32 * WARPS) pc_rans_encode(const pc_u8* __rest
   const int job = blockIdx.x * WARPS + warp;
   if (job >= njobs) return;  // warp-uniform; no block barrier below
   const long long* jd = jobs + 4 * (long long)job;
-  const long long a = jd[0], n = jd[1];
+  const long long a = jd[0];
+  const int n = (int)jd[1];
   const pc_u32* tab = tables + 256 * jd[2];
   // table -> shared: frequencies, exclusive cumulative sums (warp scan), reciprocals for the division
   pc_u32 run = 0u;
@@ -238,53 +243,57 @@ __global__ void __launch_bounds__(32 * WARPS) pc_rans_encode(const pc_u8* __rest
     run += __shfl_sync(PC_FULL, incl, 31);
   }
   __syncwarp();
+  const pc_u32* fr = s_freq[warp];
+  const pc_u32* cm = s_cum[warp];
+  const pc_u32* rc = s_rcp[warp];
   const pc_u8* sp = src + a;
   const bool aligned = (reinterpret_cast<unsigned long long>(sp) & 3ull) == 0ull;
   pc_u16* wb = scratch + (long long)job * cap;
-  long long wp = cap;
+  int wp = (int)cap;
   pc_u32 x = PC_L;
-  bool bad = false;
+  pc_u32 bad = 0u;
   const pc_u32 below = (1u << lane) - 1u;
-  const long long G = (n + 31) >> 5;
-  long long blk = (G - 1) >> 2;
+  const int G = (n + 31) >> 5;
+  int blk = (G - 1) >> 2;
   pc_u32 cur = pc_load_block(sp, n, blk, lane, aligned);
   pc_u32 nx1 = pc_load_block(sp, n, blk - 1, lane, aligned);
   pc_u32 nx2 = pc_load_block(sp, n, blk - 2, lane, aligned);
-  for (long long g = G - 1; g >= 0; --g) {
-    if ((g >> 2) != blk) {  // warp-uniform: the next block down
-      blk = g >> 2;
-      cur = nx1;
-      nx1 = nx2;
-      nx2 = pc_load_block(sp, n, blk - 2, lane, aligned);
-    }
-    const int gi = (int)(g & 3);
-    const pc_u32 word = __shfl_sync(PC_FULL, cur, 8 * gi + (lane >> 2));
-    const pc_u32 s = (word >> (8 * (lane & 3))) & 0xFFu;
-    const bool active = 32 * g + lane < n;
-    const pc_u32 f = s_freq[warp][s];
-    bad |= active && f == 0u;
-    const bool need = active && (pc_u64)x >= ((pc_u64)f << (32 - PC_PREC));
-    const pc_u32 m = __ballot_sync(PC_FULL, need);
-    const int cnt = __popc(m);
-    if (need) {
-      wb[wp - cnt + __popc(m & below)] = (pc_u16)(x & 0xFFFFu);
-      x >>= 16;
-    }
-    wp -= cnt;
-    if (active && f) {
-      pc_u32 q = __umulhi(x, s_rcp[warp][s]);
-      pc_u32 r = x - q * f;
-      if (r >= f) {
-        ++q;
-        r -= f;
+  for (; blk >= 0; --blk) {
+#pragma unroll
+    for (int gi = 3; gi >= 0; --gi) {
+      const int g = 4 * blk + gi;
+      if (g >= G) continue;  // warp-uniform (the top block only)
+      const pc_u32 word = __shfl_sync(PC_FULL, cur, 8 * gi + (lane >> 2));
+      const pc_u32 s = (word >> (8 * (lane & 3))) & 0xFFu;
+      const bool active = 32 * g + lane < n;
+      const pc_u32 f = fr[s], r_inv = rc[s], c = cm[s];
+      bad |= (pc_u32)(active && f == 0u);
+      const bool need = active && (x >> (32 - PC_PREC)) >= f;  // x >= f * 2^20
+      const pc_u32 m = __ballot_sync(PC_FULL, need);
+      const int cnt = __popc(m);
+      if (need) {
+        wb[wp - cnt + __popc(m & below)] = (pc_u16)(x & 0xFFFFu);
+        x >>= 16;
       }
-      x = (q << PC_PREC) + r + s_cum[warp][s];
+      wp -= cnt;
+      if (active && f) {
+        pc_u32 q = __umulhi(x, r_inv);
+        pc_u32 r = x - q * f;
+        if (r >= f) {
+          ++q;
+          r -= f;
+        }
+        x = (q << PC_PREC) + r + c;
+      }
     }
+    cur = nx1;
+    nx1 = nx2;
+    nx2 = pc_load_block(sp, n, blk - 3, lane, aligned);
   }
   wb[wp - 64 + 2 * lane] = (pc_u16)(x & 0xFFFFu);
   wb[wp - 64 + 2 * lane + 1] = (pc_u16)(x >> 16);
   wp -= 64;
-  const bool any_bad = __any_sync(PC_FULL, bad);
+  const bool any_bad = __any_sync(PC_FULL, bad != 0u);
   if (lane == 0) lens[job] = any_bad ? -1 : cap - wp;
 }
 
