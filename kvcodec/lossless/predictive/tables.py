@@ -122,8 +122,14 @@ def _from_bytes(raw):
     return out[:k]
 
 
+_ESC_ONLY = rans_lanes.decode_table(np.eye(256, dtype=np.int64)[ESC] * TOTAL)  # every slot: ESC
+
+
 def decode_tables(freq: np.ndarray) -> np.ndarray:
-    """uint32 [N_CLASSES * 4096] rANS decode tables (an unused class decodes everything as ESC)."""
-    full = freq.copy()
-    full[~full.any(axis=1), ESC] = TOTAL
-    return rans_lanes.decode_tables(full)
+    """uint32 [N_CLASSES * 4096] rANS decode tables (an unused class decodes everything as ESC;
+    only the used classes are built slot by slot: a kvctx tensor uses a handful of the 68)."""
+    used = freq.any(axis=1)
+    out = np.empty((freq.shape[0], TOTAL), np.uint32)
+    out[~used] = _ESC_ONLY
+    out[used] = rans_lanes.decode_tables(freq[used]).reshape(-1, TOTAL)
+    return out.reshape(-1)
