@@ -70,25 +70,27 @@ def emulate_encode(sym: np.ndarray, freq: np.ndarray) -> np.ndarray:
     G = (n + 31) >> 5
     blk = (G - 1) >> 2
     cur, nx1, nx2 = load(blk), load(blk - 1), load(blk - 2)
-    for g in range(G - 1, -1, -1):
-        if g >> 2 != blk:
-            blk = g >> 2
-            cur, nx1, nx2 = nx1, nx2, load(blk - 2)
-        word = cur[8 * (g & 3) + (lanes >> 2)]
-        s = (word >> (8 * (lanes & 3))) & 0xFF
-        active = 32 * g + lanes < n
-        f = freq[s]
-        need = active & (x >= (f << 20))
-        m = int(np.sum(need.astype(np.int64) << lanes))
-        cnt = bin(m).count("1")
-        pos = wp - cnt + np.array([bin(m & int(b)).count("1") for b in below])
-        words[pos[need]] = x[need] & 0xFFFF
-        x = np.where(need, x >> 16, x)
-        wp -= cnt
-        q = (x * rcp[s]) >> 32
-        r = x - q * f
-        q, r = np.where(r >= f, q + 1, q), np.where(r >= f, r - f, r)
-        x = np.where(active, (q << 12) + r + cum[s], x)
+    for blk in range(blk, -1, -1):  # the kernel's loop: blocks from the top, their 4 groups unrolled
+        for gi in (3, 2, 1, 0):
+            g = 4 * blk + gi
+            if g >= G:
+                continue
+            word = cur[8 * gi + (lanes >> 2)]
+            s = (word >> (8 * (lanes & 3))) & 0xFF
+            active = 32 * g + lanes < n
+            f = freq[s]
+            need = active & ((x >> 20) >= f)
+            m = int(np.sum(need.astype(np.int64) << lanes))
+            cnt = bin(m).count("1")
+            pos = wp - cnt + np.array([bin(m & int(b)).count("1") for b in below])
+            words[pos[need]] = x[need] & 0xFFFF
+            x = np.where(need, x >> 16, x)
+            wp -= cnt
+            q = (x * rcp[s]) >> 32
+            r = x - q * f
+            q, r = np.where(r >= f, q + 1, q), np.where(r >= f, r - f, r)
+            x = np.where(active, (q << 12) + r + cum[s], x)
+        cur, nx1, nx2 = nx1, nx2, load(blk - 3)
     words[wp - 64 + 2 * lanes] = x & 0xFFFF
     words[wp - 64 + 2 * lanes + 1] = x >> 16
     return words[wp - 64:].astype(np.uint16)
@@ -375,6 +377,21 @@ def test_damaged_device_blobs_raise():
             decompress(torch.frombuffer(bytearray(forged), dtype=torch.uint8).cuda())
     torch.cuda.synchronize()
     assert_bit_exact(decompress(blob).cpu(), t.cpu())
+
+
+def test_host_transfers_without_cuda_are_plain_copies():
+    """The CPU side of kvcodec.cuda.transfer: bytes <-> CPU tensors (empty, read-only buffers), and
+    the huge-page advice is harmless on any buffer."""
+    from kvcodec.cuda import transfer
+
+    for data in (b"", b"\x01", bytes(range(256)) * 9):
+        t = transfer.bytes_to_device(memoryview(data), "cpu")
+        assert t.dtype == torch.uint8 and t.numel() == len(data) and t.numpy().tobytes() == data
+        back = transfer.device_to_bytes(t)
+        assert type(back) is bytes and back == data
+    buf = bytes(5 << 20)
+    transfer._advise_huge_pages(transfer._address(buf), len(buf))
+    assert buf == bytes(5 << 20)
 
 
 @pytest.mark.gpu

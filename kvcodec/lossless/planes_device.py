@@ -6,7 +6,7 @@ to code it costs more (PCIe, host memory) than coding it.
 
 Encoding (:func:`encode`; ``kvcodec.compress`` / ``compress_device`` call it for CUDA tensors):
 one pass splits the tensor into byte planes and counts each plane's histogram
-(``kvcodec.cuda.planes_codec``); the histograms (256 counts per plane) come to the host, where the
+(``kvcodec.cuda.planes_codec``; 1-byte elements are their own plane: counted, not copied); the histograms (256 counts per plane) come to the host, where the
 CPU encoder's own functions pick each plane's mode and table (``planes.one_table``,
 ``planes.pays_to_code``: the same integer tables, so the same bytes); one kernel encodes every
 chunk of every coded plane (one warp per chunk), the stream lengths come back (one int per chunk),
@@ -17,7 +17,8 @@ GPU decoder reads one table per stream. The result equals ``PlaneCodec.encode`` 
 Decoding (:func:`decode`): the blob's sections are views of a device blob
 (``kvcodec.lossless.device_container``); one launch of ``kvcodec.cuda.rans``'s decoder decodes
 every chunk stream of every coded plane straight from the blob (no staging copy), one kernel
-merges the planes (decoded, raw sections, constants) into the tensor. Blobs the kernels cannot
+merges the planes (decoded, raw sections, constants) into the tensor; a tensor of one coded plane
+(1-byte elements) is decoded straight into the output. Blobs the kernels cannot
 take (format 1 with 8 lanes, or row-context tables) return None: the caller decodes on the CPU.
 
 GPU decode speed needs many chunks (one warp each): ``GPU_CHUNK_BYTES`` (64 KiB of input per
