@@ -13,14 +13,24 @@
 //     bit for bit);
 //   ke_symbolise: every value's (class, symbol, raw code, raw bit count) as binned.symbolise packs it, the
 //     per-class symbol histogram (warp-aggregated atomics into KE_HIST_COPIES copies) and per-chunk raw bits;
-//   ke_encode: one warp per chunk: the 32-lane rANS stream backwards (rans_lanes.encode's word order, as
-//     planes_codec.cu's pc_rans_encode) into a scratch slot, then the raw bits forwards (LSB first) through
-//     a per-warp ring of 32-bit words in shared memory straight into the bits section.
+//   ke_encode: one warp per chunk, one pass backwards: the 32-lane rANS stream (rans_lanes.encode's word
+//     order, as planes_codec.cu's pc_rans_encode) into a scratch slot, and the LSB-first raw bits (their
+//     places known from the chunk's total) through a per-warp ring of 32-bit words in shared memory
+//     straight into the bits section.
 #include "kvctx_decode.cu"
 
 #ifndef KE_SHARED
 #define KE_SHARED __shared__
 #endif
+
+// The integer type of kx_locate's bin coordinate (its 6th parameter, a reference), whichever the decoder
+// declares, so that the encoder calls the decoder's own function.
+template <class T> struct KeDeref { typedef T type; };
+template <class T> struct KeDeref<T&> { typedef T type; };
+template <class F> struct KeCentreOf;
+template <class R, class A, class B, class C, class D, class E, class F, class G>
+struct KeCentreOf<R (*)(A, B, C, D, E, F, G)> { typedef typename KeDeref<F>::type type; };
+typedef KeCentreOf<decltype(&kx_locate)>::type ke_centre;
 
 #define KE_HIST_COPIES 32
 #define KE_RING 64  // raw-bit words per warp ring (a round adds at most 32)
@@ -216,7 +226,7 @@ __global__ void __launch_bounds__(256)
       double mv = __dmul_rn(mu, gr.inv_unit);
       if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
       int ep, cls;
-      long long centre;
+      ke_centre centre;
       kx_locate(mv, es, level, mb, ep, centre, cls);
       kx_u64 code;
       int nb;
@@ -232,10 +242,27 @@ __global__ void __launch_bounds__(256)
   if (valid && t1 > t0) atomicAdd(chunk_bits + (g / gb) * nblk + t0 / tb, (kx_u64)total);
 }
 
-// chunks [n, 6] int64: first g, g count, first token, token count, raw-bit word start, unused. ftab [n_keys]:
-// freq | cum << 16 of class << 8 | symbol; rcp [n_keys]: floor(2**32 / freq) (0xffffffff for freq <= 1).
-// The chunk's rANS stream goes to the end of scratch slot ci (cap words): lens[ci] = its length, or -1 if
-// a value's symbol has no frequency (an internal error). Its raw bits go to bits[bstart ...].
+// Value i of a chunk (packed, tensor order): 0 past the chunk's end or before its start.
+__device__ __forceinline__ kx_u64 ke_value(const kx_u64* __restrict__ packed, long long grp, int lane, long long n,
+                                           long long per, long long g0, long long t0, long long T, int D) {
+  const long long i = 32 * grp + lane;
+  if (grp < 0 || i >= n) return 0;
+  const long long gg = i / per;
+  return __ldg(packed + ((g0 + gg) * T + t0) * D + (i - gg * per));
+}
+
+// chunks [n, 6] int64: first g, g count, first token, token count, raw-bit word start, raw-bit total (from
+// ke_symbolise). ftab [n_keys]: freq | cum << 16 of class << 8 | symbol; rcp [n_keys]: floor(2**32 / freq)
+// (0xffffffff for freq <= 1). The chunk's rANS stream goes to the end of scratch slot ci (cap words):
+// lens[ci] = its length, or -1 if a value's symbol has no frequency or the raw bits do not add up to the
+// total (internal errors). Its raw bits go to bits[bstart ...].
+//
+// One pass, backwards, 32 values (one per lane) a round: the rANS step, and the raw bits, whose places are
+// known backwards too: the round's bits end where the later rounds' begin (hi, from the chunk's total), each
+// value's offset is hi - the round's total + an exclusive scan. Each value ORs its code into a per-warp ring
+// of 32-bit words; the words wholly above the round's start are complete: stored, their slots cleared.
+// The values are loaded two rounds ahead and their table entries one round ahead (the loop is a chain of
+// dependent rounds: each round's loads would otherwise wait a full memory latency).
 template <int WARPS>
 __global__ void __launch_bounds__(32 * WARPS)
     ke_encode(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks, long long T,
@@ -249,23 +276,28 @@ __global__ void __launch_bounds__(32 * WARPS)
   const long long g0 = cd[0], t0 = cd[2], nt = cd[3];
   const long long per = nt * D;
   const long long n = cd[1] * per;
-  const long long bstart = cd[4];
+  kx_u32* const out = bits + cd[4];
+  kx_u32* const ring = ring_all[warp];
+  ring[lane] = 0u;
+  ring[lane + 32] = 0u;
+  __syncwarp();
   const kx_u32 below = (1u << lane) - 1u;
-  // 1. rANS, backwards (value i on lane i % 32)
   kx_u16* wb = scratch + (long long)ci * cap;
   long long wp = cap;
   kx_u32 x = KX_L;
   bool bad = false;
-  for (long long grp = ((n + 31) >> 5) - 1; grp >= 0; --grp) {
-    const long long i = 32 * grp + lane;
-    const bool act = i < n;
-    kx_u32 key = 0u;
-    if (act) {
-      const long long gg = i / per;
-      key = (kx_u32)(__ldg(packed + ((g0 + gg) * T + t0) * D + (i - gg * per)) & 0xFFFFu);
-    }
-    const kx_u32 fc = act ? __ldg(ftab + key) : 0u;
-    const kx_u32 f = fc & 0xFFFFu;
+  long long hi = cd[5];            // raw bits at and above hi are written
+  long long done = (hi + 31) >> 5;  // words at and above done are stored
+  const long long rounds = (n + 31) >> 5;
+  kx_u64 v = ke_value(packed, rounds - 1, lane, n, per, g0, t0, T, D);
+  kx_u64 vn = ke_value(packed, rounds - 2, lane, n, per, g0, t0, T, D);
+  kx_u32 fc = __ldg(ftab + (v & 0xFFFFu)), rc = __ldg(rcp + (v & 0xFFFFu));
+  for (long long grp = rounds - 1; grp >= 0; --grp) {
+    const kx_u64 vnn = ke_value(packed, grp - 2, lane, n, per, g0, t0, T, D);
+    const kx_u32 fcn = __ldg(ftab + (vn & 0xFFFFu)), rcn = __ldg(rcp + (vn & 0xFFFFu));
+    const bool act = 32 * grp + lane < n;
+    // rANS (value 32 grp + lane on lane `lane`): emitted words land in ascending lane order
+    const kx_u32 f = act ? fc & 0xFFFFu : 0u;
     bad |= act && f == 0u;
     const bool need = act && (kx_u64)x >= ((kx_u64)f << (32 - 12));
     const kx_u32 msk = __ballot_sync(KX_FULL, need);
@@ -276,7 +308,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     }
     wp -= cnt;
     if (act && f) {
-      kx_u32 q = __umulhi(x, __ldg(rcp + key));
+      kx_u32 q = __umulhi(x, rc);
       kx_u32 r = x - q * f;
       if (r >= f) {
         ++q;
@@ -284,48 +316,38 @@ __global__ void __launch_bounds__(32 * WARPS)
       }
       x = (q << 12) + r + (fc >> 16);
     }
-  }
-  wb[wp - 64 + 2 * lane] = (kx_u16)(x & 0xFFFFu);
-  wb[wp - 64 + 2 * lane + 1] = (kx_u16)(x >> 16);
-  wp -= 64;
-  const bool any_bad = __any_sync(KX_FULL, bad);
-  if (lane == 0) lens[ci] = any_bad ? -1 : cap - wp;
-  // 2. raw bits, forwards: each value ORs its code into the ring at its offset (warp scan of the counts);
-  // finished words are stored and their ring slots cleared
-  kx_u32* ring = ring_all[warp];
-  ring[lane] = 0u;
-  ring[lane + 32] = 0u;
-  __syncwarp();
-  long long pos = 0, done = 0;  // bits written, words stored
-  for (long long grp = 0; 32 * grp < n; ++grp) {
-    const long long i = 32 * grp + lane;
-    kx_u64 v = 0;
-    if (i < n) {
-      const long long gg = i / per;
-      v = __ldg(packed + ((g0 + gg) * T + t0) * D + (i - gg * per));
-    }
+    // raw bits
     const int nb = (int)((v >> 16) & 0xFFu);
     int incl = nb;
     for (int o = 1; o < 32; o <<= 1) {
       const int up = __shfl_up_sync(KX_FULL, incl, o);
       if (lane >= o) incl += up;
     }
+    const long long lo = hi - __shfl_sync(KX_FULL, incl, 31);
     if (nb) {
-      const long long off = pos + incl - nb;
+      const long long off = lo + incl - nb;
       const kx_u64 c = (v >> 24) << (off & 31);
       atomicOr(ring + ((off >> 5) & (KE_RING - 1)), (kx_u32)c);
       if ((off & 31) + nb > 32) atomicOr(ring + (((off >> 5) + 1) & (KE_RING - 1)), (kx_u32)(c >> 32));
     }
     __syncwarp();
-    pos += __shfl_sync(KX_FULL, incl, 31);
-    const long long full = pos >> 5;
-    const long long w = done + lane;
-    if (w < full) {
-      bits[bstart + w] = ring[w & (KE_RING - 1)];
+    const long long first = lo > 0 ? (lo + 31) >> 5 : 0;  // words from here up are complete
+    const long long w = first + lane;
+    if (w < done) {
+      out[w] = ring[w & (KE_RING - 1)];
       ring[w & (KE_RING - 1)] = 0u;
     }
-    done = full;
+    done = first;
+    hi = lo;
     __syncwarp();
+    v = vn;
+    vn = vnn;
+    fc = fcn;
+    rc = rcn;
   }
-  if ((pos & 31) && lane == 0) bits[bstart + done] = ring[done & (KE_RING - 1)];
+  wb[wp - 64 + 2 * lane] = (kx_u16)(x & 0xFFFFu);
+  wb[wp - 64 + 2 * lane + 1] = (kx_u16)(x >> 16);
+  wp -= 64;
+  const bool any_bad = __any_sync(KX_FULL, bad || hi != 0);
+  if (lane == 0) lens[ci] = any_bad ? -1 : cap - wp;
 }

@@ -103,7 +103,8 @@ def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: i
 
 def encode_chunks(packed, chunks, ftab, rcp, shape, cap: int, n_bit_words: int, runner=gpu_runner):
     """(scratch int16 [n * cap], lens int64 [n], bits int32 [n_bit_words]) of every chunk (``chunks``
-    int64 [n, 6] device tensor: first g, g count, first token, token count, raw-bit word start, 0)."""
+    int64 [n, 6] device tensor: first g, g count, first token, token count, raw-bit word start, raw-bit
+    total)."""
     _, tt, d = shape
     n = chunks.shape[0]
     dev = packed.device

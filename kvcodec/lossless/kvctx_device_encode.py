@@ -163,7 +163,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     rcp = np.where(f >= 2, (1 << 32) // np.maximum(f, 1), 0xFFFFFFFF).astype(np.uint32)
     bwords = (cbits + 31) // 32
     bstart = np.concatenate([[0], np.cumsum(bwords)[:-1]]).astype(np.int64)
-    chunks = np.stack([cg0, cng, ct0, cnt, bstart, np.zeros_like(bstart)], 1).astype(np.int64)
+    chunks = np.stack([cg0, cng, ct0, cnt, bstart, cbits], 1).astype(np.int64)
     cap = int((cng * cnt).max()) * d + 2 * ke.LANES
 
     # 4. the chunks' streams
@@ -174,7 +174,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     del packed
     wlen = lens.cpu().numpy()
     if (wlen < 0).any():
-        raise RuntimeError("GPU kvctx encoder: a symbol without frequency (internal error)")
+        raise RuntimeError("GPU kvctx encoder: a symbol without frequency or a raw-bit miscount (internal error)")
     woff = np.concatenate([[0], np.cumsum(wlen)]).astype(np.int64)
     payload = torch.empty(int(woff[-1]), dtype=torch.int16, device=dev)
     gather(scratch, cap, lens, woff[:-1], payload)
