@@ -215,13 +215,21 @@ __global__ void __launch_bounds__(256)
   kx_u64* h = hist + (long long)(blockIdx.x % KE_HIST_COPIES) * n_keys;
   double dev = 0.0;
   long long total = 0;
+  const long long nt = t1 - t0;
+  long long pat_next = nt > 0 ? ke_pat<W>(pats, (g * T + t0) * D + d) : 0;  // loaded a step ahead
+  double p_next = nt > 0 ? ke_pred(pred, (g * T + t0) * D + d) : 0.0;
   for (long long s = 0; s < steps; ++s) {
-    const bool act = valid && s < t1 - t0;
+    const bool act = valid && s < nt;
     unsigned key = 0x80000000u | lane;  // inactive lanes match nobody
+    const long long pat = pat_next;
+    const double p = p_next;
+    if (valid && s + 1 < nt) {
+      pat_next = ke_pat<W>(pats, (g * T + t0 + s + 1) * D + d);
+      p_next = ke_pred(pred, (g * T + t0 + s + 1) * D + d);
+    }
     if (act) {
       const long long i = (g * T + t0 + s) * D + d;
-      const long long pat = ke_pat<W>(pats, i);
-      const double base = __dadd_rn(m, __dmul_rn(c, ke_pred(pred, i)));
+      const double base = __dadd_rn(m, __dmul_rn(c, p));
       const double mu = __dadd_rn(base, __dmul_rn(a, dev));
       double mv = __dmul_rn(mu, gr.inv_unit);
       if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
