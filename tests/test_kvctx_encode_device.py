@@ -102,11 +102,11 @@ def compressed_size(sections: dict) -> int:
 CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)
     ((2, 128, 64), torch.bfloat16, "none"),  # shared or per-(g, d): the cost decides
     ((1, 1024, 24), torch.bfloat16, "none"),  # per-(g, d); D < 32: warps of columns of several lanes' tokens
-    ((2, 128, 64), torch.float16, "none"),
+    ((10, 16, 1024), torch.bfloat16, "none"),  # chunks of 4 g's, the last of 2; shared parameters
+    ((1, 2100, 32), torch.float16, "external"),  # token blocks of 2048 and 52
     ((4, 64, 64), torch.float32, "none"),  # f32split: the lo16 section
     ((2, 128, 64), torch.float8_e5m2, "previous_token"),
     ((2, 128, 64), torch.float8_e4m3fn, "none"),
-    ((2, 128, 64), torch.bfloat16, "external"),
 ]
 
 
