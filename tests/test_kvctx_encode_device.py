@@ -107,6 +107,7 @@ CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)
     ((4, 64, 64), torch.float32, "none"),  # f32split: the lo16 section
     ((2, 128, 64), torch.float8_e5m2, "previous_token"),
     ((2, 128, 64), torch.float8_e4m3fn, "none"),
+    ((3, 2, 64, 128), torch.bfloat16, "neighbour_layer"),  # chunks within a layer, the gain fitted
 ]
 
 
@@ -208,7 +209,8 @@ def gpu_encodes(monkeypatch):
 GPU_CASES = [((2, 4, 256, 64), torch.bfloat16, "none"), ((3, 700, 40), torch.bfloat16, "none"),
              ((2, 2048, 16), torch.float16, "none"), ((4, 256, 64), torch.float32, "none"),
              ((1, 8, 2100), torch.bfloat16, "none"), ((2, 4, 256, 64), torch.bfloat16, "external"),
-             ((2, 4, 256, 64), torch.bfloat16, "previous_token")]
+             ((2, 4, 256, 64), torch.bfloat16, "previous_token"),
+             ((3, 2, 256, 64), torch.float16, "neighbour_layer")]
 
 
 @pytest.mark.gpu

@@ -57,8 +57,8 @@ __device__ __forceinline__ void ke_column(long long col, int D, long long T, lon
   t1 = min(T, t0 + tb);
 }
 
-// Per column: [n finite, sum x, sum p, n with a bin width, sum log2 width] (params._fit_moments' fields
-// 0, 1, 2, 5, 6). val / lw: float64 per bit pattern, NaN where not finite / no width.
+// Per column: [n finite, sum x, sum p, sum x p, sum p p, n with a bin width, sum log2 width] (the fields of
+// params._fit_moments). val / lw: float64 per bit pattern, NaN where not finite / no width.
 template <int W>
 __global__ void __launch_bounds__(256)
     ke_fit_moments(const void* __restrict__ pats, const float* __restrict__ pred, const double* __restrict__ val,
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(256)
   long long g, t0, t1;
   int d;
   ke_column(col, D, T, tb, nblk, g, d, t0, t1);
-  double n = 0.0, sx = 0.0, sp = 0.0, nw = 0.0, slw = 0.0;
+  double n = 0.0, sx = 0.0, sp = 0.0, sxp = 0.0, spp = 0.0, nw = 0.0, slw = 0.0;
   for (long long t = t0; t < t1; ++t) {
     const long long i = (g * T + t) * D + d;
     const int pat = ke_pat<W>(pats, i);
@@ -80,16 +80,21 @@ __global__ void __launch_bounds__(256)
     }
     const double x = __ldg(val + pat);
     if (x != x) continue;
+    const double p = ke_pred(pred, i);
     n += 1.0;
     sx += x;
-    sp += ke_pred(pred, i);
+    sp += p;
+    sxp += __dmul_rn(x, p);
+    spp += __dmul_rn(p, p);
   }
-  double* o = out + 5 * col;
+  double* o = out + 7 * col;
   o[0] = n;
   o[1] = sx;
   o[2] = sp;
-  o[3] = nw;
-  o[4] = slw;
+  o[3] = sxp;
+  o[4] = spp;
+  o[5] = nw;
+  o[6] = slw;
 }
 
 // Per column: [sum (x - base) * dev, sum dev**2, sum (x - mu)**2] over finite x with the coder's location
@@ -181,8 +186,8 @@ __device__ __forceinline__ int ke_encode_value(long long pat, int ep, long long 
 }
 
 // Every value's code << 24 | nbits << 16 | class << 8 | symbol into packed (tensor order), the histogram of
-// class << 8 | symbol (hist: KE_HIST_COPIES x n_keys u64, zeroed) and each chunk's raw bit total (chunk of
-// column (g, b): (g / gb) * nblk + b). The model: per channel (pi = gp * D + d) m, c, a = pm, pc, pa[pi]
+// class << 8 | symbol (hist: KE_HIST_COPIES x n_keys u64, zeroed) and each chunk's raw bit total (the chunks
+// of format2.chunk_layout with gb g's a block, blocks within multiples of unit). The model: per channel (pi = gp * D + d) m, c, a = pm, pc, pa[pi]
 // and es, level = pel[2 pi], pel[2 pi + 1] (format2.BinParams.kernel_args, which the decoder recomputes
 // exactly from the stored fields), then the decoder's kx_locate / kx_value.
 template <int W>
@@ -191,7 +196,7 @@ __global__ void __launch_bounds__(256)
                  const double* __restrict__ pc, const double* __restrict__ pa, const int* __restrict__ pel,
                  int shared, const kx_u8* __restrict__ escape, int width,
                  int sign, int mb, int maxmag, int eoff, long long G, long long T, int D, long long tb,
-                 long long nblk, long long gb, int n_keys, kx_u64* __restrict__ packed,
+                 long long nblk, long long gb, long long unit, int n_keys, kx_u64* __restrict__ packed,
                  kx_u64* __restrict__ hist, kx_u64* __restrict__ chunk_bits) {
   const KxGrid gr = {width, sign, mb, maxmag, eoff, kx_pow2(-eoff)};
   const int lane = threadIdx.x & 31;
@@ -247,7 +252,10 @@ __global__ void __launch_bounds__(256)
     const unsigned peers = __match_any_sync(KX_FULL, key);
     if (act && lane == __ffs(peers) - 1) atomicAdd(h + key, (kx_u64)__popc(peers));
   }
-  if (valid && t1 > t0) atomicAdd(chunk_bits + (g / gb) * nblk + t0 / tb, (kx_u64)total);
+  if (valid && t1 > t0) {  // format2.chunk_layout: blocks of gb g's that never cross a multiple of unit
+    const long long per_unit = (unit + gb - 1) / gb;
+    atomicAdd(chunk_bits + ((g / unit) * per_unit + (g % unit) / gb) * nblk + t0 / tb, (kx_u64)total);
+  }
 }
 
 // Value i of a chunk (packed, tensor order): 0 past the chunk's end or before its start.

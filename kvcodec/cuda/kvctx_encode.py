@@ -25,7 +25,8 @@ SIGNATURES = {
     "ke_fit_residuals": (f"({_P}, const double*, const double*, const double*, int, long long, long long, int, "
                          "long long, long long, double*)"),
     "ke_symbolise": ("(const void*, const float*, const double*, const double*, const double*, const int*, int, "
-                     "const unsigned char*, int, int, int, int, int, long long, long long, int, long long, long long, long long, int, "
+                     "const unsigned char*, int, int, int, int, int, long long, long long, int, long long, long long, long long, "
+                     "long long, int, "
                      "unsigned long long*, unsigned long long*, unsigned long long*)"),
     "ke_encode": ("(const unsigned long long*, const long long*, int, long long, int, const unsigned int*, "
                   "const unsigned int*, unsigned short*, long long, long long*, unsigned int*)"),
@@ -59,10 +60,11 @@ def _columns(shape, tb: int) -> tuple[int, int]:
 
 
 def fit_moments(pats, pred, val, lw, shape, tb: int, runner=gpu_runner) -> torch.Tensor:
-    """float64 [G, nblk, D, 5] per-column sums (n, sum x, sum p, n widths, sum log2 width)."""
+    """float64 [G, nblk, D, 7] per-column sums (n, sum x, sum p, sum x p, sum p p, n widths, sum log2
+    width: params._fit_moments' fields)."""
     g, tt, d = shape
     nblk, cols = _columns(shape, tb)
-    out = torch.empty((g, nblk, d, 5), dtype=torch.float64, device=pats.device)
+    out = torch.empty((g, nblk, d, 7), dtype=torch.float64, device=pats.device)
     runner(f"ke_fit_moments<{pats.element_size()}>", -(-cols // THREADS), THREADS,
            (_ptr(pats), _ptr(pred), _ptr(val), _ptr(lw), np.int64(g), np.int64(tt), np.int32(d), np.int64(tb),
             np.int64(nblk), _ptr(out)), pats.device)
@@ -81,11 +83,12 @@ def fit_residuals(pats, pred, val, m, c, a, shared: bool, shape, tb: int, runner
     return out
 
 
-def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: int, gb: int, n_chunks: int,
-              n_keys: int, runner=gpu_runner):
+def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: int, gb: int, unit: int,
+              n_chunks: int, n_keys: int, runner=gpu_runner):
     """(packed int64 [G*T*D], hist int64 [HIST_COPIES, n_keys], chunk raw-bit totals int64 [n_chunks]);
     ``margs``: device tensors m, c, a (float64 [Gp * D]) and es, level (int32 [Gp * D, 2]);
-    ``grid``: the dtype's ``(width, sign, mb, maxmag, eoff)``."""
+    ``grid``: the dtype's ``(width, sign, mb, maxmag, eoff)``; chunks of ``gb`` leading indices a block,
+    blocks within multiples of ``unit`` (``format2.chunk_layout``)."""
     g, tt, d = shape
     nblk, cols = _columns(shape, tb)
     dev = pats.device
@@ -96,7 +99,7 @@ def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: i
     runner(f"ke_symbolise<{pats.element_size()}>", -(-cols // THREADS), THREADS,
            (_ptr(pats), _ptr(pred), *(_ptr(x) for x in margs), np.int32(shared), _ptr(escape), np.int32(width),
             np.int32(sign), np.int32(mb), np.int32(maxmag), np.int32(eoff), np.int64(g), np.int64(tt), np.int32(d),
-            np.int64(tb), np.int64(nblk), np.int64(gb), np.int32(n_keys), _ptr(packed), _ptr(hist),
+            np.int64(tb), np.int64(nblk), np.int64(gb), np.int64(unit), np.int32(n_keys), _ptr(packed), _ptr(hist),
             _ptr(chunk_bits)), dev)
     return packed, hist, chunk_bits
 

@@ -18,7 +18,7 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
 Only the stored parameter fields (~6 bytes a channel), the histogram, per-chunk sizes and the model
 section cross to the host.
 Calls the GPU cannot take (:func:`unsupported`: format 1, e.g. fp8 by default; 8-lane streams of small
-tensors; the neighbour-layer predictor; other dtypes) are coded on the CPU by the caller: the format is
+tensors; other dtypes) are coded on the CPU by the caller: the format is
 never changed silently.
 """
 
@@ -36,10 +36,10 @@ from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
 from kvcodec.lossless.predictive import codec as pcodec
 from kvcodec.lossless.predictive.bins import N_CLASSES, bin_grid
 from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, chunk_layout
-from kvcodec.lossless.predictive.grid import grid_for
+from kvcodec.lossless.predictive.grid import grid_for, value_table
 from kvcodec.lossless.predictive.tables import fit_tables, table_bytes
 
-SOURCES = ("none", "external", "previous_token")
+SOURCES = ("none", "external", "previous_token", "neighbour_layer")
 N_KEYS = N_CLASSES * 256
 _CODED = {torch.bfloat16, torch.float16, torch.float32}
 
@@ -50,6 +50,8 @@ def unsupported(t: torch.Tensor, source: str, version) -> str | None:
         return "the tensor is not a dense CUDA tensor"
     if source not in SOURCES:
         return f"the {source!r} predictor is encoded on the CPU"
+    if source == "neighbour_layer" and t.dim() < 3:
+        return "the neighbour-layer predictor needs a [layers, ..., tokens, channels] tensor"
     fp8 = bin_grid(t.dtype) is not None and t.element_size() == 1
     if t.dtype not in _CODED and not fp8:
         return f"{t.dtype} is stored verbatim by the CPU encoder"
@@ -59,10 +61,17 @@ def unsupported(t: torch.Tensor, source: str, version) -> str | None:
     if t.numel() == 0:
         return "empty tensor"
     tb = pcodec.token_block(tt, d)
-    gb = max(1, min(g, CHUNK_VALUES // max(tb * d, 1)))  # format2.chunk_layout's first (largest) chunk
+    unit = _unit(tuple(t.shape), source)
+    gb = max(1, min(unit, CHUNK_VALUES // max(tb * d, 1)))  # format2.chunk_layout's first (largest) chunk
     if gb * tb * d < WIDE_LANES_FROM:
         return "chunks under 16384 values are 8-lane streams, coded on the CPU"
     return None
+
+
+def _unit(shape: tuple, source: str) -> int:
+    """Leading indices per layer for the neighbour-layer predictor (chunks never cross a layer), else G."""
+    g = pcodec.kv_layout(shape)[0]
+    return g // shape[0] if source == "neighbour_layer" else g
 
 
 @lru_cache(maxsize=16)
@@ -98,6 +107,17 @@ class _Sums:
         return res.sum(dim=0, keepdim=True) if shared else res
 
 
+def _layer_prediction(pats: torch.Tensor, bdtype: torch.dtype, shape: tuple, unit: int) -> torch.Tensor:
+    """float32 [G, T, D]: the previous layer's values (``grid.value_table`` by pattern; non-finite as 0),
+    0 for the first layer, as the CPU encoder predicts a neighbour-layer stream."""
+    grid = grid_for(bdtype)
+    values = torch.from_numpy(value_table(grid)[grid.k_of_bits]).to(pats.device)
+    idx = pats.to(torch.int64) & (values.numel() - 1)
+    pred = torch.zeros(shape, dtype=torch.float32, device=pats.device)
+    pred[unit:] = values[idx.reshape(shape)[:-unit]] if unit < shape[0] else 0.0
+    return pred
+
+
 def _symbol_bits(t: torch.Tensor, sections: dict) -> torch.Tensor:
     """The coded bit patterns (a float32's upper, bf16 half; its lower half to ``sections['lo16']``)."""
     flat = t.reshape(-1)
@@ -129,16 +149,19 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
             "mode": "f32split" if f32 else "grid"}
     sections: dict = {}
     pats = _symbol_bits(t, sections)
+    unit = _unit(shape, source)
     pred = None
     if source == "external":
         pred = _prediction_f32(prediction.to(dev), g, tt, d).contiguous()
         meta["pred_crc"] = int(gcrc.crc32_many([pred.reshape(-1).view(torch.uint8)]).cpu()[0])
+    elif source == "neighbour_layer":  # each layer predicted by the one before (the first by 0)
+        pred = _layer_prediction(pats, bdtype, (g, tt, d), unit)
 
     # 1. the model
     val, lw = _pattern_tables(bdtype, dev)
     sums = _Sums(pats, pred, val, (g, tt, d), tb, runner)
     mom = sums.moments(lw)
-    gain = "one" if source == "external" else "zero"
+    gain = {"external": "one", "neighbour_layer": "fit"}.get(source, "zero")
     prev_coef = "one" if source == "previous_token" else "fit"
     choices = (True,) if tt < pcodec._SHARED_PARAMS_BELOW else (False, True) if tt < pcodec._PER_CHANNEL_FROM else (False,)
     model = min((kfit.fit(mom, sums.residuals, gain, prev_coef, sh) for sh in choices), key=kfit.cost)
@@ -147,11 +170,11 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     fields_head, fields = bp.field_bytes(source)
 
     # 2. symbols, histogram, raw-bit counts
-    cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, g)
+    cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, unit)
     gb = int(cng[0])
     esc_d = torch.from_numpy(bgrid.escape.astype(np.uint8)).to(dev)
     packed, hist, chunk_bits = ke.symbolise(pats, pred, margs, bp.shared, esc_d, grid_constants(bdtype),
-                                            (g, tt, d), tb, gb, cg0.size, N_KEYS, runner)
+                                            (g, tt, d), tb, gb, unit, cg0.size, N_KEYS, runner)
     counts = hist.sum(dim=0).cpu().numpy().reshape(N_CLASSES, 256)
     cbits = chunk_bits.cpu().numpy()
 
@@ -225,8 +248,8 @@ def route(tensor, prediction, codec: str, opts: dict, gpu) -> tuple[str, str] | 
         source = "none"
     elif name == "predictive" and prediction is not None and predictor in (None, "external"):
         source = "external"
-    elif name == "predictive" and prediction is None and predictor == "previous_token":
-        source = "previous_token"
+    elif name == "predictive" and prediction is None and predictor in ("previous_token", "neighbour_layer"):
+        source = predictor
     else:
         return None
     import kvcodec.cuda

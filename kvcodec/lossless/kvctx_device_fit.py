@@ -54,13 +54,20 @@ def pow2(e: torch.Tensor) -> torch.Tensor:
 
 
 def fit(mom: torch.Tensor, residuals, gain: str, prev_coef: str, shared: bool) -> DeviceModel:
-    """params.fit_params' formulas on ``mom`` [G, D, 5] (n, sum x, sum p, n widths, sum log2 width);
-    ``residuals(m, c, a, shared)`` returns the [Gp, D, 3] residual sums under a location."""
+    """params.fit_params' formulas on ``mom`` [G, D, 7] (params._fit_moments' fields); ``gain``: "zero",
+    "one" or "fit" (c); ``residuals(m, c, a, shared)`` returns the [Gp, D, 3] residual sums under a location."""
     if shared:
         mom = mom.sum(dim=0, keepdim=True)
     n = mom[..., 0]
     safe_n = n.clamp(min=1)
-    c_q = torch.full(n.shape, Q if gain == "one" else 0, dtype=torch.int8, device=n.device)
+    if gain == "fit":  # sums of huge values overflow: the gain is then 0
+        cov = mom[..., 3] - mom[..., 1] * mom[..., 2] / safe_n
+        var = mom[..., 4] - mom[..., 2] ** 2 / safe_n
+        big = var > 1e-300
+        c = torch.where(big, cov / torch.where(big, var, torch.ones_like(var)), torch.zeros_like(var))
+        c_q = torch.round(torch.nan_to_num(c) * Q).clamp(-127, 127).to(torch.int8)
+    else:
+        c_q = torch.full(n.shape, Q if gain == "one" else 0, dtype=torch.int8, device=n.device)
     c = c_q.double() / Q
     if prev_coef == "one":
         m = torch.zeros_like(n)
@@ -75,7 +82,7 @@ def fit(mom: torch.Tensor, residuals, gain: str, prev_coef: str, shared: bool) -
         a_q = torch.round(torch.nan_to_num(a) * Q).clamp(-Q, Q).to(torch.int8)
     res = residuals(m, c, a_q.double() / Q, shared)
     s = torch.sqrt(res[..., 2] / safe_n)
-    floor = torch.where(mom[..., 3] > 0, torch.exp2(mom[..., 4] / mom[..., 3].clamp(min=1)) / 4, torch.zeros_like(n))
+    floor = torch.where(mom[..., 5] > 0, torch.exp2(mom[..., 6] / mom[..., 5].clamp(min=1)) / 4, torch.zeros_like(n))
     s = torch.maximum(torch.where(torch.isfinite(s), s, torch.full_like(s, S_MAX)), torch.nan_to_num(floor))
     s = _bf16(s.clamp(S_MIN, S_MAX))
     return DeviceModel(m=m, s=s, c=c_q, a=a_q, n=n, r2=res[..., 2], shared=shared)

@@ -150,12 +150,12 @@ extern "C" void ke_fit_residuals_emu(int grid, int block, int w, P pats, P pred,
 extern "C" void ke_symbolise_emu(int grid, int block, int w, P pats, P pred, P pm, P pc, P pa, P pel, int shared,
                                  P escape,
                                  int width, int sign, int mb, int maxmag, int eoff, LL G, LL T, int D, LL tb, LL nblk,
-                                 LL gb, int n_keys, void* packed, void* hist, void* chunk_bits) {
+                                 LL gb, LL unit, int n_keys, void* packed, void* hist, void* chunk_bits) {
   auto k = [&] {
     auto f = w == 1 ? ke_symbolise<1> : ke_symbolise<2>;
     f(pats, (const float*)pred, (const double*)pm, (const double*)pc, (const double*)pa, (const int*)pel, shared,
       (const kx_u8*)escape, width,
-      sign, mb, maxmag, eoff, G, T, D, tb, nblk, gb, n_keys, (kx_u64*)packed, (kx_u64*)hist, (kx_u64*)chunk_bits);
+      sign, mb, maxmag, eoff, G, T, D, tb, nblk, gb, unit, n_keys, (kx_u64*)packed, (kx_u64*)hist, (kx_u64*)chunk_bits);
   };
   run(grid, block, k);
 }
