@@ -93,8 +93,9 @@ def emulator(tmp_path_factory):
     return lib
 
 
-def emulated_launch(lib):
-    """A stand-in for ``kvctx_decode.launch`` (same signature) running the kernel on CPU tensors."""
+def emulated_launch(lib, nr=kd.ROUNDS):
+    """A stand-in for ``kvctx_decode.launch`` (same signature) running the kernel on CPU tensors (``nr``:
+    its rounds per batch, 2 or 4)."""
 
     def launch(dp, words, bits, out, status, first=0, count=None, pred=None, pred_g0=0, lo16=0):
         plan = dp.plan
@@ -103,7 +104,7 @@ def emulated_launch(lib):
             return
         _, tt, d = plan.shape
         scratch = plan.scratch(count, "cpu")
-        rc = lib.kx_emulate(plan.out_kind, kd.rounds_for(d), words, bits,
+        rc = lib.kx_emulate(plan.out_kind, nr, words, bits,
                             dp.chunks.data_ptr() + 8 * kd.CHUNK_FIELDS * first, count,
                             pred.data_ptr() if pred is not None else None, pred_g0, tt, dp.raw.data_ptr(),
                             dp.layout.data_ptr(), int(plan.shared), dp.tabs.data_ptr(), *plan.grid, d, tt,
@@ -122,13 +123,13 @@ def blob_of(meta, sections, t: torch.Tensor, codec: str, pred: bool) -> bytes:
     return container.dumps(api.KIND, outer, sections)
 
 
-def emulated_decode(lib, blob: bytes, prediction=None):
+def emulated_decode(lib, blob: bytes, prediction=None, nr=kd.ROUNDS):
     """kvctx_device.decode on the CPU with the emulated kernel: (tensor, status, checks) or None."""
     b = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     header, end = device_container.read_header(b)
     secs, _ = device_container.sections(b, header, end)
     return kvctx_device.decode(header["meta"]["codec_meta"], secs, torch.device("cpu"), prediction,
-                               launch=emulated_launch(lib))
+                               launch=emulated_launch(lib, nr))
 
 
 @pytest.fixture
@@ -171,6 +172,14 @@ def test_emulated_kernel_equals_cpu_decoder(emulator, shape, dtype, source):
     assert same_bits(out, x)
     for t, crc, _ in checks:  # the prediction's checksum, as the CPU computes it
         assert zlib.crc32(t.contiguous().view(torch.uint8).numpy()) == crc
+
+
+@pytest.mark.parametrize("shape", [(2, 128, 64), (1, 130, 130)])
+def test_emulated_kernel_with_four_rounds_per_batch(emulator, shape):
+    """NR = 4 (a benchmark variant): rounds past D idle, D not a multiple of 32 rotates the lanes."""
+    x = with_specials(kv_like(shape, seed=7))
+    out, status, _ = emulated_decode(emulator, kvcodec.compress(x, layout="kv"), nr=4)
+    assert not status.any() and same_bits(out, x)
 
 
 def test_emulated_kernel_on_real_kv(emulator):

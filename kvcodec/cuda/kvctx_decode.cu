@@ -54,7 +54,7 @@ __device__ __forceinline__ double kx_pow2(int e) {  // exact 2**e for -1022 <= e
   return __longlong_as_double((long long)(e + 1023) << 52);
 }
 
-__device__ __forceinline__ int kx_floor_log2(long long u) { return 63 - __clzll(u); }
+__device__ __forceinline__ int kx_floor_log2(int u) { return 31 - __clz(u); }
 
 // The stored per-channel fields (format2.StoredFields): byte planes and per field (level, mq, c, a) the
 // offset of its low plane, its width (0: not stored) and its value (level's minimum; c's/a's default).
@@ -90,17 +90,17 @@ __device__ __forceinline__ void kx_channel(const KxFields& f, long long pi, int 
 
 // bins.locate: (ep, centre, class) of a location mv (V units, finite). The bin coordinate is V / 2**ep
 // below 2**(ep + mb), one unit per grid step above (bins.bin_of).
-__device__ __forceinline__ void kx_locate(double mv, int es, int level, int mb, int& ep, long long& centre, int& cls) {
+__device__ __forceinline__ void kx_locate(double mv, int es, int level, int mb, int& ep, int& centre, int& cls) {
   const long long bits = __double_as_longlong(mv);
   const int ex = (int)(((unsigned long long)bits >> 52) & 0x7FF) - 1023;
   ep = min(es, KX_EP_MAX);
   const double av = fabs(mv);
   const int eu = max(ex - mb, 0);
   double y = __dmul_rn(av, kx_pow2(-ep));
-  const double y_steps = __dadd_rn((double)((long long)(eu - ep) << mb), __dmul_rn(av, kx_pow2(-min(eu, KX_EP_MAX))));
+  const double y_steps = __dadd_rn((double)((eu - ep) << mb), __dmul_rn(av, kx_pow2(-min(eu, KX_EP_MAX))));
   if (eu > ep) y = y_steps;
-  const long long u = (long long)y;
-  const long long neg = bits < 0 ? 1 : 0;
+  const int u = (int)y;  // y < 2**19: |mv| < 2**400 (bins.MU_MAX)
+  const int neg = bits < 0 ? 1 : 0;
   centre = u ^ (-neg);
   double f = __dsub_rn(y, (double)u);
   f = __dadd_rn(f, __dmul_rn((double)neg, __dsub_rn(1.0, __dmul_rn(2.0, f))));
@@ -108,80 +108,83 @@ __device__ __forceinline__ void kx_locate(double mv, int es, int level, int mb, 
   if (lvl >= 12) {
     cls = min(lvl, 15) - 12;
   } else {
-    const long long q = (long long)__dmul_rn(f, (double)KX_N_FRAC);
-    cls = KX_N_FINE + (11 - max(lvl, KX_LVL_LO)) * KX_N_FRAC + (int)min(q, (long long)(KX_N_FRAC - 1));
+    const int q = (int)__dmul_rn(f, (double)KX_N_FRAC);  // f in [0, 1]
+    cls = KX_N_FINE + (11 - max(lvl, KX_LVL_LO)) * KX_N_FRAC + min(q, KX_N_FRAC - 1);
   }
 }
 
 // Raw bit count of a value from its symbol: width (ESC), its bin's count, or -1 (bin 0 of a bin wider than
 // two binades: a unary depth read from the stream).
-__device__ __forceinline__ int kx_fixed_bits(int sym, int ep, long long centre, int mb, int width) {
-  if (sym == KX_ESC) return width;
-  const long long j = centre + sym - KX_CENTRE;
-  const long long u = j ^ (j >> 63);
-  if (u == 0) return ep <= mb + 1 ? ep : -1;
-  if (u >= (1ll << mb)) return 0;  // one pattern per bin
-  const int big_e = kx_floor_log2(u) + ep;
-  return ep - (big_e > mb ? big_e - mb : 0);
+__device__ __forceinline__ int kx_fixed_bits(int sym, int ep, int centre, int mb, int width) {
+  const int j = centre + sym - KX_CENTRE;
+  const int u = j ^ (j >> 31);
+  const int big_e = kx_floor_log2(max(u, 1)) + ep;
+  int nb = u >= (1 << mb) ? 0 : ep - max(big_e - mb, 0);  // 0: one pattern per bin
+  nb = u == 0 ? (ep <= mb + 1 ? ep : -1) : nb;
+  return sym == KX_ESC ? width : nb;
+}
+
+// The unary depth of a bin-0 value of a bin wider than two binades whose raw bits start at bit 0 of win
+// (zero bits before a one, at most KX_UNARY).
+__device__ __forceinline__ int kx_depth(kx_u64 win) { return win ? min(__ffsll((long long)win) - 1, KX_UNARY) : KX_UNARY; }
+
+// Raw bit count of such a value (kx_fixed_bits' -1): its depth's code and mantissa, as kx_pattern reads them
+// (0 for a depth past KX_DEPTH_MAX: kx_pattern flags it).
+__device__ __forceinline__ int kx_unary_bits(int ep, int mb, kx_u64 win) {
+  const int last = ep - mb - 1;
+  const int d = kx_depth(win);
+  if (last < KX_DEPTH_MAX && d >= last) return last + mb + 1;
+  return d >= KX_DEPTH_MAX ? 0 : d + 1 + mb;
 }
 
 // The bit pattern of a value whose raw bits start at bit 0 of win (>= 33 valid bits); binned._decode_mag
-// (and ESC). used = bits consumed; ok = false for a malformed value.
-__device__ __forceinline__ long long kx_pattern(int sym, int ep, long long centre, kx_u64 win, const KxGrid& gr,
-                                                int& used, bool& ok) {
+// (and ESC). ok = false for a malformed value. Every int fits: bin coordinates are below 2**19. Branch-free:
+// the bin's (first magnitude, bit shift, bit count) are selected among every kind of bin's (shift amounts
+// clamped where a kind does not apply), then one bit field is read, so lanes with different kinds of bins
+// and the rounds of a batch run the same straight-line code.
+__device__ __forceinline__ int kx_pattern(int sym, int ep, int centre, kx_u64 win, const KxGrid& gr, bool& ok) {
   const int mb = gr.mb;
-  if (sym == KX_ESC) {
-    used = gr.width;
-    return (long long)(win & ((1ull << gr.width) - 1));
-  }
-  const long long j = centre + sym - KX_CENTRE;
-  const long long neg = j >> 63;  // -1 or 0
-  const long long u = j ^ neg;
-  long long mag;
+  const int j = centre + sym - KX_CENTRE;
+  const int neg = j >> 31;  // -1 or 0
+  const int u = j ^ neg;
+  // 1 <= u < 2**mb: 2**nb patterns in one binade
+  const int big_e = kx_floor_log2(max(u, 1)) + ep;
+  int nb = max(ep - max(big_e - mb, 0), 0);
+  int first = big_e < mb ? (u << min(ep, mb)) : (max(big_e - mb + 1, 0) << mb) + (u << min(nb, mb)) - (1 << mb);
+  int sh = 0;
+  // u >= 2**mb: one pattern per bin
+  const bool single = u >= (1 << mb);
+  first = single ? u + (ep << mb) : first;
+  nb = single ? 0 : nb;
+  // u == 0: the bin's patterns straight (ep <= mb + 1), or a unary depth d: the last depth (exponent fields
+  // 0 and 1) in mb + 1 bits, a depth d < last in mb bits after d + 1 code bits, a depth >= KX_DEPTH_MAX malformed
+  const int last = ep - mb - 1;
+  const int d = kx_depth(win);
+  const bool at_last = last < KX_DEPTH_MAX && d >= last;
   if (u == 0) {
-    if (ep <= mb + 1) {
-      used = ep;
-      mag = (long long)(win & ((1ull << ep) - 1));
-    } else {
-      const int last = ep - mb - 1;
-      const int d = win ? min(__ffsll((long long)win) - 1, KX_UNARY) : KX_UNARY;  // zero bits before a one
-      if (last < KX_DEPTH_MAX && d >= last) {
-        mag = (long long)((win >> last) & ((1ull << (mb + 1)) - 1));
-        used = last + mb + 1;
-      } else if (d >= KX_DEPTH_MAX) {
-        ok = false;
-        used = 0;
-        return 0;
-      } else {
-        mag = ((long long)(ep - mb - d) << mb) | (long long)((win >> (d + 1)) & ((1ull << mb) - 1));
-        used = d + 1 + mb;
-      }
-    }
-  } else if (u >= (1ll << mb)) {  // one pattern per bin
-    mag = u + ((long long)ep << mb);
-    used = 0;
-  } else {  // 1 <= u < 2**mb: 2**nb patterns in one binade
-    const int big_e = kx_floor_log2(u) + ep;
-    const int nb = ep - (big_e > mb ? big_e - mb : 0);
-    const long long first = big_e < mb ? (u << ep)
-                                        : ((long long)(big_e - mb + 1) << mb) + (u << nb) - (1ll << mb);
-    mag = first + (long long)(win & ((1ull << nb) - 1));
-    used = nb;
+    first = last <= 0 || at_last ? 0 : max(ep - mb - d, 0) << mb;
+    sh = last <= 0 ? 0 : (at_last ? last : d + 1);
+    nb = last <= 0 ? ep : (at_last ? mb + 1 : mb);
+    ok &= last <= 0 || at_last || d < KX_DEPTH_MAX;
   }
-  if (mag > gr.maxmag) {
-    ok = false;
-    return 0;
+  if (sym == KX_ESC) {  // the pattern verbatim
+    first = 0;
+    sh = 0;
+    nb = gr.width;
   }
-  return mag | (gr.sign & neg);
+  const int mag = first + (int)((win >> sh) & ((1ull << nb) - 1));
+  if (sym == KX_ESC) return mag;
+  ok &= mag <= gr.maxmag;
+  return mag <= gr.maxmag ? mag | (gr.sign & neg) : 0;
 }
 
 // bins.value_of: the value of a pattern (0 for a magnitude past maxmag; decoded non-ESC patterns are finite).
-__device__ __forceinline__ double kx_value(long long pat, const KxGrid& gr) {
-  const long long mag = pat & ~(long long)gr.sign & 0xFFFF;
+__device__ __forceinline__ double kx_value(int pat, const KxGrid& gr) {
+  const int mag = pat & ~gr.sign & 0xFFFF;
   if (mag > gr.maxmag) return 0.0;
-  const int ef = (int)(mag >> gr.mb);
-  long long mant = mag & ((1ll << gr.mb) - 1);
-  if (ef > 0) mant |= 1ll << gr.mb;
+  const int ef = mag >> gr.mb;
+  int mant = mag & ((1 << gr.mb) - 1);
+  if (ef > 0) mant |= 1 << gr.mb;
   const double x = __dmul_rn((double)mant, kx_pow2(gr.eoff + max(ef, 1) - 1));
   return __dsub_rn(x, __dmul_rn(__dmul_rn(2.0, x), (pat & gr.sign) != 0 ? 1.0 : 0.0));
 }
@@ -222,8 +225,9 @@ struct KxRing {
     __syncwarp();
   }
 
-  // Word q (q >= the reader's position at the last fill).
-  __device__ __forceinline__ T get(long long q) const { return q < hi ? buf[q & (R - 1)] : load(q); }
+  // Word q, for pos <= q < pos + R - 32 (pos: the reader's position at the last fill; a batch reads at most
+  // 32 * NR rANS words and 32 raw bits per value past it, well inside).
+  __device__ __forceinline__ T get(long long q) const { return buf[q & (R - 1)]; }
 
   // 64 stream bits from bit pos, shifted so that bit 0 is pos: at least 33 valid bits (32-bit words).
   __device__ __forceinline__ kx_u64 window(long long pos) const {
@@ -305,30 +309,32 @@ __global__ void __launch_bounds__(32 * WARPS)
       for (int r0 = 0; r0 < D; r0 += 32 * NR) {
         double base[NR];
         int ep[NR], cls[NR], sym[NR], nbits[NR], known[NR], incl[NR];
-        long long centre[NR], off[NR], pat[NR];
+        int centre[NR], pat[NR];
+        long long off[NR];
         bool act[NR], unary[NR];
-        // 1. model
+        // 1. model: straight-line code for every lane (a lane past D computes channel D - 1 and is
+        // masked later), so the rounds' dependent float64 chains interleave
+        int dd[NR];
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          const int d = r0 + 32 * r + k;
-          act[r] = d < D;
-          base[r] = 0.0;
-          ep[r] = 0;
-          cls[r] = 0;
-          centre[r] = 0;
-          if (act[r]) {
-            double p = 0.0;
-            if (prow) {
-              const float pf = prow[d];
-              p = isfinite(pf) ? (double)pf : 0.0;
-            }
-            base[r] = __dadd_rn(chan[d], __dmul_rn(chan[D + d], p));
-            const double mu = __dadd_rn(base[r], __dmul_rn(chan[2 * D + d], dev[d]));
-            double mv = __dmul_rn(mu, gr.inv_unit);
-            if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
-            const int el = reinterpret_cast<const int*>(chan + 3 * D)[d];
-            kx_locate(mv, el & 1023, el >> 10, gr.mb, ep[r], centre[r], cls[r]);
+          act[r] = r0 + 32 * r + k < D;
+          dd[r] = min(r0 + 32 * r + k, D - 1);
+          base[r] = chan[dd[r]];  // m + c * 0 is m exactly (m is never -0.0)
+        }
+        if (prow) {  // warp-uniform
+#pragma unroll
+          for (int r = 0; r < NR; ++r) {
+            const float pf = prow[dd[r]];
+            base[r] = __dadd_rn(base[r], __dmul_rn(chan[D + dd[r]], isfinite(pf) ? (double)pf : 0.0));
           }
+        }
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          const double mu = __dadd_rn(base[r], __dmul_rn(chan[2 * D + dd[r]], dev[dd[r]]));
+          double mv = __dmul_rn(mu, gr.inv_unit);
+          if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
+          const int el = reinterpret_cast<const int*>(chan + 3 * D)[dd[r]];
+          kx_locate(mv, el & 1023, el >> 10, gr.mb, ep[r], centre[r], cls[r]);
         }
         // 2. rANS, round after round
 #pragma unroll
@@ -367,16 +373,14 @@ __global__ void __launch_bounds__(32 * WARPS)
           off[r] = end + (incl[r] - known[r]);
           end += __shfl_sync(KX_FULL, incl[r], (31 + s) & 31);  // the round's known total
         }
-        bool ok = true;
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          pat[r] = 0;
           if (r0 + 32 * r >= D) continue;  // warp-uniform
           const kx_u32 ub = __ballot_sync(KX_FULL, unary[r]);
           kx_u32 pending = __funnelshift_r(ub, ub, s);
-          while (pending) {  // at most 32 turns
+          while (pending) {  // at most 32 turns: their bit counts, in value order
             const int jv = __ffs(pending) - 1;
-            if (k == jv) pat[r] = kx_pattern(sym[r], ep[r], centre[r], rb.window(off[r]), gr, nbits[r], ok);
+            if (k == jv) nbits[r] = kx_unary_bits(ep[r], gr.mb, rb.window(off[r]));
             const int add = __shfl_sync(KX_FULL, nbits[r], (jv + s) & 31);
             if (k > jv) off[r] += add;
 #pragma unroll
@@ -385,13 +389,9 @@ __global__ void __launch_bounds__(32 * WARPS)
             pending &= pending - 1u;
           }
         }
+        bool ok = true;  // 4. patterns, every value at its offset
 #pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          if (act[r] && !unary[r]) {
-            int used = 0;
-            pat[r] = kx_pattern(sym[r], ep[r], centre[r], rb.window(off[r]), gr, used, ok);
-          }
-        }
+        for (int r = 0; r < NR; ++r) pat[r] = act[r] ? kx_pattern(sym[r], ep[r], centre[r], rb.window(off[r]), gr, ok) : 0;
         bpos = end;
         bad |= !ok;
         // 4. patterns out, previous-token deviations

@@ -19,7 +19,8 @@ from kvcodec.cuda.transfer import upload
 
 SOURCE = "kvctx_decode.cu"
 WARPS = 4  # chunks (warps) per block
-ROUNDS = (2, 4)  # rounds of 32 values decoded together (template NR): 2 up to D = 64, else 4
+ROUNDS = 2  # rounds of 32 values decoded together (template NR); 4 needs ~165 registers (fewer blocks per SM)
+SWEEP_ROUNDS = (1, 2, 4)  # the NR instances compile-checked and swept by benchmarks/gpu_kvctx.py
 OUT_KINDS = (1, 2, 4)  # bytes per output element: 8-bit and 16-bit patterns, float32 (bf16 half + lo16)
 CHUNK_FIELDS = 8
 RING_BYTES = 512 * 2 + 256 * 4  # per warp: the rANS-word and raw-bit-word rings (KX_RING_*)
@@ -30,18 +31,13 @@ SIGNATURE = ("(const unsigned short*, const unsigned int*, const long long*, int
              "int, int, long long, void*, const unsigned short*, double*, int*)")
 
 
-def rounds_for(d: int) -> int:
-    """The kernel's NR for D channels: a token's rounds decoded together (2 or 4)."""
-    return ROUNDS[0] if d <= 32 * ROUNDS[0] else ROUNDS[1]
-
-
 def kernel_name(out_kind: int, nr: int, warps: int = WARPS) -> str:
     return f"kx_decode<{out_kind}, {warps}, {nr}>"
 
 
 def instance_declarations() -> list[str]:
     """Explicit instantiations for the nvcc compile check."""
-    return [f"__global__ void {kernel_name(k, nr)}{SIGNATURE}" for k in OUT_KINDS for nr in ROUNDS]
+    return [f"__global__ void {kernel_name(k, nr)}{SIGNATURE}" for k in OUT_KINDS for nr in SWEEP_ROUNDS]
 
 
 @dataclass
@@ -92,8 +88,8 @@ def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: tor
     int32 by the plan's kind); ``words``/``bits``: device addresses of the blob's payload and raw-bit
     sections (2- and 4-byte aligned); ``pred``: float32 [., T, D] CUDA tensor whose row 0 is g = ``pred_g0``;
     ``lo16``: address of the float32 low halves; ``status`` int32 [n chunks], zeroed by the caller.
-    ``nr`` / ``warps``: the kernel's rounds per batch and warps per block (default: ``rounds_for(D)``,
-    ``WARPS``; other values for benchmark sweeps)."""
+    ``nr`` / ``warps``: the kernel's rounds per batch and warps per block (default ``ROUNDS``, ``WARPS``;
+    other values for benchmark sweeps)."""
     plan = dp.plan
     n_all = plan.chunks.shape[0]
     count = n_all - first if count is None else count
@@ -102,7 +98,7 @@ def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: tor
     _, tt, d = plan.shape
     device = out.device
     scratch = plan.scratch(count, device, warps)
-    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr or rounds_for(d), warps))
+    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr or ROUNDS, warps))
     width, sign, mb, maxmag, eoff = plan.grid
     with build.cupy_stream(device):
         fn((-(-count // warps),), (32 * warps,),

@@ -37,6 +37,7 @@ static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline long long __double_as_longlong(double x) { long long r; std::memcpy(&r, &x, 8); return r; }
 static inline double __longlong_as_double(long long x) { double r; std::memcpy(&r, &x, 8); return r; }
 static inline int __clzll(long long x) { return x ? __builtin_clzll((unsigned long long)x) : 64; }
+static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
 static inline int __popc(unsigned x) { return __builtin_popcount(x); }
 static inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 static inline int __ffsll(long long x) { return __builtin_ffsll(x); }
