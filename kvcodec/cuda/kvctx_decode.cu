@@ -199,7 +199,8 @@ struct KxRing {
   long long n, hi;
   T stage;
 
-  __device__ __forceinline__ T load(long long q) const { return q < n ? __ldg(src + q) : (T)0; }
+  // (streaming loads, evicted first: L1 keeps the class tables)
+  __device__ __forceinline__ T load(long long q) const { return q < n ? __ldcs(src + q) : (T)0; }
 
   __device__ __forceinline__ void init(T* ring, const T* words, long long count, int lane) {
     buf = ring;
@@ -324,7 +325,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         if (prow) {  // warp-uniform
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
-            const float pf = prow[dd[r]];
+            const float pf = __ldcs(prow + dd[r]);
             base[r] = __dadd_rn(base[r], __dmul_rn(chan[D + dd[r]], isfinite(pf) ? (double)pf : 0.0));
           }
         }
@@ -405,7 +406,7 @@ __global__ void __launch_bounds__(32 * WARPS)
           } else if (OUT == 2) {
             reinterpret_cast<kx_u16*>(out)[oi] = (kx_u16)pat[r];
           } else {
-            reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat[r] << 16) | (kx_u32)lo16[oi];
+            reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat[r] << 16) | (kx_u32)__ldcs(lo16 + oi);
           }
           dev[d] = sym[r] != KX_ESC ? __dsub_rn(kx_value(pat[r], gr), base[r]) : 0.0;  // ESC: no residual
         }

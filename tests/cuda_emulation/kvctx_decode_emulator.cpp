@@ -45,6 +45,7 @@ static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
   return (unsigned)(((((unsigned long long)hi) << 32) | lo) >> (sh & 31));
 }
 template <class T> static inline T __ldg(const T* p) { return *p; }
+template <class T> static inline T __ldcs(const T* p) { return *p; }
 static inline void __syncwarp() { kx_warp->bar.arrive_and_wait(); }
 
 template <class T> static T __shfl_sync(unsigned, T v, int src) {

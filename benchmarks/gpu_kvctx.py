@@ -1,0 +1,116 @@
+"""The kvctx / predictive GPU decode alone, taken apart (the kvctx rows of gpu_lossless.py, plus
+the host plan and the kernel per variant: ``gpu_lossless.kvctx_kernel_rows``), in a short run.
+
+    PYTHONPATH=. python3 benchmarks/gpu_kvctx.py [--mb 256] [--out benchmarks/results]
+    ncu --kernel-name regex:kx_decode --launch-skip 1 --launch-count 1 python3 benchmarks/gpu_kvctx.py --once
+
+``--once``: only decode the bf16 kvctx blob twice (a profiler's target; nothing written).
+
+Rows: for the KV tensors of gpu_lossless (bf16 256 MB, fp8 128 MB) the kvctx blob and, for bf16, the
+predictive blob (fp8-weight twin): decode of the device blob and of the host bytes end to end
+(``decompress``), the host plan, the kernel alone per variant, a device copy, then the CPU decode of the
+same blobs; in the notes, where the host part of one device-blob decode goes (cProfile).
+Writes gpu_lossless_kvctx.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import gpu_lossless as gl  # noqa: E402
+from benchmarks.common import machine_record, save_with_out  # noqa: E402
+
+
+def host_profile(name: str, top: int = 12) -> list[str]:
+    """cProfile of one device-blob decompress of each of the tensor's kvctx / predictive blobs: the host
+    functions taking the most time (own time, ms), where the host part of the call goes."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    import kvcodec
+
+    lines = []
+    for key, (_, hblob, pred) in gl._KV_BLOBS.items():
+        if not key.startswith(name + "/"):
+            continue
+        dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
+        kvcodec.decompress(dblob, prediction=pred)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        kvcodec.decompress(dblob, prediction=pred)
+        prof.disable()
+        stats = pstats.Stats(prof).stats
+        rows = sorted(((v[2], f"{Path(k[0]).name}:{k[2]}") for k, v in stats.items()), reverse=True)[:top]
+        total = sum(v[2] for v in stats.values())
+        lines.append(f"{key}: host time of one decompress (cProfile, own time) {total * 1e3:.2f} ms: "
+                     + ", ".join(f"{fn} {t * 1e3:.2f}" for t, fn in rows))
+    return lines
+
+
+def once(mb: int) -> None:
+    """Encode the bf16 KV tensor's kvctx blob and decode it twice on the GPU (a profiler's target)."""
+    import torch
+
+    import kvcodec
+
+    x = gl.kv_shaped(gl.tensors(mb)["kv_bf16"])
+    dblob = torch.frombuffer(bytearray(kvcodec.compress(x, layout="kv")), dtype=torch.uint8).cuda()
+    for _ in range(2):
+        y = kvcodec.decompress(dblob)
+    torch.cuda.synchronize()
+    gl.log(f"gpu_kvctx --once: decoded {x.numel() * 2 / 1e6:.0f} MB twice, exact: {gl.same_bits(x, y)}")
+
+
+def main(out_dir: str, mb: int) -> dict:
+    import torch
+
+    import kvcodec.cuda
+
+    if not kvcodec.cuda.is_available():
+        gl.log("gpu_kvctx: no CUDA GPU + CuPy; skipped")
+        return {}
+    rec = machine_record()
+    data = {k: v for k, v in gl.tensors(mb).items() if k.startswith("kv")}
+    rows, notes = [], []
+    for name, x in data.items():  # every GPU row first: the CPU rows' threads must not share the host
+        for fn in (gl.kvctx_gpu_rows, gl.kvctx_kernel_rows, lambda n, t: [gl.copy_row(n, t)]):
+            try:
+                got = fn(name, x)
+            except Exception as e:  # noqa: BLE001  one device call must report every row
+                got = [dict(data=name, codec=getattr(fn, "__name__", "?"), error=f"{type(e).__name__}: {e}"[:300])]
+            rows += got
+        try:
+            notes += host_profile(name)
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"{name}: host profile failed: {type(e).__name__}: {e}"[:300])
+        torch.cuda.empty_cache()
+    for name, x in data.items():
+        rows += gl.kvctx_cpu_rows(name, x)
+    order = list(data)
+    rows.sort(key=lambda r: order.index(r["data"]))
+    result = {"suite": "gpu_lossless_kvctx", "rows": rows, "machine": rec, "notes": [
+        f"GPU {rec.get('gpu')}; KV tensors of {mb} MB (fp8: half) as [heads, 256 tokens, 64]; end-to-end rows: wall "
+        "clock per decompress call with torch.cuda.synchronize(), median of 5 (host bytes: 3) after a warm-up",
+        "host plan: kvctx_device.plan (the model section's entropy decode and checks, decode tables, chunk "
+        "descriptors), median of 5; kernel alone: CUDA events around the launch, median of 5 after a warm-up, "
+        "per variant (NR rounds of 32 values decoded together, warps = chunks per block); every output checked",
+        *notes]}
+    save_with_out(result, out_dir, columns=["data", "codec", "MB", "ratio", "enc_GBps", "dec_GBps", "kernel_ms",
+                                            "plan_ms", "exact", "gpu_path", "error"])
+    return result
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--once", action="store_true", help="decode one bf16 kvctx blob twice, write nothing")
+    args = ap.parse_args()
+    once(args.mb) if args.once else main(args.out, args.mb)
