@@ -194,6 +194,61 @@ def kvctx_cpu_rows(name, x):
     return rows
 
 
+KERNEL_VARIANTS = [(None, 4), (1, 4), (2, 4), (4, 4), (2, 2), (2, 1), (4, 2)]  # (rounds per batch, warps per block)
+
+
+def kvctx_kernel_rows(name, x, variants=KERNEL_VARIANTS):
+    """The kvctx / predictive GPU decode taken apart on the blobs of kvctx_gpu_rows: the host plan
+    (``kvctx_device.plan``: stream parse, tables, chunk descriptors; median of 5) and the kernel alone
+    (CUDA events around each launch, median of 5 after a warm-up) per kernel variant (rounds per batch
+    NR, warps per block; None = the default for D), each output checked bit-exact."""
+    import torch
+
+    from kvcodec.cuda import kvctx_decode as kd
+    from kvcodec.lossless import device_container, kvctx_device
+
+    rows = []
+    for key, (t, hblob, pred) in _KV_BLOBS.items():
+        if not key.startswith(name + "/"):
+            continue
+        label = key.split("/", 1)[1]
+        nbytes = t.numel() * t.element_size()
+        dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
+        header, end = device_container.read_header(dblob)
+        secs, _ = device_container.sections(dblob, header, end)
+        meta = header["meta"]["codec_meta"]
+        plan_s = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            kvctx_device.plan(meta, secs)
+            plan_s.append(time.perf_counter() - t0)
+        rows.append(dict(data=name, codec=f"kvcodec {label}: host plan (parse, tables, descriptors)", MB=nbytes / 1e6,
+                         plan_ms=statistics.median(plan_s[1:]) * 1e3))
+        log(rows[-1])
+        for nr, warps in variants:
+            events = []
+
+            def timed_launch(*a, nr=nr, warps=warps, events=events, **k):
+                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev0.record()
+                kd.launch(*a, **k, nr=nr, warps=warps)
+                ev1.record()
+                events.append((ev0, ev1))
+
+            label_v = f"kvcodec {label}: kernel alone, NR={nr or 'default'}, {warps} warps/block"
+            try:
+                for _ in range(6):
+                    out, status, _ = kvctx_device.decode(meta, secs, dblob.device, pred, launch=timed_launch)
+                torch.cuda.synchronize()
+                ms = statistics.median([a.elapsed_time(b) for a, b in events[-5:]])
+                rows.append(dict(data=name, codec=label_v, MB=nbytes / 1e6, kernel_ms=ms, dec_GBps=nbytes / ms / 1e6,
+                                 exact=not bool(status.any()) and same_bits(t, out)))
+            except Exception as e:  # noqa: BLE001  one device call must report every variant
+                rows.append(dict(data=name, codec=label_v, error=f"{type(e).__name__}: {e}"[:200]))
+            log(rows[-1])
+    return rows
+
+
 def nvcomp_rows(name, x):
     import torch
 
