@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 from test_kvctx_device import GPU, blob_of, kv_like, same_bits, with_specials
 
 import kvcodec
@@ -120,6 +121,28 @@ def test_emulated_encoder_streams_decode_on_the_cpu(emulator, zlib_crc, shape, d
     assert meta == cpu_meta | {"shared": meta["shared"]}  # the same fields (sharing: chosen on its own sums)
     assert same_bits(kvcodec.decompress(blob, prediction=pred), x)
     assert compressed_size(secs) <= 1.01 * compressed_size(cpu_secs) + 64
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]),
+       source=st.sampled_from(["none", "external", "previous_token"]), d=st.sampled_from([16, 48, 64]),
+       extra=st.integers(0, 90), g=st.integers(1, 2), noise=st.floats(0.0, 0.3), seed=st.integers(0, 2**31 - 1))
+def test_emulated_encoder_on_random_bit_patterns(emulator, zlib_crc, dtype, source, d, extra, g, noise, seed):
+    """KV-like values with a random share replaced by uniformly random bit patterns (NaN payloads, Inf,
+    subnormals, huge values): the stream decodes bit-exactly on the CPU."""
+    shape = (g, -(-16384 // d) + extra, d)
+    x = kv_like(shape, torch.float32, seed=seed % 1000).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    bits = x.view(-1).view(_BITS[x.element_size()])
+    hit = torch.rand(bits.numel(), generator=gen) < noise
+    bits[hit] = torch.randint(-2**31, 2**31 - 1, (int(hit.sum()),), generator=gen).to(bits.dtype)
+    pred = kv_like(shape, torch.bfloat16, seed=seed % 7) if source == "external" else None
+    _, _, blob = emulated_blob(emulator, x, pred, source)
+    assert same_bits(kvcodec.decompress(blob, prediction=pred), x)
 
 
 def test_emulated_encoder_equals_cpu_bytes_with_the_same_model(emulator, zlib_crc):
@@ -244,6 +267,8 @@ def test_gpu_encode_fp8_version2_and_fallbacks(gpu_encodes):
     assert gpu_encodes == [1] and same_bits(kvcodec.decompress(blob2, device="cpu"), x)
     small = kv_like((2, 16, 64)).cuda()  # 8-lane chunks: the CPU
     assert same_bits(kvcodec.decompress(kvcodec.compress(small, layout="kv")), small) and gpu_encodes == [1]
+    with pytest.raises(ValueError, match="gpu=True: chunks under"):
+        kvcodec.compress(small, layout="kv", gpu=True)
 
 
 @pytest.mark.gpu

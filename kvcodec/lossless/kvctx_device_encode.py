@@ -228,7 +228,7 @@ def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: st
 def route(tensor, prediction, codec: str, opts: dict, gpu) -> tuple[str, str] | None:
     """(codec, predictor) when ``kvcodec.compress(tensor, prediction, codec, gpu=gpu, **opts)`` is a
     kvctx / predictive call the GPU encoder takes, else None (the CPU encodes it, or raises for bad
-    arguments)."""
+    arguments). ``gpu=True`` and a kvctx / predictive call it cannot take: ValueError saying why."""
     if gpu is False or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
         return None
     opts = dict(opts)
@@ -254,6 +254,9 @@ def route(tensor, prediction, codec: str, opts: dict, gpu) -> tuple[str, str] | 
         return None
     import kvcodec.cuda
 
-    if unsupported(tensor, source, version) is not None or not kvcodec.cuda.is_available():
+    why = unsupported(tensor, source, version) or (None if kvcodec.cuda.is_available() else "CuPy is not available")
+    if why is not None:
+        if gpu:
+            raise ValueError(f"gpu=True: {why}")
         return None
     return name, source

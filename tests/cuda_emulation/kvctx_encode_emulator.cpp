@@ -49,6 +49,11 @@ static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
   return (unsigned)(((((unsigned long long)hi) << 32) | lo) >> (sh & 31));
 }
 template <class T> static inline T __ldg(const T* p) { return *p; }
+// the cache-hinted loads the included decoder may use
+template <class T> static inline T __ldcs(const T* p) { return *p; }
+template <class T> static inline T __ldcg(const T* p) { return *p; }
+template <class T> static inline T __ldca(const T* p) { return *p; }
+template <class T> static inline T __ldlu(const T* p) { return *p; }
 static inline void __syncwarp() { ke_warp->bar.arrive_and_wait(); }
 static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
