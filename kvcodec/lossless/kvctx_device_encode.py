@@ -112,7 +112,7 @@ def _layer_prediction(pats: torch.Tensor, bdtype: torch.dtype, shape: tuple, uni
     0 for the first layer, as the CPU encoder predicts a neighbour-layer stream."""
     grid = grid_for(bdtype)
     values = torch.from_numpy(value_table(grid)[grid.k_of_bits]).to(pats.device)
-    idx = pats.to(torch.int64) & (values.numel() - 1)
+    idx = pats.to(torch.int32) & (values.numel() - 1)  # the unsigned pattern
     pred = torch.zeros(shape, dtype=torch.float32, device=pats.device)
     pred[unit:] = values[idx.reshape(shape)[:-unit]] if unit < shape[0] else 0.0
     return pred
