@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvcodec import container, entropy
+from kvcodec.cuda.transfer import upload
 from kvcodec.entropy import rans_lanes
 from kvcodec.lossless import kvctx_device_fit as kfit
 from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
@@ -167,14 +168,14 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     model = min((kfit.fit(mom, sums.residuals, gain, prev_coef, sh) for sh in choices), key=kfit.cost)
     bgrid = bin_grid(bdtype)
     bp, margs = kfit.bin_params(model, bgrid)
-    fields_head, fields = bp.field_bytes(source)
 
-    # 2. symbols, histogram, raw-bit counts
+    # 2. symbols, histogram, raw-bit counts (the host writes the parameter fields meanwhile)
     cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, unit)
     gb = int(cng[0])
-    esc_d = torch.from_numpy(bgrid.escape.astype(np.uint8)).to(dev)
+    (esc_d,) = upload([bgrid.escape.astype(np.uint8)], dev)
     packed, hist, chunk_bits = ke.symbolise(pats, pred, margs, bp.shared, esc_d, grid_constants(bdtype),
                                             (g, tt, d), tb, gb, unit, cg0.size, N_KEYS, runner)
+    fields_head, fields = bp.field_bytes(source)
     counts = hist.sum(dim=0).cpu().numpy().reshape(N_CLASSES, 256)
     cbits = chunk_bits.cpu().numpy()
 
@@ -189,19 +190,18 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     chunks = np.stack([cg0, cng, ct0, cnt, bstart, cbits], 1).astype(np.int64)
     cap = int((cng * cnt).max()) * d + 2 * ke.LANES
 
-    # 4. the chunks' streams
-    chunks_d = torch.from_numpy(chunks).to(dev)
-    ftab_d = torch.from_numpy(ftab.view(np.int32)).to(dev)
-    rcp_d = torch.from_numpy(rcp.view(np.int32)).to(dev)
-    scratch, lens, bits = ke.encode_chunks(packed, chunks_d, ftab_d, rcp_d, (g, tt, d), cap, int(bwords.sum()), runner)
+    # 4. the chunks' streams (the host entropy-codes the model meanwhile)
+    chunks_d, ftab_d, rcp_d = upload([chunks, ftab, rcp], dev)
+    scratch, lens, bits = ke.encode_chunks(packed, chunks_d.view(-1, 6), ftab_d, rcp_d, (g, tt, d), cap,
+                                           int(bwords.sum()), runner)
     del packed
+    head = fields_head + entropy.encode(np.concatenate([fields, table_bytes(freq)]), coder="rans")
     wlen = lens.cpu().numpy()
     if (wlen < 0).any():
         raise RuntimeError("GPU kvctx encoder: a symbol without frequency or a raw-bit miscount (internal error)")
     woff = np.concatenate([[0], np.cumsum(wlen)]).astype(np.int64)
     payload = torch.empty(int(woff[-1]), dtype=torch.int16, device=dev)
     gather(scratch, cap, lens, woff[:-1], payload)
-    head = fields_head + entropy.encode(np.concatenate([fields, table_bytes(freq)]), coder="rans")
     counts_b = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
     model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts_b])
     meta.update(tb=tb, shared=bp.shared, lanes=ke.LANES)
