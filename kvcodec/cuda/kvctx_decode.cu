@@ -246,7 +246,7 @@ struct KxRing {
 // n x 5 x D doubles. status[n]: 0 good, else the CPU's error
 // codes (1 short stream, 2 bad state, 4 end checks, 5 bad value).
 template <int OUT, int WARPS, int NR>
-__global__ void __launch_bounds__(32 * WARPS)
+__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2048 chunks in one wave on an H100/H200
     kx_decode(const kx_u16* __restrict__ words, const kx_u32* __restrict__ bits, const long long* __restrict__ chunks,
               int n_chunks, const float* __restrict__ pred, long long pred_g0, long long pred_t,
               const kx_u8* __restrict__ raw, const long long* __restrict__ layout, int shared,
@@ -294,6 +294,12 @@ __global__ void __launch_bounds__(32 * WARPS)
   long long bpos = 0;  // next raw bit
   long long i = 0;     // values decoded in this chunk
   bool bad = false;
+  // D = 32 * NR: every token is one batch starting at lane 0, so thread j always has channels j + 32 r:
+  // their parameters (but c: only with a prediction) and deviations stay in registers (no shared-memory
+  // round trip per token)
+  const bool in_regs = D == 32 * NR;
+  double rm[NR], ra[NR], rdev[NR];
+  int rel[NR];
   for (long long g = g0; g < g0 + ng && !bad; ++g) {
     const long long gp = shared ? 0 : g;
     for (int d = lane; d < D; d += 32) {
@@ -301,6 +307,15 @@ __global__ void __launch_bounds__(32 * WARPS)
       kx_channel(fl, gp * D + d, eoff, dev + D, D, d);
     }
     __syncwarp();
+    if (in_regs) {
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        rm[r] = chan[lane + 32 * r];
+        ra[r] = chan[2 * D + lane + 32 * r];
+        rel[r] = reinterpret_cast<const int*>(chan + 3 * D)[lane + 32 * r];
+        rdev[r] = 0.0;
+      }
+    }
     for (long long t = t0; t < t0 + nt; ++t) {
       const int s = (int)(i & 31);
       const int k = (lane - s) & 31;  // this thread's place in a round
@@ -320,7 +335,7 @@ __global__ void __launch_bounds__(32 * WARPS)
         for (int r = 0; r < NR; ++r) {
           act[r] = r0 + 32 * r + k < D;
           dd[r] = min(r0 + 32 * r + k, D - 1);
-          base[r] = chan[dd[r]];  // m + c * 0 is m exactly (m is never -0.0)
+          base[r] = in_regs ? rm[r] : chan[dd[r]];  // m + c * 0 is m exactly (m is never -0.0)
         }
         if (prow) {  // warp-uniform
 #pragma unroll
@@ -331,10 +346,10 @@ __global__ void __launch_bounds__(32 * WARPS)
         }
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          const double mu = __dadd_rn(base[r], __dmul_rn(chan[2 * D + dd[r]], dev[dd[r]]));
+          const double mu = __dadd_rn(base[r], in_regs ? __dmul_rn(ra[r], rdev[r]) : __dmul_rn(chan[2 * D + dd[r]], dev[dd[r]]));
           double mv = __dmul_rn(mu, gr.inv_unit);
           if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
-          const int el = reinterpret_cast<const int*>(chan + 3 * D)[dd[r]];
+          const int el = in_regs ? rel[r] : reinterpret_cast<const int*>(chan + 3 * D)[dd[r]];
           kx_locate(mv, el & 1023, el >> 10, gr.mb, ep[r], centre[r], cls[r]);
         }
         // 2. rANS, round after round
@@ -408,18 +423,20 @@ __global__ void __launch_bounds__(32 * WARPS)
           } else {
             reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat[r] << 16) | (kx_u32)__ldcs(lo16 + oi);
           }
-          dev[d] = sym[r] != KX_ESC ? __dsub_rn(kx_value(pat[r], gr), base[r]) : 0.0;  // ESC: no residual
+          const double dv = sym[r] != KX_ESC ? __dsub_rn(kx_value(pat[r], gr), base[r]) : 0.0;  // ESC: no residual
+          if (in_regs) {
+            rdev[r] = dv;
+          } else {
+            dev[d] = dv;
+          }
         }
         rw.fill(ptr, lane);
         rb.fill(bpos >> 5, lane);
       }
       i += D;
-      __syncwarp();
-      if (__any_sync(KX_FULL, bad)) {
-        bad = true;
-        break;
-      }
+      if (!in_regs) __syncwarp();  // dev[] written, read by other threads next token
     }
+    bad = __any_sync(KX_FULL, bad);  // a malformed chunk decodes on (every read is bounded) to its g's end
   }
   if (bad) {
     if (lane == 0) status[ci] = 5;
