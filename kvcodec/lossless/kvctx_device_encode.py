@@ -43,6 +43,7 @@ from kvcodec.lossless.predictive.tables import fit_tables, table_bytes
 SOURCES = ("none", "external", "previous_token", "neighbour_layer")
 N_KEYS = N_CLASSES * 256
 _CODED = {torch.bfloat16, torch.float16, torch.float32}
+_CODED_FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}  # format 2 only with version=2 (tested ones)
 
 
 def unsupported(t: torch.Tensor, source: str, version) -> str | None:
@@ -53,9 +54,8 @@ def unsupported(t: torch.Tensor, source: str, version) -> str | None:
         return f"the {source!r} predictor is encoded on the CPU"
     if source == "neighbour_layer" and t.dim() < 3:
         return "the neighbour-layer predictor needs a [layers, ..., tokens, channels] tensor"
-    fp8 = bin_grid(t.dtype) is not None and t.element_size() == 1
-    if t.dtype not in _CODED and not fp8:
-        return f"{t.dtype} is stored verbatim by the CPU encoder"
+    if t.dtype not in _CODED and t.dtype not in _CODED_FP8:
+        return f"{t.dtype} is coded on the CPU"
     if (pcodec.default_version(t.dtype) if version is None else version) != 2:
         return "only format 2 is encoded on the GPU (fp8 defaults to format 1: pass version=2)"
     g, tt, d = pcodec.kv_layout(tuple(t.shape))
@@ -97,7 +97,7 @@ class _Sums:
         self.ke, self.pats, self.pred, self.val, self.shape, self.tb, self.runner = ke, pats, pred, val, shape, tb, runner
 
     def moments(self, lw) -> torch.Tensor:
-        """[G, D, 5]: n, sum x, sum p, n widths, sum log2 width."""
+        """[G, D, 7]: params._fit_moments' fields."""
         return self.ke.fit_moments(self.pats, self.pred, self.val, lw, self.shape, self.tb, self.runner).sum(dim=1)
 
     def residuals(self, m, c, a, shared: bool) -> torch.Tensor:
