@@ -68,7 +68,7 @@ def test_bins_match_a_reference_from_real_values(dtype, pat, ep, shift):
     mag = pat & ~bg.sign & ((1 << bg.width) - 1)
     u_true = int(bins.bin_of(mag, ep, bg.mb))
     centre = min(max((-1 - u_true if pat & bg.sign else u_true) + shift, -(1 << 20)), 1 << 20)
-    sym, code, nb = bins.encode_value(pat, ep, centre, bg.width, bg.sign, bg.mb, bg.escape)
+    sym, code, nb = bins.encode_value(pat, ep, centre, bg.width, bg.sign, bg.mb, bg.escape[pat])
     ref = reference_bin(dtype, pat, ep, centre)
     if sym == bins.ESC:
         assert code == pat and nb == bg.width
@@ -119,7 +119,8 @@ def reference_stream(t: torch.Tensor, meta, sections, prediction=None):
                 base, mu = location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
                 mv = mu * 2.0 ** -bg.eoff
                 ep, centre, k = bins.locate(mv if abs(mv) < bins.MU_MAX else 0.0, es[gp, d], level[gp, d], bg.mb)
-                s, code, nb = bins.encode_value(int(pats[g, tok, d]), ep, centre, bg.width, bg.sign, bg.mb, bg.escape)
+                pat = int(pats[g, tok, d])
+                s, code, nb = bins.encode_value(pat, ep, centre, bg.width, bg.sign, bg.mb, bg.escape[pat])
                 syms.append(s)
                 ctxs.append(k)
                 raw.append((int(code), int(nb)))

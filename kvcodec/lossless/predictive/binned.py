@@ -34,9 +34,9 @@ from numba.extending import intrinsic
 
 from kvcodec.entropy import rans_lanes
 from kvcodec.lossless.predictive.bins import (
-    CENTRE, DEPTH_MAX, ESC, MU_MAX, N_CLASSES, bin_grid, encode_value, locate, pow2, value_of,
+    CENTRE, DEPTH_MAX, ESC, MU_MAX, N_CLASSES, bin_grid, encode_value, float64_bits, locate, pow2, value_of,
 )
-from kvcodec.lossless.predictive.cdf import location, prediction_at
+from kvcodec.lossless.predictive.cdf import location
 
 _M = rans_lanes.M
 _UNARY = DEPTH_MAX + 1  # bits peeked to read a unary depth
@@ -57,8 +57,12 @@ def symbolise(pats, pred, has_pred, m, c, a, es, level, shared, cg0, cng, ct0, c
               width, sign, mb, maxmag, escape, unit, inv_unit, packed, chunk_bits, hist):
     """Pass 1: every value (flat, chunk after chunk from ``coff``) as one int64 ``code << 24 |
     nbits << 16 | class << 8 | symbol`` (one store per value); per chunk the raw bit total and the
-    [class, symbol] histogram."""
-    d_n = pats.shape[2]
+    [class, symbol] histogram. Per token three loops as the decoder's (the model and the residuals
+    vectorise; unsigned indices: no wrap-around code)."""
+    d_n, t_n = pats.shape[2], pats.shape[1]
+    eoff = 1023 - ((float64_bits(inv_unit) >> 52) & 0x7FF)  # inv_unit = 2**-eoff
+    pf, prf = pats.reshape(-1), pred.reshape(-1)
+    mf, cf, af, esf, lvf = m.reshape(-1), c.reshape(-1), a.reshape(-1), es.reshape(-1), level.reshape(-1)
     for ci in prange(cg0.size):
         dev = np.zeros(d_n, np.float64)
         base = np.empty(d_n, np.float64)
@@ -68,20 +72,24 @@ def symbolise(pats, pred, has_pred, m, c, a, es, level, shared, cg0, cng, ct0, c
         i = coff[ci]
         total = np.int64(0)
         for g in range(cg0[ci], cg0[ci] + cng[ci]):
-            gp = 0 if shared else g
+            mo = (0 if shared else g) * d_n
             dev[:] = 0.0
             for t in range(ct0[ci], ct0[ci] + cnt[ci]):  # per token: model, bins, residuals (as the decoder)
+                o = (g * t_n + t) * d_n
                 for d in range(d_n):
-                    p = prediction_at(pred, has_pred, g, t, d)
-                    base[d], mv = _mu_v(m[gp, d], c[gp, d], a[gp, d], p, dev[d], inv_unit)
-                    t_ep[d], t_centre[d], t_cls[d] = locate(mv, es[gp, d], level[gp, d], mb)
+                    k, di = np.uint64(mo + d), np.uint64(d)
+                    p = np.float64(prf[np.uint64(o + d)]) if has_pred else 0.0
+                    base[di], mv = _mu_v(mf[k], cf[k], af[k], p if np.isfinite(p) else 0.0, dev[di], inv_unit)
+                    t_ep[di], t_centre[di], t_cls[di] = locate(mv, esf[k], lvf[k], mb)
                 for d in range(d_n):
-                    s, cd, nb = encode_value(np.int64(pats[g, t, d]), t_ep[d], t_centre[d], width, sign, mb, escape)
+                    pat = np.int64(pf[np.uint64(o + d)])
+                    s, cd, nb = encode_value(pat, t_ep[d], t_centre[d], width, sign, mb, escape[pat])
                     packed[i + d] = (cd << 24) | (nb << 16) | (t_cls[d] << 8) | s
                     total += nb
                 for d in range(d_n):  # an escaped value (NaN, Inf, outlier) leaves no residual
-                    v = value_of(np.int64(pats[g, t, d]), sign, mb, maxmag, unit)[1]
-                    dev[d] = v - base[d] if (packed[i + d] & 0xFF) != ESC else 0.0
+                    di = np.uint64(d)
+                    v = value_of(np.int64(pf[np.uint64(o + d)]), sign, mb, eoff) - base[di]
+                    dev[di] = 0.0 if (packed[np.uint64(i + d)] & 0xFF) == ESC else v
                 i += d_n
         chunk_bits[ci] = total
         for i in range(coff[ci], coff[ci + 1]):
@@ -232,15 +240,6 @@ def decode_escape_or_bin0(sym, j, ep, acc, width, sign, mb, maxmag):
     return mag | (sign & neg), n, 0
 
 
-@njit(inline="always", cache=True)
-def _value(pat, sign, mb, eoff):
-    """The value of a finite bit pattern (as ``bins.value_of``, from the exponent bits: no table)."""
-    mag = pat & ~sign & 0xFFFF
-    ef = mag >> mb
-    v = ((mag & ((np.int64(1) << mb) - 1)) | (np.int64(ef > 0) << mb)) * pow2(eoff + max(ef, 1) - 1)
-    return 0.0 - v if pat & sign else v
-
-
 def _chunk_decoder(consts):
     """The one-chunk decoder, with the dtype's (width, sign, mb, maxmag, eoff) compiled in as
     constants (``consts``), or read from its ``grid`` argument (None): the shifts and masks by
@@ -332,7 +331,7 @@ def _chunk_decoder(consts):
                     pat = mag & 0xFFFFF if slow else mag | (sign & ((cen[di] + sym[di]) >> 63))
                     bad |= (mag > maxmag) & (not slow)
                     flat[np.uint64(o + d)] = pat
-                    dev[di] = 0.0 if mag >> 20 else _value(pat, sign, mb, eoff) - base[di]
+                    dev[di] = 0.0 if mag >> 20 else value_of(pat, sign, mb, eoff) - base[di]
                 if bad:
                     return 5, ptr, 0
                 o += d_n
@@ -382,7 +381,7 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     (a serial bit position), the patterns and residuals; loops 1, 3 and 5 vectorise. The raw bits
     are read with unaligned 8-byte loads (the last bytes of the section by byte).
     """
-    del escape, unit  # the encoder's tables (``bins.value_of``); the decoder builds values from bits
+    del escape, unit  # the grid's tables: the decoder needs neither (values from exponent bits)
     eoff = 1 - math.frexp(inv_unit)[1]  # inv_unit = 2**-eoff
     consts = (int(width), int(sign), int(mb), int(maxmag), eoff)
     key = consts if consts in _specialised_consts() else None

@@ -184,9 +184,10 @@ def bin_of(mag, ep, mb):
 
 
 @njit(inline="always", cache=True)
-def encode_value(pat, ep, centre, width, sign, mb, escape):
-    """(symbol, raw code, raw bit count) of bit pattern ``pat`` in the bins of (ep, centre)."""
-    if escape[pat]:
+def encode_value(pat, ep, centre, width, sign, mb, escaped):
+    """(symbol, raw code, raw bit count) of bit pattern ``pat`` in the bins of (ep, centre);
+    ``escaped``: the grid's ``escape[pat]`` (NaN, Inf: always verbatim)."""
+    if escaped:
         return ESC, np.int64(pat), width
     mag = pat & ~sign & ((1 << width) - 1)
     u = bin_of(mag, ep, mb)
@@ -214,14 +215,10 @@ def encode_value(pat, ep, centre, width, sign, mb, escape):
 
 
 @njit(inline="always", cache=True)
-def value_of(pat, sign, mb, maxmag, unit):
-    """(finite, value as float64) of a bit pattern."""
+def value_of(pat, sign, mb, eoff):
+    """The value (float64) of a finite bit pattern: ``mant * 2**(eoff + max(ef, 1) - 1)``, the scale
+    built from exponent bits (no table: vectorises)."""
     mag = pat & ~sign & 0xFFFF
-    if mag > maxmag:
-        return False, 0.0
     ef = mag >> mb
-    mant = mag & ((1 << mb) - 1)
-    if ef > 0:
-        mant |= 1 << mb
-    v = mant * unit[ef]
-    return True, v - 2.0 * v * ((pat & sign) != 0)
+    v = ((mag & ((np.int64(1) << mb) - 1)) | (np.int64(ef > 0) << mb)) * pow2(eoff + max(ef, 1) - 1)
+    return 0.0 - v if pat & sign else v
