@@ -107,7 +107,6 @@ CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)
     ((1, 2100, 32), torch.float16, "external"),  # token blocks of 2048 and 52
     ((4, 64, 64), torch.float32, "none"),  # f32split: the lo16 section
     ((2, 128, 64), torch.float8_e5m2, "previous_token"),
-    ((2, 128, 64), torch.float8_e4m3fn, "none"),
     ((3, 2, 64, 128), torch.bfloat16, "neighbour_layer"),  # chunks within a layer, the gain fitted
 ]
 
@@ -126,7 +125,7 @@ def test_emulated_encoder_streams_decode_on_the_cpu(emulator, zlib_crc, shape, d
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]),
        source=st.sampled_from(["none", "external", "previous_token"]), d=st.sampled_from([16, 48, 64]),
