@@ -36,9 +36,7 @@ def host_profile(name: str, top: int = 12) -> list[str]:
     import kvcodec
 
     lines = []
-    for key, (_, hblob, pred) in gl._KV_BLOBS.items():
-        if not key.startswith(name + "/"):
-            continue
+    for label, _, hblob, pred, _ in gl.kv_blobs(name):
         dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
         kvcodec.decompress(dblob, prediction=pred)
         torch.cuda.synchronize()
@@ -49,7 +47,7 @@ def host_profile(name: str, top: int = 12) -> list[str]:
         stats = pstats.Stats(prof).stats
         rows = sorted(((v[2], f"{Path(k[0]).name}:{k[2]}") for k, v in stats.items()), reverse=True)[:top]
         total = sum(v[2] for v in stats.values())
-        lines.append(f"{key}: host time of one decompress (cProfile, own time) {total * 1e3:.2f} ms: "
+        lines.append(f"{name}/{label}: host time of one decompress (cProfile, own time) {total * 1e3:.2f} ms: "
                      + ", ".join(f"{fn} {t * 1e3:.2f}" for t, fn in rows))
     return lines
 

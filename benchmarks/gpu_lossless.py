@@ -110,6 +110,13 @@ def kvcodec_rows(name, x):
 _KV_BLOBS: dict = {}  # name -> (tensor, host blob, prediction): the CPU rows decode the same blobs
 
 
+def kv_blobs(name):
+    """(label, tensor, host blob, prediction, bytes) of each kvctx / predictive blob of tensor ``name``."""
+    for key, (t, hblob, pred) in _KV_BLOBS.items():
+        if key.startswith(name + "/"):
+            yield key.split("/", 1)[1], t, hblob, pred, t.numel() * t.element_size()
+
+
 def kv_shaped(x):
     return x.reshape(-1, 256, 64)  # [heads, tokens, head_dim] blocks of the tiled sample
 
@@ -176,16 +183,13 @@ def kvctx_gpu_rows(name, x):
 
 
 def kvctx_cpu_rows(name, x):
-    """The same kvctx / predictive blobs decoded on the CPU (all cores), then the same encode on the CPU."""
+    """The same kvctx / predictive blobs decoded on the CPU (all cores; timed after one warm-up decode)."""
     import kvcodec
 
     rows = []
-    for key, (t, hblob, pred) in _KV_BLOBS.items():
-        if not key.startswith(name + "/"):
-            continue
-        label = key.split("/", 1)[1]
-        nbytes = t.numel() * t.element_size()
+    for label, t, hblob, pred, nbytes in kv_blobs(name):
         tc, pc = t.cpu(), (pred.cpu() if pred is not None else None)
+        kvcodec.decompress(hblob, prediction=pc, device="cpu")  # warm-up: numba compiles the decoder's kernels
         t0 = time.perf_counter()
         y = kvcodec.decompress(hblob, prediction=pc, device="cpu")
         dec = time.perf_counter() - t0
@@ -208,11 +212,7 @@ def kvctx_kernel_rows(name, x, variants=KERNEL_VARIANTS):
     from kvcodec.lossless import device_container, kvctx_device
 
     rows = []
-    for key, (t, hblob, pred) in _KV_BLOBS.items():
-        if not key.startswith(name + "/"):
-            continue
-        label = key.split("/", 1)[1]
-        nbytes = t.numel() * t.element_size()
+    for label, t, hblob, pred, nbytes in kv_blobs(name):
         dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
         header, end = device_container.read_header(dblob)
         secs, _ = device_container.sections(dblob, header, end)
