@@ -377,9 +377,10 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     Chunks run in parallel (numba ``prange``, the caller's thread count).
 
     The values of one token depend on the previous token only, so each token is five loops over
-    its channels: the model (bins and class), the rANS symbols, the raw bit counts, the raw bits
-    (a serial bit position), the patterns and residuals; loops 1, 3 and 5 vectorise. The raw bits
-    are read with unaligned 8-byte loads (the last bytes of the section by byte).
+    its channels: the model (bins and class), the rANS symbols (two-level tables,
+    :func:`compact_tables`), the raw bit counts, the raw bits (a serial bit position), the
+    patterns and residuals; loops 1, 3 and 5 vectorise. The raw bits are read with unaligned
+    8-byte loads (the last bytes of the section by byte).
     """
     del escape, unit  # the grid's tables: the decoder needs neither (values from exponent bits)
     eoff = 1 - math.frexp(inv_unit)[1]  # inv_unit = 2**-eoff
@@ -398,6 +399,8 @@ _LAST_TABLES: tuple = (None, None)  # (decode tables, their compact form): a nei
 
 
 def _compact_tables_of(tabs: np.ndarray) -> tuple:
+    """:func:`compact_tables` of ``tabs``, reused while the same tables come back (the one
+    stream's tables stay referenced until another stream's replace them)."""
     global _LAST_TABLES
     last = _LAST_TABLES
     if last[0] is not tabs:
