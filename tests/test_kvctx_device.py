@@ -27,6 +27,7 @@ from kvcodec.cuda import build
 from kvcodec.cuda import kvctx_decode as kd
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import api, device_container, kvctx_device
+from kvcodec.lossless.predictive import format2
 from kvcodec.lossless.predictive.codec import encode_tensor
 
 GPU = torch.cuda.is_available()
@@ -387,3 +388,17 @@ def test_gpu_damaged_blobs_raise():
         assert gpu_ok == cpu_accepts(forged, x)
     torch.cuda.synchronize()  # no illegal memory access left behind
     assert same_bits(kvcodec.decompress(blob, device="cuda"), x)
+
+
+def test_emulated_kernel_decodes_model_parts(emulator, monkeypatch):
+    """A stream whose model bytes are coded in parts (meta "mparts": parallel host decode) decodes on the
+    GPU path as on the CPU; the same tensor with one model stream (the original layout) too."""
+    x = with_specials(kv_like((2, 128, 64), seed=9))
+    for part in (format2.MODEL_PART_BYTES, 40):
+        monkeypatch.setattr(format2, "MODEL_PART_BYTES", part)
+        meta, sections = encode_tensor(x, None, "none", version=2)
+        assert ("mparts" in meta) == (part == 40)
+        blob = blob_of(meta, sections, x, "kvctx", False)
+        assert same_bits(kvcodec.decompress(blob), x)
+        out, status, _ = emulated_decode(emulator, blob)
+        assert not status.any() and same_bits(out, x)

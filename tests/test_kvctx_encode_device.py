@@ -286,3 +286,16 @@ def test_gpu_encoded_damaged_blobs_raise():
             with pytest.raises(CorruptStreamError):
                 kvcodec.decompress(torch.from_numpy(bad).to(dev) if dev == "cuda" else bad.tobytes())
     torch.cuda.synchronize()
+
+
+def test_emulated_encoder_writes_model_parts(emulator, zlib_crc, monkeypatch):
+    """Model bytes past MODEL_PART_BYTES: the GPU encoder writes the parts layout (meta "mparts") as the
+    CPU encoder does, and the stream decodes bit-exactly on the CPU."""
+    from kvcodec.lossless.predictive import format2
+
+    monkeypatch.setattr(format2, "MODEL_PART_BYTES", 64)
+    x = kv_like((2, 128, 64), seed=6)
+    meta, _, blob = emulated_blob(emulator, x, None, "none")
+    cpu_meta, _ = encode_tensor(x, None, "none", version=2)
+    assert meta["mparts"] >= 2 and meta == cpu_meta | {"shared": meta["shared"], "mparts": meta["mparts"]}
+    assert same_bits(kvcodec.decompress(blob), x)

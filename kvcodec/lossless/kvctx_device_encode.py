@@ -29,14 +29,14 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kvcodec import container, entropy
+from kvcodec import container
 from kvcodec.cuda.transfer import upload
 from kvcodec.entropy import rans_lanes
 from kvcodec.lossless import kvctx_device_fit as kfit
 from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
 from kvcodec.lossless.predictive import codec as pcodec
 from kvcodec.lossless.predictive.bins import N_CLASSES, bin_grid
-from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, chunk_layout
+from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, chunk_layout, code_model
 from kvcodec.lossless.predictive.grid import grid_for, value_table
 from kvcodec.lossless.predictive.tables import fit_tables, table_bytes
 
@@ -195,7 +195,8 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     scratch, lens, bits = ke.encode_chunks(packed, chunks_d.view(-1, 6), ftab_d, rcp_d, (g, tt, d), cap,
                                            int(bwords.sum()), runner)
     del packed
-    head = fields_head + entropy.encode(np.concatenate([fields, table_bytes(freq)]), coder="rans")
+    body, mparts = code_model(np.concatenate([fields, table_bytes(freq)]))
+    head = fields_head + body
     wlen = lens.cpu().numpy()
     if (wlen < 0).any():
         raise RuntimeError("GPU kvctx encoder: a symbol without frequency or a raw-bit miscount (internal error)")
@@ -204,7 +205,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     gather(scratch, cap, lens, woff[:-1], payload)
     counts_b = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
     model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts_b])
-    meta.update(tb=tb, shared=bp.shared, lanes=ke.LANES)
+    meta.update(tb=tb, shared=bp.shared, lanes=ke.LANES, **mparts)
     sections.update(model=torch.from_numpy(model_blob).to(dev), payload=payload, bits=bits)
     return meta, sections
 

@@ -10,22 +10,27 @@ one :func:`kvcodec.entropy.encode` stream, so a field of similar values costs a 
 - ``mq``: the location in units of the channel's bin width ``2**es`` steps (round(m / 2**es));
 - ``c``, ``a``: int8 / 64, as in format 1 (only the fields the source does not fix).
 
-Stream: meta adds ``lanes`` (8 or 32) to format 1's fields; sections ``model`` (uint8: u32 length,
+Stream: meta adds ``lanes`` (8 or 32) to format 1's fields, and ``mparts`` when the model bytes
+are coded in parts (:func:`code_model`); sections ``model`` (uint8: u32 length,
 then the parameter fields' offsets and widths (5 bytes a field) and one ``entropy.encode`` stream
-of the fields' bytes followed by the tables' bytes; then per chunk the u32 rANS word count and the
+of the fields' bytes followed by the tables' bytes, or ``mparts`` rANS payloads of its slices with
+one shared table (:func:`code_model`); then per chunk the u32 rANS word count and the
 u32 raw-bit word count), ``payload`` (uint16: the chunks' rANS streams in order, each ``rans_lanes``' layout) and
 ``bits`` (uint32: the chunks' raw bits in order). Chunks: :func:`chunk_layout`.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import numpy as np
 
 from kvcodec import entropy
-from kvcodec.entropy import rans_lanes
+from kvcodec.entropy import rans_fast, rans_lanes
+from kvcodec.entropy.freq import count_symbols, quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.binned import decode_chunks, gather_words, symbolise, write_chunks
 from kvcodec.lossless.predictive.bins import EP_MAX, N_CLASSES, BinGrid, bin_exponent, scale_levels
@@ -33,6 +38,10 @@ from kvcodec.lossless.predictive.params import Q, ChannelParams, stored_fields
 from kvcodec.lossless.predictive.tables import decode_tables, fit_tables, table_bytes, tables_from_bytes
 
 CHUNK_VALUES = 1 << 16  # about this many values per independently decodable chunk
+MODEL_PART_BYTES = 1 << 16  # model bytes (fields + tables) per independently coded part (meta "mparts")
+MAX_MODEL_PARTS = 64
+MODEL_PRECISION = 14  # the parts' shared table: probabilities in 2**-14
+MODEL_STREAMS = 8  # interleaved rANS states per part
 WIDE_LANES_FROM = 1 << 14  # chunks this large use 32 lanes (the GPU warp), smaller ones 8
 _LEVEL_LO, _LEVEL_HI = -64, 4 * EP_MAX + 15
 _MQ_MAX = 32767
@@ -95,19 +104,23 @@ class BinParams:
         minimum, zigzag mq, int8 bytes) in one byte (or a low and a high byte plane); the header
         has per field the 4-byte offset and the width (1 or 2)."""
         head, body = b"", []
-        for f in stored_fields(source):
+        for f in stored_fields(source):  # every value fits 16 bits (levels and |mq| are clipped)
             if f == "s":
                 lo = int(self.level.min())
                 arr = self.level - lo
             elif f == "m":
                 lo, arr = 0, (self.mq << 1) ^ (self.mq >> 63)  # zigzag
             else:
-                lo, arr = 0, getattr(self, f).view(np.uint8).astype(np.int64)
+                lo, arr = 0, getattr(self, f).view(np.uint8)
             arr = arr.reshape(-1)
             width = 1 if int(arr.max()) < 256 else 2
             head += lo.to_bytes(4, "little", signed=True) + bytes([width])
-            body += [arr & 0xFF] if width == 1 else [arr & 0xFF, arr >> 8]
-        return head, np.concatenate(body).astype(np.uint8)
+            if width == 1:
+                body.append(arr.astype(np.uint8, copy=False))
+            else:
+                planes = arr.astype("<u2").view(np.uint8).reshape(-1, 2)
+                body += [planes[:, 0], planes[:, 1]]
+        return head, np.concatenate(body)
 
     @classmethod
     def from_bytes(cls, head: bytes, raw: np.ndarray, source: str, gp: int, d: int,
@@ -224,10 +237,73 @@ def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int,
     wlen = wcap[1:] - wstart
     counts = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
     fields_head, fields = bp.field_bytes(source)
-    head = fields_head + entropy.encode(np.concatenate([fields, table_bytes(freq)]), coder="rans")
+    body, mparts = code_model(np.concatenate([fields, table_bytes(freq)]))
+    head = fields_head + body
     model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts])
     payload = gather_words(words, wstart, wcap)
-    return {"shared": bp.shared, "lanes": lanes}, {"model": model_blob, "payload": payload, "bits": bits}
+    return {"shared": bp.shared, "lanes": lanes, **mparts}, {"model": model_blob, "payload": payload, "bits": bits}
+
+
+@cache
+def _pool() -> ThreadPoolExecutor:
+    """Threads for the model's parts (the rANS kernels release the GIL)."""
+    return ThreadPoolExecutor(max_workers=min(MAX_MODEL_PARTS, os.cpu_count() or 1))
+
+
+def _part_sizes(n: int, parts: int) -> np.ndarray:
+    """Symbols per part: ``np.array_split``'s sizes of n symbols in ``parts`` parts."""
+    sizes = np.full(parts, n // parts, np.int64)
+    sizes[:n % parts] += 1
+    return sizes
+
+
+def code_model(raw: np.ndarray) -> tuple[bytes, dict]:
+    """(bytes, meta fields) of the model bytes (parameter fields + tables). At most
+    ``MODEL_PART_BYTES`` bytes: one ``entropy.encode`` stream (no meta field: the original format 2
+    layout). More: ``mparts`` parts (``np.array_split``) coded with one shared table, each an
+    independent ``MODEL_STREAMS``-state rANS payload, coded (and decoded) in parallel:
+    u32 symbol count, 256 x u16 frequencies (summing to 2**MODEL_PRECISION), per part the u32
+    payload length, then the payloads (``rans_fast.encode_table``).
+
+    Why: a stream of ~10**6 channels has megabytes of fields; one sequential entropy stream of them
+    was the GPU decoder's largest host cost, and self-describing streams per part cost ~0.5 ms each."""
+    parts = min(MAX_MODEL_PARTS, -(-raw.size // MODEL_PART_BYTES))
+    if parts <= 1:
+        return entropy.encode(raw, coder="rans"), {}
+    freqs = quantize_frequencies(count_symbols(raw), MODEL_PRECISION).astype("<u2")
+    payloads = list(_pool().map(lambda x: rans_fast.encode_table(x, freqs, MODEL_PRECISION, MODEL_STREAMS),
+                                np.array_split(raw, parts)))
+    head = np.concatenate([np.array([raw.size], "<u4").view(np.uint8), freqs.view(np.uint8),
+                           np.array([p.size for p in payloads], "<u4").view(np.uint8)])
+    return b"".join([head.tobytes(), *(p.tobytes() for p in payloads)]), {"mparts": parts}
+
+
+def decode_model(meta: dict, body: bytes, max_symbols: int) -> np.ndarray:
+    """Inverse of :func:`code_model`: the model bytes (uint8) of ``body`` (CorruptStreamError)."""
+    parts = meta.get("mparts", 1)
+    if "mparts" not in meta:
+        raw = entropy.decode(body, max_symbols=max_symbols, max_output_bytes=None)
+        if raw.dtype != np.uint8:
+            raise CorruptStreamError("predictive stream has a malformed model")
+        return raw
+    if type(parts) is not int or not 2 <= parts <= MAX_MODEL_PARTS:
+        raise CorruptStreamError("predictive stream has a bad model part count")
+    n_head = 4 + 512 + 4 * parts
+    if len(body) < n_head:
+        raise CorruptStreamError("predictive stream model parts are truncated")
+    buf = np.frombuffer(body, np.uint8)
+    n = int(buf[:4].view("<u4")[0])
+    freqs = buf[4:516].view("<u2").astype(np.int64)
+    lens = buf[516:n_head].view("<u4").astype(np.int64)
+    if n > max_symbols or n < parts or int(freqs.sum()) != 1 << MODEL_PRECISION \
+            or n_head + int(lens.sum()) != buf.size:
+        raise CorruptStreamError("predictive stream has malformed model parts")
+    tables = rans_fast.decode_tables(freqs, MODEL_PRECISION)
+    ends = n_head + np.cumsum(lens)
+    spans = [(int(e - k), int(e), int(m)) for e, k, m in zip(ends, lens, _part_sizes(n, parts))]
+    decoded = list(_pool().map(
+        lambda s: rans_fast.decode_prepared(buf[s[0]:s[1]], tables, MODEL_PRECISION, s[2], MODEL_STREAMS), spans))
+    return np.concatenate(decoded)
 
 
 @dataclass(frozen=True)
@@ -273,9 +349,7 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
     head = blob[4:4 + k].tobytes()
     if k < n_head:
         raise CorruptStreamError("predictive stream model section is too short")
-    raw = entropy.decode(head[n_head:], max_symbols=2 * 4 * gp * d + 3 * 260 * N_CLASSES, max_output_bytes=None)
-    if raw.dtype != np.uint8:
-        raise CorruptStreamError("predictive stream has a malformed model")
+    raw = decode_model(meta, head[n_head:], 2 * 4 * gp * d + 3 * 260 * N_CLASSES)
     fields, rest = StoredFields.read(head[:n_head], raw, source, gp, d)
     tabs = decode_tables(tables_from_bytes(rest))
     counts = blob[4 + k:].copy().view("<u4").astype(np.int64)
