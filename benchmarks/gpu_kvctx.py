@@ -6,7 +6,8 @@ the host plan and the kernel per variant: ``gpu_lossless.kvctx_kernel_rows``), i
 
 ``--once``: only decode the bf16 kvctx blob twice (a profiler's target; nothing written).
 
-Rows: for the KV tensors of gpu_lossless (bf16 256 MB, fp8 128 MB) the kvctx blob and, for bf16, the
+Rows (for the benchmark's [heads, 256 tokens, 64] blocks, and "long rows": the same tiled sample as
+[-1, 2048, 64], 8x fewer channels, each with its own stored parameters): for the KV tensors of gpu_lossless (bf16 256 MB, fp8 128 MB) the kvctx blob and, for bf16, the
 predictive blob (fp8-weight twin): decode of the device blob and of the host bytes end to end
 (``decompress``), the host plan, the kernel alone per variant, a device copy, then the CPU decode of the
 same blobs; in the notes, where the host part of one device-blob decode goes (cProfile).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,12 +27,47 @@ from benchmarks import gpu_lossless as gl  # noqa: E402
 from benchmarks.common import machine_record, save_with_out  # noqa: E402
 
 
-def host_profile(name: str, top: int = 12) -> list[str]:
-    """cProfile of one device-blob decompress of each of the tensor's kvctx / predictive blobs: the host
-    functions taking the most time (own time, ms), where the host part of the call goes."""
+# (label suffix, tokens per row): the benchmark's [heads, 256 tokens, 64] blocks, and "long rows": the same
+# tiled sample as [-1, 2048, 64] (8 consecutive 256-token blocks concatenated: 8x fewer channels, each
+# with its own stored parameters, like a real 2k-token cache per head)
+LAYOUTS = (("", 256), (" long rows [-1, 2048, 64]", 2048))
+
+
+@contextmanager
+def kv_rows(tokens: int):
+    """gpu_lossless' KV layout as [-1, tokens, 64] while inside (its row helpers call ``kv_shaped``)."""
+    real = gl.kv_shaped
+    gl.kv_shaped = lambda x: x.reshape(-1, tokens, 64)
+    try:
+        yield
+    finally:
+        gl.kv_shaped = real
+
+
+def profile_call(label: str, what: str, fn, top: int = 12) -> str:
+    """cProfile of one call ``fn()`` (after a warm-up call and a sync): the host functions taking the
+    most time (own time, ms), where the host part of the call goes."""
     import cProfile
     import pstats
 
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((v[2], f"{Path(k[0]).name}:{k[2]}") for k, v in stats.items()), reverse=True)[:top]
+    total = sum(v[2] for v in stats.values())
+    return (f"{label}: host time of one {what} (cProfile, own time, incl. the final sync) {total * 1e3:.2f} ms: "
+            + ", ".join(f"{fn} {t * 1e3:.2f}" for t, fn in rows))
+
+
+def host_profile(name: str) -> list[str]:
+    """:func:`profile_call` of one device-blob decompress of each of the tensor's kvctx / predictive blobs."""
     import torch
 
     import kvcodec
@@ -38,17 +75,8 @@ def host_profile(name: str, top: int = 12) -> list[str]:
     lines = []
     for label, _, hblob, pred, _ in gl.kv_blobs(name):
         dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
-        kvcodec.decompress(dblob, prediction=pred)
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        kvcodec.decompress(dblob, prediction=pred)
-        prof.disable()
-        stats = pstats.Stats(prof).stats
-        rows = sorted(((v[2], f"{Path(k[0]).name}:{k[2]}") for k, v in stats.items()), reverse=True)[:top]
-        total = sum(v[2] for v in stats.values())
-        lines.append(f"{name}/{label}: host time of one decompress (cProfile, own time) {total * 1e3:.2f} ms: "
-                     + ", ".join(f"{fn} {t * 1e3:.2f}" for t, fn in rows))
+        lines.append(profile_call(f"{name}/{label}", "decompress",
+                                  lambda: kvcodec.decompress(dblob, prediction=pred)))
     return lines
 
 
@@ -76,25 +104,36 @@ def main(out_dir: str, mb: int) -> dict:
         return {}
     rec = machine_record()
     data = {k: v for k, v in gl.tensors(mb).items() if k.startswith("kv")}
-    rows, notes = [], []
-    for name, x in data.items():  # every GPU row first: the CPU rows' threads must not share the host
-        for fn in (gl.kvctx_gpu_rows, gl.kvctx_kernel_rows, lambda n, t: [gl.copy_row(n, t)]):
-            try:
-                got = fn(name, x)
-            except Exception as e:  # noqa: BLE001  one device call must report every row
-                got = [dict(data=name, codec=getattr(fn, "__name__", "?"), error=f"{type(e).__name__}: {e}"[:300])]
-            rows += got
-        try:
-            notes += host_profile(name)
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"{name}: host profile failed: {type(e).__name__}: {e}"[:300])
-        torch.cuda.empty_cache()
-    for name, x in data.items():
-        rows += gl.kvctx_cpu_rows(name, x)
-    order = list(data)
+    rows, notes, order = [], [], []
+    for suffix, tokens in LAYOUTS:
+        with kv_rows(tokens):
+            rows_l = []
+            long = tokens != 256  # the long-rows layout: end to end, the default kernel, the CPU decode
+            steps = (gl.kvctx_gpu_rows, lambda n, t: gl.kvctx_kernel_rows(n, t, variants=gl.KERNEL_VARIANTS[:1])) \
+                if long else (gl.kvctx_gpu_rows, gl.kvctx_kernel_rows, lambda n, t: [gl.copy_row(n, t)])
+            for name, x in data.items():  # every GPU row first: the CPU rows' threads must not share the host
+                for fn in steps:
+                    try:
+                        got = fn(name, x)
+                    except Exception as e:  # noqa: BLE001  one device call must report every row
+                        got = [dict(data=name, codec=getattr(fn, "__name__", "?"), error=f"{type(e).__name__}: {e}"[:300])]
+                    rows_l += got
+                try:
+                    notes += [suffix.strip() + " " + n if suffix else n for n in host_profile(name)]
+                except Exception as e:  # noqa: BLE001
+                    notes.append(f"{name}{suffix}: host profile failed: {type(e).__name__}: {e}"[:300])
+                torch.cuda.empty_cache()
+            for name, x in data.items():
+                rows_l += gl.kvctx_cpu_rows(name, x)
+        for r in rows_l:
+            r["data"] = r["data"] + suffix
+        rows += rows_l
+        order += [name + suffix for name in data]
     rows.sort(key=lambda r: order.index(r["data"]))
     result = {"suite": "gpu_lossless_kvctx", "rows": rows, "machine": rec, "notes": [
-        f"GPU {rec.get('gpu')}; KV tensors of {mb} MB (fp8: half) as [heads, 256 tokens, 64]; end-to-end rows: wall "
+        f"GPU {rec.get('gpu')}; KV tensors of {mb} MB (fp8: half) as [heads, 256 tokens, 64], and as 'long rows' "
+        "[-1, 2048, 64] (the same tiled sample, 8 consecutive 256-token rows concatenated: 8x fewer channels); "
+        "long rows: end to end, host plan, default kernel and CPU decode only; end-to-end rows: wall "
         "clock per decompress call with torch.cuda.synchronize(), median of 5 (host bytes: 3) after a warm-up",
         "host plan: kvctx_device.plan (the model section's entropy decode and checks, decode tables, chunk "
         "descriptors), median of 5; kernel alone: CUDA events around the launch, median of 5 after a warm-up, "

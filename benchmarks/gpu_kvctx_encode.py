@@ -2,6 +2,9 @@
 the CPU encoder, on gpu_lossless.py's tensors (the SmolLM2 KV sample tiled to --mb MB, bf16 and fp8 e4m3;
 predictive: the fp8-weight twin as the prediction), in one run.
 
+Layouts: the KV tensors as [heads, 256 tokens, 64] blocks, and "long rows" (bf16 kvctx and predictive
+only): the same tiled sample as [-1, 2048, 64], 8x fewer channels, each with its own stored parameters.
+
 Rows: GPU encode (``compress_device``: device blob; ``compress``: host bytes incl. the copy), its ratio,
 the same blob decoded on the GPU and on the CPU (bit-exact), the CPU encoder (all cores) on the same
 tensor and its ratio; a per-kernel profile of one GPU encode call. Writes gpu_kvctx_encode.{json,md};
@@ -21,19 +24,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine_record, save_with_out  # noqa: E402
-from benchmarks.gpu_lossless import kv_shaped, same_bits, tensors, timed  # noqa: E402
+from benchmarks.gpu_kvctx import LAYOUTS, profile_call  # noqa: E402
+from benchmarks.gpu_lossless import same_bits, tensors, timed  # noqa: E402
 
 COLUMNS = ["data", "codec", "MB", "ratio", "enc_GBps", "dec_GBps", "exact", "gpu_path", "error"]
 
 
-def jobs(data: dict):
+def jobs(data: dict, tokens: int = 256):
+    """(data, label, tensor, prediction, options) of each encode, the KV tensors as [-1, tokens, 64]."""
     import torch
 
     from kvcodec.data import load_kv_sample
 
+    def kv_shaped(t):
+        return t.reshape(-1, tokens, 64)
+
     x = data["kv_bf16"]
-    out = [("kv_bf16", "kvctx", kv_shaped(x), None, {"layout": "kv"}),
-           ("kv_fp8_e4m3", "kvctx (version=2)", kv_shaped(data["kv_fp8_e4m3"]), None, {"layout": "kv", "version": 2})]
+    out = [("kv_bf16", "kvctx", kv_shaped(x), None, {"layout": "kv"})]
+    if tokens == 256:
+        out.append(("kv_fp8_e4m3", "kvctx (version=2)", kv_shaped(data["kv_fp8_e4m3"]), None,
+                    {"layout": "kv", "version": 2}))
     s = load_kv_sample()
     half = x.numel() // 2
     truth = torch.cat([s.keys.reshape(-1), s.values.reshape(-1)])
@@ -59,7 +69,7 @@ def profile(t, pred, opts) -> list:
     return rows[:10]
 
 
-def rows_for(name, label, t, pred, opts) -> tuple[list, str]:
+def rows_for(name, label, t, pred, opts, full: bool = True) -> tuple[list, list]:
     import torch
 
     import kvcodec
@@ -89,8 +99,13 @@ def rows_for(name, label, t, pred, opts) -> tuple[list, str]:
     cpu_dec = time.perf_counter() - t0
     ratio = nbytes / dblob.numel()
     rows = [dict(data=name, codec=f"kvcodec {label} (GPU encode, device blob)", MB=mb, ratio=ratio,
-                 enc_GBps=nbytes / enc_s / 1e9, dec_GBps=nbytes / dec_s / 1e9, exact=same_bits(t, y), gpu_path=on_gpu),
-            dict(data=name, codec=f"kvcodec {label} (GPU encode, host bytes; CPU decode, all cores)", MB=mb,
+                 enc_GBps=nbytes / enc_s / 1e9, dec_GBps=nbytes / dec_s / 1e9, exact=same_bits(t, y), gpu_path=on_gpu)]
+    notes = [profile_call(f"{name} / {label}", "GPU encode (compress_device)",
+                          lambda: api.compress_device(t, prediction=pred, **opts))]
+    if not full:  # the long-rows layout: the device rows and the host profile only
+        torch.cuda.empty_cache()
+        return rows, notes
+    rows += [dict(data=name, codec=f"kvcodec {label} (GPU encode, host bytes; CPU decode, all cores)", MB=mb,
                  ratio=nbytes / len(hblob), enc_GBps=nbytes / host_s / 1e9, dec_GBps=nbytes / cpu_dec / 1e9,
                  exact=same_bits(t.cpu(), y_cpu) and bytes(dblob.cpu().numpy()) == hblob, gpu_path=on_gpu)]
     t0 = time.perf_counter()
@@ -99,9 +114,9 @@ def rows_for(name, label, t, pred, opts) -> tuple[list, str]:
     yc = kvcodec.decompress(cblob, prediction=pred, device="cuda")
     rows.append(dict(data=name, codec=f"kvcodec {label} (CPU encode, all cores; GPU decode)", MB=mb,
                      ratio=nbytes / len(cblob), enc_GBps=nbytes / cpu_enc / 1e9, exact=same_bits(t, yc)))
-    note = f"{name} / {label}: GPU encode profile (ms by kernel): {profile(t, pred, opts)}"
+    notes.append(f"{name} / {label}: GPU encode profile (ms by kernel): {profile(t, pred, opts)}")
     torch.cuda.empty_cache()
-    return rows, note
+    return rows, notes
 
 
 def main(out_dir: str, mb: int) -> dict:
@@ -110,19 +125,23 @@ def main(out_dir: str, mb: int) -> dict:
     rec = machine_record()
     data = tensors(mb)
     rows, notes = [], []
-    for name, label, t, pred, opts in jobs(data):
-        try:
-            got, note = rows_for(name, label, t, pred, opts)
-            notes.append(note)
-        except Exception as e:  # noqa: BLE001
-            got = [dict(data=name, codec=label, error=f"{type(e).__name__}: {e}"[:300])]
-        for r in got:
-            print(r, flush=True)
-        rows += got
-        torch.cuda.empty_cache()
+    for suffix, tokens in LAYOUTS:
+        for name, label, t, pred, opts in jobs(data, tokens):
+            name += suffix
+            try:
+                got, got_notes = rows_for(name, label, t, pred, opts, full=tokens == 256)
+                notes += got_notes
+            except Exception as e:  # noqa: BLE001
+                got = [dict(data=name, codec=label, error=f"{type(e).__name__}: {e}"[:300])]
+            for r in got:
+                print(r, flush=True)
+            rows += got
+            torch.cuda.empty_cache()
     result = {"suite": "gpu_kvctx_encode", "rows": rows, "machine": rec, "notes": [
         f"GPU {rec.get('gpu')}; tensors of {mb} MB (fp8: half, predictive: half) on the device; wall clock per call "
-        "with torch.cuda.synchronize(), median of 5 (host bytes: 3) after a warm-up; CPU encode/decode: one call",
+        "with torch.cuda.synchronize(), median of 5 (host bytes: 3) after a warm-up; CPU encode/decode: one call; "
+        "'long rows': the same tiled sample as [-1, 2048, 64] (8 consecutive 256-token rows concatenated: 8x fewer "
+        "channels), GPU encode + GPU decode and the host profile only",
         "GPU encode: kvcodec/cuda/kvctx_encode.cu (fit sums per column, symbolise + histogram, one warp per chunk "
         "for rANS + raw bits); the same format 2 stream the CPU encoder writes", *notes]}
     save_with_out(result, out_dir, columns=COLUMNS)
