@@ -423,6 +423,8 @@ class KvcFile(Target):
         sets = [
             {"w": (torch.randn(64, 40, generator=g) * 0.02).to(torch.bfloat16), "b": torch.randn(7, generator=g)},
             {"a": torch.randn(1100, generator=g), "i": torch.arange(3000, dtype=torch.int16), "z": torch.zeros(2048, dtype=torch.float16)},
+            # small norm-like tensors: coded together in a group (format version 2)
+            {f"n{i}": (1 + 0.05 * torch.randn(300, generator=g)).to(torch.bfloat16) for i in range(8)},
         ]
         for i, tensors in enumerate(sets):
             src, dst = tmp / f"s{i}.safetensors", tmp / f"s{i}.kvc"

@@ -9,6 +9,7 @@ choices, so a failure shrinks to a small mutation. The long run is ``python benc
 import json
 import struct
 import sys
+import random
 import time
 import zlib
 from pathlib import Path
@@ -44,10 +45,14 @@ def test_mutated_input_is_refused_or_decoded_exactly(name):
               suppress_health_check=list(HealthCheck))
     @given(rng=st.randoms(use_true_random=False))
     def check(rng):
+        seed = rng.getrandbits(64)
         t0 = time.process_time()
-        outcome, detail, _ = fuzz.case(target, rng)
+        outcome, detail, _ = fuzz.case(target, random.Random(seed))
         assert outcome in fuzz.GOOD, detail
-        assert time.process_time() - t0 < 2.0
+        if time.process_time() - t0 >= 2.0:  # a decoder kernel's first call compiles it (numba: seconds of CPU)
+            t0 = time.process_time()
+            fuzz.case(target, random.Random(seed))  # the same case, warm: a slow path stays slow
+            assert time.process_time() - t0 < 2.0
 
     check()
 
