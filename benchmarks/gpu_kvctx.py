@@ -66,6 +66,76 @@ def profile_call(label: str, what: str, fn, top: int = 12) -> str:
             + ", ".join(f"{fn} {t * 1e3:.2f}" for t, fn in rows))
 
 
+def plan_breakdown(name: str, reps: int = 7) -> list[str]:
+    """Wall time (median of ``reps`` after a warm-up) and minor page faults per call of each step of the
+    host plan of the tensor's kvctx / predictive device blobs: the model section's read-back (pinned, and
+    pageable as before), its entropy decode (thread pool), the whole parse with its checks, the plan,
+    the upload of the kernel's inputs (with a sync), and decode's host part to the launch (no sync)."""
+    import resource
+    import statistics
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from kvcodec.cuda import kvctx_decode as kd
+    from kvcodec.cuda.transfer import upload
+    from kvcodec.lossless import device_container, kvctx_device
+    from kvcodec.lossless.predictive import codec as pcodec
+    from kvcodec.lossless.predictive import format2
+
+    def timed(fn):
+        fn()
+        ts, faults = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()  # the read-back's sync must not wait for an earlier step's kernels
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        return f"{statistics.median(ts) * 1e3:.3f} ms ({statistics.median(faults):.0f} faults)"
+
+    def one_worker(fn):
+        real = format2._pool
+        format2._pool = lambda: single
+        try:
+            return fn()
+        finally:
+            format2._pool = real
+
+    single = ThreadPoolExecutor(1)
+    lines = []
+    for label, _, hblob, pred, _ in gl.kv_blobs(name):
+        dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
+        header, end = device_container.read_header(dblob)
+        secs, _ = device_container.sections(dblob, header, end)
+        meta = header["meta"]["codec_meta"]
+        stand = kvctx_device._stand_ins(meta, secs)
+        model = stand["model"]
+        k = int(model[:4].view("<u4")[0])
+        body = model[4 + 5 * len(format2.stored_fields(meta["source"])):4 + k].tobytes()
+        ps, kp = kvctx_device.plan(meta, secs)
+        steps = {
+            "model read-back (pinned)": lambda: kvctx_device._stand_ins(meta, secs),
+            "model read-back (pageable .cpu())": lambda: secs["model"].bytes.cpu(),
+            "model entropy decode (parts on the pool)": lambda: format2.decode_model(meta, body, 1 << 40),
+            "model entropy decode (one worker)": lambda: one_worker(lambda: format2.decode_model(meta, body, 1 << 40)),
+            "parse_stream (all checks, incl. the model decode)": lambda: pcodec.parse_stream(meta, stand),
+            "plan": lambda: kvctx_device.plan(meta, secs),
+            "upload (DevicePlan + sync)": lambda: (kd.DevicePlan(kp, dblob.device), torch.cuda.synchronize()),
+            "upload (full tables, as before, + sync)": lambda: (upload([kp.chunks, kp.raw, kp.layout, kp.tabs], dblob.device),
+                                                                torch.cuda.synchronize()),
+            "decode to the launch (no sync)": lambda: kvctx_device.decode(meta, secs, dblob.device, pred),
+        }
+        lines.append(f"{name}/{label}: host plan steps ({len(body) / 1e6:.2f} MB coded model, "
+                     f"{ps.v2.fields.raw.size / 1e6:.2f} MB fields, {kp.chunks.shape[0]} chunks): "
+                     + "; ".join(f"{k} {timed(fn)}" for k, fn in steps.items()))
+        torch.cuda.synchronize()
+        gl.log(lines[-1])
+    return lines
+
+
 def host_profile(name: str) -> list[str]:
     """:func:`profile_call` of one device-blob decompress of each of the tensor's kvctx / predictive blobs."""
     import torch
@@ -119,7 +189,8 @@ def main(out_dir: str, mb: int) -> dict:
                         got = [dict(data=name, codec=getattr(fn, "__name__", "?"), error=f"{type(e).__name__}: {e}"[:300])]
                     rows_l += got
                 try:
-                    notes += [suffix.strip() + " " + n if suffix else n for n in host_profile(name)]
+                    notes += [suffix.strip() + " " + n if suffix else n
+                              for n in (host_profile(name) + ([] if long else plan_breakdown(name)))]
                 except Exception as e:  # noqa: BLE001
                     notes.append(f"{name}{suffix}: host profile failed: {type(e).__name__}: {e}"[:300])
                 torch.cuda.empty_cache()
