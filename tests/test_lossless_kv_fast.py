@@ -337,3 +337,32 @@ def test_model_parts_damaged_payload_raises_or_decodes():
         format2.decode_model(meta, body[:-1], raw.size)
     with pytest.raises(CorruptStreamError):
         format2.decode_model(meta, body, raw.size - 1)  # more symbols than the shape allows
+
+
+def test_a_bf16_prediction_is_read_as_is_with_the_float32_checksum():
+    """The decoder reads a bf16 prediction's bit patterns directly (no float32 copy) and checksums
+    its float32 form a block at a time: the same checksum, values and errors as the float32 path,
+    special values included, across block boundaries."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 2, 300, 64, generator=g) * torch.logspace(-2, 1, 64)).to(torch.bfloat16)
+    pred = (x.float() + 0.05 * torch.randn(x.shape, generator=g)).to(torch.bfloat16)
+    bits = pred.view(torch.int16).reshape(-1)
+    bits[::97] = 0x7FC0  # NaN
+    bits[5::89] = -0x80  # -Inf (0xFF80)
+    bits[7::83] = 0x0001  # subnormal
+    bits[9::79] = -0x8000  # -0.0
+    shape = kv_layout(tuple(x.shape))
+    read, crc = predictive.codec._decode_prediction(pred, *shape, True)
+    f32, crc32 = predictive.codec._decode_prediction(pred, *shape, False)
+    assert read.dtype == np.uint16 and f32.dtype == np.float32 and crc == crc32
+    assert np.array_equal(read.astype(np.uint32) << 16, f32.view(np.uint32))
+    meta, sections = predictive.encode_tensor(x, pred, "external", 1, version=2)
+    assert torch.equal(predictive.decode_tensor(meta, sections, pred, 1).view(torch.int16), x.view(torch.int16))
+    assert torch.equal(predictive.decode_tensor(meta, sections, pred.float(), 1).view(torch.int16),
+                       x.view(torch.int16))  # the same prediction in float32 decodes the same
+    part = predictive.decode_tensor(meta, sections, pred, 1, tokens=(100, 250))
+    assert torch.equal(part.view(torch.int16), x[:, :, 100:250].view(torch.int16))
+    wrong = pred.clone()
+    wrong.view(torch.int16).reshape(-1)[12345] ^= 1
+    with pytest.raises(CorruptStreamError):
+        predictive.decode_tensor(meta, sections, wrong, 1)
