@@ -79,7 +79,6 @@ def plan_breakdown(name: str, reps: int = 7) -> list[str]:
     import torch
 
     from kvcodec.cuda import kvctx_decode as kd
-    from kvcodec.cuda.transfer import upload
     from kvcodec.lossless import device_container, kvctx_device
     from kvcodec.lossless.predictive import codec as pcodec
     from kvcodec.lossless.predictive import format2
@@ -124,8 +123,6 @@ def plan_breakdown(name: str, reps: int = 7) -> list[str]:
             "parse_stream (all checks, incl. the model decode)": lambda: pcodec.parse_stream(meta, stand),
             "plan": lambda: kvctx_device.plan(meta, secs),
             "upload (DevicePlan + sync)": lambda: (kd.DevicePlan(kp, dblob.device), torch.cuda.synchronize()),
-            "upload (full tables, as before, + sync)": lambda: (upload([kp.chunks, kp.raw, kp.layout, kp.tabs], dblob.device),
-                                                                torch.cuda.synchronize()),
             "decode to the launch (no sync)": lambda: kvctx_device.decode(meta, secs, dblob.device, pred),
         }
         lines.append(f"{name}/{label}: host plan steps ({len(body) / 1e6:.2f} MB coded model, "

@@ -402,28 +402,3 @@ def test_emulated_kernel_decodes_model_parts(emulator, monkeypatch):
         assert same_bits(kvcodec.decompress(blob), x)
         out, status, _ = emulated_decode(emulator, blob)
         assert not status.any() and same_bits(out, x)
-
-
-def test_compact_tables_expand_to_the_decode_tables():
-    """The uploaded table rows (used classes + one ESC-only row) gathered by their index are the full
-    decode tables, for streams using a few classes, every class, and none."""
-    from kvcodec.lossless.predictive import tables
-    from kvcodec.lossless.predictive.bins import ESC, N_CLASSES
-
-    rng = np.random.default_rng(3)
-    for n_used in (0, 5, N_CLASSES):
-        freq = np.zeros((N_CLASSES, 256), np.int64)
-        for c in rng.choice(N_CLASSES, n_used, replace=False):
-            cut = np.sort(rng.choice(np.arange(1, 4096), rng.integers(1, 40), replace=False))
-            freq[c, rng.choice(256, cut.size + 1, replace=False)] = np.diff(np.r_[0, cut, 4096])
-        freq[N_CLASSES - 1] = 0
-        freq[N_CLASSES - 1, ESC] = 4096 if n_used < N_CLASSES else 0  # a used class that is all ESC
-        freq[N_CLASSES - 1, 7] += 4096 - freq[N_CLASSES - 1].sum()
-        tabs = tables.decode_tables(freq)
-        rows, index = kd.compact_tables(tabs)
-        assert rows.shape[0] <= n_used + 1
-        assert np.array_equal(rows[index].reshape(-1), tabs)
-        dp = kd.DevicePlan(kd.KernelPlan(chunks=np.zeros((1, 8), np.int64), raw=np.zeros(0, np.uint8),
-                                         layout=np.zeros(13, np.int64), shared=False, tabs=tabs, grid=(16, 0, 7, 0, 0),
-                                         shape=(1, 1, 1), out_kind=2), "cpu")
-        assert np.array_equal(dp.tabs.numpy().view(np.uint32), tabs)

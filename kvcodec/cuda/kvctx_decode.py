@@ -26,8 +26,6 @@ CHUNK_FIELDS = 8
 RING_BYTES = 512 * 2 + 256 * 4  # per warp: the rANS-word and raw-bit-word rings (KX_RING_*)
 CHANNEL_BYTES = 5 * 8  # per warp and channel: dev, and the channel table's m, c, a, es | level
 SMEM_MAX = 48 * 1024  # rings + channel tables in shared memory up to this (no opt-in); beyond, a global scratch
-TABLE_SLOTS = 4096  # entries per class's decode table
-ESC_ONLY_HEAD = 255 << 24 | (TABLE_SLOTS - 1) << 12  # slot 0 of a table whose only symbol is ESC (a class not used)
 SIGNATURE = ("(const unsigned short*, const unsigned int*, const long long*, int, const float*, long long, "
              "long long, const unsigned char*, const long long*, int, const unsigned int*, int, int, int, int, "
              "int, int, long long, void*, const unsigned short*, double*, int*)")
@@ -74,32 +72,13 @@ class KernelPlan:
         return torch.empty(count * self.shape[2] * CHANNEL_BYTES // 8, dtype=torch.float64, device=device)
 
 
-def compact_tables(tabs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct rows, row of each class) of the decode tables: the classes a stream uses, each its own
-    row, and every unused class (slot 0 decodes ESC with the whole range: the table is ESC in every slot)
-    pointing at one shared ESC-only row. Why: a kvctx stream uses a handful of the 68 classes, so the
-    upload shrinks from 1.1 MB to a few tables and the device expands it with one gather."""
-    rows = tabs.reshape(-1, TABLE_SLOTS)
-    unused = rows[:, 0] == ESC_ONLY_HEAD
-    used = np.flatnonzero(~unused)
-    first_unused = np.flatnonzero(unused)[:1]
-    keep = np.concatenate([used, first_unused])
-    index = np.empty(rows.shape[0], np.int64)
-    index[used] = np.arange(used.size)
-    index[unused] = used.size  # the ESC-only row (present whenever a class is unused)
-    return rows[keep], index
-
-
 class DevicePlan:
-    """A ``KernelPlan`` uploaded to one device (one asynchronous copy; the decode tables as their
-    distinct rows, expanded on the device by :func:`compact_tables`' index)."""
+    """A ``KernelPlan`` uploaded to one device (one asynchronous copy)."""
 
     def __init__(self, plan: KernelPlan, device):
         self.plan = plan
-        rows, index = compact_tables(plan.tabs)
-        self.chunks, self.raw, self.layout, rows_d, index_d = upload(
-            [plan.chunks, plan.raw if plan.raw.size else np.zeros(1, np.uint8), plan.layout, rows, index], device)
-        self.tabs = rows_d.view(-1, TABLE_SLOTS)[index_d].reshape(-1)
+        self.chunks, self.raw, self.layout, self.tabs = upload(
+            [plan.chunks, plan.raw if plan.raw.size else np.zeros(1, np.uint8), plan.layout, plan.tabs], device)
 
 
 def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: torch.Tensor, first: int = 0,
