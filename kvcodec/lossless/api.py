@@ -63,6 +63,14 @@ def choose_codec(codec: str, prediction: torch.Tensor | None, layout: str | None
     return "planes"
 
 
+def _gpu_kv_route(tensor, prediction, codec: str, opts: dict, gpu):
+    """kvctx_device_encode.route for a call's resolved codec: (codec, predictor) when the GPU encodes it."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    return kvctx_device_encode.route(tensor, prediction, choose_codec(codec, prediction, opts.get("layout"), tensor.dtype),
+                                     opts, gpu)
+
+
 def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec: str = "auto",
              threads: int = 0, gpu: bool | None = None, **opts) -> bytes:
     """Losslessly compress ``tensor`` to bytes; :func:`decompress` restores every bit.
@@ -81,7 +89,7 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
     """
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"compress() takes a torch.Tensor, got {type(tensor).__name__}")
-    routed = kvctx_device_encode.route(tensor, prediction, codec, opts, gpu)
+    routed = _gpu_kv_route(tensor, prediction, codec, opts, gpu)
     if routed is not None:  # kvctx / predictive format 2, encoded on the GPU
         return device_to_bytes(kvctx_device_encode.compress(tensor, prediction, *routed, KIND), threads)
     gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)
@@ -129,7 +137,7 @@ def compress_device(tensor: torch.Tensor, prediction: torch.Tensor | None = None
     hundred bytes of statistics crosses to the host; give the tensor to :func:`decompress` (or
     ``bytes(blob.cpu().numpy())`` to any reader). Other calls code on the CPU and copy the blob.
     """
-    routed = kvctx_device_encode.route(tensor, prediction, codec, opts, gpu)
+    routed = _gpu_kv_route(tensor, prediction, codec, opts, gpu)
     if routed is not None:
         return kvctx_device_encode.compress(tensor, prediction, *routed, KIND)
     gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)

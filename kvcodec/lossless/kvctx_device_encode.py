@@ -226,10 +226,12 @@ def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: st
     return device_container.assemble(kind, meta, sections, crcs[1:], t.device)
 
 
-def route(tensor, prediction, codec: str, opts: dict, gpu) -> tuple[str, str] | None:
+def route(tensor, prediction, name: str, opts: dict, gpu) -> tuple[str, str] | None:
     """(codec, predictor) when ``kvcodec.compress(tensor, prediction, codec, gpu=gpu, **opts)`` is a
     kvctx / predictive call the GPU encoder takes, else None (the CPU encodes it, or raises for bad
-    arguments). ``gpu=True`` and a kvctx / predictive call it cannot take: ValueError saying why."""
+    arguments). ``name``: the codec ``codec`` resolves to (``api.choose_codec``, resolved by the
+    caller so that this module does not import the API). ``gpu=True`` and a kvctx / predictive call
+    it cannot take: ValueError saying why."""
     if gpu is False or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
         return None
     opts = dict(opts)
@@ -242,9 +244,6 @@ def route(tensor, prediction, codec: str, opts: dict, gpu) -> tuple[str, str] | 
                                    or tuple(prediction.shape) != tuple(tensor.shape) or prediction.dtype.is_complex
                                    or prediction.dtype == torch.bool):
         return None
-    from kvcodec.lossless.api import choose_codec
-
-    name = choose_codec(codec, prediction, layout, tensor.dtype)
     if name == "kvctx" and prediction is None and predictor is None:
         source = "none"
     elif name == "predictive" and prediction is not None and predictor in (None, "external"):
