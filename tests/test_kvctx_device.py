@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,7 +34,6 @@ try:
 except Exception:
     GPU = False
 
-EMULATOR = Path(__file__).parent / "cuda_emulation" / "kvctx_decode_emulator.cpp"
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
@@ -76,17 +73,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ------------------------------------------------------------------------------------ CPU emulation
 @pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
+def emulator(cpu_emulator):
     """The kernel compiled for the CPU (skipped without g++)."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("needs g++ to run the kernel on the CPU")
-    lib_path = tmp_path_factory.mktemp("kvctx_emulator") / "kvctx_emulator.so"
-    cmd = [gxx, "-O2", "-std=c++20", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-o", str(lib_path),
-           str(EMULATOR)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, f"g++ cannot build the emulator: {proc.stderr[-1500:]}"  # a kernel change broke it
-    lib = ctypes.CDLL(str(lib_path))
+    lib = cpu_emulator("kvctx_decode_emulator")
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.kx_emulate.argtypes = [i, i, p, p, p, i, p, ll, ll, p, p, i, p, i, i, i, i, i, i, ll, p, p, p, p]
     lib.kx_emulate.restype = i

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,22 +28,12 @@ from kvcodec.lossless import api
 from kvcodec.lossless import kvctx_device_encode as kde
 from kvcodec.lossless.predictive.codec import encode_tensor
 
-EMULATOR = Path(__file__).parent / "cuda_emulation" / "kvctx_encode_emulator.cpp"
 
 
 @pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
+def emulator(cpu_emulator):
     """The encoder's kernels compiled for the CPU (skipped without g++)."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("needs g++ to run the kernels on the CPU")
-    lib_path = tmp_path_factory.mktemp("kvctx_encode_emulator") / "kvctx_encode_emulator.so"
-    cmd = [gxx, "-O2", "-std=c++20", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-o", str(lib_path),
-           str(EMULATOR)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        pytest.skip(f"g++ cannot build the emulator: {proc.stderr[-500:]}")
-    return ctypes.CDLL(str(lib_path))
+    return cpu_emulator("kvctx_encode_emulator")
 
 
 def _c(v):
