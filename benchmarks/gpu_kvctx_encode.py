@@ -25,16 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine_record, save_with_out  # noqa: E402
 from benchmarks.gpu_kvctx import LAYOUTS, profile_call  # noqa: E402
-from benchmarks.gpu_lossless import same_bits, tensors, timed  # noqa: E402
+from benchmarks.gpu_lossless import fp8_twin_pair, same_bits, tensors, timed  # noqa: E402
 
 COLUMNS = ["data", "codec", "MB", "ratio", "enc_GBps", "dec_GBps", "exact", "gpu_path", "error"]
 
 
 def jobs(data: dict, tokens: int = 256):
     """(data, label, tensor, prediction, options) of each encode, the KV tensors as [-1, tokens, 64]."""
-    import torch
-
-    from kvcodec.data import load_kv_sample
 
     def kv_shaped(t):
         return t.reshape(-1, tokens, 64)
@@ -44,13 +41,7 @@ def jobs(data: dict, tokens: int = 256):
     if tokens == 256:
         out.append(("kv_fp8_e4m3", "kvctx (version=2)", kv_shaped(data["kv_fp8_e4m3"]), None,
                     {"layout": "kv", "version": 2}))
-    s = load_kv_sample()
-    half = x.numel() // 2
-    truth = torch.cat([s.keys.reshape(-1), s.values.reshape(-1)])
-    twin = torch.cat([s.keys_fp8pred.reshape(-1), s.values_fp8pred.reshape(-1)])
-    reps = -(-half // truth.numel())
-    xp = kv_shaped(truth.repeat(reps)[:half].cuda())
-    pred = kv_shaped(twin.repeat(reps)[:half].to(torch.bfloat16).cuda())
+    xp, pred = fp8_twin_pair(x.numel() // 2, kv_shaped)
     out.append(("kv_bf16", "predictive (fp8-weight twin)", xp, pred, {}))
     return out
 

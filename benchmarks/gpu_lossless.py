@@ -121,6 +121,20 @@ def kv_shaped(x):
     return x.reshape(-1, 256, 64)  # [heads, tokens, head_dim] blocks of the tiled sample
 
 
+def fp8_twin_pair(n: int, shaped=kv_shaped):
+    """The SmolLM2 sample's K+V and, as its prediction, the fp8-weight twin model's K+V (bf16), each tiled
+    to ``n`` values, laid out by ``shaped``, on the GPU: the predictive codec's rows."""
+    import torch
+
+    from kvcodec.data import load_kv_sample
+
+    s = load_kv_sample()
+    truth = torch.cat([s.keys.reshape(-1), s.values.reshape(-1)])
+    twin = torch.cat([s.keys_fp8pred.reshape(-1), s.values_fp8pred.reshape(-1)])
+    reps = -(-n // truth.numel())
+    return shaped(truth.repeat(reps)[:n].cuda()), shaped(twin.repeat(reps)[:n].to(torch.bfloat16).cuda())
+
+
 class GpuPathCount:
     """Counts decodes that went through the GPU kernel (kvctx_device.decode returned a result)."""
 
@@ -151,15 +165,7 @@ def kvctx_gpu_rows(name, x):
         return []
     jobs = [("kvctx", kv_shaped(x), None, {"layout": "kv", **({"version": 2} if x.element_size() == 1 else {})})]
     if name == "kv_bf16":
-        from kvcodec.data import load_kv_sample
-
-        s = load_kv_sample()
-        half = x.numel() // 2
-        truth = torch.cat([s.keys.reshape(-1), s.values.reshape(-1)])
-        twin = torch.cat([s.keys_fp8pred.reshape(-1), s.values_fp8pred.reshape(-1)])
-        reps = -(-half // truth.numel())
-        xp = kv_shaped(truth.repeat(reps)[:half].cuda())
-        pred = kv_shaped(twin.repeat(reps)[:half].to(torch.bfloat16).cuda())
+        xp, pred = fp8_twin_pair(x.numel() // 2)
         jobs.append(("predictive (fp8-weight twin)", xp, pred, {}))
     rows = []
     for label, t, pred, opts in jobs:
