@@ -12,17 +12,24 @@
 //      __dmul_rn/__dadd_rn: no FMA, the CPU's order), bins.locate -> (ep, centre, class);
 //   2. rANS: one step per value with its class's table, round after round (the lane states chain);
 //      the words are read in value order (a ballot rotated by s gives each value its word's place);
-//   3. raw bits: each value's bit count follows from its symbol, except a value in bin 0 of a wide bin,
-//      whose unary depth is read from the stream: an exclusive scan of the known counts per round gives
-//      every value its offset, then those unary values are resolved in value order (each adds its count
-//      to the values after it, in its round and the later ones); then every value reads its bits;
-//   4. patterns out, dev[d] = value - base for the next token (0 after an ESC; in shared memory: the
-//      thread of channel d changes from token to token when 32 does not divide D).
+//   3. raw bits: every value's field (bits skipped, bit count, magnitude base) follows from its symbol,
+//      except a value in bin 0 of a wide bin (a "unary" value), whose depth d is read from the stream.
+//      One exclusive scan of the known counts (two rounds packed in one word) places every value as if
+//      each unary value had depth 0; then the unary values are resolved in value order from 64-bit windows
+//      read at those places beforehand, the warp carrying the sum of their depths (a short dependent
+//      chain: shuffle, shift, count zeros, add); every value then reads its field from a 32-bit window;
+//   4. patterns out, dev[d] = value - base for the next token (0 after an ESC).
 // The chunk's rANS words and raw-bit words are read through per-warp rings in shared memory, filled
 // ahead of the reads (each fill step's global loads are issued one step before they are stored), so
-// the dependent reads of a round wait for shared memory, not for DRAM.
-// Every read is bounded: rANS words through min(pos, end - 1), raw bits as zeros past the chunk's end
-// (as the CPU); a malformed chunk sets its status, checked once on the host after the launch.
+// the dependent reads of a round wait for shared memory, not for DRAM. Positions within a chunk are
+// 32-bit (a chunk holds < 2**26 raw-bit words and < 2**30 rANS words, else its status says 4).
+// Every read is bounded: the rings read zeros past the chunk's words (an overrun then fails the end
+// checks, as on the CPU); a malformed chunk sets its status, checked once on the host after the launch.
+//
+// Template: OUT (bytes per output element), WARPS (chunks per block), NR (rounds per batch), LAYOUT
+// (KX_ALIGNED: D is a multiple of 32 * NR, every batch starts at lane 0 and fills its rounds, so the rotation
+// and the per-lane masks fold away; KX_REGS: D = 32 * NR, also the channels' parameters in registers),
+// BF16 (the bf16 grid as constants: a value is its float32 upper half).
 
 typedef unsigned char kx_u8;
 typedef unsigned short kx_u16;
@@ -42,7 +49,10 @@ typedef unsigned long long kx_u64;
 #define KX_Q 64
 #define KX_CHUNK_FIELDS 8
 #define KX_RING_WORDS 512  // rANS words (uint16) per warp ring
-#define KX_RING_BITS 256   // raw-bit words (uint32) per warp ring
+#define KX_RING_BITS 256   // raw-bit words (uint32) per warp ring, and a copy of its first 32 after it
+#define KX_GENERAL 0  // kernel layouts (template LAYOUT): any D
+#define KX_ALIGNED 1  // 32 * NR divides D: every batch starts at lane 0 with full rounds
+#define KX_REGS 2     // D = 32 * NR: one batch a token, each thread's channels' parameters in registers
 
 // The dtype's bit layout (bins.BinGrid).
 struct KxGrid {
@@ -88,126 +98,94 @@ __device__ __forceinline__ void kx_channel(const KxFields& f, long long pi, int 
   reinterpret_cast<int*>(chan + 3 * D)[d] = es | level << 10;
 }
 
-// bins.locate: (ep, centre, class) of a location mv (V units, finite). The bin coordinate is V / 2**ep
-// below 2**(ep + mb), one unit per grid step above (bins.bin_of).
+// bins.locate: (ep, centre, class) of a location mv (V units, finite, |mv| < 2**400). The bin coordinate
+// is V / 2**ep below 2**(ep + mb), one unit per grid step above (bins.bin_of). (Also the encoder's.)
 __device__ __forceinline__ void kx_locate(double mv, int es, int level, int mb, int& ep, int& centre, int& cls) {
-  const long long bits = __double_as_longlong(mv);
-  const int ex = (int)(((unsigned long long)bits >> 52) & 0x7FF) - 1023;
+  const int hw = __double2hiint(mv);
+  const int ex = ((hw >> 20) & 0x7FF) - 1023;
   ep = min(es, KX_EP_MAX);
   const double av = fabs(mv);
-  const int eu = max(ex - mb, 0);
+  const int eu = max(ex - mb, 0);  // < 400 - mb
   double y = __dmul_rn(av, kx_pow2(-ep));
-  const double y_steps = __dadd_rn((double)((eu - ep) << mb), __dmul_rn(av, kx_pow2(-min(eu, KX_EP_MAX))));
+  const double y_steps = __dadd_rn((double)((eu - ep) << mb), __dmul_rn(av, kx_pow2(-eu)));
   if (eu > ep) y = y_steps;
-  const int u = (int)y;  // y < 2**19: |mv| < 2**400 (bins.MU_MAX)
-  const int neg = bits < 0 ? 1 : 0;
-  centre = u ^ (-neg);
+  const int u = (int)y;  // y < 2**19
+  centre = u ^ (hw >> 31);
   double f = __dsub_rn(y, (double)u);
-  f = __dadd_rn(f, __dmul_rn((double)neg, __dsub_rn(1.0, __dmul_rn(2.0, f))));
+  const double f_neg = __dadd_rn(f, __dsub_rn(1.0, __dmul_rn(2.0, f)));  // the CPU's f + (1 - 2 f)
+  if (hw < 0) f = f_neg;
   const int lvl = level - 4 * max(ep, eu);
-  if (lvl >= 12) {
-    cls = min(lvl, 15) - 12;
-  } else {
-    const int q = (int)__dmul_rn(f, (double)KX_N_FRAC);  // f in [0, 1]
-    cls = KX_N_FINE + (11 - max(lvl, KX_LVL_LO)) * KX_N_FRAC + min(q, KX_N_FRAC - 1);
-  }
+  const int q = min((int)__dmul_rn(f, (double)KX_N_FRAC), KX_N_FRAC - 1);  // f in [0, 1]
+  cls = lvl >= 12 ? min(lvl, 15) - 12 : KX_N_FINE + (11 - max(lvl, KX_LVL_LO)) * KX_N_FRAC + q;
 }
 
-// Raw bit count of a value from its symbol: width (ESC), its bin's count, or -1 (bin 0 of a bin wider than
-// two binades: a unary depth read from the stream).
-__device__ __forceinline__ int kx_fixed_bits(int sym, int ep, int centre, int mb, int width) {
-  const int j = centre + sym - KX_CENTRE;
-  const int u = j ^ (j >> 31);
-  const int big_e = kx_floor_log2(max(u, 1)) + ep;
-  int nb = u >= (1 << mb) ? 0 : ep - max(big_e - mb, 0);  // 0: one pattern per bin
-  nb = u == 0 ? (ep <= mb + 1 ? ep : -1) : nb;
-  return sym == KX_ESC ? width : nb;
-}
-
-// The unary depth of a bin-0 value of a bin wider than two binades whose raw bits start at bit 0 of win
-// (zero bits before a one, at most KX_UNARY).
-__device__ __forceinline__ int kx_depth(kx_u64 win) { return win ? min(__ffsll((long long)win) - 1, KX_UNARY) : KX_UNARY; }
-
-// Raw bit count of such a value (kx_fixed_bits' -1): its depth's code and mantissa, as kx_pattern reads them
-// (0 for a depth past KX_DEPTH_MAX: kx_pattern flags it).
-__device__ __forceinline__ int kx_unary_bits(int ep, int mb, kx_u64 win) {
-  const int last = ep - mb - 1;
-  const int d = kx_depth(win);
-  if (last < KX_DEPTH_MAX && d >= last) return last + mb + 1;
-  return d >= KX_DEPTH_MAX ? 0 : d + 1 + mb;
-}
-
-// The bit pattern of a value whose raw bits start at bit 0 of win (>= 33 valid bits); binned._decode_mag
-// (and ESC). ok = false for a malformed value. Every int fits: bin coordinates are below 2**19. Branch-free:
-// the bin's (first magnitude, bit shift, bit count) are selected among every kind of bin's (shift amounts
-// clamped where a kind does not apply), then one bit field is read, so lanes with different kinds of bins
-// and the rounds of a batch run the same straight-line code.
-__device__ __forceinline__ int kx_pattern(int sym, int ep, int centre, kx_u64 win, const KxGrid& gr, bool& ok) {
-  const int mb = gr.mb;
-  const int j = centre + sym - KX_CENTRE;
-  const int neg = j >> 31;  // -1 or 0
-  const int u = j ^ neg;
-  // 1 <= u < 2**mb: 2**nb patterns in one binade
-  const int big_e = kx_floor_log2(max(u, 1)) + ep;
-  int nb = max(ep - max(big_e - mb, 0), 0);
-  int first = big_e < mb ? (u << min(ep, mb)) : (max(big_e - mb + 1, 0) << mb) + (u << min(nb, mb)) - (1 << mb);
-  int sh = 0;
-  // u >= 2**mb: one pattern per bin
-  const bool single = u >= (1 << mb);
-  first = single ? u + (ep << mb) : first;
-  nb = single ? 0 : nb;
-  // u == 0: the bin's patterns straight (ep <= mb + 1), or a unary depth d: the last depth (exponent fields
-  // 0 and 1) in mb + 1 bits, a depth d < last in mb bits after d + 1 code bits, a depth >= KX_DEPTH_MAX malformed
-  const int last = ep - mb - 1;
-  const int d = kx_depth(win);
-  const bool at_last = last < KX_DEPTH_MAX && d >= last;
-  if (u == 0) {
-    first = last <= 0 || at_last ? 0 : max(ep - mb - d, 0) << mb;
-    sh = last <= 0 ? 0 : (at_last ? last : d + 1);
-    nb = last <= 0 ? ep : (at_last ? mb + 1 : mb);
-    ok &= last <= 0 || at_last || d < KX_DEPTH_MAX;
-  }
-  if (sym == KX_ESC) {  // the pattern verbatim
-    first = 0;
-    sh = 0;
-    nb = gr.width;
-  }
-  const int mag = first + (int)((win >> sh) & ((1ull << nb) - 1));
-  if (sym == KX_ESC) return mag;
-  ok &= mag <= gr.maxmag;
-  return mag <= gr.maxmag ? mag | (gr.sign & neg) : 0;
-}
-
-// bins.value_of: the value of a pattern (0 for a magnitude past maxmag; decoded non-ESC patterns are finite).
+// bins.value_of: the value of a finite pattern, built from its fields: mant * 2**(eoff + max(ef, 1) - 1) as a
+// float64 with exponent eoff + mb + max(ef, 1) - 1, less the implicit 2**(eoff + mb) when ef = 0 (exact).
+// (A zero's sign may differ from the CPU's 0.0 - v: it only ever meets base + a * dev, the same either way.)
 __device__ __forceinline__ double kx_value(int pat, const KxGrid& gr) {
   const int mag = pat & ~gr.sign & 0xFFFF;
-  if (mag > gr.maxmag) return 0.0;
   const int ef = mag >> gr.mb;
-  int mant = mag & ((1 << gr.mb) - 1);
-  if (ef > 0) mant |= 1 << gr.mb;
-  const double x = __dmul_rn((double)mant, kx_pow2(gr.eoff + max(ef, 1) - 1));
-  return __dsub_rn(x, __dmul_rn(__dmul_rn(2.0, x), (pat & gr.sign) != 0 ? 1.0 : 0.0));
+  const int mant = mag & ((1 << gr.mb) - 1);
+  const int e = 1023 + gr.eoff + gr.mb - 1 + max(ef, 1);
+  double v = __hiloint2double((e << 20) | (mant << (20 - gr.mb)), 0);
+  if (ef == 0) v = __dsub_rn(v, kx_pow2(gr.eoff + gr.mb));
+  return (pat & gr.sign) ? -v : v;
 }
+
+// A value's raw-bit field: its bits start `skip` bits after its place (a unary depth code), `nb` bits
+// (<= 16; skip + nb <= 32 for every decodable value) added to `base`: pattern = base + field, with the sign
+// bit of a negative bin (esc: the field is the pattern verbatim).
+struct KxField {
+  int skip, nb, base;
+};
+
+// The field of a value from its symbol (binned.raw_layout, decode_escape_or_bin0); unary = true for bin 0 of
+// a bin wider than two binades (its field follows from its depth: kx_unary_field).
+__device__ __forceinline__ KxField kx_known_field(int sym, int ep, int u, int mb, int width, bool& unary) {
+  const int lg = kx_floor_log2(max(u, 1));
+  const int sh = max(lg + ep - mb, 0);
+  const int nb = max(ep - sh, 0);
+  KxField fd = {0, nb, (sh << mb) + (u << nb)};  // 1 <= u < 2**mb: 2**nb patterns in one binade
+  if (u >= (1 << mb)) fd = {0, 0, u + (ep << mb)};           // one pattern per bin
+  if (u == 0) fd = {0, ep, 0};                               // bin 0 of <= two binades: the patterns straight
+  unary = u == 0 && ep > mb + 1 && sym != KX_ESC;
+  if (sym == KX_ESC) fd = {0, width, 0};
+  return fd;
+}
+
+// The field of a unary value of depth d (d zero bits then a one, then mb bits; the last depth, exponent
+// fields 0 and 1, in mb + 1 bits without a one); ok = false for a depth past KX_DEPTH_MAX.
+__device__ __forceinline__ KxField kx_unary_field(int d, int ep, int mb, bool& ok) {
+  const int last = ep - mb - 1;
+  const bool at_last = last < KX_DEPTH_MAX && d >= last;
+  ok &= at_last || d < KX_DEPTH_MAX;
+  return at_last ? KxField{last, mb + 1, 0} : KxField{d + 1, mb, (ep - mb - d) << mb};
+}
+
+// The unary depth at bit 0 of w (>= 21 valid bits): zero bits before a one, at most KX_UNARY.
+__device__ __forceinline__ int kx_depth(kx_u32 w) { return min(__clz(__brev(w)), KX_UNARY); }
 
 // A warp's ring of one of its chunk's word streams (n words at src) in shared memory: words [hi - R, hi)
 // are in buf (those not yet passed by the reader), and each lane holds its word of the next 32 (stage),
-// loaded one fill step before it is stored. Words past n read as 0.
-template <typename T, int R>
+// loaded one fill step before it is stored. Words past n read as 0. MIRROR: buf[R, R + 32) repeats
+// buf[0, 32), so that the words after any ring index are at the next addresses (windows: one address).
+template <typename T, int R, bool MIRROR>
 struct KxRing {
   T* buf;
   const T* src;
-  long long n, hi;
+  kx_u32 n, hi;
   T stage;
 
   // (streaming loads, evicted first: L1 keeps the class tables)
-  __device__ __forceinline__ T load(long long q) const { return q < n ? __ldcs(src + q) : (T)0; }
+  __device__ __forceinline__ T load(kx_u32 q) const { return q < n ? __ldcs(src + q) : (T)0; }
 
-  __device__ __forceinline__ void init(T* ring, const T* words, long long count, int lane) {
+  __device__ __forceinline__ void init(T* ring, const T* words, kx_u32 count, int lane) {
     buf = ring;
     src = words;
     n = count;
 #pragma unroll 4
     for (int q = lane; q < R; q += 32) buf[q] = load(q);
+    if (MIRROR) buf[R + lane] = buf[lane];
     hi = R;
     stage = load(hi + lane);
     __syncwarp();
@@ -215,11 +193,12 @@ struct KxRing {
 
   // Store the staged words while that keeps every word from pos on (the reader's next word) in buf.
   // The barriers: every lane's reads of the words replaced are done before, the new words seen after.
-  __device__ __forceinline__ void fill(long long pos, int lane) {
+  __device__ __forceinline__ void fill(kx_u32 pos, int lane) {
     if (hi + 32 - pos > R) return;  // warp-uniform
     __syncwarp();
     do {
       buf[(hi + lane) & (R - 1)] = stage;
+      if (MIRROR && (hi & (R - 1)) == 0) buf[R + lane] = stage;
       hi += 32;
       stage = load(hi + lane);
     } while (hi + 32 - pos <= R);
@@ -227,13 +206,21 @@ struct KxRing {
   }
 
   // Word q, for pos <= q < pos + R - 32 (pos: the reader's position at the last fill; a batch reads at most
-  // 32 * NR rANS words and 32 raw bits per value past it, well inside).
-  __device__ __forceinline__ T get(long long q) const { return buf[q & (R - 1)]; }
+  // 32 * NR rANS words and 32 * NR * 32 + 96 raw bits past it, well inside).
+  __device__ __forceinline__ T get(kx_u32 q) const { return buf[q & (R - 1)]; }
 
-  // 64 stream bits from bit pos, shifted so that bit 0 is pos: at least 33 valid bits (32-bit words).
-  __device__ __forceinline__ kx_u64 window(long long pos) const {
-    const long long wi = pos >> 5;
-    return (((kx_u64)get(wi + 1) << 32) | (kx_u64)get(wi)) >> (pos & 31);
+  // 32 stream bits from bit pos (32-bit words; MIRROR).
+  __device__ __forceinline__ kx_u32 window(kx_u32 pos) const {
+    const T* at = buf + ((pos >> 5) & (R - 1));
+    return __funnelshift_r(at[0], at[1], pos & 31);
+  }
+
+  // 64 stream bits from bit pos, as (lo, hi) (32-bit words; MIRROR).
+  __device__ __forceinline__ void window64(kx_u32 pos, kx_u32& lo, kx_u32& hi64) const {
+    const T* at = buf + ((pos >> 5) & (R - 1));
+    const kx_u32 a1 = at[1];
+    lo = __funnelshift_r(at[0], a1, pos & 31);
+    hi64 = __funnelshift_r(a1, at[2], pos & 31);
   }
 };
 
@@ -245,7 +232,7 @@ struct KxRing {
 // warp 5 x D doubles: dev and the channel table of the current g (kx_channel); else those in scratch,
 // n x 5 x D doubles. status[n]: 0 good, else the CPU's error
 // codes (1 short stream, 2 bad state, 4 end checks, 5 bad value).
-template <int OUT, int WARPS, int NR>
+template <int OUT, int WARPS, int NR, int LAYOUT, bool BF16>
 __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2048 chunks in one wave on an H100/H200
     kx_decode(const kx_u16* __restrict__ words, const kx_u32* __restrict__ bits, const long long* __restrict__ chunks,
               int n_chunks, const float* __restrict__ pred, long long pred_g0, long long pred_t,
@@ -254,6 +241,14 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
               void* __restrict__ out, const kx_u16* __restrict__ lo16, double* __restrict__ scratch,
               int* __restrict__ status) {
   extern __shared__ double kx_smem[];
+  constexpr bool ALIGNED = LAYOUT != KX_GENERAL;
+  if (BF16) {  // bins.bin_grid(torch.bfloat16), as constants
+    width = 16;
+    sign = 0x8000;
+    mb = 7;
+    maxmag = 0x7F7F;
+    eoff = -133;
+  }
   const KxGrid gr = {width, sign, mb, maxmag, eoff, kx_pow2(-eoff)};
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ci = blockIdx.x * WARPS + warp;
@@ -273,9 +268,9 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
   fl.n = layout[12];
   kx_u16* ring_w = reinterpret_cast<kx_u16*>(kx_smem) + warp * KX_RING_WORDS;
   kx_u32* ring_b = reinterpret_cast<kx_u32*>(reinterpret_cast<kx_u16*>(kx_smem) + WARPS * KX_RING_WORDS) +
-                   warp * KX_RING_BITS;
+                   warp * (KX_RING_BITS + 32);
   double* const dev = scratch ? scratch + (long long)ci * 5 * D
-                              : reinterpret_cast<double*>(ring_b + (WARPS - warp) * KX_RING_BITS) + warp * 5 * D;
+                              : reinterpret_cast<double*>(ring_b + (WARPS - warp) * (KX_RING_BITS + 32)) + warp * 5 * D;
   const double* const chan = dev + D;  // m, c, a, then es | level << 10 as ints
   if (wlen < 64) {
     if (lane == 0) status[ci] = 1;
@@ -286,21 +281,26 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
     if (lane == 0) status[ci] = 2;
     return;
   }
-  KxRing<kx_u16, KX_RING_WORDS> rw;
-  KxRing<kx_u32, KX_RING_BITS> rb;
-  rw.init(ring_w, w, wlen, lane);
-  rb.init(ring_b, bits + cd[2], nbw, lane);
-  long long ptr = 64;  // next rANS word
-  long long bpos = 0;  // next raw bit
-  long long i = 0;     // values decoded in this chunk
-  bool bad = false;
+  if (wlen >= (1ll << 30) || nbw >= (1ll << 26)) {  // more than any chunk can use: the end checks would fail
+    if (lane == 0) status[ci] = 4;
+    return;
+  }
+  KxRing<kx_u16, KX_RING_WORDS, false> rw;
+  KxRing<kx_u32, KX_RING_BITS, true> rb;
+  rw.init(ring_w, w, (kx_u32)wlen, lane);
+  rb.init(ring_b, bits + cd[2], (kx_u32)nbw, lane);
+  kx_u32 ptr = 64;   // next rANS word
+  kx_u32 bpos = 0;   // next raw bit
+  long long i = 0;   // values decoded in this chunk
+  bool bad = false;  // a malformed value (this lane)
+  const int ubits = mb + 1;  // the raw bits of a unary value of depth 0
   // D = 32 * NR: every token is one batch starting at lane 0, so thread j always has channels j + 32 r:
   // their parameters (but c: only with a prediction) and deviations stay in registers (no shared-memory
   // round trip per token)
-  const bool in_regs = D == 32 * NR;
+  constexpr bool in_regs = LAYOUT == KX_REGS;
   double rm[NR], ra[NR], rdev[NR];
   int rel[NR];
-  for (long long g = g0; g < g0 + ng && !bad; ++g) {
+  for (long long g = g0; g < g0 + ng; ++g) {
     const long long gp = shared ? 0 : g;
     for (int d = lane; d < D; d += 32) {
       dev[d] = 0.0;
@@ -317,24 +317,24 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
       }
     }
     for (long long t = t0; t < t0 + nt; ++t) {
-      const int s = (int)(i & 31);
+      const int s = ALIGNED ? 0 : (int)(i & 31);
       const int k = (lane - s) & 31;  // this thread's place in a round
       const kx_u32 before = (1u << k) - 1u;
       const float* const prow = pred ? pred + ((g - pred_g0) * pred_t + t) * D : nullptr;
       const long long orow = (g * T + t) * D;
       for (int r0 = 0; r0 < D; r0 += 32 * NR) {
         double base[NR];
-        int ep[NR], cls[NR], sym[NR], nbits[NR], known[NR], incl[NR];
-        int centre[NR], pat[NR];
-        long long off[NR];
+        int ep[NR], centre[NR], cls[NR], sym[NR], neg[NR], cnt[NR];
+        kx_u32 place[NR];
+        KxField fd[NR];
         bool act[NR], unary[NR];
         // 1. model: straight-line code for every lane (a lane past D computes channel D - 1 and is
         // masked later), so the rounds' dependent float64 chains interleave
         int dd[NR];
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          act[r] = r0 + 32 * r + k < D;
-          dd[r] = min(r0 + 32 * r + k, D - 1);
+          act[r] = ALIGNED || r0 + 32 * r + k < D;
+          dd[r] = ALIGNED ? r0 + 32 * r + k : min(r0 + 32 * r + k, D - 1);
           base[r] = in_regs ? rm[r] : chan[dd[r]];  // m + c * 0 is m exactly (m is never -0.0)
         }
         if (prow) {  // warp-uniform
@@ -352,93 +352,138 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           const int el = in_regs ? rel[r] : reinterpret_cast<const int*>(chan + 3 * D)[dd[r]];
           kx_locate(mv, el & 1023, el >> 10, gr.mb, ep[r], centre[r], cls[r]);
         }
-        // 2. rANS, round after round
+        // 2. rANS, round after round (every value of a round present: ALIGNED, or r0 + 32 r < D)
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
           sym[r] = 0;
-          if (r0 + 32 * r >= D) continue;  // warp-uniform
+          if (!ALIGNED && r0 + 32 * r >= D) continue;  // warp-uniform
           const kx_u32 e = act[r] ? __ldg(tabs + (cls[r] << 12) + (x & 4095u)) : 0u;
           kx_u32 xn = (((e >> 12) & 0xFFFu) + 1u) * (x >> 12) + (e & 0xFFFu);
           const bool need = act[r] && xn < KX_L;
           const kx_u32 bal = __ballot_sync(KX_FULL, need);
-          const kx_u32 vo = __funnelshift_r(bal, bal, s);  // value order
-          if (need) xn = (xn << 16) | (kx_u32)rw.get(min(ptr + __popc(vo & before), wlen - 1));
+          const kx_u32 vo = ALIGNED ? bal : __funnelshift_r(bal, bal, s);  // value order
+          if (need) xn = (xn << 16) | (kx_u32)rw.get(ptr + __popc(vo & before));
           if (act[r]) x = xn;
           ptr += __popc(bal);
           sym[r] = (int)(e >> 24);
         }
-        // 3. raw bits: offsets by exclusive scans in value order, unary depths resolved in order
+        // 3. raw bits: every value's field from its symbol (unary values: depth 0 for now) and its bit count
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          nbits[r] = act[r] ? kx_fixed_bits(sym[r], ep[r], centre[r], gr.mb, gr.width) : 0;
-          unary[r] = nbits[r] < 0;
-          known[r] = unary[r] ? 0 : nbits[r];
-          incl[r] = known[r];
+          const int j = centre[r] + sym[r] - KX_CENTRE;
+          neg[r] = j >> 31;
+          fd[r] = kx_known_field(sym[r], ep[r], j ^ neg[r], gr.mb, gr.width, unary[r]);
+          unary[r] &= act[r];
+          cnt[r] = act[r] && !unary[r] ? fd[r].nb : 0;
+        }
+        // places: an exclusive scan of the known counts in value order (two rounds a word: < 2**16 each),
+        // plus ubits for every unary value before (resolved below)
+        int incl[(NR + 1) / 2], known[(NR + 1) / 2];
+#pragma unroll
+        for (int q = 0; q < (NR + 1) / 2; ++q) {
+          known[q] = cnt[2 * q] | (2 * q + 1 < NR ? cnt[2 * q + 1] << 16 : 0);
+          incl[q] = known[q];
         }
 #pragma unroll
         for (int delta = 1; delta < 32; delta <<= 1) {
 #pragma unroll
-          for (int r = 0; r < NR; ++r) {
-            const int o = __shfl_sync(KX_FULL, incl[r], (lane - delta) & 31);
-            if (k >= delta) incl[r] += o;
+          for (int q = 0; q < (NR + 1) / 2; ++q) {
+            const int o = __shfl_sync(KX_FULL, incl[q], (lane - delta) & 31);
+            if (k >= delta) incl[q] += o;
           }
         }
-        long long end = bpos;
+        kx_u32 uv[NR];  // unary values, in value order
+        kx_u32 end = bpos;
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          off[r] = end + (incl[r] - known[r]);
-          end += __shfl_sync(KX_FULL, incl[r], (31 + s) & 31);  // the round's known total
-        }
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          if (r0 + 32 * r >= D) continue;  // warp-uniform
           const kx_u32 ub = __ballot_sync(KX_FULL, unary[r]);
-          kx_u32 pending = __funnelshift_r(ub, ub, s);
-          while (pending) {  // at most 32 turns: their bit counts, in value order
-            const int jv = __ffs(pending) - 1;
-            if (k == jv) nbits[r] = kx_unary_bits(ep[r], gr.mb, rb.window(off[r]));
-            const int add = __shfl_sync(KX_FULL, nbits[r], (jv + s) & 31);
-            if (k > jv) off[r] += add;
-#pragma unroll
-            for (int r2 = r + 1; r2 < NR; ++r2) off[r2] += add;
-            end += add;
-            pending &= pending - 1u;
-          }
+          uv[r] = ALIGNED ? ub : __funnelshift_r(ub, ub, s);
+          const int sh = 16 * (r & 1);
+          const int ex = ((incl[r / 2] - known[r / 2]) >> sh) & 0xFFFF;
+          place[r] = end + ex + ubits * __popc(uv[r] & before);
+          const int total = (__shfl_sync(KX_FULL, incl[r / 2], (31 + s) & 31) >> sh) & 0xFFFF;  // the round's known total
+          end += total + ubits * __popc(uv[r]);
         }
-        bool ok = true;  // 4. patterns, every value at its offset
+        // unary values in value order: each one's depth from its window at its place (read beforehand: the
+        // place moves only by the depths before it, which the warp adds up in delta)
+        bool any_unary = false;
 #pragma unroll
-        for (int r = 0; r < NR; ++r) pat[r] = act[r] ? kx_pattern(sym[r], ep[r], centre[r], rb.window(off[r]), gr, ok) : 0;
-        bpos = end;
-        bad |= !ok;
-        // 4. patterns out, previous-token deviations
+        for (int r = 0; r < NR; ++r) any_unary |= uv[r] != 0u;
+        if (any_unary) {  // warp-uniform
+          kx_u32 wlo[NR], whi[NR];
+#pragma unroll
+          for (int r = 0; r < NR; ++r) {
+            if (unary[r]) rb.window64(place[r], wlo[r], whi[r]);
+          }
+          int delta = 0;  // extra bits of the unary values passed so far
+#pragma unroll
+          for (int r = 0; r < NR; ++r) {
+            int mine = delta;  // extra bits of the unary values before this thread's value
+            int myd = 0;
+            for (kx_u32 pending = uv[r]; pending; pending &= pending - 1u) {
+              const int jv = __ffs(pending) - 1;
+              const int src = (jv + s) & 31;
+              const kx_u32 lo = __shfl_sync(KX_FULL, wlo[r], src);
+              const kx_u32 hi = __shfl_sync(KX_FULL, whi[r], src);
+              const int epj = __shfl_sync(KX_FULL, ep[r], src);
+              kx_u32 win = delta < 32 ? __funnelshift_r(lo, hi, delta) : hi >> (delta - 32);
+              if (delta > 64 - KX_UNARY) {  // warp-uniform, rare: past the window, read the ring
+                const kx_u32 pj = __shfl_sync(KX_FULL, place[r], src);
+                win = rb.window(pj + delta);
+              }
+              const int d = kx_depth(win);
+              const int last = epj - gr.mb - 1;
+              const int extra = last < KX_DEPTH_MAX && d >= last ? last : d;
+              if (k == jv) myd = d;
+              if (k > jv) mine += extra;
+              delta += extra;
+            }
+            bool ok = true;
+            const KxField uf = kx_unary_field(myd, ep[r], gr.mb, ok);
+            if (unary[r]) {
+              fd[r] = uf;
+              bad |= !ok;
+            }
+            place[r] += mine;
+          }
+          end += delta;
+        }
+        // 4. patterns, every value at its place
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
           if (!act[r]) continue;
+          const kx_u32 field = (rb.window(place[r]) >> fd[r].skip) & ~(0xFFFFFFFFu << fd[r].nb);
+          const int mag = fd[r].base + (int)field;
+          const bool esc = sym[r] == KX_ESC;
+          const bool over = !esc && mag > gr.maxmag;
+          bad |= over;
+          const int pat = esc ? (int)field : (over ? 0 : mag | (gr.sign & neg[r]));
           const int d = r0 + 32 * r + k;
           const long long oi = orow + d;
           if (OUT == 1) {
-            reinterpret_cast<kx_u8*>(out)[oi] = (kx_u8)pat[r];
+            reinterpret_cast<kx_u8*>(out)[oi] = (kx_u8)pat;
           } else if (OUT == 2) {
-            reinterpret_cast<kx_u16*>(out)[oi] = (kx_u16)pat[r];
+            reinterpret_cast<kx_u16*>(out)[oi] = (kx_u16)pat;
           } else {
-            reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat[r] << 16) | (kx_u32)__ldcs(lo16 + oi);
+            reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat << 16) | (kx_u32)__ldcs(lo16 + oi);
           }
-          const double dv = sym[r] != KX_ESC ? __dsub_rn(kx_value(pat[r], gr), base[r]) : 0.0;  // ESC: no residual
+          const double v = BF16 ? (double)__int_as_float(pat << 16) : kx_value(pat, gr);
+          const double dv = esc ? 0.0 : __dsub_rn(v, base[r]);  // ESC: no residual
           if (in_regs) {
             rdev[r] = dv;
           } else {
             dev[d] = dv;
           }
         }
+        bpos = end;
         rw.fill(ptr, lane);
         rb.fill(bpos >> 5, lane);
       }
       i += D;
       if (!in_regs) __syncwarp();  // dev[] written, read by other threads next token
     }
-    bad = __any_sync(KX_FULL, bad);  // a malformed chunk decodes on (every read is bounded) to its g's end
   }
-  if (bad) {
+  if (__any_sync(KX_FULL, bad)) {  // a malformed chunk decodes on (every read is bounded) to its end
     if (lane == 0) status[ci] = 5;
     return;
   }

@@ -19,11 +19,11 @@ from kvcodec.cuda.transfer import upload
 
 SOURCE = "kvctx_decode.cu"
 WARPS = 4  # chunks (warps) per block
-ROUNDS = 2  # rounds of 32 values decoded together (template NR); 4 needs ~165 registers (fewer blocks per SM)
+ROUNDS = 2  # rounds of 32 values decoded together (template NR); 4 spills at the 128 registers of 16 warps per SM
 SWEEP_ROUNDS = (1, 2, 4)  # the NR instances compile-checked and swept by benchmarks/gpu_kvctx.py
 OUT_KINDS = (1, 2, 4)  # bytes per output element: 8-bit and 16-bit patterns, float32 (bf16 half + lo16)
 CHUNK_FIELDS = 8
-RING_BYTES = 512 * 2 + 256 * 4  # per warp: the rANS-word and raw-bit-word rings (KX_RING_*)
+RING_BYTES = 512 * 2 + (256 + 32) * 4  # per warp: the rANS-word and raw-bit-word rings (KX_RING_*)
 CHANNEL_BYTES = 5 * 8  # per warp and channel: dev, and the channel table's m, c, a, es | level
 SMEM_MAX = 48 * 1024  # rings + channel tables in shared memory up to this (no opt-in); beyond, a global scratch
 SIGNATURE = ("(const unsigned short*, const unsigned int*, const long long*, int, const float*, long long, "
@@ -31,13 +31,31 @@ SIGNATURE = ("(const unsigned short*, const unsigned int*, const long long*, int
              "int, int, long long, void*, const unsigned short*, double*, int*)")
 
 
-def kernel_name(out_kind: int, nr: int, warps: int = WARPS) -> str:
-    return f"kx_decode<{out_kind}, {warps}, {nr}>"
+BF16_GRID = (16, 0x8000, 7, 0x7F7F, -133)  # bins.bin_grid(torch.bfloat16): the kernel's BF16 constants
+
+
+GENERAL, ALIGNED, REGS = 0, 1, 2  # kernel layouts (KX_GENERAL, KX_ALIGNED, KX_REGS)
+
+
+def variant(out_kind: int, grid: tuple, d: int, nr: int) -> tuple[int, bool]:
+    """(layout, bf16) template arguments of the kernel for a plan: REGS when D = 32 * nr (one batch a token,
+    parameters in registers), ALIGNED when 32 * nr divides D (every batch starts at lane 0 with full
+    rounds), else GENERAL; bf16 for the bf16 grid (float32 outputs are bf16 upper halves)."""
+    layout = REGS if d == 32 * nr else ALIGNED if d % (32 * nr) == 0 else GENERAL
+    return layout, out_kind == 4 or (out_kind == 2 and tuple(int(v) for v in grid) == BF16_GRID)
+
+
+def kernel_name(out_kind: int, nr: int, warps: int = WARPS, layout: int = REGS, bf16: bool = False) -> str:
+    return f"kx_decode<{out_kind}, {warps}, {nr}, {layout}, {str(bf16).lower()}>"
 
 
 def instance_declarations() -> list[str]:
-    """Explicit instantiations for the nvcc compile check."""
-    return [f"__global__ void {kernel_name(k, nr)}{SIGNATURE}" for k in OUT_KINDS for nr in SWEEP_ROUNDS]
+    """Explicit instantiations for the nvcc compile check: every instance ``launch`` picks with the default
+    rounds, and the bf16 ones of the other rounds the benchmark sweeps."""
+    bf16 = {1: (False,), 2: (False, True), 4: (True,)}
+    names = [kernel_name(k, ROUNDS, WARPS, lay, b) for k in OUT_KINDS for b in bf16[k] for lay in (GENERAL, ALIGNED, REGS)]
+    names += [kernel_name(2, nr, WARPS, lay, True) for nr in SWEEP_ROUNDS if nr != ROUNDS for lay in (GENERAL, ALIGNED, REGS)]
+    return [f"__global__ void {n}{SIGNATURE}" for n in names]
 
 
 @dataclass
@@ -98,7 +116,8 @@ def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: tor
     _, tt, d = plan.shape
     device = out.device
     scratch = plan.scratch(count, device, warps)
-    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr or ROUNDS, warps))
+    nr = nr or ROUNDS
+    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr, warps, *variant(plan.out_kind, plan.grid, d, nr)))
     width, sign, mb, maxmag, eoff = plan.grid
     with build.cupy_stream(device):
         fn((-(-count // warps),), (32 * warps,),
