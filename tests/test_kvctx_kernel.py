@@ -1,0 +1,54 @@
+"""The kvctx / predictive GPU decode kernel's own paths (kvcodec/cuda/kvctx_decode.cu): the instance the
+launcher picks per layout and dtype, and unary (bin-0) depths deep enough that their running sum leaves the
+64-bit windows read ahead (the kernel then reads the ring), on the CPU emulation of the kernel and, marked
+gpu, on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.cuda import kvctx_decode as kd
+from kvcodec.lossless.predictive.bins import bin_grid
+from test_kvctx_device import GPU, emulated_decode, emulator, same_bits  # noqa: F401
+
+
+def grid_of(dtype) -> tuple:
+    g = bin_grid(dtype)
+    return g.width, g.sign, g.mb, g.maxmag, g.eoff
+
+
+def test_launcher_picks_layout_and_grid():
+    bf16, fp16 = grid_of(torch.bfloat16), grid_of(torch.float16)
+    assert kd.BF16_GRID == bf16
+    assert kd.variant(2, bf16, 64, 2) == (kd.REGS, True)
+    assert kd.variant(2, fp16, 128, 2) == (kd.ALIGNED, False)
+    assert kd.variant(2, bf16, 64, 4) == (kd.GENERAL, True)
+    assert kd.variant(4, bf16, 40, 2) == (kd.GENERAL, True)  # float32: bf16 upper halves
+    assert kd.variant(1, grid_of(torch.float8_e4m3fn), 64, 2) == (kd.REGS, False)
+
+
+def deep_unary(shape=(1, 256, 64), seed=1) -> torch.Tensor:
+    """Every third token ~2**-14 of the others (every fifth ~2**-9): many values of a token in bin 0 at
+    depths ~9-14, so a batch's depths add up past a 64-bit window."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.ones(shape[-2])
+    scale[::3] = 2.0 ** -14
+    scale[1::5] = 2.0 ** -9
+    return (torch.randn(shape, generator=g) * scale[:, None]).to(torch.bfloat16)
+
+
+def test_emulated_kernel_deep_unary_chains(emulator):
+    x = deep_unary()
+    out, status, _ = emulated_decode(emulator, kvcodec.compress(x, layout="kv"))
+    assert not status.any() and same_bits(out, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("shape", [(2, 4, 256, 64), (2, 512, 128), (3, 700, 40)])
+def test_gpu_deep_unary_chains(shape):
+    x = deep_unary(shape)
+    blob = torch.frombuffer(bytearray(kvcodec.compress(x, layout="kv")), dtype=torch.uint8).cuda()
+    assert same_bits(kvcodec.decompress(blob), x)
