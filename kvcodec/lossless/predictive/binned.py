@@ -38,6 +38,7 @@ from kvcodec.lossless.predictive.bins import (
     CENTRE, DEPTH_MAX, ESC, MU_MAX, N_CLASSES, bin_grid, encode_value, float64_bits, locate, pow2, value_of,
 )
 from kvcodec.lossless.predictive.cdf import location
+from kvcodec.lossless.predictive.tables import compact_of
 
 _M = rans_lanes.M
 _UNARY = DEPTH_MAX + 1  # bits peeked to read a unary depth
@@ -198,28 +199,6 @@ def _bits_at_end(bits8, pos, n8):
     return np.int64(np.uint64(acc) >> np.uint64(pos & 7))
 
 
-@njit(nogil=True, cache=True)
-def compact_tables(tabs):
-    """The decode tables in two levels: per class and slot the symbol (uint8), per class and
-    symbol ``freq | cum << 16`` (uint32): 4.25 KiB a class instead of 16, so the tables of the
-    classes a stream uses stay in cache. A class whose table is all ESC (unused) is not scanned."""
-    n_cls = tabs.size // _M
-    sym8 = np.empty(tabs.size, np.uint8)
-    freq_cum = np.zeros(n_cls * 256, np.uint32)
-    for k in range(n_cls):
-        t0 = k * _M
-        if tabs[t0] >> 12 == (ESC << 12) | (_M - 1):  # ESC takes every slot: an unused class
-            sym8[t0:t0 + _M] = ESC
-            freq_cum[k * 256 + ESC] = _M
-            continue
-        for slot in range(_M):
-            e = tabs[t0 + slot]
-            sym8[t0 + slot] = e >> 24
-            if e & 0xFFF == 0:  # the symbol's first slot: its cumulative frequency
-                freq_cum[k * 256 + (e >> 24)] = (((e >> 12) & 0xFFF) + 1) | (slot << 16)
-    return sym8, freq_cum
-
-
 @njit(inline="always", cache=True)
 def raw_layout(sym, cen, ep, mb):
     """(raw bit count, magnitude pattern less its raw bits) of a non-ESC symbol outside bin 0;
@@ -293,6 +272,7 @@ def _chunk_decoder(consts):
         lane0 = 0
         lm = lanes - 1
         n8, nw = bits8.size, words.size
+        aligned = d_n % lanes == 0  # then every token starts at lane 0
         for g in range(g0, g0 + ng):
             gp = 0 if shared else g
             mo = gp * d_n
@@ -311,18 +291,35 @@ def _chunk_decoder(consts):
             for t in range(t0, t0 + nt):
                 if has_pred and t + 1 < t0 + nt:  # the next token's prediction (the last token's: unused)
                     po += d_n
-                for d in range(d_n):  # 1. the symbols (reads clamped: an overrun shows as ptr > end)
-                    j = np.uint64((lane0 + d) & lm)
-                    x = xs[j]
-                    tb = tbase[np.uint64(d)]
-                    slot = x & (_M - 1)
-                    s = np.int64(sym8[np.uint64(tb + slot)])
-                    e = np.int64(freq_cum[np.uint64((tb >> 4) + s)])  # freq | cum << 16
-                    x = (e & 0xFFFF) * (x >> 12) + slot - (e >> 16)
-                    need = np.int64(x < rans_lanes.RANS_L)
-                    xs[j] = (x << (need << 4)) | (np.int64(words[np.uint64(min(ptr, nw - 1))]) & -need)
-                    ptr += need
-                    sym[np.uint64(d)] = s
+                # 1. the symbols. Two copies of one loop: the common one (lane 0 at every token start,
+                # the token's words all inside the section) with no lane offset and unclamped reads
+                # (6% faster: fewer live registers); else reads clamped (an overrun shows as ptr > end)
+                if aligned and ptr + d_n <= nw:
+                    for d in range(d_n):
+                        j = np.uint64(d) & np.uint64(lm)
+                        x = xs[j]
+                        tb = tbase[np.uint64(d)]
+                        slot = x & (_M - 1)
+                        s = np.int64(sym8[np.uint64(tb + slot)])
+                        e = np.int64(freq_cum[np.uint64((tb >> 4) + s)])  # freq | cum << 16
+                        x = (e & 0xFFFF) * (x >> 12) + slot - (e >> 16)
+                        need = np.int64(x < rans_lanes.RANS_L)
+                        xs[j] = (x << (need << 4)) | (np.int64(words[np.uint64(ptr)]) & -need)
+                        ptr += need
+                        sym[np.uint64(d)] = s
+                else:
+                    for d in range(d_n):
+                        j = np.uint64((lane0 + d) & lm)
+                        x = xs[j]
+                        tb = tbase[np.uint64(d)]
+                        slot = x & (_M - 1)
+                        s = np.int64(sym8[np.uint64(tb + slot)])
+                        e = np.int64(freq_cum[np.uint64((tb >> 4) + s)])
+                        x = (e & 0xFFFF) * (x >> 12) + slot - (e >> 16)
+                        need = np.int64(x < rans_lanes.RANS_L)
+                        xs[j] = (x << (need << 4)) | (np.int64(words[np.uint64(min(ptr, nw - 1))]) & -need)
+                        ptr += need
+                        sym[np.uint64(d)] = s
                 lane0 = (lane0 + d_n) & lm
                 for d in range(d_n):  # 2. raw bit counts (vectorises); -1: ESC or bin 0
                     di = np.uint64(d)
@@ -407,7 +404,7 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     Chunks run in parallel (numba ``prange``, the caller's thread count).
 
     The values of one token depend on the previous token only, so each token is four loops over
-    its channels: the rANS symbols (two-level tables, :func:`compact_tables`), the raw bit counts,
+    its channels: the rANS symbols (two-level tables, :func:`tables.compact_of`), the raw bit counts,
     the raw bits (a serial bit position), then the patterns and residuals together with the next
     token's model (bins and class: a channel's model needs only its own residual, so it stays in a
     register); loops 2 and 4 vectorise. The raw bits are read with unaligned 8-byte loads (the last
@@ -422,23 +419,9 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     if key not in _DECODERS:
         _DECODERS[key] = _chunk_decoder(key)
     grid = np.array(consts, np.int64)
-    sym8, freq_cum = _compact_tables_of(tabs)
+    sym8, freq_cum = compact_of(tabs)
     _DECODERS[key](words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
                    m, c, a, es, level, shared, sym8, freq_cum, lanes, out, out_g0, out_t0, err, grid)
-
-
-_LAST_TABLES: tuple = (None, None)  # (decode tables, their compact form): a neighbour-layer stream
-# calls decode_chunks once per layer with the same tables
-
-
-def _compact_tables_of(tabs: np.ndarray) -> tuple:
-    """:func:`compact_tables` of ``tabs``, reused while the same tables come back (the one
-    stream's tables stay referenced until another stream's replace them)."""
-    global _LAST_TABLES
-    last = _LAST_TABLES
-    if last[0] is not tabs:
-        last = _LAST_TABLES = (tabs, compact_tables(tabs))
-    return last[1]
 
 
 @lru_cache(maxsize=None)

@@ -122,14 +122,84 @@ def _from_bytes(raw):
     return out[:k]
 
 
-_ESC_ONLY = rans_lanes.decode_table(np.eye(256, dtype=np.int64)[ESC] * TOTAL)  # every slot: ESC
-
-
 def decode_tables(freq: np.ndarray) -> np.ndarray:
-    """uint32 [N_CLASSES * 4096] rANS decode tables (an unused class decodes everything as ESC;
-    only the used classes are built slot by slot: a kvctx tensor uses a handful of the 68)."""
-    used = freq.any(axis=1)
-    out = np.empty((freq.shape[0], TOTAL), np.uint32)
-    out[~used] = _ESC_ONLY
-    out[used] = rans_lanes.decode_tables(freq[used]).reshape(-1, TOTAL)
-    return out.reshape(-1)
+    """uint32 [N_CLASSES * 4096] rANS decode tables (``rans_lanes``' layout; an unused class decodes
+    everything as ESC). Built in one pass together with their two-level form (:func:`compact_of`
+    returns it for these tables without another pass)."""
+    global _LAST
+    f = np.ascontiguousarray(freq, np.int64)
+    sums = f.sum(axis=1)
+    if f.ndim != 2 or f.shape[1] != 256 or (f.size and f.min() < 0) or np.any((sums != 0) & (sums != TOTAL)):
+        raise ValueError("decode tables need rows of 256 non-negative frequencies summing to 4096 (or 0)")
+    tabs = np.empty(f.shape[0] * TOTAL, np.uint32)
+    sym8 = np.empty(f.shape[0] * TOTAL, np.uint8)
+    freq_cum = np.zeros(f.shape[0] * 256, np.uint32)
+    _fill_tables(f, tabs, sym8, freq_cum)
+    _LAST = (tabs, (sym8, freq_cum))
+    return tabs
+
+
+_LAST: tuple = (None, None)  # (the last decode tables built or compacted, their two-level form)
+
+
+def compact_of(tabs: np.ndarray) -> tuple:
+    """(sym8, freq_cum) of decode tables ``tabs``: the per slot symbol (uint8 [N_CLASSES * 4096]) and
+    per symbol ``freq | cum << 16`` (uint32 [N_CLASSES * 256]): 4.25 KiB a class instead of 16, so
+    the classes a predictive or fp8 stream uses stay in cache. Free for the tables
+    :func:`decode_tables` built last (one stream's tables stay referenced while it decodes; a
+    neighbour-layer stream decodes layer by layer with the same tables); other tables are
+    compacted (and remembered) here."""
+    global _LAST
+    last = _LAST
+    if last[0] is not tabs:
+        last = _LAST = (tabs, compact_tables(tabs))
+    return last[1]
+
+
+@njit(nogil=True, cache=True)
+def _fill_tables(freq, tabs, sym8, freq_cum):
+    """:func:`decode_tables` and :func:`compact_tables` of ``freq`` in one pass (a row of zeros: ESC
+    in every slot)."""
+    for k in range(freq.shape[0]):
+        t0 = k * TOTAL
+        used = False
+        for s in range(256):
+            used |= freq[k, s] != 0
+        if not used:
+            for slot in range(TOTAL):
+                tabs[t0 + slot] = (ESC << 24) | ((TOTAL - 1) << 12) | slot
+            sym8[t0:t0 + TOTAL] = ESC
+            freq_cum[k * 256 + ESC] = TOTAL
+            continue
+        cum = 0
+        for s in range(256):
+            f = freq[k, s]
+            if f == 0:
+                continue
+            head = (s << 24) | ((f - 1) << 12)
+            for r in range(f):
+                tabs[t0 + cum + r] = head | r
+            sym8[t0 + cum:t0 + cum + f] = s
+            freq_cum[k * 256 + s] = f | (cum << 16)
+            cum += f
+
+
+@njit(nogil=True, cache=True)
+def compact_tables(tabs):
+    """The two-level form (:func:`compact_of`) of decode tables. A class whose table is all ESC
+    (unused) is not scanned."""
+    n_cls = tabs.size // TOTAL
+    sym8 = np.empty(tabs.size, np.uint8)
+    freq_cum = np.zeros(n_cls * 256, np.uint32)
+    for k in range(n_cls):
+        t0 = k * TOTAL
+        if tabs[t0] >> 12 == (ESC << 12) | (TOTAL - 1):  # ESC takes every slot: an unused class
+            sym8[t0:t0 + TOTAL] = ESC
+            freq_cum[k * 256 + ESC] = TOTAL
+            continue
+        for slot in range(TOTAL):
+            e = tabs[t0 + slot]
+            sym8[t0 + slot] = e >> 24
+            if e & 0xFFF == 0:  # the symbol's first slot: its cumulative frequency
+                freq_cum[k * 256 + (e >> 24)] = (((e >> 12) & 0xFFF) + 1) | (slot << 16)
+    return sym8, freq_cum

@@ -1,0 +1,91 @@
+"""Format 2 CPU decode fast paths against their references: the one-pass table builder
+(``tables.decode_tables`` / ``compact_of``) and the symbol loop's two copies in
+``binned.decode_chunks`` (lane-aligned tokens with unclamped reads, else clamped)."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kvcodec import CorruptStreamError
+from kvcodec.entropy import rans_lanes
+from kvcodec.lossless import predictive
+from kvcodec.lossless.predictive import bins, tables
+
+N_CLASSES = bins.N_CLASSES
+
+
+def reference_tables(freq: np.ndarray) -> np.ndarray:
+    """The decode tables of ``rans_lanes`` row by row; an unused class decodes every slot as ESC."""
+    full = freq.copy()
+    full[~full.any(axis=1), bins.ESC] = rans_lanes.M
+    return rans_lanes.decode_tables(full)
+
+
+def reference_compact(tabs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Two-level tables from the full ones, entry by entry (numpy, no kernel)."""
+    t = tabs.reshape(N_CLASSES, rans_lanes.M).astype(np.int64)
+    sym8 = (t >> 24).astype(np.uint8).reshape(-1)
+    freq_cum = np.zeros((N_CLASSES, 256), np.uint32)
+    first = (t & 0xFFF) == 0
+    k, slot = np.nonzero(first)
+    freq_cum[k, t[k, slot] >> 24] = (((t[k, slot] >> 12) & 0xFFF) + 1) | (slot << 16)
+    return sym8, freq_cum.reshape(-1)
+
+
+@st.composite
+def frequency_tables(draw):
+    """[N_CLASSES, 256] frequencies: some classes unused (all 0), the others summing to 4096."""
+    freq = np.zeros((N_CLASSES, 256), np.int64)
+    for k in draw(st.sets(st.integers(0, N_CLASSES - 1), max_size=12)):
+        syms = draw(st.lists(st.integers(0, 255), min_size=1, max_size=40, unique=True))
+        cuts = sorted(draw(st.lists(st.integers(1, rans_lanes.M - 1), min_size=len(syms) - 1,
+                                    max_size=len(syms) - 1, unique=True)))
+        freq[k, syms] = np.diff([0, *cuts, rans_lanes.M])
+    return freq
+
+
+@settings(max_examples=60, deadline=None)
+@given(freq=frequency_tables())
+def test_one_pass_tables_match_the_row_by_row_reference(freq):
+    tabs = tables.decode_tables(freq)
+    assert np.array_equal(tabs, reference_tables(freq))
+    sym8, freq_cum = reference_compact(tabs)
+    built = tables.compact_of(tabs)  # built with the tables, in the same pass
+    again = tables.compact_of(tabs.copy())  # other tables: compacted from the entries
+    for got in (built, again):
+        assert np.array_equal(got[0], sym8) and np.array_equal(got[1], freq_cum)
+
+
+def test_tables_refuse_rows_that_do_not_sum_to_4096():
+    freq = np.zeros((N_CLASSES, 256), np.int64)
+    freq[3, 7] = rans_lanes.M - 1
+    with pytest.raises(ValueError):
+        tables.decode_tables(freq)
+    freq[3, 7], freq[3, 8] = rans_lanes.M + 1, -1
+    with pytest.raises(ValueError):
+        tables.decode_tables(freq)
+
+
+@settings(max_examples=12, deadline=None)
+@given(d=st.sampled_from([1, 7, 8, 24, 32, 40, 64]), tokens=st.integers(1, 300), seed=st.integers(0, 2**16),
+       predicted=st.booleans())
+def test_decode_is_exact_with_and_without_lane_aligned_tokens(d, tokens, seed, predicted):
+    """Channel counts that are and are not multiples of the lane count (8 or 32 lanes by chunk
+    size): the aligned copy of the symbol loop and the clamped one give the same exact values,
+    and a stream cut short raises instead of reading past its words."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, 3, tokens, d, generator=g) * torch.rand(d, generator=g) * 3).to(torch.bfloat16)
+    x.view(torch.int16).reshape(-1)[::53] = 0x7FC0  # NaN: escaped values too
+    pred = x.float() + 0.05 * torch.randn(x.shape, generator=g) if predicted else None
+    meta, sections = predictive.encode_tensor(x, pred, "external" if predicted else "none", 1, version=2)
+    out = predictive.decode_tensor(meta, sections, pred, 1)
+    assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+    payload = sections["payload"]
+    if payload.size > 2 * meta["lanes"] + 1:  # the last chunk loses its last word: no overread, an error
+        counts = sections["model"].copy()
+        nc = (counts.size - 4 - int.from_bytes(counts[:4].tobytes(), "little")) // 8
+        wlen = counts[counts.size - 8 * nc:counts.size - 4 * nc].view("<u4")
+        wlen[nc - 1] -= 1
+        with pytest.raises(CorruptStreamError):
+            predictive.decode_tensor(meta, dict(sections, model=counts, payload=payload[:-1]), pred, 1)
