@@ -300,7 +300,20 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
   constexpr bool in_regs = LAYOUT == KX_REGS;
   double rm[NR], ra[NR], rdev[NR];
   int rel[NR];
-  for (long long g = g0; g < g0 + ng; ++g) {
+  // The prediction and the float32 low halves a batch reads are loaded one batch ahead (a DRAM round trip
+  // is shorter than a batch): the thread's channels of batch (token tt, first channel rr0, place kk).
+  float pnext[NR];
+  kx_u16 lnext[NR];
+  long long g = g0;
+  auto prefetch = [&](long long tt, int rr0, int kk) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const int dn = ALIGNED ? rr0 + 32 * r + kk : min(rr0 + 32 * r + kk, D - 1);
+      if (pred) pnext[r] = __ldcs(pred + ((g - pred_g0) * pred_t + tt) * D + dn);
+      if (OUT == 4) lnext[r] = __ldcs(lo16 + (g * T + tt) * D + dn);
+    }
+  };
+  for (; g < g0 + ng; ++g) {
     const long long gp = shared ? 0 : g;
     for (int d = lane; d < D; d += 32) {
       dev[d] = 0.0;
@@ -316,13 +329,24 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         rdev[r] = 0.0;
       }
     }
+    if (nt > 0) prefetch(t0, 0, (lane - (ALIGNED ? 0 : (int)(i & 31))) & 31);
     for (long long t = t0; t < t0 + nt; ++t) {
       const int s = ALIGNED ? 0 : (int)(i & 31);
       const int k = (lane - s) & 31;  // this thread's place in a round
       const kx_u32 before = (1u << k) - 1u;
-      const float* const prow = pred ? pred + ((g - pred_g0) * pred_t + t) * D : nullptr;
       const long long orow = (g * T + t) * D;
       for (int r0 = 0; r0 < D; r0 += 32 * NR) {
+        float pf[NR];
+        kx_u16 lo[NR];
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+          pf[r] = pnext[r];
+          lo[r] = lnext[r];
+        }
+        if (!in_regs && r0 + 32 * NR < D)  // warp-uniform: the next batch of this token, or the next token's first
+          prefetch(t, r0 + 32 * NR, k);
+        else if (t + 1 < t0 + nt)
+          prefetch(t + 1, 0, (lane - (ALIGNED ? 0 : (int)((i + D) & 31))) & 31);
         double base[NR];
         int ep[NR], centre[NR], cls[NR], sym[NR], neg[NR], cnt[NR];
         kx_u32 place[NR];
@@ -337,12 +361,10 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           dd[r] = ALIGNED ? r0 + 32 * r + k : min(r0 + 32 * r + k, D - 1);
           base[r] = in_regs ? rm[r] : chan[dd[r]];  // m + c * 0 is m exactly (m is never -0.0)
         }
-        if (prow) {  // warp-uniform
+        if (pred) {  // warp-uniform
 #pragma unroll
-          for (int r = 0; r < NR; ++r) {
-            const float pf = __ldcs(prow + dd[r]);
-            base[r] = __dadd_rn(base[r], __dmul_rn(chan[D + dd[r]], isfinite(pf) ? (double)pf : 0.0));
-          }
+          for (int r = 0; r < NR; ++r)
+            base[r] = __dadd_rn(base[r], __dmul_rn(chan[D + dd[r]], isfinite(pf[r]) ? (double)pf[r] : 0.0));
         }
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
@@ -465,7 +487,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           } else if (OUT == 2) {
             reinterpret_cast<kx_u16*>(out)[oi] = (kx_u16)pat;
           } else {
-            reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat << 16) | (kx_u32)__ldcs(lo16 + oi);
+            reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat << 16) | (kx_u32)lo[r];
           }
           const double v = BF16 ? (double)__int_as_float(pat << 16) : kx_value(pat, gr);
           const double dv = esc ? 0.0 : __dsub_rn(v, base[r]);  // ESC: no residual
