@@ -293,7 +293,7 @@ def _chunk_decoder(consts):
                     po += d_n
                 # 1. the symbols. Two copies of one loop: the common one (lane 0 at every token start,
                 # the token's words all inside the section) with no lane offset and unclamped reads
-                # (6% faster: fewer live registers); else reads clamped (an overrun shows as ptr > end)
+                # (6% faster: fewer live registers; the renormalisation as a select, 2-4% more); else reads clamped (an overrun shows as ptr > end)
                 if aligned and ptr + d_n <= nw:
                     for d in range(d_n):
                         j = np.uint64(d) & np.uint64(lm)
@@ -303,9 +303,10 @@ def _chunk_decoder(consts):
                         s = np.int64(sym8[np.uint64(tb + slot)])
                         e = np.int64(freq_cum[np.uint64((tb >> 4) + s)])  # freq | cum << 16
                         x = (e & 0xFFFF) * (x >> 12) + slot - (e >> 16)
-                        need = np.int64(x < rans_lanes.RANS_L)
-                        xs[j] = (x << (need << 4)) | (np.int64(words[np.uint64(ptr)]) & -need)
-                        ptr += need
+                        need = x < rans_lanes.RANS_L
+                        w = np.int64(words[np.uint64(ptr)])
+                        xs[j] = ((x << 16) | w) if need else x
+                        ptr += np.int64(need)
                         sym[np.uint64(d)] = s
                 else:
                     for d in range(d_n):
@@ -316,9 +317,10 @@ def _chunk_decoder(consts):
                         s = np.int64(sym8[np.uint64(tb + slot)])
                         e = np.int64(freq_cum[np.uint64((tb >> 4) + s)])
                         x = (e & 0xFFFF) * (x >> 12) + slot - (e >> 16)
-                        need = np.int64(x < rans_lanes.RANS_L)
-                        xs[j] = (x << (need << 4)) | (np.int64(words[np.uint64(min(ptr, nw - 1))]) & -need)
-                        ptr += need
+                        need = x < rans_lanes.RANS_L
+                        w = np.int64(words[np.uint64(min(ptr, nw - 1))])
+                        xs[j] = ((x << 16) | w) if need else x
+                        ptr += np.int64(need)
                         sym[np.uint64(d)] = s
                 lane0 = (lane0 + d_n) & lm
                 for d in range(d_n):  # 2. raw bit counts (vectorises); -1: ESC or bin 0
