@@ -133,6 +133,28 @@ def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tm
     assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_command("w.cu", "sm_90a", "o.cubin")
 
 
+@pytest.mark.parametrize("arch,lane", [("sm_90", 3), ("sm_100", 3), ("sm_90", 2)])
+def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(arch, lane, tmp_path):
+    """The one-launch kernel with lane-private pair tables (TQ_LANE_LUT): the d128 narrow 4/4-bit
+    instances build without spills and their static shared memory plus the tables' 64 KB (plus the 1 KB
+    the runtime reserves per block) fits 3 blocks in an SM's 228 KB, the blocks their registers allow."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed: CUDA compile check skipped")
+    decls = [f"__global__ void {decode_kernels.fused_name(128, 4, 4, False, vbf, True)}{decode_kernels.FUSED_SIGNATURE}"
+             for vbf in (False, True)]
+    proc = build.nvcc_compile(decode_kernels.SOURCE, decls, arch, tmp_path,
+                              extra=(f"-DTQ_LANE_LUT={lane}", "-DTQ_REG_LUT_SYM=1", "-Xptxas", "-v,-warn-spills"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    spills = [line for line in proc.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
+    assert not spills, "\n".join(spills)
+    import re
+
+    usage = re.findall(r"Used (\d+) registers, used \d+ barriers, (\d+) bytes smem", proc.stderr)
+    assert len(usage) == 2
+    for regs, smem in usage:
+        assert int(regs) <= 168 and 3 * (int(smem) + decode_kernels.LANE_LUT_BYTES + 1024) <= 228 * 1024
+
+
 def test_bulk_variants_of_the_benchmark_are_compiled_here():
     mod = _gpu_kernels_benchmark()
     assert {v.defines for _, v in mod.BULK_VARIANTS} <= set(BULK_DEFINES) | {()}
@@ -143,6 +165,22 @@ def test_fused_defines_drop_the_bulk_ring_when_tcap_is_not_a_multiple_of_16():
     d = ("TQ_FUSED_BULK=1", "TQ_FUSED_BULK_BLOCKS=4", "TQ_REG_LUT_SYM=1")
     assert decode_kernels.fused_defines(d, 4096) == d
     assert decode_kernels.fused_defines(d, 4100) == ("TQ_REG_LUT_SYM=1",)
+
+
+def test_fused_defines_add_lane_tables_only_where_the_kernel_uses_them():
+    fd, lane = decode_kernels.fused_defines, ("TQ_LANE_LUT=3",)
+    assert fd((), 4096, 128, 4, 4, True) == fd((), 4100, 128, 4, 4, True) == lane
+    # wide tiles, other bit widths, head_dim 64 or 256: none
+    assert fd((), 4096, 128, 4, 4, False) == fd((), 4096, 128, 4, 2, True) == fd((), 4096, 64, 4, 4, True) == ()
+    assert fd((), 4096, 256, 4, 4, True) == ()
+    # an explicit choice stays; the bulk ring takes the room (and drops an explicit choice)
+    assert fd(("TQ_LANE_LUT=0",), 4096, 128, 4, 4, True) == ("TQ_LANE_LUT=0",)
+    assert fd(("TQ_LANE_LUT=2",), 4096, 64, 4, 4, True) == ("TQ_LANE_LUT=2",)
+    assert fd(("TQ_FUSED_BULK=1", "TQ_LANE_LUT=3"), 4096, 128, 4, 4, True) == ("TQ_FUSED_BULK=1",)
+    assert fd(("TQ_FUSED_BULK=1",), 4100, 128, 4, 4, True) == lane  # no ring at tcap % 16 != 0
+    # the launcher passes the tables' memory exactly when the macro is on
+    assert decode_kernels.fused_shared_bytes(lane) == decode_kernels.LANE_LUT_BYTES == 65536
+    assert decode_kernels.fused_shared_bytes(("TQ_LANE_LUT=0",)) == decode_kernels.fused_shared_bytes(()) == 0
 
 
 def test_explicit_target_route_options_and_cache_key():

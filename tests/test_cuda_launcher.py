@@ -88,14 +88,16 @@ def test_small_batch_plans_use_the_one_launch_kernel(stub):
     case, kw, bits = _case(b=1, t=32768)
     p = _plan(case, kw, bits)
     assert p.fused_fn is not None and p.split_fn is None and p.prep_fn is None
-    (nblk, bh, rt), block, scalars = p.fused_launch
+    (nblk, bh, rt), block, scalars, smem = p.fused_launch
     nsplit = int(scalars[-1])
     assert (bh, rt, block) == (8, 1, (128,)) and nblk == -(-nsplit // 4) <= decode_kernels.FUSED_MAX_BLOCKS
     assert nsplit * p.tokens_per_warp >= 32768 > (nsplit - 1) * p.tokens_per_warp
     assert p.counters.dtype == torch.int32 and p.counters.shape == (8,) and not p.counters.any()
     # scratch: one partial [rows, D] fp32 and one (m, l) pair per row and block
     assert p.scratch[-1] >= 8 * nblk * 4 * 128 * 4 + 8 * nblk * 4 * 2 * 4
-    assert stub[(p.fused_fn.name, ("TQ_REG_LUT_SYM=1",))] is p.fused_fn  # symmetric Lloyd-Max codebooks
+    # symmetric Lloyd-Max codebooks; narrow 4/4-bit d128 tiles: the lane tables with their 64 KB
+    assert stub[(p.fused_fn.name, ("TQ_REG_LUT_SYM=1", "TQ_LANE_LUT=3"))] is p.fused_fn
+    assert smem == decode_kernels.LANE_LUT_BYTES == p.fused_fn.max_dynamic_shared_size_bytes
 
 
 def test_prod_keys_and_forced_variants_take_three_launches(stub):
@@ -121,8 +123,9 @@ def test_run_passes_the_declared_arguments(stub, fused, shape):
                              None, None, out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and out.shape == c["query"].shape and lse.shape == c["query"].shape[:-1]
     if fused:
-        ((grid, block, args, _),) = p.fused_fn.calls
+        ((grid, block, args, smem),) = p.fused_fn.calls
         _check_args(args, decode_kernels.FUSED_SIGNATURE)
+        assert smem == p.fused_launch[3]
         assert args[1] == 2 and args[-2] == 2  # bf16 query in, bf16 out
         assert args[-4] == p.counters.data_ptr() and grid == p.fused_launch[0]
     else:

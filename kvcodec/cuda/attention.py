@@ -37,6 +37,7 @@ from kvcodec.cuda.decode_kernels import (
     KernelVariant,
     fused_defines,
     fused_name,
+    fused_shared_bytes,
     key_permutation,
     merge_name,
     prep_name,
@@ -234,7 +235,7 @@ class DecodePlan:
     merge_launch: tuple  # (grid, block, scalar args, shared memory bytes)
     scratch: tuple  # byte offsets of q16, row scales, partial outputs, partial (m, l); total bytes
     fused_fn: object = None  # the one-launch kernel (None: the three launches above)
-    fused_launch: tuple = ()  # (grid, block, scalar args from Hkv to nsplit)
+    fused_launch: tuple = ()  # (grid, block, scalar args from Hkv to nsplit, dynamic shared memory bytes)
     fused_rotations: tuple = ()  # (k signs pointer, k rounds, v signs pointer, v rounds): see _hadamard
     counters: torch.Tensor | None = None  # [BH * row tiles] int32 zeros: the last-block counters
     tokens_per_warp: int = 0
@@ -309,9 +310,14 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
     defines = split_defines(variant.defines, k_bits, v_bits, k_codebook, v_codebook, v_bf)
     fused = use_fused(variant, qjl, tcap, tokens_per_warp)
     fused_fn = split_fn = None
+    fused_smem = 0
     if fused:
-        kernel = fused_fn = build.get_function(SOURCE, fused_name(d, k_bits, v_bits, k_bf, v_bf, narrow),
-                                               fused_defines(defines, tcap), variant.arch)
+        fdefines = fused_defines(defines, tcap, d, k_bits, v_bits, narrow)
+        kernel = fused_fn = build.get_function(SOURCE, fused_name(d, k_bits, v_bits, k_bf, v_bf, narrow), fdefines,
+                                               variant.arch)
+        fused_smem = fused_shared_bytes(fdefines)
+        if fused_smem:  # over the 48 KB default: the kernel's limit must be raised first
+            fused_fn.max_dynamic_shared_size_bytes = fused_smem
     else:
         kernel = split_fn = build.get_function(SOURCE, split_name(d, k_bits, v_bits, k_bf, v_bf, qjl, narrow), defines,
                                                variant.arch)
@@ -345,7 +351,7 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
                           fused_rotations=(ks.data_ptr() if kr_n else kr_t.data_ptr(), i32(kr_n),
                                            vs.data_ptr() if vr_n else vrot.data_ptr(), i32(vr_n)),
                           fused_launch=((nblk, bh, rt), (32 * WARPS_PER_BLOCK,),
-                                        (i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit))),
+                                        (i32(hkv), i32(r), i32(rt), i32(tcap), i32(tpw), i32(nsplit)), fused_smem),
                           counters=_counters(dev, bh * rt))
     # three launches; scratch: q16 [BH, rows_pad, D] fp16, row scales [BH, rows_pad] fp32,
     # partial outputs [BH, nsplit, rows, D] and (m, l) [BH, nsplit, rows, 2] fp32
@@ -434,14 +440,14 @@ def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k
     kr_t, perm, kcb, vcb, vrot = plan.pointers
     if plan.fused_fn is not None:
         out = torch.empty(plan.out_shape, device=dev, dtype=out_dtype)
-        grid, block, scalars = plan.fused_launch
+        grid, block, scalars, smem = plan.fused_launch
         with build.cupy_stream(dev):
             plan.fused_fn(grid, block, (q_in.data_ptr(), np.int32(_QIN[q_in.dtype]), kr_t, perm,
                                         np.float32(plan.scale * LOG2E), kc.data_ptr(), kn.data_ptr(), vc.data_ptr(),
                                         vn.data_ptr(), kcb, vcb, vrot, *plan.fused_rotations, lens.data_ptr(),
                                         *scalars, part_o, part_ml,
                                         plan.counters.data_ptr(), out.data_ptr(), np.int32(_QIN[out_dtype]),
-                                        lse.data_ptr()))
+                                        lse.data_ptr()), shared_mem=smem)
         return out, lse
     out = torch.empty(plan.out_shape, device=dev, dtype=torch.float32)
     if plan.qjl:

@@ -79,14 +79,44 @@ def split_defines(defines, k_bits, v_bits, k_codebook, v_codebook, v_bf16) -> tu
     return rest + ("TQ_REG_LUT_SYM=1",) if ok else rest
 
 
-def fused_defines(defines, tcap: int) -> tuple[str, ...]:
-    """The one-launch kernel's macros for a cache of ``tcap`` slots: the bulk-copy ring
-    (``TQ_FUSED_BULK``, and its block count) copies whole 16-token steps, so it needs ``tcap % 16 == 0``
-    and is dropped otherwise (the register path runs)."""
+# The one-launch kernel's lane-private pair tables (TQ_LANE_LUT): dynamic shared memory per block, and
+# the head_dims that get them: 128 (3 blocks per SM fit: 64 KB + 10.4 KB static each); not 64 (the 4
+# blocks per SM its registers allow would not fit) nor 256 (its static shared memory leaves room for 2).
+LANE_LUT_BYTES = 65536
+LANE_LUT_DIMS = (128,)
+
+
+def _macro(defines, name: str) -> str | None:
+    """Value of the last ``NAME=value`` macro in ``defines`` (None: not set)."""
+    value = None
+    for d in defines:
+        key, _, v = d.partition("=")
+        if key == name:
+            value = v or "1"
+    return value
+
+
+def fused_defines(defines, tcap: int, dim: int = 0, k_bits: int = 0, v_bits: int = 0,
+                  narrow: bool = False) -> tuple[str, ...]:
+    """The one-launch kernel's macros for one call: the bulk-copy ring (``TQ_FUSED_BULK``, and its
+    block count) copies whole 16-token steps, so it needs ``tcap % 16 == 0`` and is dropped otherwise
+    (the register path runs); narrow 4/4-bit tiles of a head_dim in LANE_LUT_DIMS get the lane-private
+    pair tables (``TQ_LANE_LUT=3``) unless the caller set ``TQ_LANE_LUT`` itself
+    or asked for the bulk ring (which leaves no room for them: any ``TQ_LANE_LUT`` is dropped then)."""
     defines = tuple(defines)
-    if tcap % 16 == 0:
-        return defines
-    return tuple(d for d in defines if not d.startswith("TQ_FUSED_BULK"))
+    if tcap % 16:
+        defines = tuple(d for d in defines if not d.startswith("TQ_FUSED_BULK"))
+    if _macro(defines, "TQ_FUSED_BULK") not in (None, "0"):
+        return tuple(d for d in defines if not d.startswith("TQ_LANE_LUT"))
+    if _macro(defines, "TQ_LANE_LUT") is None and narrow and k_bits == 4 and v_bits == 4 and dim in LANE_LUT_DIMS:
+        defines += ("TQ_LANE_LUT=3",)
+    return defines
+
+
+def fused_shared_bytes(defines) -> int:
+    """Dynamic shared memory of a one-launch build: the lane tables' 64 KB when ``TQ_LANE_LUT`` is set
+    (the kernel uses them only where that macro is set, so this is never less than it needs)."""
+    return LANE_LUT_BYTES if _macro(defines, "TQ_LANE_LUT") not in (None, "0") else 0
 
 
 def _b(x: bool) -> str:

@@ -223,3 +223,15 @@ struct TqRegLut4Sym {
     o[3] = tq_prmt(l1, h1, 0x7362u);
   }
 };
+
+// Lane-private pair tables (the one-launch kernel's TQ_LANE_LUT, 4-bit codes). A shared-memory table
+// of the 256 code pairs in which every lane has its own copy in its own bank: row e (256 bytes) holds
+// pair e (cb[e & 15] low half, cb[e >> 4] high half) at bytes 4 * lane (table A) and 128 + 4 * lane
+// (table B). Lookups never conflict on banks (a shared 256-word table: ~3.5-way conflicts for random
+// codes), and the byte offset of pair e is e * 256 + 4 * lane: one prmt that puts byte k of the codes
+// word x (two adjacent 4-bit codes) over the lane byte `lanec` (= 4 * lane, bytes 1-3 zero).
+// tab: the table (a __shared__ array, referenced directly so that the compiler addresses it as
+// [offset + uniform base]); k (0-3) a compile-time constant after unrolling (an immediate selector).
+TQ_DEVI tq_u32 tq_lane_pair(const char* tab, tq_u32 x, tq_u32 lanec, int k) {
+  return tq_lds_at(tab, tq_prmt(x, lanec, 0x5504u | ((tq_u32)k << 4)));
+}

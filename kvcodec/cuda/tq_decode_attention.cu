@@ -461,6 +461,10 @@ typedef TqRegLut4Sym RegLut;
 typedef TqRegLut4 RegLut;
 #endif
 
+// The one-launch kernel's dynamic shared memory: the lane-private pair tables (TQ_LANE_LUT_BYTES when
+// the build uses them, else none).
+extern __shared__ __align__(16) char tq_lane_tab[];
+
 // What one warp's split leaves in registers: the unnormalized partial output (mma accumulator
 // layout, see split_warp) and, per owned query row, the running max m (base 2) and the sum l.
 template <int D, bool NARROW>
@@ -475,9 +479,12 @@ struct WarpResult {
 // |.|; pad rows 0), rst [16] the row scales; qs16t / qsst the QJL analogues (prod keys only). The
 // block's shared and register codebook tables must be filled. Empty ranges (begin >= end) give
 // m = -inf, l = 0 and zero accumulators. DEPTH: steps of loads in flight (see TQ_STAGES).
+// LANE (bits): 4-bit keys (bit 0) and values (bit 1) are looked up in the lane-private pair tables
+// tq_lane_tab (keys: table A, values: table B; see tq_lane_pair) instead of ktab / kreg and vtab / vreg,
+// which are then unused (KTab / VTab may be empty types).
 template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW, int DEPTH = TQ_STAGES,
-          class BulkT = BulkSel<void, false>>
-TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& ktab, const CodeTable<BV, VBF>& vtab,
+          class BulkT = BulkSel<void, false>, int LANE = 0, class KTab, class VTab>
+TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab& vtab,
                         const RegLut& kreg, const RegLut& vreg, const tq_u16* q16t, const float* rst,
                         const tq_u16* qs16t, const float* qsst, const tq_u8* __restrict__ kcodes,
                         const tq_u16* __restrict__ knorms, const tq_u8* __restrict__ vcodes,
@@ -486,6 +493,9 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
                         typename BulkT::Ring* bring = nullptr) {
   using T = DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  static_assert(!LANE || (NARROW && !QJL && BK == 4 && BV == 4 && T::KALIGN && T::VALIGN),
+                "lane tables: narrow tiles of 4-bit MSE keys and values with word-aligned chunks");
+  const tq_u32 lanec = 4u * lane;  // the lane byte of the lane-table offsets
 
   // Query fragments (A operand), one set per k-step.
   const tq_u16* qrow0 = q16t + g * D;
@@ -550,7 +560,24 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
   // tokens 2t, 2t+1) and pb1 (tokens 8 + 2t, 8 + 2t + 1), value norms already applied
   auto pv_narrow = [&](float (&acc)[NACC][4], const StepRegs<T>& cur, tq_u32 pb0, tq_u32 pb1) {
     if constexpr (NARROW) {
-      if constexpr (T::VREG) {
+      if constexpr (LANE & 2) {
+        // interleaved words as for T::V4I: byte k of ev[i] / od[i] is the pair index of coordinate
+        // 8i + 2k / 8i + 2k + 1 of the two tokens; looked up in table B (byte 128 of each row)
+        constexpr int NW = TqBits<T::VBITS>::NW;
+        tq_u32 ev01[NW], od01[NW], ev23[NW], od23[NW];
+        CodeTable<BV, VBF>::interleave4(cur.v[0], cur.v[1], ev01, od01);
+        CodeTable<BV, VBF>::interleave4(cur.v[2], cur.v[3], ev23, od23);
+        const char* vt = tq_lane_tab + 128;
+#pragma unroll
+        for (int i = 0; i < NW; ++i) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const tq_u32 va[4] = {tq_lane_pair(vt, ev01[i], lanec, k), tq_lane_pair(vt, od01[i], lanec, k),
+                                  tq_lane_pair(vt, ev23[i], lanec, k), tq_lane_pair(vt, od23[i], lanec, k)};
+            tq_mma16816<VBF>(acc[4 * i + k], va, pb0, pb1);
+          }
+        }
+      } else if constexpr (T::VREG) {
         // word i of the interleaved codes holds coordinates 8i + 2k (ev) / 8i + 2k + 1 (od) of
         // two tokens in byte k: the prmt lookup of its 8 nibbles gives the A registers of m-tiles
         // 4i .. 4i + 3 directly
@@ -608,7 +635,19 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const CodeTable<BK, false>& 
 #pragma unroll
       for (int s = 0; s < T::KS; ++s) {
         tq_u32 ka[4];
-        if constexpr (T::KREG) {
+        if constexpr (LANE & 1) {  // table A: word s / 2 of both key rows, byte k = pair (4s' + 2k, + 1)
+          if ((s & 1) == 0) {
+            const tq_u32 w0 = cur.k[0].w[s >> 1], w1 = cur.k[1].w[s >> 1];
+            kw0[0] = tq_lane_pair(tq_lane_tab, w0, lanec, 0), kw1[0] = tq_lane_pair(tq_lane_tab, w1, lanec, 0);
+            kw0[1] = tq_lane_pair(tq_lane_tab, w0, lanec, 1), kw1[1] = tq_lane_pair(tq_lane_tab, w1, lanec, 1);
+            kw0[2] = tq_lane_pair(tq_lane_tab, w0, lanec, 2), kw1[2] = tq_lane_pair(tq_lane_tab, w1, lanec, 2);
+            kw0[3] = tq_lane_pair(tq_lane_tab, w0, lanec, 3), kw1[3] = tq_lane_pair(tq_lane_tab, w1, lanec, 3);
+          }
+          ka[0] = kw0[2 * (s & 1)];
+          ka[1] = kw1[2 * (s & 1)];
+          ka[2] = kw0[2 * (s & 1) + 1];
+          ka[3] = kw1[2 * (s & 1) + 1];
+        } else if constexpr (T::KREG) {
           if ((s & 1) == 0) {
             kreg.lut8(cur.k[0].w[s >> 1], kw0);
             kreg.lut8(cur.k[1].w[s >> 1], kw1);
@@ -1191,6 +1230,16 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
 #ifndef TQ_FUSED_BULK_BLOCKS
 #define TQ_FUSED_BULK_BLOCKS 3
 #endif
+// Bits (1 keys, 2 values; 3 both): the one-launch kernel's narrow 4/4-bit tiles look those codes up
+// in lane-private pair tables (tq_lane_pair: 64 KB of dynamic shared memory per block; per two codes
+// one prmt, one add and one conflict-free shared load, instead of register prmt tables for keys (~2
+// ALU ops per code) and a shared pair table for values with ~3.5-way bank conflicts). Set by the
+// launcher together with the dynamic shared memory (decode_kernels.fused_defines); never set it
+// without that memory. Default 0.
+#ifndef TQ_LANE_LUT
+#define TQ_LANE_LUT 0
+#endif
+#define TQ_LANE_LUT_BYTES 65536
 
 namespace tq {
 // A one-launch instance's build choices. BULK: its splits run on the bulk ring (TQ_FUSED_BULK): narrow
@@ -1201,6 +1250,10 @@ template <int D, int BK, int BV, bool NARROW>
 struct FusedBuild {
   using T = DecodeTraits<D, BK, BV, false, false, false>;
   static constexpr bool BULK = TQ_FUSED_BULK && TQ_BULK_ARCH && NARROW && D <= 128 && T::KALIGN && T::VALIGN;
+  // lane-private pair tables (TQ_LANE_LUT bits: 1 keys, 2 values): 64 KB of dynamic shared memory,
+  // passed by the launcher exactly when it sets the macro (decode_kernels.fused_defines)
+  static constexpr int LANE =
+      (!BULK && NARROW && BK == 4 && BV == 4 && T::KALIGN && T::VALIGN) ? (TQ_LANE_LUT & 3) : 0;
   static constexpr int MIN_BLOCKS = TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS
                                     : !NARROW         ? 2
                                     : D <= 64         ? 4
@@ -1278,6 +1331,31 @@ TQ_DEVI float load_query(const void* q, long long i, int qin) {
   return qin == 1 ? tq_h2f(h) : tq_bf2f(h);
 }
 
+// Fill the lane-private pair tables at tab (tq_lane_pair's layout, TQ_LANE_LUT_BYTES): table A from
+// the key codebook (fp16), table B from the value codebook (fp16 or bf16: VBF). 128 threads: thread
+// tid writes 16-byte column tid % 16 (0-7: table A, 8-15: table B) of rows tid / 16 + 8 i.
+template <bool VBF>
+TQ_DEVI void fill_lane_tables(char* tab, const float* __restrict__ kcb, const float* __restrict__ vcb) {
+  const int tid = threadIdx.x, col = tid & 15, lo = tid >> 4;
+  const bool val = col >= 8;
+  const float* cb = val ? vcb : kcb;
+  auto to16 = [&](float f) -> tq_u32 { return val ? tq_f_to_16<VBF>(f) : tq_f2h(f); };
+  const tq_u32 l0 = to16(__ldg(cb + lo)), l1 = to16(__ldg(cb + lo + 8));
+  tq_u32 hi[16];  // all loads in flight at once (one round trip)
+#pragma unroll
+  for (int j = 0; j < 16; ++j) hi[j] = to16(__ldg(cb + j)) << 16;
+  uint4* row = reinterpret_cast<uint4*>(tab) + col;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {  // row e = lo + 8 i: low code e & 15 = lo + 8 (i & 1), high code i / 2
+    const tq_u32 w = ((i & 1) ? l1 : l0) | hi[i >> 1];
+    row[(lo + 8 * i) * 16] = make_uint4(w, w, w, w);
+  }
+}
+
+struct NoTable {};  // stands in for the shared tables a build does not use
+template <bool C, class A, class B> struct Pick { typedef A type; };
+template <class A, class B> struct Pick<false, A, B> { typedef B type; };
+
 // Accumulates one warp's partial into the block's shared [ROWS, D] buffer, scaled per row.
 template <int D>
 struct SharedSink {
@@ -1317,13 +1395,20 @@ tq_decode_fused(
   constexpr int ROWS = NARROW ? 8 : 16;  // query rows of a tile that can be used
   constexpr int MAXB = TQ_FUSED_MAX_BLOCKS;
   constexpr int XQ = (ROWS * D > 2 * ROWS * MAXB) ? ROWS * D : 2 * ROWS * MAXB;
-  __shared__ tq::CodeTable<BK, false> ktab;
-  __shared__ tq::CodeTable<BV, VBF> vtab;
-  __shared__ __align__(16) float xq[XQ];          // prologue: query rows; last block: (m, l) of every block
-  __shared__ __align__(16) float ybuf[ROWS * D];  // prologue: rotated rows; then the block's partial
   constexpr bool BULK = tq::FusedBuild<D, BK, BV, NARROW>::BULK;
-  constexpr int QROWS = BULK ? 8 : 16;             // narrow tiles read rows < 8 (the bulk ring needs the room)
-  __shared__ __align__(16) tq_u16 q16s[QROWS * D];  // the fp16 query tile (rows >= ROWS stay unread)
+  constexpr int LANE = tq::FusedBuild<D, BK, BV, NARROW>::LANE;
+  __shared__ typename tq::Pick<(LANE & 1) || (LANE && T::KREG), tq::NoTable, tq::CodeTable<BK, false>>::type ktab;
+  __shared__ typename tq::Pick<(LANE & 2) != 0, tq::NoTable, tq::CodeTable<BV, VBF>>::type vtab;
+  constexpr int QROWS = NARROW ? 8 : 16;           // query rows the split reads
+  static_assert(QROWS * D * 2 <= XQ * 4, "the query tile fits the xq buffer");
+  // prologue: query rows, then (aliased: the rows are dead by then) the fp16 query tile the splits read;
+  // last block: (m, l) of every block
+  __shared__ __align__(16) float xq[XQ];
+  // builds with the lane tables alias the query tile into xq (they need the room; in the others the
+  // alias costs a few spilled bytes at the register cap: 4/2 bits)
+  __shared__ __align__(16) tq_u16 q16own[LANE ? 8 : QROWS * D];
+  tq_u16* q16s = LANE ? reinterpret_cast<tq_u16*>(xq) : q16own;
+  __shared__ __align__(16) float ybuf[ROWS * D];  // prologue: rotated rows; then the block's partial
   __shared__ float rss[16];
   __shared__ float ksg[2 * D], vsg[2 * D];       // Hadamard signs of the key / value rotations
   __shared__ float wm[4][ROWS], wl[4][ROWS];      // per warp (m, l) of each row
@@ -1338,7 +1423,13 @@ tq_decode_fused(
   TQ_STAMP(0);
   tq::RegLut kreg, vreg;
   // the tables' loads overlap the query's: one barrier for both (below)
-  tq::fill_tables<T, BK, BV, VBF, false>(ktab, vtab, kreg, vreg, k_codebook, v_codebook);
+  if constexpr (LANE) {
+    tq::fill_lane_tables<VBF>(tq::tq_lane_tab, k_codebook, v_codebook);
+    if constexpr (!(LANE & 1) && T::KREG) kreg.template fill<false>(k_codebook);
+    if constexpr (!(LANE & 1) && !T::KREG) ktab.fill(k_codebook, threadIdx.x, blockDim.x);
+    if constexpr (!(LANE & 2)) vtab.fill(v_codebook, threadIdx.x, blockDim.x);
+    if constexpr (!(LANE & 2) && T::VREG) vreg.template fill<VBF>(v_codebook);
+  } else tq::fill_tables<T, BK, BV, VBF, false>(ktab, vtab, kreg, vreg, k_codebook, v_codebook);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int bh = blockIdx.y, rt = blockIdx.z, nblk = gridDim.x;
@@ -1418,7 +1509,7 @@ tq_decode_fused(
   const int begin = split < nsplit ? split * tokens_per_warp : 0;
   const int end = split < nsplit ? min(begin + tokens_per_warp, len) : 0;
   tq::WarpResult<D, NARROW> res;
-  tq::split_warp<D, BK, BV, KBF, VBF, false, NARROW, TQ_FUSED_STAGES, Bulk>(
+  tq::split_warp<D, BK, BV, KBF, VBF, false, NARROW, TQ_FUSED_STAGES, Bulk, LANE>(
       res, ktab, vtab, kreg, vreg, q16s, rss, q16s, rss, kcodes, knorms, vcodes, vnorms, nullptr, nullptr,
       (long long)bh * Tcap, begin, end, &bring[warp]);
 
