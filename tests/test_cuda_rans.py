@@ -1,11 +1,12 @@
 """CPU checks of the GPU rANS decoder (kvcodec/cuda/rans_decode.cu + rans.py): nvcc builds it for
 Hopper and Blackwell without spills, and a lane-by-lane numpy emulation of the kernel (the launcher's
-descriptors, shared-memory/global tables, register word ring, ballot/popcount reads, bounds-checked
+descriptors, shared-memory/global tables, shared-memory word ring, ballot/popcount reads, masked
 loads, final checks) decodes real ``entropy.encode(..., streams=32)`` streams bit-exactly and gives
 the error status on inconsistent payloads, without ever reading outside a payload."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -43,24 +44,31 @@ def _popc(v):
 
 
 class _Mem:
-    """Byte memory whose reads are confined to a window (the payload being decoded)."""
+    """Byte memory whose reads are confined to a window: the 16-byte aligned pieces that overlap the
+    payload being decoded (the kernel's word loads), or the payload itself (its states)."""
 
     def __init__(self, buf: np.ndarray):
         self.buf = buf
         self.lo = self.hi = 0
 
     def read(self, off: int, size: int) -> int:
-        assert self.lo <= off and off + size <= self.hi, f"read [{off}, {off + size}) outside [{self.lo}, {self.hi})"
+        lo, hi = (self.lo & ~15, -(-self.hi // 16) * 16) if size == 16 else (self.lo, self.hi)
+        assert lo <= off and off + size <= hi, f"read [{off}, {off + size}) outside [{lo}, {hi})"
         assert off % size == 0, "misaligned load"
         return int.from_bytes(self.buf[off: off + size].tobytes(), "little")
 
 
+SEG_WORDS, RING_SEGS = 256, 4  # rans_decode.cu: RD_SEG_WORDS, RD_RING_SEGS
+
+
 def _emulate_warp(mem, pd, smem, gtab, mode, prec, lo, aux, symbytes, out):
+    """One warp of rans32_decode: the word ring in shared memory (segments of 16-byte pieces,
+    stored two segments ahead of the read position, loads masked past the payload), ballot reads."""
     in_off, in_len, out_off, n = (int(v) for v in pd)
     if in_len < 128 or (in_len - 128) & 1:
         return 1
     mem.lo, mem.hi = in_off, in_off + in_len
-    odd = in_off % 4 != 0  # a 2-byte aligned payload: the kernel reads 16-bit halves
+    odd = in_off % 4 != 0  # a 2-byte aligned payload: the kernel reads its states as 16-bit halves
 
     def read32(off):
         return mem.read(off, 2) | (mem.read(off + 2, 2) << 16) if odd else mem.read(off, 4)
@@ -69,20 +77,30 @@ def _emulate_warp(mem, pd, smem, gtab, mode, prec, lo, aux, symbytes, out):
     if (x < L).any():
         return 2
     nw = (in_len - 128) >> 1
-    wbase = in_off + 128
+    wa = in_off + 128
+    a0 = wa & ~15
+    end = wa - a0 + 2 * nw  # the payload's end, from a0
+    skew = (wa - a0) >> 1
+    ring = np.zeros(SEG_WORDS * RING_SEGS, dtype=np.int64)
+    held = np.full(RING_SEGS, -1)  # the segment each ring slot holds
 
-    def load_pair(blk):
-        r = np.zeros(32, dtype=np.int64)
-        for lane in range(32):
-            w = 64 * blk + 2 * lane
-            if w + 2 <= nw:
-                r[lane] = read32(wbase + 2 * w)
-            elif w + 1 == nw:
-                r[lane] = mem.read(wbase + 2 * w, 2)
-        return r
+    def load_seg(s):  # the lanes' 16-byte pieces (a piece past the end: the one before a0)
+        return [mem.read(a0 + 16 * (32 * s + lane) if 16 * (32 * s + lane) < end else a0 - 16, 16)
+                for lane in range(32)]
 
-    ring = [load_pair(b) for b in range(4)]
-    blk, rel = 0, 0
+    def store_seg(s, pieces):  # zeroed at and past the payload's end, as 8 words each
+        words = np.zeros((32, 8), dtype=np.int64)
+        for lane, v in enumerate(pieces):
+            keep = min(16, max(0, end - 16 * (32 * s + lane)))
+            v &= (1 << (8 * keep)) - 1
+            words[lane] = [(v >> (16 * j)) & 0xFFFF for j in range(8)]
+        ring[SEG_WORDS * (s % RING_SEGS): SEG_WORDS * (s % RING_SEGS + 1)] = words.reshape(-1)
+        held[s % RING_SEGS] = s
+
+    for s in range(3):
+        store_seg(s, load_seg(s))
+    pending = load_seg(3)
+    seg, inseg = 0, skew
     mask = (1 << prec) - 1
     sym_dt = np.uint8 if symbytes == 1 else np.uint16
     s32 = smem.view("<u4").astype(np.int64) if smem.size else None
@@ -112,21 +130,19 @@ def _emulate_warp(mem, pd, smem, gtab, mode, prec, lo, aux, symbytes, out):
         need = active & (x < L)
         m = int(np.sum(need.astype(np.int64) << LANES))
         cnt = bin(m).count("1")
-        w = rel + _popc(m & BELOW)
-        assert (w < 96).all()
-        v = ring[0][(w >> 1) & 31]
-        if rel + cnt > 64:
-            v = np.where(w >= 64, ring[1][(w >> 1) & 31], v)
-        word = np.where(w & 1, v >> 16, v & 0xFFFF)
+        at = SEG_WORDS * seg + inseg + _popc(m & BELOW)  # skew + the word's index
+        assert (held[(at[need] // SEG_WORDS) % RING_SEGS] == at[need] // SEG_WORDS).all()  # stored, not overwritten
+        word = ring[at % (SEG_WORDS * RING_SEGS)]
         x = np.where(need, ((x << 16) | word) & 0xFFFFFFFF, x)
         i = 32 * g + LANES
         outv[i[active]] = sym[active]
-        rel += cnt
-        if rel >= 64:
-            rel -= 64
-            blk += 1
-            ring = ring[1:] + [load_pair(blk + 3)]
-    pos = 64 * blk + rel
+        inseg += cnt
+        if inseg >= SEG_WORDS:
+            inseg -= SEG_WORDS
+            seg += 1
+            store_seg(seg + 2, pending)
+            pending = load_seg(seg + 3)
+    pos = SEG_WORDS * seg + inseg - skew
     if pos > nw:
         return 3
     return 4 if pos != nw or (x != L).any() else 0
@@ -139,7 +155,7 @@ def emulate_launch(batch: gr.RansBatch):
     blocks, tdesc, tabs = batch.blocks.numpy(), batch.tdesc.numpy(), batch.table_data.numpy()
     out = np.full(max(batch.out_bytes, 1), 0xA5, dtype=np.uint8)  # poison: unwritten bytes show
     status = np.full(max(batch.n_payloads, 1), -1, dtype=np.int32)
-    assert batch.smem_bytes <= gr.SMEM_MAX
+    assert batch.smem_bytes <= gr.SMEM_MAX and batch.smem_bytes - gr.WARPS * gr.RING_BYTES <= gr.TABLE_SMEM_MAX
     for t, first, count, _ in blocks:
         assert 1 <= count <= gr.WARPS
         toff, mode, prec, lo, words, aux, symbytes, _ = (int(v) for v in tdesc[t])
@@ -359,3 +375,70 @@ def test_batches_over_the_output_cap_are_refused_before_allocation():
     with pytest.raises(CorruptStreamError, match="max_output_bytes"):
         gr.RansBatch(blobs, device="cpu", max_output_bytes=14_999)
     assert gr.RansBatch(blobs, device="cpu", max_output_bytes=15_000).out_bytes == 15_000
+
+
+def _placed_batch(payloads, headers, shift: int, device="cpu"):
+    """A RansBatch over one buffer holding the payloads at offsets = shift (mod 16), each followed
+    by random bytes (what surrounds a chunk stream inside a planes section)."""
+    rng = np.random.default_rng(shift)
+    offs, buf = [], bytearray(rng.integers(0, 256, shift).astype(np.uint8).tobytes())
+    for p in payloads:
+        offs.append(len(buf))
+        buf += bytes(p) + rng.integers(0, 256, 16 + (-len(p) % 16)).astype(np.uint8).tobytes()
+    data = torch.frombuffer(buf, dtype=torch.uint8).to(device)
+    batch = gr.RansBatch.__new__(gr.RansBatch)  # from_device's setup, on any device
+    batch.device, batch._fallback = data.device, {}
+    batch._setup(headers, data, offs)
+    return batch
+
+
+@pytest.mark.parametrize("shift", [0, 2, 4, 6, 8, 10, 12, 14])
+def test_emulated_kernel_at_every_even_alignment(shift):
+    """Payloads at each 2-byte alignment (word 0 anywhere in a 16-byte piece), ending anywhere in
+    one: the word ring's skew, its first and last pieces (neighbour bytes masked), lengths around
+    the segment boundaries."""
+    rng = np.random.default_rng(100 + shift)
+    xs = [_symbols(rng, np.uint8, n, kind) for n, kind in ((1, "small"), (700, "uniform"), (4100, "uniform"),
+                                                           (20_000, "skewed"), (9000, "small"))]
+    xs.append(_symbols(rng, np.uint16, 1500, "uniform"))  # 32 words a step: a segment every 8 steps
+    blobs = [entropy.encode(x, coder="rans", streams=32) for x in xs]
+    parsed = [stream.parse(b) for b in blobs]
+    batch = _placed_batch([p for _, p in parsed], [h for h, _ in parsed], shift)
+    out, status = emulate_launch(batch)
+    assert not status[: len(xs)].any()
+    for x, y in zip(xs, batch.split(torch.from_numpy(out))):
+        got = y.view(torch.int16).numpy().view(np.uint16) if y.dtype == torch.uint16 else y.numpy()
+        assert np.array_equal(got, x)
+
+
+GPU = torch.cuda.is_available()
+try:
+    import cupy  # noqa: F401
+except Exception:
+    GPU = False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("shift", [0, 2, 6, 14])
+def test_gpu_kernel_at_every_even_alignment_equals_emulation(shift):
+    """The kernel on the device against its emulation: valid payloads at each alignment, and the same
+    payloads truncated or bit-flipped (same status, same garbage output: words past the end are 0)."""
+    rng = np.random.default_rng(shift)
+    xs = [_symbols(rng, np.uint8, n, "uniform") for n in (5000, 33, 12_345)] + [_symbols(rng, np.uint16, 999, "skewed")]
+    payloads, headers = [], []
+    for x in xs:
+        h, p = stream.parse(entropy.encode(x, coder="rans", streams=32))
+        cut = bytes(p[: 128 + 2 * ((len(p) - 128) // 3)])
+        flip = bytearray(p)
+        flip[len(p) // 2] ^= 0x08
+        for q in (bytes(p), cut, bytes(flip)):
+            payloads.append(q)
+            headers.append(dataclasses.replace(h, payload_len=len(q)))
+    cpu = _placed_batch(payloads, headers, shift)
+    want_out, want_status = emulate_launch(cpu)
+    dev = _placed_batch(payloads, headers, shift, "cuda")
+    out = torch.full((max(dev.out_bytes, 1),), 0xA5, dtype=torch.uint8, device="cuda")
+    out, status = dev.launch(out)
+    assert np.array_equal(status.cpu().numpy(), want_status[: len(payloads)])
+    assert np.array_equal(out.cpu().numpy()[: dev.out_bytes], want_out[: cpu.out_bytes])

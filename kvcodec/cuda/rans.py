@@ -20,8 +20,8 @@ Streams that are not rANS or not 32-state raise ``ValueError`` unless ``cpu_fall
 they decode with ``kvcodec.entropy.decode`` on the host and are copied to the device).
 Decode tables (see the .cu file for the byte layouts): mode 0, one shared-memory u32 per slot, for
 precision <= 12 and at most 256 used symbols (bf16 sign/exponent planes); mode 1, a shared-memory
-slot -> symbol index table plus a per-symbol (freq, cum) table, when both fit in 48 KiB (bytes up to
-precision 15, small uint16 alphabets); mode 2, the same information as two slot-indexed arrays in
+slot -> symbol index table plus a per-symbol (freq, cum) table, when both fit in 40 KiB (bytes up to
+precision 15, small uint16 alphabets; the other 8 KiB of the block's shared memory are its warps' word rings); mode 2, the same information as two slot-indexed arrays in
 global memory (precision 16 bytes, big uint16 alphabets), read through L1/L2.
 """
 
@@ -42,7 +42,9 @@ KERNEL = f"rans32_decode<{WARPS}>"
 SIGNATURE = ("(const unsigned char*, const long long*, const int*, const int*, const long long*, "
              "const unsigned char*, unsigned char*, int*)")
 STATES = 32
-SMEM_MAX = 48 * 1024  # shared-memory tables up to this size (no opt-in needed)
+SMEM_MAX = 48 * 1024  # dynamic shared memory of a block: the warps' word rings + its table (no opt-in needed)
+RING_BYTES = 2048  # per warp: RD_RING_WORDS 16-bit words (rans_decode.cu)
+TABLE_SMEM_MAX = SMEM_MAX - WARPS * RING_BYTES  # shared-memory tables up to this size
 HEAD = 4 * STATES
 STATUS_TEXT = {
     1: "rANS payload has a bad length",
@@ -92,7 +94,7 @@ def build_table(freqs, precision: int, dtype, mode: int | None = None) -> Table:
     bias = slots - cum[idx]
     sym_t = np.uint8 if symbytes == 1 else np.uint16
     fits0 = p <= 12 and span <= 256
-    fits1 = _align(m * symbytes, 4) + 4 * span <= SMEM_MAX
+    fits1 = _align(m * symbytes, 4) + 4 * span <= TABLE_SMEM_MAX
     if mode is None:
         mode = 0 if fits0 else 1 if fits1 else 2
     if mode not in (0, 1, 2) or (mode == 0 and not fits0) or (mode == 1 and not fits1):
@@ -139,15 +141,22 @@ class LaunchPlan:
     table_data: torch.Tensor
     smem_bytes: int
     n_blocks: int
+    also: list  # the caller's extra arrays of the same upload
 
     @classmethod
-    def build(cls, pdesc: np.ndarray, table_of: np.ndarray, tables: list[Table], device) -> "LaunchPlan":
+    def build(cls, pdesc: np.ndarray, table_of: np.ndarray, tables: list[Table], device,
+              also=()) -> "LaunchPlan":
         """``pdesc`` [P, 4] int64: byte offset of payload p in the data buffer (even), its length,
-        byte offset of its output, its symbol count; ``table_of`` [P]: index into ``tables``."""
+        byte offset of its output, its symbol count; ``table_of`` [P]: index into ``tables``.
+        ``also``: more arrays for the same upload (a caller's next launch), as ``plan.also``."""
         from kvcodec.cuda.transfer import upload
 
         P = len(table_of)
-        order = np.lexsort((-pdesc[:, 3], table_of)).astype(np.int32) if P else np.zeros(0, np.int32)
+        sizes = pdesc[:, 3]
+        if P and (table_of[1:] >= table_of[:-1]).all() and ((table_of[1:] > table_of[:-1]) | (sizes[1:] <= sizes[:-1])).all():
+            order = np.arange(P, dtype=np.int32)  # already in that order (a planes blob's chunks)
+        else:
+            order = np.lexsort((-sizes, table_of)).astype(np.int32) if P else np.zeros(0, np.int32)
         ts = np.asarray(table_of, np.int64)[order]
         cut = np.flatnonzero(np.diff(ts)) + 1  # runs of one table, each cut into blocks of WARPS
         run_lo, run_hi = np.concatenate(([0], cut)), np.concatenate((cut, [P]))
@@ -165,9 +174,10 @@ class LaunchPlan:
         tab_host = np.zeros(max(tbytes, _ALIGN), dtype=np.uint8)
         for o, tb in zip(toff, tables):
             tab_host[o: o + tb.data.size] = tb.data
-        pd, od, bd, td, tabd = upload([np.ascontiguousarray(pdesc, np.int64), order, blocks, tdesc, tab_host], device)
+        pd, od, bd, td, tabd, *more = upload([np.ascontiguousarray(pdesc, np.int64), order, blocks, tdesc, tab_host,
+                                              *also], device)
         return cls(pd.reshape(-1, 4), od, bd.reshape(-1, 4), td.reshape(-1, 8), tabd,
-                   max([4 * tb.smem_words for tb in tables] + [0]), len(blocks))
+                   WARPS * RING_BYTES + max([4 * tb.smem_words for tb in tables] + [0]), len(blocks), more)
 
     def launch(self, data: torch.Tensor, out: torch.Tensor, status: torch.Tensor) -> None:
         """Decode every payload of ``data`` into ``out``, statuses into ``status`` (int32, one per
