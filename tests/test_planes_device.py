@@ -184,7 +184,7 @@ def emulated_kernels(monkeypatch):
         for j, (n, o) in enumerate(zip(lens.tolist(), dst_off)):
             dst[o: o + n] = scratch[j * cap + cap - n: (j + 1) * cap]
 
-    def merge(planes, layout, itemsize, n, out):
+    def merge(planes, layout, itemsize, n, out, desc=None):
         arrs = [p.numpy() if isinstance(p, torch.Tensor) else np.full(n, p, np.uint8) for p in planes]
         res = np.empty(n * itemsize, np.uint8)
         merge_planes(arrs, layout, itemsize, res)
@@ -328,6 +328,27 @@ def test_device_crc_equals_zlib():
     got = gcrc.crc32_many([buf[a:a + n] for a, n in cases]).cpu().tolist()
     host = buf.cpu().numpy().tobytes()
     assert got == [zlib.crc32(host[a:a + n]) for a, n in cases]
+
+
+
+@pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not GPU, reason="needs a CUDA GPU and CuPy")])])
+def test_check_many_flags_crc_mismatches_and_nonzero_padding(cuda):
+    """check_many on the device (crc_finish's flags) and on CPU tensors (zlib) give the same flags:
+    a wrong crc32 or a nonzero byte where zeros are required sets the buffer's slot, several
+    buffers may share a slot."""
+    rng = np.random.default_rng(1)
+    buf = torch.from_numpy(rng.integers(0, 256, 200_000).astype(np.uint8))
+    buf[1000:1040] = 0
+    buf = buf.cuda() if cuda else buf
+    host = buf.cpu().numpy().tobytes()
+    parts = [(3, 70_000), (0, 16), (1000, 40), (1001, 7), (5, 0), (100_001, 99_999), (999, 3)]
+    crc = [zlib.crc32(host[a:a + n]) for a, n in parts]
+    bufs = [buf[a:a + n] for a, n in parts]
+    # expected: right, wrong, zeros (right), zeros (right), empty zeros, wrong, zeros (a nonzero byte: wrong)
+    expected = [crc[0], crc[1] ^ 1, None, None, None, crc[5] + 1, None]
+    slots = [0, 1, 2, 2, 3, 4, 5]
+    assert gcrc.check_many(bufs, expected, slots, 7).cpu().tolist() == [0, 1, 0, 0, 1, 1, 0]
 
 
 @pytest.mark.gpu

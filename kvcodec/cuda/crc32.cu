@@ -82,13 +82,18 @@ __global__ void __launch_bounds__(256) crc_blocks(const long long* __restrict__ 
   if (lane == 0) out[gb] = acc;
 }
 
-// One thread block per buffer: crc[q] = zlib crc32 of buffer q. rblk: crc_blocks' output.
+// One thread block per buffer: crc[q] = zlib crc32 of buffer q. rblk: crc_blocks' output. check
+// (null: crcs only) [NBUF, 4] int64: expected crc32 (-1: none), flag slot, 1 if every byte must be
+// zero, unused; a buffer whose crc32 differs from the expected one, or with a nonzero byte where
+// zeros are required, sets flags[slot] to 1 (flags hold zeros before).
 __global__ void __launch_bounds__(CRC_FINISH_THREADS) crc_finish(const long long* __restrict__ bufdesc,
                                                                  const long long* __restrict__ block_first,
                                                                  const cr_u32* __restrict__ rblk,
                                                                  const cr_u32* __restrict__ tab,
                                                                  const cr_u32* __restrict__ sh,
-                                                                 cr_u32* __restrict__ crc) {
+                                                                 cr_u32* __restrict__ crc,
+                                                                 const long long* __restrict__ check,
+                                                                 int* __restrict__ flags) {
   __shared__ cr_u32 part[CRC_FINISH_THREADS];
   const int q = blockIdx.x, tid = threadIdx.x;
   const long long* bd = bufdesc + 4 * q;
@@ -109,7 +114,12 @@ __global__ void __launch_bounds__(CRC_FINISH_THREADS) crc_finish(const long long
     acc = cr_shift(sh, CRC_BLOCK_LOG2, acc) ^ (j >= 0 ? r[j] : 0u);
   }
   part[tid] = acc;
-  __syncthreads();
+  int nonzero = 0;  // the zero-bytes check (padding between sections: a few bytes)
+  if (check != nullptr && check[4 * q + 2]) {
+    const cr_u8* b = reinterpret_cast<const cr_u8*>(p);
+    for (long long i = tid; i < len; i += CRC_FINISH_THREADS) nonzero |= b[i];
+  }
+  nonzero = __syncthreads_or(nonzero);
   for (int g = 1, lg = 0; g < CRC_FINISH_THREADS; g <<= 1, ++lg) {
     cr_u32 v = 0u;
     const bool head = (tid & (2 * g - 1)) == 0;
@@ -127,6 +137,11 @@ __global__ void __launch_bounds__(CRC_FINISH_THREADS) crc_finish(const long long
     cr_u32 s = 0xffffffffu;
     for (int i = 0; i < 48; ++i)
       if ((len >> i) & 1) s = cr_shift(sh, i, s);
-    crc[q] = ~(s ^ c);
+    const cr_u32 value = ~(s ^ c);
+    crc[q] = value;
+    if (check != nullptr) {
+      const long long want = check[4 * q];
+      if (nonzero || (want >= 0 && (long long)value != want)) atomicOr(flags + check[4 * q + 1], 1);
+    }
   }
 }

@@ -10,6 +10,7 @@ words each, made here once). :func:`reference` runs the kernel's exact piece / l
 structure in numpy, so the tests check the decomposition against ``zlib`` without a GPU.
 
     crcs = crc32_many([t1, t2, ...])      # CUDA uint8 tensors -> int64 CUDA tensor of crc32 values
+    flags = check_many(bufs, expected, slots, n)  # int32 flags: 1 where a buffer's crc32 (or zeros) fails
 """
 
 from __future__ import annotations
@@ -156,6 +157,34 @@ def _device_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def crc32_many(buffers: list[torch.Tensor]) -> torch.Tensor:
     """zlib crc32 of each contiguous CUDA tensor's bytes (any dtype), as an int64 tensor on the
     device, computed with two kernel launches on torch's current stream (no synchronization)."""
+    return _launch(buffers)[0].to(torch.int64) & 0xFFFFFFFF
+
+
+def check_many(buffers: list[torch.Tensor], expected, slots, n_flags: int) -> torch.Tensor:
+    """Checks of contiguous tensors' bytes: buffer i is bad when its zlib crc32 differs from
+    ``expected[i]``, or, where ``expected[i]`` is None, when one of its bytes is not zero; a bad
+    buffer sets ``flags[slots[i]]`` to 1. Returns the int32 flags [n_flags] on the buffers' device,
+    with one upload and two kernel launches on torch's current stream (no synchronization). CPU
+    tensors (the tests' emulated decode paths) are checked on the host with zlib."""
+    if not buffers:
+        raise ValueError("no buffers")
+    check = np.array([(-1 if e is None else int(e), int(q), int(e is None), 0) for e, q in zip(expected, slots)],
+                     np.int64).reshape(-1, 4)
+    if not buffers[0].is_cuda:
+        import zlib
+
+        flags = np.zeros(n_flags, np.int32)
+        for b, (want, q, zero, _) in zip(buffers, check):
+            raw = b.contiguous().reshape(-1).view(torch.uint8).numpy()
+            if (zero and raw.any()) or (want >= 0 and zlib.crc32(raw) != want):
+                flags[q] = 1
+        return torch.from_numpy(flags)
+    return _launch(buffers, check, n_flags)[1]
+
+
+def _launch(buffers: list[torch.Tensor], check: np.ndarray | None = None, n_flags: int = 0):
+    """crc_blocks + crc_finish over ``buffers``: (crc32 values as int32 [N], flags int32 [n_flags] or
+    None); the descriptors, the checks and the zeroed flags travel in one upload."""
     from kvcodec.cuda import build
     from kvcodec.cuda.transfer import upload
 
@@ -174,10 +203,14 @@ def crc32_many(buffers: list[torch.Tensor]) -> torch.Tensor:
     first = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
     total = int(counts.sum())
     block_buf = np.repeat(np.arange(len(buffers), dtype=np.int32), counts)
-    desc_d, first_d, bb = upload([np.asarray(desc, np.int64), first, block_buf], device)
+    arrays = [np.asarray(desc, np.int64), first, block_buf]
+    if check is not None:
+        arrays += [check, np.zeros(max(n_flags, 1), np.int32)]
+    desc_d, first_d, bb, *checks = upload(arrays, device)
     tab, sh = _device_tables(device)
     rblk = torch.empty(max(total, 1), dtype=torch.int32, device=device)
     out = torch.empty(len(buffers), dtype=torch.int32, device=device)
+    check_d, flags = checks if checks else (None, None)
     with build.cupy_stream(device):
         if total:
             build.get_function(SOURCE, "crc_blocks")(
@@ -186,5 +219,6 @@ def crc32_many(buffers: list[torch.Tensor]) -> torch.Tensor:
                  sh.data_ptr(), rblk.data_ptr()))
         build.get_function(SOURCE, "crc_finish")(
             (len(buffers),), (FINISH_THREADS,),
-            (desc_d.data_ptr(), first_d.data_ptr(), rblk.data_ptr(), tab.data_ptr(), sh.data_ptr(), out.data_ptr()))
-    return out.to(torch.int64) & 0xFFFFFFFF
+            (desc_d.data_ptr(), first_d.data_ptr(), rblk.data_ptr(), tab.data_ptr(), sh.data_ptr(), out.data_ptr(),
+             0 if check_d is None else check_d.data_ptr(), 0 if flags is None else flags.data_ptr()))
+    return out, None if flags is None else flags[:n_flags]

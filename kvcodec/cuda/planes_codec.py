@@ -100,23 +100,30 @@ def gather(scratch: torch.Tensor, cap: int, lens: torch.Tensor, dst_off: np.ndar
                                                                            dst.data_ptr()))
 
 
-def merge(planes: list, layout: str, itemsize: int, n: int, out: torch.Tensor) -> None:
-    """Rebuild n elements into the uint8 CUDA tensor ``out`` from planes: each a uint8 CUDA tensor
-    of n bytes, or an int (a constant plane). 16-byte aligned planes (rows of ``row_stride``) take
-    the kernel's vector path."""
+def merge_desc(planes: list) -> np.ndarray:
+    """The merge kernel's plane descriptors: (address, 0) of a uint8 CUDA tensor of n bytes, or
+    (0, value) of a constant plane (an int)."""
     desc = np.zeros(16, np.int64)
     for k, p in enumerate(planes):
         if isinstance(p, torch.Tensor):
             desc[2 * k] = p.data_ptr()
         else:
             desc[2 * k + 1] = int(p)
+    return desc
+
+
+def merge(planes: list, layout: str, itemsize: int, n: int, out: torch.Tensor, desc: torch.Tensor | None = None) -> None:
+    """Rebuild n elements into the uint8 CUDA tensor ``out`` from planes: each a uint8 CUDA tensor
+    of n bytes, or an int (a constant plane). 16-byte aligned planes (rows of ``row_stride``) take
+    the kernel's vector path. ``desc``: :func:`merge_desc` already on the device (else uploaded)."""
     if not n:
         return
-    (desc_d,) = upload([desc], out.device)
+    if desc is None:
+        (desc,) = upload([merge_desc(planes)], out.device)
     elems = max(1, n * itemsize // 16)  # one thread per 16 output bytes
     with build.cupy_stream(out.device):
         build.get_function(SOURCE, f"pc_merge<{LAYOUTS[layout]}, {itemsize}>")(
-            (_grid(elems, out.device),), (256,), (desc_d.data_ptr(), np.int64(n), out.data_ptr()))
+            (_grid(elems, out.device),), (256,), (desc.data_ptr(), np.int64(n), out.data_ptr()))
 
 
 def row_stride(n: int) -> int:

@@ -347,6 +347,7 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     if not _gpu_decodable(header):
         return None
     secs, gaps = device_container.sections(blob, header, header_end)
+    integrity = device_container.Checks(blob, secs, gaps)  # section crc32s run while the host plans the decode
     if meta["codec"] == "planes":
         res = planes_device.decode(meta["codec_meta"], secs, blob.device)
         if res is not None:
@@ -362,8 +363,7 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
         return None
     out, status, checks = res
     extra = [(out, meta["crc32"])] + [(t, crc) for t, crc, _ in checks]
-    flags = device_container.integrity_errors(blob, secs, gaps, extra=extra)
-    errors = torch.cat([flags, (status != 0).any().to(torch.int32).reshape(1)]).cpu().numpy()  # the one sync
+    errors = integrity.read(extra, status)  # the one sync
     names = list(secs)
     n = len(names)
     for i, name in enumerate(names):

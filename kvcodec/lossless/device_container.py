@@ -10,9 +10,10 @@ device, so a decode costs one small synchronization at the end.
 - :func:`read_header` / :func:`sections`: the checks of ``container.loads`` that need only the
   header (magic, version, header crc, strict JSON, descriptors, canonical offsets, no trailing
   bytes), with each section returned as a :class:`DeviceSection` view of the blob.
-- :func:`integrity_errors`: the checks that need the payloads (section crc32s, zero padding, and
-  any extra buffers with known crc32s), as a small device tensor of error flags: nothing is
-  synchronized, the caller reads it once with its own status flags.
+- :class:`Checks`: the checks that need the payloads (section crc32s and zero padding launched
+  as soon as the sections are known, the decoded buffers' crc32s at the end), flagged on the
+  device by ``kvcodec.cuda.crc32.check_many`` and read with the decoder's stream statuses in one
+  synchronization.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class DeviceSection:
         return self.blob[self.offset: self.offset + self.nbytes]
 
 
-def _download(blob: torch.Tensor, n: int) -> bytes:
-    return blob[:n].cpu().numpy().tobytes()
+def _download(blob: torch.Tensor, n: int) -> np.ndarray:
+    return blob[:n].cpu().numpy()
 
 
 def read_header(blob: torch.Tensor) -> tuple[dict, int]:
@@ -116,15 +117,35 @@ def sections(blob: torch.Tensor, header: dict, header_end: int) -> tuple[dict[st
     return out, gaps
 
 
-def integrity_errors(blob: torch.Tensor, secs: dict[str, DeviceSection], gaps, extra=()) -> torch.Tensor:
-    """int32 device tensor [len(secs) + len(extra) + 1]: 1 where a section's (then an extra
-    (tensor, crc32) pair's) crc32 differs, last entry 1 if a padding byte is not zero. Asynchronous."""
-    from kvcodec.cuda.crc32 import crc32_many
+class Checks:
+    """The checks of a device blob that need its payloads, launched in two parts on torch's current
+    stream: the section crc32s and the zero padding when made (right after :func:`sections`, so
+    they run while the host plans the decode), and the decoded buffers' crc32s in :meth:`read`,
+    which then synchronizes once."""
 
-    bufs = [s.bytes for s in secs.values()] + [t.reshape(-1).view(torch.uint8) for t, _ in extra]
-    expected = [s.crc32 for s in secs.values()] + [int(c) for _, c in extra]
-    idx = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in gaps] + [np.zeros(1, np.int64)])
-    want, idx = upload([np.asarray(expected, np.int64), idx], blob.device)  # the last index only pads
-    flags = [(crc32_many(bufs) != want).to(torch.int32)] if bufs else []
-    flags.append((blob[idx[:-1]] != 0).any().to(torch.int32).reshape(1))
-    return torch.cat(flags)
+    def __init__(self, blob: torch.Tensor, secs: dict[str, DeviceSection], gaps):
+        from kvcodec.cuda.crc32 import check_many
+
+        self.n = len(secs)
+        bufs = [s.bytes for s in secs.values()] + [blob[a:b] for a, b in gaps]
+        expected = [s.crc32 for s in secs.values()] + [None] * len(gaps)  # None: the bytes must be zeros
+        slots = list(range(self.n)) + [self.n] * len(gaps)
+        self.flags = check_many(bufs, expected, slots, self.n + 1) if bufs else torch.zeros(
+            self.n + 1, dtype=torch.int32, device=blob.device)
+
+    def read(self, extra=(), status: torch.Tensor | None = None) -> np.ndarray:
+        """int32 flags on the host, 1 = failed: [section crc32s..., ``extra`` (tensor, crc32) pairs'
+        crc32s..., nonzero padding, any nonzero entry of ``status`` (the decode kernels' stream
+        statuses)]. The one synchronization of a device decode."""
+        from kvcodec.cuda.crc32 import check_many
+
+        parts = [self.flags]
+        if extra:
+            parts.append(check_many([t.reshape(-1).view(torch.uint8) for t, _ in extra], [int(c) for _, c in extra],
+                                    range(len(extra)), len(extra)))
+        if status is not None:
+            parts.append(status.reshape(-1).to(torch.int32))
+        got = torch.cat(parts).cpu().numpy()
+        n, k = self.n, len(extra)
+        return np.concatenate([got[:n], got[n + 1: n + 1 + k], got[n: n + 1],
+                               [int(got[n + 1 + k:].any())]]).astype(np.int32)

@@ -140,20 +140,16 @@ def decode(meta, sections, device) -> tuple[torch.Tensor, torch.Tensor] | None:
     out = torch.empty(n * itemsize, dtype=torch.uint8, device=device)
     alone = len(info) == 1 and coded  # one coded plane (1-byte elements): decoded straight into out
     decoded = out.view(1, n) if alone else torch.empty((max(len(coded), 1), row), dtype=torch.uint8, device=device)
-    status = torch.zeros(max(len(pdesc), 1), dtype=torch.int32, device=device)
-    if coded:
-        gr.LaunchPlan.build(pdesc, table_of, tables, device).launch(blob, decoded, status)
-    if alone:
-        return out.view(dtype).reshape(shape), status
-    planes = []
-    for k, p in enumerate(info):
-        if p[0] == "const":
-            planes.append(p[1])
-        elif p[0] == "raw":
-            planes.append(sections[f"p{k}"].bytes)
-        else:
-            planes.append(decoded[coded.index(k), :n])
-    pc.merge(planes, layout, itemsize, n, out)
+    planes = [p[1] if p[0] == "const" else sections[f"p{k}"].bytes if p[0] == "raw" else decoded[coded.index(k), :n]
+              for k, p in enumerate(info)]
+    status = torch.empty(len(pdesc), dtype=torch.int32, device=device)  # the kernel writes every entry
+    desc = None
+    if coded:  # one upload: the decode launch's descriptors and tables, and the merge's planes
+        plan = gr.LaunchPlan.build(pdesc, table_of, tables, device, also=[] if alone else [pc.merge_desc(planes)])
+        plan.launch(blob, decoded, status)
+        desc = None if alone else plan.also[0]
+    if not alone:
+        pc.merge(planes, layout, itemsize, n, out, desc)
     return out.view(dtype).reshape(shape), status
 
 

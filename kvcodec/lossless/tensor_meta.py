@@ -31,7 +31,13 @@ def checked_shape(shape, what: str = "tensor blob") -> tuple[int, ...]:
 def int_list(v, lo: int, hi: int, what: str, max_len: int | None = None) -> np.ndarray:
     """A stored list of ints, each in ``[lo, hi]``, as int64 (checked before numpy sees a value, so
     a huge or non-int entry is a CorruptStreamError, never an OverflowError)."""
-    if (not isinstance(v, list) or (max_len is not None and len(v) > max_len)
-            or (v and (not set(map(type, v)) <= {int} or min(v) < lo or max(v) > hi))):
-        raise CorruptStreamError(f"{what} is not a list of ints in [{lo}, {hi}]")
-    return np.array(v, np.int64)
+    bad = CorruptStreamError(f"{what} is not a list of ints in [{lo}, {hi}]")
+    if not isinstance(v, list) or (max_len is not None and len(v) > max_len) or (v and not set(map(type, v)) <= {int}):
+        raise bad
+    try:
+        a = np.array(v, np.int64)  # exact for ints (bools were refused above), OverflowError beyond int64
+    except OverflowError:
+        raise bad from None
+    if a.size and (a.min() < lo or a.max() > hi):
+        raise bad
+    return a
