@@ -89,3 +89,21 @@ def test_decode_is_exact_with_and_without_lane_aligned_tokens(d, tokens, seed, p
         wlen[nc - 1] -= 1
         with pytest.raises(CorruptStreamError):
             predictive.decode_tensor(meta, dict(sections, model=counts, payload=payload[:-1]), pred, 1)
+
+
+@settings(max_examples=10, deadline=None)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float32]), layers=st.integers(2, 4),
+       tokens=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_neighbour_layer_decode_reads_bf16_layers_as_their_own_prediction(dtype, layers, tokens, seed):
+    """The decoder predicts a bf16 layer from the previous layer's bit patterns, the encoder from
+    its value table (non-finite as 0): NaN, Inf, -0.0 and subnormals must give the same model."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(layers, 2, tokens, 16, generator=g) * 2).to(dtype)
+    flat = x.reshape(-1)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, -3e-39])
+    idx = torch.randint(0, flat.numel(), (specials.numel(),), generator=g)
+    flat[idx] = specials.to(dtype)
+    meta, sections = predictive.encode_tensor(x, None, "neighbour_layer", 1, version=2)
+    out = predictive.decode_tensor(meta, sections, None, 1)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(out.view(bits), x.view(bits))

@@ -368,13 +368,18 @@ def _decode_v2(ps: ParsedStream, pred, threads: int, start: int, stop: int) -> n
     with _Threads(threads):
         if ps.source == "neighbour_layer":
             per_layer = g // ps.shape[0]
+            # bf16 patterns are their own prediction (the kernel widens them, a non-finite one
+            # predicts 0 as in the value table): no float32 copy of each layer
+            as_bits = bgrid is bin_grid(torch.bfloat16)
             values = value_table(grid)
-            p_layer = np.zeros((per_layer, out.shape[1], d), np.float32)
+            p_layer = np.zeros((per_layer, out.shape[1], d), np.uint16 if as_bits else np.float32)
             for layer in range(ps.shape[0]):
                 sel = np.flatnonzero(hit & (cg0 >= layer * per_layer) & (cg0 < (layer + 1) * per_layer))
                 if format2.decode(p2, bgrid, sel, out, t0, p_layer, layer * per_layer, t0).any():
                     raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
-                p_layer = values[grid.k_of_bits[out[layer * per_layer:(layer + 1) * per_layer]]]
+                p_layer = out[layer * per_layer:(layer + 1) * per_layer]
+                if not as_bits:
+                    p_layer = values[grid.k_of_bits[p_layer]]
         elif format2.decode(p2, bgrid, np.flatnonzero(hit), out, t0, pred, 0, 0).any():
             raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
     return out[:, start - t0:stop - t0]
