@@ -163,7 +163,7 @@ __device__ __forceinline__ KxField kx_unary_field(int d, int ep, int mb, bool& o
 }
 
 // The unary depth at bit 0 of w (>= 21 valid bits): zero bits before a one, at most KX_UNARY.
-__device__ __forceinline__ int kx_depth(kx_u32 w) { return min(__clz(__brev(w)), KX_UNARY); }
+__device__ __forceinline__ int kx_depth(kx_u32 w) { return __clz(__brev(w | 1u << KX_UNARY)); }
 
 // A warp's ring of one of its chunk's word streams (n words at src) in shared memory: words [hi - R, hi)
 // are in buf (those not yet passed by the reader), and each lane holds its word of the next 32 (stage),
@@ -410,7 +410,8 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         for (int delta = 1; delta < 32; delta <<= 1) {
 #pragma unroll
           for (int q = 0; q < (NR + 1) / 2; ++q) {
-            const int o = __shfl_sync(KX_FULL, incl[q], (lane - delta) & 31);
+            const int o = ALIGNED ? __shfl_up_sync(KX_FULL, incl[q], delta)
+                                  : __shfl_sync(KX_FULL, incl[q], (lane - delta) & 31);
             if (k >= delta) incl[q] += o;
           }
         }
@@ -437,31 +438,33 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           for (int r = 0; r < NR; ++r) {
             if (unary[r]) rb.window64(place[r], wlo[r], whi[r]);
           }
-          int delta = 0;  // extra bits of the unary values passed so far
+          int delta = 0;  // extra bits (over ubits) of the unary values passed so far
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
+            // a unary value's extra bits: its depth, or its last depth when that is below KX_DEPTH_MAX and
+            // reached (the depth capped there: min(depth, cap))
+            const int last = ep[r] - gr.mb - 1;
+            const int cap = last < KX_DEPTH_MAX ? last : 32;
             int mine = delta;  // extra bits of the unary values before this thread's value
-            int myd = 0;
+            int myx = 0;       // this thread's value's extra bits (its depth, but at the last depth)
             for (kx_u32 pending = uv[r]; pending; pending &= pending - 1u) {
               const int jv = __ffs(pending) - 1;
-              const int src = (jv + s) & 31;
-              const kx_u32 lo = __shfl_sync(KX_FULL, wlo[r], src);
-              const kx_u32 hi = __shfl_sync(KX_FULL, whi[r], src);
-              const int epj = __shfl_sync(KX_FULL, ep[r], src);
-              kx_u32 win = delta < 32 ? __funnelshift_r(lo, hi, delta) : hi >> (delta - 32);
+              const int src = ALIGNED ? jv : (jv + s) & 31;
+              const kx_u64 wj = (kx_u64)__shfl_sync(KX_FULL, whi[r], src) << 32 | __shfl_sync(KX_FULL, wlo[r], src);
+              const int capj = __shfl_sync(KX_FULL, cap, src);
+              kx_u32 win;
               if (delta > 64 - KX_UNARY) {  // warp-uniform, rare: past the window, read the ring
-                const kx_u32 pj = __shfl_sync(KX_FULL, place[r], src);
-                win = rb.window(pj + delta);
+                win = rb.window(__shfl_sync(KX_FULL, place[r], src) + delta);
+              } else {
+                win = (kx_u32)(wj >> delta);
               }
-              const int d = kx_depth(win);
-              const int last = epj - gr.mb - 1;
-              const int extra = last < KX_DEPTH_MAX && d >= last ? last : d;
-              if (k == jv) myd = d;
+              const int extra = min(kx_depth(win), capj);
+              if (k == jv) myx = extra;
               if (k > jv) mine += extra;
               delta += extra;
             }
             bool ok = true;
-            const KxField uf = kx_unary_field(myd, ep[r], gr.mb, ok);
+            const KxField uf = kx_unary_field(myx, ep[r], gr.mb, ok);  // myx: the depth where it matters
             if (unary[r]) {
               fd[r] = uf;
               bad |= !ok;
