@@ -78,7 +78,6 @@ def plan_breakdown(name: str, reps: int = 7) -> list[str]:
 
     import torch
 
-    from kvcodec.cuda import kvctx_decode as kd
     from kvcodec.lossless import device_container, kvctx_device
     from kvcodec.lossless.predictive import codec as pcodec
     from kvcodec.lossless.predictive import format2
@@ -115,18 +114,24 @@ def plan_breakdown(name: str, reps: int = 7) -> list[str]:
         k = int(model[:4].view("<u4")[0])
         body = model[4 + 5 * len(format2.stored_fields(meta["source"])):4 + k].tobytes()
         ps, kp = kvctx_device.plan(meta, secs)
+        p2 = ps.v2
+        flags = torch.zeros(kvctx_device.flag_count(ps), dtype=torch.int32, device=dblob.device)
+        host_fields = (lambda: p2.field_parts.decode(p2.model)) if p2.field_parts is not None else \
+            (lambda: format2.decode_model(meta, body, 1 << 40))
         steps = {
             "model read-back (pinned)": lambda: kvctx_device._stand_ins(meta, secs),
             "model read-back (pageable .cpu())": lambda: secs["model"].bytes.cpu(),
-            "model entropy decode (parts on the pool)": lambda: format2.decode_model(meta, body, 1 << 40),
-            "model entropy decode (one worker)": lambda: one_worker(lambda: format2.decode_model(meta, body, 1 << 40)),
-            "parse_stream (all checks, incl. the model decode)": lambda: pcodec.parse_stream(meta, stand),
+            "fields' entropy decode on the host (pool; not done by decode)": host_fields,
+            "the same on one worker": lambda: one_worker(host_fields),
+            "parse_stream (checks; tables part)": lambda: pcodec.parse_stream(meta, stand),
             "plan": lambda: kvctx_device.plan(meta, secs),
-            "upload (DevicePlan + sync)": lambda: (kd.DevicePlan(kp, dblob.device), torch.cuda.synchronize()),
+            "device inputs (upload, tables, field parts and checks) + sync":
+                lambda: (kvctx_device.device_inputs(ps, kp, secs, dblob.device, flags), torch.cuda.synchronize()),
             "decode to the launch (no sync)": lambda: kvctx_device.decode(meta, secs, dblob.device, pred),
         }
         lines.append(f"{name}/{label}: host plan steps ({len(body) / 1e6:.2f} MB coded model, "
-                     f"{ps.v2.fields.raw.size / 1e6:.2f} MB fields, {kp.chunks.shape[0]} chunks): "
+                     f"{(p2.field_parts.size if p2.field_parts else p2.fields.raw.size) / 1e6:.2f} MB fields, "
+                     f"{kp.chunks.shape[0]} chunks): "
                      + "; ".join(f"{k} {timed(fn)}" for k, fn in steps.items()))
         torch.cuda.synchronize()
         gl.log(lines[-1])

@@ -380,13 +380,14 @@ def test_gpu_damaged_blobs_raise():
 
 
 def test_emulated_kernel_decodes_model_parts(emulator, monkeypatch):
-    """A stream whose model bytes are coded in parts (meta "mparts": parallel host decode) decodes on the
-    GPU path as on the CPU; the same tensor with one model stream (the original layout) too."""
+    """A stream whose model bytes are coded in parts (meta "mfields") decodes on the GPU path as on the
+    CPU; the same tensor with one model stream (the original layout) too."""
     x = with_specials(kv_like((2, 128, 64), seed=9))
     for part in (format2.MODEL_PART_BYTES, 40):
         monkeypatch.setattr(format2, "MODEL_PART_BYTES", part)
+        monkeypatch.setattr(format2, "FIELD_PART_BYTES", part)
         meta, sections = encode_tensor(x, None, "none", version=2)
-        assert ("mparts" in meta) == (part == 40)
+        assert ("mfields" in meta) == (part == 40)
         blob = blob_of(meta, sections, x, "kvctx", False)
         assert same_bits(kvcodec.decompress(blob), x)
         out, status, _ = emulated_decode(emulator, blob)

@@ -273,70 +273,83 @@ def test_format_2_round_trips_every_8_bit_float(dtype, source):
     assert torch.equal(predictive.decode_tensor(meta, sections, pred, 1).view(torch.uint8), x.view(torch.uint8))
 
 
+def decode_model_bytes(meta, body, n):
+    """(fields, tables) bytes of code_model's output, whatever its layout (n: fields + tables)."""
+    buf = np.frombuffer(body, np.uint8)
+    if "mfields" in meta:
+        parts, tabs = format2.read_field_parts(meta, buf, 0, buf.size, n)
+        return parts.decode(buf), tabs
+    return format2.decode_model(meta, body, n), None
+
+
 @settings(max_examples=40, deadline=None)
-@given(data=st.binary(min_size=0, max_size=3000), part=st.integers(1, 700), skew=st.integers(0, 255))
-def test_model_parts_round_trip(data, part, skew):
-    """code_model / decode_model: one entropy stream (no meta field) up to MODEL_PART_BYTES, else parts
-    with one shared table; every byte array comes back exactly."""
+@given(data=st.binary(min_size=1, max_size=3000), cut=st.integers(0, 3000), part=st.integers(1, 700),
+       skew=st.integers(0, 255))
+def test_model_parts_round_trip(data, cut, part, skew):
+    """code_model: one entropy stream (no meta field) up to MODEL_PART_BYTES, else ``mfields`` field
+    parts of FIELD_PART_BYTES plus a tables part, one shared table; every byte comes back exactly."""
     raw = np.frombuffer(data, np.uint8) & np.uint8(skew | 1)
-    old = format2.MODEL_PART_BYTES
-    format2.MODEL_PART_BYTES = part
+    fields, tabs = raw[:max(1, min(cut, raw.size))], raw[max(1, min(cut, raw.size)):]
+    old = format2.MODEL_PART_BYTES, format2.FIELD_PART_BYTES
+    format2.MODEL_PART_BYTES = format2.FIELD_PART_BYTES = part
     try:
-        body, meta = format2.code_model(raw)
+        body, meta = format2.code_model(fields, tabs)
     finally:
-        format2.MODEL_PART_BYTES = old
-    assert meta == ({} if raw.size <= part else {"mparts": min(format2.MAX_MODEL_PARTS, -(-raw.size // part))})
-    assert np.array_equal(format2.decode_model(meta, body, raw.size), raw)
+        format2.MODEL_PART_BYTES, format2.FIELD_PART_BYTES = old
+    assert meta == ({} if raw.size <= part else {"mfields": min(format2.MAX_FIELD_PARTS, -(-fields.size // part))})
+    got_fields, got_tabs = decode_model_bytes(meta, body, raw.size)
+    if meta:
+        assert np.array_equal(got_fields, fields) and np.array_equal(got_tabs, tabs)
+    else:
+        assert np.array_equal(got_fields, raw)
 
 
 def test_model_parts_stream_and_old_single_stream_decode(monkeypatch):
-    """The same tensor with the model in parts (meta "mparts") and as one stream (format 2 as first
+    """The same tensor with the model in parts (meta "mfields") and as one stream (format 2 as first
     written, no meta field): both decode bit-exactly; damaged part headers and part counts raise."""
     g = torch.Generator().manual_seed(8)
     x = (torch.randn(3, 64, 64, generator=g) * torch.logspace(-3, 2, 64) + torch.randn(64, generator=g)).to(torch.bfloat16)
     one_meta, one_secs = predictive.encode_tensor(x, None, "none", 1, version=2)
     monkeypatch.setattr(format2, "MODEL_PART_BYTES", 100)
+    monkeypatch.setattr(format2, "FIELD_PART_BYTES", 100)
     meta, secs = predictive.encode_tensor(x, None, "none", 1, version=2)
-    assert "mparts" not in one_meta and meta["mparts"] >= 2
-    assert {k: v for k, v in meta.items() if k != "mparts"} == one_meta
+    assert "mfields" not in one_meta and meta["mfields"] >= 2
+    assert {k: v for k, v in meta.items() if k != "mfields"} == one_meta
     for m, s in ((one_meta, one_secs), (meta, secs)):
         assert torch.equal(predictive.decode_tensor(m, s, None, 1).view(torch.int16), x.view(torch.int16))
-    for bad in (1, 0, 65, "2", meta["mparts"] + 1, meta["mparts"] - 1):
+    for bad in (0, format2.MAX_FIELD_PARTS + 1, "2", meta["mfields"] + 1, meta["mfields"] - 1):
         with pytest.raises(CorruptStreamError):
-            predictive.decode_tensor({**meta, "mparts": bad}, secs, None, 1)
+            predictive.decode_tensor({**meta, "mfields": bad}, secs, None, 1)
     with pytest.raises(CorruptStreamError):
-        predictive.decode_tensor(one_meta | {"mparts": 2}, one_secs, None, 1)
+        predictive.decode_tensor(one_meta | {"mfields": 2}, one_secs, None, 1)
     n_head = 5 * len(predictive.params.stored_fields("none"))
-    for pos, value in ((4 + n_head, 0xFF), (4 + n_head + 3, 0x7F), (4 + n_head + 5, 0x40), (4 + n_head + 516, 0x33)):
+    for pos, value in ((4 + n_head, 0xFF), (4 + n_head + 3, 0x7F), (4 + n_head + 9, 0x40), (4 + n_head + 520, 0x33)):
         model = secs["model"].copy()
         model[pos] ^= value
         with pytest.raises(CorruptStreamError):
             predictive.decode_tensor(meta, {**secs, "model": model}, None, 1)
 
 
-def test_model_parts_damaged_payload_raises_or_decodes():
+def test_model_parts_damaged_payload_raises_or_decodes(monkeypatch):
     """Byte flips inside the parts' rANS payloads: CorruptStreamError or some bytes of the right size
     (the container's checksums catch the rest), never a crash."""
     rng = np.random.default_rng(3)
     raw = np.minimum(rng.geometric(0.1, 5000), 255).astype(np.uint8)
-    old = format2.MODEL_PART_BYTES
-    format2.MODEL_PART_BYTES = 600
-    try:
-        body, meta = format2.code_model(raw)
-    finally:
-        format2.MODEL_PART_BYTES = old
+    monkeypatch.setattr(format2, "MODEL_PART_BYTES", 600)
+    monkeypatch.setattr(format2, "FIELD_PART_BYTES", 600)
+    body, meta = format2.code_model(raw[:4500], raw[4500:])
     for _ in range(200):
         b = bytearray(body)
-        b[int(rng.integers(4 + 512 + 4 * meta["mparts"], len(b)))] ^= int(rng.integers(1, 256))
+        b[int(rng.integers(8 + 512 + 4 * (meta["mfields"] + 1), len(b)))] ^= int(rng.integers(1, 256))
         try:
-            out = format2.decode_model(meta, bytes(b), raw.size)
+            fields, tabs = decode_model_bytes(meta, bytes(b), raw.size)
         except CorruptStreamError:
             continue
-        assert out.size == raw.size
+        assert fields.size == 4500 and tabs.size == 500
     with pytest.raises(CorruptStreamError):
-        format2.decode_model(meta, body[:-1], raw.size)
+        decode_model_bytes(meta, body[:-1], raw.size)
     with pytest.raises(CorruptStreamError):
-        format2.decode_model(meta, body, raw.size - 1)  # more symbols than the shape allows
+        decode_model_bytes(meta, body, raw.size - 1)  # more symbols than the shape allows
 
 
 def test_a_bf16_prediction_is_read_as_is_with_the_float32_checksum():

@@ -21,6 +21,8 @@ of the blob's shape on the blob's device.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -69,7 +71,9 @@ def _download(t: torch.Tensor) -> np.ndarray:
 
 def plan(meta, sections):
     """(ParsedStream, KernelPlan) of a format 2 stream whose ``sections`` are device sections, or None
-    when the kernel cannot take it. CorruptStreamError for what the CPU decoder refuses."""
+    when the kernel cannot take it: the host part of a decode. CorruptStreamError for what the CPU
+    decoder refuses before decoding. The KernelPlan's field bytes and decode tables are left empty:
+    :func:`device_inputs` builds them (on a CUDA device, there)."""
     from kvcodec.cuda.kvctx_decode import KernelPlan
 
     if not gpu_decodable(meta):
@@ -83,11 +87,47 @@ def plan(meta, sections):
     g, tt, d = pcodec.kv_layout(ps.shape)
     cg0, cng, ct0, cnt = p2.chunks
     chunks = np.stack([p2.wstart, p2.wlen, p2.bstart, p2.blen, cg0, cng, ct0, cnt], 1).astype(np.int64)
-    fields = p2.fields
+    n = p2.field_shape[0] * p2.field_shape[1]
     out_kind = 4 if ps.mode == "f32split" else bin_grid(bdtype).width // 8
-    kp = KernelPlan(chunks=chunks, raw=fields.raw, layout=np.append(fields.layout.reshape(-1), fields.n),
-                    shared=p2.shared, tabs=p2.tabs, grid=grid, shape=(g, tt, d), out_kind=out_kind)
+    kp = KernelPlan(chunks=chunks, raw=np.zeros(0, np.uint8), layout=np.append(p2.layout.reshape(-1), n),
+                    shared=p2.shared, tabs=np.zeros(0, np.uint32), grid=grid, shape=(g, tt, d), out_kind=out_kind)
     return ps, kp
+
+
+def flag_count(ps) -> int:
+    """Status entries :func:`device_inputs` sets on a CUDA device: one per coded field part, one for
+    the field values."""
+    parts = ps.v2.field_parts
+    return (0 if parts is None else len(parts.count)) + 1
+
+
+def device_inputs(ps, kp, sections, device, flags: torch.Tensor):
+    """The decode kernel's inputs on ``device`` (a ``kvctx_decode.DevicePlan`` or its device-built
+    equivalent), without synchronizing. On CUDA: chunk descriptors and table frequencies in one
+    upload, the decode tables built there, an ``mfields`` stream's fields decoded from the model
+    section in place and their values checked; ``flags`` (int32 [:func:`flag_count`], zeroed) get
+    the parts' rANS statuses and the value check (0 = good). Elsewhere (the tests' CPU emulation):
+    fields decoded and checked (CorruptStreamError) and tables built on the host, then uploaded."""
+    from kvcodec.cuda import kvctx_decode as kd
+
+    if device.type != "cuda":
+        return kd.DevicePlan(replace(kp, raw=ps.v2.fields.raw, tabs=ps.v2.tabs), device)
+    from kvcodec.cuda import kvctx_plan
+    from kvcodec.cuda.transfer import upload
+    from kvcodec.lossless.predictive.format2 import FIELD_ORDER, level_limit
+
+    p2 = ps.v2
+    host_raw = p2.decoded_fields.raw if p2.decoded_fields is not None else np.zeros(0, np.uint8)
+    chunks, layout, freq, raw = upload([kp.chunks, kp.layout, p2.freq.astype(np.int16),
+                                        host_raw if host_raw.size else np.zeros(1, np.uint8)], device)
+    tabs = kvctx_plan.build_tables(freq)
+    parts = p2.field_parts
+    if parts is not None:
+        raw = kvctx_plan.decode_field_parts(sections["model"].bytes, parts, flags[:-1])
+        lv, mq = (p2.layout[FIELD_ORDER.index(f)] for f in ("level", "mq"))
+        kvctx_plan.check_fields(raw, int(kp.layout[-1]), (int(lv[0]), int(lv[1])), level_limit(p2.layout),
+                                (int(mq[0]), int(mq[1])), flags[-1:])
+    return kvctx_plan.DeviceInputs(kp, chunks, raw, layout, tabs)
 
 
 def layer_ranges(ps, kp) -> list[tuple[int, int]]:
@@ -137,7 +177,7 @@ def _pattern_values(ps, device) -> torch.Tensor:
 
 def decode(meta, sections, device, prediction=None, launch=None):
     """Decode a format 2 stream whose sections are ``device_container.DeviceSection``s on ``device``.
-    Returns (tensor, status int32 [chunks] with 0 = good, [(tensor, crc32, message)] to check) without
+    Returns (tensor, status int32 [chunks + plan flags] with 0 = good, [(tensor, crc32, message)] to check) without
     synchronizing, or None when the CPU must decode it. CorruptStreamError for metadata the CPU
     decoder refuses. ``launch``: ``kvctx_decode.launch`` (the default) or a stand-in with its
     signature (the tests' CPU emulation of the kernel)."""
@@ -161,10 +201,11 @@ def decode(meta, sections, device, prediction=None, launch=None):
     words, keep_w = _aligned(sections["payload"], 2)
     bits, keep_b = _aligned(sections["bits"], 4)
     lo16, keep_l = _aligned(sections.get("lo16"), 2)
-    dp = kd.DevicePlan(kp, device)
+    nc = kp.chunks.shape[0]
+    status = torch.zeros(nc + flag_count(ps), dtype=torch.int32, device=device)  # chunks, then the plan's flags
+    dp = device_inputs(ps, kp, sections, device, status[nc:])
     torch_kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[kp.out_kind]
     out = torch.empty((g, tt, d), dtype=torch_kind, device=device)
-    status = torch.zeros(kp.chunks.shape[0], dtype=torch.int32, device=device)
     if ps.source == "neighbour_layer":  # layer by layer, each predicted by the one before (layer 0: by 0)
         per_layer = g // ps.shape[0]
         values = _pattern_values(ps, device)

@@ -10,12 +10,11 @@ one :func:`kvcodec.entropy.encode` stream, so a field of similar values costs a 
 - ``mq``: the location in units of the channel's bin width ``2**es`` steps (round(m / 2**es));
 - ``c``, ``a``: int8 / 64, as in format 1 (only the fields the source does not fix).
 
-Stream: meta adds ``lanes`` (8 or 32) to format 1's fields, and ``mparts`` when the model bytes
-are coded in parts (:func:`code_model`); sections ``model`` (uint8: u32 length,
-then the parameter fields' offsets and widths (5 bytes a field) and one ``entropy.encode`` stream
-of the fields' bytes followed by the tables' bytes, or ``mparts`` rANS payloads of its slices with
-one shared table (:func:`code_model`); then per chunk the u32 rANS word count and the
-u32 raw-bit word count), ``payload`` (uint16: the chunks' rANS streams in order, each ``rans_lanes``' layout) and
+Stream: meta adds ``lanes`` (8 or 32) to format 1's fields, and ``mfields`` (or, written before,
+``mparts``) when the model bytes are coded in parts (:func:`code_model`); sections ``model`` (uint8:
+u32 length, then the parameter fields' offsets and widths (5 bytes a field) and one
+``entropy.encode`` stream of the fields' bytes followed by the tables' bytes, or the parts of
+:func:`code_model`; then per chunk the u32 rANS word count and the u32 raw-bit word count), ``payload`` (uint16: the chunks' rANS streams in order, each ``rans_lanes``' layout) and
 ``bits`` (uint32: the chunks' raw bits in order). Chunks: :func:`chunk_layout`.
 """
 
@@ -38,10 +37,14 @@ from kvcodec.lossless.predictive.params import Q, ChannelParams, stored_fields
 from kvcodec.lossless.predictive.tables import decode_tables, fit_tables, table_bytes, tables_from_bytes
 
 CHUNK_VALUES = 1 << 16  # about this many values per independently decodable chunk
-MODEL_PART_BYTES = 1 << 16  # model bytes (fields + tables) per independently coded part (meta "mparts")
-MAX_MODEL_PARTS = 64
-MODEL_PRECISION = 14  # the parts' shared table: probabilities in 2**-14
-MODEL_STREAMS = 8  # interleaved rANS states per part
+MODEL_PART_BYTES = 1 << 16  # model bytes (fields + tables) up to this: one entropy stream; "mparts": per part
+MAX_MODEL_PARTS = 64  # "mparts" (read only)
+MODEL_PRECISION = 14  # "mparts" (read only): the parts' shared table, probabilities in 2**-14
+MODEL_STREAMS = 8  # interleaved rANS states per "mparts" part
+FIELD_PART_BYTES = 1 << 14  # "mfields": field bytes per part (one GPU warp each: kvcodec/cuda/rans_decode.cu)
+MAX_FIELD_PARTS = 1 << 12
+FIELD_STATES = 32  # "mfields": interleaved rANS states per part (the warp layout)
+FIELD_PRECISION = 12  # "mfields": the parts' shared table, in the decode-table layout of rans_lanes
 WIDE_LANES_FROM = 1 << 14  # chunks this large use 32 lanes (the GPU warp), smaller ones 8
 _LEVEL_LO, _LEVEL_HI = -64, 4 * EP_MAX + 15
 _MQ_MAX = 32767
@@ -156,27 +159,11 @@ class StoredFields:
     def read(cls, head: bytes, raw: np.ndarray, source: str, gp: int, d: int) -> tuple["StoredFields", np.ndarray]:
         """(fields, the bytes after them) of a field header and the decoded bytes; every field's
         values checked against its range with a few whole-array operations (no per-channel loop)."""
-        n = gp * d
-        layout = np.zeros((4, 3), np.int64)
-        layout[FIELD_ORDER.index("c"), 2] = Q if source == "external" else 0
-        layout[FIELD_ORDER.index("a"), 2] = Q
-        pos = 0
-        for k, f in enumerate(stored_fields(source)):
-            lo = int.from_bytes(head[5 * k:5 * k + 4], "little", signed=True)
-            width = head[5 * k + 4]
-            bad = width not in (1, 2) or (f != "s" and lo) or (width == 2 and f in ("a", "c"))
-            if bad or pos + width * n > raw.size:
-                raise CorruptStreamError("predictive stream has a malformed parameter field")
-            planes = raw[pos:pos + width * n]
-            if f == "s":
-                top = int(planes.max(initial=0)) if width == 1 else int(_u16_planes(planes, n).max(initial=0))
-                if lo < _LEVEL_LO or n and lo + top > _LEVEL_HI:
-                    raise CorruptStreamError("predictive stream has a scale level out of range")
-            elif f == "m" and width == 2 and np.any((planes[:n] & planes[n:]) == 0xFF):  # zigzag 65535
-                raise CorruptStreamError("predictive stream has a location out of range")
-            layout[FIELD_ORDER.index(_FIELD_OF[f])] = (pos, width, lo)
-            pos += width * n
-        return cls(raw=raw[:pos], layout=layout, n=n, shape=(gp, d)), raw[pos:]
+        layout, size = field_layout(head, source, gp, d)
+        if size > raw.size:
+            raise CorruptStreamError("predictive stream has a malformed parameter field")
+        check_field_values(raw, layout, gp * d)
+        return cls(raw=raw[:size], layout=layout, n=gp * d, shape=(gp, d)), raw[size:]
 
     def values(self, name: str) -> np.ndarray:
         """int64 [Gp, D] of one field (``FIELD_ORDER``)."""
@@ -195,6 +182,46 @@ class StoredFields:
         """The fields expanded (the CPU decoder's arrays)."""
         return BinParams(level=self.values("level"), mq=self.values("mq"), c=self.values("c").astype(np.int8),
                          a=self.values("a").astype(np.int8), shared=shared)
+
+
+def field_layout(head: bytes, source: str, gp: int, d: int) -> tuple[np.ndarray, int]:
+    """(``StoredFields.layout``, byte size of the fields) of a field header (5 bytes a field), its
+    widths and stored minima checked (CorruptStreamError); the values are checked by
+    :func:`check_field_values` (or, decoded on a GPU, by ``kvcodec/cuda/kvctx_plan.cu``)."""
+    n = gp * d
+    layout = np.zeros((4, 3), np.int64)
+    layout[FIELD_ORDER.index("c"), 2] = Q if source == "external" else 0
+    layout[FIELD_ORDER.index("a"), 2] = Q
+    pos = 0
+    for k, f in enumerate(stored_fields(source)):
+        lo = int.from_bytes(head[5 * k:5 * k + 4], "little", signed=True)
+        width = head[5 * k + 4]
+        if width not in (1, 2) or (f != "s" and lo) or (width == 2 and f in ("a", "c")):
+            raise CorruptStreamError("predictive stream has a malformed parameter field")
+        if f == "s" and (lo < _LEVEL_LO or n and lo > _LEVEL_HI):
+            raise CorruptStreamError("predictive stream has a scale level out of range")
+        layout[FIELD_ORDER.index(_FIELD_OF[f])] = (pos, width, lo)
+        pos += width * n
+    return layout, pos
+
+
+def level_limit(layout: np.ndarray) -> int:
+    """The largest stored level value (above the stored minimum) a stream may hold."""
+    return _LEVEL_HI - int(layout[FIELD_ORDER.index("level"), 2])
+
+
+def check_field_values(raw: np.ndarray, layout: np.ndarray, n: int) -> None:
+    """CorruptStreamError unless every stored level lies in range and no zigzag location is 65535
+    (the encoder clips |mq| to 32767); ``raw``: the field bytes of ``layout``."""
+    off, width, _ = (int(v) for v in layout[FIELD_ORDER.index("level")])
+    planes = raw[off:off + width * n]
+    top = int(planes.max(initial=0)) if width == 1 else int(_u16_planes(planes, n).max(initial=0))
+    if n and top > level_limit(layout):
+        raise CorruptStreamError("predictive stream has a scale level out of range")
+    off, width, _ = (int(v) for v in layout[FIELD_ORDER.index("mq")])
+    planes = raw[off:off + width * n]
+    if width == 2 and np.any((planes[:n] & planes[n:]) == 0xFF):  # zigzag 65535
+        raise CorruptStreamError("predictive stream has a location out of range")
 
 
 def _u16_planes(planes: np.ndarray, n: int) -> np.ndarray:
@@ -237,7 +264,7 @@ def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int,
     wlen = wcap[1:] - wstart
     counts = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
     fields_head, fields = bp.field_bytes(source)
-    body, mparts = code_model(np.concatenate([fields, table_bytes(freq)]))
+    body, mparts = code_model(fields, table_bytes(freq))
     head = fields_head + body
     model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts])
     payload = gather_words(words, wstart, wcap)
@@ -257,29 +284,77 @@ def _part_sizes(n: int, parts: int) -> np.ndarray:
     return sizes
 
 
-def code_model(raw: np.ndarray) -> tuple[bytes, dict]:
-    """(bytes, meta fields) of the model bytes (parameter fields + tables). At most
-    ``MODEL_PART_BYTES`` bytes: one ``entropy.encode`` stream (no meta field: the original format 2
-    layout). More: ``mparts`` parts (``np.array_split``) coded with one shared table, each an
-    independent ``MODEL_STREAMS``-state rANS payload, coded (and decoded) in parallel:
-    u32 symbol count, 256 x u16 frequencies (summing to 2**MODEL_PRECISION), per part the u32
-    payload length, then the payloads (``rans_fast.encode_table``).
+def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
+    """(bytes, meta fields) of the model bytes: the parameter fields' bytes and the tables' bytes.
+    At most ``MODEL_PART_BYTES`` bytes together: one ``entropy.encode`` stream of both (no meta
+    field: the original format 2 layout). More: meta ``mfields`` = K, the fields in K parts
+    (``np.array_split``), each an independent ``FIELD_STATES``-state rANS payload
+    (``rans_fast.encode_table``) of one shared table, coded in parallel, and the tables' bytes as
+    they are: u32 field bytes, u32 table bytes, 256 x u16 frequencies (summing to
+    2**FIELD_PRECISION), K x u32 payload lengths, the payloads, the table bytes.
 
-    Why: a stream of ~10**6 channels has megabytes of fields; one sequential entropy stream of them
-    was the GPU decoder's largest host cost, and self-describing streams per part cost ~0.5 ms each."""
-    parts = min(MAX_MODEL_PARTS, -(-raw.size // MODEL_PART_BYTES))
-    if parts <= 1:
+    Why: a stream of ~10**6 channels has megabytes of fields; their entropy decode was the GPU
+    decoder's largest host cost. In parts of 32 states, a GPU decodes them (one warp a part:
+    ``kvcodec/cuda/rans_decode.cu``); the host reads the table bytes (~1 KB) as they are."""
+    raw = np.concatenate([fields, tables])
+    if raw.size <= MODEL_PART_BYTES:
         return entropy.encode(raw, coder="rans"), {}
-    freqs = quantize_frequencies(count_symbols(raw), MODEL_PRECISION).astype("<u2")
-    payloads = list(_pool().map(lambda x: rans_fast.encode_table(x, freqs, MODEL_PRECISION, MODEL_STREAMS),
-                                np.array_split(raw, parts)))
-    head = np.concatenate([np.array([raw.size], "<u4").view(np.uint8), freqs.view(np.uint8),
+    parts = max(1, min(MAX_FIELD_PARTS, -(-fields.size // FIELD_PART_BYTES)))
+    freqs = quantize_frequencies(count_symbols(fields), FIELD_PRECISION).astype("<u2")
+    payloads = list(_pool().map(lambda x: rans_fast.encode_table(x, freqs, FIELD_PRECISION, FIELD_STATES),
+                                np.array_split(fields, parts)))
+    head = np.concatenate([np.array([fields.size, tables.size], "<u4").view(np.uint8), freqs.view(np.uint8),
                            np.array([p.size for p in payloads], "<u4").view(np.uint8)])
-    return b"".join([head.tobytes(), *(p.tobytes() for p in payloads)]), {"mparts": parts}
+    return b"".join([head.tobytes(), *(p.tobytes() for p in payloads), tables.tobytes()]), {"mfields": parts}
+
+
+@dataclass(frozen=True)
+class FieldParts:
+    """The coded field parts of an ``mfields`` model (:func:`code_model`): payload ``p`` is bytes
+    ``start[p] : start[p] + length[p]`` of the model section and decodes to ``count[p]`` symbols
+    with ``freqs`` (``FIELD_STATES`` states); ``size`` field bytes in all. The host decodes them with
+    :meth:`decode`, a GPU in place (``kvcodec.cuda.kvctx_plan``)."""
+
+    freqs: np.ndarray  # int64 [256], summing to 2**FIELD_PRECISION
+    start: np.ndarray
+    length: np.ndarray
+    count: np.ndarray
+    size: int
+
+    def decode(self, model: np.ndarray) -> np.ndarray:
+        """The field bytes (uint8 [size]) from the model section's bytes, parts on the thread pool."""
+        tables = rans_fast.decode_tables(self.freqs, FIELD_PRECISION)
+        spans = zip(self.start.tolist(), self.length.tolist(), self.count.tolist())
+        return np.concatenate(list(_pool().map(
+            lambda s: rans_fast.decode_prepared(model[s[0]:s[0] + s[1]], tables, FIELD_PRECISION, s[2], FIELD_STATES),
+            spans)))
+
+
+def read_field_parts(meta: dict, model: np.ndarray, start: int, end: int,
+                     max_symbols: int) -> tuple[FieldParts, np.ndarray]:
+    """(the field parts, the table bytes) of an ``mfields`` model whose coded bytes are
+    ``model[start:end]`` (CorruptStreamError); nothing is decoded."""
+    parts = meta.get("mfields")
+    if type(parts) is not int or not 1 <= parts <= MAX_FIELD_PARTS:
+        raise CorruptStreamError("predictive stream has a bad model part count")
+    n_head = 8 + 512 + 4 * parts
+    if end - start < n_head:
+        raise CorruptStreamError("predictive stream model parts are truncated")
+    head = model[start:start + n_head]
+    nf, nt = (int(v) for v in head[:8].view("<u4"))
+    freqs = head[8:520].view("<u2").astype(np.int64)
+    lens = head[520:].view("<u4").astype(np.int64)
+    if nf + nt > max_symbols or nf < parts or int(freqs.sum()) != 1 << FIELD_PRECISION \
+            or n_head + int(lens.sum()) + nt != end - start:
+        raise CorruptStreamError("predictive stream has malformed model parts")
+    offsets = start + n_head + np.concatenate([[0], np.cumsum(lens)])
+    fp = FieldParts(freqs=freqs, start=offsets[:-1], length=lens, count=_part_sizes(nf, parts), size=nf)
+    return fp, model[end - nt:end]
 
 
 def decode_model(meta: dict, body: bytes, max_symbols: int) -> np.ndarray:
-    """Inverse of :func:`code_model`: the model bytes (uint8) of ``body`` (CorruptStreamError)."""
+    """The model bytes (uint8) of ``body`` coded as one entropy stream or in ``mparts`` parts (the
+    layouts written before ``mfields``; CorruptStreamError)."""
     parts = meta.get("mparts", 1)
     if "mparts" not in meta:
         raw = entropy.decode(body, max_symbols=max_symbols, max_output_bytes=None)
@@ -308,12 +383,18 @@ def decode_model(meta: dict, body: bytes, max_symbols: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Parsed2:
-    """A format 2 stream's fields, each checked against the others."""
+    """A format 2 stream's fields, each checked against the others. The parameter fields of an
+    ``mfields`` stream are decoded, and their values checked, on first use of :attr:`fields` (the
+    GPU decoder decodes ``field_parts`` on the device instead); the decode tables likewise."""
 
-    fields: StoredFields
+    layout: np.ndarray  # StoredFields.layout
+    field_shape: tuple[int, int]  # (Gp, D)
+    decoded_fields: StoredFields | None  # None: in field_parts, not decoded yet
+    field_parts: FieldParts | None
+    model: np.ndarray  # the model section's bytes (what field_parts points into)
+    freq: np.ndarray  # int64 [N_CLASSES, 256]: the decode tables' frequencies
     grid: BinGrid
     shared: bool
-    tabs: np.ndarray
     lanes: int
     chunks: tuple  # chunk_layout()
     wstart: np.ndarray
@@ -324,6 +405,21 @@ class Parsed2:
     bits: np.ndarray
 
     @cached_property
+    def fields(self) -> StoredFields:
+        """The stored fields, checked (CorruptStreamError); decoded from the parts on first use."""
+        if self.decoded_fields is not None:
+            return self.decoded_fields
+        gp, d = self.field_shape
+        raw = self.field_parts.decode(self.model)
+        check_field_values(raw, self.layout, gp * d)
+        return StoredFields(raw=raw, layout=self.layout, n=gp * d, shape=self.field_shape)
+
+    @cached_property
+    def tabs(self) -> np.ndarray:
+        """uint32 [N_CLASSES * 4096]: the rANS decode tables (``tables.decode_tables``)."""
+        return decode_tables(self.freq)
+
+    @cached_property
     def margs(self) -> tuple:
         """BinParams.kernel_args(): the CPU decoder's per-channel arrays (expanded on first use)."""
         return self.fields.params(self.shared).kernel_args(self.grid)
@@ -332,7 +428,8 @@ class Parsed2:
 def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d: int, tb: int, unit: int,
           source: str) -> Parsed2:
     """Check a format 2 stream's fields and section sizes (CorruptStreamError); ``section`` reads
-    a typed section."""
+    a typed section. The field values of an ``mfields`` stream are checked when decoded
+    (:attr:`Parsed2.fields`)."""
     shared, lanes = meta.get("shared"), meta.get("lanes")
     if not isinstance(shared, bool) or lanes not in rans_lanes.LANES or type(lanes) is not int:
         raise CorruptStreamError("predictive stream has a bad sharing or lane field")
@@ -346,12 +443,21 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
     chunks = chunk_layout(g, tt, d, tb, unit)
     gp = 1 if shared else g
     n_head = 5 * len(stored_fields(source))
-    head = blob[4:4 + k].tobytes()
     if k < n_head:
         raise CorruptStreamError("predictive stream model section is too short")
-    raw = decode_model(meta, head[n_head:], 2 * 4 * gp * d + 3 * 260 * N_CLASSES)
-    fields, rest = StoredFields.read(head[:n_head], raw, source, gp, d)
-    tabs = decode_tables(tables_from_bytes(rest))
+    head = blob[4:4 + n_head].tobytes()
+    max_symbols = 2 * 4 * gp * d + 3 * 260 * N_CLASSES
+    if "mfields" in meta:
+        parts, rest = read_field_parts(meta, blob, 4 + n_head, 4 + k, max_symbols)
+        layout, size = field_layout(head, source, gp, d)
+        if size != parts.size:
+            raise CorruptStreamError("predictive stream has a malformed parameter field")
+        fields = None
+    else:
+        raw = decode_model(meta, blob[4 + n_head:4 + k].tobytes(), max_symbols)
+        fields, rest = StoredFields.read(head, raw, source, gp, d)
+        parts, layout = None, fields.layout
+    freq = tables_from_bytes(rest)
     counts = blob[4 + k:].copy().view("<u4").astype(np.int64)
     wlen, blen = counts[:nc], counts[nc:]
     words = section(sections, "payload", np.uint16)
@@ -363,7 +469,8 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
     wstart = np.concatenate([[0], np.cumsum(wlen)[:-1]]).astype(np.int64)
     bstart = np.concatenate([[0], np.cumsum(blen)[:-1]]).astype(np.int64)
     bits = bits if bits.size else np.zeros(1, np.uint32)  # the kernel's branch-free reads need one word
-    return Parsed2(fields, grid, shared, tabs, lanes, chunks, wstart, wlen, bstart, blen, words, bits)
+    return Parsed2(layout, (gp, d), fields, parts, blob, freq, grid, shared, lanes, chunks, wstart, wlen, bstart,
+                   blen, words, bits)
 
 
 def decode(ps: Parsed2, grid: BinGrid, select: np.ndarray, out: np.ndarray, out_t0: int, pred, pred_g0: int,

@@ -1,0 +1,87 @@
+"""Launchers of the kvctx / predictive format 2 GPU decode's plan on the device (``kvctx_plan.cu``,
+and ``rans_decode.cu`` for the model's field parts).
+
+Why: the host plan of a 256 MB decode was ~3.9 ms against a ~4 ms kernel, in series; most of it the
+entropy decode of megabytes of stored parameter fields, their checks and 1.1 MB of decode tables. Here
+the fields of an ``mfields`` stream (``format2.code_model``: parts of 32 interleaved rANS states, one
+warp each) decode on the GPU straight from the blob's model section, their values are checked into a
+status flag, and the decode tables are built from the 68 x 256 frequencies: everything on torch's
+current stream, nothing synchronized; the caller checks the flags with the kernel's chunk statuses.
+
+``DeviceInputs`` carries what ``kvctx_decode.launch`` reads of a ``kvctx_decode.DevicePlan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcodec.cuda import build
+from kvcodec.cuda import rans as cuda_rans
+
+SOURCE = "kvctx_plan.cu"
+TABLE_SLOTS = 4096  # rans_lanes.M
+TABLE_THREADS = 256  # kp_tables: one thread per symbol
+CHECK_THREADS = 256
+CHECK_BLOCKS = 264  # kp_check_fields' grid (grid-stride): a few blocks per SM
+
+
+@dataclass
+class DeviceInputs:
+    """The device inputs ``kvctx_decode.launch`` reads (those of a ``kvctx_decode.DevicePlan``): the
+    host plan, chunk descriptors, field byte planes, field layout and decode tables."""
+
+    plan: object  # kvctx_decode.KernelPlan
+    chunks: torch.Tensor
+    raw: torch.Tensor
+    layout: torch.Tensor
+    tabs: torch.Tensor
+
+
+def build_tables(freq: torch.Tensor) -> torch.Tensor:
+    """uint32 decode tables [classes * 4096] (as int32) of ``freq`` (int16 [classes * 256] CUDA
+    tensor of frequencies, rows summing to 4096 or all 0), as ``tables.decode_tables`` builds them."""
+    classes = freq.numel() // 256
+    tabs = torch.empty(classes * TABLE_SLOTS, dtype=torch.int32, device=freq.device)
+    fn = build.get_function(SOURCE, "kp_tables")
+    with build.cupy_stream(freq.device):
+        fn((classes,), (TABLE_THREADS,), (freq.data_ptr(), tabs.data_ptr()))
+    return tabs
+
+
+def check_fields(raw: torch.Tensor, n: int, level: tuple[int, int], level_limit: int, mq: tuple[int, int],
+                 flag: torch.Tensor) -> None:
+    """Set ``flag`` (int32 CUDA tensor of one element) to 1 when the field byte planes ``raw`` hold a
+    level above ``level_limit`` or a 2-byte zigzag location of 65535 (``format2.check_field_values``);
+    ``level`` / ``mq``: (offset of the low plane, width) of the two fields among ``n`` channels."""
+    if n == 0:
+        return
+    fn = build.get_function(SOURCE, "kp_check_fields")
+    blocks = min(CHECK_BLOCKS, -(-n // CHECK_THREADS))
+    with build.cupy_stream(raw.device):
+        fn((blocks,), (CHECK_THREADS,),
+           (raw.data_ptr(), np.int64(n), np.int64(level[0]), np.int32(level[1]), np.int32(level_limit),
+            np.int64(mq[0]), np.int32(mq[1]), flag.data_ptr()))
+
+
+def decode_field_parts(model: torch.Tensor, parts, status: torch.Tensor) -> torch.Tensor:
+    """The field bytes (uint8 [parts.size] CUDA tensor) of ``format2.FieldParts`` whose payloads lie in
+    ``model`` (the model section's bytes on the device), one warp per part (``rans_decode.cu``);
+    ``status`` (int32 [parts]) gets each part's rANS status (0 = good)."""
+    from kvcodec.lossless.predictive.format2 import FIELD_PRECISION, FIELD_STATES
+
+    assert FIELD_STATES == cuda_rans.STATES
+    first = int(parts.start[0])
+    shift = 0
+    if (model.data_ptr() + first) % 2:  # the kernel reads 16-bit words: an aligned copy of the payloads
+        end = int(parts.start[-1] + parts.length[-1])
+        model, shift = model[first:end].clone(), first
+    out = torch.empty(max(parts.size, 1), dtype=torch.uint8, device=model.device)
+    table = cuda_rans.build_table(parts.freqs, FIELD_PRECISION, np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(parts.count)[:-1]])
+    pdesc = np.stack([parts.start - shift, parts.length, offsets, parts.count], 1).astype(np.int64)
+    lp = cuda_rans.LaunchPlan.build(pdesc, np.zeros(len(pdesc), np.int32), [table], model.device)
+    lp.launch(model, out, status)
+    return out
