@@ -132,44 +132,48 @@ def decode_tables(freq: np.ndarray) -> np.ndarray:
     if f.ndim != 2 or f.shape[1] != 256 or (f.size and f.min() < 0) or np.any((sums != 0) & (sums != TOTAL)):
         raise ValueError("decode tables need rows of 256 non-negative frequencies summing to 4096 (or 0)")
     tabs = np.empty(f.shape[0] * TOTAL, np.uint32)
-    sym8 = np.empty(f.shape[0] * TOTAL, np.uint8)
-    freq_cum = np.zeros(f.shape[0] * 256, np.uint32)
-    _fill_tables(f, tabs, sym8, freq_cum)
-    _LAST = (tabs, (sym8, freq_cum))
+    compact = np.empty(f.shape[0] * COMPACT_STRIDE, np.uint8)
+    _fill_tables(f, tabs, compact)
+    _LAST = (tabs, compact)
     return tabs
 
 
+COMPACT_STRIDE = TOTAL + 4 * 256  # bytes a class takes in the two-level form
 _LAST: tuple = (None, None)  # (the last decode tables built or compacted, their two-level form)
 
 
-def compact_of(tabs: np.ndarray) -> tuple:
-    """(sym8, freq_cum) of decode tables ``tabs``: the per slot symbol (uint8 [N_CLASSES * 4096]) and
-    per symbol ``freq | cum << 16`` (uint32 [N_CLASSES * 256]): 4.25 KiB a class instead of 16, so
-    the classes a predictive or fp8 stream uses stay in cache. Free for the tables
-    :func:`decode_tables` built last (one stream's tables stay referenced while it decodes; a
-    neighbour-layer stream decodes layer by layer with the same tables); other tables are
-    compacted (and remembered) here."""
+def compact_of(tabs: np.ndarray) -> np.ndarray:
+    """The two-level form of decode tables ``tabs``: per class ``COMPACT_STRIDE`` bytes, the symbol
+    of each of the 4096 slots (one byte), then per symbol ``freq | cum << 16`` (little-endian
+    uint32): 5 KiB a class instead of 16, so the classes a predictive or fp8 stream uses stay in
+    cache, and one base offset finds both levels. Free for the tables :func:`decode_tables` built
+    last (one stream's tables stay referenced while it decodes; a neighbour-layer stream decodes
+    layer by layer with the same tables); other tables are compacted (and remembered) here."""
     global _LAST
     last = _LAST
     if last[0] is not tabs:
-        last = _LAST = (tabs, compact_tables(tabs))
+        compact = np.empty(tabs.size // TOTAL * COMPACT_STRIDE, np.uint8)
+        _compact_tables(tabs, compact)
+        last = _LAST = (tabs, compact)
     return last[1]
 
 
 @njit(nogil=True, cache=True)
-def _fill_tables(freq, tabs, sym8, freq_cum):
-    """:func:`decode_tables` and :func:`compact_tables` of ``freq`` in one pass (a row of zeros: ESC
-    in every slot)."""
+def _fill_tables(freq, tabs, compact):
+    """:func:`decode_tables` and :func:`compact_of` of ``freq`` in one pass (a row of zeros: ESC in
+    every slot)."""
     for k in range(freq.shape[0]):
-        t0 = k * TOTAL
+        t0, c0 = k * TOTAL, k * COMPACT_STRIDE
+        fc = compact[c0 + TOTAL:c0 + COMPACT_STRIDE].view(np.uint32)  # freq | cum << 16 per symbol
+        fc[:] = 0
         used = False
         for s in range(256):
             used |= freq[k, s] != 0
         if not used:
             for slot in range(TOTAL):
                 tabs[t0 + slot] = (ESC << 24) | ((TOTAL - 1) << 12) | slot
-            sym8[t0:t0 + TOTAL] = ESC
-            freq_cum[k * 256 + ESC] = TOTAL
+            compact[c0:c0 + TOTAL] = ESC
+            fc[ESC] = TOTAL
             continue
         cum = 0
         for s in range(256):
@@ -179,27 +183,25 @@ def _fill_tables(freq, tabs, sym8, freq_cum):
             head = (s << 24) | ((f - 1) << 12)
             for r in range(f):
                 tabs[t0 + cum + r] = head | r
-            sym8[t0 + cum:t0 + cum + f] = s
-            freq_cum[k * 256 + s] = f | (cum << 16)
+            compact[c0 + cum:c0 + cum + f] = s
+            fc[s] = f | (cum << 16)
             cum += f
 
 
 @njit(nogil=True, cache=True)
-def compact_tables(tabs):
-    """The two-level form (:func:`compact_of`) of decode tables. A class whose table is all ESC
-    (unused) is not scanned."""
-    n_cls = tabs.size // TOTAL
-    sym8 = np.empty(tabs.size, np.uint8)
-    freq_cum = np.zeros(n_cls * 256, np.uint32)
-    for k in range(n_cls):
-        t0 = k * TOTAL
+def _compact_tables(tabs, compact):
+    """:func:`compact_of` from the entries of decode tables. A class whose table is all ESC (unused)
+    is not scanned."""
+    for k in range(tabs.size // TOTAL):
+        t0, c0 = k * TOTAL, k * COMPACT_STRIDE
+        fc = compact[c0 + TOTAL:c0 + COMPACT_STRIDE].view(np.uint32)
+        fc[:] = 0
         if tabs[t0] >> 12 == (ESC << 12) | (TOTAL - 1):  # ESC takes every slot: an unused class
-            sym8[t0:t0 + TOTAL] = ESC
-            freq_cum[k * 256 + ESC] = TOTAL
+            compact[c0:c0 + TOTAL] = ESC
+            fc[ESC] = TOTAL
             continue
         for slot in range(TOTAL):
             e = tabs[t0 + slot]
-            sym8[t0 + slot] = e >> 24
+            compact[c0 + slot] = e >> 24
             if e & 0xFFF == 0:  # the symbol's first slot: its cumulative frequency
-                freq_cum[k * 256 + (e >> 24)] = (((e >> 12) & 0xFFF) + 1) | (slot << 16)
-    return sym8, freq_cum
+                fc[e >> 24] = (((e >> 12) & 0xFFF) + 1) | (slot << 16)
