@@ -92,7 +92,11 @@ def kvcodec_rows(name, x):
     enc_s, blob = timed(lambda: compress_device(x), reps=DEVICE_REPS)
     dec_s, y = timed(lambda: kvcodec.decompress(blob), reps=DEVICE_REPS)
     rows.append(dict(data=name, codec="kvcodec planes (GPU, device blob)", MB=nbytes / 1e6, ratio=nbytes / blob.numel(),
-                     enc_GBps=nbytes / enc_s / 1e9, dec_GBps=nbytes / dec_s / 1e9, exact=same_bits(x, y)))
+                     enc_GBps=nbytes / enc_s / 1e9, dec_GBps=nbytes / dec_s / 1e9, exact=same_bits(x, y),
+                     **decode_apart(blob)))
+    if HOST_PROFILE:
+        HOST_PROFILES.append(host_profile(name, blob))
+    rows += rans_kernel_rows(name, blob, nbytes)
     for kib in CHUNK_SWEEP:
         enc_s, b = timed(lambda: compress_device(x, chunk_bytes=kib << 10))
         dec_s, y = timed(lambda: kvcodec.decompress(b))
@@ -105,6 +109,135 @@ def kvcodec_rows(name, x):
                      ratio=nbytes / len(hblob), enc_GBps=nbytes / enc_s / 1e9, dec_GBps=nbytes / dec_s / 1e9,
                      exact=same_bits(x, y) and hblob == blob.cpu().numpy().tobytes()))
     return rows
+
+
+def decode_apart(blob) -> dict:
+    """Where a device-blob decode spends its time (median of DEVICE_REPS calls): ``host_ms`` from the
+    call to the start of its final checks (header read, parse, plan, every launch but the last
+    checks'), ``wait_ms`` from there to the end (the last launches and the one synchronization:
+    the GPU work not yet done), and ``rans_ms``, the rANS decode kernel alone (CUDA events)."""
+    import torch
+
+    import kvcodec
+    from kvcodec.cuda import rans as gr
+    from kvcodec.lossless import device_container
+
+    stamps, events = [], []
+    read, launch = device_container.Checks.read, gr.LaunchPlan.launch
+
+    def stamped_read(self, *a, **k):
+        stamps.append(time.perf_counter())
+        return read(self, *a, **k)
+
+    def timed_launch(self, *a, **k):
+        ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev[0].record()
+        launch(self, *a, **k)
+        ev[1].record()
+        events.append(ev)
+
+    device_container.Checks.read, gr.LaunchPlan.launch = stamped_read, timed_launch
+    try:
+        host, total = [], []
+        for _ in range(DEVICE_REPS):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            kvcodec.decompress(blob)
+            torch.cuda.synchronize()
+            total.append(time.perf_counter() - t0)
+            host.append(stamps[-1] - t0)
+    finally:
+        device_container.Checks.read, gr.LaunchPlan.launch = read, launch
+    med = statistics.median
+    return dict(host_ms=round(med(host) * 1e3, 3), wait_ms=round((med(total) - med(host)) * 1e3, 3),
+                rans_ms=round(med([a.elapsed_time(b) for a, b in events]), 3) if events else None)
+
+
+RANS_VARIANTS = [4, 2]  # warps per block of the rANS kernel alone (session 6: 2 was slower on every tensor)
+
+
+def rans_kernel_rows(name, blob, nbytes, reps: int = 20):
+    """The rANS decode kernel of a device-blob decode alone, per block size: the launch descriptors
+    of one ``decompress(blob)`` captured, then ``reps`` back-to-back launches between two CUDA events
+    (no host gaps); each variant's output and statuses checked against the default's."""
+    import torch
+
+    import kvcodec
+    from kvcodec.cuda import rans as gr
+
+    got = {}
+    build, launch = gr.LaunchPlan.build.__func__, gr.LaunchPlan.launch
+
+    def grab(self, data, out, status):
+        got.setdefault("launch", (data, out, status))
+        launch(self, data, out, status)
+
+    def grab_build(cls, *a, **k):
+        got.setdefault("build", (a, k))
+        return build(cls, *a, **k)
+
+    gr.LaunchPlan.launch, gr.LaunchPlan.build = grab, classmethod(grab_build)
+    try:
+        kvcodec.decompress(blob)
+    finally:
+        gr.LaunchPlan.launch, gr.LaunchPlan.build = launch, classmethod(build)
+    if "launch" not in got:
+        return []
+    pdesc, table_of, tables, device = got["build"][0][:4]
+    data, out, status = got["launch"]
+    ref_out, ref_status = None, None
+    rows = []
+    for warps in RANS_VARIANTS:
+        label = f"kvcodec planes: rANS kernel alone ({warps} warps/block)"
+        try:
+            plan = gr.LaunchPlan.build(pdesc, table_of, tables, device, warps=warps)
+            out.fill_(0xA5)
+            plan.launch(data, out, status)
+            torch.cuda.synchronize()
+            if ref_out is None:
+                ref_out, ref_status = out.clone(), status.clone()
+            exact = bool(torch.equal(out, ref_out) and torch.equal(status, ref_status) and not status.any())
+            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev[0].record()
+            for _ in range(reps):
+                plan.launch(data, out, status)
+            ev[1].record()
+            torch.cuda.synchronize()
+            ms = ev[0].elapsed_time(ev[1]) / reps
+            rows.append(dict(data=name, codec=label, MB=nbytes / 1e6, dec_GBps=nbytes / ms / 1e6, rans_ms=round(ms, 4),
+                             exact=exact))
+        except Exception as e:  # noqa: BLE001  one device call must report every variant
+            rows.append(dict(data=name, codec=label, error=f"{type(e).__name__}: {e}"[:200]))
+    return rows
+
+
+HOST_PROFILE = False  # --host-profile: note a cProfile of the device-blob decode of each tensor
+HOST_PROFILES: list = []
+
+
+def host_profile(name, blob, calls: int = 20, top: int = 14) -> str:
+    """The host side of ``decompress(blob)`` under cProfile (``calls`` decodes): the functions with the
+    most own time, in us per decode (cProfile's overhead included: relative costs, not wall time)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    import kvcodec
+
+    kvcodec.decompress(blob)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        kvcodec.decompress(blob)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, func) -> (calls, ncalls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    total = sum(v[2] for v in stats.values()) / calls
+    parts = [f"{Path(f).name}:{ln}({fn}) {v[2] / calls * 1e6:.0f}" for (f, ln, fn), v in rows]
+    return f"{name}: host profile of decompress(device blob), us per call of own time (total {total * 1e6:.0f}): " + \
+        "; ".join(parts)
 
 
 _KV_BLOBS: dict = {}  # name -> (tensor, host blob, prediction): the CPU rows decode the same blobs
@@ -456,8 +589,14 @@ def main(out_dir: str, mb: int, only: set | None = None) -> dict:
         "(kvcodec/cuda/kvctx_decode.cu, one warp per ~65536-value chunk); CPU rows decode the same blobs",
         "nvCOMP: nvidia-nvcomp-cu13 6.0.0.12 Python API, Codec(algorithm, data_type), default chunk size (64 KiB), "
         "NVCOMP_NATIVE bitstream",
-        *notes]}
-    save_with_out(result, out_dir, columns=["data", "codec", "MB", "ratio", "enc_GBps", "dec_GBps", "exact", "gpu_path", "error"])
+        "planes device-blob decode taken apart (median of the same number of calls): host_ms = from the call to the "
+        "start of its final checks (header read, parse, plan, every launch but the last checks'), wait_ms = the rest "
+        "(the GPU work still queued and the one synchronization), rans_ms = the rANS kernel between CUDA events around "
+        "its launch; 'rANS kernel alone' rows: the same launch repeated 20 times back to back between two events, per "
+        "block size (dec_GBps = tensor bytes / kernel time; bf16: the exponent plane only)",
+        *notes, *HOST_PROFILES]}
+    save_with_out(result, out_dir, columns=["data", "codec", "MB", "ratio", "enc_GBps", "dec_GBps", "exact", "host_ms",
+                                            "wait_ms", "rans_ms", "gpu_path", "error"])
     return result
 
 
@@ -468,6 +607,8 @@ if __name__ == "__main__":
     ap.add_argument("--only", default=None,
                     help="comma-separated row groups: planes, kvctx, nvcomp, pcie, transfer, copy, cpu, profile (default: all)")
     ap.add_argument("--chunks", default="", help="comma-separated chunk sizes in KiB: extra planes device-blob rows")
+    ap.add_argument("--host-profile", action="store_true", help="note a cProfile of the planes device-blob decode")
     args = ap.parse_args()
     CHUNK_SWEEP[:] = [int(c) for c in args.chunks.split(",") if c]
+    HOST_PROFILE = args.host_profile
     main(args.out, args.mb, set(args.only.split(",")) if args.only else None)

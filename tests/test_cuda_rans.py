@@ -421,9 +421,12 @@ except Exception:
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
 @pytest.mark.parametrize("shift", [0, 2, 6, 14])
-def test_gpu_kernel_at_every_even_alignment_equals_emulation(shift):
+@pytest.mark.parametrize("warps", [4, 2])
+def test_gpu_kernel_at_every_even_alignment_equals_emulation(shift, warps, monkeypatch):
     """The kernel on the device against its emulation: valid payloads at each alignment, and the same
-    payloads truncated or bit-flipped (same status, same garbage output: words past the end are 0)."""
+    payloads truncated or bit-flipped (same status, same garbage output: words past the end are 0);
+    both block sizes the benchmark compares."""
+    monkeypatch.setattr(gr, "WARPS", warps)
     rng = np.random.default_rng(shift)
     xs = [_symbols(rng, np.uint8, n, "uniform") for n in (5000, 33, 12_345)] + [_symbols(rng, np.uint16, 999, "skewed")]
     payloads, headers = [], []

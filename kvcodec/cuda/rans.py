@@ -142,15 +142,18 @@ class LaunchPlan:
     smem_bytes: int
     n_blocks: int
     also: list  # the caller's extra arrays of the same upload
+    warps: int = WARPS
 
     @classmethod
     def build(cls, pdesc: np.ndarray, table_of: np.ndarray, tables: list[Table], device,
-              also=()) -> "LaunchPlan":
+              also=(), warps: int | None = None) -> "LaunchPlan":
         """``pdesc`` [P, 4] int64: byte offset of payload p in the data buffer (even), its length,
         byte offset of its output, its symbol count; ``table_of`` [P]: index into ``tables``.
-        ``also``: more arrays for the same upload (a caller's next launch), as ``plan.also``."""
+        ``also``: more arrays for the same upload (a caller's next launch), as ``plan.also``; ``warps``
+        per block (default WARPS; 2 or 4 keep every table of ``build_table`` in shared memory)."""
         from kvcodec.cuda.transfer import upload
 
+        warps = warps or WARPS
         P = len(table_of)
         sizes = pdesc[:, 3]
         if P and (table_of[1:] >= table_of[:-1]).all() and ((table_of[1:] > table_of[:-1]) | (sizes[1:] <= sizes[:-1])).all():
@@ -158,12 +161,12 @@ class LaunchPlan:
         else:
             order = np.lexsort((-sizes, table_of)).astype(np.int32) if P else np.zeros(0, np.int32)
         ts = np.asarray(table_of, np.int64)[order]
-        cut = np.flatnonzero(np.diff(ts)) + 1  # runs of one table, each cut into blocks of WARPS
+        cut = np.flatnonzero(np.diff(ts)) + 1  # runs of one table, each cut into blocks of `warps`
         run_lo, run_hi = np.concatenate(([0], cut)), np.concatenate((cut, [P]))
-        per_run = -(-(run_hi - run_lo) // WARPS)
-        first = (np.repeat(run_lo, per_run) + WARPS * (np.arange(int(per_run.sum())) - np.repeat(
+        per_run = -(-(run_hi - run_lo) // warps)
+        first = (np.repeat(run_lo, per_run) + warps * (np.arange(int(per_run.sum())) - np.repeat(
             np.cumsum(per_run) - per_run, per_run))).astype(np.int64)
-        count = np.minimum(WARPS, np.repeat(run_hi, per_run) - first)
+        count = np.minimum(warps, np.repeat(run_hi, per_run) - first)
         blocks = np.stack([ts[first], first, count, np.zeros_like(first)], 1).astype(np.int32).reshape(-1, 4)
         toff, tbytes = [], 0
         for tb in tables:
@@ -177,7 +180,7 @@ class LaunchPlan:
         pd, od, bd, td, tabd, *more = upload([np.ascontiguousarray(pdesc, np.int64), order, blocks, tdesc, tab_host,
                                               *also], device)
         return cls(pd.reshape(-1, 4), od, bd.reshape(-1, 4), td.reshape(-1, 8), tabd,
-                   WARPS * RING_BYTES + max([4 * tb.smem_words for tb in tables] + [0]), len(blocks), more)
+                   warps * RING_BYTES + max([4 * tb.smem_words for tb in tables] + [0]), len(blocks), more, warps)
 
     def launch(self, data: torch.Tensor, out: torch.Tensor, status: torch.Tensor) -> None:
         """Decode every payload of ``data`` into ``out``, statuses into ``status`` (int32, one per
@@ -186,9 +189,9 @@ class LaunchPlan:
             return
         from kvcodec.cuda import build
 
-        fn = build.get_function(SOURCE, KERNEL)
+        fn = build.get_function(SOURCE, f"rans32_decode<{self.warps}>")
         with build.cupy_stream(data.device):
-            fn((self.n_blocks,), (32 * WARPS,),
+            fn((self.n_blocks,), (32 * self.warps,),
                (data.data_ptr(), self.pdesc.data_ptr(), self.order.data_ptr(), self.blocks.data_ptr(),
                 self.tdesc.data_ptr(), self.table_data.data_ptr(), out.data_ptr(), status.data_ptr()),
                shared_mem=self.smem_bytes)

@@ -104,8 +104,10 @@ __device__ __forceinline__ void rd_step(rd_u32& x, int& inseg, long long& seg, u
   const unsigned m = __ballot_sync(RD_FULL, need);
   // ring index of this lane's word: segment seg's slot, offset inseg + the needing lanes below
   const int r = ((((int)seg & (RD_RING_SEGS - 1)) * RD_SEG_WORDS) + inseg + __popc(m & below)) & (RD_RING_WORDS - 1);
-  const rd_u32 word = ring[r];
-  if (need) x = (x << 16) | word;
+  // every lane reads a word and `need` selects: no divergent branch around the shared load (volatile keeps
+  // the compiler from sinking the load into one; H200: fp8 kernel 0.378 -> 0.307 ms, bf16 0.265 -> 0.249)
+  const rd_u32 word = *reinterpret_cast<volatile const rd_u16*>(ring + r);
+  x = need ? ((x << 16) | word) : x;
   if (!TAIL || active) *op = (SymT)sym;
   inseg += __popc(m);
   if (inseg >= RD_SEG_WORDS) {  // warp-uniform: entered segment seg + 1
