@@ -195,7 +195,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     scratch, lens, bits = ke.encode_chunks(packed, chunks_d.view(-1, 6), ftab_d, rcp_d, (g, tt, d), cap,
                                            int(bwords.sum()), runner)
     del packed
-    body, mparts = code_model(np.concatenate([fields, table_bytes(freq)]))
+    body, mparts = code_model(fields, table_bytes(freq))
     head = fields_head + body
     wlen = lens.cpu().numpy()
     if (wlen < 0).any():
