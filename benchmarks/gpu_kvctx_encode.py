@@ -6,6 +6,7 @@ Layouts: the KV tensors as [heads, 256 tokens, 64] blocks, and "long rows" (bf16
 only): the same tiled sample as [-1, 2048, 64], 8x fewer channels, each with its own stored parameters.
 
 Rows: GPU encode (``compress_device``: device blob; ``compress``: host bytes incl. the copy), its ratio,
+its host time per step (``steps_ms`` in the JSON; the notes: waits for the device at the syncs included),
 the same blob decoded on the GPU and on the CPU (bit-exact), the CPU encoder (all cores) on the same
 tensor and its ratio; a per-kernel profile of one GPU encode call. Writes gpu_kvctx_encode.{json,md};
 ``--merge`` appends the rows to gpu_lossless.{json,md} (the suite's table).
@@ -60,6 +61,31 @@ def profile(t, pred, opts) -> list:
     return rows[:10]
 
 
+def step_breakdown(label: str, t, pred, opts, reps: int = 7) -> tuple[str, dict]:
+    """Host wall time of each step of one GPU encode call (kvctx_device_encode's step clock: launches,
+    host work, and the waits for the device at its syncs), median of ``reps`` calls after a warm-up."""
+    import statistics
+
+    import torch
+
+    from kvcodec.lossless import api
+    from kvcodec.lossless import kvctx_device_encode as kde
+
+    routed = api._gpu_kv_route(t, pred, "auto", opts, None)
+    runs = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        steps: dict = {}
+        t0 = time.perf_counter()
+        kde.compress(t, pred, *routed, api.KIND, steps=steps)
+        torch.cuda.synchronize()
+        steps["total (synchronized)"] = (time.perf_counter() - t0) * 1e3
+        runs.append(steps)
+    med = {k: round(statistics.median(r[k] for r in runs[1:]), 3) for k in runs[-1]}
+    return f"{label}: host steps of one GPU encode (ms, median of {reps}): " + ", ".join(
+        f"{k} {v}" for k, v in med.items()), med
+
+
 def rows_for(name, label, t, pred, opts, full: bool = True) -> tuple[list, list]:
     import torch
 
@@ -91,8 +117,10 @@ def rows_for(name, label, t, pred, opts, full: bool = True) -> tuple[list, list]
     ratio = nbytes / dblob.numel()
     rows = [dict(data=name, codec=f"kvcodec {label} (GPU encode, device blob)", MB=mb, ratio=ratio,
                  enc_GBps=nbytes / enc_s / 1e9, dec_GBps=nbytes / dec_s / 1e9, exact=same_bits(t, y), gpu_path=on_gpu)]
-    notes = [profile_call(f"{name} / {label}", "GPU encode (compress_device)",
-                          lambda: api.compress_device(t, prediction=pred, **opts))]
+    note, steps = step_breakdown(f"{name} / {label}", t, pred, opts)
+    rows[0]["steps_ms"] = steps
+    notes = [note, profile_call(f"{name} / {label}", "GPU encode (compress_device)",
+                                lambda: api.compress_device(t, prediction=pred, **opts))]
     if not full:  # the long-rows layout: the device rows and the host profile only
         torch.cuda.empty_cache()
         return rows, notes

@@ -49,8 +49,8 @@ def emulated_runner(lib):
     """A stand-in for ``kvctx_encode.gpu_runner`` running the kernels on CPU tensors."""
 
     def run(name, grid, block, args, device):
-        base, tmpl = name[:-1].split("<")
-        extra = () if base == "ke_encode" else (ctypes.c_int(int(tmpl)),)
+        base, _, tmpl = name.rstrip(">").partition("<")
+        extra = () if base == "ke_encode" or not tmpl else tuple(ctypes.c_int(int(v)) for v in tmpl.split(","))
         getattr(lib, base + "_emu")(ctypes.c_int(grid), ctypes.c_int(block), *extra, *(_c(a) for a in args))
 
     return run
@@ -110,6 +110,18 @@ def test_emulated_encoder_streams_decode_on_the_cpu(emulator, zlib_crc, shape, d
     assert compressed_size(secs) <= 1.01 * compressed_size(cpu_secs) + 64
 
 
+def test_emulated_encoder_shared_parameters_chosen_on_the_device(emulator, zlib_crc):
+    """Equal rows under every g: the shared parameters cost less, chosen without a host round trip
+    (kvctx_device_fit.choose); the stream stores only their D channels and decodes bit-exactly."""
+    x = kv_like((1, 128, 64), seed=8).to(torch.bfloat16).expand(3, 128, 64).contiguous()
+    meta, secs, blob = emulated_blob(emulator, x, None, "none")
+    assert meta["shared"] is True and same_bits(kvcodec.decompress(blob), x)
+    y = x.clone()
+    y[1] = y[1] * 64  # scales that differ per g: per-(g, d) parameters
+    meta, secs, blob = emulated_blob(emulator, y, None, "none")
+    assert meta["shared"] is False and same_bits(kvcodec.decompress(blob), y)
+
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
@@ -157,8 +169,9 @@ def test_emulated_encoder_damaged_stream_raises(emulator, zlib_crc):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
-def test_device_bin_params_equal_the_host_ones(dtype):
-    """kvctx_device_fit.bin_params == format2.BinParams.from_channel + kernel_args, bit for bit."""
+def test_device_bin_params_equal_the_host_ones(emulator, dtype):
+    """ke_bin_params (+ kvctx_device_fit.field_planes / field_bytes) == format2.BinParams.from_channel,
+    kernel_args and field_bytes, bit for bit; with the shared row broadcast where it won."""
     from kvcodec.lossless.predictive.bins import bin_grid
     from kvcodec.lossless.predictive.format2 import BinParams
     from kvcodec.lossless.predictive.params import S_MAX, S_MIN, ChannelParams, from_bf16_bits, to_bf16_bits
@@ -170,16 +183,22 @@ def test_device_bin_params_equal_the_host_ones(dtype):
     c = rng.integers(-127, 128, shape).astype(np.int8)
     a = rng.integers(-64, 65, shape).astype(np.int8)
     grid = bin_grid(dtype)
-    want = BinParams.from_channel(ChannelParams(m=m, s=s, c=c, a=a, masses=None, shared=False), grid)
-    model = kde.kfit.DeviceModel(m=torch.from_numpy(m), s=torch.from_numpy(s), c=torch.from_numpy(c),
-                                 a=torch.from_numpy(a), n=None, r2=None, shared=False)
-    got, margs = kde.kfit.bin_params(model, grid)
-    for f in ("level", "mq", "c", "a"):
-        assert np.array_equal(getattr(got, f), getattr(want, f)), f
-    km, kc, ka, es, level = want.kernel_args(grid)
-    for dev_arg, host in zip(margs[:3], (km, kc, ka)):
-        assert np.array_equal(dev_arg.numpy().view(np.int64), host.reshape(-1).view(np.int64))
-    assert np.array_equal(margs[3].numpy(), np.stack([es.reshape(-1), level.reshape(-1)], 1))
+    cands = kde.kfit.Candidates(m=torch.from_numpy(m.reshape(-1)), s=torch.from_numpy(s.reshape(-1)),
+                                c=torch.from_numpy(c.reshape(-1)), a=torch.from_numpy(a.reshape(-1)), bits=None,
+                                bounds=[0, 2, 3], choices=(False, True), d=shape[1])
+    for won, rows in ((0, [0, 1]), (1, [2, 2])):
+        want = BinParams.from_channel(ChannelParams(m=m[rows], s=s[rows], c=c[rows], a=a[rows], masses=None,
+                                                    shared=False), grid)
+        values, margs = kde.kfit.bin_params(cands, torch.tensor(won), grid, emulated_runner(emulator))
+        for source in ("none", "previous_token", "neighbour_layer"):  # the stored fields' bytes
+            planes, stats = kde.kfit.field_planes(values, source)
+            head, body = kde.kfit.field_bytes(planes.numpy(), stats.numpy(), 2 * shape[1])
+            want_head, want_body = want.field_bytes(source)
+            assert head == want_head and np.array_equal(body, want_body), source
+        km, kc, ka, es, level = want.kernel_args(grid)
+        for dev_arg, host in zip(margs[:3], (km, kc, ka)):
+            assert np.array_equal(dev_arg.numpy().view(np.int64), host.reshape(-1).view(np.int64))
+        assert np.array_equal(margs[3].numpy(), np.stack([es.reshape(-1), level.reshape(-1)], 1))
 
 
 def test_calls_the_gpu_encoder_does_not_take():
@@ -285,5 +304,6 @@ def test_emulated_encoder_writes_model_parts(emulator, zlib_crc, monkeypatch):
     x = kv_like((2, 128, 64), seed=6)
     meta, _, blob = emulated_blob(emulator, x, None, "none")
     cpu_meta, _ = encode_tensor(x, None, "none", version=2)
-    assert meta["mparts"] >= 2 and meta == cpu_meta | {"shared": meta["shared"], "mparts": meta["mparts"]}
+    parts = {k: v for k, v in meta.items() if k in ("mparts", "mfields")}  # format2.code_model's layout
+    assert parts and meta == cpu_meta | {"shared": meta["shared"], **parts}
     assert same_bits(kvcodec.decompress(blob), x)

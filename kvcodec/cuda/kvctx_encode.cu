@@ -47,14 +47,24 @@ __device__ __forceinline__ double ke_pred(const float* __restrict__ pred, long l
   return isfinite(p) ? (double)p : 0.0;  // cdf.prediction_at
 }
 
-// Column col = (g * nblk + b) * D + d: its g, d and token range [t0, t1).
-__device__ __forceinline__ void ke_column(long long col, int D, long long T, long long tb, long long nblk,
-                                          long long& g, int& d, long long& t0, long long& t1) {
-  d = (int)(col % D);
-  const long long gb = col / D;
-  g = gb / nblk;
-  t0 = (gb % nblk) * tb;
-  t1 = min(T, t0 + tb);
+// This thread's column: col = (g * nblk + b) * D + d (one thread per column, consecutive d on consecutive
+// threads), its g, d and token range [t0, t1); valid is false past the last column.
+struct KeColumn {
+  long long col, g, t0, t1;
+  int d;
+  bool valid;
+};
+
+__device__ __forceinline__ KeColumn ke_column(long long G, long long T, int D, long long tb, long long nblk) {
+  KeColumn k = {(long long)blockIdx.x * blockDim.x + threadIdx.x, 0, 0, 0, 0, false};
+  k.valid = k.col < G * nblk * D;
+  if (!k.valid) return k;
+  k.d = (int)(k.col % D);
+  const long long gb = k.col / D;
+  k.g = gb / nblk;
+  k.t0 = (gb % nblk) * tb;
+  k.t1 = min(T, k.t0 + tb);
+  return k;
 }
 
 // Per column: [n finite, sum x, sum p, sum x p, sum p p, n with a bin width, sum log2 width] (the fields of
@@ -64,14 +74,11 @@ __global__ void __launch_bounds__(256)
     ke_fit_moments(const void* __restrict__ pats, const float* __restrict__ pred, const double* __restrict__ val,
                    const double* __restrict__ lw, long long G, long long T, int D, long long tb, long long nblk,
                    double* __restrict__ out) {
-  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (col >= G * nblk * D) return;
-  long long g, t0, t1;
-  int d;
-  ke_column(col, D, T, tb, nblk, g, d, t0, t1);
+  const KeColumn k = ke_column(G, T, D, tb, nblk);
+  if (!k.valid) return;
   double n = 0.0, sx = 0.0, sp = 0.0, sxp = 0.0, spp = 0.0, nw = 0.0, slw = 0.0;
-  for (long long t = t0; t < t1; ++t) {
-    const long long i = (g * T + t) * D + d;
+  for (long long t = k.t0; t < k.t1; ++t) {
+    const long long i = (k.g * T + t) * D + k.d;
     const int pat = ke_pat<W>(pats, i);
     const double l = __ldg(lw + pat);
     if (l == l) {
@@ -87,7 +94,7 @@ __global__ void __launch_bounds__(256)
     sxp += __dmul_rn(x, p);
     spp += __dmul_rn(p, p);
   }
-  double* o = out + 7 * col;
+  double* o = out + 7 * k.col;
   o[0] = n;
   o[1] = sx;
   o[2] = sp;
@@ -97,26 +104,28 @@ __global__ void __launch_bounds__(256)
   o[6] = slw;
 }
 
-// Per column: [sum (x - base) * dev, sum dev**2, sum (x - mu)**2] over finite x with the coder's location
-// (params._fit_residuals): m, c, a float64 [Gp * D].
-template <int W>
-__global__ void __launch_bounds__(256)
-    ke_fit_residuals(const void* __restrict__ pats, const float* __restrict__ pred, const double* __restrict__ val,
-                     const double* __restrict__ m, const double* __restrict__ c, const double* __restrict__ a,
-                     int shared, long long G, long long T, int D, long long tb, long long nblk,
-                     double* __restrict__ out) {
-  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (col >= G * nblk * D) return;
-  long long g, t0, t1;
-  int d;
-  ke_column(col, D, T, tb, nblk, g, d, t0, t1);
-  const long long pi = (shared ? 0 : g) * D + d;
-  const double mm = m[pi], cc = c[pi], aa = a[pi];
-  double dev = 0.0, s0 = 0.0, s1 = 0.0, s2 = 0.0;
-  for (long long t = t0; t < t1; ++t) {
-    const long long i = (g * T + t) * D + d;
-    const double x = __ldg(val + ke_pat<W>(pats, i));
-    const double base = __dadd_rn(mm, __dmul_rn(cc, ke_pred(pred, i)));
+// One parameter set of ke_fit_residuals: m, c, a float64 [Gp * D] (Gp = 1 when shared).
+struct KeLocation {
+  const double *m, *c, *a;
+  int shared;
+};
+
+// params._fit_residuals' sums of one column under one location: [sum (x - base) * dev, sum dev**2,
+// sum (x - mu)**2] over finite x (dev: the previous token's x - base, 0 at the column start and after a
+// non-finite x).
+struct KeResidual {
+  double mm, cc, aa, dev, s0, s1, s2;
+
+  __device__ __forceinline__ void start(const KeLocation& l, long long g, int D, int d) {
+    const long long pi = (l.shared ? 0 : g) * D + d;
+    mm = l.m[pi];
+    cc = l.c[pi];
+    aa = l.a[pi];
+    dev = s0 = s1 = s2 = 0.0;
+  }
+
+  __device__ __forceinline__ void add(double x, double p) {
+    const double base = __dadd_rn(mm, __dmul_rn(cc, p));
     if (x == x) {
       const double r = __dsub_rn(x, __dadd_rn(base, __dmul_rn(aa, dev)));
       s0 += __dmul_rn(__dsub_rn(x, base), dev);
@@ -127,10 +136,170 @@ __global__ void __launch_bounds__(256)
       dev = 0.0;
     }
   }
-  double* o = out + 3 * col;
-  o[0] = s0;
-  o[1] = s1;
-  o[2] = s2;
+
+  __device__ __forceinline__ void store(double* o) const {
+    o[0] = s0;
+    o[1] = s1;
+    o[2] = s2;
+  }
+};
+
+// Per column: KeResidual's 3 sums under each of SETS locations (out [columns, 3 * SETS]): the shared and
+// the per-(g, d) candidates of the model are fitted in the same passes over the tensor.
+template <int W, int SETS>
+__global__ void __launch_bounds__(256)
+    ke_fit_residuals(const void* __restrict__ pats, const float* __restrict__ pred, const double* __restrict__ val,
+                     const double* __restrict__ m0, const double* __restrict__ c0, const double* __restrict__ a0,
+                     int shared0, const double* __restrict__ m1, const double* __restrict__ c1,
+                     const double* __restrict__ a1, int shared1, long long G, long long T, int D, long long tb,
+                     long long nblk, double* __restrict__ out) {
+  const KeColumn k = ke_column(G, T, D, tb, nblk);
+  if (!k.valid) return;
+  const KeLocation loc[2] = {{m0, c0, a0, shared0}, {m1, c1, a1, shared1}};
+  KeResidual r[SETS];
+  for (int j = 0; j < SETS; ++j) r[j].start(loc[j], k.g, D, k.d);
+  for (long long t = k.t0; t < k.t1; ++t) {
+    const long long i = (k.g * T + t) * D + k.d;
+    const double x = __ldg(val + ke_pat<W>(pats, i));
+    const double p = ke_pred(pred, i);
+    for (int j = 0; j < SETS; ++j) r[j].add(x, p);
+  }
+  for (int j = 0; j < SETS; ++j) r[j].store(out + (3 * SETS) * k.col + 3 * j);
+}
+
+// ---- the fit's per-channel formulas (params.fit_params, format2.BinParams.from_channel / kernel_args; the
+// host side: kvcodec/lossless/kvctx_device_fit.py). One thread per channel of the candidates stacked into
+// [R, D] rows (the per-(g, d) rows, then the shared row when both are fitted): every formula step of every
+// candidate is one launch. Same operations and order as the host formulas (no FMA: __dmul_rn / __dadd_rn),
+// round to nearest even (rint), NaN / inf as numpy's nan_to_num.
+// The host's constants (kvctx_encode.fit_constants): params.S_MIN, S_MAX, Q, format2's level range,
+// bins.EP_MAX, format2's mq bound, as float64 [7].
+struct KeFitConsts {
+  double s_min, s_max;
+  int q, level_lo, level_hi, ep_max, mq_max;
+};
+
+__device__ __forceinline__ KeFitConsts ke_consts(const double* __restrict__ p) {
+  return {p[0], p[1], (int)p[2], (int)p[3], (int)p[4], (int)p[5], (int)p[6]};
+}
+
+#define KE_DBL_MAX 1.7976931348623157e308
+
+__device__ __forceinline__ double ke_nan_to_num(double x) {
+  return x != x ? 0.0 : x > KE_DBL_MAX ? KE_DBL_MAX : x < -KE_DBL_MAX ? -KE_DBL_MAX : x;
+}
+
+__device__ __forceinline__ double ke_clamp(double x, double lo, double hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+// params.to_bf16_bits / from_bf16_bits: x rounded to float32, then to bf16 (nearest even), as float64.
+__device__ __forceinline__ double ke_bf16(double x) {
+  const double f = (double)(float)x;
+  if (f == 0.0 || !(fabs(f) <= KE_DBL_MAX)) return f;
+  if (fabs(f) < 1.1754943508222875e-38) return ldexp(rint(ldexp(f, 133)), -133);  // bf16 subnormals: steps of 2**-133
+  int e;
+  const double mant = frexp(f, &e);
+  return ldexp(rint(ldexp(mant, 8)), e - 8);  // 8 significant bits
+}
+
+// Gain and location of channel i from its moments (7 per channel): m, c = c_q / Q, c_q; a_q / a start
+// at Q / 1 (prev_one: the previous-token coefficient is fixed) or 0. gain: 0 zero, 1 one, 2 fitted.
+__global__ void __launch_bounds__(256)
+    ke_fit_location(const double* __restrict__ mom, long long n_ch, int gain, int prev_one,
+                    const double* __restrict__ consts,
+                    double* __restrict__ m, double* __restrict__ c, signed char* __restrict__ c_q,
+                    double* __restrict__ a, signed char* __restrict__ a_q) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_ch) return;
+  const KeFitConsts k = ke_consts(consts);
+  const double* mo = mom + 7 * i;
+  const double n = mo[0], safe_n = n < 1.0 ? 1.0 : n;
+  double cq = gain == 1 ? (double)k.q : 0.0;
+  if (gain == 2) {
+    const double cov = __dsub_rn(mo[3], __dmul_rn(mo[1], mo[2]) / safe_n);
+    const double var = __dsub_rn(mo[4], __dmul_rn(mo[2], mo[2]) / safe_n);
+    const double cf = var > 1e-300 ? cov / var : 0.0;
+    cq = ke_clamp(rint(__dmul_rn(ke_nan_to_num(cf), (double)k.q)), -127.0, 127.0);
+  }
+  const double cc = cq / k.q;
+  double mm = 0.0;
+  if (!prev_one) {
+    const double mean = n > 0.0 ? __dsub_rn(mo[1], __dmul_rn(cc, mo[2])) / safe_n : 0.0;
+    mm = ke_bf16(ke_clamp(ke_nan_to_num(mean), -3e38, 3e38));
+  }
+  m[i] = mm;
+  c[i] = cc;
+  c_q[i] = (signed char)cq;
+  a[i] = prev_one ? 1.0 : 0.0;
+  a_q[i] = (signed char)(prev_one ? k.q : 0);
+}
+
+// The previous-token coefficient from the residual sums (3 per channel): a_q, a = a_q / Q.
+__global__ void __launch_bounds__(256)
+    ke_fit_coefficient(const double* __restrict__ res, long long n_ch, const double* __restrict__ consts,
+                       double* __restrict__ a, signed char* __restrict__ a_q) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_ch) return;
+  const KeFitConsts k = ke_consts(consts);
+  const double* r = res + 3 * i;
+  const double af = r[1] > 0.0 ? r[0] / r[1] : 0.0;
+  const double aq = ke_clamp(rint(__dmul_rn(ke_nan_to_num(af), (double)k.q)), -(double)k.q, (double)k.q);
+  a[i] = aq / k.q;
+  a_q[i] = (signed char)aq;
+}
+
+// The scale from the residual sums and the bin-width moments: s; and the channel's term of
+// params.estimated_bits (n log2 s + r2 / (2 s s ln 2)), summed per candidate by the host side.
+__global__ void __launch_bounds__(256)
+    ke_fit_scale(const double* __restrict__ mom, const double* __restrict__ res, long long n_ch,
+                 const double* __restrict__ consts, double* __restrict__ s_out, double* __restrict__ bits) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_ch) return;
+  const KeFitConsts k = ke_consts(consts);
+  const double* mo = mom + 7 * i;
+  const double n = mo[0], safe_n = n < 1.0 ? 1.0 : n, r2 = res[3 * i + 2];
+  double s = sqrt(r2 / safe_n);
+  const double fl = ke_nan_to_num(mo[5] > 0.0 ? exp2(mo[6] / (mo[5] < 1.0 ? 1.0 : mo[5])) / 4.0 : 0.0);
+  s = isfinite(s) ? s : k.s_max;
+  s = ke_bf16(ke_clamp(s > fl ? s : fl, k.s_min, k.s_max));
+  s_out[i] = s;
+  bits[i] = __dadd_rn(__dmul_rn(n, log2(s)), r2 / __dmul_rn(__dmul_rn(__dmul_rn(2.0, s), s), 0.6931471805599453));
+}
+
+// format2.BinParams.from_channel + kernel_args of channel i of the chosen candidate (n_ch channels): the
+// shared row (row `shared_row` of the stack, index i % D) where *won, else row-major channel i. Writes the
+// kernel's arguments (m, c, a float64, (es, level) int32 pairs) and the stored fields' values as int32
+// [4, n_ch] in format2.FIELD_ORDER: level, zigzag mq, c and a as bytes.
+__global__ void __launch_bounds__(256)
+    ke_bin_params(const double* __restrict__ s_in, const double* __restrict__ m_in,
+                  const signed char* __restrict__ c_in, const signed char* __restrict__ a_in,
+                  const long long* __restrict__ won, long long shared_row, long long n_ch, int D, int eoff,
+                  const double* __restrict__ consts, double* __restrict__ pm, double* __restrict__ pc,
+                  double* __restrict__ pa, int* __restrict__ pel, int* __restrict__ values) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_ch) return;
+  const KeFitConsts k = ke_consts(consts);
+  const long long j = won && *won ? shared_row * D + i % D : i;
+  const double sv = __dmul_rn(s_in[j], ldexp(1.0, -eoff));  // exact: a power of two
+  int ex;
+  const double m2 = 2.0 * frexp(sv, &ex);
+  const int quarter = (m2 >= 1.189207115002721) + (m2 >= 1.4142135623730951) + (m2 >= 1.6817928305074290);
+  int level = 4 * (ex - 1) + quarter;
+  level = level < k.level_lo ? k.level_lo : level > k.level_hi ? k.level_hi : level;
+  int es = (level >= 0 ? level / 4 : -((-level + 3) / 4)) - 3;  // floor division
+  es = es < 0 ? 0 : es > k.ep_max ? k.ep_max : es;
+  const double step = ldexp(1.0, es + eoff);
+  const double mqf = ke_clamp(ke_nan_to_num(rint(m_in[j] / step)), -(double)k.mq_max, (double)k.mq_max);
+  const long long mq = (long long)mqf;
+  const int cq = c_in[j], aq = a_in[j];
+  pm[i] = __dmul_rn((double)mq, step);
+  pc[i] = (double)cq / k.q;
+  pa[i] = (double)aq / k.q;
+  pel[2 * i] = es;
+  pel[2 * i + 1] = level;
+  values[i] = level;
+  values[n_ch + i] = (int)((mq << 1) ^ (mq >> 63));
+  values[2 * n_ch + i] = cq & 0xFF;
+  values[3 * n_ch + i] = aq & 0xFF;
 }
 
 // bins.bin_of: the bin coordinate of a magnitude pattern.
@@ -200,11 +369,10 @@ __global__ void __launch_bounds__(256)
                  kx_u64* __restrict__ hist, kx_u64* __restrict__ chunk_bits) {
   const KxGrid gr = {width, sign, mb, maxmag, eoff, kx_pow2(-eoff)};
   const int lane = threadIdx.x & 31;
-  const long long col = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const bool valid = col < G * nblk * D;
-  long long g = 0, t0 = 0, t1 = 0;
-  int d = 0;
-  if (valid) ke_column(col, D, T, tb, nblk, g, d, t0, t1);
+  const KeColumn k = ke_column(G, T, D, tb, nblk);
+  const bool valid = k.valid;
+  const long long g = k.g, t0 = k.t0, t1 = k.t1;
+  const int d = k.d;
   long long steps = t1 - t0;  // warp maximum: every lane runs the same iterations (match-safe)
   for (int o = 16; o > 0; o >>= 1) steps = max(steps, __shfl_xor_sync(KX_FULL, steps, o));
   double m = 0.0, c = 0.0, a = 0.0;
@@ -277,7 +445,7 @@ __device__ __forceinline__ kx_u64 ke_value(const kx_u64* __restrict__ packed, lo
 // known backwards too: the round's bits end where the later rounds' begin (hi, from the chunk's total), each
 // value's offset is hi - the round's total + an exclusive scan. Each value ORs its code into a per-warp ring
 // of 32-bit words; the words wholly above the round's start are complete: stored, their slots cleared.
-// The values are loaded two rounds ahead and their table entries one round ahead (the loop is a chain of
+// The values are loaded four rounds ahead and their table entries one round ahead (the loop is a chain of
 // dependent rounds: each round's loads would otherwise wait a full memory latency).
 template <int WARPS>
 __global__ void __launch_bounds__(32 * WARPS)
@@ -307,9 +475,11 @@ __global__ void __launch_bounds__(32 * WARPS)
   const long long rounds = (n + 31) >> 5;
   kx_u64 v = ke_value(packed, rounds - 1, lane, n, per, g0, t0, T, D);
   kx_u64 vn = ke_value(packed, rounds - 2, lane, n, per, g0, t0, T, D);
+  kx_u64 v2 = ke_value(packed, rounds - 3, lane, n, per, g0, t0, T, D);
+  kx_u64 v3 = ke_value(packed, rounds - 4, lane, n, per, g0, t0, T, D);
   kx_u32 fc = __ldg(ftab + (v & 0xFFFFu)), rc = __ldg(rcp + (v & 0xFFFFu));
   for (long long grp = rounds - 1; grp >= 0; --grp) {
-    const kx_u64 vnn = ke_value(packed, grp - 2, lane, n, per, g0, t0, T, D);
+    const kx_u64 v4 = ke_value(packed, grp - 4, lane, n, per, g0, t0, T, D);
     const kx_u32 fcn = __ldg(ftab + (vn & 0xFFFFu)), rcn = __ldg(rcp + (vn & 0xFFFFu));
     const bool act = 32 * grp + lane < n;
     // rANS (value 32 grp + lane on lane `lane`): emitted words land in ascending lane order
@@ -357,7 +527,9 @@ __global__ void __launch_bounds__(32 * WARPS)
     hi = lo;
     __syncwarp();
     v = vn;
-    vn = vnn;
+    vn = v2;
+    v2 = v3;
+    v3 = v4;
     fc = fcn;
     rc = rcn;
   }

@@ -22,12 +22,18 @@ WIDTHS = (1, 2)  # bytes per bit pattern
 _P = "const void*, const float*, const double*"
 SIGNATURES = {
     "ke_fit_moments": f"({_P}, const double*, long long, long long, int, long long, long long, double*)",
-    "ke_fit_residuals": (f"({_P}, const double*, const double*, const double*, int, long long, long long, int, "
-                         "long long, long long, double*)"),
+    "ke_fit_residuals": (f"({_P}, const double*, const double*, const double*, int, const double*, const double*, "
+                         "const double*, int, long long, long long, int, long long, long long, double*)"),
     "ke_symbolise": ("(const void*, const float*, const double*, const double*, const double*, const int*, int, "
                      "const unsigned char*, int, int, int, int, int, long long, long long, int, long long, long long, long long, "
                      "long long, int, "
                      "unsigned long long*, unsigned long long*, unsigned long long*)"),
+    "ke_fit_location": ("(const double*, long long, int, int, const double*, double*, double*, signed char*, double*, "
+                        "signed char*)"),
+    "ke_fit_coefficient": "(const double*, long long, const double*, double*, signed char*)",
+    "ke_fit_scale": "(const double*, const double*, long long, const double*, double*, double*)",
+    "ke_bin_params": ("(const double*, const double*, const signed char*, const signed char*, const long long*, "
+                      "long long, long long, int, int, const double*, double*, double*, double*, int*, int*)"),
     "ke_encode": ("(const unsigned long long*, const long long*, int, long long, int, const unsigned int*, "
                   "const unsigned int*, unsigned short*, long long, long long*, unsigned int*)"),
 }
@@ -35,8 +41,9 @@ SIGNATURES = {
 
 def instance_declarations() -> list[str]:
     """Explicit instantiations for the nvcc compile check."""
-    out = [f"__global__ void {k}<{w}>{SIGNATURES[k]}" for k in ("ke_fit_moments", "ke_fit_residuals", "ke_symbolise")
-           for w in WIDTHS]
+    out = [f"__global__ void {k}<{w}>{SIGNATURES[k]}" for k in ("ke_fit_moments", "ke_symbolise") for w in WIDTHS]
+    out += [f"__global__ void ke_fit_residuals<{w}, {n}>{SIGNATURES['ke_fit_residuals']}" for w in WIDTHS
+            for n in (1, 2)]
     return out + [f"__global__ void ke_encode<{WARPS}>{SIGNATURES['ke_encode']}"]
 
 
@@ -71,16 +78,67 @@ def fit_moments(pats, pred, val, lw, shape, tb: int, runner=gpu_runner) -> torch
     return out
 
 
-def fit_residuals(pats, pred, val, m, c, a, shared: bool, shape, tb: int, runner=gpu_runner) -> torch.Tensor:
-    """float64 [G, nblk, D, 3] per-column sums (residual x previous deviation, previous deviation squared,
-    residual squared); ``m, c, a``: float64 [Gp * D] device tensors."""
+def fit_residuals(pats, pred, val, locations, shape, tb: int, runner=gpu_runner) -> torch.Tensor:
+    """float64 [G, nblk, D, len(locations), 3] per-column sums (residual x previous deviation, previous
+    deviation squared, residual squared) under each of one or two ``locations`` (m, c, a, shared): m, c,
+    a float64 [Gp * D] device tensors, Gp = 1 when shared), in one pass over the tensor."""
     g, tt, d = shape
     nblk, cols = _columns(shape, tb)
-    out = torch.empty((g, nblk, d, 3), dtype=torch.float64, device=pats.device)
-    runner(f"ke_fit_residuals<{pats.element_size()}>", -(-cols // THREADS), THREADS,
-           (_ptr(pats), _ptr(pred), _ptr(val), _ptr(m), _ptr(c), _ptr(a), np.int32(shared), np.int64(g),
-            np.int64(tt), np.int32(d), np.int64(tb), np.int64(nblk), _ptr(out)), pats.device)
+    sets = len(locations)
+    out = torch.empty((g, nblk, d, sets, 3), dtype=torch.float64, device=pats.device)
+    args = []
+    for m, c, a, shared in (*locations, (None, None, None, False))[:2]:
+        args += [_ptr(m), _ptr(c), _ptr(a), np.int32(shared)]
+    runner(f"ke_fit_residuals<{pats.element_size()}, {sets}>", -(-cols // THREADS), THREADS,
+           (_ptr(pats), _ptr(pred), _ptr(val), *args, np.int64(g), np.int64(tt), np.int32(d), np.int64(tb),
+            np.int64(nblk), _ptr(out)), pats.device)
     return out
+
+
+def _per_channel(name: str, n: int, args: tuple, device, runner) -> None:
+    runner(name, max(1, -(-n // THREADS)), THREADS, args, device)
+
+
+def fit_location(mom, gain: int, prev_one: bool, consts, runner=gpu_runner):
+    """(m, c float64, c_q int8, a float64, a_q int8) [n] of each channel's moments ``mom`` (float64 [n, 7]):
+    ``gain`` 0 (none), 1 (one) or 2 (fitted); ``consts``: kvctx_device_fit's float64 constants."""
+    n, dev = mom.shape[0], mom.device
+    m, c, a = (torch.empty(n, dtype=torch.float64, device=dev) for _ in range(3))
+    c_q, a_q = (torch.empty(n, dtype=torch.int8, device=dev) for _ in range(2))
+    _per_channel("ke_fit_location", n, (_ptr(mom), np.int64(n), np.int32(gain), np.int32(prev_one), _ptr(consts),
+                                        _ptr(m), _ptr(c), _ptr(c_q), _ptr(a), _ptr(a_q)), dev, runner)
+    return m, c, c_q, a, a_q
+
+
+def fit_coefficient(res, consts, runner=gpu_runner):
+    """(a float64, a_q int8) [n]: the previous-token coefficient from residual sums ``res`` (float64 [n, 3])."""
+    n, dev = res.shape[0], res.device
+    a, a_q = torch.empty(n, dtype=torch.float64, device=dev), torch.empty(n, dtype=torch.int8, device=dev)
+    _per_channel("ke_fit_coefficient", n, (_ptr(res), np.int64(n), _ptr(consts), _ptr(a), _ptr(a_q)), dev, runner)
+    return a, a_q
+
+
+def fit_scale(mom, res, consts, runner=gpu_runner):
+    """(s, estimated bits) float64 [n] of each channel's moments and residual sums."""
+    n, dev = mom.shape[0], mom.device
+    s, bits = torch.empty(n, dtype=torch.float64, device=dev), torch.empty(n, dtype=torch.float64, device=dev)
+    _per_channel("ke_fit_scale", n, (_ptr(mom), _ptr(res), np.int64(n), _ptr(consts), _ptr(s), _ptr(bits)), dev,
+                 runner)
+    return s, bits
+
+
+def bin_params(s, m, c_q, a_q, won, shared_row: int, n: int, d: int, eoff: int, consts, runner=gpu_runner):
+    """(kernel arguments [m, c, a float64 [n], (es, level) int32 [n, 2]], stored field values int32 [4, n])
+    of the first ``n`` stacked channels, or of the shared row ``shared_row`` broadcast where the 0-d int64
+    device tensor ``won`` is nonzero (None: never)."""
+    dev = s.device
+    pm, pc, pa = (torch.empty(n, dtype=torch.float64, device=dev) for _ in range(3))
+    pel = torch.empty((n, 2), dtype=torch.int32, device=dev)
+    values = torch.empty((4, n), dtype=torch.int32, device=dev)
+    _per_channel("ke_bin_params", n, (_ptr(s), _ptr(m), _ptr(c_q), _ptr(a_q), _ptr(won), np.int64(shared_row),
+                                      np.int64(n), np.int32(d), np.int32(eoff), _ptr(consts), _ptr(pm), _ptr(pc),
+                                      _ptr(pa), _ptr(pel), _ptr(values)), dev, runner)
+    return [pm, pc, pa, pel], values
 
 
 def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: int, gb: int, unit: int,

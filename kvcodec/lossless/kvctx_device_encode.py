@@ -24,6 +24,7 @@ never changed silently.
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 
 import numpy as np
@@ -96,16 +97,21 @@ class _Sums:
 
         self.ke, self.pats, self.pred, self.val, self.shape, self.tb, self.runner = ke, pats, pred, val, shape, tb, runner
 
+    def _blocks_summed(self, sums: torch.Tensor) -> torch.Tensor:
+        return sums[:, 0] if sums.shape[1] == 1 else sums.sum(dim=1)
+
     def moments(self, lw) -> torch.Tensor:
         """[G, D, 7]: params._fit_moments' fields."""
-        return self.ke.fit_moments(self.pats, self.pred, self.val, lw, self.shape, self.tb, self.runner).sum(dim=1)
+        return self._blocks_summed(self.ke.fit_moments(self.pats, self.pred, self.val, lw, self.shape, self.tb,
+                                                       self.runner))
 
-    def residuals(self, m, c, a, shared: bool) -> torch.Tensor:
-        """[Gp, D, 3] residual sums under the location (m, c, a: float64 [Gp, D] device tensors)."""
-        res = self.ke.fit_residuals(self.pats, self.pred, self.val, m.reshape(-1).contiguous(),
-                                    c.reshape(-1).contiguous(), a.reshape(-1).contiguous(), shared, self.shape,
-                                    self.tb, self.runner).sum(dim=1)
-        return res.sum(dim=0, keepdim=True) if shared else res
+    def residuals(self, locations: list) -> list[torch.Tensor]:
+        """[Gp, D, 3] residual sums under each location (m, c, a: float64 [Gp, D] device tensors, shared)."""
+        flat = [(m.reshape(-1).contiguous(), c.reshape(-1).contiguous(), a.reshape(-1).contiguous(), sh)
+                for m, c, a, sh in locations]
+        res = self._blocks_summed(self.ke.fit_residuals(self.pats, self.pred, self.val, flat, self.shape, self.tb,
+                                                        self.runner))
+        return [res[:, :, j].sum(dim=0, keepdim=True) if sh else res[:, :, j] for j, (*_, sh) in enumerate(locations)]
 
 
 def _layer_prediction(pats: torch.Tensor, bdtype: torch.dtype, shape: tuple, unit: int) -> torch.Tensor:
@@ -129,14 +135,63 @@ def _symbol_bits(t: torch.Tensor, sections: dict) -> torch.Tensor:
     return flat.view(torch.uint8 if t.element_size() == 1 else torch.int16)
 
 
-def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -> tuple[dict, dict]:
+class _Clock:
+    """Host wall time per step of one encode call into ``steps`` (ms, summed by name; None: off). The
+    benchmark's per-step breakdown: where the host part of a call goes, waits for the device included."""
+
+    def __init__(self, steps: dict | None):
+        self.steps, self.t = steps, time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        if self.steps is not None:
+            now = time.perf_counter()
+            self.steps[name] = self.steps.get(name, 0.0) + (now - self.t) * 1e3
+            self.t = now
+
+
+_NP_OF = {torch.uint8: np.uint8, torch.int32: np.int32, torch.int64: np.int64}
+
+
+def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """The tensors on the host (numpy, same dtypes and shapes) through one pinned buffer and one copy:
+    the call's wait for the model (the fields, the histogram) before its tables can be built."""
+    buf = torch.cat([x.reshape(-1).view(torch.uint8) for x in tensors])
+    if buf.is_cuda:
+        host = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(buf, non_blocking=True)
+        torch.cuda.current_stream(buf.device).synchronize()
+    else:  # the tests' CPU emulation
+        host = buf
+    hv, out, pos = host.numpy(), [], 0
+    for x in tensors:
+        n = x.numel() * x.element_size()
+        out.append(hv[pos:pos + n].view(_NP_OF[x.dtype]).reshape(x.shape))
+        pos += n
+    return out
+
+
+@lru_cache(maxsize=16)
+def _escape_table(bdtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """uint8 per bit pattern: 1 where bins.BinGrid.escape says the pattern is always escaped."""
+    return torch.from_numpy(bin_grid(bdtype).escape.astype(np.uint8)).to(device)
+
+
+def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, overlap=None,
+           steps: dict | None = None) -> tuple[dict, dict]:
     """(codec meta, sections {name: 1-D tensor on t's device}) of the contiguous tensor ``t``, a format 2
     stream of ``source`` (``SOURCES``; ``prediction``: a tensor of t's shape for "external"). The caller
     checked :func:`unsupported`. ``runner`` / ``gather``: the kernels' launcher and the stream packer
-    (default: the GPU's; the tests pass the CPU emulation's)."""
+    (default: the GPU's; the tests pass the CPU emulation's). ``overlap(sections)``: called with the
+    sections finished on the device once the payload kernel is queued, before the host codes the model
+    (device work to queue behind it, e.g. their checksums); ``steps``: a dict that receives the host time of each step
+    (:class:`_Clock`).
+
+    The host waits for the device twice: once for the fitted fields, the histogram and the chunks' raw-bit
+    totals (one read-back), once for the chunks' stream lengths after it has coded the model."""
     from kvcodec.cuda import crc32 as gcrc
     from kvcodec.cuda import kvctx_encode as ke
 
+    clock = _Clock(steps)
     runner = runner or ke.gpu_runner
     if gather is None:
         from kvcodec.cuda.planes_codec import gather
@@ -152,35 +207,46 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     pats = _symbol_bits(t, sections)
     unit = _unit(shape, source)
     pred = None
+    no = torch.zeros((), dtype=torch.int64, device=dev)
+    pred_crc = no
     if source == "external":
         pred = _prediction_f32(prediction.to(dev), g, tt, d).contiguous()
-        meta["pred_crc"] = int(gcrc.crc32_many([pred.reshape(-1).view(torch.uint8)]).cpu()[0])
+        pred_crc = gcrc.crc32_many([pred.reshape(-1).view(torch.uint8)])[0]
     elif source == "neighbour_layer":  # each layer predicted by the one before (the first by 0)
         pred = _layer_prediction(pats, bdtype, (g, tt, d), unit)
+    clock.mark("prepare (prediction, checksum)")
 
-    # 1. the model
+    # 1. the model, its stored fields (shared or per-(g, d) chosen on the device)
     val, lw = _pattern_tables(bdtype, dev)
     sums = _Sums(pats, pred, val, (g, tt, d), tb, runner)
     mom = sums.moments(lw)
+    clock.mark("fit: moments (launch)")
     gain = {"external": "one", "neighbour_layer": "fit"}.get(source, "zero")
     prev_coef = "one" if source == "previous_token" else "fit"
     choices = (True,) if tt < pcodec._SHARED_PARAMS_BELOW else (False, True) if tt < pcodec._PER_CHANNEL_FROM else (False,)
-    model = min((kfit.fit(mom, sums.residuals, gain, prev_coef, sh) for sh in choices), key=kfit.cost)
-    bgrid = bin_grid(bdtype)
-    bp, margs = kfit.bin_params(model, bgrid)
+    cands = kfit.fit(mom, sums.residuals, gain, prev_coef, choices, runner)
+    clock.mark("fit: formulas + residual passes (launches)")
+    shared_won = kfit.choose(cands)
+    values, margs = kfit.bin_params(cands, shared_won, bin_grid(bdtype), runner)
+    planes, stats = kfit.field_planes(values, source)
+    clock.mark("fit: choice, bin parameters, field planes (launches)")
 
-    # 2. symbols, histogram, raw-bit counts (the host writes the parameter fields meanwhile)
+    # 2. symbols, histogram, raw-bit counts
     cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, unit)
     gb = int(cng[0])
-    (esc_d,) = upload([bgrid.escape.astype(np.uint8)], dev)
-    packed, hist, chunk_bits = ke.symbolise(pats, pred, margs, bp.shared, esc_d, grid_constants(bdtype),
-                                            (g, tt, d), tb, gb, unit, cg0.size, N_KEYS, runner)
-    fields_head, fields = bp.field_bytes(source)
-    counts = hist.sum(dim=0).cpu().numpy().reshape(N_CLASSES, 256)
-    cbits = chunk_bits.cpu().numpy()
+    packed, hist, chunk_bits = ke.symbolise(pats, pred, margs, choices == (True,), _escape_table(bdtype, dev),
+                                            grid_constants(bdtype), (g, tt, d), tb, gb, unit, cg0.size, N_KEYS,
+                                            runner)
+    flags = torch.stack([no if shared_won is None else shared_won, pred_crc])
+    clock.mark("symbolise (launch)")
+    planes, stats, counts, cbits, flags = _read_back([planes, stats, hist.sum(dim=0), chunk_bits, flags])
+    clock.mark("wait: fit + symbolise (sync 1)")
+    shared = bool(flags[0]) if shared_won is not None else choices == (True,)
+    if source == "external":
+        meta["pred_crc"] = int(flags[1])
 
     # 3. tables and the chunk layout of the sections
-    freq = fit_tables(counts)
+    freq = fit_tables(counts.reshape(N_CLASSES, 256))
     cum = rans_lanes.cumulative(freq)
     f = freq.reshape(-1).astype(np.uint64)
     ftab = (f | (cum.reshape(-1).astype(np.uint64) << 16)).astype(np.uint32)
@@ -189,15 +255,22 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     bstart = np.concatenate([[0], np.cumsum(bwords)[:-1]]).astype(np.int64)
     chunks = np.stack([cg0, cng, ct0, cnt, bstart, cbits], 1).astype(np.int64)
     cap = int((cng * cnt).max()) * d + 2 * ke.LANES
+    clock.mark("tables")
 
-    # 4. the chunks' streams (the host entropy-codes the model meanwhile)
+    # 4. the chunks' streams and the checksums queued; the host codes the model meanwhile
     chunks_d, ftab_d, rcp_d = upload([chunks, ftab, rcp], dev)
     scratch, lens, bits = ke.encode_chunks(packed, chunks_d.view(-1, 6), ftab_d, rcp_d, (g, tt, d), cap,
                                            int(bwords.sum()), runner)
     del packed
-    body, mparts = code_model(fields, table_bytes(freq))
+    if overlap is not None:
+        overlap({k: sections[k] for k in ("lo16",) if k in sections} | {"bits": bits})
+    clock.mark("payload (launch)")
+    fields_head, field_raw = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
+    body, mparts = code_model(field_raw, table_bytes(freq))
     head = fields_head + body
+    clock.mark("model bytes + format2.code_model (host)")
     wlen = lens.cpu().numpy()
+    clock.mark("wait: payload (sync 2)")
     if (wlen < 0).any():
         raise RuntimeError("GPU kvctx encoder: a symbol without frequency or a raw-bit miscount (internal error)")
     woff = np.concatenate([[0], np.cumsum(wlen)]).astype(np.int64)
@@ -205,25 +278,42 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None) -
     gather(scratch, cap, lens, woff[:-1], payload)
     counts_b = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
     model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts_b])
-    meta.update(tb=tb, shared=bp.shared, lanes=ke.LANES, **mparts)
-    sections.update(model=torch.from_numpy(model_blob).to(dev), payload=payload, bits=bits)
+    meta.update(tb=tb, shared=shared, lanes=ke.LANES, **mparts)
+    (model_d,) = upload([model_blob], dev)
+    sections.update(model=model_d, payload=payload, bits=bits)
+    clock.mark("sections")
     return meta, sections
 
 
-def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: str) -> torch.Tensor:
+def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: str,
+             steps: dict | None = None) -> torch.Tensor:
     """The tensor blob (``kvcodec.compress``'s container, a uint8 tensor on the device) of a CUDA tensor
-    coded with codec ``codec`` ("kvctx" / "predictive") and predictor ``source``."""
+    coded with codec ``codec`` ("kvctx" / "predictive") and predictor ``source``; ``steps``: as
+    :func:`encode`'s, with the container's steps."""
     from kvcodec.cuda.crc32 import crc32_many
     from kvcodec.lossless import device_container
 
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
-    codec_meta, sections = encode(t, prediction, source)
-    crcs = crc32_many([t.reshape(-1).view(torch.uint8), *(s.view(torch.uint8) for s in sections.values())])
-    crcs = crcs.cpu().tolist()
+    early = {}  # the tensor's and the finished sections' checksums, queued while the model is coded
+
+    def checksums(done: dict) -> None:
+        names = list(done)
+        crcs = crc32_many([t.reshape(-1).view(torch.uint8), *(done[k].view(torch.uint8) for k in names)])
+        early.update(zip(["tensor", *names], crcs))
+
+    codec_meta, sections = encode(t, prediction, source, steps=steps, overlap=checksums)
+    clock = _Clock(steps)
+    late = [k for k in sections if k not in early]
+    if late:
+        early.update(zip(late, crc32_many([sections[k].view(torch.uint8) for k in late])))
+    crcs = torch.stack([early[k] for k in ("tensor", *sections)]).cpu().tolist()
+    clock.mark("wait: checksums (sync 3)")
     meta = {"codec": codec, "dtype": container.torch_dtype_name(t.dtype), "shape": list(t.shape),
             "device": str(tensor.device), "crc32": crcs[0], "uses_prediction": source == "external",
             "codec_meta": codec_meta}
-    return device_container.assemble(kind, meta, sections, crcs[1:], t.device)
+    out = device_container.assemble(kind, meta, sections, crcs[1:], t.device)
+    clock.mark("container")
+    return out
 
 
 def route(tensor, prediction, name: str, opts: dict, gpu) -> tuple[str, str] | None:

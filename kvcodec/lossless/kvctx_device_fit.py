@@ -2,8 +2,10 @@
 ``kvcodec.lossless.kvctx_device_encode``).
 
 Why: a KV cache of ~0.5 M (leading index, channel) pairs costs ~50 ms of numpy on one host core for the
-fit formulas and the bin parameters, ten times the GPU encode of the whole tensor; here they are a few
-torch launches on the [Gp, D] sums of the per-column kernels (``kvcodec.cuda.kvctx_encode.fit_*``).
+fit formulas and the bin parameters, ten times the GPU encode of the whole tensor; here they are one
+launch per formula step for all channels of both candidates (shared and per-(g, d), stacked), on the sums
+of the per-column kernels (``kvcodec.cuda.kvctx_encode``: ``ke_fit_location`` / ``_coefficient`` /
+``_scale``, ``ke_bin_params``), and only the stored fields' byte planes come to the host.
 
 Device forms of ``params.fit_params`` (format 2: no shape table), ``params.estimated_bits`` and
 ``format2.BinParams.from_channel`` / ``kernel_args``: the same formulas and quantisation (bf16 rounding,
@@ -17,100 +19,112 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
 
 from kvcodec.lossless.predictive.bins import EP_MAX, BinGrid
-from kvcodec.lossless.predictive.format2 import _LEVEL_HI, _LEVEL_LO, _MQ_MAX, BinParams
-from kvcodec.lossless.predictive.params import Q, S_MAX, S_MIN
-
-# bins.scale_levels' quarter-octave thresholds: 2**0.25, 2**0.5, 2**0.75
-_QUARTERS = (1.189207115002721, 1.4142135623730951, 1.6817928305074290)
+from kvcodec.lossless.predictive.format2 import _FIELD_OF, _LEVEL_HI, _LEVEL_LO, _MQ_MAX, FIELD_ORDER
+from kvcodec.lossless.predictive.params import Q, S_MAX, S_MIN, stored_fields
 
 
 @dataclass
-class DeviceModel:
-    """params.ChannelParams' fields on the device ([Gp, D]): m, s float64, c, a int8 (value * 64), and the
-    fit statistics n (finite values) and r2 (sum of squared residuals) for :func:`cost`."""
+class Candidates:
+    """The fitted candidate models stacked into [R, D] rows, flat (channel r * D + d): per ``choices``
+    entry its rows (``bounds``): G rows per-(g, d), or one shared row. Stored as params.ChannelParams
+    does: m, s float64 (bf16 values), c, a int8 (value * Q); ``bits``: each channel's term of
+    params.estimated_bits."""
 
     m: torch.Tensor
     s: torch.Tensor
     c: torch.Tensor
     a: torch.Tensor
-    n: torch.Tensor
-    r2: torch.Tensor
-    shared: bool
+    bits: torch.Tensor
+    bounds: list
+    choices: tuple
+    d: int
 
 
-def _bf16(v: torch.Tensor) -> torch.Tensor:
-    """Rounded to bf16 (nearest even, through float32) and back: params.to_bf16_bits / from_bf16_bits."""
-    return v.to(torch.float32).to(torch.bfloat16).to(torch.float64)
+@lru_cache(maxsize=8)
+def fit_constants(device: torch.device) -> torch.Tensor:
+    """float64 [7] on ``device``: the constants of the fit kernels (``KeFitConsts``)."""
+    return torch.tensor([S_MIN, S_MAX, Q, _LEVEL_LO, _LEVEL_HI, EP_MAX, _MQ_MAX], dtype=torch.float64).to(device)
 
 
-def pow2(e: torch.Tensor) -> torch.Tensor:
-    """Exact float64 2**e of integers -1022 <= e <= 1023 (the exponent bits set directly)."""
-    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+def fit(mom: torch.Tensor, residuals, gain: str, prev_coef: str, choices: tuple[bool, ...], runner) -> Candidates:
+    """params.fit_params' formulas on ``mom`` [G, D, 7] (params._fit_moments' fields), one model per
+    ``choices`` entry (shared parameters or not), fitted together (one launch per formula step,
+    ``kvctx_encode.fit_*``; ``residuals([(m, c, a, shared), ...])`` returns each location's [Gp, D, 3]
+    residual sums from one pass over the tensor). ``gain``: "zero", "one" or "fit" (c)."""
+    from kvcodec.cuda import kvctx_encode as ke
+
+    d = mom.shape[1]
+    parts = [mom.sum(dim=0, keepdim=True) if sh else mom for sh in choices]
+    bounds = np.cumsum([0, *(p.shape[0] for p in parts)]).tolist()
+    mom = (torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(-1, 7).contiguous()
+    consts = fit_constants(mom.device)
+    prev_one = prev_coef == "one"
+    m, c, c_q, a, a_q = ke.fit_location(mom, {"zero": 0, "one": 1, "fit": 2}[gain], prev_one, consts, runner)
+
+    def residual_sums(a: torch.Tensor) -> torch.Tensor:
+        locs = [tuple(x[b0 * d:b1 * d].view(b1 - b0, d) for x in (m, c, a)) + (sh,)
+                for b0, b1, sh in zip(bounds[:-1], bounds[1:], choices)]
+        res = residuals(locs)
+        return (torch.cat(res) if len(res) > 1 else res[0]).reshape(-1, 3).contiguous()
+
+    if not prev_one:
+        a, a_q = ke.fit_coefficient(residual_sums(a), consts, runner)
+    s, bits = ke.fit_scale(mom, residual_sums(a), consts, runner)
+    return Candidates(m=m, s=s, c=c_q, a=a_q, bits=bits, bounds=bounds, choices=tuple(choices), d=d)
 
 
-def fit(mom: torch.Tensor, residuals, gain: str, prev_coef: str, shared: bool) -> DeviceModel:
-    """params.fit_params' formulas on ``mom`` [G, D, 7] (params._fit_moments' fields); ``gain``: "zero",
-    "one" or "fit" (c); ``residuals(m, c, a, shared)`` returns the [Gp, D, 3] residual sums under a location."""
-    if shared:
-        mom = mom.sum(dim=0, keepdim=True)
-    n = mom[..., 0]
-    safe_n = n.clamp(min=1)
-    if gain == "fit":  # sums of huge values overflow: the gain is then 0
-        cov = mom[..., 3] - mom[..., 1] * mom[..., 2] / safe_n
-        var = mom[..., 4] - mom[..., 2] ** 2 / safe_n
-        big = var > 1e-300
-        c = torch.where(big, cov / torch.where(big, var, torch.ones_like(var)), torch.zeros_like(var))
-        c_q = torch.round(torch.nan_to_num(c) * Q).clamp(-127, 127).to(torch.int8)
-    else:
-        c_q = torch.full(n.shape, Q if gain == "one" else 0, dtype=torch.int8, device=n.device)
-    c = c_q.double() / Q
-    if prev_coef == "one":
-        m = torch.zeros_like(n)
-    else:
-        mean = torch.where(n > 0, (mom[..., 1] - c * mom[..., 2]) / safe_n, torch.zeros_like(n))
-        m = _bf16(torch.nan_to_num(mean).clamp(-3e38, 3e38))
-    a_q = torch.full(n.shape, Q if prev_coef == "one" else 0, dtype=torch.int8, device=n.device)
-    if prev_coef != "one":
-        res = residuals(m, c, a_q.double() / Q, shared)
-        pos = res[..., 1] > 0
-        a = torch.where(pos, res[..., 0] / torch.where(pos, res[..., 1], torch.ones_like(n)), torch.zeros_like(n))
-        a_q = torch.round(torch.nan_to_num(a) * Q).clamp(-Q, Q).to(torch.int8)
-    res = residuals(m, c, a_q.double() / Q, shared)
-    s = torch.sqrt(res[..., 2] / safe_n)
-    floor = torch.where(mom[..., 5] > 0, torch.exp2(mom[..., 6] / mom[..., 5].clamp(min=1)) / 4, torch.zeros_like(n))
-    s = torch.maximum(torch.where(torch.isfinite(s), s, torch.full_like(s, S_MAX)), torch.nan_to_num(floor))
-    s = _bf16(s.clamp(S_MIN, S_MAX))
-    return DeviceModel(m=m, s=s, c=c_q, a=a_q, n=n, r2=res[..., 2], shared=shared)
+def choose(cands: Candidates) -> torch.Tensor | None:
+    """Whether the shared candidate costs less than the per-(g, d) one (params.estimated_bits with
+    format 2's 16 bits a channel; a tie keeps per-(g, d), as ``min`` does): a 0-d int64 device tensor,
+    no sync; None when only one was fitted."""
+    if len(cands.choices) == 1:
+        return None
+    assert cands.choices == (False, True)
+    cost = [torch.nan_to_num(cands.bits[b0 * cands.d:b1 * cands.d].sum(), nan=math.inf) + 16.0 * (b1 - b0) * cands.d
+            for b0, b1 in zip(cands.bounds[:-1], cands.bounds[1:])]
+    return (cost[1] < cost[0]).to(torch.int64)
 
 
-def cost(model: DeviceModel) -> float:
-    """params.estimated_bits with format 2's parameter cost (16 bits a channel): chooses shared or
-    per-(g, d) parameters as the CPU encoder does."""
-    s = model.s
-    bits = (model.n * torch.log2(s) + model.r2 / (2 * s * s * math.log(2))).sum()
-    return float(torch.nan_to_num(bits, nan=math.inf)) + 16.0 * s.numel()
+def bin_params(cands: Candidates, won: torch.Tensor | None, grid: BinGrid, runner) -> tuple[torch.Tensor, list]:
+    """(the stored fields' values int32 [4, n] in format2.FIELD_ORDER, the decode kernel's per-channel
+    arguments [m, c, a float64 [n], (es, level) int32 [n, 2]]: format2.BinParams.from_channel +
+    kernel_args exactly) of the chosen candidate: the first one's n channels, with the shared row
+    broadcast over g where ``won`` (:func:`choose`) is set."""
+    from kvcodec.cuda import kvctx_encode as ke
+
+    n = cands.bounds[1] * cands.d
+    shared_row = cands.bounds[1] if won is not None else 0
+    margs, values = ke.bin_params(cands.s, cands.m, cands.c, cands.a, won, shared_row, n, cands.d, grid.eoff,
+                                  fit_constants(cands.s.device), runner)
+    return values, margs
 
 
-def bin_params(model: DeviceModel, grid: BinGrid) -> tuple[BinParams, list[torch.Tensor]]:
-    """(format2.BinParams.from_channel(model) on the host: its fields are stored; the kernel's
-    per-channel arguments on the device: m, c, a float64 [Gp * D] and (es, level) int32 [Gp * D, 2],
-    BinParams.kernel_args exactly)."""
-    s_v = model.s * 2.0 ** -grid.eoff  # exact: a power of two
-    mant, ex = torch.frexp(s_v)
-    m2 = 2.0 * mant
-    quarter = sum((m2 >= q).to(torch.int64) for q in _QUARTERS)
-    level = (4 * (ex.to(torch.int64) - 1) + quarter).clamp(_LEVEL_LO, _LEVEL_HI)
-    es = (torch.div(level, 4, rounding_mode="floor") - 3).clamp(0, EP_MAX)
-    step = pow2(es + grid.eoff)
-    mq = torch.nan_to_num(torch.round(model.m / step)).clamp(-_MQ_MAX, _MQ_MAX).to(torch.int64)
-    margs = [(mq.double() * step).reshape(-1), (model.c.double() / Q).reshape(-1), (model.a.double() / Q).reshape(-1),
-             torch.stack([es, level], -1).reshape(-1, 2).to(torch.int32)]
-    small = torch.stack([level, mq]).to(torch.int16).cpu().numpy().astype(np.int64)
-    ca = torch.stack([model.c, model.a]).cpu().numpy()
-    bp = BinParams(level=small[0], mq=small[1], c=ca[0], a=ca[1], shared=model.shared)
-    return bp, margs
+def field_planes(values: torch.Tensor, source: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device half of ``format2.BinParams.field_bytes``: per stored field (``params.stored_fields``) its
+    values as non-negative integers (level - its minimum, zigzag mq, int8 bytes) as a low and a high byte
+    plane, uint8 [fields, 2, n], and (minimum, maximum) int64 [fields, 2]; :func:`field_bytes` keeps a
+    high plane only where the maximum needs it."""
+    stored = stored_fields(source)
+    v = torch.stack([values[FIELD_ORDER.index(_FIELD_OF[f])] for f in stored]).to(torch.int64)
+    lo = torch.zeros(len(stored), dtype=torch.int64, device=v.device)
+    k = stored.index("s")
+    lo[k] = v[k].min()
+    arr = v - lo[:, None]
+    return torch.stack([arr & 0xFF, arr >> 8], 1).to(torch.uint8), torch.stack([lo, arr.amax(dim=1)], 1)
+
+
+def field_bytes(planes: np.ndarray, stats: np.ndarray, n: int) -> tuple[bytes, np.ndarray]:
+    """``format2.BinParams.field_bytes``' (header, bytes) of the first ``n`` channels of
+    :func:`field_planes`' planes and stats, on the host."""
+    head, body = b"", []
+    for plane, (lo, top) in zip(planes, stats):
+        width = 1 if int(top) < 256 else 2
+        head += int(lo).to_bytes(4, "little", signed=True) + bytes([width])
+        body += [plane[0, :n], plane[1, :n]][:width]
+    return head, np.concatenate(body)

@@ -21,17 +21,20 @@ extern "C" void ke_fit_moments_emu(int grid, int block, int w, P pats, P pred, P
   emu_run(grid, block, k);
 }
 
-extern "C" void ke_fit_residuals_emu(int grid, int block, int w, P pats, P pred, P val, P m, P c, P a, int shared,
-                                     LL G, LL T, int D, LL tb, LL nblk, void* out) {
-  auto k = [&] {
-    if (w == 1)
-      ke_fit_residuals<1>(pats, (const float*)pred, (const double*)val, (const double*)m, (const double*)c,
-                          (const double*)a, shared, G, T, D, tb, nblk, (double*)out);
-    else
-      ke_fit_residuals<2>(pats, (const float*)pred, (const double*)val, (const double*)m, (const double*)c,
-                          (const double*)a, shared, G, T, D, tb, nblk, (double*)out);
-  };
-  emu_run(grid, block, k);
+template <int W, int SETS>
+static void fit_residuals(P pats, P pred, P val, P m0, P c0, P a0, int shared0, P m1, P c1, P a1, int shared1, LL G,
+                          LL T, int D, LL tb, LL nblk, void* out) {
+  ke_fit_residuals<W, SETS>(pats, (const float*)pred, (const double*)val, (const double*)m0, (const double*)c0,
+                            (const double*)a0, shared0, (const double*)m1, (const double*)c1, (const double*)a1,
+                            shared1, G, T, D, tb, nblk, (double*)out);
+}
+
+extern "C" void ke_fit_residuals_emu(int grid, int block, int w, int sets, P pats, P pred, P val, P m0, P c0, P a0,
+                                     int shared0, P m1, P c1, P a1, int shared1, LL G, LL T, int D, LL tb, LL nblk,
+                                     void* out) {
+  auto f = w == 1 ? (sets == 1 ? fit_residuals<1, 1> : fit_residuals<1, 2>)
+                  : (sets == 1 ? fit_residuals<2, 1> : fit_residuals<2, 2>);
+  emu_run(grid, block, [&] { f(pats, pred, val, m0, c0, a0, shared0, m1, c1, a1, shared1, G, T, D, tb, nblk, out); });
 }
 
 extern "C" void ke_symbolise_emu(int grid, int block, int w, P pats, P pred, P pm, P pc, P pa, P pel, int shared,
@@ -54,4 +57,32 @@ extern "C" void ke_encode_emu(int grid, int block, P packed, P chunks, int n, LL
                  (kx_u16*)scratch, cap, (long long*)lens, (kx_u32*)bits);
   };
   emu_run(grid, block, k);
+}
+
+extern "C" void ke_fit_location_emu(int grid, int block, P mom, LL n, int gain, int prev_one, P consts, void* m,
+                                    void* c, void* c_q, void* a, void* a_q) {
+  emu_run(grid, block, [&] {
+    ke_fit_location((const double*)mom, n, gain, prev_one, (const double*)consts, (double*)m, (double*)c,
+                    (signed char*)c_q, (double*)a, (signed char*)a_q);
+  });
+}
+
+extern "C" void ke_fit_coefficient_emu(int grid, int block, P res, LL n, P consts, void* a, void* a_q) {
+  emu_run(grid, block,
+          [&] { ke_fit_coefficient((const double*)res, n, (const double*)consts, (double*)a, (signed char*)a_q); });
+}
+
+extern "C" void ke_fit_scale_emu(int grid, int block, P mom, P res, LL n, P consts, void* s, void* bits) {
+  emu_run(grid, block, [&] {
+    ke_fit_scale((const double*)mom, (const double*)res, n, (const double*)consts, (double*)s, (double*)bits);
+  });
+}
+
+extern "C" void ke_bin_params_emu(int grid, int block, P s, P m, P c_q, P a_q, P won, LL shared_row, LL n, int D,
+                                  int eoff, P consts, void* pm, void* pc, void* pa, void* pel, void* values) {
+  emu_run(grid, block, [&] {
+    ke_bin_params((const double*)s, (const double*)m, (const signed char*)c_q, (const signed char*)a_q,
+                  (const long long*)won, shared_row, n, D, eoff, (const double*)consts, (double*)pm, (double*)pc,
+                  (double*)pa, (int*)pel, (int*)values);
+  });
 }
