@@ -226,8 +226,10 @@ def test_gpu_field_parts_equal_the_host_decode(offset, monkeypatch):
     parts, got_tabs = format2.read_field_parts(meta, buf, offset, buf.size, 1 << 30)
     assert meta["mfields"] == 34 and np.array_equal(got_tabs, tabs)
     status = torch.full((34,), 7, dtype=torch.int32, device="cuda")
+    lp, (freq,) = kvctx_plan.field_parts_launch(parts, "cuda", [parts.freqs[None].astype(np.int16)])
+    tabs = kvctx_plan.build_tables(freq)  # the parts' table, built on the device
     poisoned_allocator(fields.size)
-    out = kvctx_plan.decode_field_parts(torch.from_numpy(buf.copy()).cuda(), parts, status)
+    out = kvctx_plan.decode_field_parts(lp, torch.from_numpy(buf.copy()).cuda(), parts, tabs, status)
     assert not status.any() and np.array_equal(out.cpu().numpy(), parts.decode(buf))
     assert np.array_equal(out.cpu().numpy(), fields)
 

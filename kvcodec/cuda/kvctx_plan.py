@@ -66,22 +66,32 @@ def check_fields(raw: torch.Tensor, n: int, level: tuple[int, int], level_limit:
             np.int64(mq[0]), np.int32(mq[1]), flag.data_ptr()))
 
 
-def decode_field_parts(model: torch.Tensor, parts, status: torch.Tensor) -> torch.Tensor:
-    """The field bytes (uint8 [parts.size] CUDA tensor) of ``format2.FieldParts`` whose payloads lie in
-    ``model`` (the model section's bytes on the device), one warp per part (``rans_decode.cu``);
-    ``status`` (int32 [parts]) gets each part's rANS status (0 = good)."""
+def field_parts_launch(parts, device, also=()):
+    """(``rans.LaunchPlan`` of ``format2.FieldParts``: one warp a part, the ``also`` arrays uploaded in
+    the same copy). The parts' shared table is not uploaded: :func:`decode_field_parts` points the
+    plan at a row :func:`build_tables` built on the device (a 12-bit table of ``tables``' layout is the
+    decoder's mode 0 with lo = 0). Payload byte offsets are relative to the first part."""
     from kvcodec.lossless.predictive.format2 import FIELD_PRECISION, FIELD_STATES
 
-    assert FIELD_STATES == cuda_rans.STATES
-    first = int(parts.start[0])
-    shift = 0
-    if (model.data_ptr() + first) % 2:  # the kernel reads 16-bit words: an aligned copy of the payloads
-        end = int(parts.start[-1] + parts.length[-1])
-        model, shift = model[first:end].clone(), first
-    out = torch.empty(max(parts.size, 1), dtype=torch.uint8, device=model.device)
-    table = cuda_rans.build_table(parts.freqs, FIELD_PRECISION, np.uint8)
+    assert FIELD_STATES == cuda_rans.STATES and FIELD_PRECISION <= 12
+    on_device = cuda_rans.Table(np.zeros(16, np.uint8), mode=0, precision=FIELD_PRECISION, lo=0,
+                                smem_words=TABLE_SLOTS, aux=0, symbytes=1)
     offsets = np.concatenate([[0], np.cumsum(parts.count)[:-1]])
-    pdesc = np.stack([parts.start - shift, parts.length, offsets, parts.count], 1).astype(np.int64)
-    lp = cuda_rans.LaunchPlan.build(pdesc, np.zeros(len(pdesc), np.int32), [table], model.device)
-    lp.launch(model, out, status)
+    pdesc = np.stack([parts.start - parts.start[0], parts.length, offsets, parts.count], 1).astype(np.int64)
+    lp = cuda_rans.LaunchPlan.build(pdesc, np.zeros(len(pdesc), np.int32), [on_device], device, also=also)
+    return lp, lp.also
+
+
+def decode_field_parts(lp, model: torch.Tensor, parts, table: torch.Tensor, status: torch.Tensor) -> torch.Tensor:
+    """The field bytes (uint8 [parts.size] CUDA tensor) of ``format2.FieldParts`` whose payloads lie in
+    ``model`` (the model section's bytes on the device), launched with :func:`field_parts_launch`'s
+    plan ``lp`` and the parts' decode table ``table`` (int32 [4096], a row of :func:`build_tables`);
+    ``status`` (int32 [parts]) gets each part's rANS status (0 = good)."""
+    first, end = int(parts.start[0]), int(parts.start[-1] + parts.length[-1])
+    data = model[first:end]
+    if data.data_ptr() % 2:  # the kernel reads 16-bit words: an aligned copy of the payloads
+        data = data.clone()
+    out = torch.empty(max(parts.size, 1), dtype=torch.uint8, device=model.device)
+    lp.table_data = table.view(torch.uint8)
+    lp.launch(data, out, status)
     return out

@@ -117,16 +117,20 @@ def device_inputs(ps, kp, sections, device, flags: torch.Tensor):
     from kvcodec.lossless.predictive.format2 import FIELD_ORDER, level_limit
 
     p2 = ps.v2
-    host_raw = p2.decoded_fields.raw if p2.decoded_fields is not None else np.zeros(0, np.uint8)
-    chunks, layout, freq, raw = upload([kp.chunks, kp.layout, p2.freq.astype(np.int16),
-                                        host_raw if host_raw.size else np.zeros(1, np.uint8)], device)
-    tabs = kvctx_plan.build_tables(freq)
     parts = p2.field_parts
-    if parts is not None:
-        raw = kvctx_plan.decode_field_parts(sections["model"].bytes, parts, flags[:-1])
-        lv, mq = (p2.layout[FIELD_ORDER.index(f)] for f in ("level", "mq"))
-        kvctx_plan.check_fields(raw, int(kp.layout[-1]), (int(lv[0]), int(lv[1])), level_limit(p2.layout),
-                                (int(mq[0]), int(mq[1])), flags[-1:])
+    classes = len(p2.freq)
+    if parts is None:  # fields decoded and checked on the host (one model stream, "mparts")
+        chunks, layout, freq, raw = upload([kp.chunks, kp.layout, p2.freq.astype(np.int16), p2.fields.raw], device)
+        return kvctx_plan.DeviceInputs(kp, chunks, raw, layout, kvctx_plan.build_tables(freq))
+    # one upload with the parts' launch plan; their shared table is built as one more row of the tables
+    freq = np.concatenate([p2.freq, parts.freqs[None]]).astype(np.int16)
+    lp, (chunks, layout, freq) = kvctx_plan.field_parts_launch(parts, device, [kp.chunks, kp.layout, freq])
+    tabs = kvctx_plan.build_tables(freq)
+    raw = kvctx_plan.decode_field_parts(lp, sections["model"].bytes, parts,
+                                        tabs[classes * kvctx_plan.TABLE_SLOTS:], flags[:-1])
+    lv, mq = (p2.layout[FIELD_ORDER.index(f)] for f in ("level", "mq"))
+    kvctx_plan.check_fields(raw, int(kp.layout[-1]), (int(lv[0]), int(lv[1])), level_limit(p2.layout),
+                            (int(mq[0]), int(mq[1])), flags[-1:])
     return kvctx_plan.DeviceInputs(kp, chunks, raw, layout, tabs)
 
 
