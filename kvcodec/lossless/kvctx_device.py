@@ -9,10 +9,12 @@ for bit).
 Host work (:func:`plan`): the stream is checked by the CPU decoder's own parser
 (``predictive.codec.parse_stream``): only the small ``model`` section is copied to the host; the
 payload, raw-bit and ``lo16`` sections stay on the device and the parser sees size-only stand-ins
-for them (zero-stride arrays of their dtype and length). Decoding (:func:`decode`): one launch for
-every chunk (a ``"neighbour_layer"`` stream: one per layer, each predicted from the layer decoded
-before it); every chunk's status and the prediction's checksum are checked once, with the
-container's checks, by the caller (``kvcodec.lossless.api``).
+for them (zero-stride arrays of their dtype and length). The stored parameter fields of an
+``mfields`` stream are not decoded there: :func:`device_inputs` decodes them on the device from the
+blob's model section, checks their values and builds the decode tables there (``kvcodec.cuda.kvctx_plan``),
+all on the stream without a sync. Decoding (:func:`decode`): one launch for every chunk (a ``"neighbour_layer"`` stream: one per layer, each predicted from the layer decoded
+before it); every chunk's status, the plan's status words and the prediction's checksum are checked once,
+with the container's checks, by the caller (``kvcodec.lossless.api``).
 
 Blobs the kernel does not take return None (the caller decodes on the CPU): format 1, 8-lane
 streams (tensors under 16384 values), the ``raw`` mode, a prediction that is not a real CUDA tensor
