@@ -523,13 +523,13 @@ FUSED_TPW_GRID = (32, 64, 128, 256, 512, 1024, 2048)
 # Builds of the one-launch kernel timed against the default (label, macros, split sizes to time
 # beside the automatic one); "timing only" builds skip a phase to measure what it costs (wrong
 # results, never checked or used).
-# (Session 4-5 builds measured away and no longer timed here: tail batch 8, values in registers, the L2
-# 256B prefetch hint, no query rotation: benchmarks/GPU_NOTES.md.)
+# (Builds measured away and no longer timed here: tail batch 8, values in registers, the L2 256B prefetch
+# hint, no query rotation (sessions 4-5), 1 stage and copy-engine L2 prefetches (session 6):
+# benchmarks/GPU_NOTES.md.)
 FUSED_VARIANTS = [
     ("no lane tables (session 5 default)", ("TQ_LANE_LUT=0",), (128, 256)),
     ("lane tables for values only", ("TQ_LANE_LUT=2",), (128, 256)),
     ("2 stages", ("TQ_FUSED_STAGES=2",), (128, 256)),
-    ("1 stage", ("TQ_FUSED_STAGES=1",), ()),
     ("no last-block merge (timing only)", ("TQ_FUSED_PROFILE=2",), ()),
 ]
 FUSED_VARIANT_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 4096, 32, 8, 128, 4, 4),

@@ -133,8 +133,9 @@ def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tm
     assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_command("w.cu", "sm_90a", "o.cubin")
 
 
-@pytest.mark.parametrize("arch,lane", [("sm_90", 3), ("sm_100", 3), ("sm_90", 2)])
-def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(arch, lane, tmp_path):
+@pytest.mark.parametrize("arch,defines", [("sm_90", ("TQ_LANE_LUT=3",)), ("sm_100", ("TQ_LANE_LUT=3",)),
+                                          ("sm_90", ("TQ_LANE_LUT=2",))])
+def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(arch, defines, tmp_path):
     """The one-launch kernel with lane-private pair tables (TQ_LANE_LUT): the d128 narrow 4/4-bit
     instances build without spills and their static shared memory plus the tables' 64 KB (plus the 1 KB
     the runtime reserves per block) fits 3 blocks in an SM's 228 KB, the blocks their registers allow."""
@@ -143,7 +144,7 @@ def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(arch
     decls = [f"__global__ void {decode_kernels.fused_name(128, 4, 4, False, vbf, True)}{decode_kernels.FUSED_SIGNATURE}"
              for vbf in (False, True)]
     proc = build.nvcc_compile(decode_kernels.SOURCE, decls, arch, tmp_path,
-                              extra=(f"-DTQ_LANE_LUT={lane}", "-DTQ_REG_LUT_SYM=1", "-Xptxas", "-v,-warn-spills"))
+                              extra=tuple(f"-D{d}" for d in defines) + ("-DTQ_REG_LUT_SYM=1", "-Xptxas", "-v,-warn-spills"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     spills = [line for line in proc.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
     assert not spills, "\n".join(spills)
