@@ -137,6 +137,26 @@ def test_mparts_streams_still_decode(emulator, small_parts):
         assert not status.any() and same_bits(out, x)
 
 
+@pytest.mark.parametrize("n,part", [(70_001, 1 << 14), (5000, 700), (1, 1)])
+def test_field_parts_are_rans_fast_payloads(n, part, monkeypatch):
+    """code_model's batched encoder writes, part by part, exactly ``rans_fast.encode_table``'s payload
+    (32 states, the shared 12-bit table), and the parts decode back to the fields."""
+    monkeypatch.setattr(format2, "MODEL_PART_BYTES", 0)
+    monkeypatch.setattr(format2, "FIELD_PART_BYTES", part)
+    rng = np.random.default_rng(n)
+    fields = np.minimum(rng.geometric(0.03, n), 255).astype(np.uint8)
+    tabs = rng.integers(0, 9, 77).astype(np.uint8)
+    body, meta = format2.code_model(fields, tabs)
+    buf = np.frombuffer(body, np.uint8)
+    parts, got_tabs = format2.read_field_parts(meta, buf, 0, buf.size, 1 << 30)
+    assert meta["mfields"] == len(parts.start) == min(format2.MAX_FIELD_PARTS, -(-n // part))
+    freqs = buf[8:520].view("<u2")
+    for k, piece in enumerate(np.array_split(fields, meta["mfields"])):
+        want = rans_fast.encode_table(piece, freqs, format2.FIELD_PRECISION, format2.FIELD_STATES)
+        assert np.array_equal(buf[parts.start[k]:parts.start[k] + parts.length[k]], want), k
+    assert np.array_equal(parts.decode(buf), fields) and np.array_equal(got_tabs, tabs)
+
+
 @pytest.mark.parametrize("edit,make", [(level_over, kv_like), (mq_65535, offset_kv)])
 def test_forged_field_values_are_refused_on_the_cpu(edit, make, small_parts):
     x = make((2, 4, 256, 64))
