@@ -201,6 +201,51 @@ def test_device_bin_params_equal_the_host_ones(emulator, dtype):
         assert np.array_equal(margs[3].numpy(), np.stack([es.reshape(-1), level.reshape(-1)], 1))
 
 
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(source=st.sampled_from(["none", "external", "previous_token", "neighbour_layer"]), g=st.integers(1, 3),
+       t=st.integers(2, 90), noise=st.floats(0.0, 0.2), seed=st.integers(0, 2**31 - 1))
+def test_fit_kernels_equal_the_host_formulas(emulator, source, g, t, noise, seed):
+    """ke_fit_location / _coefficient / _scale (kvctx_device_fit.fit) on the host's own sums ==
+    params.fit_params' m, s, c, a bit for bit, shared and per-(g, d), specials included."""
+    from kvcodec.lossless.predictive import params
+    from kvcodec.lossless.predictive.grid import grid_for
+
+    x = kv_like((g, t, 32), torch.float32, seed=seed % 1000).to(torch.bfloat16)
+    bits = x.view(torch.int16).view(-1)
+    gen = torch.Generator().manual_seed(seed)
+    hit = torch.rand(bits.numel(), generator=gen) < noise
+    bits[hit] = torch.randint(-2**15, 2**15 - 1, (int(hit.sum()),), generator=gen).to(torch.int16)
+    grid = grid_for(torch.bfloat16)
+    kx = grid.k_of_bits[x.view(torch.int16).numpy().view(np.uint16)]
+    pred = kv_like((g, t, 32), torch.float32, seed=3).numpy() if source in ("external", "neighbour_layer") else None
+    p = pred if pred is not None else np.zeros((1, 1, 1), np.float32)
+    gain = {"external": "one", "neighbour_layer": "fit"}.get(source, "zero")
+    prev_coef = "one" if source == "previous_token" else "fit"
+    with np.errstate(all="ignore"):
+        width = np.diff(grid.edges)
+        log_width = np.where(np.isfinite(width) & (width > 0), np.log2(width), np.nan)
+    mom = np.zeros((g, 32, 7))
+    params._fit_moments(kx, p, pred is not None, grid.valf, grid.finite, log_width, mom)
+
+    def residuals(locs):
+        out = []
+        for m, c, a, sh in locs:
+            res = np.zeros((g, 32, 3))
+            params._fit_residuals(kx, p, pred is not None, m.numpy(), c.numpy(), a.numpy(), sh, grid.valf,
+                                  grid.finite, t, np.zeros((1, 1)), res, np.zeros((g, params.SHAPE_BINS), np.int64))
+            out.append(torch.from_numpy(res.sum(axis=0, keepdims=True) if sh else res))
+        return out
+
+    cands = kde.kfit.fit(torch.from_numpy(mom), residuals, gain, prev_coef, (False, True), emulated_runner(emulator))
+    for k, sh in enumerate((False, True)):
+        want = params.fit_params(kx, pred, grid, t, gain, prev_coef, sh, shape=False)
+        rows = slice(cands.bounds[k] * 32, cands.bounds[k + 1] * 32)
+        for f in ("m", "s", "c", "a"):
+            got = getattr(cands, f)[rows].numpy()
+            assert np.array_equal(got.view(np.uint8), np.asarray(getattr(want, f)).reshape(-1).view(np.uint8)), f
+
+
 def test_calls_the_gpu_encoder_does_not_take():
     assert kde.unsupported(torch.zeros(4), "none", None) is not None  # a CPU tensor
     meta_t = torch.empty((2, 128, 64), dtype=torch.bfloat16, device="meta")
