@@ -200,9 +200,10 @@ def _other_codec(fn, notes):
         return []
 
 
-def run_rows(quick: bool = False) -> list[dict]:
-    """Every method on real bf16 KV and on its fp8 cast, side by side (see ``notes_for``)."""
-    return _rows_and_notes(quick)[0]
+def run_rows(quick: bool = False) -> tuple[list[dict], list[str]]:
+    """(rows, notes): every method on real bf16 KV and on its fp8 cast, side by side, and the load
+    averages and targets (``notes_for``)."""
+    return _rows_and_notes(quick)
 
 
 def _rows_and_notes(quick: bool, heldout_tokens: int = 0):
