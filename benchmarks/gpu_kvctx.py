@@ -211,6 +211,9 @@ def main(out_dir: str, mb: int) -> dict:
         "host plan: kvctx_device.plan (the model section's entropy decode and checks, decode tables, chunk "
         "descriptors), median of 5; kernel alone: CUDA events around the launch, median of 5 after a warm-up, "
         "per variant (NR rounds of 32 values decoded together, warps = chunks per block); every output checked",
+        "device-blob rows decode one blob tensor again and again: from the second call on, the header and plan of "
+        "the first decode are reused (api._blob_plans; the checks run every call); 'first decode' rows forget them "
+        "before each call (what a blob decoded once costs)",
         *notes]}
     save_with_out(result, out_dir, columns=["data", "codec", "MB", "ratio", "enc_GBps", "dec_GBps", "kernel_ms",
                                             "plan_ms", "exact", "gpu_path", "error"])

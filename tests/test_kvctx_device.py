@@ -12,6 +12,7 @@ back to the CPU, damaged blobs raise CorruptStreamError without a crash.
 from __future__ import annotations
 
 import ctypes
+import gc
 import shutil
 import zlib
 
@@ -392,3 +393,32 @@ def test_emulated_kernel_decodes_model_parts(emulator, monkeypatch):
         assert same_bits(kvcodec.decompress(blob), x)
         out, status, _ = emulated_decode(emulator, blob)
         assert not status.any() and same_bits(out, x)
+
+
+def test_emulated_api_reuses_the_plan_and_sees_writes_torch_does_not_count(emulated_api, monkeypatch):
+    """A blob tensor decoded again reuses its header and plan (``BlobCache``); bytes changed behind
+    torch's back (no ``_version`` bump) are still caught: a section by its crc32, the header by the
+    entry's header crc32 (then decoded afresh, which refuses the damaged header)."""
+    plans = []
+    real = kvctx_device.plan
+    monkeypatch.setattr(kvctx_device, "plan", lambda *a: plans.append(1) or real(*a))
+    x = kv_like((2, 128, 64))
+    blob = torch.frombuffer(bytearray(kvcodec.compress(x, layout="kv")), dtype=torch.uint8)
+    cpu = torch.device("cpu")
+    for _ in range(3):
+        assert same_bits(api._decompress_on_device(blob, cpu, None), x)
+    assert len(plans) == 1
+    raw = blob.numpy()  # writes through it leave blob._version alone
+    for pos in (raw.size - 7, 40):  # the last section's payload, a byte of the JSON header
+        raw[pos] ^= 1
+        with pytest.raises(CorruptStreamError):
+            api._decompress_on_device(blob, cpu, None)
+        raw[pos] ^= 1
+    assert same_bits(api._decompress_on_device(blob, cpu, None), x)
+    blob[0] ^= 0  # an in-place torch write: the entry is not used
+    assert same_bits(api._decompress_on_device(blob, cpu, None), x) and len(plans) >= 2
+    key = id(blob)
+    assert key in api._blob_plans._entries
+    del blob  # the entry holds nothing that keeps the blob alive, and goes with it
+    gc.collect()
+    assert key not in api._blob_plans._entries

@@ -433,3 +433,23 @@ def test_pinned_ring_transfers_round_trip(threads):
         assert dev.cpu().numpy().tobytes() == host
         back = transfer.device_to_bytes(torch.from_numpy(big).cuda()[1: 1 + n], threads)
         assert type(back) is bytes and back == host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
+def test_gpu_decode_again_reuses_the_plan_and_sees_writes_torch_does_not_count():
+    """The second decode of a device blob reuses its header and plan; a header or payload byte changed
+    through CuPy (torch's version counter does not move) still raises CorruptStreamError."""
+    import cupy
+
+    x = weights_like(torch.bfloat16, (64, 4096)).cuda()
+    blob = compress_device(x)
+    for _ in range(3):
+        assert_bit_exact(decompress(blob).cpu(), x.cpu())
+    view = cupy.asarray(blob)
+    for pos in (40, blob.numel() - 5):
+        view[pos] ^= 1
+        with pytest.raises(CorruptStreamError):
+            decompress(blob)
+        view[pos] ^= 1
+    assert_bit_exact(decompress(blob).cpu(), x.cpu())

@@ -325,20 +325,30 @@ def _cuda_kernels() -> bool:
     return kvcodec.cuda.is_available()
 
 
+_blob_plans = device_container.BlobCache()  # header and plan of device blobs decoded before
+
+
 def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_bytes,
                           prediction: torch.Tensor | None = None, header=None) -> torch.Tensor | None:
     """Decode a CUDA uint8 blob on its device (None: not a blob the GPU decodes). Only the header
     and, at the end, a few status flags cross to the host; checks as on the CPU (container,
     section crc32s, zero padding, streams, the prediction's and the tensor's crc32), all raising
     CorruptStreamError. ``header``: (header, end offset) when the host already parsed it from the
-    same bytes (then it is not read back from the device)."""
+    same bytes (then it is not read back from the device). A blob tensor decoded before reuses that
+    decode's header and plan (``device_container.BlobCache``; the checks still run every time)."""
     import kvcodec.cuda
 
     if not kvcodec.cuda.is_available():
         return None  # no CuPy: the CPU decodes
     if not blob.is_contiguous() or blob.data_ptr() % 2:
         blob = blob.clone()  # the stream words must be 2-byte aligned
-    header, header_end = header if header is not None else device_container.read_header(blob)
+    entry = _blob_plans.get(blob) if header is None else None
+    if entry is not None:
+        header, header_end, header_crc = entry["header"]
+    elif header is not None:
+        (header, header_end), header_crc = header, None
+    else:
+        header, header_end, header_crc = device_container.read_header_crc(blob)
     if header["kind"] != KIND:
         raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
     meta = _checked_meta(header["meta"])
@@ -347,23 +357,40 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     if not _gpu_decodable(header):
         return None
     secs, gaps = device_container.sections(blob, header, header_end)
-    integrity = device_container.Checks(blob, secs, gaps)  # section crc32s run while the host plans the decode
-    if meta["codec"] == "planes":
-        res = planes_device.decode(meta["codec_meta"], secs, blob.device)
-        if res is not None:
-            res = (*res, [])  # no checks beyond the container's
-        stream_error = "planes: a rANS chunk stream is corrupt"
-    else:  # kvctx / predictive: a prediction only for a predictive blob that was coded with one
+    reuse = entry if entry is not None else {} if header_crc is not None else None  # filled for the next decode
+    planned = None
+    if meta["codec"] != "planes":  # kvctx / predictive: a prediction only for a predictive blob coded with one
         with_pred = meta["codec"] == "predictive" and meta["uses_prediction"]
         if with_pred and prediction is None:
             return None  # the CPU path raises
-        res = kvctx_device.decode(meta["codec_meta"], secs, blob.device, prediction if with_pred else None)
+        # planned before the section checks are queued: the plan copies the model section to the host
+        # and waits for it, which would otherwise also wait for the checks' pass over the whole blob
+        planned = reuse.get("kvctx plan") if reuse is not None else None
+        if planned is None:
+            planned = kvctx_device.plan(meta["codec_meta"], secs)
+            if planned is None:
+                return None
+            if reuse is not None:
+                reuse["kvctx plan"] = planned
+    # section crc32s run while the host prepares the decode; with an entry, the header's crc32 too
+    integrity = device_container.Checks(blob, secs, gaps, (header_end, header_crc) if entry is not None else None)
+    if meta["codec"] == "planes":
+        res = planes_device.decode(meta["codec_meta"], secs, blob.device, reuse)
+        if res is not None:
+            res = (*res, [])  # no checks beyond the container's
+        stream_error = "planes: a rANS chunk stream is corrupt"
+    else:
+        res = kvctx_device.decode(meta["codec_meta"], secs, blob.device, prediction if with_pred else None,
+                                  planned=planned, reuse=reuse)
         stream_error = "predictive stream payload is corrupted (rANS state check failed)"
     if res is None:
         return None
     out, status, checks = res
     extra = [(out, meta["crc32"])] + [(t, crc) for t, crc, _ in checks]
     errors = integrity.read(extra, status)  # the one sync
+    if errors[-1]:  # the header changed under the entry (a write torch did not count): decode afresh
+        _blob_plans.drop(blob)
+        return _decompress_on_device(blob, target, max_output_bytes, prediction)
     names = list(secs)
     n = len(names)
     for i, name in enumerate(names):
@@ -378,6 +405,9 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
         raise CorruptStreamError(stream_error)
     if errors[n]:
         raise CorruptStreamError("decoded tensor fails its checksum: wrong prediction, or a corrupted stream")
+    if reuse is not None and entry is None:  # every check passed: kept for the next decode of this tensor
+        reuse["header"] = (header, header_end, header_crc)
+        _blob_plans.put(blob, reuse)
     return out if target == blob.device else out.to(target)
 
 

@@ -14,10 +14,14 @@ device, so a decode costs one small synchronization at the end.
   as soon as the sections are known, the decoded buffers' crc32s at the end), flagged on the
   device by ``kvcodec.cuda.crc32.check_many`` and read with the decoder's stream statuses in one
   synchronization.
+- :class:`BlobCache`: the parsed header and the codec's plan of a blob tensor decoded before, reused
+  by its next decode (a reused prefix's KV blocks) while the device checks still run every time.
 """
 
 from __future__ import annotations
 
+import weakref
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,13 +80,19 @@ class DeviceSection:
         return self.blob[self.offset: self.offset + self.nbytes]
 
 
-def _download(blob: torch.Tensor, n: int) -> np.ndarray:
-    return blob[:n].cpu().numpy()
+def _download(blob: torch.Tensor, end: int, start: int = 0) -> np.ndarray:
+    return blob[start:end].cpu().numpy()
 
 
 def read_header(blob: torch.Tensor) -> tuple[dict, int]:
     """Verify and parse the prefix and JSON header of a device blob (only they are copied to the
     host); returns (header, byte offset where the header ends). CorruptStreamError if bad."""
+    header, end, _ = read_header_crc(blob)
+    return header, end
+
+
+def read_header_crc(blob: torch.Tensor) -> tuple[dict, int, int]:
+    """:func:`read_header`, with the zlib crc32 of the blob's bytes up to the header's end."""
     if blob.dtype != torch.uint8 or blob.dim() != 1:
         raise CorruptStreamError("a device blob must be a 1-D uint8 tensor")
     n = blob.numel()
@@ -90,9 +100,10 @@ def read_header(blob: torch.Tensor) -> tuple[dict, int]:
     if len(head) >= container.PREFIX.size:
         hlen = container.PREFIX.unpack_from(head, 0)[3]
         if len(head) < container.PREFIX.size + hlen <= min(n, container.PREFIX.size + container.MAX_HEADER_BYTES):
-            head = _download(blob, container.PREFIX.size + hlen)
+            head = np.concatenate([head, _download(blob, container.PREFIX.size + hlen, len(head))])  # the rest
     header, mv = container.read_header(head)
-    return header, container.PREFIX.size + container.PREFIX.unpack_from(mv, 0)[3]
+    end = container.PREFIX.size + container.PREFIX.unpack_from(mv, 0)[3]
+    return header, end, zlib.crc32(head[:end])
 
 
 def sections(blob: torch.Tensor, header: dict, header_end: int) -> tuple[dict[str, DeviceSection], list[tuple[int, int]]]:
@@ -121,22 +132,26 @@ class Checks:
     """The checks of a device blob that need its payloads, launched in two parts on torch's current
     stream: the section crc32s and the zero padding when made (right after :func:`sections`, so
     they run while the host plans the decode), and the decoded buffers' crc32s in :meth:`read`,
-    which then synchronizes once."""
+    which then synchronizes once. ``header``: (end, crc32) of header bytes read earlier (a
+    :class:`BlobCache` entry's), checked to be the blob's still."""
 
-    def __init__(self, blob: torch.Tensor, secs: dict[str, DeviceSection], gaps):
+    def __init__(self, blob: torch.Tensor, secs: dict[str, DeviceSection], gaps, header: tuple[int, int] | None = None):
         from kvcodec.cuda.crc32 import check_many
 
         self.n = len(secs)
+        self.slots = self.n + 1 + (header is not None)  # sections, padding, the header's crc32
         bufs = [s.bytes for s in secs.values()] + [blob[a:b] for a, b in gaps]
         expected = [s.crc32 for s in secs.values()] + [None] * len(gaps)  # None: the bytes must be zeros
         slots = list(range(self.n)) + [self.n] * len(gaps)
-        self.flags = check_many(bufs, expected, slots, self.n + 1) if bufs else torch.zeros(
-            self.n + 1, dtype=torch.int32, device=blob.device)
+        if header is not None:
+            bufs, expected, slots = bufs + [blob[:header[0]]], expected + [header[1]], slots + [self.n + 1]
+        self.flags = check_many(bufs, expected, slots, self.slots) if bufs else torch.zeros(
+            self.slots, dtype=torch.int32, device=blob.device)
 
     def read(self, extra=(), status: torch.Tensor | None = None) -> np.ndarray:
         """int32 flags on the host, 1 = failed: [section crc32s..., ``extra`` (tensor, crc32) pairs'
         crc32s..., nonzero padding, any nonzero entry of ``status`` (the decode kernels' stream
-        statuses)]. The one synchronization of a device decode."""
+        statuses), the header differs from the one given]. The one synchronization of a device decode."""
         from kvcodec.cuda.crc32 import check_many
 
         parts = [self.flags]
@@ -146,6 +161,49 @@ class Checks:
         if status is not None:
             parts.append(status.reshape(-1).to(torch.int32))
         got = torch.cat(parts).cpu().numpy()
-        n, k = self.n, len(extra)
-        return np.concatenate([got[:n], got[n + 1: n + 1 + k], got[n: n + 1],
-                               [int(got[n + 1 + k:].any())]]).astype(np.int32)
+        n, k, s = self.n, len(extra), self.slots
+        return np.concatenate([got[:n], got[s: s + k], got[n: n + 1], [int(got[s + k:].any())],
+                               got[n + 1: s] if s > n + 1 else [0]]).astype(np.int32)
+
+
+class BlobCache:
+    """What a decode learned from a device blob's header and host-side plan (the parsed header, the
+    codec's plan and device inputs), kept for the next decode of the same blob tensor: a KV cache
+    block decoded again (a reused prefix) skips the header read-back, JSON parse and plan.
+
+    An entry belongs to one tensor object (weakly referenced: dropped when the tensor dies) at one
+    ``_version`` (torch's in-place writes bump it), address and size. Writes that torch does not see
+    (through CuPy or a raw pointer) are caught by the device checks: a decode from an entry checks
+    the header's crc32 with the sections' (:class:`Checks`) and redoes the decode without the entry
+    when the header changed; the sections' crc32s cover everything else the plan was built from.
+    Entries are stored only after a decode that passed every check; they must hold nothing that
+    references the blob (else it never dies)."""
+
+    MAX_ENTRIES = 16
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}
+
+    @staticmethod
+    def _state(blob: torch.Tensor) -> tuple:
+        return blob._version, blob.data_ptr(), blob.numel(), blob.device
+
+    def get(self, blob: torch.Tensor):
+        hit = self._entries.get(id(blob))
+        if hit is None or hit[0]() is not blob or hit[1] != self._state(blob):
+            return None
+        return hit[2]
+
+    def put(self, blob: torch.Tensor, entry) -> None:
+        key = id(blob)
+        entries = self._entries
+        if len(entries) >= self.MAX_ENTRIES and key not in entries:
+            entries.pop(next(iter(entries)), None)  # the oldest
+        ref = weakref.ref(blob, lambda r, key=key: entries.pop(key, None) if entries.get(key, (None,))[0] is r else None)
+        entries[key] = (ref, self._state(blob), entry)
+
+    def drop(self, blob: torch.Tensor) -> None:
+        self._entries.pop(id(blob), None)
+
+    def clear(self) -> None:
+        self._entries.clear()

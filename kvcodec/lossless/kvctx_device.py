@@ -181,16 +181,19 @@ def _pattern_values(ps, device) -> torch.Tensor:
     return torch.from_numpy(value_table(ps.grid)[ps.grid.k_of_bits]).to(device)
 
 
-def decode(meta, sections, device, prediction=None, launch=None):
+def decode(meta, sections, device, prediction=None, launch=None, planned=None, reuse: dict | None = None):
     """Decode a format 2 stream whose sections are ``device_container.DeviceSection``s on ``device``.
     Returns (tensor, status int32 [chunks + plan flags] with 0 = good, [(tensor, crc32, message)] to check) without
     synchronizing, or None when the CPU must decode it. CorruptStreamError for metadata the CPU
     decoder refuses. ``launch``: ``kvctx_decode.launch`` (the default) or a stand-in with its
-    signature (the tests' CPU emulation of the kernel)."""
+    signature (the tests' CPU emulation of the kernel). ``planned``: :func:`plan`'s result when the
+    caller already has it. ``reuse``: a dict that keeps the device inputs for the next decode of the
+    same bytes (filled when empty; ``device_container.BlobCache``: stored only after a decode whose
+    checks all passed, so the plan's flags of a reused entry are known to be 0)."""
     from kvcodec.cuda import kvctx_decode as kd
 
     launch = launch or kd.launch
-    res = plan(meta, sections)
+    res = planned if planned is not None else plan(meta, sections)
     if res is None:
         return None
     ps, kp = res
@@ -209,7 +212,11 @@ def decode(meta, sections, device, prediction=None, launch=None):
     lo16, keep_l = _aligned(sections.get("lo16"), 2)
     nc = kp.chunks.shape[0]
     status = torch.zeros(nc + flag_count(ps), dtype=torch.int32, device=device)  # chunks, then the plan's flags
-    dp = device_inputs(ps, kp, sections, device, status[nc:])
+    dp = reuse.get("kvctx inputs") if reuse is not None else None
+    if dp is None:
+        dp = device_inputs(ps, kp, sections, device, status[nc:])
+        if reuse is not None:
+            reuse["kvctx inputs"] = dp
     torch_kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[kp.out_kind]
     out = torch.empty((g, tt, d), dtype=torch_kind, device=device)
     if ps.source == "neighbour_layer":  # layer by layer, each predicted by the one before (layer 0: by 0)

@@ -122,10 +122,12 @@ def gpu_decodable(meta) -> bool:
                (isinstance(p.get("tables"), list) and len(p["tables"]) == 1) for p in planes)
 
 
-def decode(meta, sections, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+def decode(meta, sections, device, reuse: dict | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Decode on ``device``: ``sections`` are ``device_container.DeviceSection``s of one blob there.
     Returns (tensor, rANS status int32 [streams], 0 = good) without synchronizing, or None when
-    the blob needs the CPU decoder. Raises CorruptStreamError for metadata the CPU would refuse."""
+    the blob needs the CPU decoder. Raises CorruptStreamError for metadata the CPU would refuse.
+    ``reuse``: a dict that keeps the launch descriptors and decode tables (host arrays) for the next
+    decode of the same bytes (filled when empty; ``device_container.BlobCache``)."""
     from kvcodec.cuda import planes_codec as pc
     from kvcodec.cuda import rans as gr
 
@@ -136,7 +138,12 @@ def decode(meta, sections, device) -> tuple[torch.Tensor, torch.Tensor] | None:
     n = math.prod(shape)
     blob = next(iter(sections.values())).blob if sections else None
     row = n if len(info) == 1 else pc.row_stride(n)  # decoded planes' rows: 16-byte aligned for the merge
-    coded, pdesc, table_of, tables = stream_descriptors(meta, sections, info, n, chunk, n_chunks, row)
+    got = reuse.get("planes streams") if reuse is not None else None
+    if got is None:
+        got = stream_descriptors(meta, sections, info, n, chunk, n_chunks, row)
+        if reuse is not None:
+            reuse["planes streams"] = got
+    coded, pdesc, table_of, tables = got
     out = torch.empty(n * itemsize, dtype=torch.uint8, device=device)
     alone = len(info) == 1 and coded  # one coded plane (1-byte elements): decoded straight into out
     decoded = out.view(1, n) if alone else torch.empty((max(len(coded), 1), row), dtype=torch.uint8, device=device)
