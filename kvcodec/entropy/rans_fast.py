@@ -87,16 +87,24 @@ def decode_tables(freq_tables, precision: int, out_dtype=np.uint8):
     if t.shape[1] > np.iinfo(out_dtype).max + 1 and np.any(t[:, np.iinfo(out_dtype).max + 1 :]):
         raise ValueError(f"symbols with nonzero frequency do not fit in {out_dtype}")
     m = 1 << int(precision)
-    c_tab = _cum(t)
     sym = np.empty((t.shape[0], m), dtype=out_dtype)
     packed = np.empty((t.shape[0], m), dtype=np.uint32)
-    slots = np.arange(m, dtype=np.uint64)
-    alphabet = np.arange(t.shape[1])
-    for k in range(t.shape[0]):
-        s = np.repeat(alphabet, t[k].astype(np.int64))
-        sym[k] = s
-        packed[k] = ((t[k][s] - 1) << np.uint64(16)) | (slots - c_tab[k][s])
+    _fill_decode_tables(t, sym, packed)
     return sym, packed
+
+
+@njit(cache=True, nogil=True)
+def _fill_decode_tables(freq, sym, packed):
+    """:func:`decode_tables`' slots, one pass (rows checked to sum to the slot count; numpy's
+    repeat-and-gather took a small stream's decode ~0.06 ms)."""
+    for k in range(freq.shape[0]):
+        slot = 0
+        for s in range(freq.shape[1]):
+            f = np.int64(freq[k, s])
+            for r in range(f):
+                sym[k, slot] = s
+                packed[k, slot] = ((f - 1) << 16) | r
+                slot += 1
 
 
 # ---------------------------------------------------------------------------------- kernels

@@ -434,7 +434,7 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     if key not in _DECODERS:
         _DECODERS[key] = _chunk_decoder(key)
     grid = np.array(consts, np.int64)
-    compact = compact_of(tabs)
+    compact = tabs if tabs.dtype == np.uint8 else compact_of(tabs)  # uint8: already the two-level form
     _DECODERS[key](words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
                    m, c, a, es, level, shared, compact, lanes, out, out_g0, out_t0, err, grid)
 

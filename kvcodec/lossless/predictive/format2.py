@@ -36,7 +36,8 @@ from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.binned import decode_chunks, gather_words, symbolise, write_chunks
 from kvcodec.lossless.predictive.bins import EP_MAX, N_CLASSES, BinGrid, bin_exponent, scale_levels
 from kvcodec.lossless.predictive.params import Q, ChannelParams, stored_fields
-from kvcodec.lossless.predictive.tables import decode_tables, fit_tables, table_bytes, tables_from_bytes
+from kvcodec.lossless.predictive.tables import (compact_tables, decode_tables, fit_tables, table_bytes,
+                                                tables_from_bytes)
 
 CHUNK_VALUES = 1 << 16  # about this many values per independently decodable chunk
 MODEL_PART_BYTES = 1 << 16  # model bytes (fields + tables) up to this: one entropy stream; "mparts": per part
@@ -444,6 +445,11 @@ class Parsed2:
         return decode_tables(self.freq)
 
     @cached_property
+    def compact(self) -> np.ndarray:
+        """uint8: the two-level decode tables the CPU decoder reads (``tables.compact_tables``)."""
+        return compact_tables(self.freq)
+
+    @cached_property
     def margs(self) -> tuple:
         """BinParams.kernel_args(): the CPU decoder's per-channel arrays (expanded on first use)."""
         return self.fields.params(self.shared).kernel_args(self.grid)
@@ -507,6 +513,6 @@ def decode(ps: Parsed2, grid: BinGrid, select: np.ndarray, out: np.ndarray, out_
     has_pred = pred is not None
     p = pred if has_pred else np.zeros((1, 1, 1), np.float32)
     decode_chunks(ps.words, ps.wstart[select], ps.wlen[select], ps.bits, ps.bstart[select], ps.blen[select],
-                  cg0, cng, ct0, cnt, p, has_pred, pred_g0, pred_t0, *ps.margs, ps.shared, ps.tabs, ps.lanes,
+                  cg0, cng, ct0, cnt, p, has_pred, pred_g0, pred_t0, *ps.margs, ps.shared, ps.compact, ps.lanes,
                   *_grid_args(grid), out, 0, out_t0, err)
     return err

@@ -138,6 +138,16 @@ def decode_tables(freq: np.ndarray) -> np.ndarray:
     return tabs
 
 
+def compact_tables(freq: np.ndarray) -> np.ndarray:
+    """``compact_of(decode_tables(freq))`` without the full tables: what the CPU decoder reads
+    (the full tables, 16 KiB a class, are the GPU kernel's; building them cost a small tensor's
+    decode ~0.1 ms). ``freq`` as :func:`tables_from_bytes` returns it (rows summing to 4096 or 0)."""
+    f = np.ascontiguousarray(freq, np.int64)
+    compact = np.empty(f.shape[0] * COMPACT_STRIDE, np.uint8)
+    _fill_tables(f, np.empty(0, np.uint32), compact)
+    return compact
+
+
 COMPACT_STRIDE = TOTAL + 4 * 256  # bytes a class takes in the two-level form
 _LAST: tuple = (None, None)  # (the last decode tables built or compacted, their two-level form)
 
@@ -161,7 +171,8 @@ def compact_of(tabs: np.ndarray) -> np.ndarray:
 @njit(nogil=True, cache=True)
 def _fill_tables(freq, tabs, compact):
     """:func:`decode_tables` and :func:`compact_of` of ``freq`` in one pass (a row of zeros: ESC in
-    every slot)."""
+    every slot); an empty ``tabs``: the two-level form only."""
+    full = tabs.size > 0
     for k in range(freq.shape[0]):
         t0, c0 = k * TOTAL, k * COMPACT_STRIDE
         fc = compact[c0 + TOTAL:c0 + COMPACT_STRIDE].view(np.uint32)  # freq | cum << 16 per symbol
@@ -170,7 +181,7 @@ def _fill_tables(freq, tabs, compact):
         for s in range(256):
             used |= freq[k, s] != 0
         if not used:
-            for slot in range(TOTAL):
+            for slot in range(TOTAL if full else 0):
                 tabs[t0 + slot] = (ESC << 24) | ((TOTAL - 1) << 12) | slot
             compact[c0:c0 + TOTAL] = ESC
             fc[ESC] = TOTAL
@@ -181,7 +192,7 @@ def _fill_tables(freq, tabs, compact):
             if f == 0:
                 continue
             head = (s << 24) | ((f - 1) << 12)
-            for r in range(f):
+            for r in range(f if full else 0):
                 tabs[t0 + cum + r] = head | r
             compact[c0 + cum:c0 + cum + f] = s
             fc[s] = f | (cum << 16)

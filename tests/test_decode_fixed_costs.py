@@ -1,0 +1,107 @@
+"""The compiled helpers that cut a small tensor's fixed decode cost equal the numpy code they
+replaced (kept here as the reference): rANS slot tables, varint arrays, the two-level predictive
+tables built without the full ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec.entropy import rans_fast, stream
+from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless.predictive import tables
+from kvcodec.lossless.predictive.bins import N_CLASSES
+
+
+def _slot_tables_reference(freq: np.ndarray, precision: int, out_dtype):
+    """The numpy construction rans_fast.decode_tables used before its compiled fill."""
+    t = np.atleast_2d(freq).astype(np.uint64)
+    m = 1 << precision
+    cum = np.zeros_like(t)
+    np.cumsum(t[:, :-1], axis=1, out=cum[:, 1:])
+    sym = np.empty((t.shape[0], m), out_dtype)
+    packed = np.empty((t.shape[0], m), np.uint32)
+    slots = np.arange(m, dtype=np.uint64)
+    for k in range(t.shape[0]):
+        s = np.repeat(np.arange(t.shape[1]), t[k].astype(np.int64))
+        sym[k] = s
+        packed[k] = ((t[k][s] - 1) << np.uint64(16)) | (slots - cum[k][s])
+    return sym, packed
+
+
+def _random_freq(rng, rows: int, alphabet: int, precision: int) -> np.ndarray:
+    out = np.zeros((rows, alphabet), np.int64)
+    for k in range(rows):
+        cuts = np.sort(rng.integers(0, (1 << precision) + 1, size=alphabet - 1))
+        out[k] = np.diff(np.concatenate([[0], cuts, [1 << precision]]))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), alphabet=st.sampled_from([1, 2, 7, 256, 300]),
+       precision=st.integers(8, 14))
+def test_rans_slot_tables_equal_numpy_reference(seed, rows, alphabet, precision):
+    freq = _random_freq(np.random.default_rng(seed), rows, alphabet, precision)
+    dtype = np.uint16 if alphabet > 256 else np.uint8
+    got = rans_fast.decode_tables(freq, precision, dtype)
+    want = _slot_tables_reference(freq, precision, dtype)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+def _varints_reference(buf: np.ndarray, pos: int, count: int, max_bytes: int):
+    """The vectorised numpy reader stream._read_varint_array was before its compiled pass."""
+    if count == 0:
+        return np.zeros(0, dtype=np.int64), pos
+    window = buf[pos: pos + count * max_bytes]
+    ends = np.flatnonzero(window < 0x80)[:count]
+    if ends.size < count:
+        raise CorruptStreamError("frequency table is truncated")
+    lengths = np.diff(ends, prepend=-1)
+    if lengths.max() > max_bytes:
+        raise CorruptStreamError("frequency table holds an oversized value")
+    if np.any((lengths > 1) & (window[ends] == 0)):
+        raise CorruptStreamError("frequency table holds an overlong varint")
+    used = window[: ends[-1] + 1].astype(np.int64)
+    starts = ends - lengths + 1
+    idx = np.arange(used.size) - np.repeat(starts, lengths)
+    vals = np.add.reduceat((used & 0x7F) << (7 * idx), starts)
+    return vals, pos + int(ends[-1]) + 1
+
+
+def _outcome(fn, *args):
+    try:
+        vals, end = fn(*args)
+        return "ok", vals.tolist(), end
+    except CorruptStreamError as e:
+        return "error", str(e)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=40), pos=st.integers(0, 8), count=st.integers(0, 12), max_bytes=st.integers(1, 3),
+       valid=st.booleans())
+def test_varint_array_equals_numpy_reference(data, pos, count, max_bytes, valid):
+    """Same values and end, or the same error, on valid varints and on arbitrary bytes."""
+    if valid:  # real varints (bytes below 0x80 end a value) with a random prefix
+        vals = np.frombuffer(data, np.uint8).astype(np.int64) * 131 % (1 << (7 * max_bytes))
+        data = data[:pos] + stream._varint_array(vals)
+    buf = np.frombuffer(data, np.uint8)
+    pos = min(pos, buf.size)
+    assert _outcome(stream._read_varint_array, buf, pos, count, max_bytes) == \
+        _outcome(_varints_reference, buf, pos, count, max_bytes)
+
+
+@pytest.mark.parametrize("used", [0, 1, 5, N_CLASSES])
+def test_compact_tables_equal_compact_of_full_tables(used):
+    rng = np.random.default_rng(used)
+    freq = np.zeros((N_CLASSES, 256), np.int64)
+    rows = rng.choice(N_CLASSES, used, replace=False)
+    freq[rows] = _random_freq(rng, used, 256, 12) if used else freq[rows]
+    freq[rows[:1], :] = 0
+    if used:
+        freq[rows[0], 255] = 4096  # a class of ESC only
+    compact = tables.compact_tables(freq)
+    full = tables.decode_tables(freq)
+    assert np.array_equal(compact, tables.compact_of(full))
+    assert np.array_equal(compact, tables.compact_of(full.copy()))  # compacted from the entries
