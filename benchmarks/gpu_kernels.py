@@ -143,6 +143,7 @@ CHECKS = [
     ("d128 dense rotations", (2, 32, 8, 1, 700, 128, 4, 4, [700, 301]), {"rotation": "orthogonal"}),
     ("d64 hadamard2 rotations g3", (2, 9, 3, 2, 700, 64, 4, 4, [699, 0]), {"rotation": "hadamard2"}),
     ("d128 hadamard2 g20 window", (2, 40, 2, 1, 500, 128, 4, 4, [500, 77]), {"rotation": "hadamard2"}),
+    ("d128 hadamard2 g4 (narrow: lane tables)", (2, 16, 4, 1, 600, 128, 4, 4, [600, 255]), {"rotation": "hadamard2"}),
 ]
 
 
@@ -513,7 +514,8 @@ FUSED_CHECK_MODES = CHECK_MODES[:6] + [("one-launch 1 stage: ", ("TQ_FUSED_STAGE
                                        ("one-launch 2 stages: ", ("TQ_FUSED_STAGES=2",), True, True),
                                        ("one-launch values in registers: ", ("TQ_REG_LUT=3",), True, True),
                                        ("one-launch no lane tables: ", ("TQ_LANE_LUT=0",), True, True),
-                                       ("one-launch lane tables for values only: ", ("TQ_LANE_LUT=2",), True, True)]
+                                       ("one-launch lane tables for values only: ", ("TQ_LANE_LUT=2",), True, True),
+                                       ("one-launch warp rotations: ", ("TQ_FUSED_WARP_ROTATE=1",), True, True)]
 TABLE_SHAPES = [(b, t, 32, 8, 128, 4, 4) for b in (1, 8, 32) for t in (4096, 32768, 131072)] + [
     (1, 32768, 32, 8, 128, 3, 3), (8, 32768, 32, 8, 128, 3, 3), (1, 32768, 32, 8, 128, 4, 2),
     (1, 32768, 9, 3, 64, 4, 4), (8, 32768, 9, 3, 64, 4, 4), (8, 131072, 9, 3, 64, 4, 4)]
@@ -530,10 +532,12 @@ FUSED_VARIANTS = [
     ("no lane tables (session 5 default)", ("TQ_LANE_LUT=0",), (128, 256)),
     ("lane tables for values only", ("TQ_LANE_LUT=2",), (128, 256)),
     ("2 stages", ("TQ_FUSED_STAGES=2",), (128, 256)),
+    ("warp rotations (prologue, tail)", ("TQ_FUSED_WARP_ROTATE=1",), (256,)),
+    ("warp rotations, 2 stages", ("TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2"), (256,)),
     ("no last-block merge (timing only)", ("TQ_FUSED_PROFILE=2",), ()),
 ]
 FUSED_VARIANT_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 4096, 32, 8, 128, 4, 4),
-                        (8, 32768, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4)]
+                        (8, 32768, 32, 8, 128, 4, 4), (8, 131072, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4)]
 
 
 def _compile_one(job) -> str:
@@ -676,8 +680,10 @@ def fused_tpw_sweep() -> list[dict]:
     return tpw_sweep(ONE, FUSED_TPW_SHAPES, FUSED_TPW_GRID, WARPS_PER_BLOCK * FUSED_MAX_BLOCKS, "fused tpw")
 
 
+# between the kernel's 10 stamps (a TQ_FUSED_WARP_ROTATE build stamps its whole final merge as the first of
+# the last five phases: warp 0 merges row 0 with no block barrier)
 TRACE_PHASES = ["prologue", "split", "block merge + partial write", "fences + atomic", "(m, l) + first partials",
-                "weights", "weighted sum", "inverse rotation", "output"]  # between the kernel's 10 stamps
+                "weights", "weighted sum", "inverse rotation", "output"]
 
 
 def trace_phases() -> list[dict]:

@@ -1240,6 +1240,14 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
 #define TQ_LANE_LUT 0
 #endif
 #define TQ_LANE_LUT_BYTES 65536
+// 1: lane-table builds rotate the query in registers in the prologue and merge one row per warp in the
+// last block, Hadamard rotations as warp butterflies (tq::rotate_query_rows, tq::merge_row: no block
+// barrier in either). Measured (GPU notes, session 6 "kernel2", run R1): the prologue 4.1 -> 2.0 us and
+// the final merge 4.3 -> 2.4 us at b1 x 32k (call 29.2 -> 27.6 us), but the split loop 1-3% slower
+// (ptxas re-reads threadIdx.x in it) and b8 x 128k 12% slower: not the default until that is understood.
+#ifndef TQ_FUSED_WARP_ROTATE
+#define TQ_FUSED_WARP_ROTATE 0
+#endif
 
 namespace tq {
 // A one-launch instance's build choices. BULK: its splits run on the bulk ring (TQ_FUSED_BULK): narrow
@@ -1281,6 +1289,38 @@ TQ_DEVI void col_dot_rows(const float* v, const float* __restrict__ M, int j, fl
   }
 }
 
+TQ_DEVI float load_query(const void* q, long long i, int qin) {
+  if (qin == 0) return reinterpret_cast<const float*>(q)[i];
+  const tq_u16 h = reinterpret_cast<const tq_u16*>(q)[i];
+  return qin == 1 ? tq_h2f(h) : tq_bf2f(h);
+}
+
+// The output rows r < nr of a tile (first row row0 of out) = y @ M for the rows y of ybuf (shared, synced)
+// and a dense rotation M (row-major [D, D] in global memory, read through L2), in the output dtype.
+template <int D>
+TQ_DEVI void dense_rotate_out(const float* ybuf, int nr, const float* __restrict__ M, void* out, int out_kind,
+                              long long row0) {
+  for (int j = threadIdx.x; j < D; j += blockDim.x) {
+    for (int r0 = 0; r0 < nr; r0 += 4) {
+      float a[4];
+      col_dot_rows<D, 4>(ybuf + r0 * D, M, j, a);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (r0 + k < nr) {
+          const long long o = (row0 + r0 + k) * D + j;
+          if (out_kind == 0) reinterpret_cast<float*>(out)[o] = a[k];
+          else if (out_kind == 1) reinterpret_cast<tq_u16*>(out)[o] = tq_f2h(a[k]);
+          else reinterpret_cast<tq_u16*>(out)[o] = tq_f2bf(a[k]);
+        }
+      }
+    }
+  }
+}
+
+// The one-launch kernel rotates in shared memory, except lane-table builds with TQ_FUSED_WARP_ROTATE
+// (registers, below; not offered to the builds without lane tables: their split loop sits at the
+// register cap, and with the register rotations ptxas spilled 24-28 bytes in the 3/3 and 4/2-bit
+// builds, on sm_90 or sm_100 depending on the build).
 // In-place fast Walsh-Hadamard transform (Sylvester order, unnormalized) of rows r < nr of a shared
 // [*, D] buffer: log2(D) butterfly passes, one block barrier after each. D a power of two.
 template <int D>
@@ -1325,10 +1365,201 @@ TQ_DEVI void hadamard_inverse(float* buf, int nr, const float* signs, int rounds
   }
 }
 
-TQ_DEVI float load_query(const void* q, long long i, int qin) {
-  if (qin == 0) return reinterpret_cast<const float*>(q)[i];
-  const tq_u16 h = reinterpret_cast<const tq_u16*>(q)[i];
-  return qin == 1 ? tq_h2f(h) : tq_bf2f(h);
+// Randomized Hadamard rotations of rows held in registers, one row per warp: lane l owns the E = D / 32
+// elements E l .. E l + E - 1 (D a power of two, 32 <= D). No shared memory and no block barrier: the
+// in-register butterflies first, then five shuffle levels (the butterflies of a Sylvester-order FWHT
+// commute). The prologue and the last block's merge rotate their rows this way.
+template <int E>
+TQ_DEVI void fwht_warp(float (&x)[E]) {
+#pragma unroll
+  for (int h = 1; h < E; h <<= 1) {
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      if (!(k & h)) {
+        const float a = x[k], b = x[k + h];
+        x[k] = a + b;
+        x[k + h] = a - b;
+      }
+    }
+  }
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool hi = (lane & m) != 0;
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const float p = __shfl_xor_sync(0xffffffffu, x[k], m);
+      x[k] = hi ? p - x[k] : x[k] + p;
+    }
+  }
+}
+
+// this lane's signs of a rotation of `rounds` (1 or 2) rounds ([rounds, D] in global memory)
+template <int E>
+TQ_DEVI void load_lane_signs(float (&s)[2][E], const float* __restrict__ signs, int rounds) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int rd = 0; rd < 2; ++rd)
+#pragma unroll
+    for (int k = 0; k < E; ++k) s[rd][k] = rd < rounds ? __ldg(signs + rd * 32 * E + E * lane + k) : 0.f;
+}
+
+// x = R x (forward: the query prep's q @ R^T) or x = R^T x (inverse: the merge's y @ R), R = H diag(s)
+// / sqrt(D) (1 round) or H diag(s2) H diag(s1) / D (2 rounds)
+template <int E, bool INVERSE>
+TQ_DEVI void hadamard_warp(float (&x)[E], const float (&s)[2][E], int rounds) {
+  const float scale = rounds == 1 ? 1.f / sqrtf((float)(32 * E)) : 1.f / (float)(32 * E);  // as hadamard_forward
+  if (!INVERSE) {
+#pragma unroll
+    for (int rd = 0; rd < 2; ++rd) {
+      if (rd < rounds) {
+#pragma unroll
+        for (int k = 0; k < E; ++k) x[k] *= s[rd][k] * (rd == 0 ? scale : 1.f);
+        fwht_warp<E>(x);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int rd = 1; rd >= 0; --rd) {
+      if (rd < rounds) {
+        fwht_warp<E>(x);
+#pragma unroll
+        for (int k = 0; k < E; ++k) x[k] *= s[rd][k] * (rd == 0 ? scale : 1.f);
+      }
+    }
+  }
+}
+
+// E consecutive floats from L2 (the partials other blocks wrote: __ldcg), in 16- or 8-byte loads
+template <int E>
+TQ_DEVI void ldcg_vec(float (&x)[E], const float* p) {
+  if constexpr (E % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < E / 4; ++k) {
+      const float4 t = __ldcg(reinterpret_cast<const float4*>(p) + k);
+      x[4 * k] = t.x, x[4 * k + 1] = t.y, x[4 * k + 2] = t.z, x[4 * k + 3] = t.w;
+    }
+  } else if constexpr (E == 2) {
+    const float2 t = __ldcg(reinterpret_cast<const float2*>(p));
+    x[0] = t.x, x[1] = t.y;
+  } else {
+#pragma unroll
+    for (int k = 0; k < E; ++k) x[k] = __ldcg(p + k);
+  }
+}
+
+// The prologue's query rotation with a Hadamard key rotation: warp w rotates rows w + 4 j (j < NJ, rows
+// < nr of the tile whose first query element is q + q0) in registers, one round trip for the query and
+// the signs and no block barrier, and leaves row r in ybuf[r D ..] for the same warp.
+template <int D, int NJ>
+TQ_DEVI void rotate_query_rows(const void* __restrict__ q, int qin, int q0, int nr,
+                                               const float* __restrict__ k_signs, int k_rounds, float* ybuf) {
+  constexpr int E = D / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float ks[2][E], x[NJ][E];
+  load_lane_signs<E>(ks, k_signs, k_rounds);
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int r = warp + 4 * j;
+#pragma unroll
+    for (int k = 0; k < E; ++k) x[j][k] = r < nr ? load_query(q, q0 + r * D + E * lane + k, qin) : 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int r = warp + 4 * j;
+    if (r < nr) {
+      if (!(TQ_FUSED_PROFILE & 1)) hadamard_warp<E, false>(x[j], ks, k_rounds);
+#pragma unroll
+      for (int k = 0; k < E; ++k) ybuf[r * D + E * lane + k] = x[j][k];
+    }
+  }
+  __syncwarp();
+}
+
+// The last block's merge of one query row, by one warp (lane l owns elements E l .. E l + E - 1, E =
+// D / 32: one float4 of each block's partial at D = 128): the log-sum-exp weights of the row's nblk
+// block partials (po: block b's row at po + b R D; ml: its (m, l) at ml + 2 b R; weights through w,
+// MAXB floats of shared memory the warp owns), their weighted sum (TB loads in flight per lane, the
+// first batch issued before the weights are known), the lse, and then either the inverse Hadamard
+// value rotation in registers and the output row in its dtype (v_signs set), or the un-rotated row
+// into ybuf_row for the caller's dense rotation.
+template <int D, int TB, int MAXB, bool HAD>
+TQ_DEVI void merge_row(const float* __restrict__ po, const float* __restrict__ ml, int nblk, int R,
+                                       float* w, const float* __restrict__ v_signs, int v_rounds, void* out,
+                                       int out_kind, long long out_off, float* lse, float* ybuf_row) {
+  constexpr int E = D / 32;
+  constexpr int MB = MAXB / 32;  // (m, l) pairs per lane
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  const int lane = threadIdx.x & 31;
+  const long long bstride = (long long)R * D;
+  const float* p = po + E * lane;
+  float v[TB][E];  // the first batch does not depend on the weights: in flight while they are computed
+#pragma unroll
+  for (int k = 0; k < TB; ++k) {
+    if (k < nblk) ldcg_vec<E>(v[k], p + k * bstride);
+  }
+  float vs[2][E];
+  if (HAD && v_signs) load_lane_signs<E>(vs, v_signs, v_rounds);
+  float mb[MB], lb[MB];
+#pragma unroll
+  for (int j = 0; j < MB; ++j) {
+    const int b = lane + 32 * j;
+    float2 t = make_float2(NEG_INF, 0.f);
+    if (b < nblk) t = __ldcg(reinterpret_cast<const float2*>(ml + (long long)b * R * 2));
+    mb[j] = t.x;
+    lb[j] = t.y;
+  }
+  float M = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < MB; ++j) M = fmaxf(M, mb[j]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  const float Mu = (M == NEG_INF) ? 0.f : M;
+  float L = 0.f;
+#pragma unroll
+  for (int j = 0; j < MB; ++j) {
+    const float wj = (lb[j] > 0.f) ? tq_exp2(mb[j] - Mu) : 0.f;
+    w[lane + 32 * j] = wj;
+    L += wj * lb[j];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+  __syncwarp();
+  float a[E];
+#pragma unroll
+  for (int k = 0; k < E; ++k) a[k] = 0.f;
+  for (int b = 0; b < nblk; b += TB) {
+    if (b > 0) {
+#pragma unroll
+      for (int k = 0; k < TB; ++k)
+        if (b + k < nblk) ldcg_vec<E>(v[k], p + (b + k) * bstride);
+    }
+#pragma unroll
+    for (int k = 0; k < TB; ++k) {
+      const float wk = (b + k < nblk) ? w[b + k] : 0.f;
+      if (wk != 0.f) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) a[e] += wk * v[k][e];
+      }
+    }
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+  for (int k = 0; k < E; ++k) a[k] *= inv;
+  if (lane == 0) *lse = (L > 0.f) ? (M + __log2f(L)) * 0.69314718055994531f : NEG_INF;
+  if (HAD && v_signs) {
+    hadamard_warp<E, true>(a, vs, v_rounds);
+    const long long o = out_off + E * lane;
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      if (out_kind == 0) reinterpret_cast<float*>(out)[o + k] = a[k];
+      else if (out_kind == 1) reinterpret_cast<tq_u16*>(out)[o + k] = tq_f2h(a[k]);
+      else reinterpret_cast<tq_u16*>(out)[o + k] = tq_f2bf(a[k]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < E; ++k) ybuf_row[E * lane + k] = a[k];
+  }
 }
 
 // Fill the lane-private pair tables at tab (tq_lane_pair's layout, TQ_LANE_LUT_BYTES): table A from
@@ -1397,6 +1628,7 @@ tq_decode_fused(
   constexpr int XQ = (ROWS * D > 2 * ROWS * MAXB) ? ROWS * D : 2 * ROWS * MAXB;
   constexpr bool BULK = tq::FusedBuild<D, BK, BV, NARROW>::BULK;
   constexpr int LANE = tq::FusedBuild<D, BK, BV, NARROW>::LANE;
+  constexpr bool WROT = LANE && TQ_FUSED_WARP_ROTATE;  // rotations in registers (TQ_FUSED_WARP_ROTATE)
   __shared__ typename tq::Pick<(LANE & 1) || (LANE && T::KREG), tq::NoTable, tq::CodeTable<BK, false>>::type ktab;
   __shared__ typename tq::Pick<(LANE & 2) != 0, tq::NoTable, tq::CodeTable<BV, VBF>>::type vtab;
   constexpr int QROWS = NARROW ? 8 : 16;           // query rows the split reads
@@ -1410,9 +1642,9 @@ tq_decode_fused(
   tq_u16* q16s = LANE ? reinterpret_cast<tq_u16*>(xq) : q16own;
   __shared__ __align__(16) float ybuf[ROWS * D];  // prologue: rotated rows; then the block's partial
   __shared__ float rss[16];
-  __shared__ float ksg[2 * D], vsg[2 * D];       // Hadamard signs of the key / value rotations
+  __shared__ float ksg[WROT ? 1 : 2 * D], vsg[WROT ? 1 : 2 * D];  // Hadamard signs (shared-memory rotations)
   __shared__ float wm[4][ROWS], wl[4][ROWS];      // per warp (m, l) of each row
-  __shared__ float rowm[ROWS], rowl[ROWS];        // block (later: tile) max and sum per row
+  __shared__ float rowm[ROWS], rowl[ROWS];        // block max and sum per row
   __shared__ int is_last;
   // the bulk ring of each warp (TQ_FUSED_BULK; an unused int otherwise)
   using Bulk = tq::BulkSel<T, BULK>;
@@ -1436,6 +1668,11 @@ tq_decode_fused(
   const int R0 = rt * 16;               // first row of the tile
   const int nr = min(ROWS, R - R0);     // rows of the tile that exist
   const float NEG_INF = -__int_as_float(0x7f800000);
+  // rows of D = 32 E values held one per warp (E per lane) in the prologue and the tail; HAD: the
+  // randomized Hadamard rotations run there as warp butterflies (tq::hadamard_warp)
+  static_assert(D % 32 == 0, "head_dim a multiple of 32");
+  constexpr int E = D / 32;
+  constexpr bool HAD = (D & (D - 1)) == 0;
 
   // bulk ring: this warp's split is known before the prologue (its first copies are issued in it)
   int blen = 0;
@@ -1444,13 +1681,21 @@ tq_decode_fused(
   int pk[D / 32];  // this lane's permutation entries, loaded early (used after two barriers)
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) pk[i] = __ldg(perm + lane + 32 * i);
+  // TQ_FUSED_WARP_ROTATE lane-table builds with a Hadamard key rotation: warp w rotates rows w, w + 4,
+  // ... in registers (tq::rotate_query_rows: one round trip, no block barrier); the others stage the
+  // rows in shared memory
+  if (WROT && HAD && k_rounds > 0) {
+    tq::rotate_query_rows<D, QROWS / 4>(q, qin, (bh * R + R0) * D, nr, k_signs, k_rounds, ybuf);
+  } else {
   for (int i = tid; i < ROWS * D; i += blockDim.x) {
     const int r = i / D;
     xq[i] = (r < nr) ? tq::load_query(q, ((long long)bh * R + R0 + r) * D + (i - r * D), qin) : 0.f;
   }
   // the signs come with the query (the last block's value signs too: one round trip less in its tail)
-  for (int i = tid; i < k_rounds * D; i += blockDim.x) ksg[i] = __ldg(k_signs + i);
-  for (int i = tid; i < v_rounds * D; i += blockDim.x) vsg[i] = __ldg(v_signs + i);
+  if constexpr (!WROT) {
+    for (int i = tid; i < k_rounds * D; i += blockDim.x) ksg[i] = __ldg(k_signs + i);
+    for (int i = tid; i < v_rounds * D; i += blockDim.x) vsg[i] = __ldg(v_signs + i);
+  }
   __syncthreads();
   if constexpr (BULK) {
     // lane 0 of each warp: barriers, then the copies of its split's first LOOK steps, which land
@@ -1469,7 +1714,7 @@ tq_decode_fused(
                             (long long)bh * Tcap + begin + 16 * k);
     }
   }
-  if (k_rounds > 0 && !(TQ_FUSED_PROFILE & 1)) {
+  if (!WROT && k_rounds > 0 && !(TQ_FUSED_PROFILE & 1)) {
     if constexpr ((D & (D - 1)) == 0) tq::hadamard_forward<D>(xq, ybuf, nr, ksg, k_rounds);
   } else {
   for (int j = tid; j < D; j += blockDim.x) {
@@ -1487,6 +1732,7 @@ tq_decode_fused(
     }
   }
   __syncthreads();
+  }
   }
   for (int r = warp; r < QROWS; r += 4) {
     float m = 0.f;
@@ -1566,6 +1812,28 @@ tq_decode_fused(
   __syncthreads();
   if (!is_last || (TQ_FUSED_PROFILE & 2)) return;
   __threadfence();
+  if constexpr (WROT) {
+  TQ_STAMP(4);
+  // warp w merges rows w, w + 4, ... (tq::merge_row: no block barrier in this tail)
+  constexpr int TB = TQ_FUSED_TAIL_BATCH > 0 ? TQ_FUSED_TAIL_BATCH : ((NARROW && D <= 64) || E > 4) ? 8 : 16;
+  const bool vhad = HAD && v_rounds > 0;
+  for (int r = warp; r < nr; r += 4) {
+    const long long row = (long long)bh * R + R0 + r;  // output row
+    tq::merge_row<D, TB, MAXB, HAD>(part_o + ((long long)bh * nblk * R + R0 + r) * D,
+                                    part_ml + ((long long)bh * nblk * R + R0 + r) * 2, nblk, R, xq + r * MAXB,
+                                    vhad ? v_signs : nullptr, v_rounds, out, out_kind, row * D, lse + row,
+                                    ybuf + r * D);
+  }
+  TQ_STAMP(5);
+  TQ_STAMP(6);
+  TQ_STAMP(7);
+  TQ_STAMP(8);
+  if (!vhad) {
+    // out = y @ R_v with a dense rotation (read from L2), in the output dtype
+    __syncthreads();
+  tq::dense_rotate_out<D>(ybuf, nr, v_rotation, out, out_kind, (long long)bh * R + R0);
+  }
+  } else {
   TQ_STAMP(4);
   constexpr int TPR = D / 4;  // threads per row in the weighted sum (one float4 each)
   constexpr int TB = TQ_FUSED_TAIL_BATCH > 0 ? TQ_FUSED_TAIL_BATCH : (NARROW && D <= 64) ? 8 : 16;
@@ -1659,25 +1927,12 @@ tq_decode_fused(
       else reinterpret_cast<tq_u16*>(out)[o] = tq_f2bf(ybuf[i]);
     }
   } else {
-  for (int j = tid; j < D; j += blockDim.x) {
-    for (int r0 = 0; r0 < nr; r0 += 4) {
-      float a[4];
-      tq::col_dot_rows<D, 4>(ybuf + r0 * D, v_rotation, j, a);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (r0 + k < nr) {
-          const long long o = ((long long)bh * R + R0 + r0 + k) * D + j;
-          if (out_kind == 0) reinterpret_cast<float*>(out)[o] = a[k];
-          else if (out_kind == 1) reinterpret_cast<tq_u16*>(out)[o] = tq_f2h(a[k]);
-          else reinterpret_cast<tq_u16*>(out)[o] = tq_f2bf(a[k]);
-        }
-      }
-    }
-  }
+  tq::dense_rotate_out<D>(ybuf, nr, v_rotation, out, out_kind, (long long)bh * R + R0);
   }
   if (tid < nr) {
     const float L = rowl[tid];
     lse[(long long)bh * R + R0 + tid] = (L > 0.f) ? (rowm[tid] + __log2f(L)) * 0.69314718055994531f : NEG_INF;
+  }
   }
 #if TQ_FUSED_TRACE
   __syncthreads();
