@@ -70,6 +70,7 @@ VARIANT_DEFINES = [
     ("TQ_REG_LUT=0", "TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0", "TQ_PTR_STEP=0", "TQ_NO_L1=0"),
     ("TQ_STAGES=2",),
     ("TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"),
+    ("TQ_ASM_LANEID=1",),
 ]
 
 
@@ -136,7 +137,9 @@ def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tm
 @pytest.mark.parametrize("arch,defines", [("sm_90", ("TQ_LANE_LUT=3",)), ("sm_100", ("TQ_LANE_LUT=3",)),
                                           ("sm_90", ("TQ_LANE_LUT=2",)),
                                           ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1")),
-                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1"))])
+                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1")),
+                                          ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_ASM_LANEID=1")),
+                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_ASM_LANEID=1"))])
 def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(arch, defines, tmp_path):
     """The one-launch kernel with lane-private pair tables (TQ_LANE_LUT): the d128 narrow 4/4-bit
     instances build without spills and their static shared memory plus the tables' 64 KB (plus the 1 KB

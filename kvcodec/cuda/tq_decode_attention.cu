@@ -84,6 +84,14 @@
 #ifndef TQ_STAGES
 #define TQ_STAGES 1
 #endif
+// 1: the split loop takes its lane index from `mov %laneid` (volatile asm) instead of threadIdx.x & 31:
+// ptxas then keeps the lane-derived offsets in registers; with threadIdx.x it may re-read it in the
+// loop (6 S2R per 3 steps in the TQ_FUSED_WARP_ROTATE build). SASS of the d128 4/4 lane-table
+// one-launch loop (3 steps, sm_90): 1068 -> 1056 instructions (default), 1082 -> 1053 (warp
+// rotations); not yet timed on a GPU (GPU notes, session 6 "kernel2"). Default 0.
+#ifndef TQ_ASM_LANEID
+#define TQ_ASM_LANEID 0
+#endif
 
 namespace tq {
 
@@ -492,7 +500,9 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab
                         const tq_u16* __restrict__ rnorms, long long tok0, int begin, int end,
                         typename BulkT::Ring* bring = nullptr) {
   using T = DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  int lane = threadIdx.x & 31;
+  if (TQ_ASM_LANEID) asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  const int g = lane >> 2, t = lane & 3;
   static_assert(!LANE || (NARROW && !QJL && BK == 4 && BV == 4 && T::KALIGN && T::VALIGN),
                 "lane tables: narrow tiles of 4-bit MSE keys and values with word-aligned chunks");
   const tq_u32 lanec = 4u * lane;  // the lane byte of the lane-table offsets
@@ -1452,8 +1462,8 @@ TQ_DEVI void ldcg_vec(float (&x)[E], const float* p) {
 // < nr of the tile whose first query element is q + q0) in registers, one round trip for the query and
 // the signs and no block barrier, and leaves row r in ybuf[r D ..] for the same warp.
 template <int D, int NJ>
-TQ_DEVI void rotate_query_rows(const void* __restrict__ q, int qin, int q0, int nr,
-                                               const float* __restrict__ k_signs, int k_rounds, float* ybuf) {
+TQ_DEVI void rotate_query_rows(const void* __restrict__ q, int qin, int q0, int nr, const float* __restrict__ k_signs,
+                               int k_rounds, float* ybuf) {
   constexpr int E = D / 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float ks[2][E], x[NJ][E];
@@ -1484,9 +1494,9 @@ TQ_DEVI void rotate_query_rows(const void* __restrict__ q, int qin, int q0, int 
 // value rotation in registers and the output row in its dtype (v_signs set), or the un-rotated row
 // into ybuf_row for the caller's dense rotation.
 template <int D, int TB, int MAXB, bool HAD>
-TQ_DEVI void merge_row(const float* __restrict__ po, const float* __restrict__ ml, int nblk, int R,
-                                       float* w, const float* __restrict__ v_signs, int v_rounds, void* out,
-                                       int out_kind, long long out_off, float* lse, float* ybuf_row) {
+TQ_DEVI void merge_row(const float* __restrict__ po, const float* __restrict__ ml, int nblk, int R, float* w,
+                       const float* __restrict__ v_signs, int v_rounds, void* out, int out_kind, long long out_off,
+                       float* lse, float* ybuf_row) {
   constexpr int E = D / 32;
   constexpr int MB = MAXB / 32;  // (m, l) pairs per lane
   const float NEG_INF = -__int_as_float(0x7f800000);
