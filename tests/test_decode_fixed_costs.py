@@ -105,3 +105,34 @@ def test_compact_tables_equal_compact_of_full_tables(used):
     full = tables.decode_tables(freq)
     assert np.array_equal(compact, tables.compact_of(full))
     assert np.array_equal(compact, tables.compact_of(full.copy()))  # compacted from the entries
+
+
+def _decode_outcome(fn):
+    try:
+        return "ok", fn().tobytes()
+    except CorruptStreamError as e:
+        return "error", str(e)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 3000), alphabet=st.sampled_from([1, 3, 256, 300]),
+       precision=st.integers(8, 14), flip=st.integers(-1, 200))
+def test_short_single_state_decode_equals_slot_table_decode(seed, n, alphabet, precision, flip):
+    """decode_table's per-symbol path (short payloads) decodes what the per-slot tables decode and
+    fails the same way on damaged payloads (a flipped byte, a cut)."""
+    rng = np.random.default_rng(seed)
+    freq = _random_freq(rng, 1, alphabet, precision)[0]
+    dtype = np.uint16 if alphabet > 256 else np.uint8
+    p = freq / freq.sum()
+    x = rng.choice(alphabet, size=n, p=p).astype(dtype)
+    payload = bytearray(rans_fast.encode_table(x, freq, precision, 1))
+    if 0 <= flip < len(payload):
+        payload[flip] ^= 0x5A
+    elif flip > 150:
+        payload = payload[:max(0, len(payload) - 2)]
+    payload = np.frombuffer(bytes(payload), np.uint8)
+    full = rans_fast.decode_tables(freq, precision, dtype)
+    got = _decode_outcome(lambda: rans_fast.decode_table(payload, freq, precision, n, 1, dtype))
+    assert got == _decode_outcome(lambda: rans_fast.decode_prepared(payload, full, precision, n, 1))
+    if flip == -1:
+        assert got == ("ok", x.tobytes())

@@ -74,18 +74,24 @@ def _cum(t: np.ndarray) -> np.ndarray:
     return c
 
 
-def decode_tables(freq_tables, precision: int, out_dtype=np.uint8):
-    """Slot lookup tables ``(symbol[C, M], packed[C, M])`` used by the decoders.
-
-    ``packed[slot] = (freq - 1) << 16 | (slot - cum)`` (uint32). Build once and pass to
-    :func:`decode_prepared` when decoding many payloads with the same tables.
-    """
+def _check_decode_tables(freq_tables, precision: int, out_dtype) -> tuple[np.ndarray, np.dtype]:
+    """(checked tables, output dtype) for decoding (ValueError)."""
     t = _check_tables(freq_tables, precision)
     out_dtype = np.dtype(out_dtype)
     if out_dtype not in (np.dtype(np.uint8), np.dtype(np.uint16)):
         raise ValueError("out_dtype must be uint8 or uint16")
     if t.shape[1] > np.iinfo(out_dtype).max + 1 and np.any(t[:, np.iinfo(out_dtype).max + 1 :]):
         raise ValueError(f"symbols with nonzero frequency do not fit in {out_dtype}")
+    return t, out_dtype
+
+
+def decode_tables(freq_tables, precision: int, out_dtype=np.uint8):
+    """Slot lookup tables ``(symbol[C, M], packed[C, M])`` used by the decoders.
+
+    ``packed[slot] = (freq - 1) << 16 | (slot - cum)`` (uint32). Build once and pass to
+    :func:`decode_prepared` when decoding many payloads with the same tables.
+    """
+    t, out_dtype = _check_decode_tables(freq_tables, precision, out_dtype)
     m = 1 << int(precision)
     sym = np.empty((t.shape[0], m), dtype=out_dtype)
     packed = np.empty((t.shape[0], m), dtype=np.uint32)
@@ -171,6 +177,18 @@ def _read_states(payload, states):
     return 0
 
 
+@njit(inline="always")
+def _renormalise(x, payload, pos, nbytes):
+    """(state, word position, False if the payload ended before a state that needs a word) after
+    a decode step: read the next word while the state is below 2**16."""
+    if pos + 2 <= nbytes:  # predictable: false only once the words are used up
+        w = _U64(payload[pos]) | (_U64(payload[pos + 1]) << _SH8)
+        need = x < _L
+        x = ((x << _SH16) | w) if need else x  # branch-free renormalisation
+        return x, pos + 2 * need, True
+    return x, pos, x >= _L
+
+
 @njit(cache=True, nogil=True)
 def _decode_kernel(payload, ctx, sym_tab, packed_tab, precision, out, states, i0, pos):
     """Decode symbols i0.. of ``out`` from word position ``pos`` on, one at a time, every read
@@ -194,12 +212,8 @@ def _decode_kernel(payload, ctx, sym_tab, packed_tab, precision, out, states, i0
         out[i] = sym_tab[k, slot]
         d = _U64(packed_tab[k, slot])
         x = ((d >> _SH16) + _ONE) * (x >> prec) + (d & _MASK16)
-        if pos + 2 <= nbytes:  # predictable: false only once the words are used up
-            w = _U64(payload[pos]) | (_U64(payload[pos + 1]) << _SH8)
-            need = x < _L
-            x = ((x << _SH16) | w) if need else x  # branch-free renormalisation
-            pos += 2 * need
-        elif x < _L:
+        x, pos, ok = _renormalise(x, payload, pos, nbytes)
+        if not ok:
             return _ERR_SHORT
         states[j] = x
         j += 1
@@ -213,38 +227,68 @@ def _decode_kernel(payload, ctx, sym_tab, packed_tab, precision, out, states, i0
     return 0
 
 
-@njit(cache=True, nogil=True)
-def _decode_kernel_1(payload, sym_tab, packed_tab, precision, out):
-    """Single-state, single-table decoder: the state lives in a register."""
-    nbytes = payload.size
-    if nbytes < 4 or (nbytes - 4) % 2 != 0:
-        return _ERR_SHORT
-    x = (
-        _U64(payload[0])
-        | (_U64(payload[1]) << _SH8)
-        | (_U64(payload[2]) << _U64(16))
-        | (_U64(payload[3]) << _U64(24))
-    )
-    if x < _L:
-        return _ERR_STATE
-    prec = _U64(precision)
-    mask = (_ONE << prec) - _ONE
-    pos = 4
-    for i in range(out.size):
-        slot = x & mask
-        out[i] = sym_tab[slot]
-        d = _U64(packed_tab[slot])
-        x = ((d >> _SH16) + _ONE) * (x >> prec) + (d & _MASK16)
-        if pos + 2 <= nbytes:  # predictable: false only once the words are used up
-            w = _U64(payload[pos]) | (_U64(payload[pos + 1]) << _SH8)
-            need = x < _L
-            x = ((x << _SH16) | w) if need else x  # branch-free renormalisation
-            pos += 2 * need
-        elif x < _L:
+def _single_state_decoder(by_symbol: bool):
+    """The single-state, single-table decoder (the state lives in a register). ``by_symbol``:
+    ``packed_tab`` holds ``(freq - 1) << 16 | cum`` per symbol (:func:`_symbol_tables`, ~M bytes
+    to build instead of 5 M) rather than :func:`decode_tables`' per slot entries."""
+
+    @njit(cache=True, nogil=True)
+    def kernel(payload, sym_tab, packed_tab, precision, out):
+        nbytes = payload.size
+        if nbytes < 4 or (nbytes - 4) % 2 != 0:
             return _ERR_SHORT
-    if pos != nbytes or x != _L:
-        return _ERR_END
-    return 0
+        x = (
+            _U64(payload[0])
+            | (_U64(payload[1]) << _SH8)
+            | (_U64(payload[2]) << _U64(16))
+            | (_U64(payload[3]) << _U64(24))
+        )
+        if x < _L:
+            return _ERR_STATE
+        prec = _U64(precision)
+        mask = (_ONE << prec) - _ONE
+        pos = 4
+        for i in range(out.size):
+            slot = x & mask
+            s = sym_tab[slot]
+            out[i] = s
+            if by_symbol:
+                d = _U64(packed_tab[s])
+                x = ((d >> _SH16) + _ONE) * (x >> prec) + slot - (d & _MASK16)
+            else:
+                d = _U64(packed_tab[slot])
+                x = ((d >> _SH16) + _ONE) * (x >> prec) + (d & _MASK16)
+            x, pos, ok = _renormalise(x, payload, pos, nbytes)
+            if not ok:
+                return _ERR_SHORT
+        if pos != nbytes or x != _L:
+            return _ERR_END
+        return 0
+
+    return kernel
+
+
+_decode_kernel_1 = _single_state_decoder(False)
+_decode_kernel_1_by_symbol = _single_state_decoder(True)
+
+
+def _symbol_tables(freq: np.ndarray, precision: int, out_dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(symbol per slot [M], ``(freq - 1) << 16 | cum`` per symbol) of the first checked table
+    (``decode_prepared`` without contexts reads only that one too) for ``_decode_kernel_1_by_symbol``."""
+    sym = np.empty(1 << int(precision), out_dtype)
+    per_symbol = np.empty(freq.shape[1], np.uint32)
+    _fill_symbol_tables(freq[0], sym, per_symbol)
+    return sym, per_symbol
+
+
+@njit(cache=True, nogil=True)
+def _fill_symbol_tables(freq, sym, per_symbol):
+    cum = 0
+    for s in range(freq.size):
+        f = np.int64(freq[s])
+        sym[cum:cum + f] = s
+        per_symbol[s] = ((f - 1) << 16) | cum if f else 0
+        cum += f
 
 
 # ------------------------------------------------------------------- unrolled main loops
@@ -449,8 +493,18 @@ def decode_prepared(payload, tables, precision: int, n: int, n_streams: int = 1,
 
 
 def decode_table(payload, freqs, precision: int, n: int, n_streams: int = 1, out_dtype=np.uint8) -> np.ndarray:
-    """Decode ``n`` symbols of a payload from :func:`encode_table` (CorruptStreamError if bad)."""
-    return decode_prepared(payload, decode_tables(freqs, precision, out_dtype), precision, n, n_streams)
+    """Decode ``n`` symbols of a payload from :func:`encode_table` (CorruptStreamError if bad).
+    A short single-state payload (fewer than ``2**precision`` symbols, e.g. a codec's model
+    bytes) decodes with per-symbol tables: building the per-slot ones cost more than its decode."""
+    if n_streams != 1 or not isinstance(n, (int, np.integer)) or n >= 1 << int(precision):
+        return decode_prepared(payload, decode_tables(freqs, precision, out_dtype), precision, n, n_streams)
+    t, out_dtype = _check_decode_tables(freqs, precision, out_dtype)
+    sym, per_symbol = _symbol_tables(t, precision, out_dtype)
+    out = np.empty(_check_n(n), dtype=out_dtype)
+    status = _decode_kernel_1_by_symbol(_payload(payload), sym, per_symbol, int(precision), out)
+    if status:
+        raise CorruptStreamError(_MESSAGES[status])
+    return out
 
 
 def decode_ctx(payload, ctx, freq_tables, precision: int, n_streams: int = 1, out_dtype=np.uint8) -> np.ndarray:
