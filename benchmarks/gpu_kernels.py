@@ -515,9 +515,9 @@ FUSED_CHECK_MODES = CHECK_MODES[:6] + [("one-launch 1 stage: ", ("TQ_FUSED_STAGE
                                        ("one-launch values in registers: ", ("TQ_REG_LUT=3",), True, True),
                                        ("one-launch no lane tables: ", ("TQ_LANE_LUT=0",), True, True),
                                        ("one-launch lane tables for values only: ", ("TQ_LANE_LUT=2",), True, True),
-                                       ("one-launch warp rotations: ", ("TQ_FUSED_WARP_ROTATE=1",), True, True),
-                                       ("one-launch warp rotations, %laneid: ", ("TQ_FUSED_WARP_ROTATE=1", "TQ_ASM_LANEID=1"),
-                                        True, True)]
+                                       ("one-launch shared-memory rotations, 3 stages: ",
+                                        ("TQ_FUSED_WARP_ROTATE=0", "TQ_FUSED_STAGES=3"), True, True),
+                                       ("one-launch %laneid: ", ("TQ_ASM_LANEID=1",), True, True)]
 TABLE_SHAPES = [(b, t, 32, 8, 128, 4, 4) for b in (1, 8, 32) for t in (4096, 32768, 131072)] + [
     (1, 32768, 32, 8, 128, 3, 3), (8, 32768, 32, 8, 128, 3, 3), (1, 32768, 32, 8, 128, 4, 2),
     (1, 32768, 9, 3, 64, 4, 4), (8, 32768, 9, 3, 64, 4, 4), (8, 131072, 9, 3, 64, 4, 4)]
@@ -533,11 +533,11 @@ FUSED_TPW_GRID = (32, 64, 128, 256, 512, 1024, 2048)
 FUSED_VARIANTS = [
     ("no lane tables (session 5 default)", ("TQ_LANE_LUT=0",), (128, 256)),
     ("lane tables for values only", ("TQ_LANE_LUT=2",), (128, 256)),
-    ("2 stages", ("TQ_FUSED_STAGES=2",), (128, 256)),
-    ("warp rotations (prologue, tail)", ("TQ_FUSED_WARP_ROTATE=1",), (256,)),
-    ("warp rotations, 2 stages", ("TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2"), (256,)),
-    ("lane index from %laneid", ("TQ_ASM_LANEID=1",), ()),
-    ("warp rotations, %laneid", ("TQ_FUSED_WARP_ROTATE=1", "TQ_ASM_LANEID=1"), (256,)),
+    ("shared-memory rotations, 3 stages (session 6 first default)", ("TQ_FUSED_WARP_ROTATE=0", "TQ_FUSED_STAGES=3"),
+     (128, 256)),
+    ("3 stages", ("TQ_FUSED_STAGES=3",), (256,)),
+    ("shared-memory rotations", ("TQ_FUSED_WARP_ROTATE=0",), (256,)),
+    ("lane index from %laneid", ("TQ_ASM_LANEID=1",), (256,)),
     ("no last-block merge (timing only)", ("TQ_FUSED_PROFILE=2",), ()),
 ]
 FUSED_VARIANT_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 4096, 32, 8, 128, 4, 4),

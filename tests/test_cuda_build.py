@@ -135,6 +135,8 @@ def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tm
 
 
 @pytest.mark.parametrize("arch,defines", [("sm_90", ("TQ_LANE_LUT=3",)), ("sm_100", ("TQ_LANE_LUT=3",)),
+                                          ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2")),
+                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2")),
                                           ("sm_90", ("TQ_LANE_LUT=2",)),
                                           ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1")),
                                           ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1")),
@@ -174,8 +176,12 @@ def test_fused_defines_drop_the_bulk_ring_when_tcap_is_not_a_multiple_of_16():
 
 
 def test_fused_defines_add_lane_tables_only_where_the_kernel_uses_them():
-    fd, lane = decode_kernels.fused_defines, ("TQ_LANE_LUT=3",)
+    fd = decode_kernels.fused_defines
+    lane = ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2")
     assert fd((), 4096, 128, 4, 4, True) == fd((), 4100, 128, 4, 4, True) == lane
+    # the companions come with the tables unless set: an explicit one stays as given
+    assert fd(("TQ_FUSED_STAGES=3",), 4096, 128, 4, 4, True) == ("TQ_FUSED_STAGES=3", "TQ_LANE_LUT=3",
+                                                                "TQ_FUSED_WARP_ROTATE=1")
     # wide tiles, other bit widths, head_dim 64 or 256: none
     assert fd((), 4096, 128, 4, 4, False) == fd((), 4096, 128, 4, 2, True) == fd((), 4096, 64, 4, 4, True) == ()
     assert fd((), 4096, 256, 4, 4, True) == ()

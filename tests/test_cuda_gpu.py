@@ -226,7 +226,9 @@ def test_fused_bulk_ring_random_shapes(defines):
         check(case, kw, tol=8e-3 if norm == torch.bfloat16 else 4e-3, variant=variant, tokens_per_warp=tpw)
         if defines == BULK and tpw:
             got = kc.decode_attention(**case, **kw, variant=variant, tokens_per_warp=tpw)
-            want = kc.decode_attention(**case, **kw, variant=kc.KernelVariant(fused=True), tokens_per_warp=tpw)
+            # the default's rotations in shared memory, as the ring's (the lane tables' values are exact)
+            same = kc.KernelVariant(("TQ_FUSED_WARP_ROTATE=0",), True, True)
+            want = kc.decode_attention(**case, **kw, variant=same, tokens_per_warp=tpw)
             assert torch.equal(got, want), i
 
 

@@ -84,6 +84,9 @@ def split_defines(defines, k_bits, v_bits, k_codebook, v_codebook, v_bf16) -> tu
 # blocks per SM its registers allow would not fit) nor 256 (its static shared memory leaves room for 2).
 LANE_LUT_BYTES = 65536
 LANE_LUT_DIMS = (128,)
+# Macros that come with the tables by default: rotations of the query and the output in warp registers
+# (TQ_FUSED_WARP_ROTATE: no block barrier in the prologue or the final merge) and a 2-step copy ring.
+LANE_LUT_COMPANIONS = (("TQ_FUSED_WARP_ROTATE", "1"), ("TQ_FUSED_STAGES", "2"))
 
 
 def _macro(defines, name: str) -> str | None:
@@ -101,7 +104,8 @@ def fused_defines(defines, tcap: int, dim: int = 0, k_bits: int = 0, v_bits: int
     """The one-launch kernel's macros for one call: the bulk-copy ring (``TQ_FUSED_BULK``, and its
     block count) copies whole 16-token steps, so it needs ``tcap % 16 == 0`` and is dropped otherwise
     (the register path runs); narrow 4/4-bit tiles of a head_dim in LANE_LUT_DIMS get the lane-private
-    pair tables (``TQ_LANE_LUT=3``) unless the caller set ``TQ_LANE_LUT`` itself
+    pair tables (``TQ_LANE_LUT=3``), with warp-register rotations and a 2-step ring
+    (``LANE_LUT_COMPANIONS``, each unless the caller set it), unless the caller set ``TQ_LANE_LUT`` itself
     or asked for the bulk ring (which leaves no room for them: any ``TQ_LANE_LUT`` is dropped then)."""
     defines = tuple(defines)
     if tcap % 16:
@@ -110,6 +114,9 @@ def fused_defines(defines, tcap: int, dim: int = 0, k_bits: int = 0, v_bits: int
         return tuple(d for d in defines if not d.startswith("TQ_LANE_LUT"))
     if _macro(defines, "TQ_LANE_LUT") is None and narrow and k_bits == 4 and v_bits == 4 and dim in LANE_LUT_DIMS:
         defines += ("TQ_LANE_LUT=3",)
+        # with the tables: the query and output rotations in registers and a 2-step ring (H200, session 6:
+        # 1 x 32k 29.2 -> 25.6 us, every other timed shape equal or faster; benchmarks/GPU_NOTES.md)
+        defines += tuple(f"{m}={v}" for m, v in LANE_LUT_COMPANIONS if _macro(defines, m) is None)
     return defines
 
 
