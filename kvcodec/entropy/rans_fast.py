@@ -13,7 +13,10 @@ Speed notes: the decoder uses two tables indexed by the slot ``x % M``: the symb
 ``(freq - 1) << 16 | (slot - cum)`` word, so a symbol costs two independent loads, a multiply
 and a branch-free renormalisation; the main loops keep all N states in registers (see below).
 The encoder divides by the frequency (one integer division); N > 1
-states give the CPU independent dependency chains to overlap.
+states give the CPU independent dependency chains to overlap. With one table
+(:func:`encode_table`) it codes a group of N symbols at a time: the N states' arithmetic in
+loops the compiler vectorises, the division as an exact float multiply (see ``_DIV_EPS``,
+:func:`_table_kernel`), and only the renormalisation words' placement serial (~1.25x faster).
 """
 
 from __future__ import annotations
@@ -153,6 +156,78 @@ def _encode_kernel(symbols, ctx, freq, cum, precision, n_streams, words, states)
             j = n_streams - 1
     states[:] = st
     return wpos
+
+
+# exact x // f as a float multiply: x < 2**32, f <= 2**16 (precision <= 16), so x * (1 / f) is within
+# 2**-20 of x / f, and x / f is an integer or at least 1 / f >= 2**-16 away from one: adding 2**-18
+# before truncating gives floor(x / f) in every case.
+_DIV_EPS = 2.0 ** -18
+
+
+def reciprocals(freqs: np.ndarray) -> np.ndarray:
+    """1 / f (float64) per frequency (1 where f == 0): :func:`_table_kernel`'s divisors."""
+    return 1.0 / np.maximum(np.asarray(freqs, np.float64), 1.0)
+
+
+@njit(inline="always")
+def _code_group(symbols, base, m, freq, cum, inv, precision, words, wpos, x, fs, cs, iv):
+    """Code symbols ``base .. base + m - 1`` on states 0 .. m-1 (:func:`_table_kernel`); returns the new
+    wpos, or -(i+1) for the group's last symbol i with frequency 0 (or outside the alphabet)."""
+    top = 32 - precision
+    for j in range(m - 1, -1, -1):
+        s = symbols[base + j]
+        if s >= freq.size or freq[s] == 0:
+            return -(base + j + 1)
+        fs[j] = freq[s]
+        cs[j] = cum[s]
+        iv[j] = inv[s]
+    for j in range(m - 1, -1, -1):
+        need = x[j] >= (fs[j] << top)
+        words[wpos - 1] = x[j] & 0xFFFF
+        wpos -= need
+    for j in range(m):
+        xj = x[j]
+        xj = xj >> (16 if xj >= (fs[j] << top) else 0)
+        q = np.int64(xj * iv[j] + _DIV_EPS)
+        x[j] = (q << precision) + xj - q * fs[j] + cs[j]
+    return wpos
+
+
+def _table_kernel(n_streams: int):
+    """:func:`_encode_kernel` with one table (``freq``, ``cum``: int64 [A], ``inv``: :func:`reciprocals`)
+    for N = ``n_streams`` (a compile-time constant, so the group loops vectorise) of
+    ``symbols[lo:hi]`` into ``words[lo:hi]`` (whole arrays and bounds, not slices: a slice made in
+    compiled code is a non-contiguous array type, and the loops would not vectorise): the same words
+    and states, symbol lo + i on state i % N, in groups of N symbols (last group first): gather the
+    group's table entries, place its renormalisation words (states N-1 .. 0: the serial part), then
+    update the N states without branches or divisions. Returns where the words start in ``words``,
+    or -(i+1) for the last symbol i with frequency 0 (or outside the alphabet)."""
+    lanes = n_streams
+
+    @njit(cache=True, nogil=True)
+    def kernel(symbols, lo, hi, freq, cum, inv, precision, words, states):
+        x = np.full(lanes, RANS_L, np.int64)
+        fs = np.empty(lanes, np.int64)
+        cs = np.empty(lanes, np.int64)
+        iv = np.empty(lanes, np.float64)
+        wpos = hi
+        full = lo + (hi - lo) // lanes * lanes
+        if full < hi:  # the last, partial group first
+            wpos = _code_group(symbols, full, hi - full, freq, cum, inv, precision, words, wpos, x, fs, cs, iv)
+        for base in range(full - lanes, lo - 1, -lanes):
+            if wpos < 0:
+                return wpos
+            wpos = _code_group(symbols, base, lanes, freq, cum, inv, precision, words, wpos, x, fs, cs, iv)
+        if wpos < 0:
+            return wpos
+        for j in range(lanes):
+            states[j] = x[j]
+        return wpos
+
+    return kernel
+
+
+TABLE_KERNELS = {n: _table_kernel(n) for n in range(1, MAX_STREAMS + 1)}
 
 
 @njit(cache=True, nogil=True)
@@ -427,7 +502,12 @@ def _encode(symbols, ctx, freq_tables, precision, n_streams) -> np.ndarray:
     n = symbols.size
     words = np.empty(n, dtype=np.uint16)
     states = np.empty(n_streams, dtype=np.uint64)
-    wpos = _encode_kernel(symbols, ctx, t, _cum(t), int(precision), n_streams, words, states)
+    if ctx.size == 0 and t.shape[0] == 1:
+        f = t[0].astype(np.int64)
+        wpos = TABLE_KERNELS[n_streams](symbols, 0, n, f, _cum(t)[0].astype(np.int64), reciprocals(f),
+                                        int(precision), words, states)
+    else:
+        wpos = _encode_kernel(symbols, ctx, t, _cum(t), int(precision), n_streams, words, states)
     if wpos < 0:
         if wpos >= -n:
             i = -wpos - 1

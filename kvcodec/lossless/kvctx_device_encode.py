@@ -267,7 +267,6 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     clock.mark("payload (launch)")
     fields_head, field_raw = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
     body, mparts = code_model(field_raw, table_bytes(freq))
-    head = fields_head + body
     clock.mark("model bytes + format2.code_model (host)")
     wlen = lens.cpu().numpy()
     clock.mark("wait: payload (sync 2)")
@@ -277,7 +276,8 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     payload = torch.empty(int(woff[-1]), dtype=torch.int16, device=dev)
     gather(scratch, cap, lens, woff[:-1], payload)
     counts_b = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
-    model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts_b])
+    model_blob = np.concatenate([np.frombuffer(b, np.uint8) for b in  # one copy of the ~1 MB model
+                                 ((len(fields_head) + len(body)).to_bytes(4, "little"), fields_head, body)] + [counts_b])
     meta.update(tb=tb, shared=shared, lanes=ke.LANES, **mparts)
     (model_d,) = upload([model_blob], dev)
     sections.update(model=model_d, payload=payload, bits=bits)

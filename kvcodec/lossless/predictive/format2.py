@@ -30,7 +30,7 @@ from numba import njit
 
 from kvcodec import entropy
 from kvcodec.entropy import rans_fast, rans_lanes
-from kvcodec.entropy.rans_fast import _encode_kernel
+from kvcodec.entropy.rans_fast import TABLE_KERNELS, reciprocals
 from kvcodec.entropy.freq import count_symbols, quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.binned import decode_chunks, gather_words, symbolise, write_chunks
@@ -298,39 +298,64 @@ def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
 
     Why: a stream of ~10**6 channels has megabytes of fields; their entropy decode was the GPU
     decoder's largest host cost. In parts of 32 states, a GPU decodes them (one warp a part:
-    ``kvcodec/cuda/rans_decode.cu``); the host reads the table bytes (~1 KB) as they are."""
-    raw = np.concatenate([fields, tables])
-    if raw.size <= MODEL_PART_BYTES:
-        return entropy.encode(raw, coder="rans"), {}
+    ``kvcodec/cuda/rans_decode.cu``); the host reads the table bytes (~1 KB) as they are.
+    The GPU encoder runs this on the host while its payload kernel runs: three rounds on the thread pool
+    (histogram, coding, placing the parts in the one output buffer), no per-part Python work."""
+    fields = np.ascontiguousarray(fields)
+    if fields.size + tables.size <= MODEL_PART_BYTES:
+        return entropy.encode(np.concatenate([fields, tables]), coder="rans"), {}
     parts = max(1, min(MAX_FIELD_PARTS, -(-fields.size // FIELD_PART_BYTES)))
-    freqs = quantize_frequencies(count_symbols(fields), FIELD_PRECISION).astype("<u2")
-    f = freqs.astype(np.uint64)[None]
     bounds = np.concatenate([[0], np.cumsum(_part_sizes(fields.size, parts))])
+    groups = _part_groups(parts)
+    run = lambda fn: list(_pool().map(fn, groups))  # noqa: E731
+    counts = sum(run(lambda g: count_symbols(fields[bounds[g[0]]:bounds[g[1]]])))
+    freqs = quantize_frequencies(counts, FIELD_PRECISION).astype("<u2")
+    f = freqs.astype(np.int64)
+    cum, inv = rans_lanes.cumulative(f[None])[0].astype(np.int64), reciprocals(f)
     words = np.empty(fields.size, np.uint16)
     states = np.empty((parts, FIELD_STATES), np.uint64)
     first = np.empty(parts, np.int64)
-    fields, cum = np.ascontiguousarray(fields), rans_lanes.cumulative(f).astype(np.uint64)
-    groups = np.array_split(np.arange(parts), min(parts, _pool()._max_workers))
-    list(_pool().map(lambda ks: _encode_parts(fields, bounds, f, cum, FIELD_PRECISION, words, states, first,
-                                              int(ks[0]), int(ks[-1]) + 1), groups))
+    run(lambda g: _encode_parts(fields, bounds, f, cum, inv, FIELD_PRECISION, words, states, first, *g))
     lens = 4 * FIELD_STATES + 2 * (bounds[1:] - first)
-    head = np.concatenate([np.array([fields.size, tables.size], "<u4").view(np.uint8), freqs.view(np.uint8),
-                           lens.astype("<u4").view(np.uint8)])
-    states = states.astype("<u4").view(np.uint8)
-    body = [head] + [p for k in range(parts) for p in (states[k], words[first[k]:bounds[k + 1]].view(np.uint8))]
-    return np.concatenate([*body, tables]).tobytes(), {"mfields": parts}
+    start = 8 + 2 * freqs.size + 4 * parts
+    offs = start + np.concatenate([[0], np.cumsum(lens)])
+    out = np.empty(int(offs[-1]) + tables.size, np.uint8)
+    out[:start] = np.concatenate([np.array([fields.size, tables.size], "<u4").view(np.uint8), freqs.view(np.uint8),
+                                  lens.astype("<u4").view(np.uint8)])
+    sbytes = states.astype("<u4").view(np.uint8)
+    run(lambda g: _place_parts(words.view(np.uint8), sbytes, bounds, first, offs, out, *g))
+    out[offs[-1]:] = tables
+    return out.tobytes(), {"mfields": parts}
+
+
+def _part_groups(parts: int) -> list[tuple[int, int]]:
+    """(first, end) part ranges, one pool task each: at least ~8 parts (~130 KB) a task, so thread
+    hand-offs stay small next to the coding, and no more tasks than the pool's threads."""
+    n = max(1, min(_pool()._max_workers, parts // 8))
+    cuts = np.linspace(0, parts, n + 1).astype(np.int64)
+    return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+_code_field_part = TABLE_KERNELS[FIELD_STATES]
 
 
 @njit(cache=True, nogil=True)
-def _encode_parts(fields, bounds, freq, cum, precision, words, states, first, k0, k1):
+def _encode_parts(fields, bounds, freq, cum, inv, precision, words, states, first, k0, k1):
     """``rans_fast.encode_table`` of parts ``k0 .. k1 - 1`` (``fields[bounds[k]:bounds[k + 1]]``) in one
     call without the GIL (per-call overhead made ~100 separate calls cost more than their coding):
     part k's final states in ``states[k]``, its words ``words[first[k]:bounds[k + 1]]``."""
-    no_ctx = np.zeros(0, np.int64)
     for k in range(k0, k1):
-        a, b = bounds[k], bounds[k + 1]
-        first[k] = a + _encode_kernel(fields[a:b], no_ctx, freq, cum, precision, states.shape[1], words[a:b],
-                                      states[k])
+        first[k] = _code_field_part(fields, bounds[k], bounds[k + 1], freq, cum, inv, precision, words, states[k])
+
+
+@njit(cache=True, nogil=True)
+def _place_parts(wbytes, sbytes, bounds, first, offs, out, k0, k1):
+    """Part k's payload (its states' bytes ``sbytes[k]``, then its words' bytes) at ``out[offs[k]:]``."""
+    for k in range(k0, k1):
+        p = offs[k]
+        out[p:p + sbytes.shape[1]] = sbytes[k]
+        p += sbytes.shape[1]
+        out[p:p + 2 * (bounds[k + 1] - first[k])] = wbytes[2 * first[k]:2 * bounds[k + 1]]
 
 
 @dataclass(frozen=True)
