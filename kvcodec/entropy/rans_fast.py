@@ -16,10 +16,12 @@ The encoder divides by the frequency (one integer division); N > 1
 states give the CPU independent dependency chains to overlap. With one table
 (:func:`encode_table`) it codes a group of N symbols at a time: the N states' arithmetic in
 loops the compiler vectorises, the division as an exact float multiply (see ``_DIV_EPS``,
-:func:`_table_kernel`), and only the renormalisation words' placement serial (~1.25x faster).
+:func:`table_kernel`), and only the renormalisation words' placement serial (~1.25x faster).
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import numpy as np
 from numba import njit
@@ -165,13 +167,13 @@ _DIV_EPS = 2.0 ** -18
 
 
 def reciprocals(freqs: np.ndarray) -> np.ndarray:
-    """1 / f (float64) per frequency (1 where f == 0): :func:`_table_kernel`'s divisors."""
+    """1 / f (float64) per frequency (1 where f == 0): :func:`table_kernel`'s divisors."""
     return 1.0 / np.maximum(np.asarray(freqs, np.float64), 1.0)
 
 
 @njit(inline="always")
 def _code_group(symbols, base, m, freq, cum, inv, precision, words, wpos, x, fs, cs, iv):
-    """Code symbols ``base .. base + m - 1`` on states 0 .. m-1 (:func:`_table_kernel`); returns the new
+    """Code symbols ``base .. base + m - 1`` on states 0 .. m-1 (:func:`table_kernel`); returns the new
     wpos, or -(i+1) for the group's last symbol i with frequency 0 (or outside the alphabet)."""
     top = 32 - precision
     for j in range(m - 1, -1, -1):
@@ -193,7 +195,8 @@ def _code_group(symbols, base, m, freq, cum, inv, precision, words, wpos, x, fs,
     return wpos
 
 
-def _table_kernel(n_streams: int):
+@cache
+def table_kernel(n_streams: int):
     """:func:`_encode_kernel` with one table (``freq``, ``cum``: int64 [A], ``inv``: :func:`reciprocals`)
     for N = ``n_streams`` (a compile-time constant, so the group loops vectorise) of
     ``symbols[lo:hi]`` into ``words[lo:hi]`` (whole arrays and bounds, not slices: a slice made in
@@ -225,9 +228,6 @@ def _table_kernel(n_streams: int):
         return wpos
 
     return kernel
-
-
-TABLE_KERNELS = {n: _table_kernel(n) for n in range(1, MAX_STREAMS + 1)}
 
 
 @njit(cache=True, nogil=True)
@@ -504,7 +504,7 @@ def _encode(symbols, ctx, freq_tables, precision, n_streams) -> np.ndarray:
     states = np.empty(n_streams, dtype=np.uint64)
     if ctx.size == 0 and t.shape[0] == 1:
         f = t[0].astype(np.int64)
-        wpos = TABLE_KERNELS[n_streams](symbols, 0, n, f, _cum(t)[0].astype(np.int64), reciprocals(f),
+        wpos = table_kernel(n_streams)(symbols, 0, n, f, _cum(t)[0].astype(np.int64), reciprocals(f),
                                         int(precision), words, states)
     else:
         wpos = _encode_kernel(symbols, ctx, t, _cum(t), int(precision), n_streams, words, states)

@@ -30,7 +30,7 @@ from numba import njit
 
 from kvcodec import entropy
 from kvcodec.entropy import rans_fast, rans_lanes
-from kvcodec.entropy.rans_fast import TABLE_KERNELS, reciprocals
+from kvcodec.entropy.rans_fast import reciprocals, table_kernel
 from kvcodec.entropy.freq import count_symbols, quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.binned import decode_chunks, gather_words, symbolise, write_chunks
@@ -336,7 +336,7 @@ def _part_groups(parts: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-_code_field_part = TABLE_KERNELS[FIELD_STATES]
+_code_field_part = table_kernel(FIELD_STATES)
 
 
 @njit(cache=True, nogil=True)
