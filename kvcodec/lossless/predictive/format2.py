@@ -274,10 +274,20 @@ def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int,
     return {"shared": bp.shared, "lanes": lanes, **mparts}, {"model": model_blob, "payload": payload, "bits": bits}
 
 
+_POOL_THREADS = min(MAX_MODEL_PARTS, os.cpu_count() or 1)
+
+
 @cache
 def _pool() -> ThreadPoolExecutor:
     """Threads for the model's parts (the rANS kernels release the GIL)."""
-    return ThreadPoolExecutor(max_workers=min(MAX_MODEL_PARTS, os.cpu_count() or 1))
+    return ThreadPoolExecutor(max_workers=_POOL_THREADS)
+
+
+def _decode_parts(buf: np.ndarray, spans, tables, precision: int, streams: int) -> np.ndarray:
+    """The concatenated symbols of rANS payloads ``buf[start:end]`` (``spans``: (start, end, symbols))
+    sharing ``tables``, decoded on the thread pool (CorruptStreamError)."""
+    return np.concatenate(list(_pool().map(
+        lambda s: rans_fast.decode_prepared(buf[s[0]:s[1]], tables, precision, s[2], streams), spans)))
 
 
 def _part_sizes(n: int, parts: int) -> np.ndarray:
@@ -331,7 +341,7 @@ def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
 def _part_groups(parts: int) -> list[tuple[int, int]]:
     """(first, end) part ranges, one pool task each: at least ~8 parts (~130 KB) a task, so thread
     hand-offs stay small next to the coding, and no more tasks than the pool's threads."""
-    n = max(1, min(_pool()._max_workers, parts // 8))
+    n = max(1, min(_POOL_THREADS, parts // 8))
     cuts = np.linspace(0, parts, n + 1).astype(np.int64)
     return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
 
@@ -373,11 +383,9 @@ class FieldParts:
 
     def decode(self, model: np.ndarray) -> np.ndarray:
         """The field bytes (uint8 [size]) from the model section's bytes, parts on the thread pool."""
-        tables = rans_fast.decode_tables(self.freqs, FIELD_PRECISION)
-        spans = zip(self.start.tolist(), self.length.tolist(), self.count.tolist())
-        return np.concatenate(list(_pool().map(
-            lambda s: rans_fast.decode_prepared(model[s[0]:s[0] + s[1]], tables, FIELD_PRECISION, s[2], FIELD_STATES),
-            spans)))
+        spans = zip(self.start.tolist(), (self.start + self.length).tolist(), self.count.tolist())
+        return _decode_parts(model, spans, rans_fast.decode_tables(self.freqs, FIELD_PRECISION), FIELD_PRECISION,
+                             FIELD_STATES)
 
 
 def read_field_parts(meta: dict, model: np.ndarray, start: int, end: int,
@@ -423,12 +431,9 @@ def decode_model(meta: dict, body: bytes, max_symbols: int) -> np.ndarray:
     if n > max_symbols or n < parts or int(freqs.sum()) != 1 << MODEL_PRECISION \
             or n_head + int(lens.sum()) != buf.size:
         raise CorruptStreamError("predictive stream has malformed model parts")
-    tables = rans_fast.decode_tables(freqs, MODEL_PRECISION)
     ends = n_head + np.cumsum(lens)
     spans = [(int(e - k), int(e), int(m)) for e, k, m in zip(ends, lens, _part_sizes(n, parts))]
-    decoded = list(_pool().map(
-        lambda s: rans_fast.decode_prepared(buf[s[0]:s[1]], tables, MODEL_PRECISION, s[2], MODEL_STREAMS), spans))
-    return np.concatenate(decoded)
+    return _decode_parts(buf, spans, rans_fast.decode_tables(freqs, MODEL_PRECISION), MODEL_PRECISION, MODEL_STREAMS)
 
 
 @dataclass(frozen=True)
