@@ -1,5 +1,5 @@
 """Format 2 CPU decode fast paths against their references: the one-pass table builder
-(``tables.decode_tables`` / ``compact_of``) and the symbol loop's two copies in
+(``tables.decode_tables`` / ``compact_tables``) and the symbol loop's two copies in
 ``binned.decode_chunks`` (lane-aligned tokens with unclamped reads, else clamped)."""
 
 import numpy as np
@@ -51,8 +51,7 @@ def test_one_pass_tables_match_the_row_by_row_reference(freq):
     assert np.array_equal(tabs, reference_tables(freq))
     want = reference_compact(tabs)
     assert tables.COMPACT_STRIDE * N_CLASSES == want.size
-    assert np.array_equal(tables.compact_of(tabs), want)  # built with the tables, in the same pass
-    assert np.array_equal(tables.compact_of(tabs.copy()), want)  # other tables: compacted from the entries
+    assert np.array_equal(tables.compact_tables(freq), want)  # the two-level form of the same tables
 
 
 def test_tables_refuse_rows_that_do_not_sum_to_4096():

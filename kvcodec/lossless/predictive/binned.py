@@ -38,7 +38,7 @@ from kvcodec.lossless.predictive.bins import (
     CENTRE, DEPTH_MAX, ESC, MU_MAX, N_CLASSES, bin_grid, encode_value, float64_bits, locate, pow2, value_of,
 )
 from kvcodec.lossless.predictive.cdf import location
-from kvcodec.lossless.predictive.tables import COMPACT_STRIDE, compact_of
+from kvcodec.lossless.predictive.tables import COMPACT_STRIDE
 
 _M = rans_lanes.M
 _UNARY = DEPTH_MAX + 1  # bits peeked to read a unary depth
@@ -412,14 +412,14 @@ _DECODERS: dict = {}
 
 
 def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
-                  m, c, a, es, level, shared, tabs, lanes, width, sign, mb, maxmag, escape, unit, inv_unit,
+                  m, c, a, es, level, shared, compact, lanes, width, sign, mb, maxmag, escape, unit, inv_unit,
                   out, out_g0, out_t0, err):
     """Decode the listed chunks into ``out`` (bit patterns; its [0, 0] is (out_g0, out_t0)); the
     prediction's [0, 0] is (pred_g0, pred_t0). ``err[i]`` is set non-zero for a malformed chunk.
     Chunks run in parallel (numba ``prange``, the caller's thread count).
 
     The values of one token depend on the previous token only, so each token is four loops over
-    its channels: the rANS symbols (two-level tables, :func:`tables.compact_of`), the raw bit counts,
+    its channels: the rANS symbols (two-level tables, :func:`tables.compact_tables`), the raw bit counts,
     the raw bits (a serial bit position), then the patterns and residuals together with the next
     token's model (bins and class: a channel's model needs only its own residual, so it stays in a
     register); loops 2 and 4 vectorise. The raw bits are read with unaligned 8-byte loads (the last
@@ -434,7 +434,6 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     if key not in _DECODERS:
         _DECODERS[key] = _chunk_decoder(key)
     grid = np.array(consts, np.int64)
-    compact = tabs if tabs.dtype == np.uint8 else compact_of(tabs)  # uint8: already the two-level form
     _DECODERS[key](words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
                    m, c, a, es, level, shared, compact, lanes, out, out_g0, out_t0, err, grid)
 

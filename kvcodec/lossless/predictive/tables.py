@@ -122,69 +122,56 @@ def _from_bytes(raw):
     return out[:k]
 
 
-def decode_tables(freq: np.ndarray) -> np.ndarray:
-    """uint32 [N_CLASSES * 4096] rANS decode tables (``rans_lanes``' layout; an unused class decodes
-    everything as ESC). Built in one pass together with their two-level form (:func:`compact_of`
-    returns it for these tables without another pass)."""
-    global _LAST
+def _checked(freq: np.ndarray) -> np.ndarray:
+    """int64 frequency rows (ValueError unless 256 non-negative values summing to 4096, or all 0)."""
     f = np.ascontiguousarray(freq, np.int64)
     sums = f.sum(axis=1)
     if f.ndim != 2 or f.shape[1] != 256 or (f.size and f.min() < 0) or np.any((sums != 0) & (sums != TOTAL)):
         raise ValueError("decode tables need rows of 256 non-negative frequencies summing to 4096 (or 0)")
+    return f
+
+
+def decode_tables(freq: np.ndarray) -> np.ndarray:
+    """uint32 [N_CLASSES * 4096] rANS decode tables (``rans_lanes``' layout; an unused class decodes
+    everything as ESC): what the GPU kernel reads."""
+    f = _checked(freq)
     tabs = np.empty(f.shape[0] * TOTAL, np.uint32)
-    compact = np.empty(f.shape[0] * COMPACT_STRIDE, np.uint8)
-    _fill_tables(f, tabs, compact)
-    _LAST = (tabs, compact)
+    _fill_tables(f, tabs, np.empty(0, np.uint8))
     return tabs
 
 
+COMPACT_STRIDE = TOTAL + 4 * 256  # bytes a class takes in the two-level form
+
+
 def compact_tables(freq: np.ndarray) -> np.ndarray:
-    """``compact_of(decode_tables(freq))`` without the full tables: what the CPU decoder reads
-    (the full tables, 16 KiB a class, are the GPU kernel's; building them cost a small tensor's
-    decode ~0.1 ms). ``freq`` as :func:`tables_from_bytes` returns it (rows summing to 4096 or 0)."""
-    f = np.ascontiguousarray(freq, np.int64)
+    """The two-level form of :func:`decode_tables` (what the CPU decoder reads): per class
+    ``COMPACT_STRIDE`` bytes, the symbol of each of the 4096 slots (one byte), then per symbol
+    ``freq | cum << 16`` (little-endian uint32): 5 KiB a class instead of 16, so the classes a
+    predictive or fp8 stream uses stay in cache, and one base offset finds both levels."""
+    f = _checked(freq)
     compact = np.empty(f.shape[0] * COMPACT_STRIDE, np.uint8)
     _fill_tables(f, np.empty(0, np.uint32), compact)
     return compact
 
 
-COMPACT_STRIDE = TOTAL + 4 * 256  # bytes a class takes in the two-level form
-_LAST: tuple = (None, None)  # (the last decode tables built or compacted, their two-level form)
-
-
-def compact_of(tabs: np.ndarray) -> np.ndarray:
-    """The two-level form of decode tables ``tabs``: per class ``COMPACT_STRIDE`` bytes, the symbol
-    of each of the 4096 slots (one byte), then per symbol ``freq | cum << 16`` (little-endian
-    uint32): 5 KiB a class instead of 16, so the classes a predictive or fp8 stream uses stay in
-    cache, and one base offset finds both levels. Free for the tables :func:`decode_tables` built
-    last (one stream's tables stay referenced while it decodes; a neighbour-layer stream decodes
-    layer by layer with the same tables); other tables are compacted (and remembered) here."""
-    global _LAST
-    last = _LAST
-    if last[0] is not tabs:
-        compact = np.empty(tabs.size // TOTAL * COMPACT_STRIDE, np.uint8)
-        _compact_tables(tabs, compact)
-        last = _LAST = (tabs, compact)
-    return last[1]
-
-
 @njit(nogil=True, cache=True)
 def _fill_tables(freq, tabs, compact):
-    """:func:`decode_tables` and :func:`compact_of` of ``freq`` in one pass (a row of zeros: ESC in
-    every slot); an empty ``tabs``: the two-level form only."""
-    full = tabs.size > 0
+    """:func:`decode_tables` into ``tabs`` and :func:`compact_tables` into ``compact`` in one pass
+    (an empty array: that form not built; a row of zeros: ESC in every slot)."""
+    full, two_level = tabs.size > 0, compact.size > 0
     for k in range(freq.shape[0]):
         t0, c0 = k * TOTAL, k * COMPACT_STRIDE
-        fc = compact[c0 + TOTAL:c0 + COMPACT_STRIDE].view(np.uint32)  # freq | cum << 16 per symbol
-        fc[:] = 0
         used = False
         for s in range(256):
             used |= freq[k, s] != 0
+        fc = compact[c0 + TOTAL:c0 + COMPACT_STRIDE].view(np.uint32)  # freq | cum << 16 per symbol (or empty)
+        fc[:] = 0
         if not used:
             for slot in range(TOTAL if full else 0):
                 tabs[t0 + slot] = (ESC << 24) | ((TOTAL - 1) << 12) | slot
-            compact[c0:c0 + TOTAL] = ESC
-            fc[ESC] = TOTAL
+            if two_level:
+                compact[c0:c0 + TOTAL] = ESC
+                fc[ESC] = TOTAL
             continue
         cum = 0
         for s in range(256):
@@ -194,25 +181,7 @@ def _fill_tables(freq, tabs, compact):
             head = (s << 24) | ((f - 1) << 12)
             for r in range(f if full else 0):
                 tabs[t0 + cum + r] = head | r
-            compact[c0 + cum:c0 + cum + f] = s
-            fc[s] = f | (cum << 16)
+            if two_level:
+                compact[c0 + cum:c0 + cum + f] = s
+                fc[s] = f | (cum << 16)
             cum += f
-
-
-@njit(nogil=True, cache=True)
-def _compact_tables(tabs, compact):
-    """:func:`compact_of` from the entries of decode tables. A class whose table is all ESC (unused)
-    is not scanned."""
-    for k in range(tabs.size // TOTAL):
-        t0, c0 = k * TOTAL, k * COMPACT_STRIDE
-        fc = compact[c0 + TOTAL:c0 + COMPACT_STRIDE].view(np.uint32)
-        fc[:] = 0
-        if tabs[t0] >> 12 == (ESC << 12) | (TOTAL - 1):  # ESC takes every slot: an unused class
-            compact[c0:c0 + TOTAL] = ESC
-            fc[ESC] = TOTAL
-            continue
-        for slot in range(TOTAL):
-            e = tabs[t0 + slot]
-            compact[c0 + slot] = e >> 24
-            if e & 0xFFF == 0:  # the symbol's first slot: its cumulative frequency
-                fc[e >> 24] = (((e >> 12) & 0xFFF) + 1) | (slot << 16)
