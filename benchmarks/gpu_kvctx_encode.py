@@ -138,6 +138,59 @@ def rows_for(name, label, t, pred, opts, full: bool = True) -> tuple[list, list]
     return rows, notes
 
 
+VARIANTS = {  # kvctx_encode.cu builds with a part left out or done another way (probe macros)
+    "ke_symbolise": [(), ("KE_NO_HIST",), ("KE_NO_STORE",), ("KE_NO_HIST", "KE_NO_STORE"), ("KE_HIST_SMEM=1",),
+                     ("KE_HIST_SMEM=2",), ("KE_HIST_COPIES=256",)],
+    "ke_encode": [(), ("KE_NO_BITS",), ("KE_NO_RANS",)],
+}
+
+
+def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
+    """Device time (CUDA events, mean of ``reps`` launches after a warm-up) of each ``VARIANTS`` build of
+    ke_symbolise / ke_encode on one GPU encode's own inputs (symbolise's variants count into a scratch
+    histogram; the call itself runs the default build after them, so its blob stays exact): where the
+    kernels' time goes."""
+    import numpy as np
+    import torch
+
+    from kvcodec.cuda import build
+    from kvcodec.cuda import kvctx_encode as ke
+    from kvcodec.lossless import api
+    from kvcodec.lossless import kvctx_device_encode as kde
+
+    out = []
+
+    def runner(name, grid, block, args, device):
+        base = name.partition("<")[0]
+        if base in VARIANTS:
+            probe = list(args)
+            n_keys = int(args[-4]) if base == "ke_symbolise" else 0
+            if base == "ke_symbolise":
+                junk = [torch.zeros(n, dtype=torch.int64, device=device) for n in (256 * n_keys, 1 << 22)]
+                probe[-2:] = [np.uint64(j.data_ptr()) for j in junk]
+            for defines in VARIANTS[base]:
+                fn = build.get_function(ke.SOURCE, name, defines)
+                smem = 4 * n_keys if any(d.startswith("KE_HIST_SMEM") for d in defines) else 0
+                if smem:
+                    fn.max_dynamic_shared_size_bytes = smem
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                with build.cupy_stream(device):
+                    fn((grid,), (block,), tuple(probe), shared_mem=smem)
+                    ev[0].record()
+                    for _ in range(reps):
+                        fn((grid,), (block,), tuple(probe), shared_mem=smem)
+                    ev[1].record()
+                torch.cuda.synchronize()
+                out.append(f"{name} {'+'.join(defines) or 'default'} {ev[0].elapsed_time(ev[1]) / reps:.3f} ms")
+        ke.gpu_runner(name, grid, block, args, device)
+
+    routed = api._gpu_kv_route(t, pred, "auto", opts, None)
+    tt = t.detach().contiguous()
+    kde.encode(tt, pred, routed[1], runner=runner)
+    torch.cuda.synchronize()
+    return [f"{label}: kernel variants (ms, mean of {reps}): " + "; ".join(out)]
+
+
 def main(out_dir: str, mb: int) -> dict:
     import torch
 
@@ -185,8 +238,14 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--merge", action="store_true", help="append results/gpu_kvctx_encode.json to gpu_lossless")
+    ap.add_argument("--variants", action="store_true", help="only time the kernel variants (VARIANTS), print them")
     args = ap.parse_args()
     if args.merge:
         merge(args.out)
+    elif args.variants:
+        from benchmarks.gpu_lossless import tensors as _tensors
+
+        for name, label, t, pred, opts in jobs(_tensors(args.mb)):
+            print("\n".join(kernel_variants(f"{name} / {label}", t, pred, opts)), flush=True)
     else:
         main(args.out, args.mb)

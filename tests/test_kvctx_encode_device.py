@@ -170,7 +170,8 @@ def test_emulated_encoder_damaged_stream_raises(emulator, zlib_crc):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 def test_device_bin_params_equal_the_host_ones(emulator, dtype):
-    """ke_bin_params (+ kvctx_device_fit.field_planes / field_bytes) == format2.BinParams.from_channel,
+    """ke_bin_params (+ kvctx_device_fit.field_planes / field_bytes / plane_histograms) ==
+    format2.BinParams.from_channel,
     kernel_args and field_bytes, bit for bit; with the shared row broadcast where it won."""
     from kvcodec.lossless.predictive.bins import bin_grid
     from kvcodec.lossless.predictive.format2 import BinParams
@@ -192,9 +193,12 @@ def test_device_bin_params_equal_the_host_ones(emulator, dtype):
         values, margs = kde.kfit.bin_params(cands, torch.tensor(won), grid, emulated_runner(emulator))
         for source in ("none", "previous_token", "neighbour_layer"):  # the stored fields' bytes
             planes, stats = kde.kfit.field_planes(values, source)
-            head, body = kde.kfit.field_bytes(planes.numpy(), stats.numpy(), 2 * shape[1])
+            head, body, widths = kde.kfit.field_bytes(planes, stats.numpy(), 2 * shape[1])
+            body = body.numpy()
             want_head, want_body = want.field_bytes(source)
             assert head == want_head and np.array_equal(body, want_body), source
+            hist = kde.kfit.plane_histograms(planes, shape[1]).numpy()  # [first d channels, all]
+            assert np.array_equal(kde.kfit.field_counts(hist[1], widths), np.bincount(want_body, minlength=256))
         km, kc, ka, es, level = want.kernel_args(grid)
         for dev_arg, host in zip(margs[:3], (km, kc, ka)):
             assert np.array_equal(dev_arg.numpy().view(np.int64), host.reshape(-1).view(np.int64))
@@ -244,6 +248,20 @@ def test_fit_kernels_equal_the_host_formulas(emulator, source, g, t, noise, seed
         for f in ("m", "s", "c", "a"):
             got = getattr(cands, f)[rows].numpy()
             assert np.array_equal(got.view(np.uint8), np.asarray(getattr(want, f)).reshape(-1).view(np.uint8)), f
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1, 10, 10**6, 10**13]))
+def test_parallel_tables_equal_fit_tables(seed, scale):
+    """kvctx_device_encode.fit_tables (rows on the thread pool) == tables.fit_tables: unused classes, one
+    symbol, sparse and dense rows, small and huge counts."""
+    from kvcodec.lossless.predictive.bins import N_CLASSES
+    from kvcodec.lossless.predictive.tables import fit_tables
+
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, scale + 1, (N_CLASSES, 256)) * (rng.random((N_CLASSES, 256)) < rng.random((N_CLASSES, 1)))
+    counts[rng.random(N_CLASSES) < 0.3] = 0
+    assert np.array_equal(kde.fit_tables(counts), fit_tables(counts))
 
 
 def test_calls_the_gpu_encoder_does_not_take():
@@ -341,14 +359,24 @@ def test_gpu_encoded_damaged_blobs_raise():
 
 
 def test_emulated_encoder_writes_model_parts(emulator, zlib_crc, monkeypatch):
-    """Model bytes past MODEL_PART_BYTES: the GPU encoder writes the parts layout (meta "mparts") as the
-    CPU encoder does, and the stream decodes bit-exactly on the CPU."""
+    """Model bytes past MODEL_PART_BYTES: the GPU encoder writes the parts layout (meta "mfields") as the
+    CPU encoder does, its parts coded by the payload kernel equal ``format2.code_model``'s bytes for the
+    same fields and tables (several parts of uneven sizes, partial last groups), and the stream decodes
+    bit-exactly on the CPU."""
     from kvcodec.lossless.predictive import format2
 
     monkeypatch.setattr(format2, "MODEL_PART_BYTES", 64)
+    monkeypatch.setattr(format2, "FIELD_PART_BYTES", 45)
+    seen = {}
+    for mod, name in ((kde.kfit, "field_bytes"), (kde, "table_bytes")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: seen.setdefault(_name, _real(*a, **k)))
     x = kv_like((2, 128, 64), seed=6)
-    meta, _, blob = emulated_blob(emulator, x, None, "none")
+    meta, sections, blob = emulated_blob(emulator, x, None, "none")
     cpu_meta, _ = encode_tensor(x, None, "none", version=2)
-    parts = {k: v for k, v in meta.items() if k in ("mparts", "mfields")}  # format2.code_model's layout
-    assert parts and meta == cpu_meta | {"shared": meta["shared"], **parts}
+    assert meta["mfields"] > 2 and meta == cpu_meta | {"shared": meta["shared"], "mfields": meta["mfields"]}
+    head, fields, _ = seen["field_bytes"]
+    body, parts = format2.code_model(fields.numpy(), seen["table_bytes"])
+    want = (len(head) + len(body)).to_bytes(4, "little") + head + body
+    assert parts == {"mfields": meta["mfields"]} and sections["model"][:len(want)].tobytes() == want
     assert same_bits(kvcodec.decompress(blob), x)

@@ -32,7 +32,9 @@ template <class R, class A, class B, class C, class D, class E, class F, class G
 struct KeCentreOf<R (*)(A, B, C, D, E, F, G)> { typedef typename KeDeref<F>::type type; };
 typedef KeCentreOf<decltype(&kx_locate)>::type ke_centre;
 
+#ifndef KE_HIST_COPIES
 #define KE_HIST_COPIES 32
+#endif
 #define KE_RING 64  // raw-bit words per warp ring (a round adds at most 32)
 
 template <int W>
@@ -386,6 +388,11 @@ __global__ void __launch_bounds__(256)
     level = pel[2 * pi + 1];
   }
   kx_u64* h = hist + (long long)(blockIdx.x % KE_HIST_COPIES) * n_keys;
+#ifdef KE_HIST_SMEM  // probe: the block's histogram in shared memory (n_keys u32), added to h at the end
+  extern __shared__ unsigned ke_hist_s[];
+  for (int k = threadIdx.x; k < n_keys; k += blockDim.x) ke_hist_s[k] = 0u;
+  __syncthreads();
+#endif
   double dev = 0.0;
   long long total = 0;
   const long long nt = t1 - t0;
@@ -412,31 +419,52 @@ __global__ void __launch_bounds__(256)
       kx_u64 code;
       int nb;
       const int sym = ke_encode_value(pat, ep, centre, gr, escape, code, nb);
+#ifdef KE_NO_STORE
+      if (code == 0x123456789ull) packed[i] = nb;  // probe: no packed store
+#else
       packed[i] = (code << 24) | ((kx_u64)nb << 16) | ((kx_u64)cls << 8) | (kx_u64)sym;
+#endif
       total += nb;
       dev = sym != KX_ESC ? __dsub_rn(kx_value(pat, gr), base) : 0.0;  // an escaped value: no residual
       key = ((unsigned)cls << 8) | (unsigned)sym;
     }
+#if defined(KE_NO_HIST)
+    if (act && key == 0xFFFFFFFFu) h[0] = 1;  // probe: no histogram
+#elif KE_HIST_SMEM == 2
+    if (act) atomicAdd(ke_hist_s + key, 1u);
+#else
     const unsigned peers = __match_any_sync(KX_FULL, key);
+#if defined(KE_HIST_SMEM)
+    if (act && lane == __ffs(peers) - 1) atomicAdd(ke_hist_s + key, (unsigned)__popc(peers));
+#else
     if (act && lane == __ffs(peers) - 1) atomicAdd(h + key, (kx_u64)__popc(peers));
+#endif
+#endif
   }
+#ifdef KE_HIST_SMEM
+  __syncthreads();
+  for (int k = threadIdx.x; k < n_keys; k += blockDim.x)
+    if (ke_hist_s[k]) atomicAdd(h + k, (kx_u64)ke_hist_s[k]);
+#endif
   if (valid && t1 > t0) {  // format2.chunk_layout: blocks of gb g's that never cross a multiple of unit
     const long long per_unit = (unit + gb - 1) / gb;
     atomicAdd(chunk_bits + ((g / unit) * per_unit + (g % unit) / gb) * nblk + t0 / tb, (kx_u64)total);
   }
 }
 
-// Value i of a chunk (packed, tensor order): 0 past the chunk's end or before its start.
+// Value i of a chunk (packed): 0 past the chunk's end or before its start. The chunk holds `per` consecutive
+// values of each of its g's, the g's `stride` values apart, from `first` on.
 __device__ __forceinline__ kx_u64 ke_value(const kx_u64* __restrict__ packed, long long grp, int lane, long long n,
-                                           long long per, long long g0, long long t0, long long T, int D) {
+                                           long long per, long long first, long long stride) {
   const long long i = 32 * grp + lane;
   if (grp < 0 || i >= n) return 0;
   const long long gg = i / per;
-  return __ldg(packed + ((g0 + gg) * T + t0) * D + (i - gg * per));
+  return __ldg(packed + first + gg * stride + (i - gg * per));
 }
 
-// chunks [n, 6] int64: first g, g count, first token, token count, raw-bit word start, raw-bit total (from
-// ke_symbolise). ftab [n_keys]: freq | cum << 16 of class << 8 | symbol; rcp [n_keys]: floor(2**32 / freq)
+// chunks [n, 6] int64: first value, g count, values per g, stride between g's, raw-bit word start, raw-bit
+// total (from ke_symbolise; a chunk of the model's field bytes, format2.code_model's "mfields" parts: one g
+// of its bytes, 0 raw bits). ftab [n_keys]: freq | cum << 16 of class << 8 | symbol; rcp [n_keys]: floor(2**32 / freq)
 // (0xffffffff for freq <= 1). The chunk's rANS stream goes to the end of scratch slot ci (cap words):
 // lens[ci] = its length, or -1 if a value's symbol has no frequency or the raw bits do not add up to the
 // total (internal errors). Its raw bits go to bits[bstart ...].
@@ -449,16 +477,15 @@ __device__ __forceinline__ kx_u64 ke_value(const kx_u64* __restrict__ packed, lo
 // dependent rounds: each round's loads would otherwise wait a full memory latency).
 template <int WARPS>
 __global__ void __launch_bounds__(32 * WARPS)
-    ke_encode(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks, long long T,
-              int D, const kx_u32* __restrict__ ftab, const kx_u32* __restrict__ rcp, kx_u16* __restrict__ scratch,
+    ke_encode(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks,
+              const kx_u32* __restrict__ ftab, const kx_u32* __restrict__ rcp, kx_u16* __restrict__ scratch,
               long long cap, long long* __restrict__ lens, kx_u32* __restrict__ bits) {
   KE_SHARED kx_u32 ring_all[WARPS][KE_RING];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ci = blockIdx.x * WARPS + warp;
   if (ci >= n_chunks) return;  // warp-uniform; no block barrier below
   const long long* cd = chunks + 6 * (long long)ci;
-  const long long g0 = cd[0], t0 = cd[2], nt = cd[3];
-  const long long per = nt * D;
+  const long long first = cd[0], per = cd[2], stride = cd[3];
   const long long n = cd[1] * per;
   kx_u32* const out = bits + cd[4];
   kx_u32* const ring = ring_all[warp];
@@ -473,16 +500,17 @@ __global__ void __launch_bounds__(32 * WARPS)
   long long hi = cd[5];            // raw bits at and above hi are written
   long long done = (hi + 31) >> 5;  // words at and above done are stored
   const long long rounds = (n + 31) >> 5;
-  kx_u64 v = ke_value(packed, rounds - 1, lane, n, per, g0, t0, T, D);
-  kx_u64 vn = ke_value(packed, rounds - 2, lane, n, per, g0, t0, T, D);
-  kx_u64 v2 = ke_value(packed, rounds - 3, lane, n, per, g0, t0, T, D);
-  kx_u64 v3 = ke_value(packed, rounds - 4, lane, n, per, g0, t0, T, D);
+  kx_u64 v = ke_value(packed, rounds - 1, lane, n, per, first, stride);
+  kx_u64 vn = ke_value(packed, rounds - 2, lane, n, per, first, stride);
+  kx_u64 v2 = ke_value(packed, rounds - 3, lane, n, per, first, stride);
+  kx_u64 v3 = ke_value(packed, rounds - 4, lane, n, per, first, stride);
   kx_u32 fc = __ldg(ftab + (v & 0xFFFFu)), rc = __ldg(rcp + (v & 0xFFFFu));
   for (long long grp = rounds - 1; grp >= 0; --grp) {
-    const kx_u64 v4 = ke_value(packed, grp - 4, lane, n, per, g0, t0, T, D);
+    const kx_u64 v4 = ke_value(packed, grp - 4, lane, n, per, first, stride);
     const kx_u32 fcn = __ldg(ftab + (vn & 0xFFFFu)), rcn = __ldg(rcp + (vn & 0xFFFFu));
     const bool act = 32 * grp + lane < n;
     // rANS (value 32 grp + lane on lane `lane`): emitted words land in ascending lane order
+#ifndef KE_NO_RANS  // probe: the raw bits alone
     const kx_u32 f = act ? fc & 0xFFFFu : 0u;
     bad |= act && f == 0u;
     const bool need = act && (kx_u64)x >= ((kx_u64)f << (32 - 12));
@@ -502,6 +530,11 @@ __global__ void __launch_bounds__(32 * WARPS)
       }
       x = (q << 12) + r + (fc >> 16);
     }
+#endif
+#ifdef KE_NO_BITS  // probe: the rANS alone
+    hi = 0;
+    if (false) {
+#endif
     // raw bits
     const int nb = (int)((v >> 16) & 0xFFu);
     int incl = nb;
@@ -526,6 +559,9 @@ __global__ void __launch_bounds__(32 * WARPS)
     done = first;
     hi = lo;
     __syncwarp();
+#ifdef KE_NO_BITS
+    }
+#endif
     v = vn;
     vn = v2;
     v2 = v3;

@@ -34,8 +34,8 @@ SIGNATURES = {
     "ke_fit_scale": "(const double*, const double*, long long, const double*, double*, double*)",
     "ke_bin_params": ("(const double*, const double*, const signed char*, const signed char*, const long long*, "
                       "long long, long long, int, int, const double*, double*, double*, double*, int*, int*)"),
-    "ke_encode": ("(const unsigned long long*, const long long*, int, long long, int, const unsigned int*, "
-                  "const unsigned int*, unsigned short*, long long, long long*, unsigned int*)"),
+    "ke_encode": ("(const unsigned long long*, const long long*, int, const unsigned int*, const unsigned int*, "
+                  "unsigned short*, long long, long long*, unsigned int*)"),
 }
 
 
@@ -142,15 +142,16 @@ def bin_params(s, m, c_q, a_q, won, shared_row: int, n: int, d: int, eoff: int, 
 
 
 def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: int, gb: int, unit: int,
-              n_chunks: int, n_keys: int, runner=gpu_runner):
-    """(packed int64 [G*T*D], hist int64 [HIST_COPIES, n_keys], chunk raw-bit totals int64 [n_chunks]);
+              n_chunks: int, n_keys: int, spare: int = 0, runner=gpu_runner):
+    """(packed int64 [G*T*D + spare], hist int64 [HIST_COPIES, n_keys], chunk raw-bit totals int64 [n_chunks]);
     ``margs``: device tensors m, c, a (float64 [Gp * D]) and es, level (int32 [Gp * D, 2]);
     ``grid``: the dtype's ``(width, sign, mb, maxmag, eoff)``; chunks of ``gb`` leading indices a block,
-    blocks within multiples of ``unit`` (``format2.chunk_layout``)."""
+    blocks within multiples of ``unit`` (``format2.chunk_layout``); ``spare``: entries after the tensor's
+    values left for the caller (the model's field bytes, coded in the same :func:`encode_chunks` launch)."""
     g, tt, d = shape
     nblk, cols = _columns(shape, tb)
     dev = pats.device
-    packed = torch.empty(g * tt * d, dtype=torch.int64, device=dev)
+    packed = torch.empty(g * tt * d + spare, dtype=torch.int64, device=dev)
     hist = torch.zeros((HIST_COPIES, n_keys), dtype=torch.int64, device=dev)
     chunk_bits = torch.zeros(n_chunks, dtype=torch.int64, device=dev)
     width, sign, mb, maxmag, eoff = grid
@@ -162,17 +163,16 @@ def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: i
     return packed, hist, chunk_bits
 
 
-def encode_chunks(packed, chunks, ftab, rcp, shape, cap: int, n_bit_words: int, runner=gpu_runner):
+def encode_chunks(packed, chunks, ftab, rcp, cap: int, n_bit_words: int, runner=gpu_runner):
     """(scratch int16 [n * cap], lens int64 [n], bits int32 [n_bit_words]) of every chunk (``chunks``
-    int64 [n, 6] device tensor: first g, g count, first token, token count, raw-bit word start, raw-bit
-    total)."""
-    _, tt, d = shape
+    int64 [n, 6] device tensor: first value in ``packed``, g count, values per g, stride between g's,
+    raw-bit word start, raw-bit total): chunk j's stream is the last lens[j] words of scratch slot j."""
     n = chunks.shape[0]
     dev = packed.device
     scratch = torch.empty(n * cap, dtype=torch.int16, device=dev)
     lens = torch.empty(n, dtype=torch.int64, device=dev)
     bits = torch.empty(max(n_bit_words, 1), dtype=torch.int32, device=dev)
     runner(f"ke_encode<{WARPS}>", -(-n // WARPS), 32 * WARPS,
-           (_ptr(packed), _ptr(chunks), np.int32(n), np.int64(tt), np.int32(d), _ptr(ftab), _ptr(rcp), _ptr(scratch),
-            np.int64(cap), _ptr(lens), _ptr(bits)), dev)
+           (_ptr(packed), _ptr(chunks), np.int32(n), _ptr(ftab), _ptr(rcp), _ptr(scratch), np.int64(cap), _ptr(lens),
+            _ptr(bits)), dev)
     return scratch, lens, bits[:n_bit_words]

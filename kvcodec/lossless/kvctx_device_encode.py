@@ -29,19 +29,23 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+from numba import njit
 
 from kvcodec import container
 from kvcodec.cuda.transfer import upload
 from kvcodec.entropy import rans_lanes
+from kvcodec.entropy.freq import _fix_sum_and_polish, quantize_frequencies
 from kvcodec.lossless import kvctx_device_fit as kfit
 from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
 from kvcodec.lossless.predictive import codec as pcodec
+from kvcodec.lossless.predictive import format2, tables
 from kvcodec.lossless.predictive.bins import N_CLASSES, bin_grid
 from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, chunk_layout, code_model
 from kvcodec.lossless.predictive.grid import grid_for, value_table
-from kvcodec.lossless.predictive.tables import fit_tables, table_bytes
+from kvcodec.lossless.predictive.tables import table_bytes
 
 SOURCES = ("none", "external", "previous_token", "neighbour_layer")
+MODEL_CLASS = N_CLASSES  # the payload kernel's table of the model's field parts (:class:`_FieldParts`)
 N_KEYS = N_CLASSES * 256
 _CODED = {torch.bfloat16, torch.float16, torch.float32}
 _CODED_FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}  # format 2 only with version=2 (tested ones)
@@ -170,6 +174,38 @@ def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     return out
 
 
+def fit_tables(counts: np.ndarray) -> np.ndarray:
+    """``tables.fit_tables`` (the same frequencies: ``freq.quantize_frequencies`` of every used class) with
+    the classes' greedy polish on the thread pool in compiled code. Why: it is on the critical path between
+    the symbolise and payload kernels (the device idles), ~1-2 ms on one core for predictive streams."""
+    freq = np.zeros(counts.shape, np.int64)
+    sums = counts.sum(axis=1)
+    rows = np.flatnonzero(sums)
+    if rows.size == 0 or sums.max() >= (1 << 62) >> rans_lanes.PRECISION:  # quantize_frequencies' integer rounding
+        return tables.fit_tables(counts)
+    order = rows[np.argsort(-(counts[rows] > 0).sum(axis=1), kind="stable")]  # the widest rows first
+    groups = [order[k::_TABLE_TASKS] for k in range(min(_TABLE_TASKS, order.size))]
+    list(format2._pool().map(lambda r: _quantize_rows(counts, r, rans_lanes.PRECISION, freq), groups))
+    return freq
+
+
+_TABLE_TASKS = 8
+
+
+@njit(cache=True, nogil=True)
+def _quantize_rows(counts, rows, precision, freq):
+    """``freq[k] = quantize_frequencies(counts[k], precision)`` for each k of ``rows`` (its step 1 and
+    ``_fix_sum_and_polish``; rows sum to less than 2**62 >> precision: its integer rounding)."""
+    slots = 1 << precision
+    for k in rows:
+        used = np.flatnonzero(counts[k])
+        c = counts[k][used]
+        f = np.maximum(1, (c * slots) // c.sum())
+        _fix_sum_and_polish(f, c.astype(np.float64), slots)
+        for j in range(used.size):
+            freq[k, used[j]] = f[j]
+
+
 @lru_cache(maxsize=16)
 def _escape_table(bdtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """uint8 per bit pattern: 1 where bins.BinGrid.escape says the pattern is always escaped."""
@@ -231,58 +267,106 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     planes, stats = kfit.field_planes(values, source)
     clock.mark("fit: choice, bin parameters, field planes (launches)")
 
-    # 2. symbols, histogram, raw-bit counts
+    # 2. symbols, histogram, raw-bit counts (room after the values for the model's field bytes)
     cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, unit)
     gb = int(cng[0])
+    n_values = g * tt * d
+    spare = planes.numel() if planes.numel() > format2.MODEL_PART_BYTES else 0
     packed, hist, chunk_bits = ke.symbolise(pats, pred, margs, choices == (True,), _escape_table(bdtype, dev),
                                             grid_constants(bdtype), (g, tt, d), tb, gb, unit, cg0.size, N_KEYS,
-                                            runner)
+                                            spare, runner)
     flags = torch.stack([no if shared_won is None else shared_won, pred_crc])
     clock.mark("symbolise (launch)")
-    planes, stats, counts, cbits, flags = _read_back([planes, stats, hist.sum(dim=0), chunk_bits, flags])
+    stats, phist, counts, cbits, flags = _read_back([stats, kfit.plane_histograms(planes, d), hist.sum(dim=0),
+                                                     chunk_bits, flags])
     clock.mark("wait: fit + symbolise (sync 1)")
     shared = bool(flags[0]) if shared_won is not None else choices == (True,)
     if source == "external":
         meta["pred_crc"] = int(flags[1])
 
-    # 3. tables and the chunk layout of the sections
+    # 3. tables, the model's field parts and the chunk layout of the sections
     freq = fit_tables(counts.reshape(N_CLASSES, 256))
-    cum = rans_lanes.cumulative(freq)
-    f = freq.reshape(-1).astype(np.uint64)
+    fields_head, fields, widths = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
+    parts = _FieldParts(fields, kfit.field_counts(phist[0 if shared else 1], widths), packed, n_values) \
+        if fields.numel() > format2.MODEL_PART_BYTES else None
+    ffreq = freq if parts is None else np.concatenate([freq, parts.freqs[None].astype(np.int64)])
+    cum = rans_lanes.cumulative(ffreq)
+    f = ffreq.reshape(-1).astype(np.uint64)
     ftab = (f | (cum.reshape(-1).astype(np.uint64) << 16)).astype(np.uint32)
     rcp = np.where(f >= 2, (1 << 32) // np.maximum(f, 1), 0xFFFFFFFF).astype(np.uint32)
     bwords = (cbits + 31) // 32
     bstart = np.concatenate([[0], np.cumsum(bwords)[:-1]]).astype(np.int64)
-    chunks = np.stack([cg0, cng, ct0, cnt, bstart, cbits], 1).astype(np.int64)
-    cap = int((cng * cnt).max()) * d + 2 * ke.LANES
+    chunks = np.stack([(cg0 * tt + ct0) * d, cng, cnt * d, np.full_like(cng, tt * d), bstart, cbits], 1)
+    cap = int((cng * cnt).max()) * d
+    if parts is not None:
+        chunks = np.concatenate([chunks, parts.chunks])
+        cap = max(cap, int(parts.chunks[:, 2].max()))
+    cap += 2 * ke.LANES
     clock.mark("tables")
 
-    # 4. the chunks' streams and the checksums queued; the host codes the model meanwhile
-    chunks_d, ftab_d, rcp_d = upload([chunks, ftab, rcp], dev)
-    scratch, lens, bits = ke.encode_chunks(packed, chunks_d.view(-1, 6), ftab_d, rcp_d, (g, tt, d), cap,
-                                           int(bwords.sum()), runner)
+    # 4. the chunks' streams (and the model's parts) and the checksums queued; the host writes the model meanwhile
+    chunks_d, ftab_d, rcp_d = upload([chunks.astype(np.int64), ftab, rcp], dev)
+    scratch, lens, bits = ke.encode_chunks(packed, chunks_d.view(-1, 6), ftab_d, rcp_d, cap, int(bwords.sum()),
+                                           runner)
     del packed
     if overlap is not None:
         overlap({k: sections[k] for k in ("lo16",) if k in sections} | {"bits": bits})
     clock.mark("payload (launch)")
-    fields_head, field_raw = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
-    body, mparts = code_model(field_raw, table_bytes(freq))
-    clock.mark("model bytes + format2.code_model (host)")
+    tables = table_bytes(freq)
+    if parts is None:
+        body, mparts = code_model(fields.cpu().numpy(), tables)
+    clock.mark("model bytes (host)")
     wlen = lens.cpu().numpy()
     clock.mark("wait: payload (sync 2)")
     if (wlen < 0).any():
         raise RuntimeError("GPU kvctx encoder: a symbol without frequency or a raw-bit miscount (internal error)")
     woff = np.concatenate([[0], np.cumsum(wlen)]).astype(np.int64)
-    payload = torch.empty(int(woff[-1]), dtype=torch.int16, device=dev)
-    gather(scratch, cap, lens, woff[:-1], payload)
-    counts_b = np.concatenate([wlen, bwords]).astype("<u4").view(np.uint8)
-    model_blob = np.concatenate([np.frombuffer(b, np.uint8) for b in  # one copy of the ~1 MB model
-                                 ((len(fields_head) + len(body)).to_bytes(4, "little"), fields_head, body)] + [counts_b])
+    words = torch.empty(int(woff[-1]), dtype=torch.int16, device=dev)
+    gather(scratch, cap, lens, woff[:-1], words)
+    n_chunks = cg0.size
+    payload = words[:woff[n_chunks]]
+    counts_b = np.concatenate([wlen[:n_chunks], bwords]).astype("<u4").view(np.uint8)
+    if parts is None:
+        head = np.frombuffer(b"".join([(len(fields_head) + len(body)).to_bytes(4, "little"), fields_head, body]),
+                             np.uint8)
+        (model_d,) = upload([np.concatenate([head, counts_b])], dev)
+    else:
+        mparts = {"mfields": parts.count}
+        head = parts.head(fields_head, wlen[n_chunks:], tables.size)
+        head_d, tail_d = upload([head, np.concatenate([tables, counts_b])], dev)
+        model_d = torch.cat([head_d, words[woff[n_chunks]:].view(torch.uint8), tail_d])
     meta.update(tb=tb, shared=shared, lanes=ke.LANES, **mparts)
-    (model_d,) = upload([model_blob], dev)
     sections.update(model=model_d, payload=payload, bits=bits)
     clock.mark("sections")
     return meta, sections
+
+
+class _FieldParts:
+    """``format2.code_model``'s "mfields" parts of the model's field bytes (more than MODEL_PART_BYTES),
+    coded on the device by the payload kernel: the bytes go after the tensor's values in ``packed`` as
+    symbols of one more class (``MODEL_CLASS``, its table the parts' shared one) and each part is one more
+    chunk of 32 lanes without raw bits: the same words and states as ``rans_fast``'s 32-state table kernel
+    (value i on lane i % 32, groups of 32 from the last, 2**12 probabilities). Why: coding ~1.5 MB of
+    fields on the host took 2.5-4.5 ms of each call's critical path; on the device they ride along with
+    the payload's 2048 chunks."""
+
+    def __init__(self, fields: torch.Tensor, counts: np.ndarray, packed: torch.Tensor, at: int):
+        n = fields.numel()
+        self.count = max(1, min(format2.MAX_FIELD_PARTS, -(-n // format2.FIELD_PART_BYTES)))
+        sizes = format2._part_sizes(n, self.count)
+        self.freqs = quantize_frequencies(counts, format2.FIELD_PRECISION).astype("<u2")
+        self.size = n
+        packed[at:at + n] = fields.to(torch.int64) | (MODEL_CLASS << 8)
+        first = at + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        one, zero = np.ones_like(sizes), np.zeros_like(sizes)
+        self.chunks = np.stack([first, one, sizes, sizes, zero, zero], 1).astype(np.int64)
+
+    def head(self, fields_head: bytes, lens: np.ndarray, n_tables: int) -> np.ndarray:
+        """The model section's bytes before the parts' payloads (``lens``: their lengths in words)."""
+        body = 8 + 2 * self.freqs.size + 4 * self.count + 2 * int(lens.sum()) + n_tables
+        return np.concatenate([np.frombuffer((len(fields_head) + body).to_bytes(4, "little") + fields_head, np.uint8),
+                               np.array([self.size, n_tables], "<u4").view(np.uint8), self.freqs.view(np.uint8),
+                               (2 * lens).astype("<u4").view(np.uint8)])
 
 
 def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: str,

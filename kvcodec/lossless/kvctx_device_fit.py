@@ -119,12 +119,31 @@ def field_planes(values: torch.Tensor, source: str) -> tuple[torch.Tensor, torch
     return torch.stack([arr & 0xFF, arr >> 8], 1).to(torch.uint8), torch.stack([lo, arr.amax(dim=1)], 1)
 
 
-def field_bytes(planes: np.ndarray, stats: np.ndarray, n: int) -> tuple[bytes, np.ndarray]:
-    """``format2.BinParams.field_bytes``' (header, bytes) of the first ``n`` channels of
-    :func:`field_planes`' planes and stats, on the host."""
-    head, body = b"", []
+def plane_histograms(planes: torch.Tensor, d: int) -> torch.Tensor:
+    """int64 [2, fields, 2, 256]: the byte histogram of each of :func:`field_planes`' planes over its
+    first ``d`` channels (the shared row) and over all of them, on the device: the model's field bytes
+    are counted for their rANS table before the host knows which of the two it stores."""
+    f2, n = planes.shape[0] * 2, planes.shape[2]
+    base = (torch.arange(f2, device=planes.device, dtype=torch.int64) * 256)[:, None]
+    keys = planes.reshape(f2, n).to(torch.int64) + base
+    return torch.stack([torch.bincount(k.reshape(-1), minlength=f2 * 256)
+                        for k in (keys[:, :d], keys)]).reshape(2, f2 // 2, 2, 256)
+
+
+def field_bytes(planes: torch.Tensor, stats: np.ndarray, n: int) -> tuple[bytes, torch.Tensor, list[int]]:
+    """``format2.BinParams.field_bytes``' header (host, from the read-back ``stats``) and bytes (uint8 on
+    the planes' device) of the first ``n`` channels of :func:`field_planes`' planes, and each field's
+    width (1 or 2 byte planes)."""
+    head, body, widths = b"", [], []
     for plane, (lo, top) in zip(planes, stats):
         width = 1 if int(top) < 256 else 2
         head += int(lo).to_bytes(4, "little", signed=True) + bytes([width])
         body += [plane[0, :n], plane[1, :n]][:width]
-    return head, np.concatenate(body)
+        widths.append(width)
+    return head, torch.cat(body), widths
+
+
+def field_counts(hist: np.ndarray, widths: list[int]) -> np.ndarray:
+    """int64 [256]: the symbol counts of :func:`field_bytes`' bytes from one row of
+    :func:`plane_histograms` (read back) and the fields' widths."""
+    return sum(hist[f, p] for f, w in enumerate(widths) for p in range(w))

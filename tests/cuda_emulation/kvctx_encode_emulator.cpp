@@ -50,10 +50,10 @@ extern "C" void ke_symbolise_emu(int grid, int block, int w, P pats, P pred, P p
   emu_run(grid, block, k);
 }
 
-extern "C" void ke_encode_emu(int grid, int block, P packed, P chunks, int n, LL T, int D, P ftab, P rcp,
-                              void* scratch, LL cap, void* lens, void* bits) {
+extern "C" void ke_encode_emu(int grid, int block, P packed, P chunks, int n, P ftab, P rcp, void* scratch, LL cap,
+                              void* lens, void* bits) {
   auto k = [&] {
-    ke_encode<4>((const kx_u64*)packed, (const long long*)chunks, n, T, D, (const kx_u32*)ftab, (const kx_u32*)rcp,
+    ke_encode<4>((const kx_u64*)packed, (const long long*)chunks, n, (const kx_u32*)ftab, (const kx_u32*)rcp,
                  (kx_u16*)scratch, cap, (long long*)lens, (kx_u32*)bits);
   };
   emu_run(grid, block, k);
