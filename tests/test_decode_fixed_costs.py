@@ -71,6 +71,14 @@ def _varints_reference(buf: np.ndarray, pos: int, count: int, max_bytes: int):
     return vals, pos + int(ends[-1]) + 1
 
 
+def _read_varints(buf, pos, count, max_bytes):
+    """stream._varints_at with its error as the CorruptStreamError the parser raises."""
+    vals, end, err = stream._varints_at(buf, pos, count, max_bytes)
+    if err:
+        raise CorruptStreamError(stream._FREQ_ERRORS[err])
+    return vals, end
+
+
 def _outcome(fn, *args):
     try:
         vals, end = fn(*args)
@@ -89,7 +97,7 @@ def test_varint_array_equals_numpy_reference(data, pos, count, max_bytes, valid)
         data = data[:pos] + stream._varint_array(vals)
     buf = np.frombuffer(data, np.uint8)
     pos = min(pos, buf.size)
-    assert _outcome(stream._read_varint_array, buf, pos, count, max_bytes) == \
+    assert _outcome(_read_varints, buf, pos, count, max_bytes) == \
         _outcome(_varints_reference, buf, pos, count, max_bytes)
 
 
@@ -136,3 +144,85 @@ def test_short_single_state_decode_equals_slot_table_decode(seed, n, alphabet, p
     assert got == _decode_outcome(lambda: rans_fast.decode_prepared(payload, full, precision, n, 1))
     if flip == -1:
         assert got == ("ok", x.tobytes())
+
+
+def _parse_freqs_reference(buf: np.ndarray, pos: int, alphabet: int):
+    """The numpy frequency-table reader stream._parse_freqs was before its compiled pass."""
+    lo, pos = stream._get_varint(buf, pos, "frequency table")
+    span, pos = stream._get_varint(buf, pos, "frequency table")
+    if span < 1 or lo + span > alphabet:
+        raise CorruptStreamError("frequency table range is outside the alphabet")
+    if pos >= buf.size:
+        raise CorruptStreamError("frequency table is truncated")
+    mode, pos = int(buf[pos]), pos + 1
+    freqs = np.zeros(alphabet, dtype=np.uint32)
+    if mode == stream._TABLE_DENSE:
+        vals, pos = _read_varints(buf, pos, span, 3)
+        idx = np.arange(span)
+    elif mode == stream._TABLE_BITMAP:
+        nbytes = (span + 7) // 8
+        if pos + nbytes > buf.size:
+            raise CorruptStreamError("frequency table is truncated")
+        idx = np.flatnonzero(np.unpackbits(buf[pos:pos + nbytes], bitorder="little")[:span])
+        vals, pos = _read_varints(buf, pos + nbytes, idx.size, 3)
+    elif mode == stream._TABLE_GAPS:
+        k, pos = stream._get_varint(buf, pos, "frequency table")
+        if not 1 <= k <= span:
+            raise CorruptStreamError("frequency table symbol count out of range")
+        gaps, pos = _read_varints(buf, pos, k - 1, 3)
+        idx = np.concatenate(([0], np.cumsum(gaps + 1)))
+        if idx[-1] >= span:
+            raise CorruptStreamError("frequency table symbol outside its range")
+        vals, pos = _read_varints(buf, pos, k, 3)
+    elif mode in (stream._TABLE_RUNS, stream._TABLE_RUNS_RICE):
+        k, pos = stream._get_varint(buf, pos, "frequency table")
+        if not 1 <= k <= span:
+            raise CorruptStreamError("frequency table run count out of range")
+        gaps, pos = _read_varints(buf, pos, k, 3)
+        lens, pos = _read_varints(buf, pos, k, 3)
+        ends = np.cumsum(gaps + lens + 1)
+        if ends[-1] > span:
+            raise CorruptStreamError("frequency table run outside its range")
+        idx = np.concatenate([np.arange(e - n - 1, e) for e, n in zip(ends, lens)])
+        if mode == stream._TABLE_RUNS:
+            vals, pos = _read_varints(buf, pos, idx.size, 3)
+        else:
+            if pos >= buf.size:
+                raise CorruptStreamError("frequency table is truncated")
+            if buf[pos] > 16:
+                raise CorruptStreamError("bad Rice parameter in frequency table")
+            vals = np.empty(idx.size, dtype=np.int64)
+            pos = stream._rice_read(buf, pos + 1, idx.size, int(buf[pos]), vals)
+            if pos < 0:
+                raise CorruptStreamError("frequency table codes are truncated or malformed")
+            vals += 1
+    else:
+        raise CorruptStreamError(f"unknown frequency table mode {mode}")
+    if vals.size and vals.max() > 1 << 16:
+        raise CorruptStreamError("frequency out of range")
+    freqs[lo + idx] = vals
+    if freqs[lo] == 0 or freqs[lo + span - 1] == 0:
+        raise CorruptStreamError("frequency table range does not start and end at used symbols")
+    return freqs, pos
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), used=st.integers(1, 256), run=st.integers(1, 20), damage=st.integers(0, 3),
+       alphabet=st.sampled_from([256, 65536]))
+def test_frequency_table_parse_equals_numpy_reference(seed, used, run, damage, alphabet):
+    """Same frequencies and end, or the same error, on every table mode (written by _pack_freqs, and a
+    plain runs table it never picks) and on damaged, cut and random bytes."""
+    rng = np.random.default_rng(seed)
+    mask = np.repeat(rng.random(-(-used // run)) < rng.random(), run)[:used]
+    mask[rng.integers(0, used)] = True
+    freqs = np.zeros(alphabet, np.uint32)
+    freqs[:used][mask] = rng.integers(1, 70000, int(mask.sum())).clip(1, 65536)
+    runs = bytes([0, 5, stream._TABLE_RUNS, 2, 0, 1, 1, 1]) + stream._varint_array(np.array([4096, 100, 5, 7]))
+    for table in (stream._pack_freqs(freqs), runs, rng.integers(0, 256, 30).astype(np.uint8).tobytes()):
+        table = bytearray(table)
+        for _ in range(damage):
+            table[rng.integers(0, len(table))] = rng.integers(0, 256)
+        if damage == 3:
+            table = table[:rng.integers(0, len(table))]
+        buf = np.frombuffer(bytes(table), np.uint8)
+        assert _outcome(stream._parse_freqs, buf, 0, alphabet) == _outcome(_parse_freqs_reference, buf, 0, alphabet)

@@ -86,22 +86,6 @@ def _varint_array(v: np.ndarray) -> bytes:
     return (b | (more << 7)).astype(np.uint8).tobytes()
 
 
-def _read_varint_array(buf: np.ndarray, pos: int, count: int, max_bytes: int) -> tuple[np.ndarray, int]:
-    """Read ``count`` varints of at most ``max_bytes`` bytes each (one compiled pass: numpy's
-    dozen small calls were most of a small stream's header parse)."""
-    vals = np.empty(count, dtype=np.int64)
-    if count == 0:
-        return vals, pos
-    end = _varints(buf, pos, max_bytes, vals)
-    if end < 0:
-        raise CorruptStreamError(_VARINT_ERRORS[end])
-    return vals, end
-
-
-_VARINT_ERRORS = {-1: "frequency table is truncated", -2: "frequency table holds an oversized value",
-                  -3: "frequency table holds an overlong varint"}
-
-
 @njit(cache=True, nogil=True)
 def _varints(buf, pos, max_bytes, out):
     """Fill ``out`` with the varints at ``buf[pos:]``, reading no further than ``out.size *
@@ -236,19 +220,6 @@ def _rice_read(buf, pos, count, k, out):
     return pos + (bit + 7) // 8
 
 
-def _rice_unpack(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, int]:
-    if pos >= buf.size:
-        raise CorruptStreamError("frequency table is truncated")
-    k = int(buf[pos])
-    if k > 16:
-        raise CorruptStreamError("bad Rice parameter in frequency table")
-    vals = np.empty(count, dtype=np.int64)
-    end = _rice_read(buf, pos + 1, count, k, vals)
-    if end < 0:
-        raise CorruptStreamError("frequency table codes are truncated or malformed")
-    return vals, end
-
-
 # ------------------------------------------------------------------------------- parse
 def parse(blob, max_symbols: int | None = None) -> tuple[StreamHeader, memoryview]:
     """Parse and verify a stream; returns the header and the payload (CRC-checked).
@@ -293,68 +264,165 @@ def parse(blob, max_symbols: int | None = None) -> tuple[StreamHeader, memoryvie
 
 
 def _parse_freqs(buf: np.ndarray, pos: int, alphabet: int) -> tuple[np.ndarray, int]:
-    lo, pos = _get_varint(buf, pos, "frequency table")
-    span, pos = _get_varint(buf, pos, "frequency table")
-    if span < 1 or lo + span > alphabet:
-        raise CorruptStreamError("frequency table range is outside the alphabet")
-    if pos >= buf.size:
-        raise CorruptStreamError("frequency table is truncated")
-    mode = int(buf[pos])
-    pos += 1
+    """(uint32 frequencies over the alphabet, position after the table) of the table at
+    ``buf[pos:]``, in one compiled pass (:func:`_freq_table`: the numpy version's ~30 small calls
+    were most of a small stream's parse); CorruptStreamError."""
     freqs = np.zeros(alphabet, dtype=np.uint32)
+    end, err = _freq_table(buf, pos, freqs)
+    if err:
+        raise CorruptStreamError(_FREQ_ERRORS[err] if err != _E_MODE else f"unknown frequency table mode {end}")
+    return freqs, end
+
+
+_E_MODE = 15
+_FREQ_ERRORS = {1: "stream header ends inside frequency table", 2: "frequency table is an overlong varint",
+                3: "frequency table is not a valid varint", 4: "frequency table range is outside the alphabet",
+                5: "frequency table is truncated", 6: "frequency table holds an oversized value",
+                7: "frequency table holds an overlong varint", 8: "frequency out of range",
+                9: "frequency table symbol count out of range", 10: "frequency table symbol outside its range",
+                11: "frequency table run count out of range", 12: "frequency table run outside its range",
+                13: "bad Rice parameter in frequency table", 14: "frequency table codes are truncated or malformed",
+                16: "frequency table range does not start and end at used symbols"}
+_HUGE = 1 << 60  # a varint of more than 56 bits: larger than any alphabet or count
+
+
+@njit(cache=True, nogil=True)
+def _varint_at(buf, pos):
+    """(value, position after it, error) of one varint, as :func:`_get_varint` reads it (a value
+    over 56 bits as ``_HUGE``); errors 1-3 of ``_FREQ_ERRORS``."""
+    v, shift = 0, 0
+    for _ in range(10):
+        if pos >= buf.size:
+            return 0, pos, 1
+        b = np.int64(buf[pos])
+        pos += 1
+        if shift < 56:
+            v |= (b & 0x7F) << shift
+        elif b & 0x7F:
+            v = _HUGE
+        if b < 0x80:
+            if b == 0 and shift:
+                return 0, pos, 2
+            return v, pos, 0
+        shift += 7
+    return 0, pos, 3
+
+
+@njit(cache=True, nogil=True)
+def _varints_at(buf, pos, count, max_bytes=3):
+    """(values, position after them, error) of ``count`` varints of at most ``max_bytes`` bytes
+    (errors 5-7 of ``_FREQ_ERRORS``)."""
+    vals = np.empty(count, np.int64)
+    if count == 0:
+        return vals, pos, 0
+    end = _varints(buf, pos, max_bytes, vals)
+    return vals, end, (0 if end >= 0 else 4 - end)
+
+
+@njit(cache=True, nogil=True)
+def _freq_table(buf, pos, freqs):
+    """(position after the table, error code of ``_FREQ_ERRORS``: 0 = none; ``_E_MODE``: the mode
+    byte in place of the position) of a frequency table (:func:`_pack_freqs`' modes), read into
+    ``freqs``; the checks and their order are the reader's before it was compiled."""
+    lo, pos, err = _varint_at(buf, pos)
+    if err:
+        return pos, err
+    span, pos, err = _varint_at(buf, pos)
+    if err:
+        return pos, err
+    if span < 1 or lo + span > freqs.size:
+        return pos, 4
+    if pos >= buf.size:
+        return pos, 5
+    mode = np.int64(buf[pos])
+    pos += 1
     if mode == _TABLE_DENSE:
-        vals, pos = _read_varint_array(buf, pos, span, 3)
-        if vals.max() > 1 << 16:
-            raise CorruptStreamError("frequency out of range")
-        freqs[lo : lo + span] = vals
+        vals, pos, err = _varints_at(buf, pos, span)
+        if err:
+            return pos, err
+        idx = np.arange(span)
     elif mode == _TABLE_BITMAP:
         nbytes = (span + 7) // 8
         if pos + nbytes > buf.size:
-            raise CorruptStreamError("frequency table is truncated")
-        mask = np.unpackbits(buf[pos : pos + nbytes], bitorder="little")[:span].astype(bool)
-        pos += nbytes
-        vals, pos = _read_varint_array(buf, pos, int(mask.sum()), 3)
-        if vals.size and vals.max() > 1 << 16:
-            raise CorruptStreamError("frequency out of range")
-        freqs[lo : lo + span][mask] = vals
+            return pos, 5
+        idx = np.empty(span, np.int64)
+        k = 0
+        for i in range(span):
+            if (buf[pos + (i >> 3)] >> (i & 7)) & 1:
+                idx[k] = i
+                k += 1
+        idx = idx[:k]
+        vals, pos, err = _varints_at(buf, pos + nbytes, k)
+        if err:
+            return pos, err
     elif mode == _TABLE_GAPS:
-        k, pos = _get_varint(buf, pos, "frequency table")
+        k, pos, err = _varint_at(buf, pos)
+        if err:
+            return pos, err
         if not 1 <= k <= span:
-            raise CorruptStreamError("frequency table symbol count out of range")
-        gaps, pos = _read_varint_array(buf, pos, k - 1, 3)
-        idx = np.concatenate(([0], np.cumsum(gaps + 1)))
-        if idx[-1] >= span:
-            raise CorruptStreamError("frequency table symbol outside its range")
-        vals, pos = _read_varint_array(buf, pos, k, 3)
-        if vals.max() > 1 << 16:
-            raise CorruptStreamError("frequency out of range")
-        freqs[lo + idx] = vals
-    elif mode in (_TABLE_RUNS, _TABLE_RUNS_RICE):
-        k, pos = _get_varint(buf, pos, "frequency table")
+            return pos, 9
+        gaps, pos, err = _varints_at(buf, pos, k - 1)
+        if err:
+            return pos, err
+        idx = np.zeros(k, np.int64)
+        for i in range(1, k):
+            idx[i] = idx[i - 1] + gaps[i - 1] + 1
+        if idx[k - 1] >= span:
+            return pos, 10
+        vals, pos, err = _varints_at(buf, pos, k)
+        if err:
+            return pos, err
+    elif mode == _TABLE_RUNS or mode == _TABLE_RUNS_RICE:
+        k, pos, err = _varint_at(buf, pos)
+        if err:
+            return pos, err
         if not 1 <= k <= span:
-            raise CorruptStreamError("frequency table run count out of range")
-        gaps, pos = _read_varint_array(buf, pos, k, 3)
-        lens, pos = _read_varint_array(buf, pos, k, 3)
-        lens = lens + 1
-        ends = np.cumsum(gaps + lens)
-        if ends[-1] > span:
-            raise CorruptStreamError("frequency table run outside its range")
-        starts = ends - lens
-        total = int(lens.sum())
-        idx = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
+            return pos, 11
+        gaps, pos, err = _varints_at(buf, pos, k)
+        if err:
+            return pos, err
+        lens, pos, err = _varints_at(buf, pos, k)
+        if err:
+            return pos, err
+        end = total = 0
+        for r in range(k):
+            end += gaps[r] + lens[r] + 1
+            total += lens[r] + 1
+        if end > span:
+            return pos, 12
+        idx = np.empty(total, np.int64)
+        end = q = 0
+        for r in range(k):
+            end += gaps[r]
+            for _ in range(lens[r] + 1):
+                idx[q] = end
+                q += 1
+                end += 1
         if mode == _TABLE_RUNS:
-            vals, pos = _read_varint_array(buf, pos, total, 3)
+            vals, pos, err = _varints_at(buf, pos, total)
+            if err:
+                return pos, err
         else:
-            vals, pos = _rice_unpack(buf, pos, total)
+            if pos >= buf.size:
+                return pos, 5
+            rice_k = np.int64(buf[pos])
+            if rice_k > 16:
+                return pos, 13
+            vals = np.empty(total, np.int64)
+            pos = _rice_read(buf, pos + 1, total, rice_k, vals)
+            if pos < 0:
+                return pos, 14
             vals += 1
-        if vals.max() > 1 << 16:
-            raise CorruptStreamError("frequency out of range")
-        freqs[lo + idx] = vals
     else:
-        raise CorruptStreamError(f"unknown frequency table mode {mode}")
+        return mode, _E_MODE
+    for v in vals:
+        if v > 1 << 16:
+            return pos, 8
+    for i in range(vals.size):
+        freqs[lo + idx[i]] = vals[i]
     if freqs[lo] == 0 or freqs[lo + span - 1] == 0:  # a writer's range starts and ends at used symbols
-        raise CorruptStreamError("frequency table range does not start and end at used symbols")
-    return freqs, pos
+        return pos, 16
+    return pos, 0
 
 
 def _check_semantics(coder, n, param, streams, freqs, payload_len, max_symbols) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cache, cached_property, lru_cache
 
 import numpy as np
 from numba import njit
@@ -34,7 +34,7 @@ from kvcodec.entropy.rans_fast import reciprocals, table_kernel
 from kvcodec.entropy.freq import count_symbols, quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.binned import decode_chunks, gather_words, symbolise, write_chunks
-from kvcodec.lossless.predictive.bins import EP_MAX, N_CLASSES, BinGrid, bin_exponent, scale_levels
+from kvcodec.lossless.predictive.bins import EP_MAX, N_CLASSES, BinGrid, bin_exponent, pow2, scale_levels
 from kvcodec.lossless.predictive.params import Q, ChannelParams, stored_fields
 from kvcodec.lossless.predictive.tables import (compact_tables, decode_tables, fit_tables, table_bytes,
                                                 tables_from_bytes)
@@ -66,17 +66,22 @@ def chunk_count(g: int, tt: int, d: int, tb: int, unit: int) -> int:
     return (g // unit) * per_unit * -(-tt // tb)
 
 
+@lru_cache(maxsize=64)
 def chunk_layout(g: int, tt: int, d: int, tb: int, unit: int):
     """(first g, g count, first token, token count) per chunk, int64 arrays: blocks of ``tb``
     tokens x as many consecutive leading indices as fill ~CHUNK_VALUES, never crossing a multiple
-    of ``unit`` (a layer, for the neighbour-layer predictor); g-major."""
+    of ``unit`` (a layer, for the neighbour-layer predictor); g-major. Kept per shape (read-only
+    arrays): a cache's tensors share a few shapes, and building them was ~0.015 ms a decode."""
     gb, per_unit = _blocks(g, tt, d, tb, unit)
     k = np.arange(per_unit, dtype=np.int64) * gb
     gs = (np.arange(0, g, unit, dtype=np.int64)[:, None] + k[None, :]).reshape(-1)
     ng = np.tile(np.minimum(gb, unit - k), g // unit)
     ts = np.arange(0, tt, tb, dtype=np.int64)
     nt = np.minimum(tb, tt - ts)
-    return np.repeat(gs, ts.size), np.repeat(ng, ts.size), np.tile(ts, gs.size), np.tile(nt, gs.size)
+    out = np.repeat(gs, ts.size), np.repeat(ng, ts.size), np.tile(ts, gs.size), np.tile(nt, gs.size)
+    for x in out:
+        x.flags.writeable = False
+    return out
 
 
 @dataclass
@@ -185,6 +190,52 @@ class StoredFields:
         """The fields expanded (the CPU decoder's arrays)."""
         return BinParams(level=self.values("level"), mq=self.values("mq"), c=self.values("c").astype(np.int8),
                          a=self.values("a").astype(np.int8), shared=shared)
+
+    def kernel_args(self, grid: BinGrid) -> tuple:
+        """``self.params(shared).kernel_args(grid)`` in one compiled pass over the field bytes (the
+        ~20 numpy calls of the two steps were ~0.04 ms of a small tensor's decode)."""
+        gp, d = self.shape
+        m, c, a = (np.empty(self.shape, np.float64) for _ in range(3))
+        es, level = np.empty(self.shape, np.int64), np.empty(self.shape, np.int64)
+        _expand_fields(self.raw, self.layout, grid.eoff, m.reshape(-1), c.reshape(-1), a.reshape(-1),
+                       es.reshape(-1), level.reshape(-1))
+        return m, c, a, es, level
+
+
+@njit(cache=True, nogil=True)
+def _expand_fields(raw, layout, eoff, m, c, a, es, level):
+    """:meth:`StoredFields.kernel_args`' arrays from the field bytes: the values of
+    ``StoredFields.values`` (level + its minimum, zigzag mq, int8 c / a; a field not stored: its fixed
+    value) through ``BinParams.kernel_args`` (es = clip(level // 4 - 3, 0, EP_MAX),
+    m = mq * 2**(es + eoff), c and a over Q)."""
+    n = m.size
+    lv, mq, cq, aq = _field(raw, layout, 0, n), _field(raw, layout, 1, n), _field(raw, layout, 2, n), \
+        _field(raw, layout, 3, n)
+    for k in range(n):
+        e = min(max(lv[k] // 4 - 3, 0), EP_MAX)
+        level[k], es[k] = lv[k], e
+        m[k] = np.float64(mq[k]) * pow2(e + eoff)
+        c[k] = np.float64(cq[k]) / Q
+        a[k] = np.float64(aq[k]) / Q
+
+
+@njit(cache=True)
+def _field(raw, layout, f, n):
+    """Field ``f``'s (``FIELD_ORDER``) n values as ``StoredFields.values`` gives them (int64)."""
+    off, width, value = layout[f, 0], layout[f, 1], layout[f, 2]
+    out = np.empty(n, np.int64)
+    if width == 0:
+        out[:] = value
+        return out
+    for k in range(n):
+        out[k] = raw[off + k]
+    if width == 2:
+        for k in range(n):
+            out[k] |= np.int64(raw[off + n + k]) << 8
+    for k in range(n):
+        v = out[k]
+        out[k] = v + value if f == 0 else ((v >> 1) ^ -(v & 1) if f == 1 else v - ((v & 0x80) << 1))
+    return out
 
 
 def field_layout(head: bytes, source: str, gp: int, d: int) -> tuple[np.ndarray, int]:
@@ -482,7 +533,7 @@ class Parsed2:
     @cached_property
     def margs(self) -> tuple:
         """BinParams.kernel_args(): the CPU decoder's per-channel arrays (expanded on first use)."""
-        return self.fields.params(self.shared).kernel_args(self.grid)
+        return self.fields.kernel_args(self.grid)
 
 
 def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d: int, tb: int, unit: int,
@@ -518,19 +569,41 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
         fields, rest = StoredFields.read(head, raw, source, gp, d)
         parts, layout = None, fields.layout
     freq = tables_from_bytes(rest)
-    counts = blob[4 + k:].copy().view("<u4").astype(np.int64)
-    wlen, blen = counts[:nc], counts[nc:]
     words = section(sections, "payload", np.uint16)
     bits = section(sections, "bits", np.uint32)
-    if int(wlen.sum()) != words.size or wlen.min() < 2 * lanes or int(blen.sum()) != bits.size:
+    wlen, blen, wstart, bstart = (np.empty(nc, np.int64) for _ in range(4))
+    sums = _chunk_counts(blob[4 + k:], chunks[1], chunks[3], d, wlen, blen, wstart, bstart)
+    if sums[0] != words.size or sums[2] < 2 * lanes or sums[1] != bits.size:
         raise CorruptStreamError("predictive stream chunk sizes do not add up to its payload")
-    if np.any(blen > 2 * chunks[1] * chunks[3] * d):  # at most 64 raw bits per value
+    if sums[3]:  # at most 64 raw bits per value
         raise CorruptStreamError("predictive stream has a chunk with too many raw bits")
-    wstart = np.concatenate([[0], np.cumsum(wlen)[:-1]]).astype(np.int64)
-    bstart = np.concatenate([[0], np.cumsum(blen)[:-1]]).astype(np.int64)
     bits = bits if bits.size else np.zeros(1, np.uint32)  # the kernel's branch-free reads need one word
     return Parsed2(layout, (gp, d), fields, parts, blob, freq, grid, shared, lanes, chunks, wstart, wlen, bstart,
                    blen, words, bits)
+
+
+@njit(cache=True, nogil=True)
+def _chunk_counts(tail, cng, cnt, d, wlen, blen, wstart, bstart):
+    """Per chunk the rANS word and raw-bit word counts (u32 each, ``tail``: all word counts, then all
+    bit-word counts) and where each chunk's words start; returns (word total, bit-word total, fewest
+    words of a chunk, 1 if a chunk has over 64 raw bits a value). One pass instead of ~10 numpy calls."""
+    nc = wlen.size
+    wsum = bsum = over = 0
+    wmin = np.int64(1) << 62
+    for i in range(nc):
+        w = np.int64(_u32_at(tail, 4 * i))
+        b = np.int64(_u32_at(tail, 4 * (nc + i)))
+        wlen[i], blen[i], wstart[i], bstart[i] = w, b, wsum, bsum
+        wsum += w
+        bsum += b
+        wmin = min(wmin, w)
+        over |= b > 2 * cng[i] * cnt[i] * d
+    return wsum, bsum, wmin, over
+
+
+@njit(inline="always", cache=True)
+def _u32_at(b, i):
+    return np.uint32(b[i]) | (np.uint32(b[i + 1]) << 8) | (np.uint32(b[i + 2]) << 16) | (np.uint32(b[i + 3]) << 24)
 
 
 def decode(ps: Parsed2, grid: BinGrid, select: np.ndarray, out: np.ndarray, out_t0: int, pred, pred_g0: int,
@@ -538,11 +611,12 @@ def decode(ps: Parsed2, grid: BinGrid, select: np.ndarray, out: np.ndarray, out_
     """Decode chunks ``select`` (indices) into ``out`` [G, T', D] (its token 0 is ``out_t0``); the
     prediction's [0, 0] is (pred_g0, pred_t0). Returns the per-chunk error flags. Run inside the
     caller's thread-count context."""
-    cg0, cng, ct0, cnt = (x[select] for x in ps.chunks)
+    every = select.size == ps.wlen.size  # (the callers' selections are sorted and distinct)
+    cg0, cng, ct0, cnt, wstart, wlen, bstart, blen = (
+        x if every else x[select] for x in (*ps.chunks, ps.wstart, ps.wlen, ps.bstart, ps.blen))
     err = np.zeros(select.size, np.int32)
     has_pred = pred is not None
     p = pred if has_pred else np.zeros((1, 1, 1), np.float32)
-    decode_chunks(ps.words, ps.wstart[select], ps.wlen[select], ps.bits, ps.bstart[select], ps.blen[select],
-                  cg0, cng, ct0, cnt, p, has_pred, pred_g0, pred_t0, *ps.margs, ps.shared, ps.compact, ps.lanes,
-                  *_grid_args(grid), out, 0, out_t0, err)
+    decode_chunks(ps.words, wstart, wlen, ps.bits, bstart, blen, cg0, cng, ct0, cnt, p, has_pred, pred_g0, pred_t0,
+                  *ps.margs, ps.shared, ps.compact, ps.lanes, *_grid_args(grid), out, 0, out_t0, err)
     return err

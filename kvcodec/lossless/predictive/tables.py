@@ -122,12 +122,15 @@ def _from_bytes(raw):
     return out[:k]
 
 
+_BAD_ROWS = "decode tables need rows of 256 non-negative frequencies summing to 4096 (or 0)"
+
+
 def _checked(freq: np.ndarray) -> np.ndarray:
-    """int64 frequency rows (ValueError unless 256 non-negative values summing to 4096, or all 0)."""
+    """int64 [C, 256] frequency rows (ValueError otherwise; their values are checked by
+    :func:`_fill_tables`, in the same compiled pass that builds the tables)."""
     f = np.ascontiguousarray(freq, np.int64)
-    sums = f.sum(axis=1)
-    if f.ndim != 2 or f.shape[1] != 256 or (f.size and f.min() < 0) or np.any((sums != 0) & (sums != TOTAL)):
-        raise ValueError("decode tables need rows of 256 non-negative frequencies summing to 4096 (or 0)")
+    if f.ndim != 2 or f.shape[1] != 256:
+        raise ValueError(_BAD_ROWS)
     return f
 
 
@@ -136,7 +139,8 @@ def decode_tables(freq: np.ndarray) -> np.ndarray:
     everything as ESC): what the GPU kernel reads."""
     f = _checked(freq)
     tabs = np.empty(f.shape[0] * TOTAL, np.uint32)
-    _fill_tables(f, tabs, np.empty(0, np.uint8))
+    if not _fill_tables(f, tabs, np.empty(0, np.uint8)):
+        raise ValueError(_BAD_ROWS)
     return tabs
 
 
@@ -150,14 +154,24 @@ def compact_tables(freq: np.ndarray) -> np.ndarray:
     predictive or fp8 stream uses stay in cache, and one base offset finds both levels."""
     f = _checked(freq)
     compact = np.empty(f.shape[0] * COMPACT_STRIDE, np.uint8)
-    _fill_tables(f, np.empty(0, np.uint32), compact)
+    if not _fill_tables(f, np.empty(0, np.uint32), compact):
+        raise ValueError(_BAD_ROWS)
     return compact
 
 
 @njit(nogil=True, cache=True)
 def _fill_tables(freq, tabs, compact):
     """:func:`decode_tables` into ``tabs`` and :func:`compact_tables` into ``compact`` in one pass
-    (an empty array: that form not built; a row of zeros: ESC in every slot)."""
+    (an empty array: that form not built; a row of zeros: ESC in every slot). False (nothing
+    written) unless every row is non-negative and sums to 4096 or 0."""
+    for k in range(freq.shape[0]):
+        total = 0
+        for s in range(256):
+            if freq[k, s] < 0 or freq[k, s] > TOTAL:  # (no int64 wrap-around in the sum)
+                return False
+            total += freq[k, s]
+        if total != 0 and total != TOTAL:
+            return False
     full, two_level = tabs.size > 0, compact.size > 0
     for k in range(freq.shape[0]):
         t0, c0 = k * TOTAL, k * COMPACT_STRIDE
@@ -185,3 +199,4 @@ def _fill_tables(freq, tabs, compact):
                 compact[c0 + cum:c0 + cum + f] = s
                 fc[s] = f | (cum << 16)
             cum += f
+    return True
