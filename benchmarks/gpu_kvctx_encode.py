@@ -138,16 +138,14 @@ def rows_for(name, label, t, pred, opts, full: bool = True) -> tuple[list, list]
     return rows, notes
 
 
-VARIANTS = {  # kvctx_encode.cu builds with a part left out or done another way (probe macros)
-    "ke_symbolise": [(), ("KE_NO_HIST",), ("KE_NO_STORE",), ("KE_NO_HIST", "KE_NO_STORE"), ("KE_HIST_SMEM=1",),
-                     ("KE_HIST_SMEM=2",), ("KE_HIST_COPIES=256",)],
-    "ke_encode": [(), ("KE_NO_BITS",), ("KE_NO_RANS",)],
+VARIANTS = {  # kvctx_encode.cu builds to compare (macros): symbolise's histogram in shared memory or global atomics
+    "ke_symbolise": [(), ("KE_HIST_IN_GLOBAL",)],
 }
 
 
 def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
     """Device time (CUDA events, mean of ``reps`` launches after a warm-up) of each ``VARIANTS`` build of
-    ke_symbolise / ke_encode on one GPU encode's own inputs (symbolise's variants count into a scratch
+    a kernel on one GPU encode's own inputs (symbolise's variants count into a scratch
     histogram; the call itself runs the default build after them, so its blob stays exact): where the
     kernels' time goes."""
     import numpy as np
@@ -160,7 +158,7 @@ def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
 
     out = []
 
-    def runner(name, grid, block, args, device):
+    def runner(name, grid, block, args, device, smem=0):
         base = name.partition("<")[0]
         if base in VARIANTS:
             probe = list(args)
@@ -170,19 +168,19 @@ def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
                 probe[-2:] = [np.uint64(j.data_ptr()) for j in junk]
             for defines in VARIANTS[base]:
                 fn = build.get_function(ke.SOURCE, name, defines)
-                smem = 4 * n_keys if any(d.startswith("KE_HIST_SMEM") for d in defines) else 0
-                if smem:
-                    fn.max_dynamic_shared_size_bytes = smem
+                vs = 4 * n_keys if "KE_HIST_IN_GLOBAL" not in defines else 0
+                if vs > fn.max_dynamic_shared_size_bytes:
+                    fn.max_dynamic_shared_size_bytes = vs
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                 with build.cupy_stream(device):
-                    fn((grid,), (block,), tuple(probe), shared_mem=smem)
+                    fn((grid,), (block,), tuple(probe), shared_mem=vs)
                     ev[0].record()
                     for _ in range(reps):
-                        fn((grid,), (block,), tuple(probe), shared_mem=smem)
+                        fn((grid,), (block,), tuple(probe), shared_mem=vs)
                     ev[1].record()
                 torch.cuda.synchronize()
                 out.append(f"{name} {'+'.join(defines) or 'default'} {ev[0].elapsed_time(ev[1]) / reps:.3f} ms")
-        ke.gpu_runner(name, grid, block, args, device)
+        ke.gpu_runner(name, grid, block, args, device, smem)
 
     routed = api._gpu_kv_route(t, pred, "auto", opts, None)
     tt = t.detach().contiguous()

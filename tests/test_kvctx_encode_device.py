@@ -48,7 +48,7 @@ def _c(v):
 def emulated_runner(lib):
     """A stand-in for ``kvctx_encode.gpu_runner`` running the kernels on CPU tensors."""
 
-    def run(name, grid, block, args, device):
+    def run(name, grid, block, args, device, smem=0):
         base, _, tmpl = name.rstrip(">").partition("<")
         extra = () if base == "ke_encode" or not tmpl else tuple(ctypes.c_int(int(v)) for v in tmpl.split(","))
         getattr(lib, base + "_emu")(ctypes.c_int(grid), ctypes.c_int(block), *extra, *(_c(a) for a in args))
@@ -197,7 +197,7 @@ def test_device_bin_params_equal_the_host_ones(emulator, dtype):
             body = body.numpy()
             want_head, want_body = want.field_bytes(source)
             assert head == want_head and np.array_equal(body, want_body), source
-            hist = kde.kfit.plane_histograms(planes, shape[1]).numpy()  # [first d channels, all]
+            hist = kde.kfit.plane_histograms(planes, shape[1], emulated_runner(emulator)).numpy()  # [first d, all]
             assert np.array_equal(kde.kfit.field_counts(hist[1], widths), np.bincount(want_body, minlength=256))
         km, kc, ka, es, level = want.kernel_args(grid)
         for dev_arg, host in zip(margs[:3], (km, kc, ka)):

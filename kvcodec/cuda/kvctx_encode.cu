@@ -12,11 +12,12 @@
 //     blocks by the host side; the parameters are stored in the stream, so these need not equal the CPU's
 //     bit for bit);
 //   ke_symbolise: every value's (class, symbol, raw code, raw bit count) as binned.symbolise packs it, the
-//     per-class symbol histogram (warp-aggregated atomics into KE_HIST_COPIES copies) and per-chunk raw bits;
-//   ke_encode: one warp per chunk, one pass backwards: the 32-lane rANS stream (rans_lanes.encode's word
-//     order, as planes_codec.cu's pc_rans_encode) into a scratch slot, and the LSB-first raw bits (their
+//     per-class symbol histogram (a block's in shared memory, ~0.5 ms less than warp-aggregated global atomics
+//     on a 256 MB tensor; added into KE_HIST_COPIES copies) and per-chunk raw bits;
+//   ke_encode: two warps per chunk, each one pass backwards: the 32-lane rANS stream (rans_lanes.encode's
+//     word order, as planes_codec.cu's pc_rans_encode) into a scratch slot, and the LSB-first raw bits (their
 //     places known from the chunk's total) through a per-warp ring of 32-bit words in shared memory
-//     straight into the bits section.
+//     straight into the bits section; the model's field parts ride along as chunks without raw bits.
 #include "kvctx_decode.cu"
 
 #ifndef KE_SHARED
@@ -32,9 +33,7 @@ template <class R, class A, class B, class C, class D, class E, class F, class G
 struct KeCentreOf<R (*)(A, B, C, D, E, F, G)> { typedef typename KeDeref<F>::type type; };
 typedef KeCentreOf<decltype(&kx_locate)>::type ke_centre;
 
-#ifndef KE_HIST_COPIES
 #define KE_HIST_COPIES 32
-#endif
 #define KE_RING 64  // raw-bit words per warp ring (a round adds at most 32)
 
 template <int W>
@@ -304,6 +303,27 @@ __global__ void __launch_bounds__(256)
   values[3 * n_ch + i] = aq & 0xFF;
 }
 
+// Byte histograms of the stored fields' planes (kvctx_device_fit.field_planes: uint8 [n_planes, n]) for the
+// model's rANS table: out [2, n_planes, 256] u64 (zeroed) over each plane's first d bytes (the shared row)
+// and over all n. One warp a block (its histogram in shared memory), `per_plane` blocks a plane.
+__global__ void __launch_bounds__(32)
+    ke_plane_hist(const kx_u8* __restrict__ planes, int n_planes, long long n, int d, int per_plane,
+                  kx_u64* __restrict__ out) {
+  KE_SHARED unsigned hs[512];
+  const int lane = threadIdx.x, plane = blockIdx.x / per_plane;
+  for (int j = lane; j < 512; j += 32) hs[j] = 0u;
+  __syncwarp();
+  const kx_u8* p = planes + (long long)plane * n;
+  for (long long i = (long long)(blockIdx.x % per_plane) * 32 + lane; i < n; i += 32ll * per_plane) {
+    const unsigned b = __ldg(p + i);
+    atomicAdd(hs + 256 + b, 1u);
+    if (i < d) atomicAdd(hs + b, 1u);
+  }
+  __syncwarp();
+  for (int j = lane; j < 512; j += 32)
+    if (hs[j]) atomicAdd(out + ((j >> 8) * n_planes + plane) * 256 + (j & 255), (kx_u64)hs[j]);
+}
+
 // bins.bin_of: the bin coordinate of a magnitude pattern.
 __device__ __forceinline__ long long ke_bin_of(long long mag, int ep, int mb) {
   const long long ef = mag >> mb;
@@ -388,9 +408,9 @@ __global__ void __launch_bounds__(256)
     level = pel[2 * pi + 1];
   }
   kx_u64* h = hist + (long long)(blockIdx.x % KE_HIST_COPIES) * n_keys;
-#ifdef KE_HIST_SMEM  // probe: the block's histogram in shared memory (n_keys u32), added to h at the end
-  extern __shared__ unsigned ke_hist_s[];
-  for (int k = threadIdx.x; k < n_keys; k += blockDim.x) ke_hist_s[k] = 0u;
+#ifndef KE_HIST_IN_GLOBAL
+  extern __shared__ unsigned ke_hist_s[];  // the block's histogram (n_keys counters, dynamic shared memory)
+  for (int j = threadIdx.x; j < n_keys; j += blockDim.x) ke_hist_s[j] = 0u;
   __syncthreads();
 #endif
   double dev = 0.0;
@@ -419,32 +439,24 @@ __global__ void __launch_bounds__(256)
       kx_u64 code;
       int nb;
       const int sym = ke_encode_value(pat, ep, centre, gr, escape, code, nb);
-#ifdef KE_NO_STORE
-      if (code == 0x123456789ull) packed[i] = nb;  // probe: no packed store
-#else
       packed[i] = (code << 24) | ((kx_u64)nb << 16) | ((kx_u64)cls << 8) | (kx_u64)sym;
-#endif
       total += nb;
       dev = sym != KX_ESC ? __dsub_rn(kx_value(pat, gr), base) : 0.0;  // an escaped value: no residual
       key = ((unsigned)cls << 8) | (unsigned)sym;
     }
-#if defined(KE_NO_HIST)
-    if (act && key == 0xFFFFFFFFu) h[0] = 1;  // probe: no histogram
-#elif KE_HIST_SMEM == 2
-    if (act) atomicAdd(ke_hist_s + key, 1u);
-#else
+#ifdef KE_HIST_IN_GLOBAL  // the CPU emulation (a block's warps run one after the other: no block barrier)
     const unsigned peers = __match_any_sync(KX_FULL, key);
-#if defined(KE_HIST_SMEM)
-    if (act && lane == __ffs(peers) - 1) atomicAdd(ke_hist_s + key, (unsigned)__popc(peers));
-#else
     if (act && lane == __ffs(peers) - 1) atomicAdd(h + key, (kx_u64)__popc(peers));
-#endif
+#else
+    if (act) atomicAdd(ke_hist_s + key, 1u);
 #endif
   }
-#ifdef KE_HIST_SMEM
+#ifndef KE_HIST_IN_GLOBAL
   __syncthreads();
-  for (int k = threadIdx.x; k < n_keys; k += blockDim.x)
-    if (ke_hist_s[k]) atomicAdd(h + k, (kx_u64)ke_hist_s[k]);
+  for (int j = threadIdx.x; j < n_keys; j += blockDim.x) {
+    const unsigned cnt = ke_hist_s[j];
+    if (cnt) atomicAdd(h + j, (kx_u64)cnt);
+  }
 #endif
   if (valid && t1 > t0) {  // format2.chunk_layout: blocks of gb g's that never cross a multiple of unit
     const long long per_unit = (unit + gb - 1) / gb;
@@ -464,53 +476,46 @@ __device__ __forceinline__ kx_u64 ke_value(const kx_u64* __restrict__ packed, lo
 
 // chunks [n, 6] int64: first value, g count, values per g, stride between g's, raw-bit word start, raw-bit
 // total (from ke_symbolise; a chunk of the model's field bytes, format2.code_model's "mfields" parts: one g
-// of its bytes, 0 raw bits). ftab [n_keys]: freq | cum << 16 of class << 8 | symbol; rcp [n_keys]: floor(2**32 / freq)
-// (0xffffffff for freq <= 1). The chunk's rANS stream goes to the end of scratch slot ci (cap words):
-// lens[ci] = its length, or -1 if a value's symbol has no frequency or the raw bits do not add up to the
-// total (internal errors). Its raw bits go to bits[bstart ...].
+// of its bytes, 0 raw bits). ftab [n_keys]: freq | cum << 16 of class << 8 | symbol; rcp [n_keys]:
+// floor(2**32 / freq) (0xffffffff for freq <= 1).
 //
-// One pass, backwards, 32 values (one per lane) a round: the rANS step, and the raw bits, whose places are
-// known backwards too: the round's bits end where the later rounds' begin (hi, from the chunk's total), each
-// value's offset is hi - the round's total + an exclusive scan. Each value ORs its code into a per-warp ring
-// of 32-bit words; the words wholly above the round's start are complete: stored, their slots cleared.
-// The values are loaded four rounds ahead and their table entries one round ahead (the loop is a chain of
-// dependent rounds: each round's loads would otherwise wait a full memory latency).
-template <int WARPS>
-__global__ void __launch_bounds__(32 * WARPS)
-    ke_encode(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks,
-              const kx_u32* __restrict__ ftab, const kx_u32* __restrict__ rcp, kx_u16* __restrict__ scratch,
-              long long cap, long long* __restrict__ lens, kx_u32* __restrict__ bits) {
-  KE_SHARED kx_u32 ring_all[WARPS][KE_RING];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int ci = blockIdx.x * WARPS + warp;
-  if (ci >= n_chunks) return;  // warp-uniform; no block barrier below
-  const long long* cd = chunks + 6 * (long long)ci;
-  const long long first = cd[0], per = cd[2], stride = cd[3];
-  const long long n = cd[1] * per;
-  kx_u32* const out = bits + cd[4];
-  kx_u32* const ring = ring_all[warp];
-  ring[lane] = 0u;
-  ring[lane + 32] = 0u;
-  __syncwarp();
+// Two warps per chunk, each one pass backwards over its values, 32 (one per lane) a round, loaded four rounds
+// ahead (each warp's rounds are a chain: a round's loads would otherwise wait a full memory latency):
+//   ke_chunk_rans: the 32-lane rANS stream to the end of scratch slot ci (cap words); lens[ci] = its length,
+//     or -1 if a value's symbol has no frequency (internal error). Table entries are loaded a round ahead.
+//   ke_chunk_bits: the raw bits to bits[bstart ...]. Their places are known backwards too: the round's bits
+//     end where the later rounds' begin (hi, from the chunk's total), each value's offset is hi - the round's
+//     total + an exclusive scan. Each value ORs its code into a per-warp ring of 32-bit words; the words
+//     wholly above the round's start are complete: stored, their slots cleared. lens[n_chunks] counts the
+//     chunks whose raw bits do not add up to their total (internal error).
+// Why two warps: each half alone is ~1.0 ms of a 256 MB tensor's ~1.7 ms in one warp (GPU_NOTES, session 7).
+struct KeChunk {
+  long long first, per, stride, n, rounds;
+
+  __device__ __forceinline__ explicit KeChunk(const long long* cd)
+      : first(cd[0]), per(cd[2]), stride(cd[3]), n(cd[1] * cd[2]), rounds((cd[1] * cd[2] + 31) >> 5) {}
+
+  __device__ __forceinline__ kx_u64 value(const kx_u64* __restrict__ packed, long long grp, int lane) const {
+    return ke_value(packed, grp, lane, n, per, first, stride);
+  }
+};
+
+__device__ __forceinline__ void ke_chunk_rans(const kx_u64* __restrict__ packed, const KeChunk& ck, int lane,
+                                              const kx_u32* __restrict__ ftab, const kx_u32* __restrict__ rcp,
+                                              kx_u16* __restrict__ wb, long long cap, long long* __restrict__ len) {
   const kx_u32 below = (1u << lane) - 1u;
-  kx_u16* wb = scratch + (long long)ci * cap;
   long long wp = cap;
   kx_u32 x = KX_L;
   bool bad = false;
-  long long hi = cd[5];            // raw bits at and above hi are written
-  long long done = (hi + 31) >> 5;  // words at and above done are stored
-  const long long rounds = (n + 31) >> 5;
-  kx_u64 v = ke_value(packed, rounds - 1, lane, n, per, first, stride);
-  kx_u64 vn = ke_value(packed, rounds - 2, lane, n, per, first, stride);
-  kx_u64 v2 = ke_value(packed, rounds - 3, lane, n, per, first, stride);
-  kx_u64 v3 = ke_value(packed, rounds - 4, lane, n, per, first, stride);
+  const long long rounds = ck.rounds;
+  kx_u64 v = ck.value(packed, rounds - 1, lane), vn = ck.value(packed, rounds - 2, lane);
+  kx_u64 v2 = ck.value(packed, rounds - 3, lane), v3 = ck.value(packed, rounds - 4, lane);
   kx_u32 fc = __ldg(ftab + (v & 0xFFFFu)), rc = __ldg(rcp + (v & 0xFFFFu));
   for (long long grp = rounds - 1; grp >= 0; --grp) {
-    const kx_u64 v4 = ke_value(packed, grp - 4, lane, n, per, first, stride);
+    const kx_u64 v4 = ck.value(packed, grp - 4, lane);
     const kx_u32 fcn = __ldg(ftab + (vn & 0xFFFFu)), rcn = __ldg(rcp + (vn & 0xFFFFu));
-    const bool act = 32 * grp + lane < n;
-    // rANS (value 32 grp + lane on lane `lane`): emitted words land in ascending lane order
-#ifndef KE_NO_RANS  // probe: the raw bits alone
+    const bool act = 32 * grp + lane < ck.n;
+    // value 32 grp + lane on lane `lane`: emitted words land in ascending lane order
     const kx_u32 f = act ? fc & 0xFFFFu : 0u;
     bad |= act && f == 0u;
     const bool need = act && (kx_u64)x >= ((kx_u64)f << (32 - 12));
@@ -530,13 +535,34 @@ __global__ void __launch_bounds__(32 * WARPS)
       }
       x = (q << 12) + r + (fc >> 16);
     }
-#endif
-#ifdef KE_NO_BITS  // probe: the rANS alone
-    hi = 0;
-    if (false) {
-#endif
-    // raw bits
-    const int nb = (int)((v >> 16) & 0xFFu);
+    v = vn;
+    vn = v2;
+    v2 = v3;
+    v3 = v4;
+    fc = fcn;
+    rc = rcn;
+  }
+  wb[wp - 64 + 2 * lane] = (kx_u16)(x & 0xFFFFu);
+  wb[wp - 64 + 2 * lane + 1] = (kx_u16)(x >> 16);
+  wp -= 64;
+  const bool any_bad = __any_sync(KX_FULL, bad);
+  if (lane == 0) *len = any_bad ? -1 : cap - wp;
+}
+
+__device__ __forceinline__ void ke_chunk_bits(const kx_u64* __restrict__ packed, const KeChunk& ck, int lane,
+                                              long long total, kx_u32* __restrict__ out, kx_u32* __restrict__ ring,
+                                              long long* __restrict__ n_bad) {
+  ring[lane] = 0u;
+  ring[lane + 32] = 0u;
+  __syncwarp();
+  long long hi = total;             // raw bits at and above hi are written
+  long long done = (hi + 31) >> 5;  // words at and above done are stored
+  const long long rounds = ck.rounds;
+  kx_u64 v = ck.value(packed, rounds - 1, lane), vn = ck.value(packed, rounds - 2, lane);
+  kx_u64 v2 = ck.value(packed, rounds - 3, lane), v3 = ck.value(packed, rounds - 4, lane);
+  for (long long grp = rounds - 1; grp >= 0; --grp) {
+    const kx_u64 v4 = ck.value(packed, grp - 4, lane);
+    const int nb = (int)((v >> 16) & 0xFFu);  // 0 past the chunk's end (ke_value)
     int incl = nb;
     for (int o = 1; o < 32; o <<= 1) {
       const int up = __shfl_up_sync(KX_FULL, incl, o);
@@ -559,19 +585,28 @@ __global__ void __launch_bounds__(32 * WARPS)
     done = first;
     hi = lo;
     __syncwarp();
-#ifdef KE_NO_BITS
-    }
-#endif
     v = vn;
     vn = v2;
     v2 = v3;
     v3 = v4;
-    fc = fcn;
-    rc = rcn;
   }
-  wb[wp - 64 + 2 * lane] = (kx_u16)(x & 0xFFFFu);
-  wb[wp - 64 + 2 * lane + 1] = (kx_u16)(x >> 16);
-  wp -= 64;
-  const bool any_bad = __any_sync(KX_FULL, bad || hi != 0);
-  if (lane == 0) lens[ci] = any_bad ? -1 : cap - wp;
+  if (lane == 0 && hi != 0) atomicAdd(reinterpret_cast<unsigned long long*>(n_bad), 1ull);
+}
+
+// WARPS chunks a block, two warps each (even: rANS, odd: raw bits; a chunk without raw bits: the rANS only).
+template <int WARPS>
+__global__ void __launch_bounds__(64 * WARPS)
+    ke_encode(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks,
+              const kx_u32* __restrict__ ftab, const kx_u32* __restrict__ rcp, kx_u16* __restrict__ scratch,
+              long long cap, long long* __restrict__ lens, kx_u32* __restrict__ bits) {
+  KE_SHARED kx_u32 ring_all[WARPS][KE_RING];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ci = blockIdx.x * WARPS + (warp >> 1);
+  if (ci >= n_chunks) return;  // warp-uniform; no block barrier below
+  const long long* cd = chunks + 6 * (long long)ci;
+  const KeChunk ck(cd);
+  if (!(warp & 1))
+    ke_chunk_rans(packed, ck, lane, ftab, rcp, scratch + (long long)ci * cap, cap, lens + ci);
+  else if (cd[5] > 0)
+    ke_chunk_bits(packed, ck, lane, cd[5], bits + cd[4], ring_all[warp >> 1], lens + n_chunks);
 }

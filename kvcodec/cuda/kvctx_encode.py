@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 SOURCE = "kvctx_encode.cu"
-WARPS = 4  # chunks (warps) per block of ke_encode
+WARPS = 4  # chunks per block of ke_encode (two warps each)
 THREADS = 256  # columns per block of the per-column kernels
 HIST_COPIES = 32  # KE_HIST_COPIES
 LANES = 32
@@ -34,6 +34,7 @@ SIGNATURES = {
     "ke_fit_scale": "(const double*, const double*, long long, const double*, double*, double*)",
     "ke_bin_params": ("(const double*, const double*, const signed char*, const signed char*, const long long*, "
                       "long long, long long, int, int, const double*, double*, double*, double*, int*, int*)"),
+    "ke_plane_hist": "(const unsigned char*, int, long long, int, int, unsigned long long*)",
     "ke_encode": ("(const unsigned long long*, const long long*, int, const unsigned int*, const unsigned int*, "
                   "unsigned short*, long long, long long*, unsigned int*)"),
 }
@@ -47,13 +48,16 @@ def instance_declarations() -> list[str]:
     return out + [f"__global__ void ke_encode<{WARPS}>{SIGNATURES['ke_encode']}"]
 
 
-def gpu_runner(name: str, grid: int, block: int, args: tuple, device) -> None:
-    """Launch kernel instance ``name`` (e.g. ``"ke_encode<4>"``) on torch's current stream."""
+def gpu_runner(name: str, grid: int, block: int, args: tuple, device, smem: int = 0) -> None:
+    """Launch kernel instance ``name`` (e.g. ``"ke_encode<4>"``) on torch's current stream with ``smem``
+    bytes of dynamic shared memory."""
     from kvcodec.cuda import build
 
     fn = build.get_function(SOURCE, name)
+    if smem > fn.max_dynamic_shared_size_bytes:
+        fn.max_dynamic_shared_size_bytes = smem
     with build.cupy_stream(device):
-        fn((grid,), (block,), args)
+        fn((grid,), (block,), args, shared_mem=smem)
 
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:
@@ -141,6 +145,17 @@ def bin_params(s, m, c_q, a_q, won, shared_row: int, n: int, d: int, eoff: int, 
     return [pm, pc, pa, pel], values
 
 
+def plane_histograms(planes, d: int, runner=gpu_runner) -> torch.Tensor:
+    """int64 [2, P, 256]: the byte histogram of each plane of ``planes`` (uint8 [P, n]) over its first ``d``
+    bytes and over all of them."""
+    n_planes, n = planes.shape
+    out = torch.zeros((2, n_planes, 256), dtype=torch.int64, device=planes.device)
+    per_plane = max(1, min(64, -(-n // 4096)))
+    runner("ke_plane_hist", n_planes * per_plane, 32, (_ptr(planes), np.int32(n_planes), np.int64(n), np.int32(d),
+                                                      np.int32(per_plane), _ptr(out)), planes.device)
+    return out
+
+
 def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: int, gb: int, unit: int,
               n_chunks: int, n_keys: int, spare: int = 0, runner=gpu_runner):
     """(packed int64 [G*T*D + spare], hist int64 [HIST_COPIES, n_keys], chunk raw-bit totals int64 [n_chunks]);
@@ -159,20 +174,22 @@ def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: i
            (_ptr(pats), _ptr(pred), *(_ptr(x) for x in margs), np.int32(shared), _ptr(escape), np.int32(width),
             np.int32(sign), np.int32(mb), np.int32(maxmag), np.int32(eoff), np.int64(g), np.int64(tt), np.int32(d),
             np.int64(tb), np.int64(nblk), np.int64(gb), np.int64(unit), np.int32(n_keys), _ptr(packed), _ptr(hist),
-            _ptr(chunk_bits)), dev)
+            _ptr(chunk_bits)), dev, 4 * n_keys)  # the block's histogram in shared memory
     return packed, hist, chunk_bits
 
 
 def encode_chunks(packed, chunks, ftab, rcp, cap: int, n_bit_words: int, runner=gpu_runner):
-    """(scratch int16 [n * cap], lens int64 [n], bits int32 [n_bit_words]) of every chunk (``chunks``
+    """(scratch int16 [n * cap], lens int64 [n + 1], bits int32 [n_bit_words]) of every chunk (``chunks``
     int64 [n, 6] device tensor: first value in ``packed``, g count, values per g, stride between g's,
-    raw-bit word start, raw-bit total): chunk j's stream is the last lens[j] words of scratch slot j."""
+    raw-bit word start, raw-bit total): chunk j's stream is the last lens[j] words of scratch slot j
+    (-1: a symbol without frequency); lens[n]: how many chunks' raw bits do not add up (both internal
+    errors)."""
     n = chunks.shape[0]
     dev = packed.device
     scratch = torch.empty(n * cap, dtype=torch.int16, device=dev)
-    lens = torch.empty(n, dtype=torch.int64, device=dev)
+    lens = torch.zeros(n + 1, dtype=torch.int64, device=dev)
     bits = torch.empty(max(n_bit_words, 1), dtype=torch.int32, device=dev)
-    runner(f"ke_encode<{WARPS}>", -(-n // WARPS), 32 * WARPS,
+    runner(f"ke_encode<{WARPS}>", -(-n // WARPS), 64 * WARPS,
            (_ptr(packed), _ptr(chunks), np.int32(n), _ptr(ftab), _ptr(rcp), _ptr(scratch), np.int64(cap), _ptr(lens),
             _ptr(bits)), dev)
     return scratch, lens, bits[:n_bit_words]

@@ -10,13 +10,14 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
    ``kvctx_device_fit``; shared or per-(g, d) parameters chosen by the CPU encoder's estimate);
 2. ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
    code with the GPU decoder's own model arithmetic and counts the per-class histogram;
-3. the tables on the host (``tables.fit_tables``: the same integer tables as the CPU for the same
-   counts), the ``model`` section as ``format2`` writes it;
-4. ``kvctx_encode.encode_chunks``: one warp per chunk writes its 32-lane rANS stream and its raw bits;
+3. the tables on the host (``fit_tables``: the same integer tables as the CPU for the same counts), the
+   ``model`` section as ``format2.code_model`` writes it: its field bytes' parts (``mfields``) coded on
+   the device with the payload (:class:`_FieldParts`), a small model on the host;
+4. ``kvctx_encode.encode_chunks``: two warps per chunk write its 32-lane rANS stream and its raw bits;
    the streams are packed into the ``payload`` section (``planes_codec.gather``).
 
-Only the stored parameter fields (~6 bytes a channel), the histogram, per-chunk sizes and the model
-section cross to the host.
+Only the stored fields' statistics and byte histograms, the symbol histogram, per-chunk sizes and
+small headers cross to the host.
 Calls the GPU cannot take (:func:`unsupported`: format 1, e.g. fp8 by default; 8-lane streams of small
 tensors; other dtypes) are coded on the CPU by the caller: the format is
 never changed silently.
@@ -38,7 +39,7 @@ from kvcodec.entropy.freq import _fix_sum_and_polish, quantize_frequencies
 from kvcodec.lossless import kvctx_device_fit as kfit
 from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
 from kvcodec.lossless.predictive import codec as pcodec
-from kvcodec.lossless.predictive import format2, tables
+from kvcodec.lossless.predictive import format2
 from kvcodec.lossless.predictive.bins import N_CLASSES, bin_grid
 from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, chunk_layout, code_model
 from kvcodec.lossless.predictive.grid import grid_for, value_table
@@ -46,6 +47,7 @@ from kvcodec.lossless.predictive.tables import table_bytes
 
 SOURCES = ("none", "external", "previous_token", "neighbour_layer")
 MODEL_CLASS = N_CLASSES  # the payload kernel's table of the model's field parts (:class:`_FieldParts`)
+assert format2.FIELD_PRECISION == rans_lanes.PRECISION  # the parts' table is one more row of the classes'
 N_KEYS = N_CLASSES * 256
 _CODED = {torch.bfloat16, torch.float16, torch.float32}
 _CODED_FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}  # format 2 only with version=2 (tested ones)
@@ -175,14 +177,17 @@ def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
 
 
 def fit_tables(counts: np.ndarray) -> np.ndarray:
-    """``tables.fit_tables`` (the same frequencies: ``freq.quantize_frequencies`` of every used class) with
-    the classes' greedy polish on the thread pool in compiled code. Why: it is on the critical path between
-    the symbolise and payload kernels (the device idles), ~1-2 ms on one core for predictive streams."""
+    """int64 frequencies of each row of ``counts`` ([rows, 256]): ``freq.quantize_frequencies`` at 2**-12 of
+    every used row, zeros for an unused one (``tables.fit_tables`` for the classes' rows), the rows' greedy
+    polish compiled and on the thread pool. Why: it is on the critical path between the symbolise and
+    payload kernels (the device idles), ~1-2 ms on one core for predictive streams."""
     freq = np.zeros(counts.shape, np.int64)
     sums = counts.sum(axis=1)
     rows = np.flatnonzero(sums)
-    if rows.size == 0 or sums.max() >= (1 << 62) >> rans_lanes.PRECISION:  # quantize_frequencies' integer rounding
-        return tables.fit_tables(counts)
+    if rows.size and sums.max() >= (1 << 62) >> rans_lanes.PRECISION:  # past quantize_frequencies' integer rounding
+        for k in rows:
+            freq[k] = quantize_frequencies(counts[k], rans_lanes.PRECISION)
+        return freq
     order = rows[np.argsort(-(counts[rows] > 0).sum(axis=1), kind="stable")]  # the widest rows first
     groups = [order[k::_TABLE_TASKS] for k in range(min(_TABLE_TASKS, order.size))]
     list(format2._pool().map(lambda r: _quantize_rows(counts, r, rans_lanes.PRECISION, freq), groups))
@@ -217,13 +222,14 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     """(codec meta, sections {name: 1-D tensor on t's device}) of the contiguous tensor ``t``, a format 2
     stream of ``source`` (``SOURCES``; ``prediction``: a tensor of t's shape for "external"). The caller
     checked :func:`unsupported`. ``runner`` / ``gather``: the kernels' launcher and the stream packer
-    (default: the GPU's; the tests pass the CPU emulation's). ``overlap(sections)``: called with the
-    sections finished on the device once the payload kernel is queued, before the host codes the model
-    (device work to queue behind it, e.g. their checksums); ``steps``: a dict that receives the host time of each step
-    (:class:`_Clock`).
+    (default: the GPU's; the tests pass the CPU emulation's). ``overlap(sections)``: device work to queue
+    behind the sections finished so far (e.g. their checksums), called twice: after the first wait (the
+    device would idle while the host builds the tables) and once the payload kernel is queued (``bits``);
+    ``steps``: a dict that receives the host time of each step (:class:`_Clock`).
 
-    The host waits for the device twice: once for the fitted fields, the histogram and the chunks' raw-bit
-    totals (one read-back), once for the chunks' stream lengths after it has coded the model."""
+    The host waits for the device twice: once for the fitted fields' statistics, the histograms and the
+    chunks' raw-bit totals (one read-back), once for the stream lengths of the chunks and the model's field
+    parts (both coded by the payload kernel)."""
     from kvcodec.cuda import crc32 as gcrc
     from kvcodec.cuda import kvctx_encode as ke
 
@@ -277,21 +283,27 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
                                             spare, runner)
     flags = torch.stack([no if shared_won is None else shared_won, pred_crc])
     clock.mark("symbolise (launch)")
-    stats, phist, counts, cbits, flags = _read_back([stats, kfit.plane_histograms(planes, d), hist.sum(dim=0),
+    stats, phist, counts, cbits, flags = _read_back([stats, kfit.plane_histograms(planes, d, runner), hist.sum(dim=0),
                                                      chunk_bits, flags])
     clock.mark("wait: fit + symbolise (sync 1)")
+    if overlap is not None:  # device work while the host builds the tables
+        overlap({k: sections[k] for k in ("lo16",) if k in sections})
     shared = bool(flags[0]) if shared_won is not None else choices == (True,)
     if source == "external":
         meta["pred_crc"] = int(flags[1])
 
-    # 3. tables, the model's field parts and the chunk layout of the sections
-    freq = fit_tables(counts.reshape(N_CLASSES, 256))
+    # 3. tables (the classes' and the model's field parts'), the parts and the chunk layout of the sections
     fields_head, fields, widths = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
-    parts = _FieldParts(fields, kfit.field_counts(phist[0 if shared else 1], widths), packed, n_values) \
-        if fields.numel() > format2.MODEL_PART_BYTES else None
-    ffreq = freq if parts is None else np.concatenate([freq, parts.freqs[None].astype(np.int64)])
-    cum = rans_lanes.cumulative(ffreq)
-    f = ffreq.reshape(-1).astype(np.uint64)
+    in_parts = fields.numel() > format2.MODEL_PART_BYTES
+    model_counts = kfit.field_counts(phist[0 if shared else 1], widths) if in_parts else np.zeros(256, np.int64)
+    freq = fit_tables(np.concatenate([counts.reshape(N_CLASSES, 256), model_counts[None]]))
+    clock.mark("tables: frequencies")
+    parts = _FieldParts(fields, freq[MODEL_CLASS], packed, n_values) if in_parts else None
+    if not in_parts:
+        freq = freq[:N_CLASSES]
+    clock.mark("tables: model parts (launches)")
+    cum = rans_lanes.cumulative(freq)
+    f = freq.reshape(-1).astype(np.uint64)
     ftab = (f | (cum.reshape(-1).astype(np.uint64) << 16)).astype(np.uint32)
     rcp = np.where(f >= 2, (1 << 32) // np.maximum(f, 1), 0xFFFFFFFF).astype(np.uint32)
     bwords = (cbits + 31) // 32
@@ -302,7 +314,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
         chunks = np.concatenate([chunks, parts.chunks])
         cap = max(cap, int(parts.chunks[:, 2].max()))
     cap += 2 * ke.LANES
-    clock.mark("tables")
+    clock.mark("tables: layout")
 
     # 4. the chunks' streams (and the model's parts) and the checksums queued; the host writes the model meanwhile
     chunks_d, ftab_d, rcp_d = upload([chunks.astype(np.int64), ftab, rcp], dev)
@@ -310,15 +322,15 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
                                            runner)
     del packed
     if overlap is not None:
-        overlap({k: sections[k] for k in ("lo16",) if k in sections} | {"bits": bits})
+        overlap({"bits": bits})
     clock.mark("payload (launch)")
-    tables = table_bytes(freq)
+    tables = table_bytes(freq[:N_CLASSES])
     if parts is None:
         body, mparts = code_model(fields.cpu().numpy(), tables)
     clock.mark("model bytes (host)")
-    wlen = lens.cpu().numpy()
+    wlen, miscounts = np.split(lens.cpu().numpy(), [-1])
     clock.mark("wait: payload (sync 2)")
-    if (wlen < 0).any():
+    if (wlen < 0).any() or miscounts[0]:
         raise RuntimeError("GPU kvctx encoder: a symbol without frequency or a raw-bit miscount (internal error)")
     woff = np.concatenate([[0], np.cumsum(wlen)]).astype(np.int64)
     words = torch.empty(int(woff[-1]), dtype=torch.int16, device=dev)
@@ -350,11 +362,11 @@ class _FieldParts:
     fields on the host took 2.5-4.5 ms of each call's critical path; on the device they ride along with
     the payload's 2048 chunks."""
 
-    def __init__(self, fields: torch.Tensor, counts: np.ndarray, packed: torch.Tensor, at: int):
+    def __init__(self, fields: torch.Tensor, freqs: np.ndarray, packed: torch.Tensor, at: int):
         n = fields.numel()
         self.count = max(1, min(format2.MAX_FIELD_PARTS, -(-n // format2.FIELD_PART_BYTES)))
         sizes = format2._part_sizes(n, self.count)
-        self.freqs = quantize_frequencies(counts, format2.FIELD_PRECISION).astype("<u2")
+        self.freqs = freqs.astype("<u2")  # quantize_frequencies of the bytes' counts, as code_model's
         self.size = n
         packed[at:at + n] = fields.to(torch.int64) | (MODEL_CLASS << 8)
         first = at + np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -380,10 +392,10 @@ def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: st
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
     early = {}  # the tensor's and the finished sections' checksums, queued while the model is coded
 
-    def checksums(done: dict) -> None:
-        names = list(done)
-        crcs = crc32_many([t.reshape(-1).view(torch.uint8), *(done[k].view(torch.uint8) for k in names)])
-        early.update(zip(["tensor", *names], crcs))
+    def checksums(done: dict) -> None:  # the tensor's with the first sections done
+        names = list(done) if "tensor" in early else ["tensor", *done]
+        bufs = [t.reshape(-1) if k == "tensor" else done[k] for k in names]
+        early.update(zip(names, crc32_many([b.view(torch.uint8) for b in bufs])))
 
     codec_meta, sections = encode(t, prediction, source, steps=steps, overlap=checksums)
     clock = _Clock(steps)

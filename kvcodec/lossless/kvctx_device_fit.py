@@ -119,15 +119,14 @@ def field_planes(values: torch.Tensor, source: str) -> tuple[torch.Tensor, torch
     return torch.stack([arr & 0xFF, arr >> 8], 1).to(torch.uint8), torch.stack([lo, arr.amax(dim=1)], 1)
 
 
-def plane_histograms(planes: torch.Tensor, d: int) -> torch.Tensor:
+def plane_histograms(planes: torch.Tensor, d: int, runner) -> torch.Tensor:
     """int64 [2, fields, 2, 256]: the byte histogram of each of :func:`field_planes`' planes over its
-    first ``d`` channels (the shared row) and over all of them, on the device: the model's field bytes
-    are counted for their rANS table before the host knows which of the two it stores."""
-    f2, n = planes.shape[0] * 2, planes.shape[2]
-    base = (torch.arange(f2, device=planes.device, dtype=torch.int64) * 256)[:, None]
-    keys = planes.reshape(f2, n).to(torch.int64) + base
-    return torch.stack([torch.bincount(k.reshape(-1), minlength=f2 * 256)
-                        for k in (keys[:, :d], keys)]).reshape(2, f2 // 2, 2, 256)
+    first ``d`` channels (the shared row) and over all of them, on the device (``ke_plane_hist``): the
+    model's field bytes are counted for their rANS table before the host knows which of the two it stores."""
+    from kvcodec.cuda import kvctx_encode as ke
+
+    f, _, n = planes.shape
+    return ke.plane_histograms(planes.reshape(2 * f, n), d, runner).reshape(2, f, 2, 256)
 
 
 def field_bytes(planes: torch.Tensor, stats: np.ndarray, n: int) -> tuple[bytes, torch.Tensor, list[int]]:

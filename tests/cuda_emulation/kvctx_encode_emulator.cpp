@@ -4,7 +4,9 @@
 // Used by tests/test_kvctx_encode_device.py to check the encoder on machines without a GPU.
 #include "warp_emulation.h"
 #define KE_SHARED static
+#define KE_HIST_IN_GLOBAL  // ke_symbolise's histogram without a block barrier (the warps run one after the other)
 
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 double kx_smem[1];  // the decoder's dynamic shared memory (its kernel is included, not run)
 
 #include "../../kvcodec/cuda/kvctx_encode.cu"
@@ -85,4 +87,8 @@ extern "C" void ke_bin_params_emu(int grid, int block, P s, P m, P c_q, P a_q, P
                   (const long long*)won, shared_row, n, D, eoff, (const double*)consts, (double*)pm, (double*)pc,
                   (double*)pa, (int*)pel, (int*)values);
   });
+}
+
+extern "C" void ke_plane_hist_emu(int grid, int block, P planes, int n_planes, LL n, int d, int per_plane, void* out) {
+  emu_run(grid, block, [&] { ke_plane_hist((const kx_u8*)planes, n_planes, n, d, per_plane, (kx_u64*)out); });
 }
