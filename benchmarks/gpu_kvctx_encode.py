@@ -169,7 +169,7 @@ def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
             for defines in VARIANTS[base]:
                 fn = build.get_function(ke.SOURCE, name, defines)
                 vs = 4 * n_keys if "KE_HIST_IN_GLOBAL" not in defines else 0
-                if vs > fn.max_dynamic_shared_size_bytes:
+                if vs:
                     fn.max_dynamic_shared_size_bytes = vs
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                 with build.cupy_stream(device):

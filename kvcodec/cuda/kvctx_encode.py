@@ -54,7 +54,7 @@ def gpu_runner(name: str, grid: int, block: int, args: tuple, device, smem: int 
     from kvcodec.cuda import build
 
     fn = build.get_function(SOURCE, name)
-    if smem > fn.max_dynamic_shared_size_bytes:
+    if smem:  # may be over the 48 KB default: the kernel's limit is raised first
         fn.max_dynamic_shared_size_bytes = smem
     with build.cupy_stream(device):
         fn((grid,), (block,), args, shared_mem=smem)
