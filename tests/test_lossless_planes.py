@@ -173,7 +173,10 @@ def _flip_stream_word(m, s):
         lambda m, s: m["codec_meta"]["planes"][0].update(mode="raw"),
         lambda m, s: m["codec_meta"]["planes"].pop(),
         lambda m, s: m["codec_meta"]["planes"][1].update(mode="const", value=3),
-        lambda m, s: m["codec_meta"]["planes"][0].update(offsets=m["codec_meta"]["planes"][0]["offsets"][::-1]),
+        lambda m, s: s.update({"p0.len": s["p0.len"][::-1].copy()}),
+        lambda m, s: s.update({"p0.len": np.array([0, 8], np.uint32)}),
+        lambda m, s: s.update({"p0.len": s["p0.len"] - np.uint32(1)}),
+        lambda m, s: s.pop("p0.len"),
         lambda m, s: m["codec_meta"]["planes"][0].update(offsets=[0, 8]),
         lambda m, s: m["codec_meta"]["planes"][0]["tables"][0].__setitem__(1, 5000),
         lambda m, s: m["codec_meta"]["planes"][0]["tables"][0].__setitem__(0, 300),
@@ -200,6 +203,15 @@ def test_forged_streams_raise_corrupt_stream_error(edit):
     blob = compress(t, chunk_bytes=2048)
     with pytest.raises(CorruptStreamError):
         decompress(_reforge(blob, edit))
+
+
+def test_format2_blobs_still_decode():
+    t = weights_like(torch.bfloat16, (64, 64))
+    old = planes.format2_blob(compress(t, chunk_bytes=2048))
+    assert container.loads(old)[1]["codec_meta"]["v"] == 2
+    assert_bit_exact(decompress(old), t)
+    with pytest.raises(CorruptStreamError):  # format 2 offsets checked as before
+        decompress(_reforge(old, lambda m, s: m["codec_meta"]["planes"][0].update(offsets=[0, 8])))
 
 
 def test_max_output_bytes_refuses_declared_giants():
@@ -315,7 +327,8 @@ def test_planes_streams_are_the_spec_rans_with_32_lanes():
     tables = [planes._table_from_json(tb) for tb in p0["tables"]]
     rowctx = sections["p0.ctx"] if len(tables) > 1 else np.zeros(1, np.uint8)
     D = 64 if len(tables) > 1 else exp.size
-    chunk, off, words = cm["chunk"], p0["offsets"], sections["p0"]
+    chunk, words = cm["chunk"], sections["p0"]
+    off = np.concatenate(([0], np.cumsum(sections["p0.len"], dtype=np.int64)))
     for c in range(len(off) - 1):
         a, b = c * chunk, min(exp.size, (c + 1) * chunk)
         ctx = rans_lanes.row_contexts(a, b - a, D, rowctx)

@@ -9,6 +9,7 @@ CorruptStreamError without a crash.
 
 from __future__ import annotations
 
+import math
 import shutil
 import zlib
 
@@ -24,7 +25,7 @@ from kvcodec.cuda import crc32 as gcrc
 from kvcodec.cuda import planes_codec as pc
 from kvcodec.entropy import rans_lanes
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless import compress, decompress, planes_device
+from kvcodec.lossless import compress, decompress, planes, planes_device
 from kvcodec.lossless.api import compress_device
 
 from test_lossless_planes import assert_bit_exact, random_bits, weights_like
@@ -110,15 +111,47 @@ def test_emulated_encode_kernel_equals_cpu_encoder(n, spread, seed):
     assert np.array_equal(emulate_encode(sym, freq), words[start:])
 
 
+def emulate_stream_desc(data, jobs, planes, n_chunks, chunk, n, pdesc):
+    """pc_stream_desc (planes_codec.cu) in numpy: payload rows from the blob's chunk lengths, bad ones
+    with byte length 0."""
+    raw = data.numpy()
+    for j, (loff, soff, words, ooff) in enumerate(jobs.numpy().reshape(-1, 4)[:planes].tolist()):
+        lens = np.frombuffer(raw[loff: loff + 4 * n_chunks].tobytes(), "<u4").astype(np.int64)
+        before = np.cumsum(lens) - lens
+        ok = (lens >= 64) & (before + lens <= words)
+        ok[-1] &= before[-1] + lens[-1] == words
+        a = np.arange(n_chunks, dtype=np.int64) * chunk
+        pdesc[j * n_chunks: (j + 1) * n_chunks] = torch.from_numpy(np.stack(
+            [soff + 2 * np.where(ok, before, 0), np.where(ok, 2 * lens, 0), ooff + a, np.minimum(chunk, n - a)], 1))
+
+
+def _device_rows(blob: bytes):
+    """(sections, info, launch_inputs' parts, emulated device rows) of a format-3 planes blob."""
+    from kvcodec.lossless import device_container
+    from kvcodec.lossless.planes import PlaneCodec, _dtype_shape
+
+    bt = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    header, end = device_container.read_header(bt)
+    secs, _ = device_container.sections(bt, header, end)
+    meta = header["meta"]["codec_meta"]
+    layout, itemsize, chunk, n_chunks, info, _ = PlaneCodec()._prepare(meta, secs, *_dtype_shape(meta), device=True)
+    n = math.prod(meta["shape"])
+    coded, none, table_of, tables, jobs = planes_device.launch_inputs(True, secs, info, n, chunk, n_chunks, n)
+    assert none is None and coded
+    pdesc = torch.zeros((len(table_of), 4), dtype=torch.int64)
+    emulate_stream_desc(bt, torch.from_numpy(jobs), len(coded), n_chunks, chunk, n, pdesc)
+    return bt, secs, info, (layout, itemsize, chunk, n_chunks, n), (coded, table_of, tables), pdesc.numpy()
+
+
 def test_device_decode_launch_through_the_emulated_kernel():
-    """The blob's own bytes, the device reader's sections and planes_device's launch descriptors
-    (chunk streams at 2-byte aligned offsets), decoded by the lane-by-lane emulation of
-    rans_decode.cu (tests/test_cuda_rans.py), merged: the original bits."""
+    """The blob's own bytes, the device reader's sections and the payload rows made from its
+    chunk-length sections (the emulated pc_stream_desc; equal to the host's rows from the same
+    lengths), decoded by the lane-by-lane emulation of rans_decode.cu (tests/test_cuda_rans.py),
+    merged: the original bits. Damaged lengths give the damaged chunks byte length 0."""
     from types import SimpleNamespace
 
     from kvcodec.cuda.rans import LaunchPlan
-    from kvcodec.lossless import device_container
-    from kvcodec.lossless.planes import PlaneCodec, _dtype_shape, merge_planes
+    from kvcodec.lossless.planes import merge_planes
 
     from test_cuda_rans import emulate_launch
 
@@ -126,14 +159,11 @@ def test_device_decode_launch_through_the_emulated_kernel():
     for dtype, shape, cb in ((torch.bfloat16, (21, 50), 256), (torch.float32, (21, 50), 256),
                              (torch.float8_e4m3fn, (60, 64), 1024)):
         t = weights_like(dtype, shape)
-        bt = torch.frombuffer(bytearray(compress(t, max_classes=1, chunk_bytes=cb)), dtype=torch.uint8)
-        header, end = device_container.read_header(bt)
-        secs, _ = device_container.sections(bt, header, end)
-        meta = header["meta"]["codec_meta"]
-        layout, itemsize, chunk, n_chunks, info, _ = PlaneCodec()._prepare(meta, secs, *_dtype_shape(meta))
-        n = t.numel()
-        coded, pdesc, table_of, tables = planes_device.stream_descriptors(meta, secs, info, n, chunk, n_chunks)
-        assert coded
+        blob = compress(t, max_classes=1, chunk_bytes=cb)
+        bt, secs, info, (layout, itemsize, chunk, n_chunks, n), (coded, table_of, tables), pdesc = _device_rows(blob)
+        host = [("rans", None, np.concatenate(([0], np.cumsum(secs[f"p{k}.len"].bytes.numpy().view("<u4"))))) if
+                p[0] == "rans" else p for k, p in enumerate(info)]
+        assert np.array_equal(pdesc, planes_device.stream_descriptors(secs, host, n, chunk, n_chunks))
         odd += int(np.sum(pdesc[:, 0] % 4 == 2))
         plan = LaunchPlan.build(pdesc, table_of, tables, "cpu")
         batch = SimpleNamespace(data=bt, pdesc=plan.pdesc, order=plan.order, blocks=plan.blocks, tdesc=plan.tdesc,
@@ -147,6 +177,18 @@ def test_device_decode_launch_through_the_emulated_kernel():
         merge_planes(planes, layout, itemsize, res)
         assert res.tobytes() == t.reshape(-1).view(torch.uint8).numpy().tobytes()
     assert odd > 0  # the 2-byte aligned load path was exercised
+    kind, meta, sections = container.loads(blob)  # fp8: one coded plane of 4 chunks
+    lens = sections["p0.len"]
+    for bad, rows in (([lens[0] + 1, lens[1] - 1, *lens[2:]], []), ([63, lens[0] + lens[1] - 63, *lens[2:]], [0]),
+                      ([*lens[:-1], lens[-1] - 2], [3]), ([lens[0] + 2, *lens[1:-1], lens[-1] - 2], [])):
+        forged = container.dumps(kind, meta, dict(sections, **{"p0.len": np.array(bad, np.uint32)}))
+        pdesc = _device_rows(forged)[-1]
+        assert np.flatnonzero(pdesc[:, 1] == 0).tolist() == rows
+    grown = container.dumps(kind, meta, dict(sections, **{"p0.len": np.array([*lens[:-1], lens[-1] + 2], np.uint32)}))
+    assert _device_rows(grown)[-1][-1, 1] == 0  # past the section's end
+    for bad in (np.array([*lens, 64], np.uint32), lens.astype(np.uint16), lens.astype(np.int32)):
+        with pytest.raises(CorruptStreamError, match="chunk lengths"):
+            _device_rows(container.dumps(kind, meta, dict(sections, **{"p0.len": bad})))
 
 
 @pytest.fixture
@@ -201,7 +243,8 @@ def emulated_kernels(monkeypatch):
     def crc32_many(bufs):
         return torch.tensor([zlib.crc32(b.contiguous().view(torch.uint8).numpy().tobytes()) for b in bufs])
 
-    for name, fn in dict(split_hist=split_hist, encode_chunks=encode_chunks, gather=gather, merge=merge).items():
+    for name, fn in dict(split_hist=split_hist, encode_chunks=encode_chunks, gather=gather, merge=merge,
+                         stream_desc=emulate_stream_desc).items():
         monkeypatch.setattr(pc, name, fn)
     monkeypatch.setattr(gr.LaunchPlan, "launch", launch)
     monkeypatch.setattr(gcrc, "crc32_many", crc32_many)
@@ -219,8 +262,11 @@ def test_gpu_path_host_logic_on_emulated_kernels(emulated_kernels, dtype, shape,
     blob = api._compress_on_gpu(t, {"chunk_bytes": chunk_bytes, "min_gain": 0.02})
     assert blob.numpy().tobytes() == compress(t, max_classes=1, chunk_bytes=chunk_bytes)
     assert_bit_exact(api._decompress_on_device(blob, torch.device("cpu"), None), t)
+    assert_bit_exact(api._decompress_on_device(blob, torch.device("cpu"), None), t)  # again: the kept plan
     assert api.describe(blob) == api.validate(blob) == api.describe(blob.numpy().tobytes())  # tensor blobs
     assert_bit_exact(decompress(blob), t)
+    old = torch.frombuffer(bytearray(planes.format2_blob(blob.numpy().tobytes())), dtype=torch.uint8)  # host rows
+    assert_bit_exact(api._decompress_on_device(old, torch.device("cpu"), None), t)
     kind, meta, sections = container.loads(blob.numpy().tobytes())
     for k, v in sections.items():  # a stream or plane damaged, every checksum recomputed: the tensor's crc
         bad = dict(sections, **{k: np.array(v)})
@@ -396,8 +442,23 @@ def test_damaged_device_blobs_raise():
         forged = container.dumps(kind, meta, secs)
         with pytest.raises(CorruptStreamError):
             decompress(torch.frombuffer(bytearray(forged), dtype=torch.uint8).cuda())
+    lens = sections["p0.len"].astype(np.int64)  # chunk lengths (checked by pc_stream_desc), checksums recomputed
+    for trial in range(30):
+        bad = lens.copy()
+        i, j = rng.integers(0, bad.size, 2)
+        if trial % 3 == 0:
+            bad[i] += int(rng.integers(1, 40))
+        elif trial % 3 == 1:
+            bad[i], bad[j] = bad[i] + 2, bad[j] - 2 + 4 * (i == j)  # same sum: streams misplaced
+        else:
+            bad[i] = int(rng.integers(0, 64))
+        forged = container.dumps(kind, meta, dict(sections, **{"p0.len": (bad % (1 << 32)).astype(np.uint32)}))
+        with pytest.raises(CorruptStreamError):
+            decompress(torch.frombuffer(bytearray(forged), dtype=torch.uint8).cuda())
     torch.cuda.synchronize()
     assert_bit_exact(decompress(blob).cpu(), t.cpu())
+    old = torch.from_numpy(np.frombuffer(planes.format2_blob(host.tobytes()), np.uint8).copy()).cuda()  # format 2 still decodes
+    assert_bit_exact(decompress(old).cpu(), t.cpu())
 
 
 def test_host_transfers_without_cuda_are_plain_copies():

@@ -309,8 +309,8 @@ __global__ void __launch_bounds__(256) pc_gather(const pc_u16* __restrict__ scra
 }
 
 // ---------------------------------------------------------------------------------------------- merge
-// Inverse of pc_split_hist. pdesc [nplanes, 2] int64: device address of the plane's n bytes (0: a
-// constant plane), the constant byte. out: n elements of the layout. A thread rebuilds 16 bytes of
+// Inverse of pc_split_hist. d0..d15: per plane (up to 8) the device address of its n bytes (0: a constant
+// plane) and the constant byte, passed by value (no upload). out: n elements of the layout. A thread rebuilds 16 bytes of
 // out (E elements) from E bytes of each plane when out is 16-byte and every plane E-byte aligned
 // (the decoder's rows and the blob's sections are); the rest, or everything otherwise, by elements.
 template <int LAYOUT>
@@ -344,12 +344,17 @@ __device__ __forceinline__ void pc_load_run(const long long* __restrict__ pd, in
 }
 
 template <int LAYOUT, int ITEM>
-__global__ void __launch_bounds__(256) pc_merge(const long long* __restrict__ pdesc, long long n,
-                                                pc_u8* __restrict__ out) {
+__global__ void __launch_bounds__(256) pc_merge(long long d0, long long d1, long long d2, long long d3, long long d4,
+                                                long long d5, long long d6, long long d7, long long d8, long long d9,
+                                                long long d10, long long d11, long long d12, long long d13,
+                                                long long d14, long long d15, long long n, pc_u8* __restrict__ out) {
   constexpr int NP = LAYOUT == 0 ? 2 : LAYOUT == 1 ? 4 : ITEM;
   constexpr int E = 16 / ITEM;
   __shared__ long long pd[16];
-  if (threadIdx.x < 2 * NP) pd[threadIdx.x] = pdesc[threadIdx.x];
+  if (threadIdx.x == 0) {
+    pd[0] = d0, pd[1] = d1, pd[2] = d2, pd[3] = d3, pd[4] = d4, pd[5] = d5, pd[6] = d6, pd[7] = d7;
+    pd[8] = d8, pd[9] = d9, pd[10] = d10, pd[11] = d11, pd[12] = d12, pd[13] = d13, pd[14] = d14, pd[15] = d15;
+  }
   __syncthreads();
   bool vec = (reinterpret_cast<unsigned long long>(out) & 15ull) == 0ull;
 #pragma unroll
@@ -390,5 +395,65 @@ __global__ void __launch_bounds__(256) pc_merge(const long long* __restrict__ pd
     } else {
       for (int k = 0; k < ITEM; ++k) out[i * ITEM + k] = (pc_u8)pc_get<LAYOUT>(pd, k, i);
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- stream descriptors
+// Format 3 keeps each coded plane's chunk stream lengths (uint32 words, one per chunk) in a section of the blob;
+// this kernel turns them into the rANS decoder's payload rows (kvcodec/cuda/rans_decode.cu: byte offset in data,
+// byte length, output byte offset, symbols) and checks them as the CPU decoder does: chunk c's stream is the
+// words [sum of the lengths before it, + its length) of the plane's stream section. A length under 2 * 32 words,
+// a stream reaching past the section, or a last stream not ending exactly at the section's end gets byte length
+// 0, which the decoder reports as a bad length (status 1): the error arrives with the stream statuses, and no
+// row ever points outside the section. One block per coded plane, a block-wide scan per 512 chunks.
+// jobs [J, 4] int64: byte offset of plane j's lengths in data, of its stream section, the section's words, the
+// byte offset of its decoded row in the output; pdesc [J * n_chunks, 4] int64.
+__global__ void __launch_bounds__(512) pc_stream_desc(const pc_u8* __restrict__ data, const long long* __restrict__ jobs,
+                                                       long long n_chunks, long long chunk, long long n,
+                                                       long long* __restrict__ pdesc) {
+  __shared__ long long warp_sum[32];
+  const long long* jb = jobs + 4 * blockIdx.x;
+  const pc_u8* lens = data + jb[0];  // 4-byte values at any byte alignment (read bytewise: a few KB)
+  const long long soff = jb[1], words = jb[2], ooff = jb[3];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  long long carry = 0;  // words of the chunks of earlier rounds
+  for (long long base = 0; base < n_chunks; base += blockDim.x) {
+    const long long c = base + threadIdx.x;
+    long long len = 0;
+    if (c < n_chunks) {
+      const pc_u8* q = lens + 4 * c;
+      len = (long long)((pc_u32)q[0] | ((pc_u32)q[1] << 8) | ((pc_u32)q[2] << 16) | ((pc_u32)q[3] << 24));
+    }
+    long long v = len;  // inclusive scan over the warp
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const long long o = __shfl_up_sync(PC_FULL, v, d);
+      if (lane >= d) v += o;
+    }
+    if (lane == 31) warp_sum[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      long long w = lane < nwarps ? warp_sum[lane] : 0;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const long long o = __shfl_up_sync(PC_FULL, w, d);
+        if (lane >= d) w += o;
+      }
+      warp_sum[lane] = w;  // inclusive over the warps
+    }
+    __syncthreads();
+    const long long before = carry + (warp ? warp_sum[warp - 1] : 0) + v - len;
+    const long long round_total = warp_sum[nwarps - 1];
+    if (c < n_chunks) {
+      const bool ok = len >= 64 && before + len <= words && (c != n_chunks - 1 || before + len == words);
+      long long* pd = pdesc + 4 * ((long long)blockIdx.x * n_chunks + c);
+      const long long a = c * chunk;
+      pd[0] = soff + 2 * (ok ? before : 0);
+      pd[1] = ok ? 2 * len : 0;
+      pd[2] = ooff + a;
+      pd[3] = n - a < chunk ? n - a : chunk;
+    }
+    carry += round_total;
+    __syncthreads();  // warp_sum is rewritten by the next round
   }
 }

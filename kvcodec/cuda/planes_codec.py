@@ -19,7 +19,9 @@ LANES = 32
 SPLIT_SIG = "(const unsigned char*, long long, long long, unsigned char*, unsigned long long*)"
 HIST_WARPS_TIMES_PLANES = 4
 ENCODE_SIG = "(const unsigned char*, const long long*, int, const unsigned int*, unsigned short*, long long, long long*)"
-MERGE_SIG = "(const long long*, long long, unsigned char*)"
+MERGE_SIG = "(" + "long long, " * 17 + "unsigned char*)"
+DESC_SIG = "(const unsigned char*, const long long*, long long, long long, long long, long long*)"
+DESC_THREADS = 512  # pc_stream_desc: (1024 spills on sm_100)
 
 
 def split_instances() -> list[tuple[str, int, int]]:
@@ -36,6 +38,18 @@ def instance_declarations() -> list[str]:
     return ([f"__global__ void {_split_name(*inst)}{SPLIT_SIG}" for inst in split_instances()]
             + [f"__global__ void pc_rans_encode<{ENCODE_WARPS}>{ENCODE_SIG}"]
             + [f"__global__ void pc_merge<{LAYOUTS[lay]}, {item}>{MERGE_SIG}" for lay, item, _ in split_instances()])
+
+
+def stream_desc(data: torch.Tensor, jobs: torch.Tensor, planes: int, n_chunks: int, chunk: int, n: int,
+                pdesc: torch.Tensor) -> None:
+    """Fill the rANS decoder's payload rows ``pdesc`` [planes * n_chunks, 4] (int64 CUDA) from the
+    chunk stream lengths that format 3 stores in the blob ``data`` (``jobs`` [planes, 4] int64 on the
+    device: see ``pc_stream_desc``); bad lengths become rows the decoder flags (status 1)."""
+    if not planes or not n_chunks:
+        return
+    with build.cupy_stream(data.device):
+        build.get_function(SOURCE, "pc_stream_desc")((planes,), (DESC_THREADS,), (
+            data.data_ptr(), jobs.data_ptr(), np.int64(n_chunks), np.int64(chunk), np.int64(n), pdesc.data_ptr()))
 
 
 def _grid(n: int, device) -> int:
@@ -101,8 +115,8 @@ def gather(scratch: torch.Tensor, cap: int, lens: torch.Tensor, dst_off: np.ndar
 
 
 def merge_desc(planes: list) -> np.ndarray:
-    """The merge kernel's plane descriptors: (address, 0) of a uint8 CUDA tensor of n bytes, or
-    (0, value) of a constant plane (an int)."""
+    """The merge kernel's plane arguments: (address, 0) of a uint8 CUDA tensor of n bytes, or
+    (0, value) of a constant plane (an int); 16 values (8 planes at most)."""
     desc = np.zeros(16, np.int64)
     for k, p in enumerate(planes):
         if isinstance(p, torch.Tensor):
@@ -112,18 +126,16 @@ def merge_desc(planes: list) -> np.ndarray:
     return desc
 
 
-def merge(planes: list, layout: str, itemsize: int, n: int, out: torch.Tensor, desc: torch.Tensor | None = None) -> None:
+def merge(planes: list, layout: str, itemsize: int, n: int, out: torch.Tensor) -> None:
     """Rebuild n elements into the uint8 CUDA tensor ``out`` from planes: each a uint8 CUDA tensor
-    of n bytes, or an int (a constant plane). 16-byte aligned planes (rows of ``row_stride``) take
-    the kernel's vector path. ``desc``: :func:`merge_desc` already on the device (else uploaded)."""
+    of n bytes, or an int (a constant plane); their addresses travel as kernel arguments. 16-byte
+    aligned planes (rows of ``row_stride``) take the kernel's vector path."""
     if not n:
         return
-    if desc is None:
-        (desc,) = upload([merge_desc(planes)], out.device)
     elems = max(1, n * itemsize // 16)  # one thread per 16 output bytes
     with build.cupy_stream(out.device):
         build.get_function(SOURCE, f"pc_merge<{LAYOUTS[layout]}, {itemsize}>")(
-            (_grid(elems, out.device),), (256,), (desc.data_ptr(), np.int64(n), out.data_ptr()))
+            (_grid(elems, out.device),), (256,), (*map(np.int64, merge_desc(planes)), np.int64(n), out.data_ptr()))
 
 
 def row_stride(n: int) -> int:

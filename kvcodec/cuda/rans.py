@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -88,10 +89,7 @@ def build_table(freqs, precision: int, dtype, mode: int | None = None) -> Table:
     lo, hi = int(nz[0]), int(nz[-1])
     span = hi - lo + 1
     fs = f[lo: hi + 1]
-    cum = np.concatenate(([0], np.cumsum(fs)[:-1]))
-    idx = np.repeat(np.arange(span, dtype=np.int64), fs)  # slot -> sym - lo
-    slots = np.arange(m, dtype=np.int64)
-    bias = slots - cum[idx]
+    cum = np.cumsum(fs) - fs
     sym_t = np.uint8 if symbytes == 1 else np.uint16
     fits0 = p <= 12 and span <= 256
     fits1 = _align(m * symbytes, 4) + 4 * span <= TABLE_SMEM_MAX
@@ -99,10 +97,15 @@ def build_table(freqs, precision: int, dtype, mode: int | None = None) -> Table:
         mode = 0 if fits0 else 1 if fits1 else 2
     if mode not in (0, 1, 2) or (mode == 0 and not fits0) or (mode == 1 and not fits1):
         raise ValueError(f"table mode {mode} does not fit precision {p} with {span} symbols")
-    if mode == 0:
-        e = (idx << 24) | ((fs[idx] - 1) << 12) | bias
+    slots = np.arange(m, dtype=np.int64)
+    if mode == 0:  # slot s of symbol lo + i: (i << 24) | ((f - 1) << 12) | (s - cum[i]), one repeat of per-symbol terms
+        per_sym = (np.arange(span, dtype=np.int64) << 24) + ((fs - 1) << 12) - cum
+        e = np.repeat(per_sym, fs) + slots
         body, aux = e.astype("<u4").tobytes(), 0
-    elif mode == 1:
+        return _table(body, mode, p, lo, aux, symbytes)
+    idx = np.repeat(np.arange(span, dtype=np.int64), fs)  # slot -> sym - lo
+    bias = slots - cum[idx]
+    if mode == 1:
         aux = _align(m * symbytes, 4)
         fc = ((fs - 1) << 16) | cum
         body = idx.astype(sym_t).tobytes().ljust(aux, b"\0") + fc.astype("<u4").tobytes()
@@ -110,6 +113,10 @@ def build_table(freqs, precision: int, dtype, mode: int | None = None) -> Table:
         e = ((fs[idx] - 1) << 16) | bias
         aux = 4 * m
         body = e.astype("<u4").tobytes() + (idx + lo).astype(sym_t).tobytes()
+    return _table(body, mode, p, lo, aux, symbytes)
+
+
+def _table(body: bytes, mode: int, p: int, lo: int, aux: int, symbytes: int) -> Table:
     data = np.frombuffer(body.ljust(_align(len(body), _ALIGN), b"\0"), dtype=np.uint8)
     smem_words = 0 if mode == 2 else _align(len(body), 4) // 4
     return Table(data, mode, p, lo, smem_words, aux, symbytes)
@@ -117,6 +124,31 @@ def build_table(freqs, precision: int, dtype, mode: int | None = None) -> Table:
 
 def _align(v: int, a: int) -> int:
     return -(-v // a) * a
+
+
+def _blocks(ts: np.ndarray, warps: int) -> np.ndarray:
+    """The kernel's blocks [B, 4] int32 (table, first index into the order, payloads, 0) of payloads
+    whose tables in launch order are ``ts``: each run of one table cut into blocks of ``warps``."""
+    P = len(ts)
+    cut = np.flatnonzero(np.diff(ts)) + 1
+    run_lo, run_hi = np.concatenate(([0], cut)), np.concatenate((cut, [P]))
+    per_run = -(-(run_hi - run_lo) // warps)
+    first = (np.repeat(run_lo, per_run) + warps * (np.arange(int(per_run.sum())) - np.repeat(
+        np.cumsum(per_run) - per_run, per_run))).astype(np.int64)
+    count = np.minimum(warps, np.repeat(run_hi, per_run) - first)
+    return np.stack([ts[first], first, count, np.zeros_like(first)], 1).astype(np.int32).reshape(-1, 4)
+
+
+@lru_cache(maxsize=64)
+def _grouped_blocks(runs: tuple[int, ...], warps: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, blocks) of payloads launched in their own order, ``runs[t]`` consecutive ones with
+    table t (a planes blob's chunks: they depend on its chunk count alone, so blobs of one shape
+    share them). Read-only arrays."""
+    P = sum(runs)
+    order = np.arange(P, dtype=np.int32)
+    blocks = _blocks(np.repeat(np.arange(len(runs), dtype=np.int64), runs), warps)
+    order.flags.writeable = blocks.flags.writeable = False
+    return order, blocks
 
 
 # ------------------------------------------------------------------------------------- batch
@@ -149,25 +181,28 @@ class LaunchPlan:
               also=(), warps: int | None = None) -> "LaunchPlan":
         """``pdesc`` [P, 4] int64: byte offset of payload p in the data buffer (even), its length,
         byte offset of its output, its symbol count; ``table_of`` [P]: index into ``tables``.
+        ``pdesc`` may be a CUDA tensor a kernel fills before the launch (a planes blob's chunk
+        lengths, checked on the device): the payloads are then launched in their order, which must
+        group them by table (``table_of`` non-decreasing).
         ``also``: more arrays for the same upload (a caller's next launch), as ``plan.also``; ``warps``
         per block (default WARPS; 2 or 4 keep every table of ``build_table`` in shared memory)."""
         from kvcodec.cuda.transfer import upload
 
         warps = warps or WARPS
         P = len(table_of)
-        sizes = pdesc[:, 3]
-        if P and (table_of[1:] >= table_of[:-1]).all() and ((table_of[1:] > table_of[:-1]) | (sizes[1:] <= sizes[:-1])).all():
-            order = np.arange(P, dtype=np.int32)  # already in that order (a planes blob's chunks)
+        on_device = isinstance(pdesc, torch.Tensor)
+        if on_device:
+            if P and not (table_of[1:] >= table_of[:-1]).all():
+                raise ValueError("payloads described on the device must be grouped by table")
+            order, blocks = _grouped_blocks(tuple(np.bincount(table_of).tolist()) if P else (), warps)
         else:
-            order = np.lexsort((-sizes, table_of)).astype(np.int32) if P else np.zeros(0, np.int32)
-        ts = np.asarray(table_of, np.int64)[order]
-        cut = np.flatnonzero(np.diff(ts)) + 1  # runs of one table, each cut into blocks of `warps`
-        run_lo, run_hi = np.concatenate(([0], cut)), np.concatenate((cut, [P]))
-        per_run = -(-(run_hi - run_lo) // warps)
-        first = (np.repeat(run_lo, per_run) + warps * (np.arange(int(per_run.sum())) - np.repeat(
-            np.cumsum(per_run) - per_run, per_run))).astype(np.int64)
-        count = np.minimum(warps, np.repeat(run_hi, per_run) - first)
-        blocks = np.stack([ts[first], first, count, np.zeros_like(first)], 1).astype(np.int32).reshape(-1, 4)
+            sizes = pdesc[:, 3]
+            if P and (table_of[1:] >= table_of[:-1]).all() and \
+                    ((table_of[1:] > table_of[:-1]) | (sizes[1:] <= sizes[:-1])).all():
+                order = np.arange(P, dtype=np.int32)  # already in that order (a planes blob's chunks)
+            else:
+                order = np.lexsort((-sizes, table_of)).astype(np.int32) if P else np.zeros(0, np.int32)
+            blocks = _blocks(np.asarray(table_of, np.int64)[order], warps)
         toff, tbytes = [], 0
         for tb in tables:
             toff.append(tbytes)
@@ -177,8 +212,10 @@ class LaunchPlan:
         tab_host = np.zeros(max(tbytes, _ALIGN), dtype=np.uint8)
         for o, tb in zip(toff, tables):
             tab_host[o: o + tb.data.size] = tb.data
-        pd, od, bd, td, tabd, *more = upload([np.ascontiguousarray(pdesc, np.int64), order, blocks, tdesc, tab_host,
-                                              *also], device)
+        host_rows = [] if on_device else [np.ascontiguousarray(pdesc, np.int64)]
+        got = upload(host_rows + [order, blocks, tdesc, tab_host, *also], device)
+        pd = pdesc if on_device else got.pop(0)
+        od, bd, td, tabd, *more = got
         return cls(pd.reshape(-1, 4), od, bd.reshape(-1, 4), td.reshape(-1, 8), tabd,
                    warps * RING_BYTES + max([4 * tb.smem_words for tb in tables] + [0]), len(blocks), more, warps)
 

@@ -56,7 +56,7 @@ M = rans_lanes.M
 LANES = 32  # rANS lanes of new streams: one GPU warp (kvcodec.cuda.rans); format 1 used 8
 DEFAULT_CHUNK_BYTES = 2 << 20
 DEFAULT_MIN_GAIN = 0.02
-FORMAT_VERSION = 2  # 2: the meta names its lane count; 1 (8 lanes, no "lanes" key) still decodes
+FORMAT_VERSION = 3  # 3: chunk stream lengths in a binary section; 2: in the meta; 1: 8 lanes (both still decode)
 _LANES_OF_V1 = 8
 
 _F16 = ("bfloat16", "float16")
@@ -327,22 +327,24 @@ class PlaneCodec:
                 return words[start:]
 
             streams = _pool_map(enc, bounds, threads)
-            offsets = np.zeros(len(streams) + 1, np.int64)
-            offsets[1:] = np.cumsum([s.size for s in streams])
-            meta["planes"].append({"mode": "rans", "tables": [_table_json(f) for f in freqs],
-                                   "offsets": offsets.tolist()})
+            meta["planes"].append({"mode": "rans", "tables": [_table_json(f) for f in freqs]})
             sections[f"p{k}"] = np.concatenate(streams)
+            sections[f"p{k}.len"] = np.array([s.size for s in streams], np.uint32)
             if cls is not None:
                 sections[f"p{k}.ctx"] = cls
         return meta, sections
 
     # ---- decoding
-    def _prepare(self, meta, sections, dtype: torch.dtype, shape):
-        """Validate meta/sections against dtype and shape; returns what the chunk decoder needs."""
+    def _prepare(self, meta, sections, dtype: torch.dtype, shape, device: bool = False):
+        """Validate meta/sections against dtype and shape; returns what the chunk decoder needs.
+        ``device``: for the GPU decoder (``planes_device``): a coded plane's entry holds its
+        frequency tables (not the CPU's decode tables) and, in format 3, its chunk-length section
+        as it is (the GPU checks the lengths while it turns them into stream offsets)."""
         keys = {"v", "dtype", "shape", "layout", "chunk", "planes"}
-        if meta.get("v") == 1 and set(meta) == keys:
+        version = meta.get("v")
+        if version == 1 and set(meta) == keys:
             lanes = _LANES_OF_V1
-        elif meta.get("v") == FORMAT_VERSION and set(meta) == keys | {"lanes"}:
+        elif version in (2, FORMAT_VERSION) and type(version) is int and set(meta) == keys | {"lanes"}:
             lanes = meta["lanes"]
             if type(lanes) is not int or lanes not in rans_lanes.LANES:
                 raise CorruptStreamError("planes: bad lane count")
@@ -376,20 +378,27 @@ class PlaneCodec:
                     raise CorruptStreamError(f"planes: raw plane {k} has the wrong size")
                 info.append(("raw", data, None, None, None, None))
                 continue
-            if mode != "rans" or set(p) != {"mode", "tables", "offsets"}:
+            if mode != "rans" or set(p) != ({"mode", "tables"} if version == FORMAT_VERSION else
+                                             {"mode", "tables", "offsets"}):
                 raise CorruptStreamError(f"planes: bad plane {k}")
             if not _array_like(data) or data.dtype != np.uint16 or len(data.shape) != 1:
                 raise CorruptStreamError(f"planes: coded plane {k} is not a uint16 stream")
-            off = p["offsets"]
-            if not isinstance(off, list) or len(off) != n_chunks + 1:
-                raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
-            off = int_list(off, 0, 1 << 62, f"planes: chunk offsets of plane {k}")
-            if off[0] != 0 or off[-1] != data.size or np.any(np.diff(off) < 2 * lanes):
-                raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
+            if version == FORMAT_VERSION:
+                expected.add(f"p{k}.len")
+                off = _chunk_offsets(sections.get(f"p{k}.len"), n_chunks, data.shape[0], lanes, k, device)
+            else:
+                off = p["offsets"]
+                if not isinstance(off, list) or len(off) != n_chunks + 1:
+                    raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
+                off = int_list(off, 0, 1 << 62, f"planes: chunk offsets of plane {k}")
+                if off[0] != 0 or off[-1] != data.shape[0] or np.any(np.diff(off) < 2 * lanes):
+                    raise CorruptStreamError(f"planes: bad chunk offsets for plane {k}")
             tables = p["tables"]
             if not isinstance(tables, list) or not 1 <= len(tables) <= MAX_CLASSES:
                 raise CorruptStreamError(f"planes: bad table list for plane {k}")
-            tabs = rans_lanes.decode_tables(np.stack([_table_from_json(tb) for tb in tables]))
+            tabs = np.stack([_table_from_json(tb) for tb in tables])
+            if not device:
+                tabs = rans_lanes.decode_tables(tabs)
             if len(tables) > 1:
                 expected.add(f"p{k}.ctx")
                 ctx = sections.get(f"p{k}.ctx")
@@ -461,6 +470,35 @@ class PlaneCodec:
         out = np.empty((b - a) * dtype.itemsize, np.uint8)
         self._decode_range(prep, c, n, out)
         return torch.from_numpy(out).view(dtype)
+
+
+def _chunk_offsets(lens, n_chunks: int, words: int, lanes: int, k: int, device: bool):
+    """Format 3: the chunk streams' word offsets [n_chunks + 1] from plane k's length section (uint32,
+    one per chunk, each >= 2 * lanes, summing to the stream section's ``words``); ``device``: the
+    section itself once its type and size are checked (the GPU checks the values)."""
+    if not _array_like(lens) or lens.dtype != np.uint32 or lens.shape != (n_chunks,):
+        raise CorruptStreamError(f"planes: bad chunk lengths for plane {k}")
+    if device:
+        return lens
+    off = np.zeros(n_chunks + 1, np.int64)
+    np.cumsum(lens, dtype=np.int64, out=off[1:])
+    if (n_chunks and int(lens.min()) < 2 * lanes) or off[-1] != words:
+        raise CorruptStreamError(f"planes: bad chunk lengths for plane {k}")
+    return off
+
+
+def format2_blob(blob) -> bytes:
+    """A ``planes`` tensor blob (bytes-like) rewritten in format 2, as kvcodec before format 3 wrote it:
+    each coded plane's chunk offsets in its meta entry instead of a length section. For compatibility
+    tests and same-run A/B benchmarks of the two formats; both decode to the same tensor."""
+    kind, meta, sections = container.loads(blob)
+    cm = meta["codec_meta"]
+    cm["v"] = 2
+    sections = {k: np.array(v) for k, v in sections.items()}
+    for k, p in enumerate(cm["planes"]):
+        if p["mode"] == "rans":
+            p["offsets"] = [0, *np.cumsum(sections.pop(f"p{k}.len"), dtype=np.int64).tolist()]
+    return container.dumps(kind, meta, sections)
 
 
 def _dtype_shape(meta) -> tuple[torch.dtype, tuple[int, ...]]:

@@ -28,6 +28,7 @@ warps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -35,7 +36,7 @@ import torch
 
 from kvcodec import container
 from kvcodec.lossless.planes import (FORMAT_VERSION, LANES, MAX_CHUNK_ELEMS, PlaneCodec, _dtype_shape,
-                                     _n_planes, _table_from_json, _table_json, layout_of, one_table, pays_to_code)
+                                     _n_planes, _table_json, layout_of, one_table, pays_to_code)
 
 GPU_CHUNK_BYTES = 64 << 10
 
@@ -66,7 +67,7 @@ def encode(t: torch.Tensor, chunk_bytes: int = GPU_CHUNK_BYTES, min_gain: float 
         if kinds[-1][0] == "rans":
             tables.append(freqs[0])
     coded = [k for k, (mode, _) in enumerate(kinds) if mode == "rans"]
-    streams, offsets = _encode_streams(planes, coded, tables, n, chunk, n_chunks)
+    streams, lens = _encode_streams(planes, coded, tables, n, chunk, n_chunks)
     sections = {}
     for k, (mode, value) in enumerate(kinds):
         if mode == "const":
@@ -75,15 +76,15 @@ def encode(t: torch.Tensor, chunk_bytes: int = GPU_CHUNK_BYTES, min_gain: float 
             meta["planes"].append({"mode": "raw"})
             sections[f"p{k}"] = planes[k, :n]
         else:
-            meta["planes"].append({"mode": "rans", "tables": [_table_json(tables[value])],
-                                   "offsets": offsets[value].tolist()})
+            meta["planes"].append({"mode": "rans", "tables": [_table_json(tables[value])]})
             sections[f"p{k}"] = streams[value]
+            sections[f"p{k}.len"] = lens[value]
     return meta, sections
 
 
 def _encode_streams(planes: torch.Tensor, coded: list[int], tables: list, n: int, chunk: int, n_chunks: int):
     """Encode every chunk of the coded planes; returns (one int16 CUDA tensor of words per coded
-    plane, its chunk offsets in words as int64 arrays)."""
+    plane, one int32 CUDA tensor of its chunk streams' lengths in words: the format-3 sections)."""
     from kvcodec.cuda import planes_codec as pc
 
     if not coded:
@@ -108,12 +109,12 @@ def _encode_streams(planes: torch.Tensor, coded: list[int], tables: list, n: int
     dst = np.concatenate([b + o[:-1] for b, o in zip(base, offsets)])
     pc.gather(scratch, cap, lens, dst, words)
     streams = [words[b: b + s] for b, s in zip(base.tolist(), sizes)]
-    return streams, offsets
+    return streams, list(lens.to(torch.int32).view(len(coded), n_chunks).unbind(0))
 
 
 def gpu_decodable(meta) -> bool:
-    """Whether the GPU kernels take a planes codec meta: format 2 (32 lanes), one table per plane."""
-    if not isinstance(meta, dict) or meta.get("v") != FORMAT_VERSION or meta.get("lanes") != LANES:
+    """Whether the GPU kernels take a planes codec meta: format 2 or 3 (32 lanes), one table per plane."""
+    if not isinstance(meta, dict) or meta.get("v") not in (2, FORMAT_VERSION) or meta.get("lanes") != LANES:
         return False
     planes = meta.get("planes")
     if not isinstance(planes, list):
@@ -126,56 +127,85 @@ def decode(meta, sections, device, reuse: dict | None = None) -> tuple[torch.Ten
     """Decode on ``device``: ``sections`` are ``device_container.DeviceSection``s of one blob there.
     Returns (tensor, rANS status int32 [streams], 0 = good) without synchronizing, or None when
     the blob needs the CPU decoder. Raises CorruptStreamError for metadata the CPU would refuse.
-    ``reuse``: a dict that keeps the launch descriptors and decode tables (host arrays) for the next
-    decode of the same bytes (filled when empty; ``device_container.BlobCache``)."""
+    Format 3 (chunk lengths in a section): the stream descriptors are made and the lengths checked
+    on the device (``planes_codec.stream_desc``; a bad length gives its chunk a bad status), so the
+    host reads no payload byte. Format 2: from the offsets in the meta, on the host.
+    ``reuse``: a dict that keeps the launch inputs (host arrays, decode tables, the launch's device
+    arrays) for the next decode of the same bytes (filled when empty; ``device_container.BlobCache``)."""
     from kvcodec.cuda import planes_codec as pc
     from kvcodec.cuda import rans as gr
 
     if not gpu_decodable(meta):
         return None
     dtype, shape = _dtype_shape(meta)
-    layout, itemsize, chunk, n_chunks, info, lanes = PlaneCodec()._prepare(meta, sections, dtype, shape)
+    layout, itemsize, chunk, n_chunks, info, lanes = PlaneCodec()._prepare(meta, sections, dtype, shape, device=True)
     n = math.prod(shape)
     blob = next(iter(sections.values())).blob if sections else None
     row = n if len(info) == 1 else pc.row_stride(n)  # decoded planes' rows: 16-byte aligned for the merge
     got = reuse.get("planes streams") if reuse is not None else None
     if got is None:
-        got = stream_descriptors(meta, sections, info, n, chunk, n_chunks, row)
-        if reuse is not None:
-            reuse["planes streams"] = got
-    coded, pdesc, table_of, tables = got
+        got = launch_inputs(meta["v"] == FORMAT_VERSION, sections, info, n, chunk, n_chunks, row)
+    coded, pdesc, table_of, tables, jobs = got[:5]
     out = torch.empty(n * itemsize, dtype=torch.uint8, device=device)
     alone = len(info) == 1 and coded  # one coded plane (1-byte elements): decoded straight into out
     decoded = out.view(1, n) if alone else torch.empty((max(len(coded), 1), row), dtype=torch.uint8, device=device)
-    planes = [p[1] if p[0] == "const" else sections[f"p{k}"].bytes if p[0] == "raw" else decoded[coded.index(k), :n]
-              for k, p in enumerate(info)]
-    status = torch.empty(len(pdesc), dtype=torch.int32, device=device)  # the kernel writes every entry
-    desc = None
-    if coded:  # one upload: the decode launch's descriptors and tables, and the merge's planes
-        plan = gr.LaunchPlan.build(pdesc, table_of, tables, device, also=[] if alone else [pc.merge_desc(planes)])
+    P = len(table_of)
+    if jobs is None:
+        status = torch.empty(P, dtype=torch.int32, device=device)  # the kernel writes every entry
+    else:  # the payload rows pc_stream_desc writes and the statuses, in one allocation
+        rows = torch.empty(4 * P + -(-P // 2), dtype=torch.int64, device=device)
+        pdesc, status = rows[: 4 * P].view(P, 4), rows[4 * P:].view(torch.int32)[:P]
+    if coded:
+        # the launch's device arrays (blocks, tables, the stream jobs) come up in one upload, once per blob
+        # tensor: a decode again reuses them (they hold nothing of the blob: offsets, not addresses)
+        plan = got[5] if len(got) > 5 else None
+        if plan is None:
+            plan = gr.LaunchPlan.build(pdesc, table_of, tables, device, also=[] if jobs is None else [jobs])
+        elif jobs is not None:
+            plan = dataclasses.replace(plan, pdesc=pdesc)
+        if jobs is not None:
+            pc.stream_desc(blob, plan.also[0], len(coded), n_chunks, chunk, n, pdesc)
         plan.launch(blob, decoded, status)
-        desc = None if alone else plan.also[0]
+        if reuse is not None:
+            reuse["planes streams"] = (*got[:5], plan)
     if not alone:
-        pc.merge(planes, layout, itemsize, n, out, desc)
+        planes = [p[1] if p[0] == "const" else sections[f"p{k}"].bytes if p[0] == "raw" else decoded[coded.index(k), :n]
+                  for k, p in enumerate(info)]
+        pc.merge(planes, layout, itemsize, n, out)
     return out.view(dtype).reshape(shape), status
 
 
-def stream_descriptors(meta, sections, info, n: int, chunk: int, n_chunks: int, row: int | None = None):
-    """The decode launch of a checked planes blob (``PlaneCodec._prepare``'s ``info``): coded plane
-    indices, the kernel's payload rows [P, 4] (byte offset of chunk c's stream in the blob, its
-    length, output offset in the [coded planes, row] buffer (``row`` >= n, default n), symbols),
-    each row's table and the tables (``kvcodec.cuda.rans.Table``, one per coded plane)."""
+def launch_inputs(lengths_section: bool, sections, info, n: int, chunk: int, n_chunks: int, row: int):
+    """(coded plane indices, payload rows or None, each payload's table, the tables, the stream
+    descriptor jobs or None) of a checked planes blob (``PlaneCodec._prepare(..., device=True)``'s
+    ``info``); payload rows [P, 4] come from the host (:func:`stream_descriptors`) for offsets in the
+    meta, from the device for a length section (``lengths_section``: then ``jobs`` [J, 4] int64 are
+    ``planes_codec.stream_desc``'s: byte offsets of each coded plane's lengths and stream in the
+    blob, the stream's words, the byte offset of its decoded row)."""
     from kvcodec.cuda import rans as gr
     from kvcodec.entropy import rans_lanes
 
     coded = [k for k, p in enumerate(info) if p[0] == "rans"]
+    tables = [gr.build_table(info[k][3][0], rans_lanes.PRECISION, np.uint8) for k in coded]
+    table_of = np.repeat(np.arange(len(coded), dtype=np.int32), n_chunks)
+    if not lengths_section:
+        return coded, stream_descriptors(sections, info, n, chunk, n_chunks, row), table_of, tables, None
+    jobs = np.array([(info[k][2].offset, sections[f"p{k}"].offset, sections[f"p{k}"].shape[0], j * row)
+                     for j, k in enumerate(coded)], np.int64).reshape(-1, 4)
+    return coded, None, table_of, tables, jobs
+
+
+def stream_descriptors(sections, info, n: int, chunk: int, n_chunks: int, row: int | None = None) -> np.ndarray:
+    """The rANS kernel's payload rows [P, 4] of the coded planes of ``info`` whose entries hold host
+    chunk offsets (in words): byte offset of chunk c's stream in the blob, its length, output
+    offset in the [coded planes, row] buffer (``row`` >= n, default n), symbols; what
+    ``planes_codec.stream_desc`` makes on the device from a length section."""
+    coded = [k for k, p in enumerate(info) if p[0] == "rans"]
     starts = np.arange(n_chunks, dtype=np.int64) * chunk
     counts = np.minimum(chunk, n - starts)
-    pdesc, table_of, tables = [np.zeros((0, 4), np.int64)], [np.zeros(0, np.int32)], []
+    pdesc = [np.zeros((0, 4), np.int64)]
     for j, k in enumerate(coded):
         off = np.asarray(info[k][2], np.int64)
         pdesc.append(np.stack([sections[f"p{k}"].offset + 2 * off[:-1], 2 * np.diff(off), j * (row or n) + starts,
                                counts], 1))
-        table_of.append(np.full(n_chunks, j, np.int32))
-        tables.append(gr.build_table(_table_from_json(meta["planes"][k]["tables"][0]), rans_lanes.PRECISION, np.uint8))
-    return coded, np.concatenate(pdesc), np.concatenate(table_of), tables
+    return np.concatenate(pdesc)
