@@ -9,8 +9,9 @@ not installed): the same model over text kvcodec was never tuned on (the IDLE he
 with CPython, ``bench_quality.held_out_texts``), all 30 layers x ``--heldout-tokens`` tokens,
 computed once with ``kvcodec.smollm2`` and cached under ``benchmarks/results/cache/``. fp8 rows:
 keys/values cast to float8_e4m3fn with a per-(layer, head) scale (``kvcodec.lossless.fp8``); the
-ratio is over raw fp8 bytes and the predictor is given in the fp8 tensor's units; fp8 is coded in
-format 1 by default (the better ratio) and in format 2 (the fast one) in the ``format 2`` rows.
+ratio is over raw fp8 bytes and the predictor is given in the fp8 tensor's units; fp8 kvctx is coded
+in format 2 by default and fp8 with the predictor in format 1 (its better ratio); the other format of
+each is in the ``format 1`` / ``format 2`` rows.
 
 Every method codes keys and values separately (sizes and times summed) and every result is checked
 bit-exact. Ratios are whole blobs (container headers included); speeds are MB/s of raw bytes, best
@@ -249,10 +250,11 @@ def _dataset_rows(sample, name: str, repeat: int, notes: list, every_predictor: 
     src8 = f"fp8 e4m3 KV (per-head scale), {name}"
     rows += zstd_rows(src8, q, repeat, notes)
     rows += _other_codec(lambda: kvcodec_rows(src8, "planes", q, none, repeat, codec="planes"), notes)
+    # fp8 defaults to format 2 without a prediction tensor and to format 1 (its ratio) with one: the
+    # other format of each beside it
     rows += kvcodec_rows(src8, "kvctx", q, none, repeat, codec="kvctx")
+    rows += kvcodec_rows(src8, "kvctx format 1", q, none, repeat, codec="kvctx", version=1)
     rows += kvcodec_rows(src8, "predictive fp8-weight", q, p8, repeat, codec="predictive")
-    # fp8 defaults to format 1 (ratio); format 2 is the fast one: both, side by side
-    rows += kvcodec_rows(src8, "kvctx format 2", q, none, repeat, codec="kvctx", version=2)
     rows += kvcodec_rows(src8, "predictive fp8-weight format 2", q, p8, repeat, codec="predictive", version=2)
     return rows
 
@@ -271,7 +273,7 @@ def notes_for(rows: list[dict]) -> list[str]:
             notes.append(f"target {key} >= {target}x on {data}: measured {got:.3f}x "
                          f"({'met' if got >= target else 'NOT met'})")
     for r in rows:
-        if r["threads"] == 1 and r["method"] in ("planes", "kvctx", "predictive fp8-weight", "kvctx format 2",
+        if r["threads"] == 1 and r["method"] in ("planes", "kvctx", "predictive fp8-weight", "kvctx format 1",
                                                  "predictive fp8-weight format 2", "predictive previous_token",
                                                  "predictive neighbour_layer"):
             got = r["decompress_MBps_core"]

@@ -246,14 +246,17 @@ def test_scale_levels_are_exact_quarter_octaves():
 
 
 def test_default_format_per_dtype_and_the_version_option():
+    """Format 2 by default, except fp8 coded against a prediction tensor (format 1: its ratio)."""
     x = (torch.randn(2, 3, 80, 16) * 3).to(torch.bfloat16)
     q = x.float().to(torch.float8_e4m3fn)
-    for t, default in ((x, 2), (x.float(), 2), (q, 1)):
+    qp = q.float() + 0.1
+    for t, pred, default in ((x, None, 2), (x.float(), None, 2), (q, None, 2), (x, x.float(), 2), (q, qp, 1)):
         for version in (None, 1, 2):
-            blob = compress(t, layout="kv", version=version)
+            blob = compress(t, prediction=pred, layout="kv" if pred is None else None, version=version)
             meta = __import__("kvcodec").container.loads(blob)[1]["codec_meta"]
             assert meta["v"] == (default if version is None else version)
-            assert torch.equal(decompress(blob).view(torch.uint8), t.view(torch.uint8))
+            assert torch.equal(decompress(blob, prediction=pred).view(torch.uint8), t.view(torch.uint8))
+    assert predictive.codec.default_version(torch.float8_e5m2, "previous_token") == 2
     with pytest.raises(ValueError):
         compress(x, layout="kv", version=3)
 
@@ -261,8 +264,8 @@ def test_default_format_per_dtype_and_the_version_option():
 @pytest.mark.parametrize("dtype", [d for d in bins._LAYOUTS if d.itemsize == 1])
 @pytest.mark.parametrize("source", ["none", "external", "neighbour_layer"])
 def test_format_2_round_trips_every_8_bit_float(dtype, source):
-    """fp8 defaults to format 1; format 2 must still be exact on every pattern (e8m0 has no sign
-    bit and no mantissa; the fnuz formats have no -0.0)."""
+    """Format 2 is exact on every fp8 pattern (e8m0 has no sign bit and no mantissa; the fnuz formats
+    have no -0.0)."""
     g = torch.Generator().manual_seed(6)
     x = (torch.randn(3, 2, 70, 8, generator=g) * 4).to(dtype)
     flat = x.view(torch.uint8).reshape(-1)  # every 7th value: any pattern (NaN, Inf, subnormals)

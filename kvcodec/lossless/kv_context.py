@@ -22,7 +22,7 @@ class KVContextCodec:
     name = "kvctx"
 
     def encode(self, t, prediction=None, threads: int = 0, version: int | None = None, **opts):
-        """``version``: the stream format (None: format 2 for 16-/32-bit floats, 1 for fp8)."""
+        """``version``: the stream format (None: format 2; ``predictive.codec.default_version``)."""
         if opts:
             raise ValueError(f"unknown option(s) for the kvctx codec: {', '.join(sorted(opts))}")
         if prediction is not None:
