@@ -188,13 +188,18 @@ def fit_tables(counts: np.ndarray) -> np.ndarray:
         for k in rows:
             freq[k] = quantize_frequencies(counts[k], rans_lanes.PRECISION)
         return freq
-    order = rows[np.argsort(-(counts[rows] > 0).sum(axis=1), kind="stable")]  # the widest rows first
+    widths = (counts[rows] > 0).sum(axis=1)
+    if widths.sum() < _POOL_FROM_SYMBOLS:  # little work: the pool's hand-offs would cost more (~0.1 ms each)
+        _quantize_rows(counts, rows, rans_lanes.PRECISION, freq)
+        return freq
+    order = rows[np.argsort(-widths, kind="stable")]  # the widest rows first
     groups = [order[k::_TABLE_TASKS] for k in range(min(_TABLE_TASKS, order.size))]
     list(format2._pool().map(lambda r: _quantize_rows(counts, r, rans_lanes.PRECISION, freq), groups))
     return freq
 
 
 _TABLE_TASKS = 8
+_POOL_FROM_SYMBOLS = 4096  # used (row, symbol) pairs; ~0.1 us of polish each (a kvctx stream's ~5 rows: ~800)
 
 
 @njit(cache=True, nogil=True)
@@ -223,9 +228,8 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     stream of ``source`` (``SOURCES``; ``prediction``: a tensor of t's shape for "external"). The caller
     checked :func:`unsupported`. ``runner`` / ``gather``: the kernels' launcher and the stream packer
     (default: the GPU's; the tests pass the CPU emulation's). ``overlap(sections)``: device work to queue
-    behind the sections finished so far (e.g. their checksums), called twice: after the first wait (the
-    device would idle while the host builds the tables) and once the payload kernel is queued (``bits``);
-    ``steps``: a dict that receives the host time of each step (:class:`_Clock`).
+    behind the sections finished by then (e.g. the tensor's and their checksums), called after the first
+    wait: the device would idle while the host builds the tables; ``steps``: a dict that receives the host time of each step (:class:`_Clock`).
 
     The host waits for the device twice: once for the fitted fields' statistics, the histograms and the
     chunks' raw-bit totals (one read-back), once for the stream lengths of the chunks and the model's field
@@ -321,8 +325,6 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     scratch, lens, bits = ke.encode_chunks(packed, chunks_d.view(-1, 6), ftab_d, rcp_d, cap, int(bwords.sum()),
                                            runner)
     del packed
-    if overlap is not None:
-        overlap({"bits": bits})
     clock.mark("payload (launch)")
     tables = table_bytes(freq[:N_CLASSES])
     if parts is None:
@@ -390,10 +392,10 @@ def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: st
     from kvcodec.lossless import device_container
 
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
-    early = {}  # the tensor's and the finished sections' checksums, queued while the model is coded
+    early = {}  # the tensor's and the finished sections' checksums, queued while the host builds the tables
 
-    def checksums(done: dict) -> None:  # the tensor's with the first sections done
-        names = list(done) if "tensor" in early else ["tensor", *done]
+    def checksums(done: dict) -> None:
+        names = ["tensor", *done]
         bufs = [t.reshape(-1) if k == "tensor" else done[k] for k in names]
         early.update(zip(names, crc32_many([b.view(torch.uint8) for b in bufs])))
 
