@@ -347,23 +347,47 @@ _decode_kernel_1 = _single_state_decoder(False)
 _decode_kernel_1_by_symbol = _single_state_decoder(True)
 
 
-def _symbol_tables(freq: np.ndarray, precision: int, out_dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(symbol per slot [M], ``(freq - 1) << 16 | cum`` per symbol) of the first checked table
-    (``decode_prepared`` without contexts reads only that one too) for ``_decode_kernel_1_by_symbol``."""
-    sym = np.empty(1 << int(precision), out_dtype)
-    per_symbol = np.empty(freq.shape[1], np.uint32)
-    _fill_symbol_tables(freq[0], sym, per_symbol)
+def _symbol_tables(freqs, precision: int, out_dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(symbol per slot [M], ``(freq - 1) << 16 | cum`` per symbol) of the first table of ``freqs``
+    (``decode_prepared`` without contexts reads only that one too) for ``_decode_kernel_1_by_symbol``;
+    ValueError as :func:`_check_decode_tables`. One unsigned 1-D table (a stream header's) is checked in
+    the compiled fill itself: the general checks' ~10 numpy calls were most of a small stream's decode."""
+    t = freqs if isinstance(freqs, np.ndarray) else np.asarray(freqs)
+    dt = np.dtype(out_dtype)
+    if t.ndim != 1 or t.dtype.kind != "u" or t.dtype.itemsize > 4 or not 0 < t.size <= 65536 or dt not in (np.dtype(np.uint8), np.dtype(
+            np.uint16)) or not isinstance(precision, (int, np.integer)) or not 1 <= int(precision) <= 16:
+        t, dt = _check_decode_tables(freqs, precision, out_dtype)
+        t = t[0]
+    sym = np.empty(1 << int(precision), dt)
+    per_symbol = np.empty(t.size, np.uint32)
+    err = _fill_symbol_tables(t, sym, per_symbol, np.iinfo(dt).max)
+    if err == 1:
+        raise ValueError(f"every frequency table must sum to 2**{precision}")
+    if err == 2:
+        raise ValueError(f"symbols with nonzero frequency do not fit in {dt}")
     return sym, per_symbol
 
 
 @njit(cache=True, nogil=True)
-def _fill_symbol_tables(freq, sym, per_symbol):
+def _fill_symbol_tables(freq, sym, per_symbol, max_symbol):
+    """:func:`_symbol_tables`' fill; 1 (nothing written) unless ``freq`` sums to the slot count, 2 if
+    a symbol over ``max_symbol`` has a frequency, else 0."""
+    cum = 0
+    over = False
+    for s in range(freq.size):
+        cum += np.int64(freq[s])
+        over |= s > max_symbol and freq[s] != 0
+    if cum != sym.size:
+        return 1
+    if over:
+        return 2
     cum = 0
     for s in range(freq.size):
         f = np.int64(freq[s])
         sym[cum:cum + f] = s
         per_symbol[s] = ((f - 1) << 16) | cum if f else 0
         cum += f
+    return 0
 
 
 # ------------------------------------------------------------------- unrolled main loops
@@ -578,9 +602,8 @@ def decode_table(payload, freqs, precision: int, n: int, n_streams: int = 1, out
     bytes) decodes with per-symbol tables: building the per-slot ones cost more than its decode."""
     if n_streams != 1 or not isinstance(n, (int, np.integer)) or n >= 1 << int(precision):
         return decode_prepared(payload, decode_tables(freqs, precision, out_dtype), precision, n, n_streams)
-    t, out_dtype = _check_decode_tables(freqs, precision, out_dtype)
-    sym, per_symbol = _symbol_tables(t, precision, out_dtype)
-    out = np.empty(_check_n(n), dtype=out_dtype)
+    sym, per_symbol = _symbol_tables(freqs, precision, out_dtype)
+    out = np.empty(_check_n(n), dtype=sym.dtype)
     status = _decode_kernel_1_by_symbol(_payload(payload), sym, per_symbol, int(precision), out)
     if status:
         raise CorruptStreamError(_MESSAGES[status])

@@ -441,12 +441,22 @@ def _check_semantics(coder, n, param, streams, freqs, payload_len, max_symbols) 
             raise CorruptStreamError(f"rANS stream count {streams} out of range")
     elif streams != 1:
         raise CorruptStreamError(f"{coder} streams must be 1, got {streams}")
-    total = int(freqs.sum(dtype=np.int64))
+    total, fmax = _sum_max(freqs)
     if total != 1 << param:
         raise CorruptStreamError("frequency table does not sum to 2**precision")
-    bound = symbol_bound(coder, int(freqs.max()), param, streams, payload_len)
+    bound = symbol_bound(coder, fmax, param, streams, payload_len)
     if bound is not None and n > bound:
         raise CorruptStreamError(f"stream declares {n} symbols but its payload can hold at most {bound}")
+
+
+@njit(cache=True, nogil=True)
+def _sum_max(freqs):
+    """(sum, largest) of a frequency table in one pass (two numpy reductions cost more on a small stream)."""
+    total = top = 0
+    for f in freqs:
+        total += np.int64(f)
+        top = max(top, np.int64(f))
+    return total, top
 
 
 def symbol_bound(coder: str, fmax: int, param: int, streams: int, payload_len: int) -> int | None:
