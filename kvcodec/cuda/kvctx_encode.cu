@@ -305,7 +305,8 @@ __global__ void __launch_bounds__(256)
 
 // Byte histograms of the stored fields' planes (kvctx_device_fit.field_planes: uint8 [n_planes, n]) for the
 // model's rANS table: out [2, n_planes, 256] u64 (zeroed) over each plane's first d bytes (the shared row)
-// and over all n. One warp a block (its histogram in shared memory), `per_plane` blocks a plane.
+// and over all n, zero bytes not counted (most of a high plane: 32 lanes on one counter; the caller derives
+// them). One warp a block (its histogram in shared memory), `per_plane` blocks a plane.
 __global__ void __launch_bounds__(32)
     ke_plane_hist(const kx_u8* __restrict__ planes, int n_planes, long long n, int d, int per_plane,
                   kx_u64* __restrict__ out) {
@@ -316,8 +317,10 @@ __global__ void __launch_bounds__(32)
   const kx_u8* p = planes + (long long)plane * n;
   for (long long i = (long long)(blockIdx.x % per_plane) * 32 + lane; i < n; i += 32ll * per_plane) {
     const unsigned b = __ldg(p + i);
-    atomicAdd(hs + 256 + b, 1u);
-    if (i < d) atomicAdd(hs + b, 1u);
+    if (b) {
+      atomicAdd(hs + 256 + b, 1u);
+      if (i < d) atomicAdd(hs + b, 1u);
+    }
   }
   __syncwarp();
   for (int j = lane; j < 512; j += 32)

@@ -147,7 +147,7 @@ def bin_params(s, m, c_q, a_q, won, shared_row: int, n: int, d: int, eoff: int, 
 
 def plane_histograms(planes, d: int, runner=gpu_runner) -> torch.Tensor:
     """int64 [2, P, 256]: the byte histogram of each plane of ``planes`` (uint8 [P, n]) over its first ``d``
-    bytes and over all of them."""
+    bytes and over all of them, zero bytes not counted (bin 0 left 0)."""
     n_planes, n = planes.shape
     out = torch.zeros((2, n_planes, 256), dtype=torch.int64, device=planes.device)
     per_plane = max(1, min(64, -(-n // 4096)))

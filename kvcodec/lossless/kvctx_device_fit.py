@@ -126,7 +126,11 @@ def plane_histograms(planes: torch.Tensor, d: int, runner) -> torch.Tensor:
     from kvcodec.cuda import kvctx_encode as ke
 
     f, _, n = planes.shape
-    return ke.plane_histograms(planes.reshape(2 * f, n), d, runner).reshape(2, f, 2, 256)
+    hist = ke.plane_histograms(planes.reshape(2 * f, n), d, runner).reshape(2, f, 2, 256)
+    hist[..., 0] = -hist[..., 1:].sum(dim=-1)  # the zero bytes: the rest (no host tensor: no wait)
+    hist[0, ..., 0] += min(d, n)
+    hist[1, ..., 0] += n
+    return hist
 
 
 def field_bytes(planes: torch.Tensor, stats: np.ndarray, n: int) -> tuple[bytes, torch.Tensor, list[int]]:
