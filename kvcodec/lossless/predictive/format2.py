@@ -49,6 +49,7 @@ MAX_FIELD_PARTS = 1 << 12
 FIELD_STATES = 32  # "mfields": interleaved rANS states per part (the warp layout)
 FIELD_PRECISION = 12  # "mfields": the parts' shared table, in the decode-table layout of rans_lanes
 WIDE_LANES_FROM = 1 << 14  # chunks this large use 32 lanes (the GPU warp), smaller ones 8
+POOL_TASK_SYMBOLS = 1 << 17  # model parts are decoded on the thread pool in tasks of at least this many symbols
 _LEVEL_LO, _LEVEL_HI = -64, 4 * EP_MAX + 15
 _MQ_MAX = 32767
 
@@ -267,15 +268,32 @@ def level_limit(layout: np.ndarray) -> int:
 def check_field_values(raw: np.ndarray, layout: np.ndarray, n: int) -> None:
     """CorruptStreamError unless every stored level lies in range and no zigzag location is 65535
     (the encoder clips |mq| to 32767); ``raw``: the field bytes of ``layout``."""
-    off, width, _ = (int(v) for v in layout[FIELD_ORDER.index("level")])
-    planes = raw[off:off + width * n]
-    top = int(planes.max(initial=0)) if width == 1 else int(_u16_planes(planes, n).max(initial=0))
-    if n and top > level_limit(layout):
+    err = _field_value_errors(raw, layout, n, level_limit(layout))
+    if err == 3:
+        raise CorruptStreamError("predictive stream has a malformed parameter field")
+    if err == 1:
         raise CorruptStreamError("predictive stream has a scale level out of range")
-    off, width, _ = (int(v) for v in layout[FIELD_ORDER.index("mq")])
-    planes = raw[off:off + width * n]
-    if width == 2 and np.any((planes[:n] & planes[n:]) == 0xFF):  # zigzag 65535
+    if err == 2:
         raise CorruptStreamError("predictive stream has a location out of range")
+
+
+@njit(cache=True, nogil=True)
+def _field_value_errors(raw, layout, n, limit):
+    """:func:`check_field_values`' checks in one pass: 1 a level over ``limit``, 2 a 2-byte zigzag
+    location of 65535, 3 fewer bytes than the fields need, else 0."""
+    for f in range(2):
+        if layout[f, 0] + layout[f, 1] * n > raw.size:
+            return 3
+    off, width = layout[0, 0], layout[0, 1]  # FIELD_ORDER: level, mq, c, a
+    for k in range(n if width else 0):
+        v = np.int64(raw[off + k]) | (np.int64(raw[off + n + k]) << 8 if width == 2 else 0)
+        if v > limit:
+            return 1
+    off, width = layout[1, 0], layout[1, 1]
+    for k in range(n if width == 2 else 0):
+        if raw[off + k] & raw[off + n + k] == 0xFF:
+            return 2
+    return 0
 
 
 def _u16_planes(planes: np.ndarray, n: int) -> np.ndarray:
@@ -336,9 +354,18 @@ def _pool() -> ThreadPoolExecutor:
 
 def _decode_parts(buf: np.ndarray, spans, tables, precision: int, streams: int) -> np.ndarray:
     """The concatenated symbols of rANS payloads ``buf[start:end]`` (``spans``: (start, end, symbols))
-    sharing ``tables``, decoded on the thread pool (CorruptStreamError)."""
-    return np.concatenate(list(_pool().map(
-        lambda s: rans_fast.decode_prepared(buf[s[0]:s[1]], tables, precision, s[2], streams), spans)))
+    sharing ``tables`` (CorruptStreamError): in tasks of at least ``POOL_TASK_SYMBOLS`` symbols on the
+    thread pool, or here when there are fewer (a hand-off to the pool costs about a part's decode)."""
+    spans = list(spans)
+    tasks = max(1, min(_POOL_THREADS, sum(n for _, _, n in spans) // POOL_TASK_SYMBOLS))
+    cuts = np.linspace(0, len(spans), tasks + 1).astype(np.int64)
+
+    def run(k: int) -> list:
+        return [rans_fast.decode_prepared(buf[a:b], tables, precision, n, streams)
+                for a, b, n in spans[cuts[k]:cuts[k + 1]]]
+
+    parts = run(0) if tasks == 1 else [p for task in _pool().map(run, range(tasks)) for p in task]
+    return np.concatenate(parts)
 
 
 def _part_sizes(n: int, parts: int) -> np.ndarray:
