@@ -66,6 +66,17 @@ def profile_call(label: str, what: str, fn, top: int = 12) -> str:
             + ", ".join(f"{fn} {t * 1e3:.2f}" for t, fn in rows))
 
 
+def device_blob(hblob: bytes):
+    """(the blob on the GPU, its codec meta, its device sections)."""
+    import torch
+
+    from kvcodec.lossless import device_container
+
+    dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
+    header, end = device_container.read_header(dblob)
+    return dblob, header["meta"]["codec_meta"], device_container.sections(dblob, header, end)[0]
+
+
 def plan_breakdown(name: str, reps: int = 7) -> list[str]:
     """Wall time (median of ``reps`` after a warm-up) and minor page faults per call of each step of the
     host plan of the tensor's kvctx / predictive device blobs: the model section's read-back (pinned, and
@@ -78,7 +89,7 @@ def plan_breakdown(name: str, reps: int = 7) -> list[str]:
 
     import torch
 
-    from kvcodec.lossless import device_container, kvctx_device
+    from kvcodec.lossless import kvctx_device
     from kvcodec.lossless.predictive import codec as pcodec
     from kvcodec.lossless.predictive import format2
 
@@ -105,10 +116,7 @@ def plan_breakdown(name: str, reps: int = 7) -> list[str]:
     single = ThreadPoolExecutor(1)
     lines = []
     for label, _, hblob, pred, _ in gl.kv_blobs(name):
-        dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
-        header, end = device_container.read_header(dblob)
-        secs, _ = device_container.sections(dblob, header, end)
-        meta = header["meta"]["codec_meta"]
+        dblob, meta, secs = device_blob(hblob)
         stand = kvctx_device._stand_ins(meta, secs)
         model = stand["model"]
         k = int(model[:4].view("<u4")[0])
@@ -152,6 +160,200 @@ def host_profile(name: str) -> list[str]:
     return lines
 
 
+def timeline(name: str, reps: int = 9) -> list[str]:
+    """Where one device-blob decompress of each of the tensor's kvctx / predictive blobs goes, as a blob's
+    first decode and decoded again (plan reused): host stamps and CUDA events on torch's stream at the
+    boundaries of its steps (wrapped functions), medians over ``reps`` calls after a warm-up, in ms from
+    the call: "step: host at entry / exit, GPU (torch's stream) reached entry / exit". Also the crc32 pass
+    over the decoded tensor alone (CUDA events), the part of the tail a fused check would remove."""
+    import statistics
+    import time
+
+    import torch
+
+    import kvcodec
+    from kvcodec.cuda import crc32, kvctx_decode, kvctx_plan
+    from kvcodec.lossless import api, device_container, kvctx_device
+
+    marks = []
+
+    def mark(label):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((label, time.perf_counter(), ev))
+
+    def wrapped(real, label):
+        def f(*a, **k):
+            mark(label + " <")
+            try:
+                return real(*a, **k)
+            finally:
+                mark(label + " >")
+        return f
+
+    targets = [(device_container, "read_header_crc"), (device_container, "sections"), (kvctx_device, "plan"),
+               (kvctx_device, "device_inputs"), (kvctx_plan, "field_parts_launch"), (kvctx_decode, "launch"),
+               (device_container.Checks, "__init__"), (device_container.Checks, "read")]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
+    lines = []
+    try:
+        for obj, attr, real in saved:
+            setattr(obj, attr, wrapped(real, f"{getattr(obj, '__name__', '?').split('.')[-1]}.{attr}"))
+        for label, t, hblob, pred, nbytes in gl.kv_blobs(name):
+            dblob = torch.frombuffer(bytearray(hblob), dtype=torch.uint8).cuda()
+            for first in (True, False):
+                rows = {}
+                for rep in range(reps + 1):
+                    if first:
+                        api._blob_plans.clear()
+                    torch.cuda.synchronize()
+                    marks.clear()
+                    mark("call")
+                    y = kvcodec.decompress(dblob, prediction=pred)
+                    mark("returned")
+                    torch.cuda.synchronize()
+                    t0, e0 = marks[0][1], marks[0][2]
+                    seen: dict = {}
+                    for step, tm, ev in marks[1:]:
+                        seen[step] = seen.get(step, 0) + 1
+                        key = step if seen[step] == 1 else f"{step} #{seen[step]}"
+                        rows.setdefault(key, []).append(((tm - t0) * 1e3, e0.elapsed_time(ev)))
+                med = statistics.median
+                lines.append(f"{name}/{label} timeline, {'first decode' if first else 'decoded again'} "
+                             f"(exact {gl.same_bits(t, y)}; ms from the call, host / GPU stream): " + "; ".join(
+                                 f"{k} {med(a for a, _ in v[1:]):.3f} / {med(b for _, b in v[1:]):.3f}"
+                                 for k, v in rows.items()))
+                gl.log(lines[-1])
+            if label == "kvctx":  # the host steps' pieces, alone (idle stream, median of 20 after a warm-up)
+                lines.append(f"{name}: host step pieces alone (ms): " + "; ".join(
+                    f"{k} {host_ms(fn):.3f}" for k, fn in host_pieces(dblob).items()))
+                gl.log(lines[-1])
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            flat = y.reshape(-1).view(torch.uint8)
+            times = []
+            for _ in range(6):
+                ev[0].record()
+                crc32.check_many([flat], [0], [0], 1)
+                ev[1].record()
+                torch.cuda.synchronize()
+                times.append(ev[0].elapsed_time(ev[1]))
+            lines.append(f"{name}/{label}: crc32 check of the decoded tensor alone ({nbytes / 1e6:.0f} MB, CUDA events, "
+                         f"median of 5): {statistics.median(times[1:]):.3f} ms")
+            gl.log(lines[-1])
+    finally:
+        for obj, attr, real in saved:
+            setattr(obj, attr, real)
+    return lines
+
+
+def fold_ab(name: str, rounds: int = 5) -> list[str]:
+    """The output's crc32 folded into the kernel (``kvctx_decode.FOLD_CRC``) or a pass after it, same run,
+    alternating A / B ``rounds`` times: the kernel alone (CUDA events around the launch; the fold's cost) and
+    decompress end to end, decoded again and first decode (wall clock, medians)."""
+    import statistics
+    import time
+
+    import torch
+
+    import kvcodec
+    from kvcodec.cuda import kvctx_decode as kd
+    from kvcodec.lossless import api, kvctx_device
+
+    lines = []
+    for label, t, hblob, pred, nbytes in gl.kv_blobs(name):
+        dblob, meta, secs = device_blob(hblob)
+        got: dict = {}
+        events = []
+
+        def timed_launch(*a, **k):
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+            kd.launch(*a, **k)
+            ev1.record()
+            events.append((ev0, ev1))
+
+        def wall(fn, first=False):
+            if first:
+                api._blob_plans.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) * 1e3
+
+        for rnd in range(rounds + 1):
+            for fold in (True, False):
+                kd.FOLD_CRC = fold
+                api._blob_plans.clear()  # an entry keeps its decode's choice
+                try:
+                    events.clear()
+                    for _ in range(3):
+                        res = kvctx_device.decode(meta, secs, dblob.device, pred, launch=timed_launch)
+                    torch.cuda.synchronize()
+                    ok = not bool(res[1].any()) and gl.same_bits(t, res[0]) and (res.folded is not None) == fold
+                    again = [wall(lambda: kvcodec.decompress(dblob, prediction=pred)) for _ in range(3)]
+                    first = [wall(lambda: kvcodec.decompress(dblob, prediction=pred), True) for _ in range(3)]
+                finally:
+                    kd.FOLD_CRC = True
+                if rnd:  # round 0: warm-up
+                    row = got.setdefault(fold, {"kernel": [], "again": [], "first": [], "ok": True})
+                    row["kernel"] += [a.elapsed_time(b) for a, b in events[1:]]
+                    row["again"] += again[1:]
+                    row["first"] += first[1:]
+                    row["ok"] &= ok
+        med = statistics.median
+        lines.append(f"{name}/{label}: output crc32 folded into the kernel vs a pass after it (same run, A/B x {rounds}; "
+                     "ms, medians; GB/s of the tensor): " + "; ".join(
+                         f"{'folded' if fold else 'pass after'}: kernel alone {med(r['kernel']):.3f}, decoded again "
+                         f"{med(r['again']):.3f} ({nbytes / med(r['again']) / 1e6:.1f} GB/s), first decode "
+                         f"{med(r['first']):.3f} ({nbytes / med(r['first']) / 1e6:.1f} GB/s), exact {r['ok']}"
+                         for fold, r in got.items()))
+        gl.log(lines[-1])
+    return lines
+
+
+def host_ms(fn, reps: int = 20) -> float:
+    """Median wall time (ms) of ``fn()`` on an idle stream, after a warm-up call."""
+    import statistics
+    import time
+
+    import torch
+
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def host_pieces(dblob) -> dict:
+    """The small CUDA operations a first decode's host steps are made of, each alone: read-backs, an
+    upload, a pinned allocation, a launch, the header's parse."""
+    import numpy as np
+    import torch
+
+    from kvcodec import container
+    from kvcodec.cuda import kvctx_plan
+    from kvcodec.cuda.transfer import upload
+    from kvcodec.lossless import device_container
+
+    head = device_container.download(dblob[:1 << 16])
+    freq = torch.zeros(256, dtype=torch.int16, device=dblob.device)
+    return {
+        "64 KB read-back (pinned)": lambda: device_container.download(dblob[:1 << 16]),
+        "64 KB read-back (.cpu())": lambda: dblob[:1 << 16].cpu(),
+        "4 KB read-back (pinned)": lambda: device_container.download(dblob[:4096]),
+        "header parse (container.read_header, host)": lambda: container.read_header(head),
+        "upload of 170 KB (transfer.upload)": lambda: upload([np.zeros(170_000 // 8, np.int64)], dblob.device),
+        "pinned 170 KB torch.empty": lambda: torch.empty(170_000, dtype=torch.uint8, pin_memory=True),
+        "one small launch (kp_tables, 1 class)": lambda: kvctx_plan.build_tables(freq),
+        "torch.zeros(2100, int32) on the device": lambda: torch.zeros(2100, dtype=torch.int32, device=dblob.device),
+    }
+
+
 def once(mb: int) -> None:
     """Encode the bf16 KV tensor's kvctx blob and decode it twice on the GPU (a profiler's target)."""
     import torch
@@ -192,7 +394,7 @@ def main(out_dir: str, mb: int) -> dict:
                     rows_l += got
                 try:
                     notes += [suffix.strip() + " " + n if suffix else n
-                              for n in (host_profile(name) + ([] if long else plan_breakdown(name)))]
+                              for n in (host_profile(name) + ([] if long else plan_breakdown(name) + fold_ab(name) + timeline(name)))]
                 except Exception as e:  # noqa: BLE001
                     notes.append(f"{name}{suffix}: host profile failed: {type(e).__name__}: {e}"[:300])
                 torch.cuda.empty_cache()

@@ -155,6 +155,19 @@ def test_field_parts_are_rans_fast_payloads(n, part, monkeypatch):
         want = rans_fast.encode_table(piece, freqs, format2.FIELD_PRECISION, format2.FIELD_STATES)
         assert np.array_equal(buf[parts.start[k]:parts.start[k] + parts.length[k]], want), k
     assert np.array_equal(parts.decode(buf), fields) and np.array_equal(got_tabs, tabs)
+    # the GPU decode's launch plan of the parts, written straight, is LaunchPlan.build's for one table
+    from kvcodec.cuda import kvctx_plan
+    from kvcodec.cuda import rans as cuda_rans
+
+    extra = np.arange(5, dtype=np.int16)
+    lp, (also,) = kvctx_plan.field_parts_launch(parts, torch.device("cpu"), [extra])
+    table = cuda_rans.Table(np.zeros(16, np.uint8), mode=0, precision=format2.FIELD_PRECISION, lo=0,
+                            smem_words=kvctx_plan.TABLE_SLOTS, aux=0, symbytes=1)
+    ref = cuda_rans.LaunchPlan.build(lp.pdesc.numpy(), np.zeros(len(parts.start), np.int32), [table], "cpu")
+    for name in ("pdesc", "order", "blocks", "tdesc"):
+        assert torch.equal(getattr(lp, name), getattr(ref, name)), name
+    assert (lp.smem_bytes, lp.n_blocks, lp.warps) == (ref.smem_bytes, ref.n_blocks, ref.warps)
+    assert np.array_equal(also.numpy(), extra)
 
 
 @pytest.mark.parametrize("edit,make", [(level_over, kv_like), (mq_65535, offset_kv)])

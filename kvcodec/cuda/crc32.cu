@@ -145,3 +145,47 @@ __global__ void __launch_bounds__(CRC_FINISH_THREADS) crc_finish(const long long
     }
   }
 }
+
+// zlib crc32 of a buffer from the R(0, piece) values of its n consecutive pieces (parts, as a decode kernel
+// computed them), piece i of lengths[i] bytes (total: their sum), compared with expected: flag |= 1 when it
+// differs. One block of CRC_FINISH_THREADS: each thread joins a run of pieces (R(0, A || B) =
+// S_|B|(R(0, A)) ^ R(0, B), S_n by the bits of n), then a shared-memory tree joins the runs.
+__device__ __forceinline__ cr_u32 cr_shift_by(const cr_u32* __restrict__ sh, long long n, cr_u32 c) {
+  for (int i = 0; n; ++i, n >>= 1)
+    if (n & 1) c = cr_shift(sh, i, c);
+  return c;
+}
+
+__global__ void __launch_bounds__(CRC_FINISH_THREADS) crc_combine(const cr_u32* __restrict__ parts,
+                                                                            const long long* __restrict__ lengths,
+                                                                            long long n, const cr_u32* __restrict__ sh,
+                                                                            long long expected, int* __restrict__ flag) {
+  __shared__ cr_u32 acc_s[CRC_FINISH_THREADS];
+  __shared__ long long len_s[CRC_FINISH_THREADS];
+  const int tid = threadIdx.x;
+  const long long lo = n * tid / CRC_FINISH_THREADS, hi = n * (tid + 1) / CRC_FINISH_THREADS;
+  cr_u32 acc = 0u;
+  long long len = 0;
+  for (long long i = lo; i < hi; ++i) {
+    acc = cr_shift_by(sh, lengths[i], acc) ^ parts[i];
+    len += lengths[i];
+  }
+  acc_s[tid] = acc;
+  len_s[tid] = len;
+  __syncthreads();
+  for (int g = 1; g < CRC_FINISH_THREADS; g <<= 1) {
+    const bool head = (tid & (2 * g - 1)) == 0;
+    cr_u32 v = 0u;
+    if (head) v = cr_shift_by(sh, len_s[tid + g], acc_s[tid]) ^ acc_s[tid + g];
+    __syncthreads();
+    if (head) {
+      acc_s[tid] = v;
+      len_s[tid] += len_s[tid + g];
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    const cr_u32 value = ~(cr_shift_by(sh, len_s[0], 0xffffffffu) ^ acc_s[0]);
+    if ((long long)value != expected) atomicOr(flag, 1);
+  }
+}

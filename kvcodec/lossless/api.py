@@ -372,9 +372,12 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
                 return None
             if reuse is not None:
                 reuse["kvctx plan"] = planned
-    # section crc32s run while the host prepares the decode; with an entry, the header's crc32 too
-    integrity = device_container.Checks(blob, secs, gaps, (header_end, header_crc) if entry is not None else None)
+    # section crc32s on a side stream (with an entry, the header's crc32 too): for planes while the host
+    # prepares the decode, for kvctx / predictive once the decode kernel is queued (they overlap it)
+    header_check = (header_end, header_crc) if entry is not None else None
+    integrity = None
     if meta["codec"] == "planes":
+        integrity = device_container.Checks(blob, secs, gaps, header_check)
         res = planes_device.decode(meta["codec_meta"], secs, blob.device, reuse)
         if res is not None:
             res = (*res, [])  # no checks beyond the container's
@@ -386,7 +389,9 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     if res is None:
         return None
     out, status, checks = res
-    extra = [(out, meta["crc32"])] + [(t, crc) for t, crc, _ in checks]
+    integrity = integrity or device_container.Checks(blob, secs, gaps, header_check, [(t, c) for t, c, _ in checks])
+    folded = getattr(res, "folded", None)  # the tensor's crc32 in parts, from the decode kernel
+    extra = [(folded or out, meta["crc32"])] + [(t, crc) for t, crc, _ in checks]
     errors = integrity.read(extra, status)  # the one sync
     if errors[-1]:  # the header changed under the entry (a write torch did not count): decode afresh
         _blob_plans.drop(blob)

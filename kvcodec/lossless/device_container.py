@@ -80,8 +80,19 @@ class DeviceSection:
         return self.blob[self.offset: self.offset + self.nbytes]
 
 
+def download(t: torch.Tensor) -> np.ndarray:
+    """A device tensor's bytes on the host: through a pinned buffer (torch's caching host allocator) on
+    CUDA, one direct DMA instead of pageable staging; synchronizes with torch's current stream."""
+    if t.device.type != "cuda":
+        return t.reshape(-1).view(torch.uint8).numpy()
+    host = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, pin_memory=True)
+    host.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host.numpy()
+
+
 def _download(blob: torch.Tensor, end: int, start: int = 0) -> np.ndarray:
-    return blob[start:end].cpu().numpy()
+    return download(blob[start:end])
 
 
 def read_header(blob: torch.Tensor) -> tuple[dict, int]:
@@ -129,41 +140,91 @@ def sections(blob: torch.Tensor, header: dict, header_end: int) -> tuple[dict[st
 
 
 class Checks:
-    """The checks of a device blob that need its payloads, launched in two parts on torch's current
-    stream: the section crc32s and the zero padding when made (right after :func:`sections`, so
-    they run while the host plans the decode), and the decoded buffers' crc32s in :meth:`read`,
-    which then synchronizes once. ``header``: (end, crc32) of header bytes read earlier (a
-    :class:`BlobCache` entry's), checked to be the blob's still."""
+    """The checks of a device blob that need its payloads, launched in two parts: the section crc32s
+    and the zero padding when made, on a side stream (``side_stream``: they overlap the decode kernel
+    instead of running before or after it on torch's stream; the blob is marked as in use there), and
+    the decoded buffers' crc32s in :meth:`read`, on torch's stream after it has waited for the side
+    stream's checks; :meth:`read` then synchronizes once. ``header``: (end, crc32) of header bytes read
+    earlier (a :class:`BlobCache` entry's), checked to be the blob's still. ``early``: (tensor, crc32)
+    pairs of :meth:`read`'s ``extra`` that are ready already (a decode's prediction), checked on the side
+    stream with the sections (``read`` takes their flags by identity).
 
-    def __init__(self, blob: torch.Tensor, secs: dict[str, DeviceSection], gaps, header: tuple[int, int] | None = None):
+    Flag slots on the device: ``[sections (n) | padding | header (with one) | early | extra (k) | status]``."""
+
+    def __init__(self, blob: torch.Tensor, secs: dict[str, DeviceSection], gaps, header: tuple[int, int] | None = None,
+                 early=()):
         from kvcodec.cuda.crc32 import check_many
 
-        self.n = len(secs)
-        self.slots = self.n + 1 + (header is not None)  # sections, padding, the header's crc32
+        self.early = list(early)  # (tensor, crc32) pairs ready now (a prediction): checked on the side stream too
+        n = len(secs)
+        self.sections = slice(0, n)
+        self.padding = n
+        self.header = n + 1 if header is not None else None
+        self.slots = n + 1 + (header is not None)
         bufs = [s.bytes for s in secs.values()] + [blob[a:b] for a, b in gaps]
         expected = [s.crc32 for s in secs.values()] + [None] * len(gaps)  # None: the bytes must be zeros
-        slots = list(range(self.n)) + [self.n] * len(gaps)
+        slots = list(range(n)) + [self.padding] * len(gaps)
         if header is not None:
-            bufs, expected, slots = bufs + [blob[:header[0]]], expected + [header[1]], slots + [self.n + 1]
-        self.flags = check_many(bufs, expected, slots, self.slots) if bufs else torch.zeros(
-            self.slots, dtype=torch.int32, device=blob.device)
+            bufs, expected, slots = bufs + [blob[:header[0]]], expected + [header[1]], slots + [self.header]
+        self.slots += len(self.early)  # their flags after the container's
+        bufs += [t.reshape(-1).view(torch.uint8) for t, _ in self.early]
+        expected += [int(c) for _, c in self.early]
+        slots += range(self.slots - len(self.early), self.slots)
+        self._done = None
+        if not bufs:
+            self.flags = torch.zeros(self.slots, dtype=torch.int32, device=blob.device)
+        elif blob.is_cuda:
+            side = side_stream(blob.device)
+            side.wait_stream(torch.cuda.current_stream(blob.device))  # the blob's bytes are written
+            with torch.cuda.stream(side):
+                self.flags = check_many(bufs, expected, slots, self.slots)
+                self._done = side.record_event()
+            for t in [blob] + [t for t, _ in self.early]:
+                t.record_stream(side)  # its memory is not reused before these checks have read it
+        else:
+            self.flags = check_many(bufs, expected, slots, self.slots)
 
     def read(self, extra=(), status: torch.Tensor | None = None) -> np.ndarray:
-        """int32 flags on the host, 1 = failed: [section crc32s..., ``extra`` (tensor, crc32) pairs'
-        crc32s..., nonzero padding, any nonzero entry of ``status`` (the decode kernels' stream
+        """int32 flags on the host, 1 = failed: [section crc32s..., ``extra`` (tensor or ``crc32.Parts``,
+        crc32) pairs' crc32s..., nonzero padding, any nonzero entry of ``status`` (the decode kernels' stream
         statuses), the header differs from the one given]. The one synchronization of a device decode."""
-        from kvcodec.cuda.crc32 import check_many
+        from kvcodec.cuda.crc32 import Parts, check_many, check_parts
 
+        if self._done is not None:
+            torch.cuda.current_stream(self.flags.device).wait_event(self._done)
         parts = [self.flags]
+        k = len(extra)
+        early = {id(t): self.slots - len(self.early) + j for j, (t, _) in enumerate(self.early)}
         if extra:
-            parts.append(check_many([t.reshape(-1).view(torch.uint8) for t, _ in extra], [int(c) for _, c in extra],
-                                    range(len(extra)), len(extra)))
+            whole = [q for q, (t, _) in enumerate(extra) if not isinstance(t, Parts) and id(t) not in early]
+            flags = check_many([extra[q][0].reshape(-1).view(torch.uint8) for q in whole],
+                               [int(extra[q][1]) for q in whole], whole, k) if whole else torch.zeros(
+                k, dtype=torch.int32, device=self.flags.device)
+            for q, (t, crc) in enumerate(extra):
+                if isinstance(t, Parts):
+                    check_parts(t, int(crc), flags[q:q + 1])
+            parts.append(flags)
         if status is not None:
             parts.append(status.reshape(-1).to(torch.int32))
         got = torch.cat(parts).cpu().numpy()
-        n, k, s = self.n, len(extra), self.slots
-        return np.concatenate([got[:n], got[s: s + k], got[n: n + 1], [int(got[s + k:].any())],
-                               got[n + 1: s] if s > n + 1 else [0]]).astype(np.int32)
+        extra_flags = got[self.slots: self.slots + k].copy()
+        for q, (t, _) in enumerate(extra):
+            if id(t) in early:
+                extra_flags[q] = got[early[id(t)]]
+        header = got[self.header] if self.header is not None else 0
+        return np.concatenate([got[self.sections], extra_flags, [got[self.padding]],
+                               [int(got[self.slots + k:].any())], [header]]).astype(np.int32)
+
+
+_side_streams: dict = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream the section checks of :class:`Checks` run on (one per device, made once)."""
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
 
 
 class BlobCache:
