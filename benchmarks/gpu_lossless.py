@@ -9,7 +9,9 @@ Tensors: the shipped SmolLM2 KV sample (keys, values and their fp8-predictor twi
 end to end (wall clock around the call with ``torch.cuda.synchronize()``, median of 5 after a
 warm-up; every GPU row of every tensor runs before the CPU rows): ``compress_device(x)`` / ``decompress(blob_tensor)`` for kvcodec (host work, every kernel
 and the final status read included), ``Codec.encode`` / ``decode`` for nvCOMP; every decode is
-checked bit-exact. ``kvcodec planes (host blob)`` is ``compress(x)`` -> bytes and
+checked bit-exact; 'first decode' rows forget the plan kept from the previous decode of the blob, and the
+'format 2 blob' row decodes the same tensor rewritten in planes format 2 (chunk offsets in the JSON header),
+the same-run A/B of format 3. ``kvcodec planes (host blob)`` is ``compress(x)`` -> bytes and
 ``decompress(bytes, device="cuda")`` (the PCIe copies included). kvctx rows (KV tensors as [heads,
 256 tokens, 64], the sample's own blocks; fp8 with ``version=2``, its GPU-decodable format) and the
 predictive row (keys and values predicted by their fp8-weight twins, half the size) are encoded on the
@@ -98,8 +100,15 @@ def kvcodec_rows(name, x):
     rows.append(dict(data=name, codec="kvcodec planes (GPU, device blob, first decode: no reused plan)", MB=nbytes / 1e6,
                      ratio=nbytes / blob.numel(), dec_GBps=nbytes / dec_s / 1e9, exact=same_bits(x, y),
                      **decode_apart(blob, first=True)))
+    old = format2_device_blob(blob)  # A/B in the same run: offsets in the JSON header, descriptors made on the host
+    dec_s, y = timed(lambda: first_decode(lambda: kvcodec.decompress(old)), reps=DEVICE_REPS)
+    rows.append(dict(data=name, codec="kvcodec planes (GPU, device blob, first decode, format 2 blob: offsets in the header)",
+                     MB=nbytes / 1e6, ratio=nbytes / old.numel(), dec_GBps=nbytes / dec_s / 1e9, exact=same_bits(x, y),
+                     **decode_apart(old, first=True)))
     if HOST_PROFILE:
-        HOST_PROFILES.append(host_profile(name, blob))
+        HOST_PROFILES.append(host_profile(f"{name} first decode", lambda: first_decode(lambda: kvcodec.decompress(blob))))
+        HOST_PROFILES.append(host_profile(f"{name} repeat decode", lambda: kvcodec.decompress(blob)))
+        HOST_PROFILES.append(host_profile(f"{name} encode", lambda: compress_device(x)))
     rows += rans_kernel_rows(name, blob, nbytes)
     for kib in CHUNK_SWEEP:
         enc_s, b = timed(lambda: compress_device(x, chunk_bytes=kib << 10))
@@ -113,6 +122,15 @@ def kvcodec_rows(name, x):
                      ratio=nbytes / len(hblob), enc_GBps=nbytes / enc_s / 1e9, dec_GBps=nbytes / dec_s / 1e9,
                      exact=same_bits(x, y) and hblob == blob.cpu().numpy().tobytes()))
     return rows
+
+
+def format2_device_blob(blob):
+    """The device blob ``blob`` rewritten in planes format 2 (what the GPU encoder wrote before format 3)."""
+    import torch
+
+    from kvcodec.lossless.planes import format2_blob
+
+    return torch.frombuffer(bytearray(format2_blob(blob.cpu().numpy())), dtype=torch.uint8).to(blob.device)
 
 
 def first_decode(fn):
@@ -192,7 +210,7 @@ def rans_kernel_rows(name, blob, nbytes, reps: int = 20):
 
     gr.LaunchPlan.launch, gr.LaunchPlan.build = grab, classmethod(grab_build)
     try:
-        kvcodec.decompress(blob)
+        first_decode(lambda: kvcodec.decompress(blob))  # a decode again reuses its plan: no build to capture
     finally:
         gr.LaunchPlan.launch, gr.LaunchPlan.build = launch, classmethod(build)
     if "launch" not in got:
@@ -229,29 +247,28 @@ HOST_PROFILE = False  # --host-profile: note a cProfile of the device-blob decod
 HOST_PROFILES: list = []
 
 
-def host_profile(name, blob, calls: int = 20, top: int = 14) -> str:
-    """The host side of ``decompress(blob)`` under cProfile (``calls`` decodes): the functions with the
-    most own time, in us per decode (cProfile's overhead included: relative costs, not wall time)."""
+def host_profile(name, fn, calls: int = 20, top: int = 16) -> str:
+    """The host side of ``fn()`` (a planes call on a device tensor) under cProfile (``calls`` calls): the
+    functions with the most own time, in us per call (cProfile's overhead included: relative costs,
+    not wall time)."""
     import cProfile
     import pstats
 
     import torch
 
-    import kvcodec
-
-    kvcodec.decompress(blob)
+    fn()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
-        kvcodec.decompress(blob)
+        fn()
     prof.disable()
+    torch.cuda.synchronize()
     stats = pstats.Stats(prof).stats  # (file, line, func) -> (calls, ncalls, tottime, cumtime, callers)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     total = sum(v[2] for v in stats.values()) / calls
-    parts = [f"{Path(f).name}:{ln}({fn}) {v[2] / calls * 1e6:.0f}" for (f, ln, fn), v in rows]
-    return f"{name}: host profile of decompress(device blob), us per call of own time (total {total * 1e6:.0f}): " + \
-        "; ".join(parts)
+    parts = [f"{Path(f).name}:{ln}({func}) {v[2] / calls * 1e6:.0f}" for (f, ln, func), v in rows]
+    return f"{name}: host profile, us per call of own time (total {total * 1e6:.0f}): " + "; ".join(parts)
 
 
 _KV_BLOBS: dict = {}  # name -> (tensor, host blob, prediction): the CPU rows decode the same blobs
@@ -628,7 +645,8 @@ if __name__ == "__main__":
     ap.add_argument("--only", default=None,
                     help="comma-separated row groups: planes, kvctx, nvcomp, pcie, transfer, copy, cpu, profile (default: all)")
     ap.add_argument("--chunks", default="", help="comma-separated chunk sizes in KiB: extra planes device-blob rows")
-    ap.add_argument("--host-profile", action="store_true", help="note a cProfile of the planes device-blob decode")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="note a cProfile of the planes device-blob first / repeat decode and encode")
     args = ap.parse_args()
     CHUNK_SWEEP[:] = [int(c) for c in args.chunks.split(",") if c]
     HOST_PROFILE = args.host_profile
