@@ -281,6 +281,7 @@ def fold_ab(name: str, rounds: int = 5) -> list[str]:
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) * 1e3
 
+        default = kd.FOLD_CRC
         for rnd in range(rounds + 1):
             for fold in (True, False):
                 kd.FOLD_CRC = fold
@@ -294,7 +295,7 @@ def fold_ab(name: str, rounds: int = 5) -> list[str]:
                     again = [wall(lambda: kvcodec.decompress(dblob, prediction=pred)) for _ in range(3)]
                     first = [wall(lambda: kvcodec.decompress(dblob, prediction=pred), True) for _ in range(3)]
                 finally:
-                    kd.FOLD_CRC = True
+                    kd.FOLD_CRC = default
                 if rnd:  # round 0: warm-up
                     row = got.setdefault(fold, {"kernel": [], "again": [], "first": [], "ok": True})
                     row["kernel"] += [a.elapsed_time(b) for a, b in events[1:]]
@@ -368,6 +369,20 @@ def once(mb: int) -> None:
     gl.log(f"gpu_kvctx --once: decoded {x.numel() * 2 / 1e6:.0f} MB twice, exact: {gl.same_bits(x, y)}")
 
 
+def quick(out_dir: str, mb: int) -> dict:
+    """The bf16 KV tensor's kvctx and predictive rows only (end to end, the default kernel alone, the fold A/B
+    and the timeline): a short device call. Writes gpu_lossless_kvctx_quick.{json,md}."""
+    rec = machine_record()
+    name, x = "kv_bf16", gl.tensors(mb)["kv_bf16"]
+    rows = gl.kvctx_gpu_rows(name, x) + gl.kvctx_kernel_rows(name, x, variants=gl.KERNEL_VARIANTS[:1])
+    notes = fold_ab(name) + timeline(name)
+    result = {"suite": "gpu_lossless_kvctx_quick", "rows": rows, "machine": rec,
+              "notes": [f"GPU {rec.get('gpu')}; {name} {mb} MB as [heads, 256 tokens, 64] only (gpu_kvctx.py --quick)", *notes]}
+    save_with_out(result, out_dir, columns=["data", "codec", "MB", "ratio", "dec_GBps", "kernel_ms", "plan_ms", "exact",
+                                            "gpu_path", "error"])
+    return result
+
+
 def main(out_dir: str, mb: int) -> dict:
     import torch
 
@@ -427,5 +442,6 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--once", action="store_true", help="decode one bf16 kvctx blob twice, write nothing")
+    ap.add_argument("--quick", action="store_true", help="the bf16 KV rows only (a short device call)")
     args = ap.parse_args()
-    once(args.mb) if args.once else main(args.out, args.mb)
+    once(args.mb) if args.once else quick(args.out, args.mb) if args.quick else main(args.out, args.mb)

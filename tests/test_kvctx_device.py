@@ -150,7 +150,8 @@ CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)
 
 
 @pytest.mark.parametrize("shape,dtype,source", CASES)
-def test_emulated_kernel_equals_cpu_decoder(emulator, shape, dtype, source):
+def test_emulated_kernel_equals_cpu_decoder(emulator, shape, dtype, source, monkeypatch):
+    monkeypatch.setattr(kd, "FOLD_CRC", True)  # the folded crc32 where it applies (off by default: same kernel code)
     x = with_specials(kv_like(shape, dtype if dtype.itemsize > 1 else torch.float32, seed=len(shape)).to(dtype))
     pred = kv_like(shape, torch.bfloat16, seed=5) if source == "external" else None
     meta, sections = encode_tensor(x, pred, source, version=2)
@@ -235,10 +236,16 @@ def test_emulated_api_path_decodes_and_checks(emulated_api):
     flipped[-1] ^= 1
     with pytest.raises(CorruptStreamError, match="checksum"):
         api._decompress_on_device(flipped, torch.device("cpu"), None)
-    meta["crc32"] ^= 1  # every section intact, the tensor's crc32 (folded into the kernel here) not
+    meta["crc32"] ^= 1  # every section intact, the tensor's crc32 not: by a pass after the kernel, or folded in
     wrong = torch.frombuffer(bytearray(container.dumps(kind, meta, sections)), dtype=torch.uint8)
-    with pytest.raises(CorruptStreamError, match="decoded tensor fails its checksum"):
-        api._decompress_on_device(wrong, torch.device("cpu"), None)
+    default = kd.FOLD_CRC
+    for fold in (False, True):
+        kd.FOLD_CRC = fold
+        try:
+            with pytest.raises(CorruptStreamError, match="decoded tensor fails its checksum"):
+                api._decompress_on_device(wrong, torch.device("cpu"), None)
+        finally:
+            kd.FOLD_CRC = default
 
 
 def test_blobs_the_kernel_cannot_take_are_left_to_the_cpu():

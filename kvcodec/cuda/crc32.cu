@@ -7,7 +7,8 @@
 // before its start masked to zero, grouped right-aligned into blocks of CRC_BLOCK bytes.
 //
 // crc_blocks: one warp per block; lane k takes pieces k, k + 32, ... (coalesced 512-byte rows):
-// acc = S_512(acc) ^ R(0, piece), then a butterfly combines lanes (S_16g between halves of g lanes).
+// acc = S_512(acc) ^ R(0, piece) (both tables in shared memory), then a butterfly combines lanes (S_16g
+// between halves of g lanes).
 // crc_finish: one thread block per buffer combines its blocks the same way (Horner over a run of
 // blocks per thread, then a shared-memory butterfly), adds the < 16 tail bytes and the inversion.
 // Tables: slicing-by-4 CRC tables T[4][256]; shift tables SH[i][4][256] of S_{2^i} on each byte of
@@ -37,7 +38,11 @@ __global__ void __launch_bounds__(256) crc_blocks(const long long* __restrict__ 
                                                   const cr_u32* __restrict__ tab, const cr_u32* __restrict__ sh,
                                                   cr_u32* __restrict__ out) {
   __shared__ cr_u32 t[4][256];
-  for (int j = threadIdx.x; j < 1024; j += blockDim.x) t[j >> 8][j & 255] = tab[j];
+  __shared__ cr_u32 s512[4][256];  // S_512 (shift table 9): in shared memory, not 4 scattered L1 loads a piece
+  for (int j = threadIdx.x; j < 1024; j += blockDim.x) {
+    t[j >> 8][j & 255] = tab[j];
+    s512[j >> 8][j & 255] = sh[1024 * 9 + j];
+  }
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const long long gb = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -72,7 +77,8 @@ __global__ void __launch_bounds__(256) crc_blocks(const long long* __restrict__ 
       c ^= w[k];
       c = t[3][c & 255u] ^ t[2][(c >> 8) & 255u] ^ t[1][(c >> 16) & 255u] ^ t[0][c >> 24];
     }
-    acc = cr_shift(sh, 9, acc) ^ c;  // S_512: the lane's previous piece is 512 bytes earlier
+    // S_512: the lane's previous piece is 512 bytes earlier
+    acc = s512[0][acc & 255u] ^ s512[1][(acc >> 8) & 255u] ^ s512[2][(acc >> 16) & 255u] ^ s512[3][acc >> 24] ^ c;
   }
 #pragma unroll
   for (int g = 1; g < 32; g <<= 1) {

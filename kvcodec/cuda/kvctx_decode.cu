@@ -32,12 +32,13 @@
 // column c of 32 channels and byte, in shared memory: contribution of the element's bytes shifted to the end
 // of the row but for the lane's own place), and at the chunk's end the lanes combine (S_{OUT g} between
 // halves of g lanes) into R(0, the chunk's output bytes) in crcs[chunk]; crc32.cu crc_combine joins the
-// chunks (consecutive output ranges). No separate pass over the output after the kernel.
+// chunks (consecutive output ranges). No separate pass over the output after the kernel (template FOLD).
 //
 // Template: OUT (bytes per output element), WARPS (chunks per block), NR (rounds per batch), LAYOUT
 // (KX_ALIGNED: D is a multiple of 32 * NR, every batch starts at lane 0 and fills its rounds, so the rotation
 // and the per-lane masks fold away; KX_REGS: D = 32 * NR, also the channels' parameters in registers),
-// BF16 (the bf16 grid as constants: a value is its float32 upper half).
+// BF16 (the bf16 grid as constants: a value is its float32 upper half), FOLD (the output's crc32 folded in, above;
+// measured no faster end to end on an H200 yet: kvctx_decode.FOLD_CRC).
 
 typedef unsigned char kx_u8;
 typedef unsigned short kx_u16;
@@ -249,7 +250,7 @@ struct KxRing {
 // codes (1 short stream, 2 bad state, 4 end checks, 5 bad value). crc_tabs (null: no crc): D / 32 * OUT tables
 // T_c of 256 words (column c, byte b at index c * OUT + b), then S_row as [4][256] (crc32.row_tables), copied
 // to shared memory after the warps' parts; crc_shift: crc32.shift_tables; crcs[n]: R(0, chunk output bytes).
-template <int OUT, int WARPS, int NR, int LAYOUT, bool BF16>
+template <int OUT, int WARPS, int NR, int LAYOUT, bool BF16, bool FOLD>
 __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2048 chunks in one wave on an H100/H200
     kx_decode(const kx_u16* __restrict__ words, const kx_u32* __restrict__ bits, const long long* __restrict__ chunks,
               int n_chunks, const float* __restrict__ pred, long long pred_g0, long long pred_t,
@@ -271,7 +272,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ci = blockIdx.x * WARPS + warp;
   if (ci >= n_chunks) return;  // warp-uniform
-  const bool crc_on = ALIGNED && crc_tabs != nullptr;
+  const bool crc_on = FOLD && ALIGNED && crc_tabs != nullptr;  // FOLD = false: none of it compiled
   kx_u32* const ctab = reinterpret_cast<kx_u32*>(reinterpret_cast<char*>(kx_smem) + WARPS * (2 * KX_RING_WORDS +
                                                  4 * (KX_RING_BITS + 32)) + (scratch ? 0 : WARPS * 5 * D * 8));
   const int ccols = D / 32 * OUT;  // T_c tables; S_row after them

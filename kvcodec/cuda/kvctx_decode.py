@@ -36,7 +36,10 @@ BF16_GRID = (16, 0x8000, 7, 0x7F7F, -133)  # bins.bin_grid(torch.bfloat16): the 
 
 
 GENERAL, ALIGNED, REGS = 0, 1, 2  # kernel layouts (KX_GENERAL, KX_ALIGNED, KX_REGS)
-FOLD_CRC = True  # fold the output's crc32 into the kernel where it can (KernelPlan.crc_fused); False: a pass after it
+# Fold the output's crc32 into the kernel where it can (KernelPlan.crc_fused; template FOLD) instead of a crc32 pass
+# after it. Off: on an H200 (GPU_NOTES session 7, run D3, same-run A/B) the fold costs the kernel ~0.15 ms (2.61 ->
+# 2.76 ms, bf16 256 MB) and saves nothing end to end, the section checks' pass after the kernel being as long.
+FOLD_CRC = False
 
 
 def variant(out_kind: int, grid: tuple, d: int, nr: int) -> tuple[int, bool]:
@@ -47,15 +50,18 @@ def variant(out_kind: int, grid: tuple, d: int, nr: int) -> tuple[int, bool]:
     return layout, out_kind == 4 or (out_kind == 2 and tuple(int(v) for v in grid) == BF16_GRID)
 
 
-def kernel_name(out_kind: int, nr: int, warps: int = WARPS, layout: int = REGS, bf16: bool = False) -> str:
-    return f"kx_decode<{out_kind}, {warps}, {nr}, {layout}, {str(bf16).lower()}>"
+def kernel_name(out_kind: int, nr: int, warps: int = WARPS, layout: int = REGS, bf16: bool = False,
+                fold: bool = False) -> str:
+    return f"kx_decode<{out_kind}, {warps}, {nr}, {layout}, {str(bf16).lower()}, {str(fold).lower()}>"
 
 
 def instance_declarations() -> list[str]:
     """Explicit instantiations for the nvcc compile check: every instance ``launch`` picks with the default
-    rounds, and the bf16 ones of the other rounds the benchmark sweeps."""
+    rounds (with and, where it applies, without the folded crc32), and the bf16 ones of the other rounds the
+    benchmark sweeps."""
     bf16 = {1: (False,), 2: (False, True), 4: (True,)}
     names = [kernel_name(k, ROUNDS, WARPS, lay, b) for k in OUT_KINDS for b in bf16[k] for lay in (GENERAL, ALIGNED, REGS)]
+    names += [kernel_name(k, ROUNDS, WARPS, lay, b, True) for k in OUT_KINDS for b in bf16[k] for lay in (ALIGNED, REGS)]
     names += [kernel_name(2, nr, WARPS, lay, True) for nr in SWEEP_ROUNDS if nr != ROUNDS for lay in (GENERAL, ALIGNED, REGS)]
     return [f"__global__ void {n}{SIGNATURE}" for n in names]
 
@@ -139,7 +145,8 @@ def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: tor
     device = out.device
     scratch = plan.scratch(count, device, warps)
     nr = nr or ROUNDS
-    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr, warps, *variant(plan.out_kind, plan.grid, d, nr)))
+    layout, bf16 = variant(plan.out_kind, plan.grid, d, nr)
+    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr, warps, layout, bf16, crc is not None and layout != GENERAL))
     width, sign, mb, maxmag, eoff = plan.grid
     with build.cupy_stream(device):
         fn((-(-count // warps),), (32 * warps,),

@@ -19,7 +19,8 @@ double kx_smem[1 << 16];  // the dynamic shared memory of the one warp run at a 
 // The launch: blocks of 4 warps, run one warp at a time.
 template <int OUT, int NR, int LAYOUT, bool BF16>
 static void run(KX_ARGS) {
-  emu_run((n + 3) / 4, 128, [&] { kx_decode<OUT, 4, NR, LAYOUT, BF16>(KX_PASS); });
+  // FOLD where it applies: with crc_tabs null the folded crc32 is skipped at run time (the same code as FOLD = false)
+  emu_run((n + 3) / 4, 128, [&] { kx_decode<OUT, 4, NR, LAYOUT, BF16, LAYOUT != KX_GENERAL>(KX_PASS); });
 }
 
 // The instance kvctx_decode.launch picks for rounds NR (kvctx_decode.variant: its layout from D, the bf16
