@@ -141,8 +141,8 @@ def sections(blob: torch.Tensor, header: dict, header_end: int) -> tuple[dict[st
 
 class Checks:
     """The checks of a device blob that need its payloads, launched in two parts: the section crc32s
-    and the zero padding when made, on a side stream (``side_stream``: they overlap the decode kernel
-    instead of running before or after it on torch's stream; the blob is marked as in use there), and
+    and the zero padding when made, on a side stream (``side_stream``: beside torch's stream, where the
+    SMs have room, instead of in series on it; the blob is marked as in use there), and
     the decoded buffers' crc32s in :meth:`read`, on torch's stream after it has waited for the side
     stream's checks; :meth:`read` then synchronizes once. ``header``: (end, crc32) of header bytes read
     earlier (a :class:`BlobCache` entry's), checked to be the blob's still. ``early``: (tensor, crc32)
@@ -160,16 +160,16 @@ class Checks:
         self.sections = slice(0, n)
         self.padding = n
         self.header = n + 1 if header is not None else None
-        self.slots = n + 1 + (header is not None)
+        self.early_at = n + 1 + (header is not None)
+        self.slots = self.early_at + len(self.early)
         bufs = [s.bytes for s in secs.values()] + [blob[a:b] for a, b in gaps]
         expected = [s.crc32 for s in secs.values()] + [None] * len(gaps)  # None: the bytes must be zeros
         slots = list(range(n)) + [self.padding] * len(gaps)
         if header is not None:
             bufs, expected, slots = bufs + [blob[:header[0]]], expected + [header[1]], slots + [self.header]
-        self.slots += len(self.early)  # their flags after the container's
         bufs += [t.reshape(-1).view(torch.uint8) for t, _ in self.early]
         expected += [int(c) for _, c in self.early]
-        slots += range(self.slots - len(self.early), self.slots)
+        slots += range(self.early_at, self.slots)
         self._done = None
         if not bufs:
             self.flags = torch.zeros(self.slots, dtype=torch.int32, device=blob.device)
@@ -194,7 +194,7 @@ class Checks:
             torch.cuda.current_stream(self.flags.device).wait_event(self._done)
         parts = [self.flags]
         k = len(extra)
-        early = {id(t): self.slots - len(self.early) + j for j, (t, _) in enumerate(self.early)}
+        early = {id(t): self.early_at + j for j, (t, _) in enumerate(self.early)}  # their flags: checked already
         if extra:
             whole = [q for q, (t, _) in enumerate(extra) if not isinstance(t, Parts) and id(t) not in early]
             flags = check_many([extra[q][0].reshape(-1).view(torch.uint8) for q in whole],
