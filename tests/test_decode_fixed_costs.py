@@ -87,7 +87,7 @@ def _outcome(fn, *args):
         return "error", str(e)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.binary(max_size=40), pos=st.integers(0, 8), count=st.integers(0, 12), max_bytes=st.integers(1, 3),
        valid=st.booleans())
 def test_varint_array_equals_numpy_reference(data, pos, count, max_bytes, valid):
