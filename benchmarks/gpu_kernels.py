@@ -509,6 +509,9 @@ def _breakdown(label: str, variant: KernelVariant,
 
 # ---------------------------------------------------------------- the one-launch kernel (issue 13 part 2)
 ONE, THREE = KernelVariant(fused=True), KernelVariant(fused=False)
+# the one-launch kernel's block merge and publish as in session 6: the plain [rows, D] layout for the warps'
+# merge (bank conflicts), __threadfence by every thread
+SESSION6_TAIL = ("TQ_FUSED_MERGE_PAD=0", "TQ_FUSED_SIGNAL=0")
 # automatic, one-launch, three-launch, wide-only (both), scalar; the one-launch kernel's other depths
 FUSED_CHECK_MODES = CHECK_MODES[:6] + [("one-launch 1 stage: ", ("TQ_FUSED_STAGES=1",), True, True),
                                        ("one-launch 2 stages: ", ("TQ_FUSED_STAGES=2",), True, True),
@@ -517,7 +520,8 @@ FUSED_CHECK_MODES = CHECK_MODES[:6] + [("one-launch 1 stage: ", ("TQ_FUSED_STAGE
                                        ("one-launch lane tables for values only: ", ("TQ_LANE_LUT=2",), True, True),
                                        ("one-launch shared-memory rotations, 3 stages: ",
                                         ("TQ_FUSED_WARP_ROTATE=0", "TQ_FUSED_STAGES=3"), True, True),
-                                       ("one-launch %laneid: ", ("TQ_ASM_LANEID=1",), True, True)]
+                                       ("one-launch %laneid: ", ("TQ_ASM_LANEID=1",), True, True),
+                                       ("one-launch session-6 tail: ", SESSION6_TAIL, True, True)]
 TABLE_SHAPES = [(b, t, 32, 8, 128, 4, 4) for b in (1, 8, 32) for t in (4096, 32768, 131072)] + [
     (1, 32768, 32, 8, 128, 3, 3), (8, 32768, 32, 8, 128, 3, 3), (1, 32768, 32, 8, 128, 4, 2),
     (1, 32768, 9, 3, 64, 4, 4), (8, 32768, 9, 3, 64, 4, 4), (8, 131072, 9, 3, 64, 4, 4)]
@@ -528,17 +532,17 @@ FUSED_TPW_GRID = (32, 64, 128, 256, 512, 1024, 2048)
 # beside the automatic one); "timing only" builds skip a phase to measure what it costs (wrong
 # results, never checked or used).
 # (Builds measured away and no longer timed here: tail batch 8, values in registers, the L2 256B prefetch
-# hint, no query rotation (sessions 4-5), 1 stage and copy-engine L2 prefetches (session 6):
+# hint, no query rotation (sessions 4-5), 1 stage and copy-engine L2 prefetches, no lane tables, lane
+# tables for values only, shared-memory rotations (session 6), 3 stages again, 192 tokens per warp, the
+# final merge staged in shared memory by cp.async, the four warps merged in parallel buffers (session 7):
 # benchmarks/GPU_NOTES.md.)
 FUSED_VARIANTS = [
-    ("no lane tables (session 5 default)", ("TQ_LANE_LUT=0",), (128, 256)),
-    ("lane tables for values only", ("TQ_LANE_LUT=2",), (128, 256)),
-    ("shared-memory rotations, 3 stages (session 6 first default)", ("TQ_FUSED_WARP_ROTATE=0", "TQ_FUSED_STAGES=3"),
-     (128, 256)),
-    ("3 stages", ("TQ_FUSED_STAGES=3",), (256,)),
-    ("shared-memory rotations", ("TQ_FUSED_WARP_ROTATE=0",), (256,)),
-    ("lane index from %laneid", ("TQ_ASM_LANEID=1",), (256,)),
+    ("session-6 block merge and publish (plain layout, fences)", SESSION6_TAIL, ()),
+    ("plain merge layout (bank conflicts)", ("TQ_FUSED_MERGE_PAD=0",), ()),
+    ("__threadfence by every thread", ("TQ_FUSED_SIGNAL=0",), ()),
+    ("lane index from %laneid", ("TQ_ASM_LANEID=1",), ()),
     ("no last-block merge (timing only)", ("TQ_FUSED_PROFILE=2",), ()),
+    ("last-block merge of half the partials (timing only)", ("TQ_FUSED_PROFILE=4",), ()),
 ]
 FUSED_VARIANT_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 4096, 32, 8, 128, 4, 4),
                         (8, 32768, 32, 8, 128, 4, 4), (8, 131072, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4)]

@@ -134,14 +134,20 @@ def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tm
     assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_command("w.cu", "sm_90a", "o.cubin")
 
 
+# the one-launch kernel's session-6 block merge and publish (benchmarks/gpu_kernels.py SESSION6_TAIL)
+SESSION6_TAIL = ("TQ_FUSED_MERGE_PAD=0", "TQ_FUSED_SIGNAL=0")
+
+
 @pytest.mark.parametrize("arch,defines", [("sm_90", ("TQ_LANE_LUT=3",)), ("sm_100", ("TQ_LANE_LUT=3",)),
                                           ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2")),
                                           ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2")),
                                           ("sm_90", ("TQ_LANE_LUT=2",)),
-                                          ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1")),
-                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1")),
-                                          ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_ASM_LANEID=1")),
-                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_ASM_LANEID=1"))])
+                                          ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1") + SESSION6_TAIL),
+                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1") + SESSION6_TAIL),
+                                          ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2",
+                                                     "TQ_ASM_LANEID=1")),
+                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2",
+                                                      "TQ_ASM_LANEID=1"))])
 def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(arch, defines, tmp_path):
     """The one-launch kernel with lane-private pair tables (TQ_LANE_LUT): the d128 narrow 4/4-bit
     instances build without spills and their static shared memory plus the tables' 64 KB (plus the 1 KB

@@ -88,7 +88,8 @@
 // ptxas then keeps the lane-derived offsets in registers; with threadIdx.x it may re-read it in the
 // loop (6 S2R per 3 steps in the TQ_FUSED_WARP_ROTATE build). SASS of the d128 4/4 lane-table
 // one-launch loop (3 steps, sm_90): 1068 -> 1056 instructions (default), 1082 -> 1053 (warp
-// rotations); not yet timed on a GPU (GPU notes, session 6 "kernel2"). Default 0.
+// rotations; 2-step loop 720 -> 703). Timed in three H200 runs (GPU notes, sessions 6-7): within the
+// run-to-run spread of threadIdx.x on every shape (faster in two runs, slower in one). Default 0.
 #ifndef TQ_ASM_LANEID
 #define TQ_ASM_LANEID 0
 #endif
@@ -925,19 +926,18 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab
   }
 }
 
-// Hand a warp's result to sink.o(row, dim, value) (row of the 16-row tile, dim of the head, in the
-// values' rotated space) and sink.ml(row, m, l) (one call per owned row, from one lane).
+// Hand a warp's result to sink.o(row, a, b, value) (row of the 16-row tile, dim D / 8 * a + b of the
+// head, in the values' rotated space) and sink.ml(row, m, l) (one call per owned row, from one lane).
 template <int D, bool NARROW, class Sink>
 TQ_DEVI void emit_warp(const WarpResult<D, NARROW>& res, Sink& sink) {
-  constexpr int CV = D / 8;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   if constexpr (NARROW) {
 #pragma unroll
     for (int mt = 0; mt < WarpResult<D, NARROW>::NACC; ++mt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        sink.o(2 * t + e, CV * g + 2 * mt, res.acc[mt][e]);
-        sink.o(2 * t + e, CV * g + 2 * mt + 1, res.acc[mt][2 + e]);
+        sink.o(2 * t + e, g, 2 * mt, res.acc[mt][e]);
+        sink.o(2 * t + e, g, 2 * mt + 1, res.acc[mt][2 + e]);
       }
     }
     if (g == 0) {
@@ -949,8 +949,8 @@ TQ_DEVI void emit_warp(const WarpResult<D, NARROW>& res, Sink& sink) {
     for (int i = 0; i < WarpResult<D, NARROW>::NACC; ++i) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        sink.o(g, CV * (2 * t + e) + i, res.acc[i][e]);
-        sink.o(g + 8, CV * (2 * t + e) + i, res.acc[i][2 + e]);
+        sink.o(g, 2 * t + e, i, res.acc[i][e]);
+        sink.o(g + 8, 2 * t + e, i, res.acc[i][2 + e]);
       }
     }
     if (t == 0) {
@@ -974,8 +974,8 @@ struct GlobalSink {
   float* po;   // [R, D] of this split
   float* pml;  // [R, 2]
   int row0, R;
-  TQ_DEVI void o(int r, int dim, float v) const {
-    if (row0 + r < R) po[(long long)(row0 + r) * D + dim] = v;
+  TQ_DEVI void o(int r, int a, int b, float v) const {
+    if (row0 + r < R) po[(long long)(row0 + r) * D + D / 8 * a + b] = v;
   }
   TQ_DEVI void ml(int r, float m, float l) const {
     if (row0 + r < R) {
@@ -1209,7 +1209,8 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
 #ifndef TQ_FUSED_TAIL_BATCH
 #define TQ_FUSED_TAIL_BATCH 0
 #endif
-// Timing only, results wrong: bit 0 skips the query rotation, bit 1 the last block's merge
+// Timing only, results wrong: bit 0 skips the query rotation, bit 1 the last block's merge, bit 2 makes
+// the last block's merge (warp-rotation builds) read only the first half of the blocks' partials
 // (benchmarks/gpu_kernels.py measures what each phase costs with them). Default 0.
 #ifndef TQ_FUSED_PROFILE
 #define TQ_FUSED_PROFILE 0
@@ -1257,6 +1258,20 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
 // (ptxas re-reads threadIdx.x in it) and b8 x 128k 12% slower: not the default until that is understood.
 #ifndef TQ_FUSED_WARP_ROTATE
 #define TQ_FUSED_WARP_ROTATE 0
+#endif
+// 1: the four warps of a block accumulate their partials into a padded shared layout (tq::MergeLayout)
+// in which every store of a warp hits 32 different banks; 0: the plain [ROWS, D] layout, where a narrow
+// tile's stores are 16-way and a wide tile's 32-way bank conflicts (H200, b1 x 32k: the last block's
+// warp merge 2.8 -> 1.2 us, GPU notes session 7). Same arithmetic, same results either way. Default 1.
+#ifndef TQ_FUSED_MERGE_PAD
+#define TQ_FUSED_MERGE_PAD 1
+#endif
+// 1: a block publishes its partial with one acquire-release atomic of thread 0 after a block barrier
+// (the CTA-wide release pattern of cooperative groups' grid sync); 0: every thread runs __threadfence
+// (fence.sc.gpu: MEMBAR.SC + an L1 invalidate) before the atomic and again after it in the last block
+// (H200, b1 x 32k: the publish 1.1 -> 0.7 us). Default 1.
+#ifndef TQ_FUSED_SIGNAL
+#define TQ_FUSED_SIGNAL 1
 #endif
 
 namespace tq {
@@ -1503,13 +1518,8 @@ TQ_DEVI void merge_row(const float* __restrict__ po, const float* __restrict__ m
   const int lane = threadIdx.x & 31;
   const long long bstride = (long long)R * D;
   const float* p = po + E * lane;
-  float v[TB][E];  // the first batch does not depend on the weights: in flight while they are computed
-#pragma unroll
-  for (int k = 0; k < TB; ++k) {
-    if (k < nblk) ldcg_vec<E>(v[k], p + k * bstride);
-  }
-  float vs[2][E];
-  if (HAD && v_signs) load_lane_signs<E>(vs, v_signs, v_rounds);
+  // (m, l) and the signs first, then the first batch of partials: it does not depend on the weights and
+  // arrives while they are computed
   float mb[MB], lb[MB];
 #pragma unroll
   for (int j = 0; j < MB; ++j) {
@@ -1518,6 +1528,13 @@ TQ_DEVI void merge_row(const float* __restrict__ po, const float* __restrict__ m
     if (b < nblk) t = __ldcg(reinterpret_cast<const float2*>(ml + (long long)b * R * 2));
     mb[j] = t.x;
     lb[j] = t.y;
+  }
+  float vs[2][E];
+  if (HAD && v_signs) load_lane_signs<E>(vs, v_signs, v_rounds);
+  float v[TB][E];
+#pragma unroll
+  for (int k = 0; k < TB; ++k) {
+    if (k < nblk) ldcg_vec<E>(v[k], p + k * bstride);
   }
   float M = NEG_INF;
 #pragma unroll
@@ -1538,15 +1555,16 @@ TQ_DEVI void merge_row(const float* __restrict__ po, const float* __restrict__ m
   float a[E];
 #pragma unroll
   for (int k = 0; k < E; ++k) a[k] = 0.f;
-  for (int b = 0; b < nblk; b += TB) {
+  const int nsum = (TQ_FUSED_PROFILE & 4) ? (nblk + 1) / 2 : nblk;  // timing only: half the partials
+  for (int b = 0; b < nsum; b += TB) {
     if (b > 0) {
 #pragma unroll
       for (int k = 0; k < TB; ++k)
-        if (b + k < nblk) ldcg_vec<E>(v[k], p + (b + k) * bstride);
+        if (b + k < nsum) ldcg_vec<E>(v[k], p + (b + k) * bstride);
     }
 #pragma unroll
     for (int k = 0; k < TB; ++k) {
-      const float wk = (b + k < nblk) ? w[b + k] : 0.f;
+      const float wk = (b + k < nsum) ? w[b + k] : 0.f;
       if (wk != 0.f) {
 #pragma unroll
         for (int e = 0; e < E; ++e) a[e] += wk * v[k][e];
@@ -1593,20 +1611,45 @@ TQ_DEVI void fill_lane_tables(char* tab, const float* __restrict__ kcb, const fl
   }
 }
 
+// atomicInc (wraps to 0 after `limit`) with acquire-release semantics at GPU scope: releases what the
+// calling thread ordered before it (with a block barrier: its whole block's stores), acquires the releases
+// of the increments before it.
+TQ_DEVI unsigned int atomic_inc_acq_rel(unsigned int* p, unsigned int limit) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(limit) : "memory");
+  return old;
+}
+
 struct NoTable {};  // stands in for the shared tables a build does not use
 template <bool C, class A, class B> struct Pick { typedef A type; };
 template <class A, class B> struct Pick<false, A, B> { typedef B type; };
 
-// Accumulates one warp's partial into the block's shared [ROWS, D] buffer, scaled per row.
-template <int D>
+// Where the block's [ROWS, D] partial lives in shared memory while its four warps accumulate it: dim
+// CV a + b (CV = D / 8, b < CV) of row r at r RS + a AS + b. A warp's sink stores vary (a = g, row 2t + e)
+// in narrow tiles and (row g, a = 2t + e) in wide ones (emit_warp); the padding spreads each store over 32
+// banks: narrow AS odd (g AS distinct mod 8) and RS = 12 mod 16 (2t RS = 24t mod 32); wide AS = 4 mod 8
+// (2t AS = 8t mod 32) and RS odd. TQ_FUSED_MERGE_PAD 0: the plain layout (AS = CV, RS = D).
+template <int D, bool NARROW>
+struct MergeLayout {
+  static constexpr int CV = D / 8;
+  static constexpr int AS = !TQ_FUSED_MERGE_PAD ? CV : NARROW ? CV + 1 : CV + (12 - CV % 8) % 8;
+  static constexpr int RS = !TQ_FUSED_MERGE_PAD ? D : NARROW ? 8 * AS + 4 : 8 * AS + 1;
+  static constexpr int ROWS = NARROW ? 8 : 16;
+  static constexpr int FLOATS = ROWS * RS;
+  static_assert(CV % 4 == 0, "four dims of a float4 stay in one chunk");
+  TQ_DEVI static int at(int r, int dim) { return r * RS + (unsigned)dim / CV * AS + (unsigned)dim % CV; }
+};
+
+// Accumulates one warp's partial into the block's shared partial (MergeLayout), scaled per row.
+template <int D, bool NARROW>
 struct SharedSink {
   float* buf;
   float fa, fb;  // scale of the thread's rows ra, rb
   int ra, rb;
   bool first;    // the first warp stores, the others add
-  TQ_DEVI void o(int r, int dim, float v) const {
+  TQ_DEVI void o(int r, int a, int b, float v) const {
     const float x = v * (r == ra ? fa : fb);
-    float* p = buf + r * D + dim;
+    float* p = buf + r * MergeLayout<D, NARROW>::RS + a * MergeLayout<D, NARROW>::AS + b;
     *p = first ? x : *p + x;
   }
   TQ_DEVI void ml(int, float, float) const {}
@@ -1650,7 +1693,9 @@ tq_decode_fused(
   // alias costs a few spilled bytes at the register cap: 4/2 bits)
   __shared__ __align__(16) tq_u16 q16own[LANE ? 8 : QROWS * D];
   tq_u16* q16s = LANE ? reinterpret_cast<tq_u16*>(xq) : q16own;
-  __shared__ __align__(16) float ybuf[ROWS * D];  // prologue: rotated rows; then the block's partial
+  // prologue: rotated rows [ROWS, D]; then the block's partial (tq::MergeLayout); last block: merged rows
+  using ML = tq::MergeLayout<D, NARROW>;
+  __shared__ __align__(16) float ybuf[ML::FLOATS > ROWS * D ? ML::FLOATS : ROWS * D];
   __shared__ float rss[16];
   __shared__ float ksg[WROT ? 1 : 2 * D], vsg[WROT ? 1 : 2 * D];  // Hadamard signs (shared-memory rotations)
   __shared__ float wm[4][ROWS], wl[4][ROWS];      // per warp (m, l) of each row
@@ -1786,7 +1831,7 @@ tq_decode_fused(
     ma = fmaxf(ma, wm[w][ra]);
     mb = fmaxf(mb, wm[w][rb]);
   }
-  tq::SharedSink<D> sink{ybuf, res.m0 == NEG_INF ? 0.f : tq_exp2(res.m0 - ma),
+  tq::SharedSink<D, NARROW> sink{ybuf, res.m0 == NEG_INF ? 0.f : tq_exp2(res.m0 - ma),
                          res.m1 == NEG_INF ? 0.f : tq_exp2(res.m1 - mb), ra, rb, true};
   if (tid < ROWS) {
     float m = NEG_INF, l = 0.f;
@@ -1808,20 +1853,32 @@ tq_decode_fused(
   // the block's partial: rows < nr of [ROWS, D] and (m, l)
   {
     float* po = part_o + ((long long)bh * nblk + blockIdx.x) * R * D + (long long)R0 * D;
-    for (int i = tid; i < nr * D / 4; i += blockDim.x)
-      reinterpret_cast<float4*>(po)[i] = reinterpret_cast<const float4*>(ybuf)[i];
+    for (int i = tid; i < nr * D / 4; i += blockDim.x) {
+      const float* y = ybuf + ML::at(4 * i / D, 4 * i % D);
+      reinterpret_cast<float4*>(po)[i] = make_float4(y[0], y[1], y[2], y[3]);
+    }
     float* pml = part_ml + (((long long)bh * nblk + blockIdx.x) * R + R0) * 2;
     if (tid < nr) *reinterpret_cast<float2*>(pml + 2 * tid) = make_float2(rowm[tid], rowl[tid]);
   }
 
   // ---- 4. the last block of the tile merges every block's partial
   TQ_STAMP(3);
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) is_last = atomicInc(counters + (long long)bh * RT + rt, (unsigned)nblk - 1u) == (unsigned)nblk - 1u;
-  __syncthreads();
-  if (!is_last || (TQ_FUSED_PROFILE & 2)) return;
-  __threadfence();
+  unsigned int* counter = counters + (long long)bh * RT + rt;
+  if constexpr (TQ_FUSED_SIGNAL) {
+    // the barrier orders every thread's partial stores before thread 0's release; its acquire and the
+    // next barrier order the last block's partial loads (ld.cg, L2) after every other block's release
+    __syncthreads();
+    if (tid == 0) is_last = tq::atomic_inc_acq_rel(counter, (unsigned)nblk - 1u) == (unsigned)nblk - 1u;
+    __syncthreads();
+    if (!is_last || (TQ_FUSED_PROFILE & 2)) return;
+  } else {
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicInc(counter, (unsigned)nblk - 1u) == (unsigned)nblk - 1u;
+    __syncthreads();
+    if (!is_last || (TQ_FUSED_PROFILE & 2)) return;
+    __threadfence();
+  }
   if constexpr (WROT) {
   TQ_STAMP(4);
   // warp w merges rows w, w + 4, ... (tq::merge_row: no block barrier in this tail)
