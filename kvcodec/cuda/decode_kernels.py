@@ -86,8 +86,8 @@ LANE_LUT_BYTES = 65536
 LANE_LUT_DIMS = (128,)
 # Macros that come with the tables by default: rotations of the query and the output in warp registers
 # (TQ_FUSED_WARP_ROTATE: no block barrier in the prologue or the final merge) and a 2-step copy ring.
-# (TQ_ASM_LANEID=1, the split loop's lane index from %laneid, stays opt-in: within run-to-run noise of
-# threadIdx.x in three H200 runs, faster in two, slower in one; benchmarks/GPU_NOTES.md, session 7.)
+# (TQ_ASM_LANEID=1, the split loop's lane index from %laneid, stays opt-in: mixed, within about 1.5% of
+# threadIdx.x on every shape in four H200 runs; benchmarks/GPU_NOTES.md, session 7.)
 LANE_LUT_COMPANIONS = (("TQ_FUSED_WARP_ROTATE", "1"), ("TQ_FUSED_STAGES", "2"))
 
 

@@ -88,8 +88,8 @@
 // ptxas then keeps the lane-derived offsets in registers; with threadIdx.x it may re-read it in the
 // loop (6 S2R per 3 steps in the TQ_FUSED_WARP_ROTATE build). SASS of the d128 4/4 lane-table
 // one-launch loop (3 steps, sm_90): 1068 -> 1056 instructions (default), 1082 -> 1053 (warp
-// rotations; 2-step loop 720 -> 703). Timed in three H200 runs (GPU notes, sessions 6-7): within the
-// run-to-run spread of threadIdx.x on every shape (faster in two runs, slower in one). Default 0.
+// rotations; 2-step loop 720 -> 703). Timed in four H200 runs (GPU notes, sessions 6-7): mixed, within
+// about 1.5% of threadIdx.x on every shape. Default 0.
 #ifndef TQ_ASM_LANEID
 #define TQ_ASM_LANEID 0
 #endif
