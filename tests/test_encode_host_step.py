@@ -72,3 +72,63 @@ def test_table_kernel_names_the_last_symbol_without_frequency():
     symbols = np.array([1, 7, 2, 1, 9, 2, 1], np.uint8)
     with pytest.raises(ValueError, match="symbol 9 at position 4"):
         rans_fast.encode_table(symbols, freqs, 12, 4)
+
+
+def reference_table_bytes(freq: np.ndarray) -> np.ndarray:
+    """tables.table_bytes' layout in Python: per row [0] (unused), [0xFFFF, esc] (only ESC) or
+    [n, lo, the n frequencies from lo, esc], each value as one byte or 255 and two bytes."""
+    from kvcodec.lossless.predictive.bins import ESC
+
+    values = []
+    for row in freq:
+        nz = np.flatnonzero(row[:ESC])
+        if not row.any():
+            values += [0]
+        elif nz.size == 0:
+            values += [0xFFFF, int(row[ESC])]
+        else:
+            lo, hi = int(nz[0]), int(nz[-1]) + 1
+            values += [hi - lo, lo, *row[lo:hi].tolist(), int(row[ESC])]
+    return np.array([b for v in values for b in ([v] if v < 255 else [255, v & 0xFF, v >> 8])], np.uint8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 70))
+def test_compiled_table_bytes_match_the_layout(seed, rows):
+    """tables.table_bytes (compiled) == the documented layout: unused rows, ESC-only rows, one symbol,
+    gaps, values past 254 (two-byte form)."""
+    from kvcodec.lossless.predictive import tables
+
+    rng = np.random.default_rng(seed)
+    freq = rng.integers(0, 4097, (rows, 256)) * (rng.random((rows, 256)) < rng.random((rows, 1)) ** 3)
+    freq[rng.random(rows) < 0.2] = 0
+    freq[rng.random(rows) < 0.2, :255] = 0
+    assert np.array_equal(tables.table_bytes(freq), reference_table_bytes(freq))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), g=st.integers(1, 40), tt=st.integers(1, 3000), d=st.sampled_from([8, 64, 128]),
+       n_parts=st.integers(0, 5))
+def test_launch_tables_match_their_formulas(seed, g, tt, d, n_parts):
+    """kvctx_device_encode._launch_tables (one compiled pass, one buffer) == the payload launch's
+    arguments spelled out in numpy: chunk descriptors, table words, reciprocals, bit words, cap."""
+    from kvcodec.entropy import rans_lanes
+    from kvcodec.lossless import kvctx_device_encode as kde
+    from kvcodec.lossless.predictive.format2 import chunk_layout
+
+    rng = np.random.default_rng(seed)
+    freq = rng.integers(0, 4097, (int(rng.integers(1, 70)), 256)) * (rng.random((1, 256)) < 0.3)
+    tb = min(tt, 2048)
+    cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, g)
+    cbits = rng.integers(0, 1 << 24, cg0.size)
+    extra = rng.integers(0, 1 << 20, (n_parts, 6))
+    words, cap, (chunks, ftab, rcp) = kde._launch_tables(freq, cbits, (cg0, cng, ct0, cnt), tt, d, extra, "cpu")
+    bwords = (cbits + 31) // 32
+    want = np.stack([(cg0 * tt + ct0) * d, cng, cnt * d, np.full_like(cng, tt * d),
+                     np.concatenate([[0], np.cumsum(bwords)[:-1]]), cbits], 1)
+    f = freq.reshape(-1).astype(np.uint64)
+    assert np.array_equal(chunks.numpy(), np.concatenate([want, extra]))
+    assert np.array_equal(ftab.numpy().view(np.uint32),
+                          (f | (rans_lanes.cumulative(freq).reshape(-1).astype(np.uint64) << 16)).astype(np.uint32))
+    assert np.array_equal(rcp.numpy().view(np.uint32), np.where(f >= 2, (1 << 32) // np.maximum(f, 1), 0xFFFFFFFF))
+    assert words == bwords.sum() and cap == max([int((cng * cnt).max()) * d, *extra[:, 2]])

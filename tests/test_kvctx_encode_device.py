@@ -250,7 +250,7 @@ def test_fit_kernels_equal_the_host_formulas(emulator, source, g, t, noise, seed
             assert np.array_equal(got.view(np.uint8), np.asarray(getattr(want, f)).reshape(-1).view(np.uint8)), f
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.sampled_from([1, 10, 10**6, 10**13]))
 def test_parallel_tables_equal_fit_tables(seed, scale):
     """kvctx_device_encode.fit_tables (rows on the thread pool) == tables.fit_tables: unused classes, one

@@ -216,6 +216,52 @@ def _quantize_rows(counts, rows, precision, freq):
             freq[k, used[j]] = f[j]
 
 
+def _launch_tables(freq: np.ndarray, cbits: np.ndarray, layout: tuple, tt: int, d: int, extra: np.ndarray, dev):
+    """(raw-bit words, the largest chunk's values, (chunk descriptors int64 [n, 6], rANS table words,
+    reciprocals: ``kvctx_encode.encode_chunks``' ``chunks``, ``ftab``, ``rcp`` on ``dev``)) of the tables
+    ``freq`` [rows, 256], the chunks' raw-bit totals ``cbits``, ``format2.chunk_layout``'s arrays and the
+    model parts' chunks ``extra``: one compiled pass into one buffer, one upload. Why: ~15 numpy steps
+    and three arrays took ~0.4 ms of the host between the first wait and the payload launch."""
+    n, rows = cbits.size + extra.shape[0], freq.shape[0]
+    buf = np.empty(6 * n + rows * 256, np.int64)
+    words = buf[6 * n:].view(np.uint32)
+    n_bit_words, cap = _fill_launch_tables(np.ascontiguousarray(freq, np.int64), cbits.astype(np.int64), *layout,
+                                           tt, d, np.ascontiguousarray(extra, np.int64), buf[:6 * n].reshape(n, 6),
+                                           words[:rows * 256], words[rows * 256:])
+    (buf_d,) = upload([buf], dev)
+    tabs = buf_d[6 * n:].view(torch.int32)
+    return int(n_bit_words), int(cap), (buf_d[:6 * n].view(n, 6), tabs[:rows * 256], tabs[rows * 256:])
+
+
+@njit(cache=True, nogil=True)
+def _fill_launch_tables(freq, cbits, cg0, cng, ct0, cnt, tt, d, extra, chunks, ftab, rcp):
+    """Per table entry its word (frequency | exclusive cumulative frequency << 16) and reciprocal
+    (2**32 // f, 0xFFFFFFFF where f < 2); per chunk (first value, g count, values per g, stride between
+    g's, raw-bit word start, raw-bit total), then ``extra``'s rows; returns (raw-bit words, the most
+    values a chunk holds)."""
+    for r in range(freq.shape[0]):
+        cum = 0
+        for s in range(freq.shape[1]):
+            f = freq[r, s]
+            ftab[r * freq.shape[1] + s] = f | (cum << 16)
+            rcp[r * freq.shape[1] + s] = (1 << 32) // f if f >= 2 else 0xFFFFFFFF
+            cum += f
+    words, cap = 0, 0
+    for j in range(cbits.size):
+        chunks[j, 0] = (cg0[j] * tt + ct0[j]) * d
+        chunks[j, 1] = cng[j]
+        chunks[j, 2] = cnt[j] * d
+        chunks[j, 3] = tt * d
+        chunks[j, 4] = words
+        chunks[j, 5] = cbits[j]
+        words += (cbits[j] + 31) // 32
+        cap = max(cap, cng[j] * cnt[j] * d)
+    for j in range(extra.shape[0]):
+        chunks[cbits.size + j] = extra[j]
+        cap = max(cap, extra[j, 2])
+    return words, cap
+
+
 @lru_cache(maxsize=16)
 def _escape_table(bdtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """uint8 per bit pattern: 1 where bins.BinGrid.escape says the pattern is always escaped."""
@@ -306,24 +352,14 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     if not in_parts:
         freq = freq[:N_CLASSES]
     clock.mark("tables: model parts (launches)")
-    cum = rans_lanes.cumulative(freq)
-    f = freq.reshape(-1).astype(np.uint64)
-    ftab = (f | (cum.reshape(-1).astype(np.uint64) << 16)).astype(np.uint32)
-    rcp = np.where(f >= 2, (1 << 32) // np.maximum(f, 1), 0xFFFFFFFF).astype(np.uint32)
-    bwords = (cbits + 31) // 32
-    bstart = np.concatenate([[0], np.cumsum(bwords)[:-1]]).astype(np.int64)
-    chunks = np.stack([(cg0 * tt + ct0) * d, cng, cnt * d, np.full_like(cng, tt * d), bstart, cbits], 1)
-    cap = int((cng * cnt).max()) * d
-    if parts is not None:
-        chunks = np.concatenate([chunks, parts.chunks])
-        cap = max(cap, int(parts.chunks[:, 2].max()))
+    extra = parts.chunks if parts is not None else np.zeros((0, 6), np.int64)
+    n_bit_words, cap, launch_d = _launch_tables(freq, cbits, (cg0, cng, ct0, cnt), tt, d, extra, dev)
     cap += 2 * ke.LANES
     clock.mark("tables: layout")
 
     # 4. the chunks' streams (and the model's parts) and the checksums queued; the host writes the model meanwhile
-    chunks_d, ftab_d, rcp_d = upload([chunks.astype(np.int64), ftab, rcp], dev)
-    scratch, lens, bits = ke.encode_chunks(packed, chunks_d.view(-1, 6), ftab_d, rcp_d, cap, int(bwords.sum()),
-                                           runner)
+    chunks_d, ftab_d, rcp_d = launch_d
+    scratch, lens, bits = ke.encode_chunks(packed, chunks_d, ftab_d, rcp_d, cap, n_bit_words, runner)
     del packed
     clock.mark("payload (launch)")
     tables = table_bytes(freq[:N_CLASSES])
@@ -339,7 +375,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     gather(scratch, cap, lens, woff[:-1], words)
     n_chunks = cg0.size
     payload = words[:woff[n_chunks]]
-    counts_b = np.concatenate([wlen[:n_chunks], bwords]).astype("<u4").view(np.uint8)
+    counts_b = np.concatenate([wlen[:n_chunks], (cbits + 31) // 32]).astype("<u4").view(np.uint8)
     if parts is None:
         head = np.frombuffer(b"".join([(len(fields_head) + len(body)).to_bytes(4, "little"), fields_head, body]),
                              np.uint8)

@@ -31,17 +31,38 @@ def fit_tables(counts: np.ndarray) -> np.ndarray:
 
 def table_bytes(freq: np.ndarray) -> np.ndarray:
     """The tables as bytes (uint8; the caller entropy-codes them): per class ``n`` (0 = unused),
-    then ``lo``, ``n`` frequencies of symbols lo .. lo+n-1 and ESC's frequency."""
-    out = []
-    for row in freq:
-        nz = np.flatnonzero(row[:ESC])
-        if not row.any():
-            out.append([0])
+    then ``lo``, ``n`` frequencies of symbols lo .. lo+n-1 and ESC's frequency. Compiled: the GPU
+    encoder writes them on its critical path (0.25-0.45 ms of Python per call on the H200 host)."""
+    return _to_bytes(_table_values(np.ascontiguousarray(freq, np.int64)))
+
+
+@njit(cache=True, nogil=True)
+def _table_values(freq):
+    """:func:`table_bytes`' values before :func:`_to_bytes`: per row [0] (unused), [0xFFFF, esc] (only
+    ESC) or [hi - lo, lo, freq[lo:hi]..., esc] (lo, hi: the nonzero range below ESC)."""
+    out = np.empty(freq.shape[0] * (ESC + 3), np.int64)
+    k = 0
+    for r in range(freq.shape[0]):
+        lo, hi = ESC, 0
+        for s in range(ESC):
+            if freq[r, s] != 0:
+                lo, hi = min(lo, s), s + 1
+        if hi == 0:
+            if not freq[r].any():
+                out[k] = 0
+                k += 1
+            else:
+                out[k], out[k + 1] = 0xFFFF, freq[r, ESC]
+                k += 2
             continue
-        lo, hi = (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
-        out.append([hi - lo, lo, *row[lo:hi].tolist(), int(row[ESC])] if nz.size else [0xFFFF, int(row[ESC])])
-    flat = np.array([v for part in out for v in part], np.int64)
-    return _to_bytes(flat)
+        out[k], out[k + 1] = hi - lo, lo
+        k += 2
+        for s in range(lo, hi):
+            out[k] = freq[r, s]
+            k += 1
+        out[k] = freq[r, ESC]
+        k += 1
+    return out[:k]
 
 
 def tables_from_bytes(raw: np.ndarray) -> np.ndarray:
