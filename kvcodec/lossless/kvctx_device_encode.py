@@ -43,6 +43,7 @@ from kvcodec.lossless.predictive import format2
 from kvcodec.lossless.predictive.bins import N_CLASSES, bin_grid
 from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, chunk_layout, code_model
 from kvcodec.lossless.predictive.grid import grid_for, value_table
+from kvcodec.lossless.predictive.params import stored_fields
 from kvcodec.lossless.predictive.tables import table_bytes
 
 SOURCES = ("none", "external", "previous_token", "neighbour_layer")
@@ -273,9 +274,10 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     """(codec meta, sections {name: 1-D tensor on t's device}) of the contiguous tensor ``t``, a format 2
     stream of ``source`` (``SOURCES``; ``prediction``: a tensor of t's shape for "external"). The caller
     checked :func:`unsupported`. ``runner`` / ``gather``: the kernels' launcher and the stream packer
-    (default: the GPU's; the tests pass the CPU emulation's). ``overlap(sections)``: device work to queue
-    behind the sections finished by then (e.g. the tensor's and their checksums), called after the first
-    wait: the device would idle while the host builds the tables; ``steps``: a dict that receives the host time of each step (:class:`_Clock`).
+    (default: the GPU's; the tests pass the CPU emulation's). ``overlap(buffers)``: device work to queue
+    behind the sections finished by then and the prediction (``"prediction"``: its bytes), called after the
+    first wait (the device would idle while the host builds the tables); it returns their checksums (0-d
+    int64 device tensors by name; the prediction's is read back at the second wait); ``steps``: a dict that receives the host time of each step (:class:`_Clock`).
 
     The host waits for the device twice: once for the fitted fields' statistics, the histograms and the
     chunks' raw-bit totals (one read-back), once for the stream lengths of the chunks and the model's field
@@ -299,14 +301,11 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     pats = _symbol_bits(t, sections)
     unit = _unit(shape, source)
     pred = None
-    no = torch.zeros((), dtype=torch.int64, device=dev)
-    pred_crc = no
-    if source == "external":
+    if source == "external":  # its checksum is queued after the first wait, with the tensor's
         pred = _prediction_f32(prediction.to(dev), g, tt, d).contiguous()
-        pred_crc = gcrc.crc32_many([pred.reshape(-1).view(torch.uint8)])[0]
     elif source == "neighbour_layer":  # each layer predicted by the one before (the first by 0)
         pred = _layer_prediction(pats, bdtype, (g, tt, d), unit)
-    clock.mark("prepare (prediction, checksum)")
+    clock.mark("prepare (prediction)")
 
     # 1. the model, its stored fields (shared or per-(g, d) chosen on the device)
     val, lw = _pattern_tables(bdtype, dev)
@@ -320,27 +319,31 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     clock.mark("fit: formulas + residual passes (launches)")
     shared_won = kfit.choose(cands)
     values, margs = kfit.bin_params(cands, shared_won, bin_grid(bdtype), runner)
-    planes, stats = kfit.field_planes(values, source)
-    clock.mark("fit: choice, bin parameters, field planes (launches)")
+    clock.mark("fit: choice, bin parameters (launches)")
 
     # 2. symbols, histogram, raw-bit counts (room after the values for the model's field bytes)
     cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, unit)
     gb = int(cng[0])
     n_values = g * tt * d
-    spare = planes.numel() if planes.numel() > format2.MODEL_PART_BYTES else 0
+    n_plane_bytes = 2 * len(stored_fields(source)) * values.shape[1]  # kfit.field_planes' bytes
+    spare = n_plane_bytes if n_plane_bytes > format2.MODEL_PART_BYTES else 0
     packed, hist, chunk_bits = ke.symbolise(pats, pred, margs, choices == (True,), _escape_table(bdtype, dev),
                                             grid_constants(bdtype), (g, tt, d), tb, gb, unit, cg0.size, N_KEYS,
                                             spare, runner)
-    flags = torch.stack([no if shared_won is None else shared_won, pred_crc])
-    clock.mark("symbolise (launch)")
-    stats, phist, counts, cbits, flags = _read_back([stats, kfit.plane_histograms(planes, d, runner), hist.sum(dim=0),
-                                                     chunk_bits, flags])
+    planes, stats = kfit.field_planes(values, source)  # after the symbolise launch: off its critical path
+    clock.mark("symbolise, field planes (launches)")
+    won = [] if shared_won is None else [shared_won.view(1)]
+    stats, phist, counts, cbits, *won = _read_back([stats, kfit.plane_histograms(planes, d, runner), hist.sum(dim=0),
+                                                    chunk_bits, *won])
     clock.mark("wait: fit + symbolise (sync 1)")
-    if overlap is not None:  # device work while the host builds the tables
-        overlap({k: sections[k] for k in ("lo16",) if k in sections})
-    shared = bool(flags[0]) if shared_won is not None else choices == (True,)
+    pending = {k: sections[k] for k in ("lo16",) if k in sections}
+    if source == "external":  # read back with the stream lengths (the second wait)
+        pending["prediction"] = pred.reshape(-1).view(torch.uint8)
+    crcs = overlap(pending) if overlap is not None else {}  # device work while the host builds the tables
+    pred_crc = None
     if source == "external":
-        meta["pred_crc"] = int(flags[1])
+        pred_crc = crcs["prediction"] if "prediction" in crcs else gcrc.crc32_many([pending["prediction"]])[0]
+    shared = bool(won[0][0]) if won else choices == (True,)
 
     # 3. tables (the classes' and the model's field parts'), the parts and the chunk layout of the sections
     fields_head, fields, widths = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
@@ -366,7 +369,10 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     if parts is None:
         body, mparts = code_model(fields.cpu().numpy(), tables)
     clock.mark("model bytes (host)")
-    wlen, miscounts = np.split(lens.cpu().numpy(), [-1])
+    lens_h = (lens if pred_crc is None else torch.cat([lens, pred_crc.view(1)])).cpu().numpy()
+    if pred_crc is not None:
+        meta["pred_crc"], lens_h = int(lens_h[-1]), lens_h[:-1]
+    wlen, miscounts = np.split(lens_h, [-1])
     clock.mark("wait: payload (sync 2)")
     if (wlen < 0).any() or miscounts[0]:
         raise RuntimeError("GPU kvctx encoder: a symbol without frequency or a raw-bit miscount (internal error)")
@@ -430,10 +436,11 @@ def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: st
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
     early = {}  # the tensor's and the finished sections' checksums, queued while the host builds the tables
 
-    def checksums(done: dict) -> None:
+    def checksums(done: dict) -> dict:
         names = ["tensor", *done]
         bufs = [t.reshape(-1) if k == "tensor" else done[k] for k in names]
         early.update(zip(names, crc32_many([b.view(torch.uint8) for b in bufs])))
+        return early
 
     codec_meta, sections = encode(t, prediction, source, steps=steps, overlap=checksums)
     clock = _Clock(steps)

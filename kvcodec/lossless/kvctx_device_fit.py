@@ -112,11 +112,16 @@ def field_planes(values: torch.Tensor, source: str) -> tuple[torch.Tensor, torch
     high plane only where the maximum needs it."""
     stored = stored_fields(source)
     v = torch.stack([values[FIELD_ORDER.index(_FIELD_OF[f])] for f in stored]).to(torch.int64)
-    lo = torch.zeros(len(stored), dtype=torch.int64, device=v.device)
-    k = stored.index("s")
-    lo[k] = v[k].min()
+    lo = v.amin(dim=1) * _one_hot(len(stored), stored.index("s"), v.device)
     arr = v - lo[:, None]
-    return torch.stack([arr & 0xFF, arr >> 8], 1).to(torch.uint8), torch.stack([lo, arr.amax(dim=1)], 1)
+    planes = arr.view(torch.uint8).view(*arr.shape, 8)[..., :2].transpose(1, 2).contiguous()  # low, high byte
+    return planes, torch.stack([lo, arr.amax(dim=1)], 1)
+
+
+@lru_cache(maxsize=8)
+def _one_hot(n: int, k: int, device: torch.device) -> torch.Tensor:
+    """int64 [n] on ``device``: 1 at k, else 0 (the field whose minimum is subtracted)."""
+    return torch.nn.functional.one_hot(torch.tensor(k), n).to(device)
 
 
 def plane_histograms(planes: torch.Tensor, d: int, runner) -> torch.Tensor:
