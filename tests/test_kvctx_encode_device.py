@@ -330,9 +330,9 @@ def test_gpu_encode_decodes_everywhere(shape, dtype, source, specials, gpu_encod
 @gpu
 def test_gpu_encode_fp8_version2_and_fallbacks(gpu_encodes):
     x = kv_like((2, 128, 64), torch.float32).to(torch.float8_e4m3fn).cuda()
-    blob = kvcodec.compress(x, layout="kv")  # format 1 by default: the CPU encodes it
+    blob = kvcodec.compress(x, layout="kv", version=1)  # format 1: the CPU encodes it
     assert gpu_encodes == [] and same_bits(kvcodec.decompress(blob), x)
-    blob2 = kvcodec.compress(x, layout="kv", version=2)
+    blob2 = kvcodec.compress(x, layout="kv")  # fp8 without a prediction: format 2 by default, on the GPU
     assert gpu_encodes == [1] and same_bits(kvcodec.decompress(blob2, device="cpu"), x)
     small = kv_like((2, 16, 64)).cuda()  # 8-lane chunks: the CPU
     assert same_bits(kvcodec.decompress(kvcodec.compress(small, layout="kv")), small) and gpu_encodes == [1]

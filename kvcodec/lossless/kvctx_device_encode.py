@@ -18,8 +18,8 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
 
 Only the stored fields' statistics and byte histograms, the symbol histogram, per-chunk sizes and
 small headers cross to the host.
-Calls the GPU cannot take (:func:`unsupported`: format 1, e.g. fp8 by default; 8-lane streams of small
-tensors; other dtypes) are coded on the CPU by the caller: the format is
+Calls the GPU cannot take (:func:`unsupported`: format 1, e.g. fp8 against an external prediction by
+default; 8-lane streams of small tensors; other dtypes) are coded on the CPU by the caller: the format is
 never changed silently.
 """
 
@@ -51,7 +51,7 @@ MODEL_CLASS = N_CLASSES  # the payload kernel's table of the model's field parts
 assert format2.FIELD_PRECISION == rans_lanes.PRECISION  # the parts' table is one more row of the classes'
 N_KEYS = N_CLASSES * 256
 _CODED = {torch.bfloat16, torch.float16, torch.float32}
-_CODED_FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}  # format 2 only with version=2 (tested ones)
+_CODED_FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}  # format 2 only (tested ones)
 
 
 def unsupported(t: torch.Tensor, source: str, version) -> str | None:
@@ -64,8 +64,8 @@ def unsupported(t: torch.Tensor, source: str, version) -> str | None:
         return "the neighbour-layer predictor needs a [layers, ..., tokens, channels] tensor"
     if t.dtype not in _CODED and t.dtype not in _CODED_FP8:
         return f"{t.dtype} is coded on the CPU"
-    if (pcodec.default_version(t.dtype) if version is None else version) != 2:
-        return "only format 2 is encoded on the GPU (fp8 defaults to format 1: pass version=2)"
+    if (pcodec.default_version(t.dtype, source) if version is None else version) != 2:
+        return "only format 2 is encoded on the GPU (fp8 with a prediction tensor defaults to format 1: pass version=2)"
     g, tt, d = pcodec.kv_layout(tuple(t.shape))
     if t.numel() == 0:
         return "empty tensor"
