@@ -278,7 +278,6 @@ def _chunk_decoder(consts):
     constants make the specialised kernels ~10% faster; the generic one serves rarer dtypes."""
     special = consts is not None
     c_width, c_sign, c_mb, c_maxmag, c_eoff = consts or (0, 0, 0, 0, 0)
-    unswitch = c_width == 16
 
     @njit(nogil=True, cache=True)
     def decode_chunk(words, ptr, bits8, pos0, g0, ng, t0, nt, pred, has_pred, pred_g0, pred_t0,
@@ -374,28 +373,15 @@ def _chunk_decoder(consts):
                         low[di] = acc & ((np.int64(1) << n) - 1)
                     pos += n
                 bad = False
-                # 4. patterns, residuals and the next token's model (vectorises); 16-bit kernels have a
-                # copy of the loop without the prediction (no per-value has_pred test: bf16 kvctx ~2% faster;
-                # ~1.6 s more to compile, so not for the others)
-                if has_pred or not unswitch:
-                    for d in range(d_n):
-                        di, i = np.uint64(d), np.uint64(mo + d)
-                        pat, dev, bad_d = _pattern(hi[di], low[di], nbits[di], cen[di] + sym[di], base[di], sign, mb,
-                                                   maxmag, eoff)
-                        bad |= bad_d
-                        flat[np.uint64(o + d)] = pat
-                        p = prediction_at(pflat, np.uint64(po + d)) if has_pred else 0.0
-                        base[di], tbase[di], cen[di], t_ep[di] = _model(mf[i], cf[i], af[i], p, dev, esf[i], lvf[i],
-                                                                        inv_unit, mb)
-                else:
-                    for d in range(d_n):
-                        di, i = np.uint64(d), np.uint64(mo + d)
-                        pat, dev, bad_d = _pattern(hi[di], low[di], nbits[di], cen[di] + sym[di], base[di], sign, mb,
-                                                   maxmag, eoff)
-                        bad |= bad_d
-                        flat[np.uint64(o + d)] = pat
-                        base[di], tbase[di], cen[di], t_ep[di] = _model(mf[i], cf[i], af[i], 0.0, dev, esf[i], lvf[i],
-                                                                        inv_unit, mb)
+                for d in range(d_n):  # 4. patterns, residuals and the next token's model (vectorises)
+                    di, i = np.uint64(d), np.uint64(mo + d)
+                    pat, dev, bad_d = _pattern(hi[di], low[di], nbits[di], cen[di] + sym[di], base[di], sign, mb,
+                                               maxmag, eoff)
+                    bad |= bad_d
+                    flat[np.uint64(o + d)] = pat
+                    p = prediction_at(pflat, np.uint64(po + d)) if has_pred else 0.0
+                    base[di], tbase[di], cen[di], t_ep[di] = _model(mf[i], cf[i], af[i], p, dev, esf[i], lvf[i],
+                                                                    inv_unit, mb)
                 if bad:
                     return 5, ptr, 0
                 o += d_n
