@@ -253,15 +253,21 @@ def test_fit_kernels_equal_the_host_formulas(emulator, source, g, t, noise, seed
 @settings(max_examples=15, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.sampled_from([1, 10, 10**6, 10**13]))
 def test_parallel_tables_equal_fit_tables(seed, scale):
-    """kvctx_device_encode.fit_tables (rows on the thread pool) == tables.fit_tables: unused classes, one
-    symbol, sparse and dense rows, small and huge counts."""
+    """tables.fit_tables, compiled rows in one pass or on the thread pool (as the GPU encoder calls it) ==
+    quantize_frequencies row by row: unused classes, one symbol, sparse and dense rows, small and huge counts."""
+    from kvcodec.entropy.freq import quantize_frequencies
+    from kvcodec.lossless.predictive import format2
     from kvcodec.lossless.predictive.bins import N_CLASSES
     from kvcodec.lossless.predictive.tables import fit_tables
 
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, scale + 1, (N_CLASSES, 256)) * (rng.random((N_CLASSES, 256)) < rng.random((N_CLASSES, 1)))
     counts[rng.random(N_CLASSES) < 0.3] = 0
-    assert np.array_equal(kde.fit_tables(counts), fit_tables(counts))
+    want = np.zeros((N_CLASSES, 256), np.int64)
+    for k in np.flatnonzero(counts.sum(axis=1)):
+        want[k] = quantize_frequencies(counts[k], 12)
+    assert np.array_equal(fit_tables(counts), want)
+    assert np.array_equal(fit_tables(counts, format2._pool()), want)
 
 
 def test_calls_the_gpu_encoder_does_not_take():

@@ -60,7 +60,7 @@ def quantize_frequencies(counts, precision: int) -> np.ndarray:
     c = counts[used]
     total = int(c.sum())
     # Step 1: proportional rounding with floor 1 (integer arithmetic, no float rounding).
-    f = np.maximum(1, (c * total_slots) // total) if total < (1 << 62) >> precision else np.maximum(
+    f = np.maximum(1, (c * total_slots) // total) if integer_rounding(total, precision) else np.maximum(
         1, np.floor(c.astype(np.float64) * (total_slots / total)).astype(np.int64)
     )
     f = f.astype(np.int64)
@@ -80,6 +80,28 @@ def _gain(c, f):
 def _loss(c, f):
     """Bits lost by lowering f to f-1 (infinite when f == 1: the symbol must stay codable)."""
     return c * math.log2(f / (f - 1)) if f > 1 else math.inf
+
+
+def integer_rounding(total: int, precision: int) -> bool:
+    """Whether :func:`quantize_frequencies` rounds counts summing to ``total`` in integers (exactly):
+    below ``2**62 >> precision``; above it, in floats."""
+    return total < (1 << 62) >> precision
+
+
+@njit(cache=True, nogil=True)
+def quantize_rows(counts, rows, precision, out):
+    """``out[k] = quantize_frequencies(counts[k], precision)`` for each k of ``rows``, compiled and
+    without the GIL (many tables at once, e.g. on a thread pool): its integer step 1 and
+    :func:`_fix_sum_and_polish`. Each row must be used, fit its slots and round in integers
+    (:func:`integer_rounding`); unchecked here."""
+    slots = 1 << precision
+    for k in rows:
+        used = np.flatnonzero(counts[k])
+        c = counts[k][used]
+        f = np.maximum(1, (c * slots) // c.sum())
+        _fix_sum_and_polish(f, c.astype(np.float64), slots)
+        for j in range(used.size):
+            out[k, used[j]] = f[j]
 
 
 @njit(cache=True)

@@ -10,7 +10,7 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
    ``kvctx_device_fit``; shared or per-(g, d) parameters chosen by the CPU encoder's estimate);
 2. ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
    code with the GPU decoder's own model arithmetic and counts the per-class histogram;
-3. the tables on the host (``fit_tables``: the same integer tables as the CPU for the same counts), the
+3. the tables on the host (``tables.fit_tables``, on the thread pool: the CPU's tables for the same counts), the
    ``model`` section as ``format2.code_model`` writes it: its field bytes' parts (``mfields``) coded on
    the device with the payload (:class:`_FieldParts`), a small model on the host;
 4. ``kvctx_encode.encode_chunks``: two warps per chunk write its 32-lane rANS stream and its raw bits;
@@ -35,7 +35,6 @@ from numba import njit
 from kvcodec import container
 from kvcodec.cuda.transfer import upload
 from kvcodec.entropy import rans_lanes
-from kvcodec.entropy.freq import _fix_sum_and_polish, quantize_frequencies
 from kvcodec.lossless import kvctx_device_fit as kfit
 from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
 from kvcodec.lossless.predictive import codec as pcodec
@@ -44,7 +43,7 @@ from kvcodec.lossless.predictive.bins import N_CLASSES, bin_grid
 from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, chunk_layout, code_model
 from kvcodec.lossless.predictive.grid import grid_for, value_table
 from kvcodec.lossless.predictive.params import stored_fields
-from kvcodec.lossless.predictive.tables import table_bytes
+from kvcodec.lossless.predictive.tables import fit_tables, table_bytes
 
 SOURCES = ("none", "external", "previous_token", "neighbour_layer")
 MODEL_CLASS = N_CLASSES  # the payload kernel's table of the model's field parts (:class:`_FieldParts`)
@@ -175,46 +174,6 @@ def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
         out.append(hv[pos:pos + n].view(_NP_OF[x.dtype]).reshape(x.shape))
         pos += n
     return out
-
-
-def fit_tables(counts: np.ndarray) -> np.ndarray:
-    """int64 frequencies of each row of ``counts`` ([rows, 256]): ``freq.quantize_frequencies`` at 2**-12 of
-    every used row, zeros for an unused one (``tables.fit_tables`` for the classes' rows), the rows' greedy
-    polish compiled and on the thread pool. Why: it is on the critical path between the symbolise and
-    payload kernels (the device idles), ~1-2 ms on one core for predictive streams."""
-    freq = np.zeros(counts.shape, np.int64)
-    sums = counts.sum(axis=1)
-    rows = np.flatnonzero(sums)
-    if rows.size and sums.max() >= (1 << 62) >> rans_lanes.PRECISION:  # past quantize_frequencies' integer rounding
-        for k in rows:
-            freq[k] = quantize_frequencies(counts[k], rans_lanes.PRECISION)
-        return freq
-    widths = (counts[rows] > 0).sum(axis=1)
-    if widths.sum() < _POOL_FROM_SYMBOLS:  # little work: the pool's hand-offs would cost more (~0.1 ms each)
-        _quantize_rows(counts, rows, rans_lanes.PRECISION, freq)
-        return freq
-    order = rows[np.argsort(-widths, kind="stable")]  # the widest rows first
-    groups = [order[k::_TABLE_TASKS] for k in range(min(_TABLE_TASKS, order.size))]
-    list(format2._pool().map(lambda r: _quantize_rows(counts, r, rans_lanes.PRECISION, freq), groups))
-    return freq
-
-
-_TABLE_TASKS = 8
-_POOL_FROM_SYMBOLS = 4096  # used (row, symbol) pairs; ~0.1 us of polish each (a kvctx stream's ~5 rows: ~800)
-
-
-@njit(cache=True, nogil=True)
-def _quantize_rows(counts, rows, precision, freq):
-    """``freq[k] = quantize_frequencies(counts[k], precision)`` for each k of ``rows`` (its step 1 and
-    ``_fix_sum_and_polish``; rows sum to less than 2**62 >> precision: its integer rounding)."""
-    slots = 1 << precision
-    for k in rows:
-        used = np.flatnonzero(counts[k])
-        c = counts[k][used]
-        f = np.maximum(1, (c * slots) // c.sum())
-        _fix_sum_and_polish(f, c.astype(np.float64), slots)
-        for j in range(used.size):
-            freq[k, used[j]] = f[j]
 
 
 def _launch_tables(freq: np.ndarray, cbits: np.ndarray, layout: tuple, tt: int, d: int, extra: np.ndarray, dev):
@@ -349,7 +308,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     fields_head, fields, widths = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
     in_parts = fields.numel() > format2.MODEL_PART_BYTES
     model_counts = kfit.field_counts(phist[0 if shared else 1], widths) if in_parts else np.zeros(256, np.int64)
-    freq = fit_tables(np.concatenate([counts.reshape(N_CLASSES, 256), model_counts[None]]))
+    freq = fit_tables(np.concatenate([counts.reshape(N_CLASSES, 256), model_counts[None]]), format2._pool())
     clock.mark("tables: frequencies")
     parts = _FieldParts(fields, freq[MODEL_CLASS], packed, n_values) if in_parts else None
     if not in_parts:
