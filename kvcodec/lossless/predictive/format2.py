@@ -71,18 +71,17 @@ def chunk_count(g: int, tt: int, d: int, tb: int, unit: int) -> int:
 def chunk_layout(g: int, tt: int, d: int, tb: int, unit: int):
     """(first g, g count, first token, token count) per chunk, int64 arrays: blocks of ``tb``
     tokens x as many consecutive leading indices as fill ~CHUNK_VALUES, never crossing a multiple
-    of ``unit`` (a layer, for the neighbour-layer predictor); g-major. Kept per shape (read-only
-    arrays): a cache's tensors share a few shapes, and building them was ~0.015 ms a decode."""
+    of ``unit`` (a layer, for the neighbour-layer predictor); g-major. Kept per shape and shared
+    between calls, so callers never write them: a cache's tensors share a few shapes, and building
+    them was ~0.015 ms a decode. (Not flagged read-only: numba types a read-only array apart and
+    would compile the chunk decoder twice, once for these and once for a selection's copies.)"""
     gb, per_unit = _blocks(g, tt, d, tb, unit)
     k = np.arange(per_unit, dtype=np.int64) * gb
     gs = (np.arange(0, g, unit, dtype=np.int64)[:, None] + k[None, :]).reshape(-1)
     ng = np.tile(np.minimum(gb, unit - k), g // unit)
     ts = np.arange(0, tt, tb, dtype=np.int64)
     nt = np.minimum(tb, tt - ts)
-    out = np.repeat(gs, ts.size), np.repeat(ng, ts.size), np.tile(ts, gs.size), np.tile(nt, gs.size)
-    for x in out:
-        x.flags.writeable = False
-    return out
+    return np.repeat(gs, ts.size), np.repeat(ng, ts.size), np.tile(ts, gs.size), np.tile(nt, gs.size)
 
 
 @dataclass
