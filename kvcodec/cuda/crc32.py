@@ -175,11 +175,7 @@ def reference(data: bytes, ptr: int = 0) -> int:
     t0 = end if nb else ptr
     for b in buf[t0 - ptr:]:
         c = int(t[0][(c ^ int(b)) & 255]) ^ (c >> 8)
-    s = 0xFFFFFFFF
-    for i in range(SHIFTS):
-        if (n >> i) & 1:
-            s = int(_shift(i, s))
-    return ~(s ^ c) & 0xFFFFFFFF
+    return ~(int(shift_by(n, 0xFFFFFFFF)) ^ c) & 0xFFFFFFFF
 
 
 # ------------------------------------------------------------------------------------- launch

@@ -82,13 +82,12 @@ def field_parts_launch(parts, device, also=()):
     offsets = np.cumsum(count) - count
     pdesc = np.stack([parts.start - parts.start[0], parts.length, offsets, count], 1).astype(np.int64)
     order = np.argsort(-count, kind="stable").astype(np.int32)
-    first = np.arange(0, len(count), warps, dtype=np.int32)
-    blocks = np.stack([np.zeros_like(first), first, np.minimum(warps, len(count) - first), np.zeros_like(first)], 1)
+    blocks = cuda_rans._blocks(np.zeros(len(count), np.int64), warps)  # one table: blocks of `warps` parts
     # (offset, mode, precision, lo, shared-memory words, aux, symbol bytes, 0): rans.Table's descriptor
     tdesc = np.array([[0, 0, FIELD_PRECISION, 0, TABLE_SLOTS, 0, 1, 0]], np.int64)
     pd, od, bd, td, *more = upload([pdesc, order, blocks, tdesc, *also], device)
     lp = cuda_rans.LaunchPlan(pd.reshape(-1, 4), od, bd.reshape(-1, 4), td.reshape(-1, 8), None,
-                              warps * cuda_rans.RING_BYTES + 4 * TABLE_SLOTS, len(first), more, warps)
+                              warps * cuda_rans.RING_BYTES + 4 * TABLE_SLOTS, len(blocks), more, warps)
     return lp, more
 
 
