@@ -338,15 +338,14 @@ def host_pieces(dblob) -> dict:
 
     from kvcodec import container
     from kvcodec.cuda import kvctx_plan
-    from kvcodec.cuda.transfer import upload
-    from kvcodec.lossless import device_container
+    from kvcodec.cuda.transfer import download, upload
 
-    head = device_container.download(dblob[:1 << 16])
+    head = download(dblob[:1 << 16])
     freq = torch.zeros(256, dtype=torch.int16, device=dblob.device)
     return {
-        "64 KB read-back (pinned)": lambda: device_container.download(dblob[:1 << 16]),
+        "64 KB read-back (pinned)": lambda: download(dblob[:1 << 16]),
         "64 KB read-back (.cpu())": lambda: dblob[:1 << 16].cpu(),
-        "4 KB read-back (pinned)": lambda: device_container.download(dblob[:4096]),
+        "4 KB read-back (pinned)": lambda: download(dblob[:4096]),
         "header parse (container.read_header, host)": lambda: container.read_header(head),
         "upload of 170 KB (transfer.upload)": lambda: upload([np.zeros(170_000 // 8, np.int64)], dblob.device),
         "pinned 170 KB torch.empty": lambda: torch.empty(170_000, dtype=torch.uint8, pin_memory=True),

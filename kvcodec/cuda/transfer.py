@@ -177,3 +177,15 @@ def bytes_to_device(buf, device, threads: int = 0) -> torch.Tensor:
             sent.record(stream)
             filling[j + slots] = fill(j + slots, sent)  # the slot is refilled once its copy has run
     return out
+
+
+def download(t: torch.Tensor) -> np.ndarray:
+    """A device tensor's bytes on the host (uint8): through a pinned buffer (torch's caching host
+    allocator) on CUDA, one direct DMA instead of pageable staging; synchronizes with torch's current
+    stream. A CPU tensor's bytes are viewed, not copied."""
+    if t.device.type != "cuda":
+        return t.reshape(-1).view(torch.uint8).numpy()
+    host = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, pin_memory=True)
+    host.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host.numpy()

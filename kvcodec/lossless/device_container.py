@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvcodec import container
-from kvcodec.cuda.transfer import upload
+from kvcodec.cuda.transfer import download, upload
 from kvcodec.errors import CorruptStreamError
 
 _HEAD_GUESS = 1 << 16  # bytes fetched first: the prefix and, usually, the whole header
@@ -78,17 +78,6 @@ class DeviceSection:
     def bytes(self) -> torch.Tensor:
         """The section's bytes: a uint8 view of the blob."""
         return self.blob[self.offset: self.offset + self.nbytes]
-
-
-def download(t: torch.Tensor) -> np.ndarray:
-    """A device tensor's bytes on the host: through a pinned buffer (torch's caching host allocator) on
-    CUDA, one direct DMA instead of pageable staging; synchronizes with torch's current stream."""
-    if t.device.type != "cuda":
-        return t.reshape(-1).view(torch.uint8).numpy()
-    host = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, pin_memory=True)
-    host.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
-    torch.cuda.current_stream(t.device).synchronize()
-    return host.numpy()
 
 
 def _download(blob: torch.Tensor, end: int, start: int = 0) -> np.ndarray:

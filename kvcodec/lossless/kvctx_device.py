@@ -28,7 +28,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from kvcodec.lossless.device_container import download
+from kvcodec.cuda.transfer import download
 from kvcodec.lossless.predictive import codec as pcodec
 from kvcodec.lossless.predictive.bins import bin_grid
 from kvcodec.lossless.predictive.grid import value_table

@@ -33,7 +33,7 @@ import torch
 from numba import njit
 
 from kvcodec import container
-from kvcodec.cuda.transfer import upload
+from kvcodec.cuda.transfer import download, upload
 from kvcodec.entropy import rans_lanes
 from kvcodec.lossless import kvctx_device_fit as kfit
 from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
@@ -161,14 +161,7 @@ _NP_OF = {torch.uint8: np.uint8, torch.int32: np.int32, torch.int64: np.int64}
 def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     """The tensors on the host (numpy, same dtypes and shapes) through one pinned buffer and one copy:
     the call's wait for the model (the fields, the histogram) before its tables can be built."""
-    buf = torch.cat([x.reshape(-1).view(torch.uint8) for x in tensors])
-    if buf.is_cuda:
-        host = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(buf, non_blocking=True)
-        torch.cuda.current_stream(buf.device).synchronize()
-    else:  # the tests' CPU emulation
-        host = buf
-    hv, out, pos = host.numpy(), [], 0
+    hv, out, pos = download(torch.cat([x.reshape(-1).view(torch.uint8) for x in tensors])), [], 0
     for x in tensors:
         n = x.numel() * x.element_size()
         out.append(hv[pos:pos + n].view(_NP_OF[x.dtype]).reshape(x.shape))
@@ -307,12 +300,12 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     # 3. tables (the classes' and the model's field parts'), the parts and the chunk layout of the sections
     fields_head, fields, widths = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
     in_parts = fields.numel() > format2.MODEL_PART_BYTES
-    model_counts = kfit.field_counts(phist[0 if shared else 1], widths) if in_parts else np.zeros(256, np.int64)
-    freq = fit_tables(np.concatenate([counts.reshape(N_CLASSES, 256), model_counts[None]]), format2._pool())
+    rows = counts.reshape(N_CLASSES, 256)
+    if in_parts:  # the model's field parts: one more row (MODEL_CLASS)
+        rows = np.concatenate([rows, kfit.field_counts(phist[0 if shared else 1], widths)[None]])
+    freq = fit_tables(rows, format2._pool())
     clock.mark("tables: frequencies")
     parts = _FieldParts(fields, freq[MODEL_CLASS], packed, n_values) if in_parts else None
-    if not in_parts:
-        freq = freq[:N_CLASSES]
     clock.mark("tables: model parts (launches)")
     extra = parts.chunks if parts is not None else np.zeros((0, 6), np.int64)
     n_bit_words, cap, launch_d = _launch_tables(freq, cbits, (cg0, cng, ct0, cnt), tt, d, extra, dev)
