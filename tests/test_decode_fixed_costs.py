@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import torch
 
 from kvcodec.entropy import rans_fast, stream
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless.predictive import tables
+from kvcodec.lossless.predictive import format2, tables
 from kvcodec.lossless.predictive.bins import N_CLASSES
 from test_predictive_decode_fast import reference_compact
 
@@ -226,3 +227,30 @@ def test_frequency_table_parse_equals_numpy_reference(seed, used, run, damage, a
             table = table[:rng.integers(0, len(table))]
         buf = np.frombuffer(bytes(table), np.uint8)
         assert _outcome(stream._parse_freqs, buf, 0, alphabet) == _outcome(_parse_freqs_reference, buf, 0, alphabet)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["none", "external", "previous_token", "neighbour_layer"]),
+       st.booleans())
+def test_stored_fields_expand_to_the_params_kernel_args(seed, source, wide):
+    """StoredFields.kernel_args (one compiled pass over the stored bytes) == BinParams.kernel_args of the
+    params the bytes were written from: 1- and 2-byte fields, and fields not stored (their fixed values)."""
+    from kvcodec.lossless.predictive.bins import bin_grid
+    from kvcodec.lossless.predictive.params import Q, stored_fields
+
+    rng = np.random.default_rng(seed)
+    gp, d = int(rng.integers(1, 4)), int(rng.integers(1, 40))
+    stored = stored_fields(source)
+    mq_max = format2._MQ_MAX if wide else 100
+    level = rng.integers(format2._LEVEL_LO, format2._LEVEL_HI + 1, (gp, d))
+    mq = rng.integers(-mq_max, mq_max + 1, (gp, d)) if "m" in stored else np.zeros((gp, d), np.int64)
+    c = rng.integers(-128, 128, (gp, d)) if "c" in stored else np.full((gp, d), Q if source == "external" else 0)
+    a = rng.integers(-128, 128, (gp, d)) if "a" in stored else np.full((gp, d), Q)
+    bp = format2.BinParams(level=level.astype(np.int64), mq=mq.astype(np.int64), c=c.astype(np.int8),
+                           a=a.astype(np.int8), shared=False)
+    head, body = bp.field_bytes(source)
+    fields, rest = format2.StoredFields.read(head, body, source, gp, d)
+    assert rest.size == 0
+    grid = bin_grid(torch.bfloat16)
+    for got, want in zip(fields.kernel_args(grid), bp.kernel_args(grid)):
+        assert got.dtype == want.dtype and np.array_equal(got, want)

@@ -129,8 +129,8 @@ def reference_stream(t: torch.Tensor, meta, sections, prediction=None):
     k = int.from_bytes(sections["model"][:4].tobytes(), "little")
     head = sections["model"][4:4 + k].tobytes()
     n_head = 5 * len(predictive.params.stored_fields(meta["source"]))
-    _, rest = format2.BinParams.from_bytes(head[:n_head], entropy.decode(head[n_head:]), meta["source"],
-                                          m.shape[0], d_n, p2.shared)
+    _, rest = format2.StoredFields.read(head[:n_head], entropy.decode(head[n_head:]), meta["source"],
+                                        m.shape[0], d_n)
     freq = tables.tables_from_bytes(rest)
     counts = np.zeros((bins.N_CLASSES, 256), np.int64)
     np.add.at(counts, (np.array(ctxs), np.array(syms)), 1)

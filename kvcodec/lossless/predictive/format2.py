@@ -133,13 +133,6 @@ class BinParams:
                 body += [planes[:, 0], planes[:, 1]]
         return head, np.concatenate(body)
 
-    @classmethod
-    def from_bytes(cls, head: bytes, raw: np.ndarray, source: str, gp: int, d: int,
-                   shared: bool) -> tuple["BinParams", np.ndarray]:
-        """Inverse of :func:`field_bytes`: (params, the bytes after them)."""
-        fields, rest = StoredFields.read(head, raw, source, gp, d)
-        return fields.params(shared), rest
-
 
 # the stored fields' order in StoredFields.layout, and their names in params.stored_fields
 FIELD_ORDER = ("level", "mq", "c", "a")
@@ -156,7 +149,7 @@ class StoredFields:
     Why: a stream holds up to ~10**6 channels; expanding them into float64 arrays costs more than
     the GPU decode of the whole tensor, so the GPU kernel reads these bytes as they are
     (kvcodec/cuda/kvctx_decode.cu ``kx_params``) and only the CPU decoder expands them
-    (:meth:`params`)."""
+    (:meth:`kernel_args`)."""
 
     raw: np.ndarray
     layout: np.ndarray
@@ -173,27 +166,10 @@ class StoredFields:
         check_field_values(raw, layout, gp * d)
         return cls(raw=raw[:size], layout=layout, n=gp * d, shape=(gp, d)), raw[size:]
 
-    def values(self, name: str) -> np.ndarray:
-        """int64 [Gp, D] of one field (``FIELD_ORDER``)."""
-        off, width, value = (int(v) for v in self.layout[FIELD_ORDER.index(name)])
-        if width == 0:
-            return np.full(self.shape, value, np.int64)
-        planes = self.raw[off:off + width * self.n]
-        arr = (planes.astype(np.int64) if width == 1 else _u16_planes(planes, self.n).astype(np.int64)).reshape(self.shape)
-        if name == "level":
-            return arr + value
-        if name == "mq":
-            return (arr >> 1) ^ -(arr & 1)
-        return arr.astype(np.uint8).view(np.int8).astype(np.int64)
-
-    def params(self, shared: bool) -> BinParams:
-        """The fields expanded (the CPU decoder's arrays)."""
-        return BinParams(level=self.values("level"), mq=self.values("mq"), c=self.values("c").astype(np.int8),
-                         a=self.values("a").astype(np.int8), shared=shared)
-
     def kernel_args(self, grid: BinGrid) -> tuple:
-        """``self.params(shared).kernel_args(grid)`` in one compiled pass over the field bytes (the
-        ~20 numpy calls of the two steps were ~0.04 ms of a small tensor's decode)."""
+        """``BinParams.kernel_args(grid)`` of the params these fields were written from, in one compiled
+        pass over the field bytes (the ~20 numpy calls of expanding them first were ~0.04 ms of a small
+        tensor's decode)."""
         gp, d = self.shape
         m, c, a = (np.empty(self.shape, np.float64) for _ in range(3))
         es, level = np.empty(self.shape, np.int64), np.empty(self.shape, np.int64)
@@ -204,9 +180,8 @@ class StoredFields:
 
 @njit(cache=True, nogil=True)
 def _expand_fields(raw, layout, eoff, m, c, a, es, level):
-    """:meth:`StoredFields.kernel_args`' arrays from the field bytes: the values of
-    ``StoredFields.values`` (level + its minimum, zigzag mq, int8 c / a; a field not stored: its fixed
-    value) through ``BinParams.kernel_args`` (es = clip(level // 4 - 3, 0, EP_MAX),
+    """:meth:`StoredFields.kernel_args`' arrays from the field bytes: the stored values (level + its
+    minimum, zigzag mq, int8 c / a; a field not stored: its fixed value) through ``BinParams.kernel_args`` (es = clip(level // 4 - 3, 0, EP_MAX),
     m = mq * 2**(es + eoff), c and a over Q)."""
     n = m.size
     lv, mq, cq, aq = _field(raw, layout, 0, n), _field(raw, layout, 1, n), _field(raw, layout, 2, n), \
@@ -221,7 +196,7 @@ def _expand_fields(raw, layout, eoff, m, c, a, es, level):
 
 @njit(cache=True)
 def _field(raw, layout, f, n):
-    """Field ``f``'s (``FIELD_ORDER``) n values as ``StoredFields.values`` gives them (int64)."""
+    """Field ``f``'s (``FIELD_ORDER``) n values (int64): level + its minimum, zigzag mq decoded, int8 c / a."""
     off, width, value = layout[f, 0], layout[f, 1], layout[f, 2]
     out = np.empty(n, np.int64)
     if width == 0:
@@ -293,11 +268,6 @@ def _field_value_errors(raw, layout, n, limit):
         if raw[off + k] & raw[off + n + k] == 0xFF:
             return 2
     return 0
-
-
-def _u16_planes(planes: np.ndarray, n: int) -> np.ndarray:
-    """uint16 values of a low byte plane followed by a high byte plane."""
-    return planes[:n].astype(np.uint16) | (planes[n:2 * n].astype(np.uint16) << 8)
 
 
 def _grid_args(grid: BinGrid):
