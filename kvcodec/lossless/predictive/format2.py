@@ -326,15 +326,25 @@ def _decode_parts(buf: np.ndarray, spans, tables, precision: int, streams: int) 
     sharing ``tables`` (CorruptStreamError): in tasks of at least ``POOL_TASK_SYMBOLS`` symbols on the
     thread pool, or here when there are fewer (a hand-off to the pool costs about a part's decode)."""
     spans = list(spans)
-    tasks = max(1, min(_POOL_THREADS, sum(n for _, _, n in spans) // POOL_TASK_SYMBOLS))
-    cuts = np.linspace(0, len(spans), tasks + 1).astype(np.int64)
+    ranges = _task_ranges(len(spans), sum(n for _, _, n in spans) // POOL_TASK_SYMBOLS)
 
-    def run(k: int) -> list:
-        return [rans_fast.decode_prepared(buf[a:b], tables, precision, n, streams)
-                for a, b, n in spans[cuts[k]:cuts[k + 1]]]
+    def run(r: tuple[int, int]) -> list:
+        return [rans_fast.decode_prepared(buf[a:b], tables, precision, n, streams) for a, b, n in spans[r[0]:r[1]]]
 
-    parts = run(0) if tasks == 1 else [p for task in _pool().map(run, range(tasks)) for p in task]
-    return np.concatenate(parts)
+    return np.concatenate([p for task in _run_tasks(run, ranges) for p in task])
+
+
+def _task_ranges(items: int, tasks: int) -> list[tuple[int, int]]:
+    """(first, end) ranges of ``items`` for ``tasks`` pool tasks (at least 1, at most the pool's threads)."""
+    n = max(1, min(_POOL_THREADS, tasks))
+    cuts = np.linspace(0, items, n + 1).astype(np.int64)
+    return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _run_tasks(fn, ranges: list) -> list:
+    """``[fn(r) for r in ranges]``, on the thread pool when there is more than one (a hand-off to the
+    pool costs about a small task)."""
+    return [fn(ranges[0])] if len(ranges) == 1 else list(_pool().map(fn, ranges))
 
 
 def _part_sizes(n: int, parts: int) -> np.ndarray:
@@ -356,15 +366,16 @@ def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
     Why: a stream of ~10**6 channels has megabytes of fields; their entropy decode was the GPU
     decoder's largest host cost. In parts of 32 states, a GPU decodes them (one warp a part:
     ``kvcodec/cuda/rans_decode.cu``); the host reads the table bytes (~1 KB) as they are.
-    The GPU encoder runs this on the host while its payload kernel runs: three rounds on the thread pool
-    (histogram, coding, placing the parts in the one output buffer), no per-part Python work."""
+    The CPU encoder runs it in three rounds on the thread pool (histogram, coding, placing the parts
+    in the one output buffer), no per-part Python work; the GPU encoder codes the parts on the device
+    (``kvctx_device_encode._FieldParts``) and calls this for small models only."""
     fields = np.ascontiguousarray(fields)
     if fields.size + tables.size <= MODEL_PART_BYTES:
         return entropy.encode(np.concatenate([fields, tables]), coder="rans"), {}
     parts = max(1, min(MAX_FIELD_PARTS, -(-fields.size // FIELD_PART_BYTES)))
     bounds = np.concatenate([[0], np.cumsum(_part_sizes(fields.size, parts))])
-    groups = _part_groups(parts)
-    run = lambda fn: list(_pool().map(fn, groups))  # noqa: E731
+    groups = _task_ranges(parts, parts // 8)  # at least ~8 parts (~130 KB) a task: hand-offs stay small
+    run = lambda fn: _run_tasks(fn, groups)  # noqa: E731
     counts = sum(run(lambda g: count_symbols(fields[bounds[g[0]]:bounds[g[1]]])))
     freqs = quantize_frequencies(counts, FIELD_PRECISION).astype("<u2")
     f = freqs.astype(np.int64)
@@ -383,14 +394,6 @@ def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
     run(lambda g: _place_parts(words.view(np.uint8), sbytes, bounds, first, offs, out, *g))
     out[offs[-1]:] = tables
     return out.tobytes(), {"mfields": parts}
-
-
-def _part_groups(parts: int) -> list[tuple[int, int]]:
-    """(first, end) part ranges, one pool task each: at least ~8 parts (~130 KB) a task, so thread
-    hand-offs stay small next to the coding, and no more tasks than the pool's threads."""
-    n = max(1, min(_POOL_THREADS, parts // 8))
-    cuts = np.linspace(0, parts, n + 1).astype(np.int64)
-    return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 _code_field_part = table_kernel(FIELD_STATES)
