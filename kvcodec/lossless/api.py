@@ -373,7 +373,9 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
             if reuse is not None:
                 reuse["kvctx plan"] = planned
     # section crc32s on a side stream (with an entry, the header's crc32 too): for planes while the host
-    # prepares the decode, for kvctx / predictive once the decode kernel is queued (they overlap it)
+    # prepares the decode; for kvctx / predictive queued once the decode kernel is (their host work no
+    # longer precedes it), but the side stream waits for torch's stream, the kernel included, so on the
+    # device they run after it, not beside it (an event recorded before the launch would let them overlap)
     header_check = (header_end, header_crc) if entry is not None else None
     integrity = None
     if meta["codec"] == "planes":
