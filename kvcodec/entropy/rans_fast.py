@@ -171,6 +171,13 @@ def reciprocals(freqs: np.ndarray) -> np.ndarray:
     return 1.0 / np.maximum(np.asarray(freqs, np.float64), 1.0)
 
 
+def table_args(freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(freq, cum, inv) of one frequency table: the arrays :func:`table_kernel` takes (int64
+    frequencies, their exclusive cumulative sums, :func:`reciprocals`)."""
+    f = np.asarray(freqs).astype(np.int64)
+    return f, _cum(f[None])[0], reciprocals(f)
+
+
 @njit(inline="always")
 def _code_group(symbols, base, m, freq, cum, inv, precision, words, wpos, x, fs, cs, iv):
     """Code symbols ``base .. base + m - 1`` on states 0 .. m-1 (:func:`table_kernel`); returns the new
@@ -527,9 +534,7 @@ def _encode(symbols, ctx, freq_tables, precision, n_streams) -> np.ndarray:
     words = np.empty(n, dtype=np.uint16)
     states = np.empty(n_streams, dtype=np.uint64)
     if ctx.size == 0 and t.shape[0] == 1:
-        f = t[0].astype(np.int64)
-        wpos = table_kernel(n_streams)(symbols, 0, n, f, _cum(t)[0].astype(np.int64), reciprocals(f),
-                                        int(precision), words, states)
+        wpos = table_kernel(n_streams)(symbols, 0, n, *table_args(t[0]), int(precision), words, states)
     else:
         wpos = _encode_kernel(symbols, ctx, t, _cum(t), int(precision), n_streams, words, states)
     if wpos < 0:

@@ -30,7 +30,7 @@ from numba import njit
 
 from kvcodec import entropy
 from kvcodec.entropy import rans_fast, rans_lanes
-from kvcodec.entropy.rans_fast import reciprocals, table_kernel
+from kvcodec.entropy.rans_fast import table_args, table_kernel
 from kvcodec.entropy.freq import count_symbols, quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.binned import decode_chunks, gather_words, symbolise, write_chunks
@@ -378,8 +378,7 @@ def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
     run = lambda fn: _run_tasks(fn, groups)  # noqa: E731
     counts = sum(run(lambda g: count_symbols(fields[bounds[g[0]]:bounds[g[1]]])))
     freqs = quantize_frequencies(counts, FIELD_PRECISION).astype("<u2")
-    f = freqs.astype(np.int64)
-    cum, inv = rans_lanes.cumulative(f[None])[0].astype(np.int64), reciprocals(f)
+    f, cum, inv = table_args(freqs)
     words = np.empty(fields.size, np.uint16)
     states = np.empty((parts, FIELD_STATES), np.uint64)
     first = np.empty(parts, np.int64)
