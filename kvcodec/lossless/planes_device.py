@@ -145,7 +145,7 @@ def decode(meta, sections, device, reuse: dict | None = None) -> tuple[torch.Ten
     got = reuse.get("planes streams") if reuse is not None else None
     if got is None:
         got = launch_inputs(meta["v"] == FORMAT_VERSION, sections, info, n, chunk, n_chunks, row)
-    coded, pdesc, table_of, tables, jobs = got[:5]
+    coded, pdesc, table_of, tables, jobs = got
     out = torch.empty(n * itemsize, dtype=torch.uint8, device=device)
     alone = len(info) == 1 and coded  # one coded plane (1-byte elements): decoded straight into out
     decoded = out.view(1, n) if alone else torch.empty((max(len(coded), 1), row), dtype=torch.uint8, device=device)
@@ -158,7 +158,7 @@ def decode(meta, sections, device, reuse: dict | None = None) -> tuple[torch.Ten
     if coded:
         # the launch's device arrays (blocks, tables, the stream jobs) come up in one upload, once per blob
         # tensor: a decode again reuses them (they hold nothing of the blob: offsets, not addresses)
-        plan = got[5] if len(got) > 5 else None
+        plan = reuse.get("planes plan") if reuse is not None else None
         if plan is None:
             plan = gr.LaunchPlan.build(pdesc, table_of, tables, device, also=[] if jobs is None else [jobs])
         elif jobs is not None:
@@ -167,7 +167,7 @@ def decode(meta, sections, device, reuse: dict | None = None) -> tuple[torch.Ten
             pc.stream_desc(blob, plan.also[0], len(coded), n_chunks, chunk, n, pdesc)
         plan.launch(blob, decoded, status)
         if reuse is not None:
-            reuse["planes streams"] = (*got[:5], plan)
+            reuse["planes streams"], reuse["planes plan"] = got, plan
     if not alone:
         planes = [p[1] if p[0] == "const" else sections[f"p{k}"].bytes if p[0] == "raw" else decoded[coded.index(k), :n]
                   for k, p in enumerate(info)]
