@@ -374,8 +374,8 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
                 reuse["kvctx plan"] = planned
     # section crc32s on a side stream (with an entry, the header's crc32 too): for planes while the host
     # prepares the decode; for kvctx / predictive queued once the decode kernel is (their host work no
-    # longer precedes it), but the side stream waits for torch's stream, the kernel included, so on the
-    # device they run after it, not beside it (an event recorded before the launch would let them overlap)
+    # longer precedes it), waiting on the device only for an event recorded before the kernel's launch:
+    # they run beside the kernel
     header_check = (header_end, header_crc) if entry is not None else None
     integrity = None
     if meta["codec"] == "planes":
@@ -391,10 +391,11 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     if res is None:
         return None
     out, status, checks = res
-    integrity = integrity or device_container.Checks(blob, secs, gaps, header_check, [(t, c) for t, c, _ in checks])
+    integrity = integrity or device_container.Checks(blob, secs, gaps, header_check, [(t, c) for t, c, _ in checks],
+                                                     getattr(res, "ready", None))
     folded = getattr(res, "folded", None)  # the tensor's crc32 in parts, from the decode kernel
-    extra = [(folded or out, meta["crc32"])] + [(t, crc) for t, crc, _ in checks]
-    errors = integrity.read(extra, status)  # the one sync
+    extra = [(folded or out, meta["crc32"])]
+    errors = integrity.read(extra, status)  # the one sync; then the checks' flags (read's order)
     if errors[-1]:  # the header changed under the entry (a write torch did not count): decode afresh
         _blob_plans.drop(blob)
         return _decompress_on_device(blob, target, max_output_bytes, prediction)
@@ -403,12 +404,13 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     for i, name in enumerate(names):
         if errors[i]:
             raise CorruptStreamError(f"section {name!r}: checksum mismatch")
-    if errors[n + len(extra)]:
+    m = n + 1 + len(checks)
+    if errors[m]:
         raise CorruptStreamError("nonzero padding in container")
     for i, (_, _, message) in enumerate(checks):
         if errors[n + 1 + i]:
             raise CorruptStreamError(message)
-    if errors[n + len(extra) + 1]:
+    if errors[m + 1]:
         raise CorruptStreamError(stream_error)
     if errors[n]:
         raise CorruptStreamError("decoded tensor fails its checksum: wrong prediction, or a corrupted stream")

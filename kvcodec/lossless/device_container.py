@@ -135,57 +135,62 @@ class Checks:
     the decoded buffers' crc32s in :meth:`read`, on torch's stream after it has waited for the side
     stream's checks; :meth:`read` then synchronizes once. ``header``: (end, crc32) of header bytes read
     earlier (a :class:`BlobCache` entry's), checked to be the blob's still. ``early``: (tensor, crc32)
-    pairs of :meth:`read`'s ``extra`` that are ready already (a decode's prediction), checked on the side
-    stream with the sections (``read`` takes their flags by identity).
+    pairs that are ready already (a decode's prediction), checked on the side stream with the sections.
+    ``after``: a CUDA event on torch's stream recorded once the blob and ``early`` are written (a decode
+    records it just before its kernel's launch): the side stream waits for it, not for all of torch's
+    stream, so the checks run beside a kernel queued after it rather than after that kernel.
 
-    Flag slots on the device: ``[sections (n) | padding | header (with one) | early | extra (k) | status]``."""
+    Flag slots on the device: ``[sections (n) | padding | header (with one) | early (e)]``."""
 
     def __init__(self, blob: torch.Tensor, secs: dict[str, DeviceSection], gaps, header: tuple[int, int] | None = None,
-                 early=()):
+                 early=(), after=None):
         from kvcodec.cuda.crc32 import check_many
 
-        self.early = list(early)  # (tensor, crc32) pairs ready now (a prediction): checked on the side stream too
+        early = list(early)
         n = len(secs)
         self.sections = slice(0, n)
         self.padding = n
         self.header = n + 1 if header is not None else None
-        self.early_at = n + 1 + (header is not None)
-        self.slots = self.early_at + len(self.early)
+        self.early = slice(n + 1 + (header is not None), n + 1 + (header is not None) + len(early))
+        slots = self.early.stop
         bufs = [s.bytes for s in secs.values()] + [blob[a:b] for a, b in gaps]
         expected = [s.crc32 for s in secs.values()] + [None] * len(gaps)  # None: the bytes must be zeros
-        slots = list(range(n)) + [self.padding] * len(gaps)
+        where = list(range(n)) + [self.padding] * len(gaps)
         if header is not None:
-            bufs, expected, slots = bufs + [blob[:header[0]]], expected + [header[1]], slots + [self.header]
-        bufs += [t.reshape(-1).view(torch.uint8) for t, _ in self.early]
-        expected += [int(c) for _, c in self.early]
-        slots += range(self.early_at, self.slots)
+            bufs, expected, where = bufs + [blob[:header[0]]], expected + [header[1]], where + [self.header]
+        bufs += [t.reshape(-1).view(torch.uint8) for t, _ in early]
+        expected += [int(c) for _, c in early]
+        where += range(self.early.start, slots)
         self._done = None
         if not bufs:
-            self.flags = torch.zeros(self.slots, dtype=torch.int32, device=blob.device)
+            self.flags = torch.zeros(slots, dtype=torch.int32, device=blob.device)
         elif blob.is_cuda:
             side = side_stream(blob.device)
-            side.wait_stream(torch.cuda.current_stream(blob.device))  # the blob's bytes are written
+            if after is not None:
+                side.wait_event(after)
+            else:
+                side.wait_stream(torch.cuda.current_stream(blob.device))  # the blob's bytes are written
             with torch.cuda.stream(side):
-                self.flags = check_many(bufs, expected, slots, self.slots)
+                self.flags = check_many(bufs, expected, where, slots)
                 self._done = side.record_event()
-            for t in [blob] + [t for t, _ in self.early]:
+            for t in [blob] + [t for t, _ in early]:
                 t.record_stream(side)  # its memory is not reused before these checks have read it
         else:
-            self.flags = check_many(bufs, expected, slots, self.slots)
+            self.flags = check_many(bufs, expected, where, slots)
 
     def read(self, extra=(), status: torch.Tensor | None = None) -> np.ndarray:
         """int32 flags on the host, 1 = failed: [section crc32s..., ``extra`` (tensor or ``crc32.Parts``,
-        crc32) pairs' crc32s..., nonzero padding, any nonzero entry of ``status`` (the decode kernels' stream
-        statuses), the header differs from the one given]. The one synchronization of a device decode."""
+        crc32) pairs' crc32s..., ``early`` pairs' crc32s..., nonzero padding, any nonzero entry of ``status``
+        (the decode kernels' stream statuses), the header differs from the one given]. The one
+        synchronization of a device decode."""
         from kvcodec.cuda.crc32 import Parts, check_many, check_parts
 
         if self._done is not None:
             torch.cuda.current_stream(self.flags.device).wait_event(self._done)
         parts = [self.flags]
         k = len(extra)
-        early = {id(t): self.early_at + j for j, (t, _) in enumerate(self.early)}  # their flags: checked already
         if extra:
-            whole = [q for q, (t, _) in enumerate(extra) if not isinstance(t, Parts) and id(t) not in early]
+            whole = [q for q, (t, _) in enumerate(extra) if not isinstance(t, Parts)]
             flags = check_many([extra[q][0].reshape(-1).view(torch.uint8) for q in whole],
                                [int(extra[q][1]) for q in whole], whole, k) if whole else torch.zeros(
                 k, dtype=torch.int32, device=self.flags.device)
@@ -196,13 +201,10 @@ class Checks:
         if status is not None:
             parts.append(status.reshape(-1).to(torch.int32))
         got = torch.cat(parts).cpu().numpy()
-        extra_flags = got[self.slots: self.slots + k].copy()
-        for q, (t, _) in enumerate(extra):
-            if id(t) in early:
-                extra_flags[q] = got[early[id(t)]]
+        slots = self.early.stop
         header = got[self.header] if self.header is not None else 0
-        return np.concatenate([got[self.sections], extra_flags, [got[self.padding]],
-                               [int(got[self.slots + k:].any())], [header]]).astype(np.int32)
+        return np.concatenate([got[self.sections], got[slots: slots + k], got[self.early], [got[self.padding]],
+                               [int(got[slots + k:].any())], [header]]).astype(np.int32)
 
 
 _side_streams: dict = {}

@@ -211,6 +211,8 @@ def decode(meta, sections, device, prediction=None, launch=None, planned=None, r
     crc, parts = _folded_crc(kp, dp, device, nc, reuse)
     torch_kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[kp.out_kind]
     out = torch.empty((g, tt, d), dtype=torch_kind, device=device)
+    # the blob and the prediction are ready here: the container's checks wait for this, not for the kernel
+    ready = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
     if ps.source == "neighbour_layer":  # layer by layer, each predicted by the one before (layer 0: by 0)
         per_layer = g // ps.shape[0]
         values = _pattern_values(ps, device)
@@ -221,16 +223,19 @@ def decode(meta, sections, device, prediction=None, launch=None, planned=None, r
         launch(dp, words, bits, out, status, 0, None, pred, 0, lo16, crc=crc)
     del keep_w, keep_b, keep_l  # freed in stream order: after the launches that read them
     tensor = out.view(torch.float32 if ps.mode == "f32split" else ps.dtype).reshape(ps.shape)
-    return Decoded(tensor, status, checks, parts)
+    return Decoded(tensor, status, checks, parts, ready)
 
 
 class Decoded(tuple):
     """:func:`decode`'s (tensor, status, checks), with ``folded``: the tensor's crc32 in parts
-    (``crc32.Parts``) when the kernel folded it in, else None (check the tensor itself)."""
+    (``crc32.Parts``) when the kernel folded it in, else None (check the tensor itself), and ``ready``:
+    a CUDA event recorded on torch's stream before the first launch (the blob and the prediction are
+    written by then: ``device_container.Checks``' ``after``), None off CUDA."""
 
-    def __new__(cls, tensor, status, checks, folded=None):
+    def __new__(cls, tensor, status, checks, folded=None, ready=None):
         self = super().__new__(cls, (tensor, status, checks))
         self.folded = folded
+        self.ready = ready
         return self
 
 
