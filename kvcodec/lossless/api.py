@@ -372,14 +372,13 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
                 return None
             if reuse is not None:
                 reuse["kvctx plan"] = planned
-    # section crc32s on a side stream (with an entry, the header's crc32 too): for planes while the host
-    # prepares the decode; for kvctx / predictive queued once the decode kernel is (their host work no
-    # longer precedes it), waiting on the device only for an event recorded before the kernel's launch:
-    # they run beside the kernel
+    # section crc32s on a side stream (with an entry, the header's crc32 too), queued once the decode kernel
+    # is: for kvctx / predictive waiting on the device only for an event recorded before the kernel's
+    # launch (they run beside the kernel); for planes after the kernel, in one pass with the decoded
+    # tensor's crc32 (a planes decode is host-bound: a second pass's launch costs the host more than
+    # the pass costs the device)
     header_check = (header_end, header_crc) if entry is not None else None
-    integrity = None
     if meta["codec"] == "planes":
-        integrity = device_container.Checks(blob, secs, gaps, header_check)
         res = planes_device.decode(meta["codec_meta"], secs, blob.device, reuse)
         if res is not None:
             res = (*res, [])  # no checks beyond the container's
@@ -391,10 +390,13 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     if res is None:
         return None
     out, status, checks = res
-    integrity = integrity or device_container.Checks(blob, secs, gaps, header_check, [(t, c) for t, c, _ in checks],
-                                                     getattr(res, "ready", None))
-    folded = getattr(res, "folded", None)  # the tensor's crc32 in parts, from the decode kernel
-    extra = [(folded or out, meta["crc32"])]
+    if meta["codec"] == "planes":  # the tensor's flag lands at the same place (n) as an extra's
+        integrity, extra = device_container.Checks(blob, secs, gaps, header_check, [(out, meta["crc32"])]), []
+    else:
+        integrity = device_container.Checks(blob, secs, gaps, header_check, [(t, c) for t, c, _ in checks],
+                                            getattr(res, "ready", None))
+        folded = getattr(res, "folded", None)  # the tensor's crc32 in parts, from the decode kernel
+        extra = [(folded or out, meta["crc32"])]
     errors = integrity.read(extra, status)  # the one sync; then the checks' flags (read's order)
     if errors[-1]:  # the header changed under the entry (a write torch did not count): decode afresh
         _blob_plans.drop(blob)
