@@ -110,8 +110,8 @@ def test_compiled_table_bytes_match_the_layout(seed, rows):
 @given(seed=st.integers(0, 2**32 - 1), g=st.integers(1, 40), tt=st.integers(1, 3000), d=st.sampled_from([8, 64, 128]),
        n_parts=st.integers(0, 5))
 def test_launch_tables_match_their_formulas(seed, g, tt, d, n_parts):
-    """kvctx_device_encode._launch_tables (one compiled pass, one buffer) == the payload launch's
-    arguments spelled out in numpy: chunk descriptors, table words, reciprocals, bit words, cap."""
+    """kvctx_device_encode._chunk_descriptors and _launch_tables (one compiled pass, one buffer) == the
+    payload launches' arguments spelled out in numpy: chunk descriptors, cap, table words, reciprocals."""
     from kvcodec.entropy import rans_lanes
     from kvcodec.lossless import kvctx_device_encode as kde
     from kvcodec.lossless.predictive.format2 import chunk_layout
@@ -120,15 +120,13 @@ def test_launch_tables_match_their_formulas(seed, g, tt, d, n_parts):
     freq = rng.integers(0, 4097, (int(rng.integers(1, 70)), 256)) * (rng.random((1, 256)) < 0.3)
     tb = min(tt, 2048)
     cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, g)
-    cbits = rng.integers(0, 1 << 24, cg0.size)
-    extra = rng.integers(0, 1 << 20, (n_parts, 6))
-    words, cap, (chunks, ftab, rcp) = kde._launch_tables(freq, cbits, (cg0, cng, ct0, cnt), tt, d, extra, "cpu")
-    bwords = (cbits + 31) // 32
-    want = np.stack([(cg0 * tt + ct0) * d, cng, cnt * d, np.full_like(cng, tt * d),
-                     np.concatenate([[0], np.cumsum(bwords)[:-1]]), cbits], 1)
+    desc, cap = kde._chunk_descriptors((cg0, cng, ct0, cnt), tt, d)
+    assert np.array_equal(desc, np.stack([(cg0 * tt + ct0) * d, cng, cnt * d, np.full_like(cng, tt * d)], 1))
+    assert cap == int((cng * cnt).max()) * d
+    parts = rng.integers(0, 1 << 20, (n_parts, 4))
+    parts_d, ftab, rcp = kde._launch_tables(freq, parts, "cpu")
     f = freq.reshape(-1).astype(np.uint64)
-    assert np.array_equal(chunks.numpy(), np.concatenate([want, extra]))
+    assert np.array_equal(parts_d.numpy(), parts)
     assert np.array_equal(ftab.numpy().view(np.uint32),
                           (f | (rans_lanes.cumulative(freq).reshape(-1).astype(np.uint64) << 16)).astype(np.uint32))
     assert np.array_equal(rcp.numpy().view(np.uint32), np.where(f >= 2, (1 << 32) // np.maximum(f, 1), 0xFFFFFFFF))
-    assert words == bwords.sum() and cap == max([int((cng * cnt).max()) * d, *extra[:, 2]])

@@ -50,7 +50,7 @@ def emulated_runner(lib):
 
     def run(name, grid, block, args, device, smem=0):
         base, _, tmpl = name.rstrip(">").partition("<")
-        extra = () if base == "ke_encode" or not tmpl else tuple(ctypes.c_int(int(v)) for v in tmpl.split(","))
+        extra = () if base in ("ke_encode", "ke_bits") or not tmpl else tuple(ctypes.c_int(int(v)) for v in tmpl.split(","))
         getattr(lib, base + "_emu")(ctypes.c_int(grid), ctypes.c_int(block), *extra, *(_c(a) for a in args))
 
     return run

@@ -14,10 +14,12 @@
 //   ke_symbolise: every value's (class, symbol, raw code, raw bit count) as binned.symbolise packs it, the
 //     per-class symbol histogram (a block's in shared memory, ~0.5 ms less than warp-aggregated global atomics
 //     on a 256 MB tensor; added into KE_HIST_COPIES copies) and per-chunk raw bits;
-//   ke_encode: two warps per chunk, each one pass backwards: the 32-lane rANS stream (rans_lanes.encode's
-//     word order, as planes_codec.cu's pc_rans_encode) into a scratch slot, and the LSB-first raw bits (their
-//     places known from the chunk's total) through a per-warp ring of 32-bit words in shared memory
-//     straight into the bits section; the model's field parts ride along as chunks without raw bits.
+//   ke_bits: one warp per chunk, one pass backwards: the LSB-first raw bits (their places known from the
+//     chunk's total) through a per-warp ring of 32-bit words in shared memory straight into the bits section;
+//     it needs no table, so it runs while the host builds them;
+//   ke_encode: one warp per chunk, one pass backwards: the 32-lane rANS stream (rans_lanes.encode's word
+//     order, as planes_codec.cu's pc_rans_encode) into a scratch slot; the model's field parts ride along as
+//     more chunks.
 #include "kvctx_decode.cu"
 
 #ifndef KE_SHARED
@@ -68,6 +70,31 @@ __device__ __forceinline__ KeColumn ke_column(long long G, long long T, int D, l
   return k;
 }
 
+// KE_AHEAD consecutive tokens of one column loaded before the first is used: its bit patterns, values
+// (val: float64 per pattern, NaN where not finite) and predictions, each load independent of the sums. Why:
+// the per-column passes are chains of dependent loads (pattern, then its value); one token a step left each
+// thread waiting a full memory latency per token (session 8: the fit passes were ~1.3 ms of a 256 MB call).
+// Tokens at or past t1 read pattern 0's value and are skipped by the caller.
+#define KE_AHEAD 4
+template <int W>
+struct KeTokens {
+  int pat[KE_AHEAD];
+  double x[KE_AHEAD], p[KE_AHEAD];
+
+  __device__ __forceinline__ void load(const void* __restrict__ pats, const float* __restrict__ pred,
+                                       const double* __restrict__ val, long long at, int D, long long t0,
+                                       long long t1) {
+#pragma unroll
+    for (int j = 0; j < KE_AHEAD; ++j) {
+      const bool in = t0 + j < t1;
+      pat[j] = in ? ke_pat<W>(pats, at + (t0 + j) * D) : 0;
+      p[j] = in ? ke_pred(pred, at + (t0 + j) * D) : 0.0;
+    }
+#pragma unroll
+    for (int j = 0; j < KE_AHEAD; ++j) x[j] = __ldg(val + pat[j]);
+  }
+};
+
 // Per column: [n finite, sum x, sum p, sum x p, sum p p, n with a bin width, sum log2 width] (the fields of
 // params._fit_moments). val / lw: float64 per bit pattern, NaN where not finite / no width.
 template <int W>
@@ -78,22 +105,28 @@ __global__ void __launch_bounds__(256)
   const KeColumn k = ke_column(G, T, D, tb, nblk);
   if (!k.valid) return;
   double n = 0.0, sx = 0.0, sp = 0.0, sxp = 0.0, spp = 0.0, nw = 0.0, slw = 0.0;
-  for (long long t = k.t0; t < k.t1; ++t) {
-    const long long i = (k.g * T + t) * D + k.d;
-    const int pat = ke_pat<W>(pats, i);
-    const double l = __ldg(lw + pat);
-    if (l == l) {
-      nw += 1.0;
-      slw += l;
+  const long long at = k.g * T * D + k.d;  // value (g, t, d) is at + t D
+  for (long long t0 = k.t0; t0 < k.t1; t0 += KE_AHEAD) {
+    KeTokens<W> tok;
+    tok.load(pats, pred, val, at, D, t0, k.t1);
+    double l[KE_AHEAD];
+#pragma unroll
+    for (int j = 0; j < KE_AHEAD; ++j) l[j] = __ldg(lw + tok.pat[j]);
+#pragma unroll
+    for (int j = 0; j < KE_AHEAD; ++j) {  // the tokens in order: the same sums as one token a step
+      if (t0 + j >= k.t1) break;
+      if (l[j] == l[j]) {
+        nw += 1.0;
+        slw += l[j];
+      }
+      const double x = tok.x[j], p = tok.p[j];
+      if (x != x) continue;
+      n += 1.0;
+      sx += x;
+      sp += p;
+      sxp += __dmul_rn(x, p);
+      spp += __dmul_rn(p, p);
     }
-    const double x = __ldg(val + pat);
-    if (x != x) continue;
-    const double p = ke_pred(pred, i);
-    n += 1.0;
-    sx += x;
-    sp += p;
-    sxp += __dmul_rn(x, p);
-    spp += __dmul_rn(p, p);
   }
   double* o = out + 7 * k.col;
   o[0] = n;
@@ -159,11 +192,15 @@ __global__ void __launch_bounds__(256)
   const KeLocation loc[2] = {{m0, c0, a0, shared0}, {m1, c1, a1, shared1}};
   KeResidual r[SETS];
   for (int j = 0; j < SETS; ++j) r[j].start(loc[j], k.g, D, k.d);
-  for (long long t = k.t0; t < k.t1; ++t) {
-    const long long i = (k.g * T + t) * D + k.d;
-    const double x = __ldg(val + ke_pat<W>(pats, i));
-    const double p = ke_pred(pred, i);
-    for (int j = 0; j < SETS; ++j) r[j].add(x, p);
+  const long long at = k.g * T * D + k.d;
+  for (long long t0 = k.t0; t0 < k.t1; t0 += KE_AHEAD) {
+    KeTokens<W> tok;
+    tok.load(pats, pred, val, at, D, t0, k.t1);
+#pragma unroll
+    for (int j = 0; j < KE_AHEAD; ++j) {
+      if (t0 + j >= k.t1) break;
+      for (int q = 0; q < SETS; ++q) r[q].add(tok.x[j], tok.p[j]);
+    }
   }
   for (int j = 0; j < SETS; ++j) r[j].store(out + (3 * SETS) * k.col + 3 * j);
 }
@@ -305,8 +342,9 @@ __global__ void __launch_bounds__(256)
 
 // Byte histograms of the stored fields' planes (kvctx_device_fit.field_planes: uint8 [n_planes, n]) for the
 // model's rANS table: out [2, n_planes, 256] u64 (zeroed) over each plane's first d bytes (the shared row)
-// and over all n, zero bytes not counted (most of a high plane: 32 lanes on one counter; the caller derives
-// them). One warp a block (its histogram in shared memory), `per_plane` blocks a plane.
+// and over all n. One warp a block (its histogram in shared memory), `per_plane` blocks a plane. Zero bytes
+// (most of a high plane) are counted in registers and added once a warp: 32 lanes on one shared counter
+// would serialize.
 __global__ void __launch_bounds__(32)
     ke_plane_hist(const kx_u8* __restrict__ planes, int n_planes, long long n, int d, int per_plane,
                   kx_u64* __restrict__ out) {
@@ -315,67 +353,83 @@ __global__ void __launch_bounds__(32)
   for (int j = lane; j < 512; j += 32) hs[j] = 0u;
   __syncwarp();
   const kx_u8* p = planes + (long long)plane * n;
+  long long zeros_first = 0, zeros = 0;
   for (long long i = (long long)(blockIdx.x % per_plane) * 32 + lane; i < n; i += 32ll * per_plane) {
     const unsigned b = __ldg(p + i);
     if (b) {
       atomicAdd(hs + 256 + b, 1u);
       if (i < d) atomicAdd(hs + b, 1u);
+    } else {
+      ++zeros;
+      zeros_first += i < d;
     }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    zeros += __shfl_xor_sync(KX_FULL, zeros, o);
+    zeros_first += __shfl_xor_sync(KX_FULL, zeros_first, o);
+  }
+  __syncwarp();
+  if (lane == 0) {  // bin 0 was not touched above
+    hs[0] = (unsigned)zeros_first;
+    hs[256] = (unsigned)zeros;
   }
   __syncwarp();
   for (int j = lane; j < 512; j += 32)
     if (hs[j]) atomicAdd(out + ((j >> 8) * n_planes + plane) * 256 + (j & 255), (kx_u64)hs[j]);
 }
 
-// bins.bin_of: the bin coordinate of a magnitude pattern.
-__device__ __forceinline__ long long ke_bin_of(long long mag, int ep, int mb) {
-  const long long ef = mag >> mb;
-  if (ef > ep) return mag - ((long long)ep << mb);
-  if (ef == 0) return ep < 62 ? mag >> ep : 0;
-  const long long sh = ep + 1 - ef;
-  return sh < 62 ? ((1ll << mb) | (mag & ((1ll << mb) - 1))) >> sh : 0;
+// bins.bin_of: the bin coordinate of a magnitude pattern (mag < 2**16, 0 <= ep <= EP_MAX), in 32-bit
+// integers: shifts of 31 or more give 0, as the 64-bit ones did for these magnitudes.
+__device__ __forceinline__ int ke_bin_of(int mag, int ep, int mb) {
+  const int ef = mag >> mb;
+  if (ef > ep) return mag - (ep << mb);
+  if (ef == 0) return ep < 31 ? mag >> ep : 0;
+  const int sh = ep + 1 - ef;
+  return sh < 31 ? ((1 << mb) | (mag & ((1 << mb) - 1))) >> sh : 0;
 }
 
-// bins.encode_value: (symbol, raw code, raw bit count) of pattern pat in the bins of (ep, centre).
-__device__ __forceinline__ int ke_encode_value(long long pat, int ep, long long centre, const KxGrid& gr,
-                                               const kx_u8* __restrict__ escape, kx_u64& code, int& nb) {
+// bins.encode_value: (symbol, raw code, raw bit count) of pattern pat (< 2**16) in the bins of (ep, centre),
+// in 32-bit integers (a raw code has at most 32 bits: bins.DEPTH_MAX). Why: the 64-bit form was a large share
+// of ke_symbolise's instructions.
+__device__ __forceinline__ int ke_encode_value(int pat, int ep, ke_centre centre, const KxGrid& gr,
+                                               const kx_u8* __restrict__ escape, kx_u32& code, int& nb) {
   const int mb = gr.mb;
-  code = (kx_u64)pat;
+  code = (kx_u32)pat;
   nb = gr.width;
   if (__ldg(escape + pat)) return KX_ESC;
-  const long long mag = pat & ~(long long)gr.sign & ((1ll << gr.width) - 1);
-  const long long u = ke_bin_of(mag, ep, mb);
-  const long long j = u ^ -(long long)((pat & gr.sign) != 0);
-  const long long r = j - centre;
+  const int mag = pat & ~gr.sign & ((1 << gr.width) - 1);
+  const int u = ke_bin_of(mag, ep, mb);
+  const int j = u ^ -(int)((pat & gr.sign) != 0);
+  const ke_centre r = (ke_centre)j - centre;
   if (r < -KX_CENTRE || r > KX_CENTRE) return KX_ESC;
   const int sym = (int)r + KX_CENTRE;
-  if (u >= (1ll << mb)) {  // one pattern per bin
+  if (u >= (1 << mb)) {  // one pattern per bin
     code = 0;
     nb = 0;
     return sym;
   }
   if (u == 0) {
     if (ep <= mb + 1) {
-      code = (kx_u64)mag;
+      code = (kx_u32)mag;
       nb = ep;
       return sym;
     }
     const int last = ep - mb - 1;  // the level holding both exponent fields 0 and 1
-    const long long ef = mag >> mb;
-    const long long dd = ef <= 1 ? last : ep - mb - ef;
+    const int ef = mag >> mb;
+    const int dd = ef <= 1 ? last : ep - mb - ef;
     if (dd >= KX_DEPTH_MAX) return KX_ESC;
     if (dd == last) {
-      code = (kx_u64)mag << dd;
-      nb = (int)dd + mb + 1;
+      code = (kx_u32)mag << dd;
+      nb = dd + mb + 1;
       return sym;
     }
-    code = ((kx_u64)(mag & ((1ll << mb) - 1)) << (dd + 1)) | (1ull << dd);
-    nb = (int)dd + 1 + mb;
+    code = ((kx_u32)(mag & ((1 << mb) - 1)) << (dd + 1)) | (1u << dd);
+    nb = dd + 1 + mb;
     return sym;
   }
   const int big_e = kx_floor_log2(u) + ep;  // 1 <= u < 2**mb: 2**nb patterns in one binade
   nb = ep - (big_e > mb ? big_e - mb : 0);
-  code = (kx_u64)mag & ((1ull << nb) - 1);
+  code = (kx_u32)mag & ((1u << nb) - 1u);
   return sym;
 }
 
@@ -419,19 +473,19 @@ __global__ void __launch_bounds__(256)
   double dev = 0.0;
   long long total = 0;
   const long long nt = t1 - t0;
-  long long pat_next = nt > 0 ? ke_pat<W>(pats, (g * T + t0) * D + d) : 0;  // loaded a step ahead
-  double p_next = nt > 0 ? ke_pred(pred, (g * T + t0) * D + d) : 0.0;
-  for (long long s = 0; s < steps; ++s) {
+  long long i = (g * T + t0) * D + d;  // this step's value (steps D apart)
+  int pat_next = nt > 0 ? ke_pat<W>(pats, i) : 0;  // loaded a step ahead
+  double p_next = nt > 0 ? ke_pred(pred, i) : 0.0;
+  for (long long s = 0; s < steps; ++s, i += D) {
     const bool act = valid && s < nt;
     unsigned key = 0x80000000u | lane;  // inactive lanes match nobody
-    const long long pat = pat_next;
+    const int pat = pat_next;
     const double p = p_next;
     if (valid && s + 1 < nt) {
-      pat_next = ke_pat<W>(pats, (g * T + t0 + s + 1) * D + d);
-      p_next = ke_pred(pred, (g * T + t0 + s + 1) * D + d);
+      pat_next = ke_pat<W>(pats, i + D);
+      p_next = ke_pred(pred, i + D);
     }
     if (act) {
-      const long long i = (g * T + t0 + s) * D + d;
       const double base = __dadd_rn(m, __dmul_rn(c, p));
       const double mu = __dadd_rn(base, __dmul_rn(a, dev));
       double mv = __dmul_rn(mu, gr.inv_unit);
@@ -439,10 +493,10 @@ __global__ void __launch_bounds__(256)
       int ep, cls;
       ke_centre centre;
       kx_locate(mv, es, level, mb, ep, centre, cls);
-      kx_u64 code;
+      kx_u32 code;
       int nb;
       const int sym = ke_encode_value(pat, ep, centre, gr, escape, code, nb);
-      packed[i] = (code << 24) | ((kx_u64)nb << 16) | ((kx_u64)cls << 8) | (kx_u64)sym;
+      packed[i] = ((kx_u64)code << 24) | ((kx_u64)nb << 16) | ((kx_u64)cls << 8) | (kx_u64)sym;
       total += nb;
       dev = sym != KX_ESC ? __dsub_rn(kx_value(pat, gr), base) : 0.0;  // an escaped value: no residual
       key = ((unsigned)cls << 8) | (unsigned)sym;
@@ -467,55 +521,69 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// Value i of a chunk (packed): 0 past the chunk's end or before its start. The chunk holds `per` consecutive
-// values of each of its g's, the g's `stride` values apart, from `first` on.
-__device__ __forceinline__ kx_u64 ke_value(const kx_u64* __restrict__ packed, long long grp, int lane, long long n,
-                                           long long per, long long first, long long stride) {
-  const long long i = 32 * grp + lane;
-  if (grp < 0 || i >= n) return 0;
-  const long long gg = i / per;
-  return __ldg(packed + first + gg * stride + (i - gg * per));
-}
-
-// chunks [n, 6] int64: first value, g count, values per g, stride between g's, raw-bit word start, raw-bit
-// total (from ke_symbolise; a chunk of the model's field bytes, format2.code_model's "mfields" parts: one g
-// of its bytes, 0 raw bits). ftab [n_keys]: freq | cum << 16 of class << 8 | symbol; rcp [n_keys]:
-// floor(2**32 / freq) (0xffffffff for freq <= 1).
-//
-// Two warps per chunk, each one pass backwards over its values, 32 (one per lane) a round, loaded four rounds
-// ahead (each warp's rounds are a chain: a round's loads would otherwise wait a full memory latency):
-//   ke_chunk_rans: the 32-lane rANS stream to the end of scratch slot ci (cap words); lens[ci] = its length,
-//     or -1 if a value's symbol has no frequency (internal error). Table entries are loaded a round ahead.
-//   ke_chunk_bits: the raw bits to bits[bstart ...]. Their places are known backwards too: the round's bits
-//     end where the later rounds' begin (hi, from the chunk's total), each value's offset is hi - the round's
-//     total + an exclusive scan. Each value ORs its code into a per-warp ring of 32-bit words; the words
-//     wholly above the round's start are complete: stored, their slots cleared. lens[n_chunks] counts the
-//     chunks whose raw bits do not add up to their total (internal error).
-// Why two warps: each half alone is ~1.0 ms of a 256 MB tensor's ~1.7 ms in one warp (GPU_NOTES, session 7).
+// A chunk (descriptor int64 [4]): `per` consecutive values of each of its g's (g count cd[1]), the g's
+// `stride` values apart in packed, from `first` on; value i = gg per + r of the chunk is packed[first +
+// gg stride + r].
 struct KeChunk {
   long long first, per, stride, n, rounds;
 
   __device__ __forceinline__ explicit KeChunk(const long long* cd)
       : first(cd[0]), per(cd[2]), stride(cd[3]), n(cd[1] * cd[2]), rounds((cd[1] * cd[2] + 31) >> 5) {}
+};
 
-  __device__ __forceinline__ kx_u64 value(const kx_u64* __restrict__ packed, long long grp, int lane) const {
-    return ke_value(packed, grp, lane, n, per, first, stride);
+// One lane's walk over a chunk's values backwards, 32 a step from value 32 (rounds - 1) + lane: its place in
+// packed follows by additions (one division at the start). Why: a 64-bit division per value was most of the
+// payload kernel's instructions (session 8). next() returns the value (0 outside the chunk) and steps back.
+struct KeCursor {
+  long long i, r, pos;
+
+  __device__ __forceinline__ KeCursor(const KeChunk& ck, int lane) : i(32 * (ck.rounds - 1) + lane) {
+    const long long gg = i >= 0 && ck.per > 0 ? i / ck.per : 0;
+    r = i - gg * ck.per;
+    pos = ck.first + gg * ck.stride + r;
+  }
+
+  __device__ __forceinline__ kx_u64 next(const kx_u64* __restrict__ packed, const KeChunk& ck) {
+    const kx_u64 v = i >= 0 && i < ck.n ? __ldg(packed + pos) : 0;
+    i -= 32;
+    r -= 32;
+    pos -= 32;
+    while (r < 0 && i >= 0) {  // into the previous g (several when per < 32)
+      r += ck.per;
+      pos += ck.per - ck.stride;
+    }
+    return v;
   }
 };
 
-__device__ __forceinline__ void ke_chunk_rans(const kx_u64* __restrict__ packed, const KeChunk& ck, int lane,
-                                              const kx_u32* __restrict__ ftab, const kx_u32* __restrict__ rcp,
-                                              kx_u16* __restrict__ wb, long long cap, long long* __restrict__ len) {
+// ke_encode: one warp per chunk (the tensor's chunks, then the model's field parts: format2.code_model's
+// "mfields" parts, one g of its bytes each), one pass backwards over its values, 32 (one per lane) a round,
+// loaded four rounds ahead (the rounds are a chain: a round's loads would otherwise wait a full memory
+// latency): the 32-lane rANS stream (rans_lanes.encode's word order, as planes_codec.cu's pc_rans_encode)
+// to the end of scratch slot ci (cap words); lens[ci] = its length, or -1 if a value's symbol has no
+// frequency (internal error). Table entries are loaded a round ahead. ftab [n_keys]: freq | cum << 16 of
+// class << 8 | symbol; rcp [n_keys]: floor(2**32 / freq) (0xffffffff for freq <= 1).
+template <int WARPS>
+__global__ void __launch_bounds__(32 * WARPS)
+    ke_encode(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks,
+              const long long* __restrict__ parts, int n_parts, const kx_u32* __restrict__ ftab,
+              const kx_u32* __restrict__ rcp, kx_u16* __restrict__ scratch, long long cap,
+              long long* __restrict__ lens) {
+  const int lane = threadIdx.x & 31;
+  const int ci = blockIdx.x * WARPS + (threadIdx.x >> 5);
+  if (ci >= n_chunks + n_parts) return;  // warp-uniform
+  const KeChunk ck(ci < n_chunks ? chunks + 4 * (long long)ci : parts + 4 * (long long)(ci - n_chunks));
+  kx_u16* __restrict__ wb = scratch + (long long)ci * cap;
   const kx_u32 below = (1u << lane) - 1u;
   long long wp = cap;
   kx_u32 x = KX_L;
   bool bad = false;
-  const long long rounds = ck.rounds;
-  kx_u64 v = ck.value(packed, rounds - 1, lane), vn = ck.value(packed, rounds - 2, lane);
-  kx_u64 v2 = ck.value(packed, rounds - 3, lane), v3 = ck.value(packed, rounds - 4, lane);
+  KeCursor cur(ck, lane);
+  kx_u64 v = cur.next(packed, ck), vn = cur.next(packed, ck);
+  kx_u64 v2 = cur.next(packed, ck), v3 = cur.next(packed, ck);
   kx_u32 fc = __ldg(ftab + (v & 0xFFFFu)), rc = __ldg(rcp + (v & 0xFFFFu));
-  for (long long grp = rounds - 1; grp >= 0; --grp) {
-    const kx_u64 v4 = ck.value(packed, grp - 4, lane);
+  for (long long grp = ck.rounds - 1; grp >= 0; --grp) {
+    const kx_u64 v4 = cur.next(packed, ck);
     const kx_u32 fcn = __ldg(ftab + (vn & 0xFFFFu)), rcn = __ldg(rcp + (vn & 0xFFFFu));
     const bool act = 32 * grp + lane < ck.n;
     // value 32 grp + lane on lane `lane`: emitted words land in ascending lane order
@@ -549,31 +617,53 @@ __device__ __forceinline__ void ke_chunk_rans(const kx_u64* __restrict__ packed,
   wb[wp - 64 + 2 * lane + 1] = (kx_u16)(x >> 16);
   wp -= 64;
   const bool any_bad = __any_sync(KX_FULL, bad);
-  if (lane == 0) *len = any_bad ? -1 : cap - wp;
+  if (lane == 0) lens[ci] = any_bad ? -1 : cap - wp;
 }
 
-__device__ __forceinline__ void ke_chunk_bits(const kx_u64* __restrict__ packed, const KeChunk& ck, int lane,
-                                              long long total, kx_u32* __restrict__ out, kx_u32* __restrict__ ring,
-                                              long long* __restrict__ n_bad) {
+// ke_bits: one warp per chunk of the tensor, the chunk's LSB-first raw bits (binned.write_chunks) into bits
+// from word ends[ci] - ceil(totals[ci] / 32) on (ends: the inclusive sum of the chunks' words; totals: the
+// raw-bit totals ke_symbolise counted), in one pass backwards, 32 values a round, loaded four rounds ahead.
+// Their places are known backwards too: the round's bits end where the later rounds' begin (hi, from the
+// chunk's total), each value's offset is hi - the round's total + the bit counts of the lanes below it. Each value ORs its code
+// into a per-warp ring of 32-bit words in shared memory; the words wholly above the round's start are
+// complete: stored, their slots cleared. A chunk whose values' bit counts do not add up to its total is
+// counted in *n_bad (internal error; every chunk is checked, those without raw bits too). Needs no table:
+// launched right after ke_symbolise (kvctx_device_encode runs it beside the host's table work).
+template <int WARPS>
+__global__ void __launch_bounds__(32 * WARPS)
+    ke_bits(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks,
+            const long long* __restrict__ totals, const long long* __restrict__ ends, kx_u32* __restrict__ bits,
+            long long* __restrict__ n_bad) {
+  KE_SHARED kx_u32 ring_all[WARPS][KE_RING];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ci = blockIdx.x * WARPS + warp;
+  if (ci >= n_chunks) return;  // warp-uniform; no block barrier below
+  const KeChunk ck(chunks + 4 * (long long)ci);
+  const long long total = totals[ci];
+  kx_u32* __restrict__ out = bits + ends[ci] - ((total + 31) >> 5);
+  kx_u32* __restrict__ ring = ring_all[warp];
+  const kx_u32 below = (1u << lane) - 1u;
   ring[lane] = 0u;
   ring[lane + 32] = 0u;
   __syncwarp();
   long long hi = total;             // raw bits at and above hi are written
   long long done = (hi + 31) >> 5;  // words at and above done are stored
-  const long long rounds = ck.rounds;
-  kx_u64 v = ck.value(packed, rounds - 1, lane), vn = ck.value(packed, rounds - 2, lane);
-  kx_u64 v2 = ck.value(packed, rounds - 3, lane), v3 = ck.value(packed, rounds - 4, lane);
-  for (long long grp = rounds - 1; grp >= 0; --grp) {
-    const kx_u64 v4 = ck.value(packed, grp - 4, lane);
-    const int nb = (int)((v >> 16) & 0xFFu);  // 0 past the chunk's end (ke_value)
-    int incl = nb;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int up = __shfl_up_sync(KX_FULL, incl, o);
-      if (lane >= o) incl += up;
+  KeCursor cur(ck, lane);
+  kx_u64 v = cur.next(packed, ck), vn = cur.next(packed, ck);
+  kx_u64 v2 = cur.next(packed, ck), v3 = cur.next(packed, ck);
+  for (long long grp = ck.rounds - 1; grp >= 0; --grp) {
+    const kx_u64 v4 = cur.next(packed, ck);
+    const int nb = (int)((v >> 16) & 0xFFu);  // 0 past the chunk's end (KeCursor); <= 32
+    int before = 0, sum = 0;  // the bit counts of the lanes below, of all lanes: one ballot per bit of nb (no
+#pragma unroll              // chain of shuffles)
+    for (int b = 0; b < 6; ++b) {
+      const kx_u32 bb = __ballot_sync(KX_FULL, (nb >> b) & 1);
+      before += __popc(bb & below) << b;
+      sum += __popc(bb) << b;
     }
-    const long long lo = hi - __shfl_sync(KX_FULL, incl, 31);
+    const long long lo = hi - sum;
     if (nb) {
-      const long long off = lo + incl - nb;
+      const long long off = lo + before;
       const kx_u64 c = (v >> 24) << (off & 31);
       atomicOr(ring + ((off >> 5) & (KE_RING - 1)), (kx_u32)c);
       if ((off & 31) + nb > 32) atomicOr(ring + (((off >> 5) + 1) & (KE_RING - 1)), (kx_u32)(c >> 32));
@@ -594,22 +684,4 @@ __device__ __forceinline__ void ke_chunk_bits(const kx_u64* __restrict__ packed,
     v3 = v4;
   }
   if (lane == 0 && hi != 0) atomicAdd(reinterpret_cast<unsigned long long*>(n_bad), 1ull);
-}
-
-// WARPS chunks a block, two warps each (even: rANS, odd: raw bits; a chunk without raw bits: the rANS only).
-template <int WARPS>
-__global__ void __launch_bounds__(64 * WARPS)
-    ke_encode(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks,
-              const kx_u32* __restrict__ ftab, const kx_u32* __restrict__ rcp, kx_u16* __restrict__ scratch,
-              long long cap, long long* __restrict__ lens, kx_u32* __restrict__ bits) {
-  KE_SHARED kx_u32 ring_all[WARPS][KE_RING];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int ci = blockIdx.x * WARPS + (warp >> 1);
-  if (ci >= n_chunks) return;  // warp-uniform; no block barrier below
-  const long long* cd = chunks + 6 * (long long)ci;
-  const KeChunk ck(cd);
-  if (!(warp & 1))
-    ke_chunk_rans(packed, ck, lane, ftab, rcp, scratch + (long long)ci * cap, cap, lens + ci);
-  else if (cd[5] > 0)
-    ke_chunk_bits(packed, ck, lane, cd[5], bits + cd[4], ring_all[warp >> 1], lens + n_chunks);
 }

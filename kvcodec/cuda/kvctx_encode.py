@@ -1,5 +1,5 @@
 """Launchers of the kvctx / predictive format 2 GPU encoder (``kvctx_encode.cu``): parameter-fit sums,
-symbolise + histograms, the per-chunk rANS and raw-bit writer.
+symbolise + histograms, the per-chunk raw-bit writer and rANS coder.
 
 Each function takes torch tensors (CUDA, or CPU ones under the tests' CPU emulation of the kernels),
 launches on torch's current stream and does not synchronize. Kernels are started through ``runner``:
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 SOURCE = "kvctx_encode.cu"
-WARPS = 4  # chunks per block of ke_encode (two warps each)
+WARPS = 4  # chunks per block of ke_encode and ke_bits (one warp each)
 THREADS = 256  # columns per block of the per-column kernels
 HIST_COPIES = 32  # KE_HIST_COPIES
 LANES = 32
@@ -35,8 +35,10 @@ SIGNATURES = {
     "ke_bin_params": ("(const double*, const double*, const signed char*, const signed char*, const long long*, "
                       "long long, long long, int, int, const double*, double*, double*, double*, int*, int*)"),
     "ke_plane_hist": "(const unsigned char*, int, long long, int, int, unsigned long long*)",
-    "ke_encode": ("(const unsigned long long*, const long long*, int, const unsigned int*, const unsigned int*, "
-                  "unsigned short*, long long, long long*, unsigned int*)"),
+    "ke_encode": ("(const unsigned long long*, const long long*, int, const long long*, int, const unsigned int*, "
+                  "const unsigned int*, unsigned short*, long long, long long*)"),
+    "ke_bits": ("(const unsigned long long*, const long long*, int, const long long*, const long long*, "
+                "unsigned int*, long long*)"),
 }
 
 
@@ -45,17 +47,21 @@ def instance_declarations() -> list[str]:
     out = [f"__global__ void {k}<{w}>{SIGNATURES[k]}" for k in ("ke_fit_moments", "ke_symbolise") for w in WIDTHS]
     out += [f"__global__ void ke_fit_residuals<{w}, {n}>{SIGNATURES['ke_fit_residuals']}" for w in WIDTHS
             for n in (1, 2)]
-    return out + [f"__global__ void ke_encode<{WARPS}>{SIGNATURES['ke_encode']}"]
+    return out + [f"__global__ void {k}<{WARPS}>{SIGNATURES[k]}" for k in ("ke_encode", "ke_bits")]
+
+
+_smem_raised: dict = {}  # id(kernel) -> the dynamic shared memory its limit was raised to
 
 
 def gpu_runner(name: str, grid: int, block: int, args: tuple, device, smem: int = 0) -> None:
     """Launch kernel instance ``name`` (e.g. ``"ke_encode<4>"``) on torch's current stream with ``smem``
-    bytes of dynamic shared memory."""
+    bytes of dynamic shared memory (a kernel's limit is raised once, the first time it needs more)."""
     from kvcodec.cuda import build
 
     fn = build.get_function(SOURCE, name)
-    if smem:  # may be over the 48 KB default: the kernel's limit is raised first
+    if smem > _smem_raised.get(id(fn), 0):  # may be over the 48 KB default (kernels are cached: ids stay)
         fn.max_dynamic_shared_size_bytes = smem
+        _smem_raised[id(fn)] = smem
     with build.cupy_stream(device):
         fn((grid,), (block,), args, shared_mem=smem)
 
@@ -147,7 +153,7 @@ def bin_params(s, m, c_q, a_q, won, shared_row: int, n: int, d: int, eoff: int, 
 
 def plane_histograms(planes, d: int, runner=gpu_runner) -> torch.Tensor:
     """int64 [2, P, 256]: the byte histogram of each plane of ``planes`` (uint8 [P, n]) over its first ``d``
-    bytes and over all of them, zero bytes not counted (bin 0 left 0)."""
+    bytes and over all of them."""
     n_planes, n = planes.shape
     out = torch.zeros((2, n_planes, 256), dtype=torch.int64, device=planes.device)
     per_plane = max(1, min(64, -(-n // 4096)))
@@ -178,18 +184,30 @@ def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: i
     return packed, hist, chunk_bits
 
 
-def encode_chunks(packed, chunks, ftab, rcp, cap: int, n_bit_words: int, runner=gpu_runner):
-    """(scratch int16 [n * cap], lens int64 [n + 1], bits int32 [n_bit_words]) of every chunk (``chunks``
-    int64 [n, 6] device tensor: first value in ``packed``, g count, values per g, stride between g's,
-    raw-bit word start, raw-bit total): chunk j's stream is the last lens[j] words of scratch slot j
-    (-1: a symbol without frequency); lens[n]: how many chunks' raw bits do not add up (both internal
-    errors)."""
+def raw_bits(packed, chunks, totals, ends, n_words: int, runner=gpu_runner):
+    """(bits int32 [n_words], n_bad int64 [1]): every chunk's raw bits (``chunks`` int64 [n, 4] device
+    tensor: first value in ``packed``, g count, values per g, stride between g's; ``totals``: the raw-bit
+    totals from :func:`symbolise`, ``ends``: the inclusive sum of their words), chunk j's words ending at
+    ends[j]; n_bad: how many chunks' raw bits do not add up to their total (internal error). Needs no
+    table: launched before the host has fitted them."""
     n = chunks.shape[0]
     dev = packed.device
+    bits = torch.empty(max(n_words, 1), dtype=torch.int32, device=dev)
+    n_bad = torch.zeros(1, dtype=torch.int64, device=dev)
+    runner(f"ke_bits<{WARPS}>", max(1, -(-n // WARPS)), 32 * WARPS,
+           (_ptr(packed), _ptr(chunks), np.int32(n), _ptr(totals), _ptr(ends), _ptr(bits), _ptr(n_bad)), dev)
+    return bits[:n_words], n_bad
+
+
+def encode_chunks(packed, chunks, parts, ftab, rcp, cap: int, runner=gpu_runner):
+    """(scratch int16 [n * cap], lens int64 [n]) of the rANS streams of every chunk of ``chunks`` then
+    ``parts`` (int64 [., 4] device tensors as :func:`raw_bits`' ``chunks``; n in all): chunk j's stream is
+    the last lens[j] words of scratch slot j (-1: a symbol without frequency, an internal error)."""
+    n = chunks.shape[0] + parts.shape[0]
+    dev = packed.device
     scratch = torch.empty(n * cap, dtype=torch.int16, device=dev)
-    lens = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    bits = torch.empty(max(n_bit_words, 1), dtype=torch.int32, device=dev)
-    runner(f"ke_encode<{WARPS}>", -(-n // WARPS), 64 * WARPS,
-           (_ptr(packed), _ptr(chunks), np.int32(n), _ptr(ftab), _ptr(rcp), _ptr(scratch), np.int64(cap), _ptr(lens),
-            _ptr(bits)), dev)
-    return scratch, lens, bits[:n_bit_words]
+    lens = torch.empty(n, dtype=torch.int64, device=dev)
+    runner(f"ke_encode<{WARPS}>", max(1, -(-n // WARPS)), 32 * WARPS,
+           (_ptr(packed), _ptr(chunks), np.int32(chunks.shape[0]), _ptr(parts), np.int32(parts.shape[0]), _ptr(ftab),
+            _ptr(rcp), _ptr(scratch), np.int64(cap), _ptr(lens)), dev)
+    return scratch, lens

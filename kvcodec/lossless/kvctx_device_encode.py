@@ -10,11 +10,13 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
    ``kvctx_device_fit``; shared or per-(g, d) parameters chosen by the CPU encoder's estimate);
 2. ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
    code with the GPU decoder's own model arithmetic and counts the per-class histogram;
-3. the tables on the host (``tables.fit_tables``, on the thread pool: the CPU's tables for the same counts), the
+3. ``kvctx_encode.raw_bits``: one warp per chunk writes its raw bits (no table needed: it runs on a side
+   stream while the host waits for the histograms and builds the tables);
+4. the tables on the host (``tables.fit_tables``, on the thread pool: the CPU's tables for the same counts), the
    ``model`` section as ``format2.code_model`` writes it: its field bytes' parts (``mfields``) coded on
    the device with the payload (:class:`_FieldParts`), a small model on the host;
-4. ``kvctx_encode.encode_chunks``: two warps per chunk write its 32-lane rANS stream and its raw bits;
-   the streams are packed into the ``payload`` section (``planes_codec.gather``).
+5. ``kvctx_encode.encode_chunks``: one warp per chunk writes its 32-lane rANS stream; the streams are
+   packed into the ``payload`` section (``planes_codec.gather``).
 
 Only the stored fields' statistics and byte histograms, the symbol histogram, per-chunk sizes and
 small headers cross to the host.
@@ -169,29 +171,34 @@ def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     return out
 
 
-def _launch_tables(freq: np.ndarray, cbits: np.ndarray, layout: tuple, tt: int, d: int, extra: np.ndarray, dev):
-    """(raw-bit words, the largest chunk's values, (chunk descriptors int64 [n, 6], rANS table words,
-    reciprocals: ``kvctx_encode.encode_chunks``' ``chunks``, ``ftab``, ``rcp`` on ``dev``)) of the tables
-    ``freq`` [rows, 256], the chunks' raw-bit totals ``cbits``, ``format2.chunk_layout``'s arrays and the
-    model parts' chunks ``extra``: one compiled pass into one buffer, one upload. Why: ~15 numpy steps
-    and three arrays took ~0.4 ms of the host between the first wait and the payload launch."""
-    n, rows = cbits.size + extra.shape[0], freq.shape[0]
-    buf = np.empty(6 * n + rows * 256, np.int64)
-    words = buf[6 * n:].view(np.uint32)
-    n_bit_words, cap = _fill_launch_tables(np.ascontiguousarray(freq, np.int64), cbits.astype(np.int64), *layout,
-                                           tt, d, np.ascontiguousarray(extra, np.int64), buf[:6 * n].reshape(n, 6),
-                                           words[:rows * 256], words[rows * 256:])
+def _chunk_descriptors(layout: tuple, tt: int, d: int) -> tuple[np.ndarray, int]:
+    """(int64 [n, 4]: per chunk of ``format2.chunk_layout``'s arrays its first value, g count, values per g
+    and stride between g's, as ``kvctx_encode.raw_bits`` / ``encode_chunks`` take them; the most values a
+    chunk holds)."""
+    cg0, cng, ct0, cnt = (np.asarray(a, np.int64) for a in layout)
+    desc = np.stack([(cg0 * tt + ct0) * d, cng, cnt * d, np.full_like(cng, tt * d)], 1)
+    return desc, int((cng * cnt).max()) * d
+
+
+def _launch_tables(freq: np.ndarray, parts: np.ndarray, dev):
+    """(the model parts' chunk descriptors ``parts`` [n, 4], rANS table words, reciprocals: ``kvctx_encode.
+    encode_chunks``' ``parts``, ``ftab``, ``rcp``, on ``dev``) of the tables ``freq`` [rows, 256]: one
+    compiled pass into one buffer, one upload. Why: ~15 numpy steps and three arrays took ~0.4 ms of the
+    host between the first wait and the payload launch."""
+    n, rows = parts.shape[0], freq.shape[0]
+    buf = np.empty(4 * n + rows * 256, np.int64)
+    buf[:4 * n] = parts.reshape(-1)
+    words = buf[4 * n:].view(np.uint32)
+    _fill_tables(np.ascontiguousarray(freq, np.int64), words[:rows * 256], words[rows * 256:])
     (buf_d,) = upload([buf], dev)
-    tabs = buf_d[6 * n:].view(torch.int32)
-    return int(n_bit_words), int(cap), (buf_d[:6 * n].view(n, 6), tabs[:rows * 256], tabs[rows * 256:])
+    tabs = buf_d[4 * n:].view(torch.int32)
+    return buf_d[:4 * n].view(n, 4), tabs[:rows * 256], tabs[rows * 256:]
 
 
 @njit(cache=True, nogil=True)
-def _fill_launch_tables(freq, cbits, cg0, cng, ct0, cnt, tt, d, extra, chunks, ftab, rcp):
+def _fill_tables(freq, ftab, rcp):
     """Per table entry its word (frequency | exclusive cumulative frequency << 16) and reciprocal
-    (2**32 // f, 0xFFFFFFFF where f < 2); per chunk (first value, g count, values per g, stride between
-    g's, raw-bit word start, raw-bit total), then ``extra``'s rows; returns (raw-bit words, the most
-    values a chunk holds)."""
+    (2**32 // f, 0xFFFFFFFF where f < 2)."""
     for r in range(freq.shape[0]):
         cum = 0
         for s in range(freq.shape[1]):
@@ -199,20 +206,34 @@ def _fill_launch_tables(freq, cbits, cg0, cng, ct0, cnt, tt, d, extra, chunks, f
             ftab[r * freq.shape[1] + s] = f | (cum << 16)
             rcp[r * freq.shape[1] + s] = (1 << 32) // f if f >= 2 else 0xFFFFFFFF
             cum += f
-    words, cap = 0, 0
-    for j in range(cbits.size):
-        chunks[j, 0] = (cg0[j] * tt + ct0[j]) * d
-        chunks[j, 1] = cng[j]
-        chunks[j, 2] = cnt[j] * d
-        chunks[j, 3] = tt * d
-        chunks[j, 4] = words
-        chunks[j, 5] = cbits[j]
-        words += (cbits[j] + 31) // 32
-        cap = max(cap, cng[j] * cnt[j] * d)
-    for j in range(extra.shape[0]):
-        chunks[cbits.size + j] = extra[j]
-        cap = max(cap, extra[j, 2])
-    return words, cap
+
+
+_side_streams: dict = {}
+
+
+def _raw_bits_beside(packed, chunks_d, totals, ends: np.ndarray, runner):
+    """``kvctx_encode.raw_bits`` of every chunk (``ends``: the inclusive sum of their words, host), on a
+    side stream of a CUDA device: it needs no table, so it runs while the host builds them, and beside the
+    rANS kernel. (bits, n_bad, join: makes torch's current stream wait for it)."""
+    from kvcodec.cuda import kvctx_encode as ke
+
+    dev = packed.device
+    (ends_d,) = upload([ends], dev)
+    n_words = int(ends[-1]) if ends.size else 0
+    if dev.type != "cuda":  # the CPU emulation: in order
+        return (*ke.raw_bits(packed, chunks_d, totals, ends_d, n_words, runner), lambda: None)
+    main = torch.cuda.current_stream(dev)
+    side = _side_streams.get(dev)
+    if side is None:
+        side = _side_streams[dev] = torch.cuda.Stream(dev)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        bits, n_bad = ke.raw_bits(packed, chunks_d, totals, ends_d, n_words, runner)
+    for x in (packed, chunks_d, totals, ends_d):  # not reused by the allocator before the side stream is done
+        x.record_stream(side)
+    for x in (bits, n_bad):  # allocated on the side stream, read on torch's
+        x.record_stream(main)
+    return bits, n_bad, lambda: main.wait_stream(side)
 
 
 @lru_cache(maxsize=16)
@@ -233,7 +254,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
 
     The host waits for the device twice: once for the fitted fields' statistics, the histograms and the
     chunks' raw-bit totals (one read-back), once for the stream lengths of the chunks and the model's field
-    parts (both coded by the payload kernel)."""
+    parts (both coded by the payload kernel) and the raw-bit check."""
     from kvcodec.cuda import crc32 as gcrc
     from kvcodec.cuda import kvctx_encode as ke
 
@@ -274,30 +295,39 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     clock.mark("fit: choice, bin parameters (launches)")
 
     # 2. symbols, histogram, raw-bit counts (room after the values for the model's field bytes)
-    cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, unit)
-    gb = int(cng[0])
+    layout = chunk_layout(g, tt, d, tb, unit)
+    n_chunks = layout[0].size
+    gb = int(layout[1][0])
     n_values = g * tt * d
     n_plane_bytes = 2 * len(stored_fields(source)) * values.shape[1]  # kfit.field_planes' bytes
     spare = n_plane_bytes if n_plane_bytes > format2.MODEL_PART_BYTES else 0
+    desc, cap = _chunk_descriptors(layout, tt, d)
+    chunks_d = upload([desc], dev)[0].view(-1, 4)
     packed, hist, chunk_bits = ke.symbolise(pats, pred, margs, choices == (True,), _escape_table(bdtype, dev),
-                                            grid_constants(bdtype), (g, tt, d), tb, gb, unit, cg0.size, N_KEYS,
+                                            grid_constants(bdtype), (g, tt, d), tb, gb, unit, n_chunks, N_KEYS,
                                             spare, runner)
     planes, stats = kfit.field_planes(values, source)  # after the symbolise launch: off its critical path
+    phist = kfit.plane_histograms(planes, d, runner)
     clock.mark("symbolise, field planes (launches)")
     won = [] if shared_won is None else [shared_won.view(1)]
-    stats, phist, counts, cbits, *won = _read_back([stats, kfit.plane_histograms(planes, d, runner), hist.sum(dim=0),
-                                                    chunk_bits, *won])
+    stats, phist, counts, cbits, *won = _read_back([stats, phist, hist.sum(dim=0), chunk_bits, *won])
     clock.mark("wait: fit + symbolise (sync 1)")
+
+    # 3. the raw bits, beside the host's next steps
+    bit_words = (cbits + 31) // 32
+    ends = np.cumsum(bit_words)
+    bits, n_bad, join = _raw_bits_beside(packed, chunks_d, chunk_bits, ends, runner)
+    clock.mark("raw bits (launch)")
     pending = {k: sections[k] for k in ("lo16",) if k in sections}
     if source == "external":  # read back with the stream lengths (the second wait)
         pending["prediction"] = pred.reshape(-1).view(torch.uint8)
     crcs = overlap(pending) if overlap is not None else {}  # device work while the host builds the tables
-    pred_crc = None
+    pred_crc = []
     if source == "external":
-        pred_crc = crcs["prediction"] if "prediction" in crcs else gcrc.crc32_many([pending["prediction"]])[0]
+        pred_crc = [crcs["prediction"] if "prediction" in crcs else gcrc.crc32_many([pending["prediction"]])[0]]
     shared = bool(won[0][0]) if won else choices == (True,)
 
-    # 3. tables (the classes' and the model's field parts'), the parts and the chunk layout of the sections
+    # 4. tables (the classes' and the model's field parts'), the parts
     fields_head, fields, widths = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
     in_parts = fields.numel() > format2.MODEL_PART_BYTES
     rows = counts.reshape(N_CLASSES, 256)
@@ -307,33 +337,31 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     clock.mark("tables: frequencies")
     parts = _FieldParts(fields, freq[MODEL_CLASS], packed, n_values) if in_parts else None
     clock.mark("tables: model parts (launches)")
-    extra = parts.chunks if parts is not None else np.zeros((0, 6), np.int64)
-    n_bit_words, cap, launch_d = _launch_tables(freq, cbits, (cg0, cng, ct0, cnt), tt, d, extra, dev)
-    cap += 2 * ke.LANES
+    parts_rows = parts.chunks if parts is not None else np.zeros((0, 4), np.int64)
+    parts_d, ftab_d, rcp_d = _launch_tables(freq, parts_rows, dev)
+    cap = max(cap, int(parts_rows[:, 2].max(initial=0))) + 2 * ke.LANES
     clock.mark("tables: layout")
 
-    # 4. the chunks' streams (and the model's parts) and the checksums queued; the host writes the model meanwhile
-    chunks_d, ftab_d, rcp_d = launch_d
-    scratch, lens, bits = ke.encode_chunks(packed, chunks_d, ftab_d, rcp_d, cap, n_bit_words, runner)
+    # 5. the chunks' streams (and the model's parts); the host writes the model meanwhile
+    scratch, lens = ke.encode_chunks(packed, chunks_d, parts_d, ftab_d, rcp_d, cap, runner)
+    join()
     del packed
     clock.mark("payload (launch)")
     tables = table_bytes(freq[:N_CLASSES])
     if parts is None:
         body, mparts = code_model(fields.cpu().numpy(), tables)
     clock.mark("model bytes (host)")
-    lens_h = (lens if pred_crc is None else torch.cat([lens, pred_crc.view(1)])).cpu().numpy()
-    if pred_crc is not None:
-        meta["pred_crc"], lens_h = int(lens_h[-1]), lens_h[:-1]
-    wlen, miscounts = np.split(lens_h, [-1])
+    wlen, bad, *pred_crc = _read_back([lens, n_bad, *(c.view(1) for c in pred_crc)])
+    if pred_crc:
+        meta["pred_crc"] = int(pred_crc[0][0])
     clock.mark("wait: payload (sync 2)")
-    if (wlen < 0).any() or miscounts[0]:
+    if (wlen < 0).any() or bad[0]:
         raise RuntimeError("GPU kvctx encoder: a symbol without frequency or a raw-bit miscount (internal error)")
     woff = np.concatenate([[0], np.cumsum(wlen)]).astype(np.int64)
     words = torch.empty(int(woff[-1]), dtype=torch.int16, device=dev)
     gather(scratch, cap, lens, woff[:-1], words)
-    n_chunks = cg0.size
     payload = words[:woff[n_chunks]]
-    counts_b = np.concatenate([wlen[:n_chunks], (cbits + 31) // 32]).astype("<u4").view(np.uint8)
+    counts_b = np.concatenate([wlen[:n_chunks], bit_words]).astype("<u4").view(np.uint8)
     if parts is None:
         head = np.frombuffer(b"".join([(len(fields_head) + len(body)).to_bytes(4, "little"), fields_head, body]),
                              np.uint8)
@@ -353,28 +381,26 @@ class _FieldParts:
     """``format2.code_model``'s "mfields" parts of the model's field bytes (more than MODEL_PART_BYTES),
     coded on the device by the payload kernel: the bytes go after the tensor's values in ``packed`` as
     symbols of one more class (``MODEL_CLASS``, its table the parts' shared one) and each part is one more
-    chunk of 32 lanes without raw bits: the same words and states as ``rans_fast``'s 32-state table kernel
-    (value i on lane i % 32, groups of 32 from the last, 2**12 probabilities). Why: coding ~1.5 MB of
-    fields on the host took 2.5-4.5 ms of each call's critical path; on the device they ride along with
-    the payload's 2048 chunks."""
+    chunk of 32 lanes: the same words and states as ``rans_fast``'s 32-state table kernel (value i on lane
+    i % 32, groups of 32 from the last, 2**12 probabilities). Why: coding ~1.5 MB of fields on the host
+    took 2.5-4.5 ms of each call's critical path; on the device they ride along with the payload's chunks."""
 
     def __init__(self, fields: torch.Tensor, freqs: np.ndarray, packed: torch.Tensor, at: int):
         n = fields.numel()
         self.count = max(1, min(format2.MAX_FIELD_PARTS, -(-n // format2.FIELD_PART_BYTES)))
         sizes = format2._part_sizes(n, self.count)
-        self.freqs = freqs.astype("<u2")  # quantize_frequencies of the bytes' counts, as code_model's
+        self.freqs = freqs  # quantize_frequencies of the bytes' counts, as code_model's
         self.size = n
         packed[at:at + n] = fields.to(torch.int64) | (MODEL_CLASS << 8)
         first = at + np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        one, zero = np.ones_like(sizes), np.zeros_like(sizes)
-        self.chunks = np.stack([first, one, sizes, sizes, zero, zero], 1).astype(np.int64)
+        self.chunks = np.stack([first, np.ones_like(sizes), sizes, sizes], 1).astype(np.int64)  # one g each
 
     def head(self, fields_head: bytes, lens: np.ndarray, n_tables: int) -> np.ndarray:
         """The model section's bytes before the parts' payloads (``lens``: their lengths in words)."""
-        body = 8 + 2 * self.freqs.size + 4 * self.count + 2 * int(lens.sum()) + n_tables
+        parts_head = format2.field_parts_head(self.size, n_tables, self.freqs, 2 * lens)
+        body = parts_head.size + 2 * int(lens.sum()) + n_tables
         return np.concatenate([np.frombuffer((len(fields_head) + body).to_bytes(4, "little") + fields_head, np.uint8),
-                               np.array([self.size, n_tables], "<u4").view(np.uint8), self.freqs.view(np.uint8),
-                               (2 * lens).astype("<u4").view(np.uint8)])
+                               parts_head])
 
 
 def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: str,

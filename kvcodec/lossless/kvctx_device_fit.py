@@ -131,11 +131,7 @@ def plane_histograms(planes: torch.Tensor, d: int, runner) -> torch.Tensor:
     from kvcodec.cuda import kvctx_encode as ke
 
     f, _, n = planes.shape
-    hist = ke.plane_histograms(planes.reshape(2 * f, n), d, runner).reshape(2, f, 2, 256)
-    hist[..., 0] = -hist[..., 1:].sum(dim=-1)  # the zero bytes: the rest (no host tensor: no wait)
-    hist[0, ..., 0] += min(d, n)
-    hist[1, ..., 0] += n
-    return hist
+    return ke.plane_histograms(planes.reshape(2 * f, n), d, runner).reshape(2, f, 2, 256)
 
 
 def field_bytes(planes: torch.Tensor, stats: np.ndarray, n: int) -> tuple[bytes, torch.Tensor, list[int]]:

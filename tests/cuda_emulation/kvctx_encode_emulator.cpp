@@ -52,13 +52,20 @@ extern "C" void ke_symbolise_emu(int grid, int block, int w, P pats, P pred, P p
   emu_run(grid, block, k);
 }
 
-extern "C" void ke_encode_emu(int grid, int block, P packed, P chunks, int n, P ftab, P rcp, void* scratch, LL cap,
-                              void* lens, void* bits) {
-  auto k = [&] {
-    ke_encode<4>((const kx_u64*)packed, (const long long*)chunks, n, (const kx_u32*)ftab, (const kx_u32*)rcp,
-                 (kx_u16*)scratch, cap, (long long*)lens, (kx_u32*)bits);
-  };
-  emu_run(grid, block, k);
+extern "C" void ke_encode_emu(int grid, int block, P packed, P chunks, int n_chunks, P parts, int n_parts, P ftab,
+                              P rcp, void* scratch, LL cap, void* lens) {
+  emu_run(grid, block, [&] {
+    ke_encode<4>((const kx_u64*)packed, (const long long*)chunks, n_chunks, (const long long*)parts, n_parts,
+                 (const kx_u32*)ftab, (const kx_u32*)rcp, (kx_u16*)scratch, cap, (long long*)lens);
+  });
+}
+
+extern "C" void ke_bits_emu(int grid, int block, P packed, P chunks, int n_chunks, P totals, P ends, void* bits,
+                            void* n_bad) {
+  emu_run(grid, block, [&] {
+    ke_bits<4>((const kx_u64*)packed, (const long long*)chunks, n_chunks, (const long long*)totals,
+               (const long long*)ends, (kx_u32*)bits, (long long*)n_bad);
+  });
 }
 
 extern "C" void ke_fit_location_emu(int grid, int block, P mom, LL n, int gain, int prev_one, P consts, void* m,

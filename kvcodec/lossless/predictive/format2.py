@@ -387,12 +387,20 @@ def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
     start = 8 + 2 * freqs.size + 4 * parts
     offs = start + np.concatenate([[0], np.cumsum(lens)])
     out = np.empty(int(offs[-1]) + tables.size, np.uint8)
-    out[:start] = np.concatenate([np.array([fields.size, tables.size], "<u4").view(np.uint8), freqs.view(np.uint8),
-                                  lens.astype("<u4").view(np.uint8)])
+    out[:start] = field_parts_head(fields.size, tables.size, freqs, lens)
     sbytes = states.astype("<u4").view(np.uint8)
     run(lambda g: _place_parts(words.view(np.uint8), sbytes, bounds, first, offs, out, *g))
     out[offs[-1]:] = tables
     return out.tobytes(), {"mfields": parts}
+
+
+def field_parts_head(n_fields: int, n_tables: int, freqs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The bytes of an ``mfields`` model (:func:`code_model`) before its payloads (uint8): u32 field
+    bytes, u32 table bytes, the 256 u16 frequencies, each part's u32 payload length in bytes. Also
+    written by the GPU encoder, which codes the parts on the device."""
+    return np.concatenate([np.array([n_fields, n_tables], "<u4").view(np.uint8),
+                           np.asarray(freqs).astype("<u2").view(np.uint8),
+                           np.asarray(lens).astype("<u4").view(np.uint8)])
 
 
 _code_field_part = table_kernel(FIELD_STATES)
