@@ -86,7 +86,9 @@ def step_breakdown(label: str, t, pred, opts, reps: int = 7) -> tuple[str, dict]
         f"{k} {v}" for k, v in med.items()), med
 
 
-def rows_for(name, label, t, pred, opts, full: bool = True) -> tuple[list, list]:
+def rows_for(name, label, t, pred, opts, full: bool | None = True) -> tuple[list, list]:
+    """The rows and notes of one encode: ``full`` all rows, False the device rows and the host profile,
+    None (``--quick``) the device row, its host steps and its kernel profile."""
     import torch
 
     import kvcodec
@@ -119,6 +121,8 @@ def rows_for(name, label, t, pred, opts, full: bool = True) -> tuple[list, list]
                  enc_GBps=nbytes / enc_s / 1e9, dec_GBps=nbytes / dec_s / 1e9, exact=same_bits(t, y), gpu_path=on_gpu)]
     note, steps = step_breakdown(f"{name} / {label}", t, pred, opts)
     rows[0]["steps_ms"] = steps
+    if full is None:  # --quick: the device row, its steps and its kernels
+        return rows, [note, f"{name} / {label}: GPU encode profile (ms by kernel): {profile(t, pred, opts)}"]
     notes = [note, profile_call(f"{name} / {label}", "GPU encode (compress_device)",
                                 lambda: api.compress_device(t, prediction=pred, **opts))]
     if not full:  # the long-rows layout: the device rows and the host profile only
@@ -189,17 +193,17 @@ def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
     return [f"{label}: kernel variants (ms, mean of {reps}): " + "; ".join(out)]
 
 
-def main(out_dir: str, mb: int) -> dict:
+def main(out_dir: str, mb: int, quick: bool = False) -> dict:
     import torch
 
     rec = machine_record()
     data = tensors(mb)
     rows, notes = [], []
-    for suffix, tokens in LAYOUTS:
+    for suffix, tokens in LAYOUTS[:1] if quick else LAYOUTS:
         for name, label, t, pred, opts in jobs(data, tokens):
             name += suffix
             try:
-                got, got_notes = rows_for(name, label, t, pred, opts, full=tokens == 256)
+                got, got_notes = rows_for(name, label, t, pred, opts, full=None if quick else tokens == 256)
                 notes += got_notes
             except Exception as e:  # noqa: BLE001
                 got = [dict(data=name, codec=label, error=f"{type(e).__name__}: {e}"[:300])]
@@ -213,8 +217,10 @@ def main(out_dir: str, mb: int) -> dict:
         "'long rows': the same tiled sample as [-1, 2048, 64] (8 consecutive 256-token rows concatenated: 8x fewer "
         "channels), GPU encode + GPU decode and the host profile only",
         "GPU encode: kvcodec/cuda/kvctx_encode.cu (fit sums per column, symbolise + histogram, one warp per chunk "
-        "for rANS + raw bits); the same format 2 stream the CPU encoder writes", *notes]}
+        "for the raw bits on a side stream, one per chunk for rANS); the same format 2 stream the CPU encoder writes",
+        *notes]}
     save_with_out(result, out_dir, columns=COLUMNS)
+    print("\n".join(result["notes"][2:]), flush=True)
     return result
 
 
@@ -237,6 +243,7 @@ if __name__ == "__main__":
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--merge", action="store_true", help="append results/gpu_kvctx_encode.json to gpu_lossless")
     ap.add_argument("--variants", action="store_true", help="only time the kernel variants (VARIANTS), print them")
+    ap.add_argument("--quick", action="store_true", help="the [-1, 256, 64] layout's device rows, steps and kernels only")
     args = ap.parse_args()
     if args.merge:
         merge(args.out)
@@ -246,4 +253,4 @@ if __name__ == "__main__":
         for name, label, t, pred, opts in jobs(_tensors(args.mb)):
             print("\n".join(kernel_variants(f"{name} / {label}", t, pred, opts)), flush=True)
     else:
-        main(args.out, args.mb)
+        main(args.out, args.mb, args.quick)
