@@ -164,23 +164,24 @@ def _from_bytes(raw):
 _BAD_ROWS = "decode tables need rows of 256 non-negative frequencies summing to 4096 (or 0)"
 
 
-def _checked(freq: np.ndarray) -> np.ndarray:
-    """int64 [C, 256] frequency rows (ValueError otherwise; their values are checked by
+def _built(freq: np.ndarray, full: bool) -> np.ndarray:
+    """:func:`decode_tables` (``full``) or :func:`compact_tables` of int64 [C, 256] frequency rows
+    (ValueError unless every row is non-negative and sums to 4096 or 0: checked by
     :func:`_fill_tables`, in the same compiled pass that builds the tables)."""
     f = np.ascontiguousarray(freq, np.int64)
     if f.ndim != 2 or f.shape[1] != 256:
         raise ValueError(_BAD_ROWS)
-    return f
+    tabs = np.empty(f.shape[0] * TOTAL if full else 0, np.uint32)
+    compact = np.empty(0 if full else f.shape[0] * COMPACT_STRIDE, np.uint8)
+    if not _fill_tables(f, tabs, compact):
+        raise ValueError(_BAD_ROWS)
+    return tabs if full else compact
 
 
 def decode_tables(freq: np.ndarray) -> np.ndarray:
     """uint32 [N_CLASSES * 4096] rANS decode tables (``rans_lanes``' layout; an unused class decodes
     everything as ESC): what the GPU kernel reads."""
-    f = _checked(freq)
-    tabs = np.empty(f.shape[0] * TOTAL, np.uint32)
-    if not _fill_tables(f, tabs, np.empty(0, np.uint8)):
-        raise ValueError(_BAD_ROWS)
-    return tabs
+    return _built(freq, full=True)
 
 
 COMPACT_STRIDE = TOTAL + 4 * 256  # bytes a class takes in the two-level form
@@ -191,11 +192,7 @@ def compact_tables(freq: np.ndarray) -> np.ndarray:
     ``COMPACT_STRIDE`` bytes, the symbol of each of the 4096 slots (one byte), then per symbol
     ``freq | cum << 16`` (little-endian uint32): 5 KiB a class instead of 16, so the classes a
     predictive or fp8 stream uses stay in cache, and one base offset finds both levels."""
-    f = _checked(freq)
-    compact = np.empty(f.shape[0] * COMPACT_STRIDE, np.uint8)
-    if not _fill_tables(f, np.empty(0, np.uint32), compact):
-        raise ValueError(_BAD_ROWS)
-    return compact
+    return _built(freq, full=False)
 
 
 @njit(nogil=True, cache=True)
