@@ -1,16 +1,18 @@
 """Format 2 CPU decode fast paths against their references: the one-pass table builder
-(``tables.decode_tables`` / ``compact_tables``) and the symbol loop's two copies in
-``binned.decode_chunks`` (lane-aligned tokens with unclamped reads, else clamped)."""
+(``tables.decode_tables`` / ``compact_tables``), the vector rANS step (``binned.rans_step8`` /
+``rans_step16``) against the scalar step on any states and words, and the symbol loop's two forms in
+``binned.decode_chunks`` (lane-aligned tokens as vector steps, else one value at a time, clamped)."""
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from numba import njit
 
 from kvcodec import CorruptStreamError
 from kvcodec.entropy import rans_lanes
 from kvcodec.lossless import predictive
-from kvcodec.lossless.predictive import bins, tables
+from kvcodec.lossless.predictive import binned, bins, tables
 
 N_CLASSES = bins.N_CLASSES
 
@@ -52,6 +54,53 @@ def test_one_pass_tables_match_the_row_by_row_reference(freq):
     want = reference_compact(tabs)
     assert tables.COMPACT_STRIDE * N_CLASSES == want.size
     assert np.array_equal(tables.compact_tables(freq), want)  # the two-level form of the same tables
+
+
+@njit
+def _vector_symbols(xs, tbase, compact, words, ptr, sym):
+    """A token's symbols by the decoder's vector steps (16 lanes at a time with 32 lanes, else 8)."""
+    lanes = xs.size
+    for d in range(0, tbase.size, 16 if lanes == 32 else 8):
+        if lanes == 32:
+            ptr = binned.rans_step16(xs, d & (lanes - 1), tbase, d, compact, words, ptr, sym)
+        else:
+            ptr = binned.rans_step8(xs, d & (lanes - 1), tbase, d, compact, words, ptr, sym)
+    return ptr
+
+
+def reference_symbols(xs, tbase, compact, words, ptr):
+    """The scalar rANS step (``rans_lanes``' decode) value by value: (symbols, states, word position)."""
+    xs, sym = [int(x) for x in xs], []
+    for d, tb in enumerate(tbase.tolist()):
+        x = xs[d % len(xs)]
+        slot = x & (rans_lanes.M - 1)
+        s = int(compact[tb + slot])
+        e = int(compact[tb + rans_lanes.M + 4 * s:tb + rans_lanes.M + 4 * s + 4].view("<u4")[0])
+        x = (e & 0xFFFF) * (x >> 12) + slot - (e >> 16)
+        if x < rans_lanes.RANS_L:
+            x, ptr = (x << 16) | int(words[ptr]), ptr + 1
+        xs[d % len(xs)] = x
+        sym.append(s)
+    return sym, xs, ptr
+
+
+@settings(max_examples=40, deadline=None)
+@given(freq=frequency_tables(), lanes=st.sampled_from([8, 32]), tokens_of_lanes=st.integers(1, 3),
+       seed=st.integers(0, 2**32 - 1))
+def test_vector_rans_step_equals_the_scalar_step(freq, lanes, tokens_of_lanes, seed):
+    """Any 32-bit states (a corrupt stream's too: below 2**16, or 0), any words, classes used or not:
+    the same symbols, states and words consumed as the scalar step."""
+    rng = np.random.default_rng(seed)
+    compact = tables.compact_tables(freq)
+    d_n = lanes * tokens_of_lanes
+    tbase = rng.integers(0, N_CLASSES, d_n) * tables.COMPACT_STRIDE
+    xs = rng.integers(0, 2**32, lanes, dtype=np.uint32)
+    xs[rng.random(lanes) < 0.2] = rng.integers(0, 2**16)
+    words = rng.integers(0, 2**16, d_n + 5, dtype=np.uint16)
+    want_sym, want_xs, want_ptr = reference_symbols(xs, tbase, compact, words, 3)
+    sym = np.full(d_n, -1, np.int64)
+    got_ptr = _vector_symbols(xs, tbase, compact, words, 3, sym)
+    assert (sym.tolist(), xs.tolist(), got_ptr) == (want_sym, want_xs, want_ptr)
 
 
 def test_tables_refuse_rows_that_do_not_sum_to_4096():
