@@ -165,7 +165,7 @@ def timeline(name: str, reps: int = 9) -> list[str]:
     first decode and decoded again (plan reused): host stamps and CUDA events on torch's stream at the
     boundaries of its steps (wrapped functions), medians over ``reps`` calls after a warm-up, in ms from
     the call: "step: host at entry / exit, GPU (torch's stream) reached entry / exit". Also the crc32 pass
-    over the decoded tensor alone (CUDA events), the part of the tail a fused check would remove."""
+    over the decoded tensor alone (CUDA events), the tail after the kernel."""
     import statistics
     import time
 
@@ -246,73 +246,6 @@ def timeline(name: str, reps: int = 9) -> list[str]:
     return lines
 
 
-def fold_ab(name: str, rounds: int = 5) -> list[str]:
-    """The output's crc32 folded into the kernel (``kvctx_decode.FOLD_CRC``) or a pass after it, same run,
-    alternating A / B ``rounds`` times: the kernel alone (CUDA events around the launch; the fold's cost) and
-    decompress end to end, decoded again and first decode (wall clock, medians)."""
-    import statistics
-    import time
-
-    import torch
-
-    import kvcodec
-    from kvcodec.cuda import kvctx_decode as kd
-    from kvcodec.lossless import api, kvctx_device
-
-    lines = []
-    for label, t, hblob, pred, nbytes in gl.kv_blobs(name):
-        dblob, meta, secs = device_blob(hblob)
-        got: dict = {}
-        events = []
-
-        def timed_launch(*a, **k):
-            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev0.record()
-            kd.launch(*a, **k)
-            ev1.record()
-            events.append((ev0, ev1))
-
-        def wall(fn, first=False):
-            if first:
-                api._blob_plans.clear()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t0) * 1e3
-
-        default = kd.FOLD_CRC
-        for rnd in range(rounds + 1):
-            for fold in (True, False):
-                kd.FOLD_CRC = fold
-                api._blob_plans.clear()  # an entry keeps its decode's choice
-                try:
-                    events.clear()
-                    for _ in range(3):
-                        res = kvctx_device.decode(meta, secs, dblob.device, pred, launch=timed_launch)
-                    torch.cuda.synchronize()
-                    ok = not bool(res[1].any()) and gl.same_bits(t, res[0]) and (res.folded is not None) == fold
-                    again = [wall(lambda: kvcodec.decompress(dblob, prediction=pred)) for _ in range(3)]
-                    first = [wall(lambda: kvcodec.decompress(dblob, prediction=pred), True) for _ in range(3)]
-                finally:
-                    kd.FOLD_CRC = default
-                if rnd:  # round 0: warm-up
-                    row = got.setdefault(fold, {"kernel": [], "again": [], "first": [], "ok": True})
-                    row["kernel"] += [a.elapsed_time(b) for a, b in events[1:]]
-                    row["again"] += again[1:]
-                    row["first"] += first[1:]
-                    row["ok"] &= ok
-        med = statistics.median
-        lines.append(f"{name}/{label}: output crc32 folded into the kernel vs a pass after it (same run, A/B x {rounds}; "
-                     "ms, medians; GB/s of the tensor): " + "; ".join(
-                         f"{'folded' if fold else 'pass after'}: kernel alone {med(r['kernel']):.3f}, decoded again "
-                         f"{med(r['again']):.3f} ({nbytes / med(r['again']) / 1e6:.1f} GB/s), first decode "
-                         f"{med(r['first']):.3f} ({nbytes / med(r['first']) / 1e6:.1f} GB/s), exact {r['ok']}"
-                         for fold, r in got.items()))
-        gl.log(lines[-1])
-    return lines
-
-
 def host_ms(fn, reps: int = 20) -> float:
     """Median wall time (ms) of ``fn()`` on an idle stream, after a warm-up call."""
     import statistics
@@ -369,12 +302,12 @@ def once(mb: int) -> None:
 
 
 def quick(out_dir: str, mb: int) -> dict:
-    """The bf16 KV tensor's kvctx and predictive rows only (end to end, the default kernel alone, the fold A/B
-    and the timeline): a short device call. Writes gpu_lossless_kvctx_quick.{json,md}."""
+    """The bf16 KV tensor's kvctx and predictive rows only (end to end, the default kernel alone and the
+    timeline): a short device call. Writes gpu_lossless_kvctx_quick.{json,md}."""
     rec = machine_record()
     name, x = "kv_bf16", gl.tensors(mb)["kv_bf16"]
     rows = gl.kvctx_gpu_rows(name, x) + gl.kvctx_kernel_rows(name, x, variants=gl.KERNEL_VARIANTS[:1])
-    notes = fold_ab(name) + timeline(name)
+    notes = timeline(name)
     result = {"suite": "gpu_lossless_kvctx_quick", "rows": rows, "machine": rec,
               "notes": [f"GPU {rec.get('gpu')}; {name} {mb} MB as [heads, 256 tokens, 64] only (gpu_kvctx.py --quick)", *notes]}
     save_with_out(result, out_dir, columns=["data", "codec", "MB", "ratio", "dec_GBps", "kernel_ms", "plan_ms", "exact",
@@ -408,7 +341,7 @@ def main(out_dir: str, mb: int) -> dict:
                     rows_l += got
                 try:
                     notes += [suffix.strip() + " " + n if suffix else n
-                              for n in (host_profile(name) + ([] if long else plan_breakdown(name) + fold_ab(name) + timeline(name)))]
+                              for n in (host_profile(name) + ([] if long else plan_breakdown(name) + timeline(name)))]
                 except Exception as e:  # noqa: BLE001
                     notes.append(f"{name}{suffix}: host profile failed: {type(e).__name__}: {e}"[:300])
                 torch.cuda.empty_cache()

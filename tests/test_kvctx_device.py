@@ -23,7 +23,6 @@ import torch
 import kvcodec
 from kvcodec import container
 from kvcodec.cuda import build
-from kvcodec.cuda import crc32
 from kvcodec.cuda import kvctx_decode as kd
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import api, device_container, kvctx_device
@@ -79,7 +78,7 @@ def emulator(cpu_emulator):
     """The kernel compiled for the CPU (skipped without g++)."""
     lib = cpu_emulator("kvctx_decode_emulator")
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.kx_emulate.argtypes = [i, i, p, p, p, i, p, ll, ll, p, p, i, p, i, i, i, i, i, i, ll, p, p, p, p, p, p, p]
+    lib.kx_emulate.argtypes = [i, i, p, p, p, i, p, ll, ll, p, p, i, p, i, i, i, i, i, i, ll, p, p, p, p]
     lib.kx_emulate.restype = i
     return lib
 
@@ -88,7 +87,7 @@ def emulated_launch(lib, nr=kd.ROUNDS):
     """A stand-in for ``kvctx_decode.launch`` (same signature) running the kernel on CPU tensors (``nr``:
     its rounds per batch, 2 or 4)."""
 
-    def launch(dp, words, bits, out, status, first=0, count=None, pred=None, pred_g0=0, lo16=0, crc=None):
+    def launch(dp, words, bits, out, status, first=0, count=None, pred=None, pred_g0=0, lo16=0):
         plan = dp.plan
         count = plan.chunks.shape[0] - first if count is None else count
         if count <= 0:
@@ -100,7 +99,7 @@ def emulated_launch(lib, nr=kd.ROUNDS):
                             pred.data_ptr() if pred is not None else None, pred_g0, tt, dp.raw.data_ptr(),
                             dp.layout.data_ptr(), int(plan.shared), dp.tabs.data_ptr(), *plan.grid, d, tt,
                             out.data_ptr(), lo16 or None, scratch.data_ptr() if scratch is not None else None,
-                            status.data_ptr() + 4 * first, *(int(a) or None for a in kd.crc_args(crc, first)))
+                            status.data_ptr() + 4 * first)
         assert rc == 0
 
     return launch
@@ -150,8 +149,7 @@ CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)
 
 
 @pytest.mark.parametrize("shape,dtype,source", CASES)
-def test_emulated_kernel_equals_cpu_decoder(emulator, shape, dtype, source, monkeypatch):
-    monkeypatch.setattr(kd, "FOLD_CRC", True)  # the folded crc32 where it applies (off by default: same kernel code)
+def test_emulated_kernel_equals_cpu_decoder(emulator, shape, dtype, source):
     x = with_specials(kv_like(shape, dtype if dtype.itemsize > 1 else torch.float32, seed=len(shape)).to(dtype))
     pred = kv_like(shape, torch.bfloat16, seed=5) if source == "external" else None
     meta, sections = encode_tensor(x, pred, source, version=2)
@@ -159,17 +157,11 @@ def test_emulated_kernel_equals_cpu_decoder(emulator, shape, dtype, source, monk
     codec = "kvctx" if source == "none" else "predictive"
     blob = blob_of(meta, sections, x, codec, pred is not None)
     assert same_bits(kvcodec.decompress(blob, prediction=pred), x)  # the CPU decoder
-    res = emulated_decode(emulator, blob, pred)
-    out, status, checks = res
+    out, status, checks = emulated_decode(emulator, blob, pred)
     assert not status.any()
     assert same_bits(out, x)
     for t, crc, _ in checks:  # the prediction's checksum, as the CPU computes it
         assert zlib.crc32(t.contiguous().view(torch.uint8).numpy()) == crc
-    # the output's crc32 folded into the kernel where every lane owns channels lane + 32 c (D % 64 == 0 here)
-    assert (res.folded is not None) == (shape[-1] % 64 == 0)
-    if res.folded is not None:
-        assert crc32.combine(res.folded.values.numpy(), res.folded.lengths.numpy()) == zlib.crc32(
-            x.contiguous().view(-1).view(torch.uint8).numpy())
 
 
 @pytest.mark.parametrize("shape", [(2, 128, 64), (1, 130, 130)])
@@ -236,16 +228,10 @@ def test_emulated_api_path_decodes_and_checks(emulated_api):
     flipped[-1] ^= 1
     with pytest.raises(CorruptStreamError, match="checksum"):
         api._decompress_on_device(flipped, torch.device("cpu"), None)
-    meta["crc32"] ^= 1  # every section intact, the tensor's crc32 not: by a pass after the kernel, or folded in
+    meta["crc32"] ^= 1  # every section intact, the tensor's crc32 not
     wrong = torch.frombuffer(bytearray(container.dumps(kind, meta, sections)), dtype=torch.uint8)
-    default = kd.FOLD_CRC
-    for fold in (False, True):
-        kd.FOLD_CRC = fold
-        try:
-            with pytest.raises(CorruptStreamError, match="decoded tensor fails its checksum"):
-                api._decompress_on_device(wrong, torch.device("cpu"), None)
-        finally:
-            kd.FOLD_CRC = default
+    with pytest.raises(CorruptStreamError, match="decoded tensor fails its checksum"):
+        api._decompress_on_device(wrong, torch.device("cpu"), None)
 
 
 def test_blobs_the_kernel_cannot_take_are_left_to_the_cpu():

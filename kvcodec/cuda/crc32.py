@@ -11,15 +11,10 @@ structure in numpy, so the tests check the decomposition against ``zlib`` withou
 
     crcs = crc32_many([t1, t2, ...])      # CUDA uint8 tensors -> int64 CUDA tensor of crc32 values
     flags = check_many(bufs, expected, slots, n)  # int32 flags: 1 where a buffer's crc32 (or zeros) fails
-    check_parts(Parts(values, lengths), expected, flag)  # a buffer's crc32 from its pieces' R(0, piece)
-
-A decode kernel that writes a buffer can fold its crc32 in (``kvctx_decode.cu``: :func:`row_tables`):
-then :class:`Parts` replaces the separate pass over the buffer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -86,32 +81,6 @@ def shift_by(n: int, c):
         if (n >> i) & 1:
             c = _shift(i, c)
     return c
-
-
-@lru_cache(maxsize=16)
-def row_tables(d: int, out_bytes: int) -> np.ndarray:
-    """uint32 [(d // 32 * out_bytes + 4) * 256]: the tables of a decode kernel that folds the crc32 of
-    its rows of ``d`` elements of ``out_bytes`` (little-endian) in, lane k owning elements k + 32 c:
-    per column c and byte b, T[e] = the register of that byte e alone shifted to the row's end but for
-    the (31 - k) * out_bytes bytes of the lane's own place (which the lanes add when they combine), then
-    S_row ([4][256], row = d * out_bytes bytes) to move a register one row on."""
-    cols = d // 32
-    t0 = slice_tables()[0]
-    rows = [shift_by((cols - 1 - c) * 32 * out_bytes + out_bytes - 1 - b, t0)
-            for c in range(cols) for b in range(out_bytes)]
-    v = np.arange(256, dtype=np.uint32)
-    rows += [shift_by(d * out_bytes, v << np.uint32(8 * k)) for k in range(4)]
-    return np.concatenate(rows).astype(np.uint32)
-
-
-def combine(values, lengths) -> int:
-    """zlib crc32 of a buffer from R(0, piece) of its consecutive pieces (``values``) and their byte
-    ``lengths``: the host side of ``crc_combine``."""
-    acc, total = np.uint32(0), 0
-    for v, n in zip(np.asarray(values).astype(np.uint32), np.asarray(lengths, np.int64)):
-        acc = shift_by(int(n), acc) ^ v
-        total += int(n)
-    return int(~(shift_by(total, 0xFFFFFFFF) ^ acc) & 0xFFFFFFFF)
 
 
 # ------------------------------------------------------------------------------------- layout
@@ -258,43 +227,3 @@ def _launch(buffers: list[torch.Tensor], check: np.ndarray | None = None, n_flag
             (desc_d.data_ptr(), first_d.data_ptr(), rblk.data_ptr(), tab.data_ptr(), sh.data_ptr(), out.data_ptr(),
              0 if check_d is None else check_d.data_ptr(), 0 if flags is None else flags.data_ptr()))
     return out, None if flags is None else flags[:n_flags]
-
-
-@dataclass
-class Parts:
-    """A buffer's crc32 in pieces: ``values`` (int32 [n], R(0, piece) as a decode kernel wrote them) of
-    its consecutive pieces of ``lengths`` bytes (int64 [n]), on one device."""
-
-    values: torch.Tensor
-    lengths: torch.Tensor
-
-
-def check_parts(parts: Parts, expected: int, flag: torch.Tensor) -> None:
-    """``flag`` (int32 [1] on the parts' device) |= 1 when the crc32 the parts join to differs from
-    ``expected``: one launch of ``crc_combine`` on torch's current stream (CPU tensors: :func:`combine`)."""
-    if not parts.values.is_cuda:
-        if combine(parts.values.numpy(), parts.lengths.numpy()) != int(expected):
-            flag[0] = 1
-        return
-    from kvcodec.cuda import build
-
-    device = parts.values.device
-    with build.cupy_stream(device):
-        build.get_function(SOURCE, "crc_combine")(
-            (1,), (FINISH_THREADS,),
-            (parts.values.data_ptr(), parts.lengths.data_ptr(), np.int64(parts.values.numel()),
-             _device_tables(device)[1].data_ptr(), np.int64(expected), flag.data_ptr()))
-
-
-_row_tables_on: dict = {}
-
-
-def fold_tables(device, d: int, out_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(:func:`row_tables`, :func:`shift_tables`) as int32 tensors on ``device``, for a kernel that folds a
-    crc32 in (made once per device and row layout)."""
-    device = torch.device(device)
-    key = (device, d, out_bytes)
-    rows = _row_tables_on.get(key)
-    if rows is None:
-        rows = _row_tables_on[key] = torch.from_numpy(row_tables(d, out_bytes).view(np.int32)).to(device)
-    return rows, _device_tables(device)[1]

@@ -26,19 +26,10 @@
 // Every read is bounded: the rings read zeros past the chunk's words (an overrun then fails the end
 // checks, as on the CPU); a malformed chunk sets its status, checked once on the host after the launch.
 //
-// The decoded tensor's crc32 (the container's check of the output) is folded in where every lane always owns
-// channels lane + 32 c (LAYOUT != KX_GENERAL) and crc_tabs is given: crc32 is affine (kvcodec/cuda/crc32.py),
-// so a lane keeps acc = S_row(acc) ^ h per token, h the XOR of its elements' contributions T_c (one table per
-// column c of 32 channels and byte, in shared memory: contribution of the element's bytes shifted to the end
-// of the row but for the lane's own place), and at the chunk's end the lanes combine (S_{OUT g} between
-// halves of g lanes) into R(0, the chunk's output bytes) in crcs[chunk]; crc32.cu crc_combine joins the
-// chunks (consecutive output ranges). No separate pass over the output after the kernel (template FOLD).
-//
 // Template: OUT (bytes per output element), WARPS (chunks per block), NR (rounds per batch), LAYOUT
 // (KX_ALIGNED: D is a multiple of 32 * NR, every batch starts at lane 0 and fills its rounds, so the rotation
 // and the per-lane masks fold away; KX_REGS: D = 32 * NR, also the channels' parameters in registers),
-// BF16 (the bf16 grid as constants: a value is its float32 upper half), FOLD (the output's crc32 folded in, above;
-// measured no faster end to end on an H200 yet: kvctx_decode.FOLD_CRC).
+// BF16 (the bf16 grid as constants: a value is its float32 upper half).
 
 typedef unsigned char kx_u8;
 typedef unsigned short kx_u16;
@@ -174,13 +165,6 @@ __device__ __forceinline__ KxField kx_unary_field(int d, int ep, int mb, bool& o
 // The unary depth at bit 0 of w (>= 21 valid bits): zero bits before a one, at most KX_UNARY.
 __device__ __forceinline__ int kx_depth(kx_u32 w) { return __clz(__brev(w | 1u << KX_UNARY)); }
 
-// S_{2^log2n} of crc32.py (``shift_tables``: [48][4][256] words): the register after 2^log2n zero bytes.
-__device__ __forceinline__ kx_u32 kx_crc_shift(const kx_u32* __restrict__ sh, int log2n, kx_u32 c) {
-  const kx_u32* t = sh + 1024 * log2n;
-  return __ldg(t + (c & 255u)) ^ __ldg(t + 256 + ((c >> 8) & 255u)) ^ __ldg(t + 512 + ((c >> 16) & 255u)) ^
-         __ldg(t + 768 + (c >> 24));
-}
-
 // A warp's ring of one of its chunk's word streams (n words at src) in shared memory: words [hi - R, hi)
 // are in buf (those not yet passed by the reader), and each lane holds its word of the next 32 (stage),
 // loaded one fill step before it is stored. Words past n read as 0. MIRROR: buf[R, R + 32) repeats
@@ -247,18 +231,15 @@ struct KxRing {
 // Dynamic shared memory: per warp a ring of rANS words and one of raw-bit words, then (scratch null) per
 // warp 5 x D doubles: dev and the channel table of the current g (kx_channel); else those in scratch,
 // n x 5 x D doubles. status[n]: 0 good, else the CPU's error
-// codes (1 short stream, 2 bad state, 4 end checks, 5 bad value). crc_tabs (null: no crc): D / 32 * OUT tables
-// T_c of 256 words (column c, byte b at index c * OUT + b), then S_row as [4][256] (crc32.row_tables), copied
-// to shared memory after the warps' parts; crc_shift: crc32.shift_tables; crcs[n]: R(0, chunk output bytes).
-template <int OUT, int WARPS, int NR, int LAYOUT, bool BF16, bool FOLD>
+// codes (1 short stream, 2 bad state, 4 end checks, 5 bad value).
+template <int OUT, int WARPS, int NR, int LAYOUT, bool BF16>
 __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2048 chunks in one wave on an H100/H200
     kx_decode(const kx_u16* __restrict__ words, const kx_u32* __restrict__ bits, const long long* __restrict__ chunks,
               int n_chunks, const float* __restrict__ pred, long long pred_g0, long long pred_t,
               const kx_u8* __restrict__ raw, const long long* __restrict__ layout, int shared,
               const kx_u32* __restrict__ tabs, int width, int sign, int mb, int maxmag, int eoff, int D, long long T,
               void* __restrict__ out, const kx_u16* __restrict__ lo16, double* __restrict__ scratch,
-              int* __restrict__ status, const kx_u32* __restrict__ crc_tabs, const kx_u32* __restrict__ crc_shift,
-              kx_u32* __restrict__ crcs) {
+              int* __restrict__ status) {
   extern __shared__ double kx_smem[];
   constexpr bool ALIGNED = LAYOUT != KX_GENERAL;
   if (BF16) {  // bins.bin_grid(torch.bfloat16), as constants
@@ -272,15 +253,6 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ci = blockIdx.x * WARPS + warp;
   if (ci >= n_chunks) return;  // warp-uniform
-  const bool crc_on = FOLD && ALIGNED && crc_tabs != nullptr;  // FOLD = false: none of it compiled
-  kx_u32* const ctab = reinterpret_cast<kx_u32*>(reinterpret_cast<char*>(kx_smem) + WARPS * (2 * KX_RING_WORDS +
-                                                 4 * (KX_RING_BITS + 32)) + (scratch ? 0 : WARPS * 5 * D * 8));
-  const int ccols = D / 32 * OUT;  // T_c tables; S_row after them
-  if (crc_on) {  // every warp of the block writes the same words (no block barrier: warps may have returned)
-    for (int j = lane; j < (ccols + 4) * 256; j += 32) ctab[j] = __ldg(crc_tabs + j);
-    __syncwarp();
-  }
-  kx_u32 cacc = 0u, ch = 0u;  // the lane's crc register over the rows so far, and its row's contributions
   const long long* cd = chunks + KX_CHUNK_FIELDS * (long long)ci;
   const long long wlen = cd[1], nbw = cd[3];
   const long long g0 = cd[4], ng = cd[5], t0 = cd[6], nt = cd[7];
@@ -513,19 +485,12 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           const int pat = esc ? (int)field : (over ? 0 : mag | (gr.sign & neg[r]));
           const int d = r0 + 32 * r + k;
           const long long oi = orow + d;
-          const kx_u32 elem = OUT == 1 ? (kx_u32)pat & 0xFFu : OUT == 2 ? (kx_u32)pat & 0xFFFFu
-                                                                        : ((kx_u32)pat << 16) | (kx_u32)lo[r];
           if (OUT == 1) {
-            reinterpret_cast<kx_u8*>(out)[oi] = (kx_u8)elem;
+            reinterpret_cast<kx_u8*>(out)[oi] = (kx_u8)pat;
           } else if (OUT == 2) {
-            reinterpret_cast<kx_u16*>(out)[oi] = (kx_u16)elem;
+            reinterpret_cast<kx_u16*>(out)[oi] = (kx_u16)pat;
           } else {
-            reinterpret_cast<kx_u32*>(out)[oi] = elem;
-          }
-          if (crc_on) {  // warp-uniform
-            const kx_u32* tc = ctab + (((r0 >> 5) + r) * OUT << 8);
-#pragma unroll
-            for (int b = 0; b < OUT; ++b) ch ^= tc[(b << 8) + ((elem >> (8 * b)) & 255u)];
+            reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat << 16) | (kx_u32)lo[r];
           }
           const double v = BF16 ? (double)__int_as_float(pat << 16) : kx_value(pat, gr);
           const double dv = esc ? 0.0 : __dsub_rn(v, base[r]);  // ESC: no residual
@@ -539,24 +504,9 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         rw.fill(ptr, lane);
         rb.fill(bpos >> 5, lane);
       }
-      if (crc_on) {  // the row done: acc = S_row(acc) ^ h
-        const kx_u32* srow = ctab + (ccols << 8);
-        cacc = srow[cacc & 255u] ^ srow[256 + ((cacc >> 8) & 255u)] ^ srow[512 + ((cacc >> 16) & 255u)] ^
-               srow[768 + (cacc >> 24)] ^ ch;
-        ch = 0u;
-      }
       i += D;
       if (!in_regs) __syncwarp();  // dev[] written, read by other threads next token
     }
-  }
-  if (crc_on) {  // lanes k and k + g of a pair: the upper one's element ends g * OUT bytes later
-    const int out_log2 = OUT == 1 ? 0 : OUT == 2 ? 1 : 2;
-#pragma unroll
-    for (int g = 1, lg = 0; g < 32; g <<= 1, ++lg) {
-      const kx_u32 other = __shfl_xor_sync(KX_FULL, cacc, g);  // lane + g for the lower lanes of a pair
-      if ((lane & (2 * g - 1)) == 0) cacc = kx_crc_shift(crc_shift, out_log2 + lg, cacc) ^ other;
-    }
-    if (lane == 0) crcs[ci] = cacc;
   }
   if (__any_sync(KX_FULL, bad)) {  // a malformed chunk decodes on (every read is bounded) to its end
     if (lane == 0) status[ci] = 5;

@@ -28,18 +28,13 @@ CHANNEL_BYTES = 5 * 8  # per warp and channel: dev, and the channel table's m, c
 SMEM_MAX = 48 * 1024  # rings + channel tables in shared memory up to this (no opt-in); beyond, a global scratch
 SIGNATURE = ("(const unsigned short*, const unsigned int*, const long long*, int, const float*, long long, "
              "long long, const unsigned char*, const long long*, int, const unsigned int*, int, int, int, int, "
-             "int, int, long long, void*, const unsigned short*, double*, int*, const unsigned int*, "
-             "const unsigned int*, unsigned int*)")
+             "int, int, long long, void*, const unsigned short*, double*, int*)")
 
 
 BF16_GRID = (16, 0x8000, 7, 0x7F7F, -133)  # bins.bin_grid(torch.bfloat16): the kernel's BF16 constants
 
 
 GENERAL, ALIGNED, REGS = 0, 1, 2  # kernel layouts (KX_GENERAL, KX_ALIGNED, KX_REGS)
-# Fold the output's crc32 into the kernel where it can (KernelPlan.crc_fused; template FOLD) instead of a crc32 pass
-# after it. Off: on an H200 (GPU_NOTES session 7, run D3, same-run A/B) the fold costs the kernel ~0.15 ms (2.61 ->
-# 2.76 ms, bf16 256 MB) and saves nothing end to end, the section checks' pass after the kernel being as long.
-FOLD_CRC = False
 
 
 def variant(out_kind: int, grid: tuple, d: int, nr: int) -> tuple[int, bool]:
@@ -50,18 +45,15 @@ def variant(out_kind: int, grid: tuple, d: int, nr: int) -> tuple[int, bool]:
     return layout, out_kind == 4 or (out_kind == 2 and tuple(int(v) for v in grid) == BF16_GRID)
 
 
-def kernel_name(out_kind: int, nr: int, warps: int = WARPS, layout: int = REGS, bf16: bool = False,
-                fold: bool = False) -> str:
-    return f"kx_decode<{out_kind}, {warps}, {nr}, {layout}, {str(bf16).lower()}, {str(fold).lower()}>"
+def kernel_name(out_kind: int, nr: int, warps: int = WARPS, layout: int = REGS, bf16: bool = False) -> str:
+    return f"kx_decode<{out_kind}, {warps}, {nr}, {layout}, {str(bf16).lower()}>"
 
 
 def instance_declarations() -> list[str]:
     """Explicit instantiations for the nvcc compile check: every instance ``launch`` picks with the default
-    rounds, the bf16 ones with the folded crc32 (``FOLD_CRC``), and the bf16 ones of the other rounds the
-    benchmark sweeps."""
+    rounds, and the bf16 ones of the other rounds the benchmark sweeps."""
     bf16 = {1: (False,), 2: (False, True), 4: (True,)}
     names = [kernel_name(k, ROUNDS, WARPS, lay, b) for k in OUT_KINDS for b in bf16[k] for lay in (GENERAL, ALIGNED, REGS)]
-    names += [kernel_name(2, ROUNDS, WARPS, lay, True, True) for lay in (ALIGNED, REGS)]
     names += [kernel_name(2, nr, WARPS, lay, True) for nr in SWEEP_ROUNDS if nr != ROUNDS for lay in (GENERAL, ALIGNED, REGS)]
     return [f"__global__ void {n}{SIGNATURE}" for n in names]
 
@@ -83,28 +75,9 @@ class KernelPlan:
     shape: tuple[int, int, int]
     out_kind: int
 
-    def smem_bytes(self, warps: int = WARPS, crc: bool = False) -> int:
-        """Dynamic shared memory per block: the warps' rings, their channel tables when they fit, and the
-        crc32 tables when the kernel folds the output's crc32 in (``crc``)."""
-        return (warps * (RING_BYTES + (self.shape[2] * CHANNEL_BYTES if self.tables_in_shared(warps) else 0))
-                + (self.crc_table_bytes() if crc else 0))
-
-    def crc_table_bytes(self) -> int:
-        """Bytes of ``crc32.row_tables`` for this plan's rows (D / 32 columns of ``out_kind`` bytes, then S_row)."""
-        return (self.shape[2] // 32 * self.out_kind + 4) * 256 * 4
-
-    def crc_fused(self, nr: int | None = None, warps: int = WARPS) -> bool:
-        """Whether the kernel can fold the output's crc32 in: every lane owns channels lane + 32 c (not the
-        GENERAL layout), each chunk's output is one range of the output and the chunks follow each other
-        in it (``ng`` = 1 or whole rows), and its tables fit in shared memory."""
-        g, tt, d = self.shape
-        if not FOLD_CRC or variant(self.out_kind, self.grid, d, nr or ROUNDS)[0] == GENERAL:
-            return False
-        c = self.chunks
-        size = c[:, 5] * c[:, 7]
-        whole = ((c[:, 5] == 1) | (c[:, 7] == tt)).all()
-        follow = np.array_equal(c[:, 4] * tt + c[:, 6], np.cumsum(size) - size) and int(size.sum()) == g * tt
-        return bool(whole and follow and self.smem_bytes(warps, True) <= SMEM_MAX)
+    def smem_bytes(self, warps: int = WARPS) -> int:
+        """Dynamic shared memory per block: the warps' rings, and their channel tables when they fit."""
+        return warps * (RING_BYTES + (self.shape[2] * CHANNEL_BYTES if self.tables_in_shared(warps) else 0))
 
     def tables_in_shared(self, warps: int = WARPS) -> bool:
         """Whether the per-channel tables (dev and parameters) of a block's chunks fit in shared memory."""
@@ -128,14 +101,13 @@ class DevicePlan:
 
 def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: torch.Tensor, first: int = 0,
            count: int | None = None, pred: torch.Tensor | None = None, pred_g0: int = 0,
-           lo16: int = 0, nr: int | None = None, warps: int = WARPS, crc: tuple | None = None) -> None:
+           lo16: int = 0, nr: int | None = None, warps: int = WARPS) -> None:
     """Decode chunks ``first .. first + count`` into ``out`` (the whole [G, T, D] output; uint8, int16 or
     int32 by the plan's kind); ``words``/``bits``: device addresses of the blob's payload and raw-bit
     sections (2- and 4-byte aligned); ``pred``: float32 [., T, D] CUDA tensor whose row 0 is g = ``pred_g0``;
     ``lo16``: address of the float32 low halves; ``status`` int32 [n chunks], zeroed by the caller.
     ``nr`` / ``warps``: the kernel's rounds per batch and warps per block (default ``ROUNDS``, ``WARPS``;
-    other values for benchmark sweeps). ``crc``: (``crc32.row_tables`` and ``crc32.shift_tables`` as
-    tensors, int32 [n chunks] output) to fold the output's crc32 in (``KernelPlan.crc_fused``), or None."""
+    other values for benchmark sweeps)."""
     plan = dp.plan
     n_all = plan.chunks.shape[0]
     count = n_all - first if count is None else count
@@ -145,8 +117,7 @@ def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: tor
     device = out.device
     scratch = plan.scratch(count, device, warps)
     nr = nr or ROUNDS
-    layout, bf16 = variant(plan.out_kind, plan.grid, d, nr)
-    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr, warps, layout, bf16, crc is not None and layout != GENERAL))
+    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr, warps, *variant(plan.out_kind, plan.grid, d, nr)))
     width, sign, mb, maxmag, eoff = plan.grid
     with build.cupy_stream(device):
         fn((-(-count // warps),), (32 * warps,),
@@ -155,13 +126,5 @@ def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: tor
             np.int64(tt), dp.raw.data_ptr(), dp.layout.data_ptr(), np.int32(plan.shared), dp.tabs.data_ptr(),
             np.int32(width), np.int32(sign), np.int32(mb), np.int32(maxmag), np.int32(eoff), np.int32(d),
             np.int64(tt), out.data_ptr(), np.uint64(lo16), np.uint64(scratch.data_ptr() if scratch is not None else 0),
-            np.uint64(status.data_ptr() + 4 * first), *crc_args(crc, first)),
-           shared_mem=plan.smem_bytes(warps, crc is not None))
-
-
-def crc_args(crc: tuple | None, first: int) -> tuple:
-    """The kernel's last three arguments (crc tables, shift tables, the chunks' crc32 parts from ``first``)."""
-    if crc is None:
-        return np.uint64(0), np.uint64(0), np.uint64(0)
-    tabs, shifts, parts = crc
-    return np.uint64(tabs.data_ptr()), np.uint64(shifts.data_ptr()), np.uint64(parts.data_ptr() + 4 * first)
+            np.uint64(status.data_ptr() + 4 * first)),
+           shared_mem=plan.smem_bytes(warps))

@@ -395,8 +395,7 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     else:
         integrity = device_container.Checks(blob, secs, gaps, header_check, [(t, c) for t, c, _ in checks],
                                             getattr(res, "ready", None))
-        folded = getattr(res, "folded", None)  # the tensor's crc32 in parts, from the decode kernel
-        extra = [(folded or out, meta["crc32"])]
+        extra = [(out, meta["crc32"])]
     errors = integrity.read(extra, status)  # the one sync; then the checks' flags (read's order)
     if errors[-1]:  # the header changed under the entry (a write torch did not count): decode afresh
         _blob_plans.drop(blob)

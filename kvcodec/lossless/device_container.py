@@ -179,25 +179,18 @@ class Checks:
             self.flags = check_many(bufs, expected, where, slots)
 
     def read(self, extra=(), status: torch.Tensor | None = None) -> np.ndarray:
-        """int32 flags on the host, 1 = failed: [section crc32s..., ``extra`` (tensor or ``crc32.Parts``,
-        crc32) pairs' crc32s..., ``early`` pairs' crc32s..., nonzero padding, any nonzero entry of ``status``
-        (the decode kernels' stream statuses), the header differs from the one given]. The one
-        synchronization of a device decode."""
-        from kvcodec.cuda.crc32 import Parts, check_many, check_parts
+        """int32 flags on the host, 1 = failed: [section crc32s..., ``extra`` (tensor, crc32) pairs' crc32s...,
+        ``early`` pairs' crc32s..., nonzero padding, any nonzero entry of ``status`` (the decode kernels'
+        stream statuses), the header differs from the one given]. The one synchronization of a device decode."""
+        from kvcodec.cuda.crc32 import check_many
 
         if self._done is not None:
             torch.cuda.current_stream(self.flags.device).wait_event(self._done)
         parts = [self.flags]
         k = len(extra)
         if extra:
-            whole = [q for q, (t, _) in enumerate(extra) if not isinstance(t, Parts)]
-            flags = check_many([extra[q][0].reshape(-1).view(torch.uint8) for q in whole],
-                               [int(extra[q][1]) for q in whole], whole, k) if whole else torch.zeros(
-                k, dtype=torch.int32, device=self.flags.device)
-            for q, (t, crc) in enumerate(extra):
-                if isinstance(t, Parts):
-                    check_parts(t, int(crc), flags[q:q + 1])
-            parts.append(flags)
+            parts.append(check_many([t.reshape(-1).view(torch.uint8) for t, _ in extra], [int(c) for _, c in extra],
+                                    range(k), k))
         if status is not None:
             parts.append(status.reshape(-1).to(torch.int32))
         got = torch.cat(parts).cpu().numpy()

@@ -174,8 +174,7 @@ def _pattern_values(ps, device) -> torch.Tensor:
 def decode(meta, sections, device, prediction=None, launch=None, planned=None, reuse: dict | None = None):
     """Decode a format 2 stream whose sections are ``device_container.DeviceSection``s on ``device``.
     Returns (tensor, status int32 [chunks + plan flags] with 0 = good, [(tensor, crc32, message)] to check) without
-    synchronizing (a :class:`Decoded`: its ``folded``, when the kernel folded the tensor's crc32 in, is
-    what to check instead of a pass over the tensor), or None when the CPU must decode it. CorruptStreamError for metadata the CPU
+    synchronizing (a :class:`Decoded`), or None when the CPU must decode it. CorruptStreamError for metadata the CPU
     decoder refuses. ``launch``: ``kvctx_decode.launch`` (the default) or a stand-in with its
     signature (the tests' CPU emulation of the kernel). ``planned``: :func:`plan`'s result when the
     caller already has it. ``reuse``: a dict that keeps the device inputs for the next decode of the
@@ -208,7 +207,6 @@ def decode(meta, sections, device, prediction=None, launch=None, planned=None, r
         dp = device_inputs(ps, kp, sections, device, status[nc:])
         if reuse is not None:
             reuse["kvctx inputs"] = dp
-    crc, parts = _folded_crc(kp, dp, device, nc, reuse)
     torch_kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[kp.out_kind]
     out = torch.empty((g, tt, d), dtype=torch_kind, device=device)
     # the blob and the prediction are ready here: the container's checks wait for this, not for the kernel
@@ -218,42 +216,20 @@ def decode(meta, sections, device, prediction=None, launch=None, planned=None, r
         values = _pattern_values(ps, device)
         for layer, (lo, hi) in enumerate(layer_ranges(ps, kp)):
             pred = None if layer == 0 else _layer_values(out[(layer - 1) * per_layer:layer * per_layer], ps, values)
-            launch(dp, words, bits, out, status, lo, hi - lo, pred, layer * per_layer, lo16, crc=crc)
+            launch(dp, words, bits, out, status, lo, hi - lo, pred, layer * per_layer, lo16)
     else:
-        launch(dp, words, bits, out, status, 0, None, pred, 0, lo16, crc=crc)
+        launch(dp, words, bits, out, status, 0, None, pred, 0, lo16)
     del keep_w, keep_b, keep_l  # freed in stream order: after the launches that read them
     tensor = out.view(torch.float32 if ps.mode == "f32split" else ps.dtype).reshape(ps.shape)
-    return Decoded(tensor, status, checks, parts, ready)
+    return Decoded(tensor, status, checks, ready)
 
 
 class Decoded(tuple):
-    """:func:`decode`'s (tensor, status, checks), with ``folded``: the tensor's crc32 in parts
-    (``crc32.Parts``) when the kernel folded it in, else None (check the tensor itself), and ``ready``:
-    a CUDA event recorded on torch's stream before the first launch (the blob and the prediction are
-    written by then: ``device_container.Checks``' ``after``), None off CUDA."""
+    """:func:`decode`'s (tensor, status, checks), with ``ready``: a CUDA event recorded on torch's stream
+    before the first launch (the blob and the prediction are written by then: ``device_container.Checks``'
+    ``after``), None off CUDA."""
 
-    def __new__(cls, tensor, status, checks, folded=None, ready=None):
+    def __new__(cls, tensor, status, checks, ready=None):
         self = super().__new__(cls, (tensor, status, checks))
-        self.folded = folded
         self.ready = ready
         return self
-
-
-def _folded_crc(kp, dp, device, n_chunks: int, reuse: dict | None):
-    """(the kernel's ``crc`` argument, ``crc32.Parts`` of the output) when the kernel folds the output's
-    crc32 in (``KernelPlan.crc_fused``), else (None, None). The chunks' byte lengths are kept in ``reuse``."""
-    from kvcodec.cuda import crc32
-
-    lengths = reuse.get("kvctx crc lengths") if reuse is not None else None
-    if lengths is None:
-        if not kp.crc_fused():
-            lengths = False
-        else:
-            c = dp.chunks.view(-1, 8)
-            lengths = c[:, 5] * c[:, 7] * (kp.shape[2] * kp.out_kind)
-        if reuse is not None:
-            reuse["kvctx crc lengths"] = lengths
-    if lengths is False:
-        return None, None
-    values = torch.empty(n_chunks, dtype=torch.int32, device=device)
-    return (*crc32.fold_tables(device, kp.shape[2], kp.out_kind), values), crc32.Parts(values, lengths)

@@ -11,16 +11,15 @@ double kx_smem[1 << 16];  // the dynamic shared memory of the one warp run at a 
   const kx_u16 *words, const kx_u32 *bits, const long long *chunks, int n, const float *pred, long long pred_g0, \
       long long pred_t, const kx_u8 *raw, const long long *layout, int shared, const kx_u32 *tabs, int width,  \
       int sign, int mb, int maxmag, int eoff, int D, long long T, void *out, const kx_u16 *lo16,                \
-      double *scratch, int *status, const kx_u32 *crc_tabs, const kx_u32 *crc_shift, kx_u32 *crcs
+      double *scratch, int *status
 #define KX_PASS \
   words, bits, chunks, n, pred, pred_g0, pred_t, raw, layout, shared, tabs, width, sign, mb, maxmag, eoff, D, T, \
-      out, lo16, scratch, status, crc_tabs, crc_shift, crcs
+      out, lo16, scratch, status
 
 // The launch: blocks of 4 warps, run one warp at a time.
 template <int OUT, int NR, int LAYOUT, bool BF16>
 static void run(KX_ARGS) {
-  // FOLD where it applies: with crc_tabs null the folded crc32 is skipped at run time (the same code as FOLD = false)
-  emu_run((n + 3) / 4, 128, [&] { kx_decode<OUT, 4, NR, LAYOUT, BF16, LAYOUT != KX_GENERAL>(KX_PASS); });
+  emu_run((n + 3) / 4, 128, [&] { kx_decode<OUT, 4, NR, LAYOUT, BF16>(KX_PASS); });
 }
 
 // The instance kvctx_decode.launch picks for rounds NR (kvctx_decode.variant: its layout from D, the bf16
@@ -48,8 +47,7 @@ static void pick(KX_ARGS) {
 
 // kvctx_decode.launch's kernel call (WARPS = 4) with NR = nr; 1 when the shared memory it needs is too big.
 extern "C" int kx_emulate(int out_kind, int nr, KX_ARGS) {
-  const int crc_words = crc_tabs ? (D / 32 * out_kind + 4) * 256 : 0;  // the crc32 tables after the warps' parts
-  if ((scratch ? 4 * 272 : 4 * (5 * D + 272)) + crc_words / 2 > (int)(sizeof(kx_smem) / sizeof(double))) return 1;
+  if (!scratch && 4 * (5 * D + 272) > (int)(sizeof(kx_smem) / sizeof(double))) return 1;
   if (nr != 2 && nr != 4) return 1;
   if (out_kind == 1)
     nr == 2 ? pick<1, 2>(KX_PASS) : pick<1, 4>(KX_PASS);
