@@ -166,7 +166,7 @@ def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
         base = name.partition("<")[0]
         if base in VARIANTS:
             probe = list(args)
-            n_keys = int(args[-4]) if base == "ke_symbolise" else 0
+            n_keys = int(args[-5]) if base == "ke_symbolise" else 0
             if base == "ke_symbolise":
                 junk = [torch.zeros(n, dtype=torch.int64, device=device) for n in (256 * n_keys, 1 << 22)]
                 probe[-2:] = [np.uint64(j.data_ptr()) for j in junk]

@@ -11,7 +11,7 @@
 //   ke_fit_moments / ke_fit_residuals: per-column partial sums of params.fit_params (summed over the
 //     blocks by the host side; the parameters are stored in the stream, so these need not equal the CPU's
 //     bit for bit);
-//   ke_symbolise: every value's (class, symbol, raw code, raw bit count) as binned.symbolise packs it, the
+//   ke_symbolise: every value's (class, symbol) key and (raw code, raw bit count) as binned.symbolise finds them, the
 //     per-class symbol histogram (a block's in shared memory, ~0.5 ms less than warp-aggregated global atomics
 //     on a 256 MB tensor; added into KE_HIST_COPIES copies) and per-chunk raw bits;
 //   ke_bits: one warp per chunk, one pass backwards: the LSB-first raw bits (their places known from the
@@ -72,8 +72,8 @@ __device__ __forceinline__ KeColumn ke_column(long long G, long long T, int D, l
 
 // KE_AHEAD consecutive tokens of one column loaded before the first is used: its bit patterns, values
 // (val: float64 per pattern, NaN where not finite) and predictions, each load independent of the sums. Why:
-// the per-column passes are chains of dependent loads (pattern, then its value); one token a step left each
-// thread waiting a full memory latency per token (session 8: the fit passes were ~1.3 ms of a 256 MB call).
+// the moments pass is a chain of dependent loads (pattern, then its value); one token a step left each
+// thread waiting a full memory latency per token (H200, session 8: 0.51 -> 0.37 ms on a 256 MB tensor).
 // Tokens at or past t1 read pattern 0's value and are skipped by the caller.
 #define KE_AHEAD 4
 template <int W>
@@ -192,15 +192,11 @@ __global__ void __launch_bounds__(256)
   const KeLocation loc[2] = {{m0, c0, a0, shared0}, {m1, c1, a1, shared1}};
   KeResidual r[SETS];
   for (int j = 0; j < SETS; ++j) r[j].start(loc[j], k.g, D, k.d);
-  const long long at = k.g * T * D + k.d;
-  for (long long t0 = k.t0; t0 < k.t1; t0 += KE_AHEAD) {
-    KeTokens<W> tok;
-    tok.load(pats, pred, val, at, D, t0, k.t1);
-#pragma unroll
-    for (int j = 0; j < KE_AHEAD; ++j) {
-      if (t0 + j >= k.t1) break;
-      for (int q = 0; q < SETS; ++q) r[q].add(tok.x[j], tok.p[j]);
-    }
+  for (long long t = k.t0; t < k.t1; ++t) {  // one token a step: loads ahead (KeTokens) ran slower here (78
+    const long long i = (k.g * T + t) * D + k.d;  // registers: 3 blocks an SM; session 8 on the H200)
+    const double x = __ldg(val + ke_pat<W>(pats, i));
+    const double p = ke_pred(pred, i);
+    for (int j = 0; j < SETS; ++j) r[j].add(x, p);
   }
   for (int j = 0; j < SETS; ++j) r[j].store(out + (3 * SETS) * k.col + 3 * j);
 }
@@ -433,7 +429,8 @@ __device__ __forceinline__ int ke_encode_value(int pat, int ep, ke_centre centre
   return sym;
 }
 
-// Every value's code << 24 | nbits << 16 | class << 8 | symbol into packed (tensor order), the histogram of
+// Every value's key class << 8 | symbol into keys and raw code << 8 | nbits into raw (tensor order: the rANS
+// kernel reads 2 bytes a value, the raw-bit kernel 8), the histogram of
 // class << 8 | symbol (hist: KE_HIST_COPIES x n_keys u64, zeroed) and each chunk's raw bit total (the chunks
 // of format2.chunk_layout with gb g's a block, blocks within multiples of unit). The model: per channel (pi = gp * D + d) m, c, a = pm, pc, pa[pi]
 // and es, level = pel[2 pi], pel[2 pi + 1] (format2.BinParams.kernel_args, which the decoder recomputes
@@ -444,8 +441,8 @@ __global__ void __launch_bounds__(256)
                  const double* __restrict__ pc, const double* __restrict__ pa, const int* __restrict__ pel,
                  int shared, const kx_u8* __restrict__ escape, int width,
                  int sign, int mb, int maxmag, int eoff, long long G, long long T, int D, long long tb,
-                 long long nblk, long long gb, long long unit, int n_keys, kx_u64* __restrict__ packed,
-                 kx_u64* __restrict__ hist, kx_u64* __restrict__ chunk_bits) {
+                 long long nblk, long long gb, long long unit, int n_keys, kx_u16* __restrict__ keys,
+                 kx_u64* __restrict__ raw, kx_u64* __restrict__ hist, kx_u64* __restrict__ chunk_bits) {
   const KxGrid gr = {width, sign, mb, maxmag, eoff, kx_pow2(-eoff)};
   const int lane = threadIdx.x & 31;
   const KeColumn k = ke_column(G, T, D, tb, nblk);
@@ -496,10 +493,11 @@ __global__ void __launch_bounds__(256)
       kx_u32 code;
       int nb;
       const int sym = ke_encode_value(pat, ep, centre, gr, escape, code, nb);
-      packed[i] = ((kx_u64)code << 24) | ((kx_u64)nb << 16) | ((kx_u64)cls << 8) | (kx_u64)sym;
+      key = ((unsigned)cls << 8) | (unsigned)sym;
+      keys[i] = (kx_u16)key;
+      raw[i] = ((kx_u64)code << 8) | (kx_u64)nb;
       total += nb;
       dev = sym != KX_ESC ? __dsub_rn(kx_value(pat, gr), base) : 0.0;  // an escaped value: no residual
-      key = ((unsigned)cls << 8) | (unsigned)sym;
     }
 #ifdef KE_HIST_IN_GLOBAL  // the CPU emulation (a block's warps run one after the other: no block barrier)
     const unsigned peers = __match_any_sync(KX_FULL, key);
@@ -522,8 +520,8 @@ __global__ void __launch_bounds__(256)
 }
 
 // A chunk (descriptor int64 [4]): `per` consecutive values of each of its g's (g count cd[1]), the g's
-// `stride` values apart in packed, from `first` on; value i = gg per + r of the chunk is packed[first +
-// gg stride + r].
+// `stride` values apart, from `first` on; value i = gg per + r of the chunk is element first + gg stride + r
+// of the per-value arrays (keys, raw).
 struct KeChunk {
   long long first, per, stride, n, rounds;
 
@@ -531,20 +529,27 @@ struct KeChunk {
       : first(cd[0]), per(cd[2]), stride(cd[3]), n(cd[1] * cd[2]), rounds((cd[1] * cd[2] + 31) >> 5) {}
 };
 
-// One lane's walk over a chunk's values backwards, 32 a step from value 32 (rounds - 1) + lane: its place in
-// packed follows by additions (one division at the start). Why: a 64-bit division per value was most of the
-// payload kernel's instructions (session 8). next() returns the value (0 outside the chunk) and steps back.
-struct KeCursor {
+// One lane's values of a chunk, backwards, 32 a step from value 32 (rounds - 1) + lane, loaded N rounds
+// ahead (the rounds are a chain: a round's loads would otherwise wait a full memory latency): q[0] is this
+// round's value, pop() returns it and loads the one N rounds on (0 outside the chunk). Their places follow
+// by additions (one division at the start). Why: a 64-bit division per value was most of the payload
+// kernel's instructions (H200, session 8: 1.49 ms for both halves -> 0.89 rANS alone).
+template <class E, int N>
+struct KeValues {
   long long i, r, pos;
+  E q[N];
 
-  __device__ __forceinline__ KeCursor(const KeChunk& ck, int lane) : i(32 * (ck.rounds - 1) + lane) {
+  __device__ __forceinline__ KeValues(const E* __restrict__ p, const KeChunk& ck, int lane)
+      : i(32 * (ck.rounds - 1) + lane) {
     const long long gg = i >= 0 && ck.per > 0 ? i / ck.per : 0;
     r = i - gg * ck.per;
     pos = ck.first + gg * ck.stride + r;
+#pragma unroll
+    for (int k = 0; k < N; ++k) q[k] = next(p, ck);
   }
 
-  __device__ __forceinline__ kx_u64 next(const kx_u64* __restrict__ packed, const KeChunk& ck) {
-    const kx_u64 v = i >= 0 && i < ck.n ? __ldg(packed + pos) : 0;
+  __device__ __forceinline__ E next(const E* __restrict__ p, const KeChunk& ck) {
+    const E v = i >= 0 && i < ck.n ? __ldg(p + pos) : (E)0;
     i -= 32;
     r -= 32;
     pos -= 32;
@@ -554,18 +559,28 @@ struct KeCursor {
     }
     return v;
   }
+
+  __device__ __forceinline__ E pop(const E* __restrict__ p, const KeChunk& ck) {
+    const E v = q[0];
+#pragma unroll
+    for (int k = 0; k + 1 < N; ++k) q[k] = q[k + 1];
+    q[N - 1] = next(p, ck);
+    return v;
+  }
 };
 
+#define KE_RANS_AHEAD 8  // rounds of keys in flight per lane (2 bytes each)
+#define KE_BITS_AHEAD 4  // rounds of raw codes in flight per lane (8 bytes each)
+
 // ke_encode: one warp per chunk (the tensor's chunks, then the model's field parts: format2.code_model's
-// "mfields" parts, one g of its bytes each), one pass backwards over its values, 32 (one per lane) a round,
-// loaded four rounds ahead (the rounds are a chain: a round's loads would otherwise wait a full memory
-// latency): the 32-lane rANS stream (rans_lanes.encode's word order, as planes_codec.cu's pc_rans_encode)
-// to the end of scratch slot ci (cap words); lens[ci] = its length, or -1 if a value's symbol has no
-// frequency (internal error). Table entries are loaded a round ahead. ftab [n_keys]: freq | cum << 16 of
-// class << 8 | symbol; rcp [n_keys]: floor(2**32 / freq) (0xffffffff for freq <= 1).
+// "mfields" parts, one g of its bytes each), one pass backwards over its keys, 32 (one per lane) a round: the
+// 32-lane rANS stream (rans_lanes.encode's word order, as planes_codec.cu's pc_rans_encode) to the end of
+// scratch slot ci (cap words); lens[ci] = its length, or -1 if a value's symbol has no frequency (internal
+// error). Table entries are loaded a round ahead. ftab [n_keys]: freq | cum << 16 of class << 8 | symbol;
+// rcp [n_keys]: floor(2**32 / freq) (0xffffffff for freq <= 1).
 template <int WARPS>
 __global__ void __launch_bounds__(32 * WARPS)
-    ke_encode(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks,
+    ke_encode(const kx_u16* __restrict__ keys, const long long* __restrict__ chunks, int n_chunks,
               const long long* __restrict__ parts, int n_parts, const kx_u32* __restrict__ ftab,
               const kx_u32* __restrict__ rcp, kx_u16* __restrict__ scratch, long long cap,
               long long* __restrict__ lens) {
@@ -578,13 +593,11 @@ __global__ void __launch_bounds__(32 * WARPS)
   long long wp = cap;
   kx_u32 x = KX_L;
   bool bad = false;
-  KeCursor cur(ck, lane);
-  kx_u64 v = cur.next(packed, ck), vn = cur.next(packed, ck);
-  kx_u64 v2 = cur.next(packed, ck), v3 = cur.next(packed, ck);
-  kx_u32 fc = __ldg(ftab + (v & 0xFFFFu)), rc = __ldg(rcp + (v & 0xFFFFu));
+  KeValues<kx_u16, KE_RANS_AHEAD> val(keys, ck, lane);
+  kx_u32 fc = __ldg(ftab + val.q[0]), rc = __ldg(rcp + val.q[0]);
   for (long long grp = ck.rounds - 1; grp >= 0; --grp) {
-    const kx_u64 v4 = cur.next(packed, ck);
-    const kx_u32 fcn = __ldg(ftab + (vn & 0xFFFFu)), rcn = __ldg(rcp + (vn & 0xFFFFu));
+    val.pop(keys, ck);
+    const kx_u32 fcn = __ldg(ftab + val.q[0]), rcn = __ldg(rcp + val.q[0]);
     const bool act = 32 * grp + lane < ck.n;
     // value 32 grp + lane on lane `lane`: emitted words land in ascending lane order
     const kx_u32 f = act ? fc & 0xFFFFu : 0u;
@@ -606,10 +619,6 @@ __global__ void __launch_bounds__(32 * WARPS)
       }
       x = (q << 12) + r + (fc >> 16);
     }
-    v = vn;
-    vn = v2;
-    v2 = v3;
-    v3 = v4;
     fc = fcn;
     rc = rcn;
   }
@@ -621,18 +630,18 @@ __global__ void __launch_bounds__(32 * WARPS)
 }
 
 // ke_bits: one warp per chunk of the tensor, the chunk's LSB-first raw bits (binned.write_chunks) into bits
-// from word ends[ci] - ceil(totals[ci] / 32) on (ends: the inclusive sum of the chunks' words; totals: the
-// raw-bit totals ke_symbolise counted), in one pass backwards, 32 values a round, loaded four rounds ahead.
-// Their places are known backwards too: the round's bits end where the later rounds' begin (hi, from the
-// chunk's total), each value's offset is hi - the round's total + the bit counts of the lanes below it. Each value ORs its code
-// into a per-warp ring of 32-bit words in shared memory; the words wholly above the round's start are
-// complete: stored, their slots cleared. A chunk whose values' bit counts do not add up to its total is
-// counted in *n_bad (internal error; every chunk is checked, those without raw bits too). Needs no table:
-// launched right after ke_symbolise (kvctx_device_encode runs it beside the host's table work).
+// from word starts[ci] on (totals: the raw-bit totals ke_symbolise counted), in one pass backwards over the
+// raw codes, 32 values a round. Their places are known backwards too: the round's bits end where the later
+// rounds' begin (hi, from the chunk's total), each value's offset is hi - the round's total + the bit
+// counts of the lanes below it. Each value ORs its code into a per-warp ring of 32-bit words in shared
+// memory; the words wholly above the round's start are complete: stored, their slots cleared. A chunk whose
+// values' bit counts do not add up to its total is counted in *n_bad (internal error; every chunk is
+// checked, those without raw bits too). Needs no table: kvctx_device_encode runs it beside the host's
+// table work and the rANS kernel.
 template <int WARPS>
 __global__ void __launch_bounds__(32 * WARPS)
-    ke_bits(const kx_u64* __restrict__ packed, const long long* __restrict__ chunks, int n_chunks,
-            const long long* __restrict__ totals, const long long* __restrict__ ends, kx_u32* __restrict__ bits,
+    ke_bits(const kx_u64* __restrict__ raw, const long long* __restrict__ chunks, int n_chunks,
+            const long long* __restrict__ totals, const long long* __restrict__ starts, kx_u32* __restrict__ bits,
             long long* __restrict__ n_bad) {
   KE_SHARED kx_u32 ring_all[WARPS][KE_RING];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -640,7 +649,7 @@ __global__ void __launch_bounds__(32 * WARPS)
   if (ci >= n_chunks) return;  // warp-uniform; no block barrier below
   const KeChunk ck(chunks + 4 * (long long)ci);
   const long long total = totals[ci];
-  kx_u32* __restrict__ out = bits + ends[ci] - ((total + 31) >> 5);
+  kx_u32* __restrict__ out = bits + starts[ci];
   kx_u32* __restrict__ ring = ring_all[warp];
   const kx_u32 below = (1u << lane) - 1u;
   ring[lane] = 0u;
@@ -648,12 +657,10 @@ __global__ void __launch_bounds__(32 * WARPS)
   __syncwarp();
   long long hi = total;             // raw bits at and above hi are written
   long long done = (hi + 31) >> 5;  // words at and above done are stored
-  KeCursor cur(ck, lane);
-  kx_u64 v = cur.next(packed, ck), vn = cur.next(packed, ck);
-  kx_u64 v2 = cur.next(packed, ck), v3 = cur.next(packed, ck);
+  KeValues<kx_u64, KE_BITS_AHEAD> val(raw, ck, lane);
   for (long long grp = ck.rounds - 1; grp >= 0; --grp) {
-    const kx_u64 v4 = cur.next(packed, ck);
-    const int nb = (int)((v >> 16) & 0xFFu);  // 0 past the chunk's end (KeCursor); <= 32
+    const kx_u64 v = val.pop(raw, ck);
+    const int nb = (int)(v & 0xFFu);  // 0 past the chunk's end (KeValues); <= 32
     int before = 0, sum = 0;  // the bit counts of the lanes below, of all lanes: one ballot per bit of nb (no
 #pragma unroll              // chain of shuffles)
     for (int b = 0; b < 6; ++b) {
@@ -664,7 +671,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     const long long lo = hi - sum;
     if (nb) {
       const long long off = lo + before;
-      const kx_u64 c = (v >> 24) << (off & 31);
+      const kx_u64 c = (v >> 8) << (off & 31);
       atomicOr(ring + ((off >> 5) & (KE_RING - 1)), (kx_u32)c);
       if ((off & 31) + nb > 32) atomicOr(ring + (((off >> 5) + 1) & (KE_RING - 1)), (kx_u32)(c >> 32));
     }
@@ -678,10 +685,6 @@ __global__ void __launch_bounds__(32 * WARPS)
     done = first;
     hi = lo;
     __syncwarp();
-    v = vn;
-    vn = v2;
-    v2 = v3;
-    v3 = v4;
   }
   if (lane == 0 && hi != 0) atomicAdd(reinterpret_cast<unsigned long long*>(n_bad), 1ull);
 }

@@ -26,8 +26,7 @@ SIGNATURES = {
                          "const double*, int, long long, long long, int, long long, long long, double*)"),
     "ke_symbolise": ("(const void*, const float*, const double*, const double*, const double*, const int*, int, "
                      "const unsigned char*, int, int, int, int, int, long long, long long, int, long long, long long, long long, "
-                     "long long, int, "
-                     "unsigned long long*, unsigned long long*, unsigned long long*)"),
+                     "long long, int, unsigned short*, unsigned long long*, unsigned long long*, unsigned long long*)"),
     "ke_fit_location": ("(const double*, long long, int, int, const double*, double*, double*, signed char*, double*, "
                         "signed char*)"),
     "ke_fit_coefficient": "(const double*, long long, const double*, double*, signed char*)",
@@ -35,7 +34,7 @@ SIGNATURES = {
     "ke_bin_params": ("(const double*, const double*, const signed char*, const signed char*, const long long*, "
                       "long long, long long, int, int, const double*, double*, double*, double*, int*, int*)"),
     "ke_plane_hist": "(const unsigned char*, int, long long, int, int, unsigned long long*)",
-    "ke_encode": ("(const unsigned long long*, const long long*, int, const long long*, int, const unsigned int*, "
+    "ke_encode": ("(const unsigned short*, const long long*, int, const long long*, int, const unsigned int*, "
                   "const unsigned int*, unsigned short*, long long, long long*)"),
     "ke_bits": ("(const unsigned long long*, const long long*, int, const long long*, const long long*, "
                 "unsigned int*, long long*)"),
@@ -164,50 +163,52 @@ def plane_histograms(planes, d: int, runner=gpu_runner) -> torch.Tensor:
 
 def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: int, gb: int, unit: int,
               n_chunks: int, n_keys: int, spare: int = 0, runner=gpu_runner):
-    """(packed int64 [G*T*D + spare], hist int64 [HIST_COPIES, n_keys], chunk raw-bit totals int64 [n_chunks]);
+    """(keys int16 [G*T*D + spare]: class << 8 | symbol, raw int64 [G*T*D]: raw code << 8 | bit count,
+    hist int64 [HIST_COPIES, n_keys], chunk raw-bit totals int64 [n_chunks]);
     ``margs``: device tensors m, c, a (float64 [Gp * D]) and es, level (int32 [Gp * D, 2]);
     ``grid``: the dtype's ``(width, sign, mb, maxmag, eoff)``; chunks of ``gb`` leading indices a block,
-    blocks within multiples of ``unit`` (``format2.chunk_layout``); ``spare``: entries after the tensor's
+    blocks within multiples of ``unit`` (``format2.chunk_layout``); ``spare``: keys after the tensor's
     values left for the caller (the model's field bytes, coded in the same :func:`encode_chunks` launch)."""
     g, tt, d = shape
     nblk, cols = _columns(shape, tb)
     dev = pats.device
-    packed = torch.empty(g * tt * d + spare, dtype=torch.int64, device=dev)
+    keys = torch.empty(g * tt * d + spare, dtype=torch.int16, device=dev)
+    raw = torch.empty(g * tt * d, dtype=torch.int64, device=dev)
     hist = torch.zeros((HIST_COPIES, n_keys), dtype=torch.int64, device=dev)
     chunk_bits = torch.zeros(n_chunks, dtype=torch.int64, device=dev)
     width, sign, mb, maxmag, eoff = grid
     runner(f"ke_symbolise<{pats.element_size()}>", -(-cols // THREADS), THREADS,
            (_ptr(pats), _ptr(pred), *(_ptr(x) for x in margs), np.int32(shared), _ptr(escape), np.int32(width),
             np.int32(sign), np.int32(mb), np.int32(maxmag), np.int32(eoff), np.int64(g), np.int64(tt), np.int32(d),
-            np.int64(tb), np.int64(nblk), np.int64(gb), np.int64(unit), np.int32(n_keys), _ptr(packed), _ptr(hist),
-            _ptr(chunk_bits)), dev, 4 * n_keys)  # the block's histogram in shared memory
-    return packed, hist, chunk_bits
+            np.int64(tb), np.int64(nblk), np.int64(gb), np.int64(unit), np.int32(n_keys), _ptr(keys), _ptr(raw),
+            _ptr(hist), _ptr(chunk_bits)), dev, 4 * n_keys)  # the block's histogram in shared memory
+    return keys, raw, hist, chunk_bits
 
 
-def raw_bits(packed, chunks, totals, ends, n_words: int, runner=gpu_runner):
-    """(bits int32 [n_words], n_bad int64 [1]): every chunk's raw bits (``chunks`` int64 [n, 4] device
-    tensor: first value in ``packed``, g count, values per g, stride between g's; ``totals``: the raw-bit
-    totals from :func:`symbolise`, ``ends``: the inclusive sum of their words), chunk j's words ending at
-    ends[j]; n_bad: how many chunks' raw bits do not add up to their total (internal error). Needs no
-    table: launched before the host has fitted them."""
+def raw_bits(raw, chunks, totals, starts, n_bad, n_words: int, runner=gpu_runner):
+    """bits int32 [n_words]: every chunk's raw bits (``chunks`` int64 [n, 4] device tensor: first value in
+    ``raw`` (:func:`symbolise`'s), g count, values per g, stride between g's; ``totals``: their raw-bit
+    totals, ``starts``: the word where each chunk's bits begin); ``n_bad`` (int64 [1], zeroed) counts the
+    chunks whose raw bits do not add up to their total (internal error). Needs no table: launched before
+    the host has fitted them."""
     n = chunks.shape[0]
-    dev = packed.device
+    dev = raw.device
     bits = torch.empty(max(n_words, 1), dtype=torch.int32, device=dev)
-    n_bad = torch.zeros(1, dtype=torch.int64, device=dev)
     runner(f"ke_bits<{WARPS}>", max(1, -(-n // WARPS)), 32 * WARPS,
-           (_ptr(packed), _ptr(chunks), np.int32(n), _ptr(totals), _ptr(ends), _ptr(bits), _ptr(n_bad)), dev)
-    return bits[:n_words], n_bad
+           (_ptr(raw), _ptr(chunks), np.int32(n), _ptr(totals), _ptr(starts), _ptr(bits), _ptr(n_bad)), dev)
+    return bits[:n_words]
 
 
-def encode_chunks(packed, chunks, parts, ftab, rcp, cap: int, runner=gpu_runner):
+def encode_chunks(keys, chunks, parts, ftab, rcp, cap: int, runner=gpu_runner):
     """(scratch int16 [n * cap], lens int64 [n]) of the rANS streams of every chunk of ``chunks`` then
-    ``parts`` (int64 [., 4] device tensors as :func:`raw_bits`' ``chunks``; n in all): chunk j's stream is
-    the last lens[j] words of scratch slot j (-1: a symbol without frequency, an internal error)."""
+    ``parts`` (int64 [., 4] device tensors as :func:`raw_bits`' ``chunks``, over ``keys``; n in all): chunk
+    j's stream is the last lens[j] words of scratch slot j (-1: a symbol without frequency, an internal
+    error)."""
     n = chunks.shape[0] + parts.shape[0]
-    dev = packed.device
+    dev = keys.device
     scratch = torch.empty(n * cap, dtype=torch.int16, device=dev)
     lens = torch.empty(n, dtype=torch.int64, device=dev)
     runner(f"ke_encode<{WARPS}>", max(1, -(-n // WARPS)), 32 * WARPS,
-           (_ptr(packed), _ptr(chunks), np.int32(chunks.shape[0]), _ptr(parts), np.int32(parts.shape[0]), _ptr(ftab),
+           (_ptr(keys), _ptr(chunks), np.int32(chunks.shape[0]), _ptr(parts), np.int32(parts.shape[0]), _ptr(ftab),
             _ptr(rcp), _ptr(scratch), np.int64(cap), _ptr(lens)), dev)
     return scratch, lens

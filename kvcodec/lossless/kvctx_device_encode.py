@@ -11,7 +11,7 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
 2. ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
    code with the GPU decoder's own model arithmetic and counts the per-class histogram;
 3. ``kvctx_encode.raw_bits``: one warp per chunk writes its raw bits (no table needed: it runs on a side
-   stream while the host waits for the histograms and builds the tables);
+   stream, with the checksums, while the host builds the tables and beside the rANS kernel);
 4. the tables on the host (``tables.fit_tables``, on the thread pool: the CPU's tables for the same counts), the
    ``model`` section as ``format2.code_model`` writes it: its field bytes' parts (``mfields``) coded on
    the device with the payload (:class:`_FieldParts`), a small model on the host;
@@ -28,6 +28,7 @@ never changed silently.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 
 import numpy as np
@@ -211,29 +212,41 @@ def _fill_tables(freq, ftab, rcp):
 _side_streams: dict = {}
 
 
-def _raw_bits_beside(packed, chunks_d, totals, ends: np.ndarray, runner):
-    """``kvctx_encode.raw_bits`` of every chunk (``ends``: the inclusive sum of their words, host), on a
-    side stream of a CUDA device: it needs no table, so it runs while the host builds them, and beside the
-    rANS kernel. (bits, n_bad, join: makes torch's current stream wait for it)."""
-    from kvcodec.cuda import kvctx_encode as ke
+class _Side:
+    """A side stream of a CUDA device for work that needs no table (the checksums, the raw bits): it runs
+    beside the main stream's kernels, the host's table work and the rANS kernel. On CPU tensors (the tests'
+    emulation) everything runs in order."""
 
-    dev = packed.device
-    (ends_d,) = upload([ends], dev)
-    n_words = int(ends[-1]) if ends.size else 0
-    if dev.type != "cuda":  # the CPU emulation: in order
-        return (*ke.raw_bits(packed, chunks_d, totals, ends_d, n_words, runner), lambda: None)
-    main = torch.cuda.current_stream(dev)
-    side = _side_streams.get(dev)
-    if side is None:
-        side = _side_streams[dev] = torch.cuda.Stream(dev)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        bits, n_bad = ke.raw_bits(packed, chunks_d, totals, ends_d, n_words, runner)
-    for x in (packed, chunks_d, totals, ends_d):  # not reused by the allocator before the side stream is done
-        x.record_stream(side)
-    for x in (bits, n_bad):  # allocated on the side stream, read on torch's
-        x.record_stream(main)
-    return bits, n_bad, lambda: main.wait_stream(side)
+    def __init__(self, dev: torch.device):
+        self.on = dev.type == "cuda"
+        if self.on:
+            self.main = torch.cuda.current_stream(dev)
+            if dev not in _side_streams:
+                _side_streams[dev] = torch.cuda.Stream(dev)
+            self.stream = _side_streams[dev]
+
+    def mark(self):
+        """An event after the main stream's work so far (None off a GPU)."""
+        return self.main.record_event() if self.on else None
+
+    @contextmanager
+    def after(self, event=None):
+        """Launches inside run on the side stream after ``event`` (:meth:`mark`; None: after the main
+        stream's work so far)."""
+        if not self.on:
+            yield
+            return
+        if event is None:
+            self.stream.wait_stream(self.main)
+        else:
+            self.stream.wait_event(event)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        """The main stream waits for the side stream's work so far."""
+        if self.on:
+            self.main.wait_stream(self.stream)
 
 
 @lru_cache(maxsize=16)
@@ -247,10 +260,11 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     """(codec meta, sections {name: 1-D tensor on t's device}) of the contiguous tensor ``t``, a format 2
     stream of ``source`` (``SOURCES``; ``prediction``: a tensor of t's shape for "external"). The caller
     checked :func:`unsupported`. ``runner`` / ``gather``: the kernels' launcher and the stream packer
-    (default: the GPU's; the tests pass the CPU emulation's). ``overlap(buffers)``: device work to queue
-    behind the sections finished by then and the prediction (``"prediction"``: its bytes), called after the
-    first wait (the device would idle while the host builds the tables); it returns their checksums (0-d
-    int64 device tensors by name; the prediction's is read back at the second wait); ``steps``: a dict that receives the host time of each step (:class:`_Clock`).
+    (default: the GPU's; the tests pass the CPU emulation's). ``overlap(buffers)``: checksums to queue of
+    buffers finished by then (0-d int64 device tensors by name, all queued so far); called on a side stream
+    before the first wait (the tensor's, ``lo16``, ``"prediction"``: its bytes, read back at the second wait)
+    and after the raw bits' launch (``bits``); ``steps``: a dict that receives the host time of each step
+    (:class:`_Clock`).
 
     The host waits for the device twice: once for the fitted fields' statistics, the histograms and the
     chunks' raw-bit totals (one read-back), once for the stream lengths of the chunks and the model's field
@@ -274,10 +288,12 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     pats = _symbol_bits(t, sections)
     unit = _unit(shape, source)
     pred = None
-    if source == "external":  # its checksum is queued after the first wait, with the tensor's
+    if source == "external":  # its checksum is queued beside the fit, with the tensor's
         pred = _prediction_f32(prediction.to(dev), g, tt, d).contiguous()
     elif source == "neighbour_layer":  # each layer predicted by the one before (the first by 0)
         pred = _layer_prediction(pats, bdtype, (g, tt, d), unit)
+    side = _Side(dev)
+    inputs_ready = side.mark()
     clock.mark("prepare (prediction)")
 
     # 1. the model, its stored fields (shared or per-(g, d) chosen on the device)
@@ -303,28 +319,31 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     spare = n_plane_bytes if n_plane_bytes > format2.MODEL_PART_BYTES else 0
     desc, cap = _chunk_descriptors(layout, tt, d)
     chunks_d = upload([desc], dev)[0].view(-1, 4)
-    packed, hist, chunk_bits = ke.symbolise(pats, pred, margs, choices == (True,), _escape_table(bdtype, dev),
-                                            grid_constants(bdtype), (g, tt, d), tb, gb, unit, n_chunks, N_KEYS,
-                                            spare, runner)
+    keys, raw, hist, chunk_bits = ke.symbolise(pats, pred, margs, choices == (True,), _escape_table(bdtype, dev),
+                                               grid_constants(bdtype), (g, tt, d), tb, gb, unit, n_chunks, N_KEYS,
+                                               spare, runner)
     planes, stats = kfit.field_planes(values, source)  # after the symbolise launch: off its critical path
     phist = kfit.plane_histograms(planes, d, runner)
-    clock.mark("symbolise, field planes (launches)")
+    pending = {k: sections[k] for k in ("lo16",) if k in sections}
+    if source == "external":  # read back with the stream lengths (the second wait)
+        pending["prediction"] = pred.reshape(-1).view(torch.uint8)
+    with side.after(inputs_ready):  # the checksums beside the fit and symbolise kernels
+        crcs = overlap(pending) if overlap is not None else {}
+        pred_crc = [crcs["prediction"] if "prediction" in crcs else gcrc.crc32_many([pending["prediction"]])[0]
+                    ] if source == "external" else []
+    clock.mark("symbolise, field planes, checksums (launches)")
     won = [] if shared_won is None else [shared_won.view(1)]
     stats, phist, counts, cbits, *won = _read_back([stats, phist, hist.sum(dim=0), chunk_bits, *won])
     clock.mark("wait: fit + symbolise (sync 1)")
 
-    # 3. the raw bits, beside the host's next steps
+    # 3. the raw bits (and their checksum) on the side stream, beside the host's table work and the rANS kernel
     bit_words = (cbits + 31) // 32
-    ends = np.cumsum(bit_words)
-    bits, n_bad, join = _raw_bits_beside(packed, chunks_d, chunk_bits, ends, runner)
+    starts_d, n_bad = upload([np.concatenate([[0], np.cumsum(bit_words)]), np.zeros(1, np.int64)], dev)
+    with side.after():
+        bits = ke.raw_bits(raw, chunks_d, chunk_bits, starts_d, n_bad, int(bit_words.sum()), runner)
+        if overlap is not None:
+            overlap({"bits": bits})
     clock.mark("raw bits (launch)")
-    pending = {k: sections[k] for k in ("lo16",) if k in sections}
-    if source == "external":  # read back with the stream lengths (the second wait)
-        pending["prediction"] = pred.reshape(-1).view(torch.uint8)
-    crcs = overlap(pending) if overlap is not None else {}  # device work while the host builds the tables
-    pred_crc = []
-    if source == "external":
-        pred_crc = [crcs["prediction"] if "prediction" in crcs else gcrc.crc32_many([pending["prediction"]])[0]]
     shared = bool(won[0][0]) if won else choices == (True,)
 
     # 4. tables (the classes' and the model's field parts'), the parts
@@ -335,7 +354,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
         rows = np.concatenate([rows, kfit.field_counts(phist[0 if shared else 1], widths)[None]])
     freq = fit_tables(rows, format2._pool())
     clock.mark("tables: frequencies")
-    parts = _FieldParts(fields, freq[MODEL_CLASS], packed, n_values) if in_parts else None
+    parts = _FieldParts(fields, freq[MODEL_CLASS], keys, n_values) if in_parts else None
     clock.mark("tables: model parts (launches)")
     parts_rows = parts.chunks if parts is not None else np.zeros((0, 4), np.int64)
     parts_d, ftab_d, rcp_d = _launch_tables(freq, parts_rows, dev)
@@ -343,9 +362,9 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     clock.mark("tables: layout")
 
     # 5. the chunks' streams (and the model's parts); the host writes the model meanwhile
-    scratch, lens = ke.encode_chunks(packed, chunks_d, parts_d, ftab_d, rcp_d, cap, runner)
-    join()
-    del packed
+    scratch, lens = ke.encode_chunks(keys, chunks_d, parts_d, ftab_d, rcp_d, cap, runner)
+    side.join()  # what follows on the main stream (and the freeing of raw, keys) after the raw bits
+    del keys, raw
     clock.mark("payload (launch)")
     tables = table_bytes(freq[:N_CLASSES])
     if parts is None:
@@ -379,19 +398,19 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
 
 class _FieldParts:
     """``format2.code_model``'s "mfields" parts of the model's field bytes (more than MODEL_PART_BYTES),
-    coded on the device by the payload kernel: the bytes go after the tensor's values in ``packed`` as
+    coded on the device by the payload kernel: the bytes go after the tensor's values in ``keys`` as
     symbols of one more class (``MODEL_CLASS``, its table the parts' shared one) and each part is one more
     chunk of 32 lanes: the same words and states as ``rans_fast``'s 32-state table kernel (value i on lane
     i % 32, groups of 32 from the last, 2**12 probabilities). Why: coding ~1.5 MB of fields on the host
     took 2.5-4.5 ms of each call's critical path; on the device they ride along with the payload's chunks."""
 
-    def __init__(self, fields: torch.Tensor, freqs: np.ndarray, packed: torch.Tensor, at: int):
+    def __init__(self, fields: torch.Tensor, freqs: np.ndarray, keys: torch.Tensor, at: int):
         n = fields.numel()
         self.count = max(1, min(format2.MAX_FIELD_PARTS, -(-n // format2.FIELD_PART_BYTES)))
         sizes = format2._part_sizes(n, self.count)
         self.freqs = freqs  # quantize_frequencies of the bytes' counts, as code_model's
         self.size = n
-        packed[at:at + n] = fields.to(torch.int64) | (MODEL_CLASS << 8)
+        keys[at:at + n] = fields.to(torch.int16) | (MODEL_CLASS << 8)
         first = at + np.concatenate([[0], np.cumsum(sizes)[:-1]])
         self.chunks = np.stack([first, np.ones_like(sizes), sizes, sizes], 1).astype(np.int64)  # one g each
 
@@ -412,10 +431,11 @@ def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: st
     from kvcodec.lossless import device_container
 
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
-    early = {}  # the tensor's and the finished sections' checksums, queued while the host builds the tables
+    early = {}  # the tensor's and the finished sections' checksums, queued beside the encoder's kernels
 
     def checksums(done: dict) -> dict:
-        names = ["tensor", *done]
+        """Queue the checksums of the buffers ``done`` (and of the tensor, the first time)."""
+        names = [*(() if "tensor" in early else ("tensor",)), *done]
         bufs = [t.reshape(-1) if k == "tensor" else done[k] for k in names]
         early.update(zip(names, crc32_many([b.view(torch.uint8) for b in bufs])))
         return early

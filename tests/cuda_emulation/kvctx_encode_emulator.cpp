@@ -40,31 +40,31 @@ extern "C" void ke_fit_residuals_emu(int grid, int block, int w, int sets, P pat
 }
 
 extern "C" void ke_symbolise_emu(int grid, int block, int w, P pats, P pred, P pm, P pc, P pa, P pel, int shared,
-                                 P escape,
-                                 int width, int sign, int mb, int maxmag, int eoff, LL G, LL T, int D, LL tb, LL nblk,
-                                 LL gb, LL unit, int n_keys, void* packed, void* hist, void* chunk_bits) {
+                                 P escape, int width, int sign, int mb, int maxmag, int eoff, LL G, LL T, int D, LL tb,
+                                 LL nblk, LL gb, LL unit, int n_keys, void* keys, void* raw, void* hist,
+                                 void* chunk_bits) {
   auto k = [&] {
     auto f = w == 1 ? ke_symbolise<1> : ke_symbolise<2>;
     f(pats, (const float*)pred, (const double*)pm, (const double*)pc, (const double*)pa, (const int*)pel, shared,
-      (const kx_u8*)escape, width,
-      sign, mb, maxmag, eoff, G, T, D, tb, nblk, gb, unit, n_keys, (kx_u64*)packed, (kx_u64*)hist, (kx_u64*)chunk_bits);
+      (const kx_u8*)escape, width, sign, mb, maxmag, eoff, G, T, D, tb, nblk, gb, unit, n_keys, (kx_u16*)keys,
+      (kx_u64*)raw, (kx_u64*)hist, (kx_u64*)chunk_bits);
   };
   emu_run(grid, block, k);
 }
 
-extern "C" void ke_encode_emu(int grid, int block, P packed, P chunks, int n_chunks, P parts, int n_parts, P ftab,
+extern "C" void ke_encode_emu(int grid, int block, P keys, P chunks, int n_chunks, P parts, int n_parts, P ftab,
                               P rcp, void* scratch, LL cap, void* lens) {
   emu_run(grid, block, [&] {
-    ke_encode<4>((const kx_u64*)packed, (const long long*)chunks, n_chunks, (const long long*)parts, n_parts,
+    ke_encode<4>((const kx_u16*)keys, (const long long*)chunks, n_chunks, (const long long*)parts, n_parts,
                  (const kx_u32*)ftab, (const kx_u32*)rcp, (kx_u16*)scratch, cap, (long long*)lens);
   });
 }
 
-extern "C" void ke_bits_emu(int grid, int block, P packed, P chunks, int n_chunks, P totals, P ends, void* bits,
+extern "C" void ke_bits_emu(int grid, int block, P raw, P chunks, int n_chunks, P totals, P starts, void* bits,
                             void* n_bad) {
   emu_run(grid, block, [&] {
-    ke_bits<4>((const kx_u64*)packed, (const long long*)chunks, n_chunks, (const long long*)totals,
-               (const long long*)ends, (kx_u32*)bits, (long long*)n_bad);
+    ke_bits<4>((const kx_u64*)raw, (const long long*)chunks, n_chunks, (const long long*)totals,
+               (const long long*)starts, (kx_u32*)bits, (long long*)n_bad);
   });
 }
 
