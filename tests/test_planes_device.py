@@ -111,11 +111,20 @@ def test_emulated_encode_kernel_equals_cpu_encoder(n, spread, seed):
     assert np.array_equal(emulate_encode(sym, freq), words[start:])
 
 
-def emulate_stream_desc(data, jobs, planes, n_chunks, chunk, n, pdesc):
+def emulate_stream_desc(data, jobs, planes, n_chunks, chunk, n, pdesc, freqs, slots, tables):
     """pc_stream_desc (planes_codec.cu) in numpy: payload rows from the blob's chunk lengths, bad ones
-    with byte length 0."""
+    with byte length 0; each plane's decode table from its frequencies (the words of its own loop)."""
+    assert all(isinstance(t, torch.Tensor) for t in (data, jobs, pdesc, freqs, tables))  # the kernel's pointers
     raw = data.numpy()
-    for j, (loff, soff, words, ooff) in enumerate(jobs.numpy().reshape(-1, 4)[:planes].tolist()):
+    for j, (loff, soff, words, ooff, toff, lo) in enumerate(jobs.numpy().reshape(-1, pc.DESC_JOB)[:planes].tolist()):
+        f = freqs.numpy().reshape(-1, 256)[j].astype(np.int64)
+        cum = np.concatenate(([0], np.cumsum(f)))
+        s = np.arange(slots)
+        sym = np.searchsorted(cum, s, side="right") - 1  # the last symbol with cum <= s
+        words_ = ((sym - lo) << 24) | ((f[sym] - 1) << 12) | (s - cum[sym])
+        tables.view(-1)[toff: toff + 4 * slots] = torch.from_numpy(words_.astype("<u4").view(np.uint8))
+        if not n_chunks:
+            continue
         lens = np.frombuffer(raw[loff: loff + 4 * n_chunks].tobytes(), "<u4").astype(np.int64)
         before = np.cumsum(lens) - lens
         ok = (lens >= 64) & (before + lens <= words)
@@ -127,6 +136,7 @@ def emulate_stream_desc(data, jobs, planes, n_chunks, chunk, n, pdesc):
 
 def _device_rows(blob: bytes):
     """(sections, info, launch_inputs' parts, emulated device rows) of a format-3 planes blob."""
+    from kvcodec.cuda.rans import LaunchPlan, build_table
     from kvcodec.lossless import device_container
     from kvcodec.lossless.planes import PlaneCodec, _dtype_shape
 
@@ -136,11 +146,17 @@ def _device_rows(blob: bytes):
     meta = header["meta"]["codec_meta"]
     layout, itemsize, chunk, n_chunks, info, _ = PlaneCodec()._prepare(meta, secs, *_dtype_shape(meta), device=True)
     n = math.prod(meta["shape"])
-    coded, none, table_of, tables, jobs = planes_device.launch_inputs(True, secs, info, n, chunk, n_chunks, n)
+    coded, none, table_of, tables, jobs, freqs = planes_device.launch_inputs(True, secs, info, n, chunk, n_chunks, n)
     assert none is None and coded
     pdesc = torch.zeros((len(table_of), 4), dtype=torch.int64)
-    emulate_stream_desc(bt, torch.from_numpy(jobs), len(coded), n_chunks, chunk, n, pdesc)
-    return bt, secs, info, (layout, itemsize, chunk, n_chunks, n), (coded, table_of, tables), pdesc.numpy()
+    plan = LaunchPlan.build(pdesc, table_of, tables, "cpu", also=[jobs, freqs])
+    emulate_stream_desc(bt, plan.also[0], len(coded), n_chunks, chunk, n, pdesc, plan.also[1], rans_lanes.M,
+                        plan.table_data)
+    host = [build_table(info[k][3][0], rans_lanes.PRECISION, np.uint8) for k in coded]  # the same tables
+    assert [(t.mode, t.precision, t.lo, t.smem_words, t.aux, t.symbytes) for t in host] == \
+        [(t.mode, t.precision, t.lo, t.smem_words, t.aux, t.symbytes) for t in tables]
+    assert plan.table_data.numpy().tobytes() == b"".join(t.data.tobytes() for t in host)
+    return bt, secs, info, (layout, itemsize, chunk, n_chunks, n), (coded, plan), pdesc.numpy()
 
 
 def test_device_decode_launch_through_the_emulated_kernel():
@@ -150,7 +166,6 @@ def test_device_decode_launch_through_the_emulated_kernel():
     merged: the original bits. Damaged lengths give the damaged chunks byte length 0."""
     from types import SimpleNamespace
 
-    from kvcodec.cuda.rans import LaunchPlan
     from kvcodec.lossless.planes import merge_planes
 
     from test_cuda_rans import emulate_launch
@@ -160,12 +175,11 @@ def test_device_decode_launch_through_the_emulated_kernel():
                              (torch.float8_e4m3fn, (60, 64), 1024)):
         t = weights_like(dtype, shape)
         blob = compress(t, max_classes=1, chunk_bytes=cb)
-        bt, secs, info, (layout, itemsize, chunk, n_chunks, n), (coded, table_of, tables), pdesc = _device_rows(blob)
+        bt, secs, info, (layout, itemsize, chunk, n_chunks, n), (coded, plan), pdesc = _device_rows(blob)
         host = [("rans", None, np.concatenate(([0], np.cumsum(secs[f"p{k}.len"].bytes.numpy().view("<u4"))))) if
                 p[0] == "rans" else p for k, p in enumerate(info)]
         assert np.array_equal(pdesc, planes_device.stream_descriptors(secs, host, n, chunk, n_chunks))
         odd += int(np.sum(pdesc[:, 0] % 4 == 2))
-        plan = LaunchPlan.build(pdesc, table_of, tables, "cpu")
         batch = SimpleNamespace(data=bt, pdesc=plan.pdesc, order=plan.order, blocks=plan.blocks, tdesc=plan.tdesc,
                                 table_data=plan.table_data, smem_bytes=plan.smem_bytes, out_bytes=len(coded) * n,
                                 n_payloads=len(pdesc))
@@ -514,3 +528,28 @@ def test_gpu_decode_again_reuses_the_plan_and_sees_writes_torch_does_not_count()
             decompress(blob)
         view[pos] ^= 1
     assert_bit_exact(decompress(blob).cpu(), x.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_device_built_tables_equal_build_table(fmt):
+    """pc_stream_desc's decode tables (made on the device from the frequencies) are build_table's words,
+    for a blob of format 3 (rows on the device too) and 2 (rows from the host: the tables alone)."""
+    from kvcodec.cuda.rans import build_table
+    from kvcodec.lossless import api
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(48, 1000, generator=g) * 20).round().to(torch.int16).cuda()  # two coded planes: two tables
+    blob = compress_device(x, chunk_bytes=4096)
+    if fmt == 2:
+        blob = torch.frombuffer(bytearray(planes.format2_blob(blob.cpu().numpy())), dtype=torch.uint8).cuda()
+    api._blob_plans.clear()
+    assert_bit_exact(decompress(blob).cpu(), x.cpu())
+    entry = api._blob_plans.get(blob)
+    plan, tables = entry["planes plan"], entry["planes streams"][3]
+    meta = container.loads(blob.cpu().numpy().tobytes())[1]["codec_meta"]
+    freqs = [planes._table_from_json(p["tables"][0]) for p in meta["planes"] if p["mode"] == "rans"]
+    assert len(freqs) == len(tables) == 2
+    want = b"".join(build_table(f, rans_lanes.PRECISION, np.uint8).data.tobytes() for f in freqs)
+    assert plan.table_data.cpu().numpy().tobytes() == want

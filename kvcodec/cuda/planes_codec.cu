@@ -399,6 +399,31 @@ __global__ void __launch_bounds__(256) pc_merge(long long d0, long long d1, long
 }
 
 // ---------------------------------------------------------------------------------------------- stream descriptors
+// Inclusive scan of v over the block (blockDim.x a multiple of 32, at most 1024); *total = the block's sum.
+// warp_sum: 32 shared words; the caller syncs before warp_sum is written again.
+__device__ __forceinline__ long long pc_block_scan(long long v, long long* warp_sum, long long* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const long long o = __shfl_up_sync(PC_FULL, v, d);
+    if (lane >= d) v += o;
+  }
+  if (lane == 31) warp_sum[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    long long w = lane < nwarps ? warp_sum[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const long long o = __shfl_up_sync(PC_FULL, w, d);
+      if (lane >= d) w += o;
+    }
+    warp_sum[lane] = w;  // inclusive over the warps
+  }
+  __syncthreads();
+  *total = warp_sum[nwarps - 1];
+  return (warp ? warp_sum[warp - 1] : 0) + v;
+}
+
 // Format 3 keeps each coded plane's chunk stream lengths (uint32 words, one per chunk) in a section of the blob;
 // this kernel turns them into the rANS decoder's payload rows (kvcodec/cuda/rans_decode.cu: byte offset in data,
 // byte length, output byte offset, symbols) and checks them as the CPU decoder does: chunk c's stream is the
@@ -406,16 +431,22 @@ __global__ void __launch_bounds__(256) pc_merge(long long d0, long long d1, long
 // a stream reaching past the section, or a last stream not ending exactly at the section's end gets byte length
 // 0, which the decoder reports as a bad length (status 1): the error arrives with the stream statuses, and no
 // row ever points outside the section. One block per coded plane, a block-wide scan per 512 chunks.
-// jobs [J, 4] int64: byte offset of plane j's lengths in data, of its stream section, the section's words, the
-// byte offset of its decoded row in the output; pdesc [J * n_chunks, 4] int64.
+// It also writes the plane's decode table (rans_decode.cu mode 0, byte symbols: slot s of symbol lo + i holds
+// (i << 24) | ((f - 1) << 12) | (s - cum)), the words kvcodec.cuda.rans.build_table makes on the host, from the
+// plane's frequencies (checked on the host: >= 1 where used, summing to slots): no table built or uploaded per
+// decode. n_chunks 0: the table only (format 2: the rows come from the host).
+// jobs [J, 6] int64: byte offset of plane j's lengths in data, of its stream section, the section's words, the
+// byte offset of its decoded row in the output, the byte offset of its table in tables, its lowest used symbol;
+// freqs [J, 256] int32; pdesc [J * n_chunks, 4] int64; tables: the launch's table bytes.
 __global__ void __launch_bounds__(512) pc_stream_desc(const pc_u8* __restrict__ data, const long long* __restrict__ jobs,
                                                        long long n_chunks, long long chunk, long long n,
-                                                       long long* __restrict__ pdesc) {
+                                                       long long* __restrict__ pdesc, const int* __restrict__ freqs,
+                                                       long long slots, pc_u8* __restrict__ tables) {
   __shared__ long long warp_sum[32];
-  const long long* jb = jobs + 4 * blockIdx.x;
+  __shared__ int cum[257];
+  const long long* jb = jobs + 6 * blockIdx.x;
   const pc_u8* lens = data + jb[0];  // 4-byte values at any byte alignment (read bytewise: a few KB)
   const long long soff = jb[1], words = jb[2], ooff = jb[3];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   long long carry = 0;  // words of the chunks of earlier rounds
   for (long long base = 0; base < n_chunks; base += blockDim.x) {
     const long long c = base + threadIdx.x;
@@ -424,26 +455,8 @@ __global__ void __launch_bounds__(512) pc_stream_desc(const pc_u8* __restrict__ 
       const pc_u8* q = lens + 4 * c;
       len = (long long)((pc_u32)q[0] | ((pc_u32)q[1] << 8) | ((pc_u32)q[2] << 16) | ((pc_u32)q[3] << 24));
     }
-    long long v = len;  // inclusive scan over the warp
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const long long o = __shfl_up_sync(PC_FULL, v, d);
-      if (lane >= d) v += o;
-    }
-    if (lane == 31) warp_sum[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-      long long w = lane < nwarps ? warp_sum[lane] : 0;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const long long o = __shfl_up_sync(PC_FULL, w, d);
-        if (lane >= d) w += o;
-      }
-      warp_sum[lane] = w;  // inclusive over the warps
-    }
-    __syncthreads();
-    const long long before = carry + (warp ? warp_sum[warp - 1] : 0) + v - len;
-    const long long round_total = warp_sum[nwarps - 1];
+    long long round_total;
+    const long long before = carry + pc_block_scan(len, warp_sum, &round_total) - len;
     if (c < n_chunks) {
       const bool ok = len >= 64 && before + len <= words && (c != n_chunks - 1 || before + len == words);
       long long* pd = pdesc + 4 * ((long long)blockIdx.x * n_chunks + c);
@@ -455,5 +468,22 @@ __global__ void __launch_bounds__(512) pc_stream_desc(const pc_u8* __restrict__ 
     }
     carry += round_total;
     __syncthreads();  // warp_sum is rewritten by the next round
+  }
+  // the decode table: the frequencies' exclusive sums, then each slot finds its symbol (the last with cum <= s)
+  const long long f = threadIdx.x < 256 ? freqs[256 * blockIdx.x + threadIdx.x] : 0;
+  long long total;
+  const long long incl = pc_block_scan(f, warp_sum, &total);
+  if (threadIdx.x < 256) cum[threadIdx.x] = (int)(incl - f);
+  if (threadIdx.x == 0) cum[256] = (int)slots;
+  __syncthreads();
+  pc_u32* tab = reinterpret_cast<pc_u32*>(tables + jb[4]);
+  const int lo = (int)jb[5];
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+    int a = 0, b = 256;  // cum[a] <= s < cum[b]
+    while (b - a > 1) {
+      const int mid = (a + b) >> 1;
+      if (cum[mid] <= s) a = mid; else b = mid;
+    }
+    tab[s] = ((pc_u32)(a - lo) << 24) | ((pc_u32)(cum[a + 1] - cum[a] - 1) << 12) | (pc_u32)(s - cum[a]);
   }
 }

@@ -20,7 +20,9 @@ SPLIT_SIG = "(const unsigned char*, long long, long long, unsigned char*, unsign
 HIST_WARPS_TIMES_PLANES = 4
 ENCODE_SIG = "(const unsigned char*, const long long*, int, const unsigned int*, unsigned short*, long long, long long*)"
 MERGE_SIG = "(" + "long long, " * 17 + "unsigned char*)"
-DESC_SIG = "(const unsigned char*, const long long*, long long, long long, long long, long long*)"
+DESC_SIG = ("(const unsigned char*, const long long*, long long, long long, long long, long long*, const int*, long long, "
+            "unsigned char*)")
+DESC_JOB = 6  # int64 per coded plane in pc_stream_desc's jobs
 DESC_THREADS = 512  # pc_stream_desc: (1024 spills on sm_100)
 
 
@@ -41,15 +43,18 @@ def instance_declarations() -> list[str]:
 
 
 def stream_desc(data: torch.Tensor, jobs: torch.Tensor, planes: int, n_chunks: int, chunk: int, n: int,
-                pdesc: torch.Tensor) -> None:
+                pdesc: torch.Tensor, freqs: torch.Tensor, slots: int, tables: torch.Tensor) -> None:
     """Fill the rANS decoder's payload rows ``pdesc`` [planes * n_chunks, 4] (int64 CUDA) from the
-    chunk stream lengths that format 3 stores in the blob ``data`` (``jobs`` [planes, 4] int64 on the
-    device: see ``pc_stream_desc``); bad lengths become rows the decoder flags (status 1)."""
-    if not planes or not n_chunks:
+    chunk stream lengths that format 3 stores in the blob ``data`` (``jobs`` [planes, DESC_JOB] int64 on
+    the device: see ``pc_stream_desc``; bad lengths become rows the decoder flags, status 1), and each
+    plane's decode table (mode 0, ``slots`` = 2**precision words) into the uint8 tensor ``tables`` from
+    its checked frequencies ``freqs`` [planes, 256] int32. ``n_chunks`` 0: the tables only."""
+    if not planes:
         return
     with build.cupy_stream(data.device):
         build.get_function(SOURCE, "pc_stream_desc")((planes,), (DESC_THREADS,), (
-            data.data_ptr(), jobs.data_ptr(), np.int64(n_chunks), np.int64(chunk), np.int64(n), pdesc.data_ptr()))
+            data.data_ptr(), jobs.data_ptr(), np.int64(n_chunks), np.int64(chunk), np.int64(n), pdesc.data_ptr(),
+            freqs.data_ptr(), np.int64(slots), tables.data_ptr()))
 
 
 def _grid(n: int, device) -> int:

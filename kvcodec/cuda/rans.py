@@ -66,13 +66,17 @@ def instance_declarations(warps=(WARPS,)) -> list[str]:
 class Table:
     """A decode table: its bytes (uploaded once per batch) and the fields of its tdesc row."""
 
-    data: np.ndarray  # uint8, length a multiple of 16
+    data: np.ndarray | None  # uint8, length a multiple of 16; None: a kernel writes it (:func:`device_table`)
     mode: int
     precision: int
     lo: int
     smem_words: int  # u32 words copied to shared memory (0 for mode 2)
     aux: int  # mode 1: byte offset of fc[]; mode 2: byte offset of sym[]
     symbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.size if self.data is not None else 4 * self.smem_words
 
 
 def build_table(freqs, precision: int, dtype, mode: int | None = None) -> Table:
@@ -114,6 +118,23 @@ def build_table(freqs, precision: int, dtype, mode: int | None = None) -> Table:
         aux = 4 * m
         body = e.astype("<u4").tobytes() + (idx + lo).astype(sym_t).tobytes()
     return _table(body, mode, p, lo, aux, symbytes)
+
+
+def device_table(freqs, precision: int) -> Table:
+    """The mode-0 table of byte symbols that :func:`build_table` makes for ``freqs`` (checked: >= 0,
+    summing to 2**precision <= 2**12, over at most 256 symbols), without its words: a kernel writes
+    them on the device (``planes_codec.cu``'s pc_stream_desc; same words) at its place in the launch
+    plan's ``table_data`` (:func:`table_offsets`)."""
+    f = np.asarray(freqs)
+    if not 1 <= precision <= 12 or f.ndim != 1 or f.size > 256:
+        raise ValueError("a device-built table takes at most 256 byte symbols and precision <= 12")
+    return Table(None, 0, int(precision), int(np.flatnonzero(f)[0]), 1 << precision, 0, 1)
+
+
+def table_offsets(tables: list[Table]) -> list[int]:
+    """Byte offset of each table in a launch plan's ``table_data`` (where a kernel writes the words of a
+    :func:`device_table`)."""
+    return np.concatenate(([0], np.cumsum([tb.nbytes for tb in tables[:-1]], dtype=np.int64))).tolist() if tables else []
 
 
 def _table(body: bytes, mode: int, p: int, lo: int, aux: int, symbytes: int) -> Table:
@@ -203,15 +224,14 @@ class LaunchPlan:
             else:
                 order = np.lexsort((-sizes, table_of)).astype(np.int32) if P else np.zeros(0, np.int32)
             blocks = _blocks(np.asarray(table_of, np.int64)[order], warps)
-        toff, tbytes = [], 0
-        for tb in tables:
-            toff.append(tbytes)
-            tbytes += tb.data.size
+        toff = table_offsets(tables)
+        tbytes = toff[-1] + tables[-1].nbytes if tables else 0
         tdesc = np.array([(o, tb.mode, tb.precision, tb.lo, tb.smem_words, tb.aux, tb.symbytes, 0)
                           for o, tb in zip(toff, tables)], dtype=np.int64).reshape(-1, 8)
         tab_host = np.zeros(max(tbytes, _ALIGN), dtype=np.uint8)
         for o, tb in zip(toff, tables):
-            tab_host[o: o + tb.data.size] = tb.data
+            if tb.data is not None:
+                tab_host[o: o + tb.data.size] = tb.data
         host_rows = [] if on_device else [np.ascontiguousarray(pdesc, np.int64)]
         got = upload(host_rows + [order, blocks, tdesc, tab_host, *also], device)
         pd = pdesc if on_device else got.pop(0)
@@ -453,4 +473,4 @@ def encode_chunks(x, chunk_symbols: int = 1 << 16, precision: int | None = None,
         return list(ex.map(enc, chunks))
 
 
-__all__ = ["LaunchPlan", "RansBatch", "build_table", "decode_batch", "decode_concat", "encode_chunks"]
+__all__ = ["LaunchPlan", "RansBatch", "build_table", "decode_batch", "decode_concat", "device_table", "encode_chunks"]

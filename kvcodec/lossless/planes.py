@@ -37,6 +37,7 @@ lane ends at 2**16.
 from __future__ import annotations
 
 import math
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -142,14 +143,16 @@ def _table_json(freq: np.ndarray) -> list[int]:
 
 
 def _table_from_json(flat) -> np.ndarray:
-    flat = int_list(flat, 0, M, "planes: frequency table", 512)
-    if not flat.size or flat.size % 2:
+    """A stored table ([symbol, frequency, ...], symbols rising, frequencies >= 1 summing to M) as
+    frequencies [256] int64; checked on the Python list (a few hundred ints: cheaper than numpy
+    calls, and a GPU first decode waits for it)."""
+    if not isinstance(flat, list) or not flat or len(flat) % 2 or len(flat) > 512 or not set(map(type, flat)) <= {int}:
         raise CorruptStreamError("planes: bad frequency table")
     sym, f = flat[0::2], flat[1::2]
-    if sym.max() > 255 or np.any(np.diff(sym) <= 0) or f.min() < 1 or f.sum() != M:
+    if sym[0] < 0 or sym[-1] > 255 or min(f) < 1 or sum(f) != M or sorted(set(sym)) != sym:
         raise CorruptStreamError("planes: invalid frequency table")
     freq = np.zeros(256, np.int64)
-    freq[sym] = f
+    freq[np.frombuffer(array("q", sym), np.int64)] = np.frombuffer(array("q", f), np.int64)  # in range: checked
     return freq
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kvcodec import container
+from kvcodec.entropy import rans_lanes
 from kvcodec.lossless.planes import (FORMAT_VERSION, LANES, MAX_CHUNK_ELEMS, PlaneCodec, _dtype_shape,
                                      _n_planes, _table_json, layout_of, one_table, pays_to_code)
 
@@ -129,7 +130,8 @@ def decode(meta, sections, device, reuse: dict | None = None) -> tuple[torch.Ten
     the blob needs the CPU decoder. Raises CorruptStreamError for metadata the CPU would refuse.
     Format 3 (chunk lengths in a section): the stream descriptors are made and the lengths checked
     on the device (``planes_codec.stream_desc``; a bad length gives its chunk a bad status), so the
-    host reads no payload byte. Format 2: from the offsets in the meta, on the host.
+    host reads no payload byte. Format 2: from the offsets in the meta, on the host. The decode
+    tables are made on the device too (``stream_desc``, from the checked frequencies).
     ``reuse``: a dict that keeps the launch inputs (host arrays, decode tables, the launch's device
     arrays) for the next decode of the same bytes (filled when empty; ``device_container.BlobCache``)."""
     from kvcodec.cuda import planes_codec as pc
@@ -145,26 +147,30 @@ def decode(meta, sections, device, reuse: dict | None = None) -> tuple[torch.Ten
     got = reuse.get("planes streams") if reuse is not None else None
     if got is None:
         got = launch_inputs(meta["v"] == FORMAT_VERSION, sections, info, n, chunk, n_chunks, row)
-    coded, pdesc, table_of, tables, jobs = got
+    coded, pdesc, table_of, tables, jobs, freqs = got
     out = torch.empty(n * itemsize, dtype=torch.uint8, device=device)
     alone = len(info) == 1 and coded  # one coded plane (1-byte elements): decoded straight into out
     decoded = out.view(1, n) if alone else torch.empty((max(len(coded), 1), row), dtype=torch.uint8, device=device)
     P = len(table_of)
-    if jobs is None:
+    device_rows = pdesc is None
+    if not device_rows:
         status = torch.empty(P, dtype=torch.int32, device=device)  # the kernel writes every entry
     else:  # the payload rows pc_stream_desc writes and the statuses, in one allocation
         rows = torch.empty(4 * P + -(-P // 2), dtype=torch.int64, device=device)
         pdesc, status = rows[: 4 * P].view(P, 4), rows[4 * P:].view(torch.int32)[:P]
     if coded:
-        # the launch's device arrays (blocks, tables, the stream jobs) come up in one upload, once per blob
-        # tensor: a decode again reuses them (they hold nothing of the blob: offsets, not addresses)
+        # the launch's device arrays (blocks, table descriptors, the jobs and frequencies of pc_stream_desc)
+        # come up in one upload, once per blob tensor: a decode again reuses them (they hold nothing of the
+        # blob: offsets, not addresses); pc_stream_desc writes the tables' words (and the rows in format 3)
         plan = reuse.get("planes plan") if reuse is not None else None
-        if plan is None:
-            plan = gr.LaunchPlan.build(pdesc, table_of, tables, device, also=[] if jobs is None else [jobs])
-        elif jobs is not None:
+        fresh = plan is None
+        if fresh:
+            plan = gr.LaunchPlan.build(pdesc, table_of, tables, device, also=[jobs, freqs])
+        elif device_rows:
             plan = dataclasses.replace(plan, pdesc=pdesc)
-        if jobs is not None:
-            pc.stream_desc(blob, plan.also[0], len(coded), n_chunks, chunk, n, pdesc)
+        if fresh or device_rows:  # the tables once per plan
+            pc.stream_desc(blob, plan.also[0], len(coded), n_chunks if device_rows else 0, chunk, n, plan.pdesc,
+                           plan.also[1], (1 << rans_lanes.PRECISION) if fresh else 0, plan.table_data)
         plan.launch(blob, decoded, status)
         if reuse is not None:
             reuse["planes streams"], reuse["planes plan"] = got, plan
@@ -176,23 +182,30 @@ def decode(meta, sections, device, reuse: dict | None = None) -> tuple[torch.Ten
 
 
 def launch_inputs(lengths_section: bool, sections, info, n: int, chunk: int, n_chunks: int, row: int):
-    """(coded plane indices, payload rows or None, each payload's table, the tables, the stream
-    descriptor jobs or None) of a checked planes blob (``PlaneCodec._prepare(..., device=True)``'s
-    ``info``); payload rows [P, 4] come from the host (:func:`stream_descriptors`) for offsets in the
-    meta, from the device for a length section (``lengths_section``: then ``jobs`` [J, 4] int64 are
-    ``planes_codec.stream_desc``'s: byte offsets of each coded plane's lengths and stream in the
-    blob, the stream's words, the byte offset of its decoded row)."""
+    """(coded plane indices, payload rows or None, each payload's table, the tables, the jobs, the
+    frequencies) of a checked planes blob (``PlaneCodec._prepare(..., device=True)``'s ``info``) for
+    ``planes_codec.stream_desc``: the tables are ``rans.device_table``s (their words made on the device
+    from ``freqs`` [coded planes, 256] int32); ``jobs`` [coded planes, DESC_JOB] int64: byte offsets of
+    each coded plane's lengths and stream in the blob, the stream's words, the byte offset of its decoded
+    row, of its table in the plan's table bytes, its lowest symbol. Payload rows [P, 4] come from the
+    host (:func:`stream_descriptors`) for offsets in the meta (format 2), else None: the device makes
+    them from the length section (``lengths_section``, format 3)."""
+    from kvcodec.cuda import planes_codec as pc
     from kvcodec.cuda import rans as gr
-    from kvcodec.entropy import rans_lanes
 
     coded = [k for k, p in enumerate(info) if p[0] == "rans"]
-    tables = [gr.build_table(info[k][3][0], rans_lanes.PRECISION, np.uint8) for k in coded]
+    freqs = np.array([info[k][3][0] for k in coded], np.int32).reshape(-1, 256)
+    tables = [gr.device_table(f, rans_lanes.PRECISION) for f in freqs]
     table_of = np.repeat(np.arange(len(coded), dtype=np.int32), n_chunks)
+    jobs = np.zeros((len(coded), pc.DESC_JOB), np.int64)
+    jobs[:, 3] = np.arange(len(coded)) * row
+    jobs[:, 4] = gr.table_offsets(tables)
+    jobs[:, 5] = [tb.lo for tb in tables]
     if not lengths_section:
-        return coded, stream_descriptors(sections, info, n, chunk, n_chunks, row), table_of, tables, None
-    jobs = np.array([(info[k][2].offset, sections[f"p{k}"].offset, sections[f"p{k}"].shape[0], j * row)
-                     for j, k in enumerate(coded)], np.int64).reshape(-1, 4)
-    return coded, None, table_of, tables, jobs
+        return coded, stream_descriptors(sections, info, n, chunk, n_chunks, row), table_of, tables, jobs, freqs
+    for j, k in enumerate(coded):
+        jobs[j, :3] = info[k][2].offset, sections[f"p{k}"].offset, sections[f"p{k}"].shape[0]
+    return coded, None, table_of, tables, jobs, freqs
 
 
 def stream_descriptors(sections, info, n: int, chunk: int, n_chunks: int, row: int | None = None) -> np.ndarray:
