@@ -106,7 +106,7 @@ def rows_for(name, label, t, pred, opts, full: bool | None = True) -> tuple[list
 
     kde.encode = counting
     try:
-        enc_s, dblob = timed(lambda: api.compress_device(t, prediction=pred, **opts))
+        enc_s, dblob = timed(lambda: api.compress_device(t, prediction=pred, **opts), reps=5 if full is not None else 11)
         host_s, hblob = timed(lambda: kvcodec.compress(t, prediction=pred, **opts), reps=3)
     finally:
         kde.encode = real
@@ -142,16 +142,18 @@ def rows_for(name, label, t, pred, opts, full: bool | None = True) -> tuple[list
     return rows, notes
 
 
-VARIANTS = {  # kvctx_encode.cu builds to compare (macros): symbolise's histogram in shared memory or global atomics
-    "ke_symbolise": [(), ("KE_HIST_IN_GLOBAL",)],
+VARIANTS = {  # kvctx_encode.cu builds to compare (macros): how far ahead each kernel loads its values
+    "ke_symbolise": [(), ("KE_SYM_AHEAD=2",), ("KE_SYM_AHEAD=4",)],
+    "ke_encode": [(), ("KE_RANS_AHEAD=4",), ("KE_RANS_AHEAD=16",)],
+    "ke_bits": [(), ("KE_BITS_AHEAD=8",)],
 }
 
 
 def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
     """Device time (CUDA events, mean of ``reps`` launches after a warm-up) of each ``VARIANTS`` build of
-    a kernel on one GPU encode's own inputs (symbolise's variants count into a scratch
-    histogram; the call itself runs the default build after them, so its blob stays exact): where the
-    kernels' time goes."""
+    a kernel on one GPU encode's own inputs (symbolise's variants count into a scratch histogram; every
+    build writes the same values; the call itself runs the default build after them, so its blob stays
+    exact): where the kernels' time goes."""
     import numpy as np
     import torch
 

@@ -429,6 +429,10 @@ __device__ __forceinline__ int ke_encode_value(int pat, int ep, ke_centre centre
   return sym;
 }
 
+#ifndef KE_SYM_AHEAD
+#define KE_SYM_AHEAD 1  // ke_symbolise: steps of patterns and predictions loaded ahead
+#endif
+
 // Every value's key class << 8 | symbol into keys and raw code << 8 | nbits into raw (tensor order: the rANS
 // kernel reads 2 bytes a value, the raw-bit kernel 8), the histogram of
 // class << 8 | symbol (hist: KE_HIST_COPIES x n_keys u64, zeroed) and each chunk's raw bit total (the chunks
@@ -471,17 +475,26 @@ __global__ void __launch_bounds__(256)
   long long total = 0;
   const long long nt = t1 - t0;
   long long i = (g * T + t0) * D + d;  // this step's value (steps D apart)
-  int pat_next = nt > 0 ? ke_pat<W>(pats, i) : 0;  // loaded a step ahead
-  double p_next = nt > 0 ? ke_pred(pred, i) : 0.0;
+  int pat_q[KE_SYM_AHEAD];  // the next KE_SYM_AHEAD steps' patterns and predictions, loaded ahead
+  double p_q[KE_SYM_AHEAD];
+#pragma unroll
+  for (int k = 0; k < KE_SYM_AHEAD; ++k) {
+    pat_q[k] = valid && k < nt ? ke_pat<W>(pats, i + k * D) : 0;
+    p_q[k] = valid && k < nt ? ke_pred(pred, i + k * D) : 0.0;
+  }
   for (long long s = 0; s < steps; ++s, i += D) {
     const bool act = valid && s < nt;
     unsigned key = 0x80000000u | lane;  // inactive lanes match nobody
-    const int pat = pat_next;
-    const double p = p_next;
-    if (valid && s + 1 < nt) {
-      pat_next = ke_pat<W>(pats, i + D);
-      p_next = ke_pred(pred, i + D);
+    const int pat = pat_q[0];
+    const double p = p_q[0];
+#pragma unroll
+    for (int k = 0; k + 1 < KE_SYM_AHEAD; ++k) {
+      pat_q[k] = pat_q[k + 1];
+      p_q[k] = p_q[k + 1];
     }
+    const bool more = valid && s + KE_SYM_AHEAD < nt;
+    pat_q[KE_SYM_AHEAD - 1] = more ? ke_pat<W>(pats, i + KE_SYM_AHEAD * D) : 0;
+    p_q[KE_SYM_AHEAD - 1] = more ? ke_pred(pred, i + KE_SYM_AHEAD * D) : 0.0;
     if (act) {
       const double base = __dadd_rn(m, __dmul_rn(c, p));
       const double mu = __dadd_rn(base, __dmul_rn(a, dev));
@@ -569,8 +582,12 @@ struct KeValues {
   }
 };
 
+#ifndef KE_RANS_AHEAD
 #define KE_RANS_AHEAD 8  // rounds of keys in flight per lane (2 bytes each)
+#endif
+#ifndef KE_BITS_AHEAD
 #define KE_BITS_AHEAD 4  // rounds of raw codes in flight per lane (8 bytes each)
+#endif
 
 // ke_encode: one warp per chunk (the tensor's chunks, then the model's field parts: format2.code_model's
 // "mfields" parts, one g of its bytes each), one pass backwards over its keys, 32 (one per lane) a round: the
