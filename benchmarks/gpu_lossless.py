@@ -216,13 +216,20 @@ def rans_kernel_rows(name, blob, nbytes, reps: int = 20):
     if "launch" not in got:
         return []
     pdesc, table_of, tables, device = got["build"][0][:4]
+    also = got["build"][1].get("also", ())
     data, out, status = got["launch"]
     ref_out, ref_status = None, None
     rows = []
     for warps in RANS_VARIANTS:
         label = f"kvcodec planes: rANS kernel alone ({warps} warps/block)"
         try:
-            plan = gr.LaunchPlan.build(pdesc, table_of, tables, device, warps=warps)
+            plan = gr.LaunchPlan.build(pdesc, table_of, tables, device, also=also, warps=warps)
+            if any(tb.data is None for tb in tables):  # tables made on the device: write this plan's
+                from kvcodec.cuda import planes_codec as pc
+                from kvcodec.entropy import rans_lanes
+
+                pc.stream_desc(data, plan.also[0], len(tables), 0, 0, 0, plan.pdesc, plan.also[1], rans_lanes.M,
+                               plan.table_data)
             out.fill_(0xA5)
             plan.launch(data, out, status)
             torch.cuda.synchronize()
@@ -269,6 +276,177 @@ def host_profile(name, fn, calls: int = 20, top: int = 16) -> str:
     total = sum(v[2] for v in stats.values()) / calls
     parts = [f"{Path(f).name}:{ln}({func}) {v[2] / calls * 1e6:.0f}" for (f, ln, func), v in rows]
     return f"{name}: host profile, us per call of own time (total {total * 1e6:.0f}): " + "; ".join(parts)
+
+
+TRACE_STEPS = [  # (label, owner, attribute): host steps of a device-blob decode, timed inclusive per call
+    ("decompress_on_device", "kvcodec.lossless.api", "_decompress_on_device"),
+    ("read_header_crc", "kvcodec.lossless.device_container", "read_header_crc"),
+    ("header download+sync", "kvcodec.lossless.device_container", "download"),
+    ("sections", "kvcodec.lossless.device_container", "sections"),
+    ("Checks()", "kvcodec.lossless.device_container:Checks", "__init__"),
+    ("planes_device.decode", "kvcodec.lossless.planes_device", "decode"),
+    ("_prepare", "kvcodec.lossless.planes:PlaneCodec", "_prepare"),
+    ("launch_inputs", "kvcodec.lossless.planes_device", "launch_inputs"),
+    ("stream_descriptors", "kvcodec.lossless.planes_device", "stream_descriptors"),
+    ("build_table", "kvcodec.cuda.rans", "build_table"),
+    ("LaunchPlan.build", "kvcodec.cuda.rans:LaunchPlan", "build"),
+    ("upload", "kvcodec.cuda.transfer", "upload"),
+    ("stream_desc launch", "kvcodec.cuda.planes_codec", "stream_desc"),
+    ("rANS launch", "kvcodec.cuda.rans:LaunchPlan", "launch"),
+    ("merge launch", "kvcodec.cuda.planes_codec", "merge"),
+    ("Checks.read", "kvcodec.lossless.device_container:Checks", "read"),
+    ("crc32 _launch", "kvcodec.cuda.crc32", "_launch"),
+    ("planes_device.encode", "kvcodec.lossless.planes_device", "encode"),
+    ("split_hist", "kvcodec.cuda.planes_codec", "split_hist"),
+    ("one_table", "kvcodec.lossless.planes_device", "one_table"),
+    ("encode_chunks", "kvcodec.cuda.planes_codec", "encode_chunks"),
+    ("gather", "kvcodec.cuda.planes_codec", "gather"),
+    ("crc32_many", "kvcodec.cuda.crc32", "crc32_many"),
+    ("assemble", "kvcodec.lossless.device_container", "assemble"),
+    ("torch.empty", "torch", "empty"),
+    ("torch.cat", "torch", "cat"),
+]
+
+
+class StepTrace:
+    """Wraps TRACE_STEPS while active: per call of the traced function, each step's count, inclusive host
+    time and the offset of its first entry and last exit from the call's start (perf_counter); with
+    ``annotate`` each step is also a torch.profiler range (to line host steps up with the GPU timeline)."""
+
+    def __init__(self, annotate: bool = False):
+        self.annotate, self.calls, self._saved, self.t0 = annotate, [], [], None
+
+    def __enter__(self):
+        import importlib
+
+        import torch
+
+        for label, owner, attr in TRACE_STEPS:
+            mod, _, cls = owner.partition(":")
+            obj = importlib.import_module(mod)
+            obj = getattr(obj, cls) if cls else obj
+            raw = obj.__dict__[attr] if cls else getattr(obj, attr)
+            is_cm = isinstance(raw, classmethod)
+            fn = raw.__func__ if is_cm else raw
+
+            def wrapped(*a, _fn=fn, _label=label, **k):
+                rec = self.calls[-1] if self.calls else None
+                if rec is None:
+                    return _fn(*a, **k)
+                t = time.perf_counter()
+                if self.annotate:
+                    with torch.profiler.record_function(_label):
+                        res = _fn(*a, **k)
+                else:
+                    res = _fn(*a, **k)
+                e = time.perf_counter()
+                c, tot, first, last = rec.get(_label, (0, 0.0, None, 0.0))
+                rec[_label] = (c + 1, tot + e - t, t - self.t0 if first is None else first, e - self.t0)
+                return res
+
+            self._saved.append((obj, attr, raw))
+            setattr(obj, attr, classmethod(wrapped) if is_cm else wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for obj, attr, raw in reversed(self._saved):
+            setattr(obj, attr, raw)
+
+    def call(self, fn):
+        """``fn()`` as one traced call; its record also holds 'total' (the call, its final sync included)."""
+        import torch
+
+        torch.cuda.synchronize()
+        self.calls.append({})
+        self.t0 = time.perf_counter()
+        out = fn()
+        total = time.perf_counter() - self.t0
+        self.calls[-1]["total"] = (1, total, 0.0, total)
+        torch.cuda.synchronize()
+        return out
+
+
+def step_table(calls) -> list[str]:
+    """Median over calls of each step: count, inclusive us, first entry / last exit (us from the start)."""
+    med = statistics.median
+    labels = [lab for lab, *_ in TRACE_STEPS if any(lab in c for c in calls)] + ["total"]
+    lines = [f"{'step':24s} {'n':>3s} {'incl us':>8s} {'from us':>8s} {'to us':>8s}"]
+    for lab in labels:
+        got = [c[lab] for c in calls if lab in c]
+        lines.append(f"{lab:24s} {got[0][0]:3d} {med(g[1] for g in got) * 1e6:8.1f} {med(g[2] for g in got) * 1e6:8.1f} "
+                     f"{med(g[3] for g in got) * 1e6:8.1f}")
+    return lines
+
+
+def gpu_timeline(fn, path: str | None = None, limit: int = 120) -> list[str]:
+    """One call of ``fn`` under torch.profiler with host steps annotated: every GPU kernel / copy and
+    every CUDA runtime or driver call of >= 3 us, in start order, as us from the call's start
+    (the chrome trace goes to ``path`` when given)."""
+    import json
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with StepTrace(annotate=True) as tr, profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.record_function("traced call"):
+            tr.call(fn)
+    path = path or tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    ev = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+    start = min(e["ts"] for e in ev if e.get("name") == "traced call")
+    keep = []
+    for e in ev:
+        cat = e.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset") or (cat in ("cuda_runtime", "cuda_driver") and e["dur"] >= 3) \
+                or (cat == "user_annotation" and e["name"] != "traced call"):
+            keep.append((e["ts"] - start, e["dur"], cat, e["name"][:70], e.get("args", {}).get("stream", "")))
+    keep.sort()
+    lines = [f"{'start us':>9s} {'dur us':>8s} {'what':16s} name (stream)"]
+    lines += [f"{t:9.1f} {d:8.1f} {c[:16]:16s} {n} {f'(stream {s})' if s != '' else ''}" for t, d, c, n, s in keep[:limit]]
+    return lines
+
+
+def trace_first_decodes(name, x, calls: int = 25) -> list[str]:
+    """First decodes of ``x``'s device blob, format 3 and the same tensor as a format-2 blob, interleaved
+    call by call (each after torch.cuda.synchronize and with the plan cache cleared): per-step host
+    medians per format, then one call of each under torch.profiler (GPU timeline)."""
+    import kvcodec
+    from kvcodec.lossless import compress_device
+
+    blob = compress_device(x)
+    blobs = {"format 3": blob, "format 2": format2_device_blob(blob)}
+    for b in blobs.values():
+        assert same_bits(x, kvcodec.decompress(b))
+    recs = {k: [] for k in blobs}
+    with StepTrace() as tr:
+        for _ in range(calls):
+            for k, b in blobs.items():
+                tr.calls.clear()
+                first_decode(lambda: tr.call(lambda: kvcodec.decompress(b)))
+                recs[k].append(tr.calls[-1])
+    nbytes = x.numel() * x.element_size()
+    lines = []
+    for k, rs in recs.items():
+        tot = statistics.median(r["total"][1] for r in rs)
+        lines += [f"== {name} ({nbytes / 1e6:.0f} MB) first decode, {k} blob: median {tot * 1e3:.3f} ms = "
+                  f"{nbytes / tot / 1e9:.1f} GB/s (min {min(r['total'][1] for r in rs) * 1e3:.3f} ms), {calls} calls"]
+        lines += step_table(rs)
+    if x.element_size() == 1:  # the encode of fp8 too: its steps and GPU timeline
+        with StepTrace() as tr:
+            for _ in range(calls):
+                tr.call(lambda: compress_device(x))
+        tot = statistics.median(r["total"][1] for r in tr.calls)
+        lines += [f"== {name} encode (compress_device): median {tot * 1e3:.3f} ms = {nbytes / tot / 1e9:.1f} GB/s"]
+        lines += step_table(tr.calls)
+        lines.append(f"== {name} encode: GPU timeline (torch.profiler, one call; host steps annotated)")
+        lines += gpu_timeline(lambda: compress_device(x))
+    for k, b in blobs.items():
+        lines.append(f"== {name} first decode, {k} blob: GPU timeline (torch.profiler, one call; host steps annotated)")
+        lines += gpu_timeline(lambda: first_decode(lambda: kvcodec.decompress(b)))
+    return lines
 
 
 _KV_BLOBS: dict = {}  # name -> (tensor, host blob, prediction): the CPU rows decode the same blobs
@@ -638,6 +816,25 @@ def main(out_dir: str, mb: int, only: set | None = None) -> dict:
     return result
 
 
+def trace_main(out_dir: str, mb: int, names: list[str]) -> None:
+    """--trace: per-step traces of first decodes; ``kv_fp8_e4m3_full`` is the KV sample cast to fp8 at the full
+    ``mb`` MB (the fp8 row of the main table is the bf16 tensor cast: half its bytes)."""
+    import torch
+
+    data = tensors(mb)
+    if "kv_fp8_e4m3_full" in names:
+        half = data["kv_fp8_e4m3"].view(torch.uint8)
+        data["kv_fp8_e4m3_full"] = torch.cat([half, half]).view(torch.float8_e4m3fn)
+    lines = []
+    for name in names:
+        lines += trace_first_decodes(name, data[name])
+    text = "\n".join(lines)
+    log(text)
+    for d in dict.fromkeys(filter(None, (out_dir, os.environ.get("OUT")))):
+        Path(d).mkdir(parents=True, exist_ok=True)
+        (Path(d) / "planes_trace.txt").write_text(text + "\n")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -645,9 +842,15 @@ if __name__ == "__main__":
     ap.add_argument("--only", default=None,
                     help="comma-separated row groups: planes, kvctx, nvcomp, pcie, transfer, copy, cpu, profile (default: all)")
     ap.add_argument("--chunks", default="", help="comma-separated chunk sizes in KiB: extra planes device-blob rows")
+    ap.add_argument("--trace", default="",
+                    help="comma-separated tensor names (kv_fp8_e4m3, kv_bf16, kv_fp8_e4m3_full): per-step trace of first "
+                         "decodes (format 3 vs 2), printed and saved as planes_trace.txt; no other rows")
     ap.add_argument("--host-profile", action="store_true",
                     help="note a cProfile of the planes device-blob first / repeat decode and encode")
     args = ap.parse_args()
     CHUNK_SWEEP[:] = [int(c) for c in args.chunks.split(",") if c]
     HOST_PROFILE = args.host_profile
-    main(args.out, args.mb, set(args.only.split(",")) if args.only else None)
+    if args.trace:
+        trace_main(args.out, args.mb, args.trace.split(","))
+    else:
+        main(args.out, args.mb, set(args.only.split(",")) if args.only else None)
