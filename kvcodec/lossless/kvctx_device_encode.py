@@ -11,7 +11,8 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
 2. ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
    code with the GPU decoder's own model arithmetic and counts the per-class histogram;
 3. ``kvctx_encode.raw_bits``: one warp per chunk writes its raw bits (no table needed: it runs on a side
-   stream, with the checksums, while the host builds the tables and beside the rANS kernel);
+   stream, with the checksums, right after symbolise: beside the first wait, the host's table work and
+   the rANS kernel);
 4. the tables on the host (``tables.fit_tables``, on the thread pool: the CPU's tables for the same counts), the
    ``model`` section as ``format2.code_model`` writes it: its field bytes' parts (``mfields``) coded on
    the device with the payload (:class:`_FieldParts`), a small model on the host;
@@ -42,7 +43,7 @@ from kvcodec.lossless import kvctx_device_fit as kfit
 from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
 from kvcodec.lossless.predictive import codec as pcodec
 from kvcodec.lossless.predictive import format2
-from kvcodec.lossless.predictive.bins import N_CLASSES, bin_grid
+from kvcodec.lossless.predictive.bins import DEPTH_MAX, N_CLASSES, bin_grid
 from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, chunk_layout, code_model
 from kvcodec.lossless.predictive.grid import grid_for, value_table
 from kvcodec.lossless.predictive.params import stored_fields
@@ -243,6 +244,15 @@ class _Side:
         with torch.cuda.stream(self.stream):
             yield
 
+    @contextmanager
+    def then(self):
+        """Launches inside run on the side stream after its own work so far only."""
+        if not self.on:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
+
     def join(self) -> None:
         """The main stream waits for the side stream's work so far."""
         if self.on:
@@ -263,7 +273,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     (default: the GPU's; the tests pass the CPU emulation's). ``overlap(buffers)``: checksums to queue of
     buffers finished by then (0-d int64 device tensors by name, all queued so far); called on a side stream
     before the first wait (the tensor's, ``lo16``, ``"prediction"``: its bytes, read back at the second wait)
-    and after the raw bits' launch (``bits``); ``steps``: a dict that receives the host time of each step
+    and after the payload launch (``bits``); ``steps``: a dict that receives the host time of each step
     (:class:`_Clock`).
 
     The host waits for the device twice: once for the fitted fields' statistics, the histograms and the
@@ -331,19 +341,21 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
         crcs = overlap(pending) if overlap is not None else {}
         pred_crc = [crcs["prediction"] if "prediction" in crcs else gcrc.crc32_many([pending["prediction"]])[0]
                     ] if source == "external" else []
-    clock.mark("symbolise, field planes, checksums (launches)")
+    # 3. the raw bits on the side stream right after symbolise, beside the first wait, the host's table work
+    # and the rANS kernel; into room for the most raw bits a value can have (bins: a raw code is at most the
+    # pattern or mb + DEPTH_MAX bits): their total is known on the host only after the wait
+    most = max(grid_constants(bdtype)[0], grid_constants(bdtype)[2] + DEPTH_MAX)
+    with side.after():
+        words = (chunk_bits + 31) >> 5
+        n_bad = torch.zeros(1, dtype=torch.int64, device=dev)
+        bits = ke.raw_bits(raw, chunks_d, chunk_bits, torch.cumsum(words, 0) - words, n_bad,
+                           -(-n_values * most // 32) + n_chunks, runner)
+    clock.mark("symbolise, field planes, checksums, raw bits (launches)")
     won = [] if shared_won is None else [shared_won.view(1)]
     stats, phist, counts, cbits, *won = _read_back([stats, phist, hist.sum(dim=0), chunk_bits, *won])
     clock.mark("wait: fit + symbolise (sync 1)")
-
-    # 3. the raw bits (and their checksum) on the side stream, beside the host's table work and the rANS kernel
     bit_words = (cbits + 31) // 32
-    starts_d, n_bad = upload([np.concatenate([[0], np.cumsum(bit_words)]), np.zeros(1, np.int64)], dev)
-    with side.after():
-        bits = ke.raw_bits(raw, chunks_d, chunk_bits, starts_d, n_bad, int(bit_words.sum()), runner)
-        if overlap is not None:
-            overlap({"bits": bits})
-    clock.mark("raw bits (launch)")
+    bits = bits[:int(bit_words.sum())]
     shared = bool(won[0][0]) if won else choices == (True,)
 
     # 4. tables (the classes' and the model's field parts'), the parts
@@ -363,6 +375,9 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
 
     # 5. the chunks' streams (and the model's parts); the host writes the model meanwhile
     scratch, lens = ke.encode_chunks(keys, chunks_d, parts_d, ftab_d, rcp_d, cap, runner)
+    if overlap is not None:
+        with side.then():  # after the raw bits
+            overlap({"bits": bits})
     side.join()  # what follows on the main stream (and the freeing of raw, keys) after the raw bits
     del keys, raw
     clock.mark("payload (launch)")
