@@ -7,12 +7,14 @@
 // before its start masked to zero, grouped right-aligned into blocks of CRC_BLOCK bytes.
 //
 // crc_blocks: one warp per block; lane k takes pieces k, k + 32, ... (coalesced 512-byte rows):
-// acc = S_512(acc) ^ R(0, piece) (both tables in shared memory), then a butterfly combines lanes (S_16g
-// between halves of g lanes).
+// R(0, piece) one 4-byte word at a time (c = S_4(c ^ w)), acc = S_512(acc) ^ R(0, piece), then a butterfly
+// combines lanes (S_16g between halves of g lanes). S_4 and S_512 go by the register's 5-bit slices through
+// 32-entry tables held one entry per lane and read with shuffles (crc32.lane_tables): no shared-memory
+// bank conflicts (byte tables in shared memory: random banks) and no address arithmetic.
 // crc_finish: one thread block per buffer combines its blocks the same way (Horner over a run of
 // blocks per thread, then a shared-memory butterfly), adds the < 16 tail bytes and the inversion.
-// Tables: slicing-by-4 CRC tables T[4][256]; shift tables SH[i][4][256] of S_{2^i} on each byte of
-// the register (S(c) = SH[0][c & 255] ^ SH[1][(c >> 8) & 255] ^ ...).
+// Tables: the byte-at-a-time CRC table T[0][256] (of slicing-by-4 T[4][256]); shift tables SH[i][4][256] of
+// S_{2^i} on each byte of the register (S(c) = SH[0][c & 255] ^ SH[1][(c >> 8) & 255] ^ ...).
 
 typedef unsigned int cr_u32;
 typedef unsigned char cr_u8;
@@ -21,6 +23,7 @@ typedef unsigned char cr_u8;
 #define CRC_BLOCK (512 * CRC_ITERS)
 #define CRC_BLOCK_LOG2 14
 #define CRC_FINISH_THREADS 256
+#define CRC_SLICES 7  // 5-bit slices of a register (the last one 2 bits)
 
 __device__ __forceinline__ cr_u32 cr_shift(const cr_u32* __restrict__ sh, int log2n, cr_u32 c) {
   const cr_u32* t = sh + 1024 * log2n;
@@ -28,31 +31,41 @@ __device__ __forceinline__ cr_u32 cr_shift(const cr_u32* __restrict__ sh, int lo
          __ldg(t + 768 + (c >> 24));
 }
 
+// A linear map of the register as the XOR of its 5-bit slices' images: lane v of tab[j] holds the image of
+// v << 5j (crc32.lane_tables), the warp's shuffles read them (every lane takes part). A shuffle's source
+// lane is the index's low 5 bits (PTX shfl.sync: b[4:0]), so the slice needs no mask.
+__device__ __forceinline__ cr_u32 cr_lane_map(const cr_u32 (&tab)[CRC_SLICES], cr_u32 c) {
+  cr_u32 r = 0u;
+#pragma unroll
+  for (int j = 0; j < CRC_SLICES; ++j) r ^= __shfl_sync(0xffffffffu, tab[j], (int)(c >> (5 * j)));
+  return r;
+}
+
 // bufdesc [NBUF, 4] int64: address of the first byte, length, address where block 0 starts (16-byte
 // aligned, may lie before the buffer: those bytes count as zero), blocks. block_buf [TB] int32:
 // buffer of each global block; block_first [NBUF] int64 is bufdesc-derived on the host: first
-// global block of each buffer. out [TB] u32: R(0, block).
+// global block of each buffer. lanes: crc32.lane_tables (S_4, then S_512). out [TB] u32: R(0, block).
 __global__ void __launch_bounds__(256) crc_blocks(const long long* __restrict__ bufdesc,
                                                   const int* __restrict__ block_buf,
                                                   const long long* __restrict__ block_first, long long total_blocks,
-                                                  const cr_u32* __restrict__ tab, const cr_u32* __restrict__ sh,
+                                                  const cr_u32* __restrict__ lanes, const cr_u32* __restrict__ sh,
                                                   cr_u32* __restrict__ out) {
-  __shared__ cr_u32 t[4][256];
-  __shared__ cr_u32 s512[4][256];  // S_512 (shift table 9): in shared memory, not 4 scattered L1 loads a piece
-  for (int j = threadIdx.x; j < 1024; j += blockDim.x) {
-    t[j >> 8][j & 255] = tab[j];
-    s512[j >> 8][j & 255] = sh[1024 * 9 + j];
-  }
-  __syncthreads();
   const int lane = threadIdx.x & 31;
   const long long gb = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (gb >= total_blocks) return;  // warp-uniform
+  cr_u32 s4[CRC_SLICES], s512[CRC_SLICES];
+#pragma unroll
+  for (int j = 0; j < CRC_SLICES; ++j) {
+    s4[j] = __ldg(lanes + 32 * j + lane);
+    s512[j] = __ldg(lanes + 32 * (CRC_SLICES + j) + lane);
+  }
   const int q = block_buf[gb];
   const long long* bd = bufdesc + 4 * q;
   const long long p = bd[0], len = bd[1], vs = bd[2];
   const long long end = (p + len) & ~15ll;
   const long long start = vs + (gb - block_first[q]) * (long long)CRC_BLOCK;
   cr_u32 acc = 0u;
+#pragma unroll 2  // two pieces' loads in flight
   for (int i = 0; i < CRC_ITERS; ++i) {
     const long long a = start + 16ll * (lane + 32 * i);
     cr_u32 w[4] = {0u, 0u, 0u, 0u};
@@ -73,12 +86,8 @@ __global__ void __launch_bounds__(256) crc_blocks(const long long* __restrict__ 
     }
     cr_u32 c = 0u;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      c ^= w[k];
-      c = t[3][c & 255u] ^ t[2][(c >> 8) & 255u] ^ t[1][(c >> 16) & 255u] ^ t[0][c >> 24];
-    }
-    // S_512: the lane's previous piece is 512 bytes earlier
-    acc = s512[0][acc & 255u] ^ s512[1][(acc >> 8) & 255u] ^ s512[2][(acc >> 16) & 255u] ^ s512[3][acc >> 24] ^ c;
+    for (int k = 0; k < 4; ++k) c = cr_lane_map(s4, c ^ w[k]);
+    acc = cr_lane_map(s512, acc) ^ c;  // S_512: the lane's previous piece is 512 bytes earlier
   }
 #pragma unroll
   for (int g = 1; g < 32; g <<= 1) {

@@ -6,7 +6,8 @@ after the bytes ``M`` from register ``c`` (no inversions), ``R(c, M) = S_|M|(c) 
 ``S_n`` (feeding n zero bytes) is a linear map of the 32 register bits, and
 ``R(0, A || B) = S_|B|(R(0, A)) ^ R(0, B)``; zlib's ``crc32(M) = ~(S_|M|(0xFFFFFFFF) ^ R(0, M))``.
 Pieces are CRC'd independently and combined with the ``S`` maps of powers of two (tables of 4 x 256
-words each, made here once). :func:`reference` runs the kernel's exact piece / lane / block
+words each, made here once; the per-piece maps S_4 and S_512 by 5-bit slices, one table entry per lane:
+:func:`lane_tables`). :func:`reference` runs the kernel's exact piece / lane / block
 structure in numpy, so the tests check the decomposition against ``zlib`` without a GPU.
 
     crcs = crc32_many([t1, t2, ...])      # CUDA uint8 tensors -> int64 CUDA tensor of crc32 values
@@ -74,6 +75,28 @@ def _shift(log2n: int, c):
     return t[0][c & 255] ^ t[1][(c >> 8) & 255] ^ t[2][(c >> 16) & 255] ^ t[3][c >> 24]
 
 
+SLICES = 7  # CRC_SLICES: 5-bit slices of a register
+
+
+@lru_cache(maxsize=1)
+def lane_tables() -> np.ndarray:
+    """uint32 [2, SLICES, 32]: crc_blocks' S_4 and S_512 by 5-bit slices, [m, j, v] = S(v << 5j) (the
+    top slice has 2 bits; its entries past 3 are never read), one entry per lane of a warp."""
+    v = np.arange(32, dtype=np.uint64)
+    slices = np.stack([((v << np.uint64(5 * j)) & np.uint64(0xFFFFFFFF)).astype(np.uint32) for j in range(SLICES)])
+    return np.stack([_shift(2, slices), _shift(9, slices)]).astype(np.uint32)
+
+
+def lane_map(tab: np.ndarray, c):
+    """The map of one ``lane_tables`` row applied to the register ``c`` (uint32 array), as crc_blocks'
+    shuffles do."""
+    c = np.asarray(c, np.uint32)
+    out = np.zeros_like(c)
+    for j in range(SLICES):
+        out ^= tab[j][(c >> np.uint32(5 * j)) & np.uint32(31)]
+    return out
+
+
 def shift_by(n: int, c):
     """S_n(c): the register ``c`` (uint32, or an array of them) after n zero bytes."""
     c = np.asarray(c, np.uint32)
@@ -100,6 +123,7 @@ def reference(data: bytes, ptr: int = 0) -> int:
     n = buf.size
     vs, nb = block_layout(ptr, n)
     t = slice_tables()
+    lanes = lane_tables()
     end = (ptr + n) & ~15
     blocks = []
     for j in range(nb):
@@ -115,9 +139,8 @@ def reference(data: bytes, ptr: int = 0) -> int:
             w = piece.view("<u4").astype(np.uint32)  # [32, 4]
             c = np.zeros(32, np.uint32)
             for k in range(4):
-                c ^= w[:, k]
-                c = t[3][c & 255] ^ t[2][(c >> 8) & 255] ^ t[1][(c >> 16) & 255] ^ t[0][c >> 24]
-            acc = _shift(9, acc) ^ c
+                c = lane_map(lanes[0], c ^ w[:, k])  # S_4(c ^ w): the word through the register
+            acc = lane_map(lanes[1], acc) ^ c
         g = 1
         while g < 32:
             other = np.roll(acc, -g)
@@ -151,11 +174,12 @@ def reference(data: bytes, ptr: int = 0) -> int:
 _tables_on: dict = {}
 
 
-def _device_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _device_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slice_tables, shift_tables, lane_tables) as int32 tensors on ``device``, made once."""
     hit = _tables_on.get(device)
     if hit is None:
-        hit = _tables_on[device] = (torch.from_numpy(slice_tables().view(np.int32).copy()).to(device),
-                                    torch.from_numpy(shift_tables().reshape(-1).view(np.int32).copy()).to(device))
+        hit = _tables_on[device] = tuple(torch.from_numpy(a.reshape(-1).view(np.int32).copy()).to(device)
+                                         for a in (slice_tables(), shift_tables(), lane_tables()))
     return hit
 
 
@@ -212,7 +236,7 @@ def _launch(buffers: list[torch.Tensor], check: np.ndarray | None = None, n_flag
     if check is not None:
         arrays += [check, np.zeros(max(n_flags, 1), np.int32)]
     desc_d, first_d, bb, *checks = upload(arrays, device)
-    tab, sh = _device_tables(device)
+    tab, sh, lanes = _device_tables(device)
     rblk = torch.empty(max(total, 1), dtype=torch.int32, device=device)
     out = torch.empty(len(buffers), dtype=torch.int32, device=device)
     check_d, flags = checks if checks else (None, None)
@@ -220,7 +244,7 @@ def _launch(buffers: list[torch.Tensor], check: np.ndarray | None = None, n_flag
         if total:
             build.get_function(SOURCE, "crc_blocks")(
                 (-(-total // WARPS),), (32 * WARPS,),
-                (desc_d.data_ptr(), bb.data_ptr(), first_d.data_ptr(), np.int64(total), tab.data_ptr(),
+                (desc_d.data_ptr(), bb.data_ptr(), first_d.data_ptr(), np.int64(total), lanes.data_ptr(),
                  sh.data_ptr(), rblk.data_ptr()))
         build.get_function(SOURCE, "crc_finish")(
             (len(buffers),), (FINISH_THREADS,),

@@ -330,11 +330,11 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
       }
     }
     if (nt > 0) prefetch(t0, 0, (lane - (ALIGNED ? 0 : (int)(i & 31))) & 31);
-    for (long long t = t0; t < t0 + nt; ++t) {
+    char* orow = reinterpret_cast<char*>(out) + (g * T + t0) * D * OUT;  // the token's output row
+    for (long long t = t0; t < t0 + nt; ++t, orow += (long long)D * OUT) {
       const int s = ALIGNED ? 0 : (int)(i & 31);
       const int k = (lane - s) & 31;  // this thread's place in a round
       const kx_u32 before = (1u << k) - 1u;
-      const long long orow = (g * T + t) * D;
       for (int r0 = 0; r0 < D; r0 += 32 * NR) {
         float pf[NR];
         kx_u16 lo[NR];
@@ -484,13 +484,12 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           bad |= over;
           const int pat = esc ? (int)field : (over ? 0 : mag | (gr.sign & neg[r]));
           const int d = r0 + 32 * r + k;
-          const long long oi = orow + d;
           if (OUT == 1) {
-            reinterpret_cast<kx_u8*>(out)[oi] = (kx_u8)pat;
+            reinterpret_cast<kx_u8*>(orow)[d] = (kx_u8)pat;
           } else if (OUT == 2) {
-            reinterpret_cast<kx_u16*>(out)[oi] = (kx_u16)pat;
+            reinterpret_cast<kx_u16*>(orow)[d] = (kx_u16)pat;
           } else {
-            reinterpret_cast<kx_u32*>(out)[oi] = ((kx_u32)pat << 16) | (kx_u32)lo[r];
+            reinterpret_cast<kx_u32*>(orow)[d] = ((kx_u32)pat << 16) | (kx_u32)lo[r];
           }
           const double v = BF16 ? (double)__int_as_float(pat << 16) : kx_value(pat, gr);
           const double dv = esc ? 0.0 : __dsub_rn(v, base[r]);  // ESC: no residual
