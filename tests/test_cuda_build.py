@@ -4,7 +4,6 @@ torch reference / index bookkeeping the kernels rely on is right (no GPU needed)
 from __future__ import annotations
 
 import math
-import shutil
 
 import numpy as np
 import pytest
@@ -36,18 +35,23 @@ PACK_CONFIGS = [(d, b, (2, 1, 0)[i % 3], i % 4 == 1, r, nc) for i, (d, b, r, nc)
     (128, 6, 2, True, 1, False), (256, 7, 1, False, 2, True)]
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
-def test_kernels_compile_with_nvcc(arch, tmp_path):
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed: CUDA compile check skipped")
+ARCHS = ("sm_90", "sm_100")  # every build below is checked for Hopper and for Blackwell
+
+
+def spill_lines(stderr: str) -> list[str]:
+    """ptxas -v lines that report a spill (every kernel's line says "0 bytes spill stores" when none)."""
+    return [line for line in stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
+
+
+def test_kernels_compile_with_nvcc(nvcc_each_arch, tmp_path):
     for source, decls in (
         (decode_kernels.SOURCE, decode_kernels.instance_declarations(SPLIT_CONFIGS)),
         (pack.SOURCE, pack.instance_declarations(PACK_CONFIGS)),
     ):
-        proc = build.nvcc_compile(source, decls, arch, tmp_path, extra=("-Xptxas", "-warn-spills"))
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        assert "spill" not in proc.stderr.lower() or "0 bytes spill" in proc.stderr, proc.stderr[-2000:]
-        assert (tmp_path / f"{source.split('.')[0]}_{arch}.cubin").stat().st_size > 1000
+        for arch, proc in nvcc_each_arch(source, decls, ARCHS, tmp_path, extra=("-Xptxas", "-warn-spills")).items():
+            assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
+            assert "spill" not in proc.stderr.lower() or "0 bytes spill" in proc.stderr, f"{arch}: {proc.stderr[-2000:]}"
+            assert (tmp_path / f"{source.split('.')[0]}_{arch}.cubin").stat().st_size > 1000
 
 
 # Tuning variants (benchmarks/gpu_kernels.py VARIANTS / ADDONS / CHECK_MODES): every macro set a GPU
@@ -74,18 +78,15 @@ VARIANT_DEFINES = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
 @pytest.mark.parametrize("defines", VARIANT_DEFINES, ids=lambda d: "+".join(x.replace("TQ_", "") for x in d))
-def test_tuning_variants_compile_without_spills(arch, defines, tmp_path):
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed: CUDA compile check skipped")
+def test_tuning_variants_compile_without_spills(defines, nvcc_each_arch, tmp_path):
     # the one-launch kernel shares the split kernel's code: its two d128 4/4 instances cover the macros
     decls = decode_kernels.instance_declarations(VARIANT_CONFIGS, fused_configs=VARIANT_CONFIGS[:2])
-    proc = build.nvcc_compile(decode_kernels.SOURCE, decls, arch, tmp_path,
-                              extra=tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    spills = [line for line in proc.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
-    assert not spills, "\n".join(spills)
+    procs = nvcc_each_arch(decode_kernels.SOURCE, decls, ARCHS, tmp_path,
+                           extra=tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
+    for arch, proc in procs.items():
+        assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
+        assert not spill_lines(proc.stderr), f"{arch}: " + "\n".join(spill_lines(proc.stderr))
     assert "prmt.b32" in build.source_text(decode_kernels.SOURCE)
 
 
@@ -119,18 +120,15 @@ BULK_DEFINES = [("TQ_FUSED_BULK=1",), ("TQ_FUSED_BULK=1", "TQ_FUSED_BULK_BLOCKS=
                 ("TQ_FUSED_BULK=1", "TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4")]
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100"])
 @pytest.mark.parametrize("defines", BULK_DEFINES, ids=["3 blocks", "4 blocks", "prefetch", "prefetch 4 stages", "2 chains"])
-def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tmp_path):
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed: CUDA compile check skipped")
+def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(defines, nvcc_each_arch, tmp_path):
     decls = [f"__global__ void {decode_kernels.fused_name(d, 4, 4, False, False, True)}{decode_kernels.FUSED_SIGNATURE}"
              for d in (128, 64)]
-    proc = build.nvcc_compile(decode_kernels.SOURCE, decls, arch, tmp_path,
-                              extra=tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    spills = [line for line in proc.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
-    assert not spills, "\n".join(spills)
+    procs = nvcc_each_arch(decode_kernels.SOURCE, decls, ("sm_90a", "sm_100"), tmp_path,
+                           extra=tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
+    for arch, proc in procs.items():
+        assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
+        assert not spill_lines(proc.stderr), f"{arch}: " + "\n".join(spill_lines(proc.stderr))
     assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_command("w.cu", "sm_90a", "o.cubin")
 
 
@@ -138,35 +136,29 @@ def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(arch, defines, tm
 SESSION6_TAIL = ("TQ_FUSED_MERGE_PAD=0", "TQ_FUSED_SIGNAL=0")
 
 
-@pytest.mark.parametrize("arch,defines", [("sm_90", ("TQ_LANE_LUT=3",)), ("sm_100", ("TQ_LANE_LUT=3",)),
-                                          ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2")),
-                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2")),
-                                          ("sm_90", ("TQ_LANE_LUT=2",)),
-                                          ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1") + SESSION6_TAIL),
-                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1") + SESSION6_TAIL),
-                                          ("sm_90", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2",
-                                                     "TQ_ASM_LANEID=1")),
-                                          ("sm_100", ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2",
-                                                      "TQ_ASM_LANEID=1"))])
-def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(arch, defines, tmp_path):
+@pytest.mark.parametrize("defines,archs", [(("TQ_LANE_LUT=3",), ARCHS),
+                                           (("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2"), ARCHS),
+                                           (("TQ_LANE_LUT=2",), ("sm_90",)),
+                                           (("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1") + SESSION6_TAIL, ARCHS),
+                                           (("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2",
+                                             "TQ_ASM_LANEID=1"), ARCHS)])
+def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(defines, archs, nvcc_each_arch, tmp_path):
     """The one-launch kernel with lane-private pair tables (TQ_LANE_LUT): the d128 narrow 4/4-bit
     instances build without spills and their static shared memory plus the tables' 64 KB (plus the 1 KB
     the runtime reserves per block) fits 3 blocks in an SM's 228 KB, the blocks their registers allow."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not installed: CUDA compile check skipped")
-    decls = [f"__global__ void {decode_kernels.fused_name(128, 4, 4, False, vbf, True)}{decode_kernels.FUSED_SIGNATURE}"
-             for vbf in (False, True)]
-    proc = build.nvcc_compile(decode_kernels.SOURCE, decls, arch, tmp_path,
-                              extra=tuple(f"-D{d}" for d in defines) + ("-DTQ_REG_LUT_SYM=1", "-Xptxas", "-v,-warn-spills"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    spills = [line for line in proc.stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
-    assert not spills, "\n".join(spills)
     import re
 
-    usage = re.findall(r"Used (\d+) registers, used \d+ barriers, (\d+) bytes smem", proc.stderr)
-    assert len(usage) == 2
-    for regs, smem in usage:
-        assert int(regs) <= 168 and 3 * (int(smem) + decode_kernels.LANE_LUT_BYTES + 1024) <= 228 * 1024
+    decls = [f"__global__ void {decode_kernels.fused_name(128, 4, 4, False, vbf, True)}{decode_kernels.FUSED_SIGNATURE}"
+             for vbf in (False, True)]
+    procs = nvcc_each_arch(decode_kernels.SOURCE, decls, archs, tmp_path,
+                           extra=tuple(f"-D{d}" for d in defines) + ("-DTQ_REG_LUT_SYM=1", "-Xptxas", "-v,-warn-spills"))
+    for arch, proc in procs.items():
+        assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
+        assert not spill_lines(proc.stderr), f"{arch}: " + "\n".join(spill_lines(proc.stderr))
+        usage = re.findall(r"Used (\d+) registers, used \d+ barriers, (\d+) bytes smem", proc.stderr)
+        assert len(usage) == 2, f"{arch}: {proc.stderr[-2000:]}"
+        for regs, smem in usage:
+            assert int(regs) <= 168 and 3 * (int(smem) + decode_kernels.LANE_LUT_BYTES + 1024) <= 228 * 1024, arch
 
 
 def test_bulk_variants_of_the_benchmark_are_compiled_here():
