@@ -146,6 +146,7 @@ VARIANTS = {  # kvctx_encode.cu builds to compare (macros): how far ahead each k
     "ke_symbolise": [(), ("KE_SYM_AHEAD=2",), ("KE_SYM_AHEAD=4",)],
     "ke_encode": [(), ("KE_RANS_AHEAD=4",), ("KE_RANS_AHEAD=16",)],
     "ke_bits": [(), ("KE_BITS_AHEAD=8",)],
+    "ke_fit_residuals": [(), ("KE_RES_AHEAD=2",), ("KE_RES_AHEAD=4",)],
 }
 
 

@@ -70,28 +70,32 @@ __device__ __forceinline__ KeColumn ke_column(long long G, long long T, int D, l
   return k;
 }
 
-// KE_AHEAD consecutive tokens of one column loaded before the first is used: its bit patterns, values
-// (val: float64 per pattern, NaN where not finite) and predictions, each load independent of the sums. Why:
-// the moments pass is a chain of dependent loads (pattern, then its value); one token a step left each
-// thread waiting a full memory latency per token (H200, session 8: 0.51 -> 0.37 ms on a 256 MB tensor).
-// Tokens at or past t1 read pattern 0's value and are skipped by the caller.
-#define KE_AHEAD 4
-template <int W>
+// A consecutive tokens of one column loaded before the first is used: its bit patterns, values (val: float64
+// per pattern, NaN where not finite) and predictions, each load independent of the sums. Why: the per-column
+// passes are chains of dependent loads (pattern, then its value); one token a step leaves each thread
+// waiting a full memory latency per token (H200, session 8: moments 0.51 -> 0.37 ms on a 256 MB tensor at
+// A = 4; the residual pass ran slower at 4: 78 registers, 3 blocks an SM). Tokens at or past t1 read
+// pattern 0's value and are skipped by the caller.
+#define KE_MOMENTS_AHEAD 4
+#ifndef KE_RES_AHEAD
+#define KE_RES_AHEAD 1
+#endif
+template <int W, int A>
 struct KeTokens {
-  int pat[KE_AHEAD];
-  double x[KE_AHEAD], p[KE_AHEAD];
+  int pat[A];
+  double x[A], p[A];
 
   __device__ __forceinline__ void load(const void* __restrict__ pats, const float* __restrict__ pred,
                                        const double* __restrict__ val, long long at, int D, long long t0,
                                        long long t1) {
 #pragma unroll
-    for (int j = 0; j < KE_AHEAD; ++j) {
+    for (int j = 0; j < A; ++j) {
       const bool in = t0 + j < t1;
       pat[j] = in ? ke_pat<W>(pats, at + (t0 + j) * D) : 0;
       p[j] = in ? ke_pred(pred, at + (t0 + j) * D) : 0.0;
     }
 #pragma unroll
-    for (int j = 0; j < KE_AHEAD; ++j) x[j] = __ldg(val + pat[j]);
+    for (int j = 0; j < A; ++j) x[j] = __ldg(val + pat[j]);
   }
 };
 
@@ -106,14 +110,14 @@ __global__ void __launch_bounds__(256)
   if (!k.valid) return;
   double n = 0.0, sx = 0.0, sp = 0.0, sxp = 0.0, spp = 0.0, nw = 0.0, slw = 0.0;
   const long long at = k.g * T * D + k.d;  // value (g, t, d) is at + t D
-  for (long long t0 = k.t0; t0 < k.t1; t0 += KE_AHEAD) {
-    KeTokens<W> tok;
+  for (long long t0 = k.t0; t0 < k.t1; t0 += KE_MOMENTS_AHEAD) {
+    KeTokens<W, KE_MOMENTS_AHEAD> tok;
     tok.load(pats, pred, val, at, D, t0, k.t1);
-    double l[KE_AHEAD];
+    double l[KE_MOMENTS_AHEAD];
 #pragma unroll
-    for (int j = 0; j < KE_AHEAD; ++j) l[j] = __ldg(lw + tok.pat[j]);
+    for (int j = 0; j < KE_MOMENTS_AHEAD; ++j) l[j] = __ldg(lw + tok.pat[j]);
 #pragma unroll
-    for (int j = 0; j < KE_AHEAD; ++j) {  // the tokens in order: the same sums as one token a step
+    for (int j = 0; j < KE_MOMENTS_AHEAD; ++j) {  // the tokens in order: the same sums as one token a step
       if (t0 + j >= k.t1) break;
       if (l[j] == l[j]) {
         nw += 1.0;
@@ -192,11 +196,15 @@ __global__ void __launch_bounds__(256)
   const KeLocation loc[2] = {{m0, c0, a0, shared0}, {m1, c1, a1, shared1}};
   KeResidual r[SETS];
   for (int j = 0; j < SETS; ++j) r[j].start(loc[j], k.g, D, k.d);
-  for (long long t = k.t0; t < k.t1; ++t) {  // one token a step: loads ahead (KeTokens) ran slower here (78
-    const long long i = (k.g * T + t) * D + k.d;  // registers: 3 blocks an SM; session 8 on the H200)
-    const double x = __ldg(val + ke_pat<W>(pats, i));
-    const double p = ke_pred(pred, i);
-    for (int j = 0; j < SETS; ++j) r[j].add(x, p);
+  const long long at = k.g * T * D + k.d;
+  for (long long t0 = k.t0; t0 < k.t1; t0 += KE_RES_AHEAD) {
+    KeTokens<W, KE_RES_AHEAD> tok;
+    tok.load(pats, pred, val, at, D, t0, k.t1);
+#pragma unroll
+    for (int j = 0; j < KE_RES_AHEAD; ++j) {  // the tokens in order
+      if (t0 + j >= k.t1) break;
+      for (int q = 0; q < SETS; ++q) r[q].add(tok.x[j], tok.p[j]);
+    }
   }
   for (int j = 0; j < SETS; ++j) r[j].store(out + (3 * SETS) * k.col + 3 * j);
 }
