@@ -106,7 +106,7 @@ def rows_for(name, label, t, pred, opts, full: bool | None = True) -> tuple[list
 
     kde.encode = counting
     try:
-        enc_s, dblob = timed(lambda: api.compress_device(t, prediction=pred, **opts), reps=5 if full is not None else 11)
+        enc_s, dblob = timed(lambda: api.compress_device(t, prediction=pred, **opts), reps=11)
         host_s, hblob = timed(lambda: kvcodec.compress(t, prediction=pred, **opts), reps=3)
     finally:
         kde.encode = real
@@ -216,7 +216,7 @@ def main(out_dir: str, mb: int, quick: bool = False) -> dict:
             torch.cuda.empty_cache()
     result = {"suite": "gpu_kvctx_encode", "rows": rows, "machine": rec, "notes": [
         f"GPU {rec.get('gpu')}; tensors of {mb} MB (fp8: half, predictive: half) on the device; wall clock per call "
-        "with torch.cuda.synchronize(), median of 5 (host bytes: 3) after a warm-up; CPU encode/decode: one call; "
+        "with torch.cuda.synchronize(), median of 11 (host bytes: 3) after a warm-up; CPU encode/decode: one call; "
         "'long rows': the same tiled sample as [-1, 2048, 64] (8 consecutive 256-token rows concatenated: 8x fewer "
         "channels), GPU encode + GPU decode and the host profile only",
         "GPU encode: kvcodec/cuda/kvctx_encode.cu (fit sums per column, symbolise + histogram, one warp per chunk "
