@@ -10,13 +10,12 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
    ``kvctx_device_fit``; shared or per-(g, d) parameters chosen by the CPU encoder's estimate);
 2. ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
    code with the GPU decoder's own model arithmetic and counts the per-class histogram;
-3. the ``model`` section as ``format2.code_model`` writes it: the stored fields' bytes are read back on a
-   side stream while symbolise runs; their parts (``mfields``) are coded on the device with the payload
-   (:class:`_FieldParts`), a small model on the host;
-4. ``kvctx_encode.raw_bits``: one warp per chunk writes its raw bits (no table needed: it runs on the side
-   stream, with the checksums, right after symbolise: beside the wait for the histogram, the host's table
-   work and the rANS kernel); the class tables on the host (``tables.fit_tables``: the CPU's tables for the
-   same counts);
+3. ``kvctx_encode.raw_bits``: one warp per chunk writes its raw bits (no table needed: it runs on a side
+   stream, with the checksums, right after symbolise: beside the first wait, the host's table work and
+   the rANS kernel);
+4. the tables on the host (``tables.fit_tables``: the CPU's tables for the same counts), the ``model``
+   section as ``format2.code_model`` writes it: its field bytes' parts (``mfields``) coded on the device
+   with the payload (:class:`_FieldParts`), a small model on the host;
 5. ``kvctx_encode.encode_chunks``: one warp per chunk writes its 32-lane rANS stream; the streams are
    packed into the ``payload`` section (``planes_codec.gather``).
 
@@ -231,15 +230,6 @@ class _Side:
         """An event after the main stream's work so far (None off a GPU)."""
         return self.main.record_event() if self.on else None
 
-    def mark_side(self):
-        """An event after the side stream's work so far (None off a GPU)."""
-        return self.stream.record_event() if self.on else None
-
-    def main_waits(self, event) -> None:
-        """The main stream's later work waits for ``event`` (:meth:`mark_side`)."""
-        if self.on:
-            self.main.wait_event(event)
-
     @contextmanager
     def after(self, event=None):
         """Launches inside run on the side stream after ``event`` (:meth:`mark`; None: after the main
@@ -286,10 +276,10 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     and after the payload launch (``bits``); ``steps``: a dict that receives the host time of each step
     (:class:`_Clock`).
 
-    The host waits for the device three times: for the fitted fields' statistics and byte histograms (on
-    the side stream, while symbolise runs), for the symbol histogram and the chunks' raw-bit totals, and for
-    the stream lengths of the chunks and the model's field parts (both coded by the payload kernel) and the
-    raw-bit check."""
+    The host waits for the device twice: once for the fitted fields' statistics, the histograms and the
+    chunks' raw-bit totals (one read-back), once for the stream lengths of the chunks and the model's field
+    parts (both coded by the payload kernel) and the raw-bit check. (Reading the fields back on the side
+    stream while symbolise ran cost more than it saved: its kernels queued behind symbolise's blocks.)"""
     from kvcodec.cuda import crc32 as gcrc
     from kvcodec.cuda import kvctx_encode as ke
 
@@ -340,37 +330,19 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     spare = n_plane_bytes if n_plane_bytes > format2.MODEL_PART_BYTES else 0
     desc, cap = _chunk_descriptors(layout, tt, d)
     chunks_d = upload([desc], dev)[0].view(-1, 4)
-    fit_done = side.mark()
     keys, raw, hist, chunk_bits = ke.symbolise(pats, pred, margs, choices == (True,), _escape_table(bdtype, dev),
                                                grid_constants(bdtype), (g, tt, d), tb, gb, unit, n_chunks, N_KEYS,
                                                spare, runner)
-    clock.mark("symbolise (launch)")
-
-    # 3. the model's field bytes on the side stream, read back while symbolise runs; the model parts' table
-    with side.after(fit_done):
-        planes, stats = kfit.field_planes(values, source)
-        won = [] if shared_won is None else [shared_won.view(1)]
-        stats, phist, *won = _read_back([stats, kfit.plane_histograms(planes, d, runner), *won])
-        shared = bool(won[0][0]) if won else choices == (True,)
-        fields_head, fields, widths = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
-        in_parts = fields.numel() > format2.MODEL_PART_BYTES
-        fields_h = None if in_parts else fields.cpu().numpy()
-        fields_done = side.mark_side()
-        pending = {k: sections[k] for k in ("lo16",) if k in sections}
-        if source == "external":  # read back with the stream lengths (the second wait)
-            pending["prediction"] = pred.reshape(-1).view(torch.uint8)
-        crcs = overlap(pending) if overlap is not None else {}  # beside symbolise
+    planes, stats = kfit.field_planes(values, source)  # after the symbolise launch: off its critical path
+    phist = kfit.plane_histograms(planes, d, runner)
+    pending = {k: sections[k] for k in ("lo16",) if k in sections}
+    if source == "external":  # read back with the stream lengths (the second wait)
+        pending["prediction"] = pred.reshape(-1).view(torch.uint8)
+    with side.after(inputs_ready):  # the checksums beside the fit and symbolise kernels
+        crcs = overlap(pending) if overlap is not None else {}
         pred_crc = [crcs["prediction"] if "prediction" in crcs else gcrc.crc32_many([pending["prediction"]])[0]
                     ] if source == "external" else []
-    clock.mark("wait: fit (the model's fields), checksums (launches)")
-    parts = None
-    if in_parts:  # the model's field parts: one more table (MODEL_CLASS), their bytes after the tensor's keys
-        part_freq = fit_tables(kfit.field_counts(phist[0 if shared else 1], widths)[None])[0]
-        side.main_waits(fields_done)
-        parts = _FieldParts(fields, part_freq, keys, n_values)
-    clock.mark("model parts (launches)")
-
-    # 4. the raw bits on the side stream right after symbolise, beside the first wait, the host's table work
+    # 3. the raw bits on the side stream right after symbolise, beside the first wait, the host's table work
     # and the rANS kernel; into room for the most raw bits a value can have (bins: a raw code is at most the
     # pattern or mb + DEPTH_MAX bits): their total is known on the host only after the wait
     most = max(grid_constants(bdtype)[0], grid_constants(bdtype)[2] + DEPTH_MAX)
@@ -379,15 +351,24 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
         n_bad = torch.zeros(1, dtype=torch.int64, device=dev)
         bits = ke.raw_bits(raw, chunks_d, chunk_bits, torch.cumsum(words, 0) - words, n_bad,
                            -(-n_values * most // 32) + n_chunks, runner)
-    clock.mark("raw bits (launch)")
-    counts, cbits = _read_back([hist.sum(dim=0), chunk_bits])
-    clock.mark("wait: symbolise (sync 1)")
+    clock.mark("symbolise, field planes, checksums, raw bits (launches)")
+    won = [] if shared_won is None else [shared_won.view(1)]
+    stats, phist, counts, cbits, *won = _read_back([stats, phist, hist.sum(dim=0), chunk_bits, *won])
+    clock.mark("wait: fit + symbolise (sync 1)")
     bit_words = (cbits + 31) // 32
     bits = bits[:int(bit_words.sum())]
-    freq = fit_tables(counts.reshape(N_CLASSES, 256), format2._pool())
-    if parts is not None:
-        freq = np.concatenate([freq, parts.freqs[None]])
+    shared = bool(won[0][0]) if won else choices == (True,)
+
+    # 4. tables (the classes' and the model's field parts'), the parts
+    fields_head, fields, widths = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
+    in_parts = fields.numel() > format2.MODEL_PART_BYTES
+    rows = counts.reshape(N_CLASSES, 256)
+    if in_parts:  # the model's field parts: one more row (MODEL_CLASS)
+        rows = np.concatenate([rows, kfit.field_counts(phist[0 if shared else 1], widths)[None]])
+    freq = fit_tables(rows, format2._pool())
     clock.mark("tables: frequencies")
+    parts = _FieldParts(fields, freq[MODEL_CLASS], keys, n_values) if in_parts else None
+    clock.mark("tables: model parts (launches)")
     parts_rows = parts.chunks if parts is not None else np.zeros((0, 4), np.int64)
     parts_d, ftab_d, rcp_d = _launch_tables(freq, parts_rows, dev)
     cap = max(cap, int(parts_rows[:, 2].max(initial=0))) + 2 * ke.LANES
@@ -403,7 +384,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     clock.mark("payload (launch)")
     tables = table_bytes(freq[:N_CLASSES])
     if parts is None:
-        body, mparts = code_model(fields_h, tables)
+        body, mparts = code_model(fields.cpu().numpy(), tables)
     clock.mark("model bytes (host)")
     wlen, bad, *pred_crc = _read_back([lens, n_bad, *(c.view(1) for c in pred_crc)])
     if pred_crc:
