@@ -347,9 +347,9 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     # pattern or mb + DEPTH_MAX bits): their total is known on the host only after the wait
     most = max(grid_constants(bdtype)[0], grid_constants(bdtype)[2] + DEPTH_MAX)
     with side.after():
-        words = (chunk_bits + 31) >> 5
+        chunk_words = (chunk_bits + 31) >> 5
         n_bad = torch.zeros(1, dtype=torch.int64, device=dev)
-        bits = ke.raw_bits(raw, chunks_d, chunk_bits, torch.cumsum(words, 0) - words, n_bad,
+        bits = ke.raw_bits(raw, chunks_d, chunk_bits, torch.cumsum(chunk_words, 0) - chunk_words, n_bad,
                            -(-n_values * most // 32) + n_chunks, runner)
     clock.mark("symbolise, field planes, checksums, raw bits (launches)")
     won = [] if shared_won is None else [shared_won.view(1)]
