@@ -386,3 +386,34 @@ def test_emulated_encoder_writes_model_parts(emulator, zlib_crc, monkeypatch):
     want = (len(head) + len(body)).to_bytes(4, "little") + head + body
     assert parts == {"mfields": meta["mfields"]} and sections["model"][:len(want)].tobytes() == want
     assert same_bits(kvcodec.decompress(blob), x)
+
+
+def test_emulated_raw_bits_pack_lsb_first_and_count_miscounts(emulator):
+    """ke_bits (kvctx_encode.raw_bits) == the chunks' raw codes packed LSB-first in value order (chunks of
+    several g's, a stride between them); a chunk whose total disagrees with its codes' bit counts, one
+    without raw bits included, is counted in n_bad."""
+    rng = np.random.default_rng(7)
+    g, per, stride = 3, 70, 100  # 3 chunks of 2 g's (the last of 1), each g 70 values of a 100-value row
+    nb = rng.integers(0, 33, 6 * stride)
+    code = rng.integers(0, 1 << 32, nb.size, dtype=np.uint64) & ((np.uint64(1) << nb.astype(np.uint64)) - np.uint64(1))
+    nb[4 * stride:6 * stride] = 0  # chunk 2: no raw bits
+    raw = torch.from_numpy((code << np.uint64(8) | nb.astype(np.uint64)).view(np.int64))
+    desc = np.array([[0, 2, per, stride], [2 * stride, 2, per, stride], [4 * stride, 2, per, stride]], np.int64)
+    order = [np.concatenate([np.arange(c[0] + k * stride, c[0] + k * stride + per) for k in range(c[1])]) for c in desc]
+    totals = np.array([int(nb[o].sum()) for o in order])
+    words = (totals + 31) // 32
+    starts = np.concatenate([[0], np.cumsum(words)[:-1]])
+    for bad in ([], [0], [2]):
+        t = totals.copy()
+        t[bad] += 1  # chunk 0: one bit too many; chunk 2: bits where it has none
+        n_bad = torch.zeros(1, dtype=torch.int64)
+        st = np.concatenate([[0], np.cumsum((t + 31) // 32)[:-1]])
+        bits = ke.raw_bits(raw, torch.from_numpy(desc), torch.from_numpy(t), torch.from_numpy(st), n_bad,
+                           int(((t + 31) // 32).sum()), emulated_runner(emulator)).numpy().view(np.uint32)
+        assert int(n_bad[0]) == len(bad)
+        for j, o in enumerate(order):
+            if j in bad:
+                continue
+            stream = sum(int(c) << int(p) for c, p in zip(code[o], np.concatenate([[0], np.cumsum(nb[o])[:-1]])))
+            want = np.array([(stream >> (32 * w)) & 0xFFFFFFFF for w in range(words[j])], np.uint32)
+            assert np.array_equal(bits[st[j]:st[j] + words[j]], want), j
