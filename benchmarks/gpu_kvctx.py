@@ -124,7 +124,7 @@ def plan_breakdown(name: str, reps: int = 7) -> list[str]:
         ps, kp = kvctx_device.plan(meta, secs)
         p2 = ps.v2
         flags = torch.zeros(kvctx_device.flag_count(ps), dtype=torch.int32, device=dblob.device)
-        host_fields = (lambda: p2.field_parts.decode(p2.model)) if p2.field_parts is not None else \
+        host_fields = (lambda: p2.field_parts.decode(model)) if p2.field_parts is not None else \
             (lambda: format2.decode_model(meta, body, 1 << 40))
         steps = {
             "model read-back (pinned)": lambda: kvctx_device._stand_ins(meta, secs),
@@ -174,6 +174,7 @@ def timeline(name: str, reps: int = 9) -> list[str]:
     import kvcodec
     from kvcodec.cuda import crc32, kvctx_decode, kvctx_plan
     from kvcodec.lossless import api, device_container, kvctx_device
+    from kvcodec.lossless.predictive import codec as pcodec
 
     marks = []
 
@@ -192,8 +193,10 @@ def timeline(name: str, reps: int = 9) -> list[str]:
         return f
 
     targets = [(device_container, "read_header_crc"), (device_container, "sections"), (kvctx_device, "plan"),
-               (kvctx_device, "device_inputs"), (kvctx_plan, "field_parts_launch"), (kvctx_decode, "launch"),
-               (device_container.Checks, "__init__"), (device_container.Checks, "read")]
+               (pcodec, "parse_stream"), (kvctx_device, "device_inputs"),
+               (kvctx_plan, "field_parts_launch"), (kvctx_plan, "build_tables"), (kvctx_plan, "decode_field_parts"),
+               (kvctx_plan, "check_fields"), (kvctx_decode, "launch"), (device_container.Checks, "__init__"),
+               (device_container.Checks, "read")]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
     lines = []
     try:
@@ -309,7 +312,7 @@ def quick(out_dir: str, mb: int) -> dict:
     rec = machine_record()
     name, x = "kv_bf16", gl.tensors(mb)["kv_bf16"]
     rows = gl.kvctx_gpu_rows(name, x) + gl.kvctx_kernel_rows(name, x, variants=gl.KERNEL_VARIANTS[:1])
-    notes = timeline(name)
+    notes = timeline(name) + plan_breakdown(name)
     result = {"suite": "gpu_lossless_kvctx_quick", "rows": rows, "machine": rec,
               "notes": [f"GPU {rec.get('gpu')}; {name} {mb} MB as [heads, 256 tokens, 64] only (gpu_kvctx.py --quick)", *notes]}
     save_with_out(result, out_dir, columns=["data", "codec", "MB", "ratio", "dec_GBps", "kernel_ms", "plan_ms", "exact",
