@@ -4,22 +4,27 @@ A test marked ``slow`` (it loads the real model or runs a whole benchmark suite)
 name when it starts, so that ``pytest -q`` shows what it is waiting for instead of printing
 nothing for a minute; ``pytest -m "not slow"`` leaves those tests out.
 
-``cpu_emulator(name)`` builds one of the CUDA kernel emulators in ``tests/cuda_emulation`` with g++
-(once a session, however many test modules load it). ``nvcc_each_arch(...)`` compiles a kernel source
-with nvcc for several targets at once (one nvcc per core).
+Compiler runs start in the background when the session starts (``_Builds``): the nvcc builds that
+tests parametrized over ``nvcc_build`` check, and the g++ builds of the CUDA kernel emulators in
+``tests/cuda_emulation`` when a selected test uses ``cpu_emulator``. They run at low priority on the
+cores the (mostly single-threaded) tests leave idle; each test waits for its own build. A build is
+the same command a test would run itself, and each runs once a session.
 """
 
 import ctypes
 import os
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 _slow: set[str] = set()
 _config: list = []
+EMULATORS = Path(__file__).parent / "cuda_emulation"
 
 
 def pytest_configure(config):
@@ -40,45 +45,104 @@ def pytest_runtest_logstart(nodeid, location):
         reporter.write(f"\n[slow] {nodeid} ", flush=True)
 
 
+def _lower_priority():
+    """Pool threads (and the compilers they start, which inherit it) yield the CPU to the tests."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+class _Builds:
+    """Compiler runs shared by the session, keyed by what they build, started at most once."""
+
+    def __init__(self):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(max_workers=max(1, cores), initializer=_lower_priority)
+        self._dir = tempfile.TemporaryDirectory(prefix="kvcodec-test-builds-")
+        self._runs: dict[tuple, Future] = {}
+
+    def _start(self, key: tuple, fn, *args) -> Future:
+        if key not in self._runs:
+            self._runs[key] = self._pool.submit(fn, *args)
+        return self._runs[key]
+
+    def workdir(self) -> Path:
+        return Path(tempfile.mkdtemp(dir=self._dir.name))
+
+    def nvcc(self, build: tuple) -> dict:
+        """``build`` = (source, instances, archs, extra): {arch: Future of build.nvcc_compile's process}."""
+        from kvcodec.cuda import build as cuda_build
+
+        source, instances, archs, extra = build
+        return {arch: self._start(("nvcc", source, tuple(instances), arch, tuple(extra)), cuda_build.nvcc_compile,
+                                  source, list(instances), arch, self.workdir(), tuple(extra)) for arch in archs}
+
+    def emulator(self, name: str) -> Future:
+        """g++ build of ``cuda_emulation/<name>.cpp``: Future of (process, library path)."""
+        return self._start(("g++", name), _build_emulator, name, self.workdir())
+
+    def close(self):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._dir.cleanup()
+
+
+def _build_emulator(name: str, workdir: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    lib_path = workdir / f"{name}.so"
+    cmd = [shutil.which("g++") or "g++", "-O2", "-std=c++20", "-ffp-contract=off", "-pthread", "-shared", "-fPIC",
+           "-o", str(lib_path), str(EMULATORS / f"{name}.cpp")]
+    return subprocess.run(cmd, capture_output=True, text=True), lib_path
+
+
+_builds: list[_Builds] = []
+
+
+def _session_builds() -> _Builds:
+    if not _builds:
+        _builds.append(_Builds())
+    return _builds[0]
+
+
+def pytest_collection_finish(session):
+    """Start every build the selected tests will wait for."""
+    if session.config.option.collectonly:
+        return
+    has_nvcc, has_gxx = shutil.which("nvcc") is not None, shutil.which("g++") is not None
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if has_nvcc and "nvcc_build" in params:
+            _session_builds().nvcc(params["nvcc_build"])
+        if has_gxx and "cpu_emulator" in getattr(item, "fixturenames", ()):
+            for cpp in sorted(EMULATORS.glob("*.cpp")):
+                _session_builds().emulator(cpp.stem)
+
+
+def pytest_sessionfinish(session):
+    if _builds:
+        _builds.pop().close()
+
+
 @pytest.fixture(scope="session")
-def cpu_emulator(tmp_path_factory):
+def cpu_emulator():
     """``build(name)``: ``tests/cuda_emulation/<name>.cpp`` (a kernel source run on the CPU) as a loaded
-    library; skipped without g++, a failure when the kernel source no longer builds there. Each emulator
-    is built once a session: several test modules load the same one (a g++ -O2 build takes seconds)."""
-    built: dict[str, ctypes.CDLL] = {}
+    library; skipped without g++, a failure when the kernel source no longer builds there. Built once a
+    session (several test modules load the same emulator; a g++ -O2 build takes seconds)."""
 
     def build(name: str) -> ctypes.CDLL:
-        gxx = shutil.which("g++")
-        if gxx is None:
+        if shutil.which("g++") is None:
             pytest.skip("needs g++ to run the kernel on the CPU")
-        if name in built:
-            return built[name]
-        lib_path = tmp_path_factory.mktemp(name) / f"{name}.so"
-        source = Path(__file__).parent / "cuda_emulation" / f"{name}.cpp"
-        cmd = [gxx, "-O2", "-std=c++20", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-o", str(lib_path),
-               str(source)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc, lib_path = _session_builds().emulator(name).result()
         assert proc.returncode == 0, f"g++ cannot build {name}: {proc.stderr[-1500:]}"  # a kernel change broke it
-        built[name] = ctypes.CDLL(str(lib_path))
-        return built[name]
+        return ctypes.CDLL(str(lib_path))
 
     return build
 
 
-@pytest.fixture(scope="session")
-def nvcc_each_arch():
-    """``nvcc_each_arch(source, instances, archs, workdir, extra=())``: ``build.nvcc_compile`` of the source for
-    every target in ``archs``, the targets' nvcc runs side by side (one per core: nvcc's front end and
-    ptxas are single-threaded), as ``{arch: CompletedProcess}``; skipped without nvcc."""
+@pytest.fixture
+def nvcc_result(nvcc_build) -> dict:
+    """``{arch: CompletedProcess}`` of ``kvcodec.cuda.build.nvcc_compile`` for the test's ``nvcc_build``
+    parameter, ``(source, instances, archs, extra)`` (started when the session started; the cubins lie
+    where each process's ``-o`` says); skipped without nvcc."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed: CUDA compile check skipped")
-    from kvcodec.cuda import build
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with ThreadPoolExecutor(max_workers=max(1, cores)) as pool:
-
-        def compile_each(source: str, instances: list[str], archs, workdir, extra: tuple[str, ...] = ()) -> dict:
-            runs = {arch: pool.submit(build.nvcc_compile, source, instances, arch, workdir, extra) for arch in archs}
-            return {arch: run.result() for arch, run in runs.items()}
-
-        yield compile_each
+    return {arch: run.result() for arch, run in _session_builds().nvcc(nvcc_build).items()}

@@ -4,6 +4,7 @@ torch reference / index bookkeeping the kernels rely on is right (no GPU needed)
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,15 +44,20 @@ def spill_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "spill" in line and " 0 bytes spill stores" not in line]
 
 
-def test_kernels_compile_with_nvcc(nvcc_each_arch, tmp_path):
-    for source, decls in (
-        (decode_kernels.SOURCE, decode_kernels.instance_declarations(SPLIT_CONFIGS)),
-        (pack.SOURCE, pack.instance_declarations(PACK_CONFIGS)),
-    ):
-        for arch, proc in nvcc_each_arch(source, decls, ARCHS, tmp_path, extra=("-Xptxas", "-warn-spills")).items():
-            assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
-            assert "spill" not in proc.stderr.lower() or "0 bytes spill" in proc.stderr, f"{arch}: {proc.stderr[-2000:]}"
-            assert (tmp_path / f"{source.split('.')[0]}_{arch}.cubin").stat().st_size > 1000
+def cubin(proc) -> Path:
+    return Path(proc.args[proc.args.index("-o") + 1])
+
+
+# nvcc_build parameters: (source, instances, targets, extra flags), built in the background (tests/conftest.py)
+@pytest.mark.parametrize("nvcc_build", [
+    (decode_kernels.SOURCE, tuple(decode_kernels.instance_declarations(SPLIT_CONFIGS)), ARCHS, ("-Xptxas", "-warn-spills")),
+    (pack.SOURCE, tuple(pack.instance_declarations(PACK_CONFIGS)), ARCHS, ("-Xptxas", "-warn-spills")),
+], ids=["split", "pack"])
+def test_kernels_compile_with_nvcc(nvcc_result):
+    for arch, proc in nvcc_result.items():
+        assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
+        assert "spill" not in proc.stderr.lower() or "0 bytes spill" in proc.stderr, f"{arch}: {proc.stderr[-2000:]}"
+        assert cubin(proc).name.endswith(f"_{arch}.cubin") and cubin(proc).stat().st_size > 1000
 
 
 # Tuning variants (benchmarks/gpu_kernels.py VARIANTS / ADDONS / CHECK_MODES): every macro set a GPU
@@ -78,13 +84,16 @@ VARIANT_DEFINES = [
 ]
 
 
-@pytest.mark.parametrize("defines", VARIANT_DEFINES, ids=lambda d: "+".join(x.replace("TQ_", "") for x in d))
-def test_tuning_variants_compile_without_spills(defines, nvcc_each_arch, tmp_path):
+def _variant_build(defines: tuple[str, ...]) -> tuple:
     # the one-launch kernel shares the split kernel's code: its two d128 4/4 instances cover the macros
     decls = decode_kernels.instance_declarations(VARIANT_CONFIGS, fused_configs=VARIANT_CONFIGS[:2])
-    procs = nvcc_each_arch(decode_kernels.SOURCE, decls, ARCHS, tmp_path,
-                           extra=tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
-    for arch, proc in procs.items():
+    return decode_kernels.SOURCE, tuple(decls), ARCHS, tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills")
+
+
+@pytest.mark.parametrize("nvcc_build", [_variant_build(d) for d in VARIANT_DEFINES],
+                         ids=["+".join(x.replace("TQ_", "") for x in d) for d in VARIANT_DEFINES])
+def test_tuning_variants_compile_without_spills(nvcc_result):
+    for arch, proc in nvcc_result.items():
         assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
         assert not spill_lines(proc.stderr), f"{arch}: " + "\n".join(spill_lines(proc.stderr))
     assert "prmt.b32" in build.source_text(decode_kernels.SOURCE)
@@ -120,13 +129,18 @@ BULK_DEFINES = [("TQ_FUSED_BULK=1",), ("TQ_FUSED_BULK=1", "TQ_FUSED_BULK_BLOCKS=
                 ("TQ_FUSED_BULK=1", "TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4")]
 
 
-@pytest.mark.parametrize("defines", BULK_DEFINES, ids=["3 blocks", "4 blocks", "prefetch", "prefetch 4 stages", "2 chains"])
-def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(defines, nvcc_each_arch, tmp_path):
+def _bulk_build(defines: tuple[str, ...]) -> tuple:
     decls = [f"__global__ void {decode_kernels.fused_name(d, 4, 4, False, False, True)}{decode_kernels.FUSED_SIGNATURE}"
              for d in (128, 64)]
-    procs = nvcc_each_arch(decode_kernels.SOURCE, decls, ("sm_90a", "sm_100"), tmp_path,
-                           extra=tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
-    for arch, proc in procs.items():
+    return (decode_kernels.SOURCE, tuple(decls), ("sm_90a", "sm_100"),
+            tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
+
+
+@pytest.mark.parametrize("nvcc_build", [_bulk_build(d) for d in BULK_DEFINES],
+                         ids=["3 blocks", "4 blocks", "prefetch", "prefetch 4 stages", "2 chains"])
+def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(nvcc_result):
+    assert sorted(nvcc_result) == ["sm_100", "sm_90a"]
+    for arch, proc in nvcc_result.items():
         assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
         assert not spill_lines(proc.stderr), f"{arch}: " + "\n".join(spill_lines(proc.stderr))
     assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_command("w.cu", "sm_90a", "o.cubin")
@@ -136,23 +150,28 @@ def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(defines, nvcc_eac
 SESSION6_TAIL = ("TQ_FUSED_MERGE_PAD=0", "TQ_FUSED_SIGNAL=0")
 
 
-@pytest.mark.parametrize("defines,archs", [(("TQ_LANE_LUT=3",), ARCHS),
-                                           (("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2"), ARCHS),
-                                           (("TQ_LANE_LUT=2",), ("sm_90",)),
-                                           (("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1") + SESSION6_TAIL, ARCHS),
-                                           (("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2",
-                                             "TQ_ASM_LANEID=1"), ARCHS)])
-def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(defines, archs, nvcc_each_arch, tmp_path):
+def _lane_build(defines: tuple[str, ...], archs=ARCHS) -> tuple:
+    decls = [f"__global__ void {decode_kernels.fused_name(128, 4, 4, False, vbf, True)}{decode_kernels.FUSED_SIGNATURE}"
+             for vbf in (False, True)]
+    return (decode_kernels.SOURCE, tuple(decls), archs,
+            tuple(f"-D{d}" for d in defines) + ("-DTQ_REG_LUT_SYM=1", "-Xptxas", "-v,-warn-spills"))
+
+
+LANE_DEFINES = [("TQ_LANE_LUT=3",), ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2"),
+                ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1") + SESSION6_TAIL,
+                ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2", "TQ_ASM_LANEID=1")]
+
+
+@pytest.mark.parametrize("nvcc_build", [_lane_build(d) for d in LANE_DEFINES] + [_lane_build(("TQ_LANE_LUT=2",), ("sm_90",))],
+                         ids=["lut3", "lut3 rotate stages2", "lut3 rotate session6-tail", "lut3 rotate stages2 asm-laneid",
+                              "lut2 sm_90"])
+def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(nvcc_result):
     """The one-launch kernel with lane-private pair tables (TQ_LANE_LUT): the d128 narrow 4/4-bit
     instances build without spills and their static shared memory plus the tables' 64 KB (plus the 1 KB
     the runtime reserves per block) fits 3 blocks in an SM's 228 KB, the blocks their registers allow."""
     import re
 
-    decls = [f"__global__ void {decode_kernels.fused_name(128, 4, 4, False, vbf, True)}{decode_kernels.FUSED_SIGNATURE}"
-             for vbf in (False, True)]
-    procs = nvcc_each_arch(decode_kernels.SOURCE, decls, archs, tmp_path,
-                           extra=tuple(f"-D{d}" for d in defines) + ("-DTQ_REG_LUT_SYM=1", "-Xptxas", "-v,-warn-spills"))
-    for arch, proc in procs.items():
+    for arch, proc in nvcc_result.items():
         assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
         assert not spill_lines(proc.stderr), f"{arch}: " + "\n".join(spill_lines(proc.stderr))
         usage = re.findall(r"Used (\d+) registers, used \d+ barriers, (\d+) bytes smem", proc.stderr)
