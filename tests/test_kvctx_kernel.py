@@ -52,3 +52,22 @@ def test_gpu_deep_unary_chains(shape):
     x = deep_unary(shape)
     blob = torch.frombuffer(bytearray(kvcodec.compress(x, layout="kv")), dtype=torch.uint8).cuda()
     assert same_bits(kvcodec.decompress(blob), x)
+
+
+def test_locate_fraction_of_negative_locations_by_one_subtraction():
+    """kx_locate takes a negative location's fraction as 1 - f where the CPU computes f + (1 - 2 f): the two give
+    the same fine class q = min(floor(4 x), 3) for every f in [0, 1) (the kernel's comment has the proof); checked
+    here at every binade's quarter boundaries, their neighbours and random fractions."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ks = np.arange(1, 70, dtype=np.float64)
+    near = [b + s * 2.0 ** -ks for b in (0.125, 0.25, 0.5, 0.75, 1.0) for s in (-1, 1)]
+    near += [b - 2.0 ** -ks - 2.0 ** -(ks + 30) for b in (0.25, 0.5, 0.75, 1.0)]
+    steps = [b + np.arange(-300, 301) * np.spacing(b) for b in (0.25, 0.5, 0.75, 1.0)]
+    y = rng.random(200_000) * 2.0 ** rng.integers(-40, 19, 200_000)
+    f = np.concatenate([*near, *steps, rng.random(200_000), rng.random(50_000) * 2.0 ** -rng.integers(0, 60, 50_000),
+                        y - np.trunc(y), [0.0]])
+    f = f[(f >= 0) & (f < 1)]
+    cpu = np.minimum(np.floor(4 * (f + (1 - 2 * f))), 3)
+    assert np.array_equal(cpu, np.minimum(np.floor(4 * (1 - f)), 3))

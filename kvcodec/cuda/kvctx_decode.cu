@@ -64,7 +64,23 @@ __device__ __forceinline__ double kx_pow2(int e) {  // exact 2**e for -1022 <= e
   return __longlong_as_double((long long)(e + 1023) << 52);
 }
 
-__device__ __forceinline__ int kx_floor_log2(int u) { return 31 - __clz(u); }
+// bfind (FLO in SASS, one instruction; 31 - __clz compiles to three): the index of w's top set bit, or with
+// LEAD its leading zero bits; 0xffffffff for w = 0.
+template <bool LEAD>
+__device__ __forceinline__ kx_u32 kx_bfind(kx_u32 w) {
+#ifdef __CUDA_ARCH__
+  kx_u32 r;
+  if (LEAD)
+    asm("bfind.shiftamt.u32 %0, %1;" : "=r"(r) : "r"(w));
+  else
+    asm("bfind.u32 %0, %1;" : "=r"(r) : "r"(w));
+  return r;
+#else
+  return w ? (kx_u32)(LEAD ? __clz((int)w) : 31 - __clz((int)w)) : 0xffffffffu;
+#endif
+}
+
+__device__ __forceinline__ int kx_floor_log2(int u) { return (int)kx_bfind<false>((kx_u32)u); }  // -1 for 0
 
 // The stored per-channel fields (format2.StoredFields): byte planes and per field (level, mq, c, a) the
 // offset of its low plane, its width (0: not stored) and its value (level's minimum; c's/a's default).
@@ -112,7 +128,9 @@ __device__ __forceinline__ void kx_locate(double mv, int es, int level, int mb, 
   const int u = (int)y;  // y < 2**19
   centre = u ^ (hw >> 31);
   double f = __dsub_rn(y, (double)u);
-  const double f_neg = __dadd_rn(f, __dsub_rn(1.0, __dmul_rn(2.0, f)));  // the CPU's f + (1 - 2 f)
+  // The CPU's f + (1 - 2 f), seen only through q below, which is min(floor(4 (1 - f)), 3) either way: for f >= 1/4,
+  // 1 - 2 f is exact (Sterbenz), so both round the exact 1 - f once; for f < 1/4 both are >= 3/4 (q = 3).
+  const double f_neg = __dsub_rn(1.0, f);
   if (hw < 0) f = f_neg;
   const int lvl = level - 4 * max(ep, eu);
   const int q = min((int)__dmul_rn(f, (double)KX_N_FRAC), KX_N_FRAC - 1);  // f in [0, 1]
@@ -142,7 +160,7 @@ struct KxField {
 // The field of a value from its symbol (binned.raw_layout, decode_escape_or_bin0); unary = true for bin 0 of
 // a bin wider than two binades (its field follows from its depth: kx_unary_field).
 __device__ __forceinline__ KxField kx_known_field(int sym, int ep, int u, int mb, int width, bool& unary) {
-  const int lg = kx_floor_log2(max(u, 1));
+  const int lg = kx_floor_log2(u);  // -1 for u = 0: that field is replaced below
   const int sh = max(lg + ep - mb, 0);
   const int nb = max(ep - sh, 0);
   KxField fd = {0, nb, (sh << mb) + (u << nb)};  // 1 <= u < 2**mb: 2**nb patterns in one binade
@@ -162,8 +180,18 @@ __device__ __forceinline__ KxField kx_unary_field(int d, int ep, int mb, bool& o
   return at_last ? KxField{last, mb + 1, 0} : KxField{d + 1, mb, (ep - mb - d) << mb};
 }
 
-// The unary depth at bit 0 of w (>= 21 valid bits): zero bits before a one, at most KX_UNARY.
-__device__ __forceinline__ int kx_depth(kx_u32 w) { return __clz(__brev(w | 1u << KX_UNARY)); }
+// One step of an inclusive warp scan: v + __shfl_up_sync(KX_FULL, v, delta) in lanes >= delta, else v; the
+// shuffle's own in-range predicate guards the add (two instructions a step, not four)
+__device__ __forceinline__ int kx_scan_step(int v, int delta) {
+#ifdef __CUDA_ARCH__
+  asm("{\n\t.reg .pred p;\n\t.reg .b32 o;\n\tshfl.sync.up.b32 o|p, %0, %1, 0, 0xffffffff;\n\t@p add.s32 %0, %0, o;\n\t}"
+      : "+r"(v) : "r"(delta));
+  return v;
+#else
+  const int o = __shfl_up_sync(KX_FULL, v, delta);
+  return (int)(threadIdx.x & 31) >= delta ? v + o : v;
+#endif
+}
 
 // A warp's ring of one of its chunk's word streams (n words at src) in shared memory: words [hi - R, hi)
 // are in buf (those not yet passed by the reader), and each lane holds its word of the next 32 (stage),
@@ -172,22 +200,22 @@ __device__ __forceinline__ int kx_depth(kx_u32 w) { return __clz(__brev(w | 1u <
 template <typename T, int R, bool MIRROR>
 struct KxRing {
   T* buf;
-  const T* src;
+  const T* next;  // this lane's next word to stage: src + hi + lane
   kx_u32 n, hi;
   T stage;
 
-  // (streaming loads, evicted first: L1 keeps the class tables)
-  __device__ __forceinline__ T load(kx_u32 q) const { return q < n ? __ldcs(src + q) : (T)0; }
+  // Word q at p (streaming loads, evicted first: L1 keeps the class tables).
+  __device__ __forceinline__ T load(kx_u32 q, const T* p) const { return q < n ? __ldcs(p) : (T)0; }
 
   __device__ __forceinline__ void init(T* ring, const T* words, kx_u32 count, int lane) {
     buf = ring;
-    src = words;
     n = count;
 #pragma unroll 4
-    for (int q = lane; q < R; q += 32) buf[q] = load(q);
+    for (int q = lane; q < R; q += 32) buf[q] = load(q, words + q);
     if (MIRROR) buf[R + lane] = buf[lane];
     hi = R;
-    stage = load(hi + lane);
+    next = words + R + lane;
+    stage = load(hi + lane, next);
     __syncwarp();
   }
 
@@ -200,7 +228,8 @@ struct KxRing {
       buf[(hi + lane) & (R - 1)] = stage;
       if (MIRROR && (hi & (R - 1)) == 0) buf[R + lane] = stage;
       hi += 32;
-      stage = load(hi + lane);
+      next += 32;
+      stage = load(hi + lane, next);
     } while (hi + 32 - pos <= R);
     __syncwarp();
   }
@@ -209,18 +238,23 @@ struct KxRing {
   // 32 * NR rANS words and 32 * NR * 32 + 96 raw bits past it, well inside).
   __device__ __forceinline__ T get(kx_u32 q) const { return buf[q & (R - 1)]; }
 
+  // The ring word holding bit pos (32-bit words): its byte offset straight from pos (pos / 8 & ~3), one add.
+  __device__ __forceinline__ const T* word_at(kx_u32 pos) const {
+    return reinterpret_cast<const T*>(reinterpret_cast<const char*>(buf) + ((pos >> 3) & ((R - 1) * 4)));
+  }
+
   // 32 stream bits from bit pos (32-bit words; MIRROR).
   __device__ __forceinline__ kx_u32 window(kx_u32 pos) const {
-    const T* at = buf + ((pos >> 5) & (R - 1));
-    return __funnelshift_r(at[0], at[1], pos & 31);
+    const T* at = word_at(pos);
+    return __funnelshift_r(at[0], at[1], pos);  // (the shift is pos & 31)
   }
 
   // 64 stream bits from bit pos, as (lo, hi) (32-bit words; MIRROR).
   __device__ __forceinline__ void window64(kx_u32 pos, kx_u32& lo, kx_u32& hi64) const {
-    const T* at = buf + ((pos >> 5) & (R - 1));
+    const T* at = word_at(pos);
     const kx_u32 a1 = at[1];
-    lo = __funnelshift_r(at[0], a1, pos & 31);
-    hi64 = __funnelshift_r(a1, at[2], pos & 31);
+    lo = __funnelshift_r(at[0], a1, pos);
+    hi64 = __funnelshift_r(a1, at[2], pos);
   }
 };
 
@@ -281,7 +315,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
     if (lane == 0) status[ci] = 2;
     return;
   }
-  if (wlen >= (1ll << 30) || nbw >= (1ll << 26)) {  // more than any chunk can use: the end checks would fail
+  if (wlen >= (1ll << 30) || nbw >= (1ll << 26) || nt >= (1ll << 31)) {  // more than any chunk can use: the end checks would fail
     if (lane == 0) status[ci] = 4;
     return;
   }
@@ -292,12 +326,14 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
   kx_u32 ptr = 64;   // next rANS word
   kx_u32 bpos = 0;   // next raw bit
   long long i = 0;   // values decoded in this chunk
-  bool bad = false;  // a malformed value (this lane)
+  int bad = 0;  // a malformed value (this lane; an int: a bool costs byte masks and sign extensions a token)
   const int ubits = mb + 1;  // the raw bits of a unary value of depth 0
   // D = 32 * NR: every token is one batch starting at lane 0, so thread j always has channels j + 32 r:
   // their parameters (but c: only with a prediction) and deviations stay in registers (no shared-memory
   // round trip per token)
   constexpr bool in_regs = LAYOUT == KX_REGS;
+  const int DT = in_regs ? 32 * NR : D;  // D, a constant for REGS (one batch a token: no batch loop)
+  const int pre_end = pred || OUT == 4 ? (int)nt - 1 : 0;  // tokens tc < pre_end prefetch for tc + 1 (uniform)
   double rm[NR], ra[NR], rdev[NR];
   int rel[NR];
   // The prediction and the float32 low halves a batch reads are loaded one batch ahead (a DRAM round trip
@@ -331,11 +367,12 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
     }
     if (nt > 0) prefetch(t0, 0, (lane - (ALIGNED ? 0 : (int)(i & 31))) & 31);
     char* orow = reinterpret_cast<char*>(out) + (g * T + t0) * D * OUT;  // the token's output row
-    for (long long t = t0; t < t0 + nt; ++t, orow += (long long)D * OUT) {
+    for (int tc = 0; tc < (int)nt; ++tc, orow += DT * OUT) {  // token t = t0 + tc
+      const long long t = t0 + tc;
       const int s = ALIGNED ? 0 : (int)(i & 31);
       const int k = (lane - s) & 31;  // this thread's place in a round
       const kx_u32 before = (1u << k) - 1u;
-      for (int r0 = 0; r0 < D; r0 += 32 * NR) {
+      for (int r0 = 0; r0 < DT; r0 += 32 * NR) {
         float pf[NR];
         kx_u16 lo[NR];
 #pragma unroll
@@ -345,7 +382,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         }
         if (!in_regs && r0 + 32 * NR < D)  // warp-uniform: the next batch of this token, or the next token's first
           prefetch(t, r0 + 32 * NR, k);
-        else if (t + 1 < t0 + nt)
+        else if (tc < pre_end)
           prefetch(t + 1, 0, (lane - (ALIGNED ? 0 : (int)((i + D) & 31))) & 31);
         double base[NR];
         int ep[NR], centre[NR], cls[NR], sym[NR], neg[NR], cnt[NR];
@@ -379,7 +416,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         for (int r = 0; r < NR; ++r) {
           sym[r] = 0;
           if (!ALIGNED && r0 + 32 * r >= D) continue;  // warp-uniform
-          const kx_u32 e = act[r] ? __ldg(tabs + (cls[r] << 12) + (x & 4095u)) : 0u;
+          const kx_u32 e = act[r] ? __ldg(tabs + ((kx_u32)cls[r] << 12 | (x & 4095u))) : 0u;
           kx_u32 xn = (((e >> 12) & 0xFFFu) + 1u) * (x >> 12) + (e & 0xFFFu);
           const bool need = act[r] && xn < KX_L;
           const kx_u32 bal = __ballot_sync(KX_FULL, need);
@@ -396,10 +433,10 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           neg[r] = j >> 31;
           fd[r] = kx_known_field(sym[r], ep[r], j ^ neg[r], gr.mb, gr.width, unary[r]);
           unary[r] &= act[r];
-          cnt[r] = act[r] && !unary[r] ? fd[r].nb : 0;
+          cnt[r] = !act[r] ? 0 : unary[r] ? ubits : fd[r].nb;  // unary values: as if of depth 0 for now
         }
-        // places: an exclusive scan of the known counts in value order (two rounds a word: < 2**16 each),
-        // plus ubits for every unary value before (resolved below)
+        // places: an exclusive scan of the bit counts in value order (two rounds a word: < 2**16 each; a unary
+        // value's extra bits are added below)
         int incl[(NR + 1) / 2], known[(NR + 1) / 2];
 #pragma unroll
         for (int q = 0; q < (NR + 1) / 2; ++q) {
@@ -410,9 +447,12 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         for (int delta = 1; delta < 32; delta <<= 1) {
 #pragma unroll
           for (int q = 0; q < (NR + 1) / 2; ++q) {
-            const int o = ALIGNED ? __shfl_up_sync(KX_FULL, incl[q], delta)
-                                  : __shfl_sync(KX_FULL, incl[q], (lane - delta) & 31);
-            if (k >= delta) incl[q] += o;
+            if (ALIGNED) {
+              incl[q] = kx_scan_step(incl[q], delta);
+            } else {
+              const int o = __shfl_sync(KX_FULL, incl[q], (lane - delta) & 31);
+              if (k >= delta) incl[q] += o;
+            }
           }
         }
         kx_u32 uv[NR];  // unary values, in value order
@@ -423,51 +463,55 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           uv[r] = ALIGNED ? ub : __funnelshift_r(ub, ub, s);
           const int sh = 16 * (r & 1);
           const int ex = ((incl[r / 2] - known[r / 2]) >> sh) & 0xFFFF;
-          place[r] = end + ex + ubits * __popc(uv[r] & before);
-          const int total = (__shfl_sync(KX_FULL, incl[r / 2], (31 + s) & 31) >> sh) & 0xFFFF;  // the round's known total
-          end += total + ubits * __popc(uv[r]);
+          place[r] = end + ex;
+          const int total = (__shfl_sync(KX_FULL, incl[r / 2], (31 + s) & 31) >> sh) & 0xFFFF;  // the round's total
+          end += total;
         }
-        // unary values in value order: each one's depth from its window at its place (read beforehand: the
-        // place moves only by the depths before it, which the warp adds up in delta)
+        // unary values in value order: each one's depth from its own window at its place (read beforehand, bit
+        // reversed: the place moves only by the depths before it, which the warp adds up in delta; the value's
+        // thread counts its zeros and the warp takes the new sum from it: one shuffle a unary value)
         bool any_unary = false;
 #pragma unroll
         for (int r = 0; r < NR; ++r) any_unary |= uv[r] != 0u;
         if (any_unary) {  // warp-uniform
-          kx_u32 wlo[NR], whi[NR];
+          kx_u64 wrev[NR];  // the 64 bits at the place, the first in the top bit
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
-            if (unary[r]) rb.window64(place[r], wlo[r], whi[r]);
+            wrev[r] = 0;
+            if (unary[r]) {
+              kx_u32 wlo, whi;
+              rb.window64(place[r], wlo, whi);
+              wrev[r] = (kx_u64)__brev(wlo) << 32 | __brev(whi);
+            }
           }
           int delta = 0;  // extra bits (over ubits) of the unary values passed so far
+          const kx_u32 mybit = 0x80000000u >> k, above = ~(KX_FULL >> k);  // (bit-reversed value order)
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
-            // a unary value's extra bits: its depth, or its last depth when that is below KX_DEPTH_MAX and
-            // reached (the depth capped there: min(depth, cap))
+            // a unary value's extra bits: its depth (at most KX_UNARY), or its last depth when that is below
+            // KX_DEPTH_MAX and reached (the depth capped there: min(depth, cap))
             const int last = ep[r] - gr.mb - 1;
-            const int cap = last < KX_DEPTH_MAX ? last : 32;
+            const kx_u32 cap = last < KX_DEPTH_MAX ? last : KX_UNARY;
             int mine = delta;  // extra bits of the unary values before this thread's value
             int myx = 0;       // this thread's value's extra bits (its depth, but at the last depth)
-            for (kx_u32 pending = uv[r]; pending; pending &= pending - 1u) {
-              const int jv = __ffs(pending) - 1;
-              const int src = ALIGNED ? jv : (jv + s) & 31;
-              const kx_u64 wj = (kx_u64)__shfl_sync(KX_FULL, whi[r], src) << 32 | __shfl_sync(KX_FULL, wlo[r], src);
-              const int capj = __shfl_sync(KX_FULL, cap, src);
-              kx_u32 win;
-              if (delta > 64 - KX_UNARY) {  // warp-uniform, rare: past the window, read the ring
-                win = rb.window(__shfl_sync(KX_FULL, place[r], src) + delta);
-              } else {
-                win = (kx_u32)(wj >> delta);
-              }
-              const int extra = min(kx_depth(win), capj);
-              if (k == jv) myx = extra;
-              if (k > jv) mine += extra;
-              delta += extra;
-            }
+            kx_u32 rp = __brev(uv[r]);  // the unary values not yet passed, the first in the top bit
+            // the next one, its stream bits from place + delta in `top` (first bit at the top; thread src's)
+            auto pass = [&](kx_u32 top) {
+              const int jv = (int)kx_bfind<true>(rp);
+              const kx_u32 bit = 0x80000000u >> jv;
+              const int extra = (int)min(kx_bfind<true>(top), cap);  // (0xffffffff for no one bit)
+              if (bit & mybit) myx = extra;
+              delta = __shfl_sync(KX_FULL, delta + extra, ALIGNED ? jv : (jv + s) & 31);
+              if (bit & above) mine = delta;
+              rp ^= bit;
+            };
+            while (rp && delta <= 64 - KX_UNARY) pass((kx_u32)((wrev[r] << delta) >> 32));
+            while (rp) pass(__brev(rb.window(place[r] + delta)));  // warp-uniform, rare: past the window, the ring
             bool ok = true;
             const KxField uf = kx_unary_field(myx, ep[r], gr.mb, ok);  // myx: the depth where it matters
             if (unary[r]) {
               fd[r] = uf;
-              bad |= !ok;
+              bad |= (int)!ok;
             }
             place[r] += mine;
           }
@@ -481,7 +525,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           const int mag = fd[r].base + (int)field;
           const bool esc = sym[r] == KX_ESC;
           const bool over = !esc && mag > gr.maxmag;
-          bad |= over;
+          bad |= (int)over;
           const int pat = esc ? (int)field : (over ? 0 : mag | (gr.sign & neg[r]));
           const int d = r0 + 32 * r + k;
           if (OUT == 1) {
@@ -503,11 +547,11 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         rw.fill(ptr, lane);
         rb.fill(bpos >> 5, lane);
       }
-      i += D;
+      i += DT;
       if (!in_regs) __syncwarp();  // dev[] written, read by other threads next token
     }
   }
-  if (__any_sync(KX_FULL, bad)) {  // a malformed chunk decodes on (every read is bounded) to its end
+  if (__any_sync(KX_FULL, bad != 0)) {  // a malformed chunk decodes on (every read is bounded) to its end
     if (lane == 0) status[ci] = 5;
     return;
   }
