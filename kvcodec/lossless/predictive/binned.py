@@ -180,6 +180,20 @@ def load_u32(typingctx, arr, i):
     return types.int64(arr, types.int64), codegen
 
 
+def _vector_gep(builder, base, offsets, width: int):
+    """``<width x i8*>``: ``base`` (an i8 pointer) + each of the int ``offsets`` (a vector GEP, which
+    llvmlite's IR builder types as one pointer: the type is set here; an llvmlite without
+    ``source_etype`` (typed pointers) refuses a vector index, so its operands are set here too)."""
+    try:
+        ptrs = builder.gep(base, [offsets], source_etype=ir.IntType(8))
+    except TypeError:
+        ptrs = builder.gep(base, [ir.Constant(ir.IntType(32), 0)])
+        ptrs.indices = [offsets]
+        ptrs.operands = [base, offsets]
+    ptrs.type = ir.VectorType(base.type, width)
+    return ptrs
+
+
 def _rans_step(width: int):
     """An intrinsic ``step(xs, lane, tbase, d, compact, words, ptr, sym) -> ptr``: the rANS symbols
     of values ``d .. d + width - 1`` of a token, whose lanes ``lane .. lane + width - 1`` (uint32
@@ -201,7 +215,7 @@ def _rans_step(width: int):
             t_xs, _, t_tb, _, t_cp, t_w, _, t_sym = signature.args
             i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
             v16, v32, v64 = (ir.VectorType(t, width) for t in (i16, i32, i64))
-            vbool, vptr = ir.VectorType(ir.IntType(1), width), ir.VectorType(ir.PointerType(), width)
+            vbool, vptr = ir.VectorType(ir.IntType(1), width), ir.VectorType(i32.as_pointer(), width)
 
             def data(ty, val):
                 return context.make_array(ty)(context, builder, val).data
@@ -215,9 +229,9 @@ def _rans_step(width: int):
             table = data(t_cp, a_cp)
 
             def gather_u32(offsets):  # the 4 bytes at table + offset, per lane
-                ptrs = builder.gep(table, [offsets], source_etype=i8)
-                ptrs.type = vptr  # a vector GEP (llvmlite types it as one pointer)
-                fn = intrinsic_fn(f"llvm.masked.gather.v{width}i32.v{width}p0", v32, [vptr, i32, vbool, v32])
+                ptrs = builder.bitcast(_vector_gep(builder, table, offsets, width), vptr)
+                # (typed-pointer mangling: LLVM renames it where pointers are opaque)
+                fn = intrinsic_fn(f"llvm.masked.gather.v{width}i32.v{width}p0i32", v32, [vptr, i32, vbool, v32])
                 return builder.call(fn, [ptrs, ir.Constant(i32, 1), splat(1, vbool), ir.Constant(v32, ir.Undefined)])
 
             x_ptr = builder.bitcast(builder.gep(data(t_xs, a_xs), [a_lane]), v32.as_pointer())
@@ -230,7 +244,7 @@ def _rans_step(width: int):
             x = builder.mul(builder.and_(e, splat(0xFFFF)), builder.lshr(x, splat(12)))
             x = builder.sub(builder.add(x, slot), builder.lshr(e, splat(16)))
             need = builder.icmp_unsigned("<", x, splat(rans_lanes.RANS_L))
-            expand = intrinsic_fn(f"llvm.masked.expandload.v{width}i16", v16, [ir.PointerType(), vbool, v16])
+            expand = intrinsic_fn(f"llvm.masked.expandload.v{width}i16", v16, [i16.as_pointer(), vbool, v16])
             w = builder.call(expand, [builder.gep(data(t_w, a_w), [a_ptr]), need, ir.Constant(v16, ir.Undefined)])
             renormed = builder.or_(builder.shl(x, splat(16)), builder.zext(w, v32))
             builder.store(builder.select(need, renormed, x), x_ptr, align=4)
