@@ -7,8 +7,9 @@ nothing for a minute; ``pytest -m "not slow"`` leaves those tests out.
 Compiler runs start in the background when the session starts (``_Builds``): the nvcc builds that
 tests parametrized over ``nvcc_build`` check, and the g++ builds of the CUDA kernel emulators in
 ``tests/cuda_emulation`` when a selected test uses ``cpu_emulator``. They run at low priority on the
-cores the (mostly single-threaded) tests leave idle; each test waits for its own build. A build is
-the same command a test would run itself, and each runs once a session.
+cores the (mostly single-threaded) tests leave idle, and the nvcc build checks run last; each test
+waits for its own build. A build is the same command a test would run itself, and each runs once a
+session.
 """
 
 import ctypes
@@ -31,8 +32,14 @@ def pytest_configure(config):
     _config[:] = [config]
 
 
+def _nvcc_build(item):
+    return getattr(getattr(item, "callspec", None), "params", {}).get("nvcc_build")
+
+
 def pytest_collection_modifyitems(items):
     _slow.update(item.nodeid for item in items if item.get_closest_marker("slow") is not None)
+    # the nvcc build checks go last: their builds then have the whole session to finish in the background
+    items[:] = [item for item in items if _nvcc_build(item) is None] + [item for item in items if _nvcc_build(item)]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -104,17 +111,16 @@ def _session_builds() -> _Builds:
 
 
 def pytest_collection_finish(session):
-    """Start every build the selected tests will wait for."""
+    """Start every build the selected tests will wait for: the emulators (needed mid-session) first."""
     if session.config.option.collectonly:
         return
-    has_nvcc, has_gxx = shutil.which("nvcc") is not None, shutil.which("g++") is not None
-    for item in session.items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if has_nvcc and "nvcc_build" in params:
-            _session_builds().nvcc(params["nvcc_build"])
-        if has_gxx and "cpu_emulator" in getattr(item, "fixturenames", ()):
-            for cpp in sorted(EMULATORS.glob("*.cpp")):
-                _session_builds().emulator(cpp.stem)
+    if shutil.which("g++") is not None and any("cpu_emulator" in getattr(i, "fixturenames", ()) for i in session.items):
+        for cpp in sorted(EMULATORS.glob("*.cpp")):
+            _session_builds().emulator(cpp.stem)
+    if shutil.which("nvcc") is not None:
+        for item in session.items:
+            if _nvcc_build(item) is not None:
+                _session_builds().nvcc(_nvcc_build(item))
 
 
 def pytest_sessionfinish(session):
