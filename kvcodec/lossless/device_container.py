@@ -42,29 +42,19 @@ def assemble(kind: str, meta: dict, sections: dict[str, torch.Tensor], crcs: lis
     """The container of ``sections`` (1-D contiguous CUDA tensors of 1- or 2-byte elements, stored
     as numpy uint8 / uint16 sections, in this order) with their ``crcs``, as a uint8 CUDA tensor;
     equal to ``container.dumps(kind, meta, {name: the same arrays in numpy})``."""
-    head, entries = layout(kind, meta, sections, crcs)
-    out = torch.empty(entries[-1]["offset"] + entries[-1]["nbytes"] if entries else len(head), dtype=torch.uint8,
-                      device=device)
-    out[: len(head)].copy_(upload([np.frombuffer(head, np.uint8)], device)[0])
-    fill(out, len(head), entries, sections)
-    return out
-
-
-def layout(kind: str, meta: dict, sections: dict[str, torch.Tensor], crcs: list[int]) -> tuple[bytes, list[dict]]:
-    """(prefix and header bytes, section entries with their offsets) of :func:`assemble`'s container."""
     entries = [{"name": name, "type": "numpy", "dtype": _dtype_name(t), "shape": [t.numel()],
                 "nbytes": t.numel() * t.element_size(), "crc32": int(c)} for (name, t), c in zip(sections.items(), crcs)]
-    return container.header_bytes(kind, meta, entries), entries
-
-
-def fill(out: torch.Tensor, pos: int, entries: list[dict], sections: dict[str, torch.Tensor]) -> None:
-    """Copy ``sections`` to their ``entries``' offsets in ``out``, zeros in the gaps from byte ``pos`` on."""
+    head = container.header_bytes(kind, meta, entries)
+    total = entries[-1]["offset"] + entries[-1]["nbytes"] if entries else len(head)
+    out = torch.empty(total, dtype=torch.uint8, device=device)
+    out[: len(head)].copy_(upload([np.frombuffer(head, np.uint8)], device)[0])
+    pos = len(head)
     for e, t in zip(entries, sections.values()):
-        if e["offset"] > pos:
-            out[pos: e["offset"]].zero_()
+        out[pos: e["offset"]].zero_()
         if e["nbytes"]:
             out[e["offset"]: e["offset"] + e["nbytes"]].copy_(t.reshape(-1).view(torch.uint8))
         pos = e["offset"] + e["nbytes"]
+    return out
 
 
 @dataclass(frozen=True)

@@ -438,9 +438,6 @@ class _FieldParts:
                                parts_head])
 
 
-_WIDEST_CRC = 0xFFFFFFFF  # a crc32 of ten digits in the header's JSON: the longest header
-
-
 def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: str,
              steps: dict | None = None) -> torch.Tensor:
     """The tensor blob (``kvcodec.compress``'s container, a uint8 tensor on the device) of a CUDA tensor
@@ -464,31 +461,12 @@ def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: st
     late = [k for k in sections if k not in early]
     if late:
         early.update(zip(late, crc32_many([sections[k].view(torch.uint8) for k in late])))
-    crcs_h = torch.empty(len(sections) + 1, dtype=torch.int64, pin_memory=True)
-    crcs_h.copy_(torch.stack([early[k] for k in ("tensor", *sections)]), non_blocking=True)
-    crcs_ready = torch.cuda.current_stream(t.device).record_event()
-
-    def header(crcs: list[int]) -> tuple[bytes, list[dict]]:
-        meta = {"codec": codec, "dtype": container.torch_dtype_name(t.dtype), "shape": list(t.shape),
-                "device": str(tensor.device), "crc32": crcs[0], "uses_prediction": source == "external",
-                "codec_meta": codec_meta}
-        return device_container.layout(kind, meta, sections, crcs[1:])
-
-    # the sections copied to their places while the checksums run: the places of the longest header
-    # (every crc32 ten digits), the real one's unless its length crosses a 64-byte boundary
-    _, placed = header([_WIDEST_CRC] * (len(sections) + 1))
-    start = placed[0]["offset"]
-    out = torch.empty(placed[-1]["offset"] + placed[-1]["nbytes"], dtype=torch.uint8, device=t.device)
-    out[:start].zero_()  # the header goes on top after the wait
-    device_container.fill(out, start, placed, sections)
-    clock.mark("container: sections placed")
-    crcs_ready.synchronize()
+    crcs = torch.stack([early[k] for k in ("tensor", *sections)]).cpu().tolist()
     clock.mark("wait: checksums (sync 3)")
-    head, entries = header(crcs_h.tolist())
-    if [e["offset"] for e in entries] != [e["offset"] for e in placed]:  # a shorter header: sections 64 bytes earlier
-        out = torch.empty(entries[-1]["offset"] + entries[-1]["nbytes"], dtype=torch.uint8, device=t.device)
-        device_container.fill(out, len(head), entries, sections)
-    out[:len(head)].copy_(upload([np.frombuffer(head, np.uint8)], t.device)[0])
+    meta = {"codec": codec, "dtype": container.torch_dtype_name(t.dtype), "shape": list(t.shape),
+            "device": str(tensor.device), "crc32": crcs[0], "uses_prediction": source == "external",
+            "codec_meta": codec_meta}
+    out = device_container.assemble(kind, meta, sections, crcs[1:], t.device)
     clock.mark("container")
     return out
 
