@@ -19,6 +19,7 @@ from .models.base import CumulativeTables, Model, QuantizedFamily
 from .models.categorical import symbol_dtype
 from .models.quantized import MEAN_CLIP, mean_to_q, scale_bits_to_idx
 from .range_coder import static_model
+from .rans_lanes import readonly
 
 TOP = 1 << 24
 MASK32 = (1 << 32) - 1
@@ -374,9 +375,11 @@ def _decode_quant(buf, mean_f, scale_bits, wq, lo, hi, fam, out):
 
 # ---------------------------------------------------------------- Python entry points
 def _payload_array(payload) -> np.ndarray:
+    """The payload as read-only uint8 (one compiled decoder for bytes, bytearray and arrays alike)."""
     if isinstance(payload, np.ndarray):
-        return np.ascontiguousarray(payload.reshape(-1).view(np.uint8))
-    return np.frombuffer(bytes(payload) if not isinstance(payload, (bytes, bytearray, memoryview)) else payload, dtype=np.uint8)
+        return readonly(np.ascontiguousarray(payload.reshape(-1).view(np.uint8)))
+    buf = bytes(payload) if not isinstance(payload, (bytes, bytearray, memoryview)) else payload
+    return readonly(np.frombuffer(buf, dtype=np.uint8))
 
 
 def _finish_decode(status: int, pos: int, nbytes: int) -> None:

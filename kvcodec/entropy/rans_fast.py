@@ -26,6 +26,7 @@ from functools import cache
 import numpy as np
 from numba import njit
 
+from kvcodec.entropy.rans_lanes import readonly
 from kvcodec.entropy.rans_unrolled import MAIN_LOOPS
 from kvcodec.errors import CorruptStreamError
 
@@ -564,8 +565,8 @@ def _payload(payload) -> np.ndarray:
     if isinstance(payload, np.ndarray):
         if payload.dtype != np.uint8 or payload.ndim != 1:
             raise ValueError("payload must be bytes or a 1-D uint8 array")
-        return np.ascontiguousarray(payload)
-    return np.frombuffer(payload, dtype=np.uint8)
+        return readonly(np.ascontiguousarray(payload))
+    return readonly(np.frombuffer(payload, dtype=np.uint8))  # one compiled decoder for any buffer
 
 
 def _check_n(n) -> int:

@@ -32,6 +32,16 @@ RANS_L = 1 << 16
 LANES = (8, 32)  # lane counts with compiled decoders (multiples of 8; 32 = the GPU warp layout)
 
 
+def readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (no copy). Numba compiles a kernel once per argument type, and a
+    read-only array (``np.frombuffer`` of ``bytes``) is another type than a writable one (of a
+    ``bytearray``, or a fresh array): decoders pass their byte and word inputs through this, so
+    each compiles once whatever buffer the caller gave (tests/test_numba_signatures.py)."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 # --------------------------------------------------------------------------- tables (the model side)
 def cumulative(freq: np.ndarray) -> np.ndarray:
     """int64 cumulative frequencies (exclusive) along the last axis."""
@@ -215,12 +225,12 @@ _NO_LUT = np.zeros(1, np.uint16)
 
 def decode(words, a, D, rowctx, tabs, lanes, out) -> int:
     """Decode a stream into the uint8 symbols ``out``; 0, or 1 if the stream is malformed."""
-    return _DECODERS[lanes, False](words, a, D, rowctx, tabs, out, _NO_SIDE, _NO_LUT, _NO_LUT)
+    return _DECODERS[lanes, False](readonly(words), a, D, rowctx, tabs, out, _NO_SIDE, _NO_LUT, _NO_LUT)
 
 
 def decode_merged(words, a, D, rowctx, tabs, lanes, side, hi, lo, out16) -> int:
     """Decode a stream straight into 16-bit words ``out16[i] = hi[symbol] | lo[side[i]]``."""
-    return _DECODERS[lanes, True](words, a, D, rowctx, tabs, out16, side, hi, lo)
+    return _DECODERS[lanes, True](readonly(words), a, D, rowctx, tabs, out16, readonly(side), hi, lo)
 
 
 def row_contexts(a: int, n: int, D: int, rowctx: np.ndarray) -> np.ndarray:

@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit
 
 from kvcodec import magics
+from kvcodec.entropy.rans_lanes import readonly
 from kvcodec.errors import CorruptStreamError
 
 MAGIC = magics.STREAM
@@ -268,7 +269,7 @@ def _parse_freqs(buf: np.ndarray, pos: int, alphabet: int) -> tuple[np.ndarray, 
     ``buf[pos:]``, in one compiled pass (:func:`_freq_table`: the numpy version's ~30 small calls
     were most of a small stream's parse); CorruptStreamError."""
     freqs = np.zeros(alphabet, dtype=np.uint32)
-    end, err = _freq_table(buf, pos, freqs)
+    end, err = _freq_table(readonly(buf), pos, freqs)  # one compile for any buffer
     if err:
         raise CorruptStreamError(_FREQ_ERRORS[err] if err != _E_MODE else f"unknown frequency table mode {end}")
     return freqs, end

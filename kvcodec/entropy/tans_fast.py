@@ -16,6 +16,7 @@ import sys
 import numpy as np
 from numba import njit
 
+from kvcodec.entropy.rans_lanes import readonly
 from kvcodec.entropy.tans import MAX_TABLE_LOG, MIN_TABLE_LOG
 from kvcodec.errors import CorruptStreamError
 
@@ -281,7 +282,7 @@ def decode_prepared(payload, tables, table_log: int, n: int) -> np.ndarray:
     else:
         p = np.frombuffer(payload, dtype=np.uint8)
     out = np.empty(int(n), dtype=sym.dtype)
-    status = _decode_kernel(p, sym, packed, int(table_log), out)
+    status = _decode_kernel(readonly(p), sym, packed, int(table_log), out)  # one compile for any buffer
     if status:
         raise CorruptStreamError(_MESSAGES[status])
     return out

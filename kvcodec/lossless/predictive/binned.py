@@ -34,6 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from kvcodec.entropy import rans_lanes
+from kvcodec.entropy.rans_lanes import readonly
 from kvcodec.lossless.predictive.bins import (
     CENTRE, DEPTH_MAX, ESC, MU_MAX, N_CLASSES, bin_grid, encode_value, float64_bits, locate, pow2, value_of,
 )
@@ -538,8 +539,9 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     if key not in _DECODERS:
         _DECODERS[key] = _chunk_decoder(key)
     grid = np.array(consts, np.int64)
-    _DECODERS[key](words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
-                   m, c, a, es, level, shared, compact, lanes, out, out_g0, out_t0, err, grid)
+    # read-only views: one compile whether the stream came as bytes or bytearray
+    _DECODERS[key](readonly(words), wstart, wlen, readonly(bits), bstart, blen, cg0, cng, ct0, cnt, pred, has_pred,
+                   pred_g0, pred_t0, m, c, a, es, level, shared, compact, lanes, out, out_g0, out_t0, err, grid)
 
 
 @lru_cache(maxsize=None)

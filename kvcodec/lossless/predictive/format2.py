@@ -31,6 +31,7 @@ from numba import njit
 from kvcodec import entropy
 from kvcodec.entropy import rans_fast, rans_lanes
 from kvcodec.entropy.rans_fast import table_args, table_kernel
+from kvcodec.entropy.rans_lanes import readonly
 from kvcodec.entropy.freq import count_symbols, quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.binned import decode_chunks, gather_words, symbolise, write_chunks
@@ -578,7 +579,7 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
     words = section(sections, "payload", np.uint16)
     bits = section(sections, "bits", np.uint32)
     wlen, blen, wstart, bstart = (np.empty(nc, np.int64) for _ in range(4))
-    sums = _chunk_counts(blob[4 + k:], chunks[1], chunks[3], d, wlen, blen, wstart, bstart)
+    sums = _chunk_counts(readonly(blob[4 + k:]), chunks[1], chunks[3], d, wlen, blen, wstart, bstart)
     if sums[0] != words.size or sums[2] < 2 * lanes or sums[1] != bits.size:
         raise CorruptStreamError("predictive stream chunk sizes do not add up to its payload")
     if sums[3]:  # at most 64 raw bits per value

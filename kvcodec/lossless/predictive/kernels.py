@@ -11,6 +11,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvcodec.entropy import rans64_fast
+from kvcodec.entropy.rans_lanes import readonly
 from kvcodec.entropy.rans64 import M, PRECISION, RANS_L
 from kvcodec.lossless.predictive.cdf import cum, find_symbol, location, prediction_at
 
@@ -51,8 +52,13 @@ def encode_chunks(kx, pred, has_pred, m, c, a, rs, shared, cdf, edges, valf, fin
         out_start[ci] = rans64_fast.flush(x, out, pos)
 
 
+def decode_chunks(words, *args) -> None:
+    """:func:`_decode_chunks` of a read-only view of ``words`` (one compile for any buffer)."""
+    _decode_chunks(readonly(words), *args)
+
+
 @njit(parallel=True, cache=True)
-def decode_chunks(words, wstart, wlen, chunk_g, chunk_b, pred, has_pred, pred_t0, m, c, a, rs, shared,
+def _decode_chunks(words, wstart, wlen, chunk_g, chunk_b, pred, has_pred, pred_t0, m, c, a, rs, shared,
                   cdf, edges, valf, finite, rank_of, scale, inv_cdf, inv_w, tb, t_total, g0, out_t0, out_k, err):
     """Decode the listed chunks (local group chunk_g[i], token block chunk_b[i]) into out_k, whose
     token 0 is token out_t0; pred's token 0 is token pred_t0; params of group g0 + chunk_g[i].

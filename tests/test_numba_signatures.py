@@ -1,0 +1,54 @@
+"""Each numba decoder compiles once whatever buffer the caller gives: numba types a read-only array
+(``np.frombuffer`` of ``bytes``) apart from a writable one (of a ``bytearray``, or a fresh array),
+so a decoder handed both would compile twice (seconds each); the decoders pass their byte and word
+inputs as read-only views (``rans_lanes.readonly``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import types
+
+import kvcodec
+from kvcodec import entropy
+from kvcodec.entropy import models
+from kvcodec.entropy import range_coder_fast, rans_fast, rans_lanes, rans_unrolled, stream, tans_fast
+from kvcodec.lossless.predictive import binned, format2, kernels
+
+
+def _decoders():
+    """The kernels the decodes below run that take the caller's buffer (or a slice of it)."""
+    singles = [range_coder_fast._decode_lut, range_coder_fast._decode_quant, rans_fast._read_states,
+               rans_fast._decode_kernel, rans_unrolled._main_loop_32, tans_fast._decode_kernel,
+               stream._freq_table, format2._chunk_counts, kernels._decode_chunks]
+    return singles + list(rans_lanes._DECODERS.values()) + list(binned._DECODERS.values())
+
+
+def _writable(sig: tuple) -> tuple:
+    return tuple(t.copy(readonly=False) if isinstance(t, types.Array) else t for t in sig)
+
+
+def test_decoders_compile_once_for_bytes_bytearray_and_arrays():
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 64).to(torch.bfloat16)
+    pred = (x.float() + 0.01 * torch.randn_like(x.float())).to(torch.bfloat16)
+    blobs = [(kvcodec.compress(x, pred), pred), (kvcodec.compress(x, pred, version=1), pred),
+             (kvcodec.compress(x, codec="planes"), None)]
+    sym = np.random.default_rng(0).integers(0, 40, 5000).astype(np.uint8)
+    streams = [entropy.encode(sym, coder, streams=32 if coder == "rans" else None)
+               for coder in ("rans", "tans", "arith")]
+    laplace = models.Laplace(np.zeros(300), 2.0, -50, 50)
+    values = np.arange(300) % 101 - 50
+    payload = range_coder_fast.encode(values, laplace)
+    # (the form a codec blob takes, the form an entropy stream takes: bytes-like only)
+    forms = ((bytes, bytes), (bytearray, bytearray),
+             (lambda b: np.frombuffer(bytearray(b), np.uint8), lambda b: memoryview(bytearray(b))))
+    for form, stream_form in forms:
+        for blob, p in blobs:
+            assert torch.equal(kvcodec.decompress(form(blob), p).view(torch.int16), x.view(torch.int16))
+        for s in streams:
+            assert np.array_equal(entropy.decode(stream_form(s)), sym)
+        assert np.array_equal(range_coder_fast.decode(form(payload), laplace, 300), values)
+    twice = [f"{d.__module__}.{d.__name__}" for d in _decoders()
+             if len({_writable(s) for s in d.signatures}) < len(d.signatures)]
+    assert not twice, f"compiled for read-only and writable inputs alike: {twice}"
