@@ -1,7 +1,7 @@
 """Each numba decoder compiles once whatever buffer the caller gives: numba types a read-only array
 (``np.frombuffer`` of ``bytes``) apart from a writable one (of a ``bytearray``, or a fresh array),
 so a decoder handed both would compile twice (seconds each); the decoders pass their byte and word
-inputs as read-only views (``rans_lanes.readonly``)."""
+inputs as read-only views (``kvcodec.kernel_inputs.readonly``)."""
 
 from __future__ import annotations
 

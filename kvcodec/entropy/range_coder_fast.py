@@ -19,7 +19,7 @@ from .models.base import CumulativeTables, Model, QuantizedFamily
 from .models.categorical import symbol_dtype
 from .models.quantized import MEAN_CLIP, mean_to_q, scale_bits_to_idx
 from .range_coder import static_model
-from .rans_lanes import readonly
+from ..kernel_inputs import readonly
 
 TOP = 1 << 24
 MASK32 = (1 << 32) - 1

@@ -26,7 +26,7 @@ from functools import cache
 import numpy as np
 from numba import njit
 
-from kvcodec.entropy.rans_lanes import readonly
+from kvcodec.kernel_inputs import readonly
 from kvcodec.entropy.rans_unrolled import MAIN_LOOPS
 from kvcodec.errors import CorruptStreamError
 

@@ -26,20 +26,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from kvcodec.kernel_inputs import readonly
+
 PRECISION = 12
 M = 1 << PRECISION
 RANS_L = 1 << 16
 LANES = (8, 32)  # lane counts with compiled decoders (multiples of 8; 32 = the GPU warp layout)
-
-
-def readonly(a: np.ndarray) -> np.ndarray:
-    """A read-only view of ``a`` (no copy). Numba compiles a kernel once per argument type, and a
-    read-only array (``np.frombuffer`` of ``bytes``) is another type than a writable one (of a
-    ``bytearray``, or a fresh array): decoders pass their byte and word inputs through this, so
-    each compiles once whatever buffer the caller gave (tests/test_numba_signatures.py)."""
-    view = a.view()
-    view.flags.writeable = False
-    return view
 
 
 # --------------------------------------------------------------------------- tables (the model side)

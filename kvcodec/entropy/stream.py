@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from kvcodec import magics
-from kvcodec.entropy.rans_lanes import readonly
+from kvcodec.kernel_inputs import readonly
 from kvcodec.errors import CorruptStreamError
 
 MAGIC = magics.STREAM

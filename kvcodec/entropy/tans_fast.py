@@ -16,7 +16,7 @@ import sys
 import numpy as np
 from numba import njit
 
-from kvcodec.entropy.rans_lanes import readonly
+from kvcodec.kernel_inputs import readonly
 from kvcodec.entropy.tans import MAX_TABLE_LOG, MIN_TABLE_LOG
 from kvcodec.errors import CorruptStreamError
 

@@ -34,7 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from kvcodec.entropy import rans_lanes
-from kvcodec.entropy.rans_lanes import readonly
+from kvcodec.kernel_inputs import readonly
 from kvcodec.lossless.predictive.bins import (
     CENTRE, DEPTH_MAX, ESC, MU_MAX, N_CLASSES, bin_grid, encode_value, float64_bits, locate, pow2, value_of,
 )

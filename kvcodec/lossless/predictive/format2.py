@@ -31,7 +31,7 @@ from numba import njit
 from kvcodec import entropy
 from kvcodec.entropy import rans_fast, rans_lanes
 from kvcodec.entropy.rans_fast import table_args, table_kernel
-from kvcodec.entropy.rans_lanes import readonly
+from kvcodec.kernel_inputs import readonly
 from kvcodec.entropy.freq import count_symbols, quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.binned import decode_chunks, gather_words, symbolise, write_chunks

@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit, prange
 
 from kvcodec.entropy import rans64_fast
-from kvcodec.entropy.rans_lanes import readonly
+from kvcodec.kernel_inputs import readonly
 from kvcodec.entropy.rans64 import M, PRECISION, RANS_L
 from kvcodec.lossless.predictive.cdf import cum, find_symbol, location, prediction_at
 

@@ -1,0 +1,18 @@
+"""Arrays as the compiled (numba) kernels receive them.
+
+Numba compiles a kernel once per argument type, and a read-only array (``np.frombuffer`` of
+``bytes``) is another type than a writable one (of a ``bytearray``, or a fresh array). Decoders pass
+their byte and word inputs through :func:`readonly`, so each kernel compiles once whatever buffer
+the caller gave (a compile costs seconds; ``tests/test_numba_signatures.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (no copy)."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
