@@ -49,6 +49,24 @@ def test_decoders_compile_once_for_bytes_bytearray_and_arrays():
         for s in streams:
             assert np.array_equal(entropy.decode(stream_form(s)), sym)
         assert np.array_equal(range_coder_fast.decode(form(payload), laplace, 300), values)
+    # the 32-lane coder's own entry points, with every table array once writable and once read-only (a
+    # planes blob's row contexts come from its bytes, a one-class plane's are built by the decoder)
+    n, d = 3000, 64
+    rowctx = np.arange(n // d + 2, dtype=np.uint8) % 2
+    freqs = np.zeros((2, 256), np.uint32)
+    freqs[:, :40] = (1 << rans_lanes.PRECISION) // 40
+    freqs[:, 0] += (1 << rans_lanes.PRECISION) - freqs[0].sum()
+    words = np.empty(n + 64, np.uint16)
+    start = rans_lanes.encode(sym[:n], 0, d, rowctx, freqs, rans_lanes.cumulative(freqs), 32, words)
+    tabs = rans_lanes.decode_tables(freqs)
+    side, hi, lo = sym[:n] ^ 7, np.arange(256, dtype=np.uint16) << 8, np.arange(256, dtype=np.uint16)
+    out, out16 = np.empty(n, np.uint8), np.empty(n, np.uint16)
+    for form in (np.copy, lambda a: np.frombuffer(a.tobytes(), a.dtype).reshape(a.shape)):
+        assert rans_lanes.decode(words[start:], 0, d, form(rowctx), form(tabs), 32, out) == 0
+        assert np.array_equal(out, sym[:n])
+        assert rans_lanes.decode_merged(words[start:], 0, d, form(rowctx), form(tabs), 32, form(side), form(hi),
+                                        form(lo), out16) == 0
+        assert np.array_equal(out16, hi[sym[:n]] | side)
     twice = [f"{d.__module__}.{d.__name__}" for d in _decoders()
              if len({_writable(s) for s in d.signatures}) < len(d.signatures)]
     assert not twice, f"compiled for read-only and writable inputs alike: {twice}"

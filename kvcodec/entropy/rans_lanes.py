@@ -211,18 +211,21 @@ def _make_decoder(lanes: int, merge: bool):
 
 
 _DECODERS = {(lanes, merge): _make_decoder(lanes, merge) for lanes in LANES for merge in (False, True)}
-_NO_SIDE = np.zeros(0, np.uint8)
-_NO_LUT = np.zeros(1, np.uint16)
+_NO_SIDE = readonly(np.zeros(0, np.uint8))
+_NO_LUT = readonly(np.zeros(1, np.uint16))
 
 
 def decode(words, a, D, rowctx, tabs, lanes, out) -> int:
-    """Decode a stream into the uint8 symbols ``out``; 0, or 1 if the stream is malformed."""
-    return _DECODERS[lanes, False](readonly(words), a, D, rowctx, tabs, out, _NO_SIDE, _NO_LUT, _NO_LUT)
+    """Decode a stream into the uint8 symbols ``out``; 0, or 1 if the stream is malformed. Every input
+    array goes in read-only (one compile whether it came from a blob's bytes or was built here)."""
+    return _DECODERS[lanes, False](readonly(words), a, D, readonly(rowctx), readonly(tabs), out, _NO_SIDE,
+                                   _NO_LUT, _NO_LUT)
 
 
 def decode_merged(words, a, D, rowctx, tabs, lanes, side, hi, lo, out16) -> int:
     """Decode a stream straight into 16-bit words ``out16[i] = hi[symbol] | lo[side[i]]``."""
-    return _DECODERS[lanes, True](readonly(words), a, D, rowctx, tabs, out16, readonly(side), hi, lo)
+    return _DECODERS[lanes, True](readonly(words), a, D, readonly(rowctx), readonly(tabs), out16, readonly(side),
+                                  readonly(hi), readonly(lo))
 
 
 def row_contexts(a: int, n: int, D: int, rowctx: np.ndarray) -> np.ndarray:
