@@ -204,7 +204,8 @@ _side_streams: dict = {}
 
 
 def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The stream the section checks of :class:`Checks` run on (one per device, made once)."""
+    """A device's stream for work beside torch's (one per device, made once): the section checks of
+    :class:`Checks`, the GPU encoder's checksums and raw bits (``kvctx_device_encode._Side``)."""
     stream = _side_streams.get(device)
     if stream is None:
         stream = _side_streams[device] = torch.cuda.Stream(device)

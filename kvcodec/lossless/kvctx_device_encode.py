@@ -40,6 +40,7 @@ from kvcodec import container
 from kvcodec.cuda.transfer import download, upload
 from kvcodec.entropy import rans_lanes
 from kvcodec.lossless import kvctx_device_fit as kfit
+from kvcodec.lossless.device_container import side_stream
 from kvcodec.lossless.kvctx_device import _prediction_f32, grid_constants
 from kvcodec.lossless.predictive import codec as pcodec
 from kvcodec.lossless.predictive import format2
@@ -210,9 +211,6 @@ def _fill_tables(freq, ftab, rcp):
             cum += f
 
 
-_side_streams: dict = {}
-
-
 class _Side:
     """A side stream of a CUDA device for work that needs no table (the checksums, the raw bits): it runs
     beside the main stream's kernels, the host's table work and the rANS kernel. On CPU tensors (the tests'
@@ -222,9 +220,7 @@ class _Side:
         self.on = dev.type == "cuda"
         if self.on:
             self.main = torch.cuda.current_stream(dev)
-            if dev not in _side_streams:
-                _side_streams[dev] = torch.cuda.Stream(dev)
-            self.stream = _side_streams[dev]
+            self.stream = side_stream(dev)
 
     def mark(self):
         """An event after the main stream's work so far (None off a GPU)."""
