@@ -484,28 +484,35 @@ def _chunk_decoder(consts):
 
     @njit(parallel=True, cache=True)
     def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
-                      m, c, a, es, level, shared, compact, lanes, out, out_g0, out_t0, err, grid):
+                      m, c, a, es, level, shared, compact, lanes, out, out_g0, out_t0, err, grid, rounds, chained):
         bits8 = bits.view(np.uint8)
-        for ci in prange(cg0.size):
-            ptr, end = wstart[ci], wstart[ci] + wlen[ci]
-            if wlen[ci] < 2 * lanes:
-                err[ci] = 1
-                continue
-            xs = np.empty(lanes, np.uint32)  # the rANS states (32-bit: the vector step's lanes)
-            if not rans_lanes.start_states(words, ptr, lanes, xs):
-                err[ci] = 2
-                continue
-            bad, ptr, used = decode_chunk(words, ptr + 2 * lanes, bits8, 32 * bstart[ci], cg0[ci], cng[ci], ct0[ci],
-                                          cnt[ci], pred, has_pred, pred_g0, pred_t0, m, c, a, es, level, shared,
-                                          compact, lanes, out, out_g0, out_t0, xs, grid)
-            if bad:
-                err[ci] = bad
-                continue
-            for j in range(lanes):
-                if xs[j] != rans_lanes.RANS_L:
-                    bad = 4
-            if bad or ptr != end or (used + 31) // 32 != blen[ci]:
-                err[ci] = 4
+        for r in range(rounds.size - 1):  # rounds in order (a round stops the rest if it fails)
+            use_pred = has_pred and not (chained and r == 0)
+            for ci in prange(rounds[r], rounds[r + 1]):
+                ptr, end = wstart[ci], wstart[ci] + wlen[ci]
+                if wlen[ci] < 2 * lanes:
+                    err[ci] = 1
+                    continue
+                xs = np.empty(lanes, np.uint32)  # the rANS states (32-bit: the vector step's lanes)
+                if not rans_lanes.start_states(words, ptr, lanes, xs):
+                    err[ci] = 2
+                    continue
+                bad, ptr, used = decode_chunk(words, ptr + 2 * lanes, bits8, 32 * bstart[ci], cg0[ci], cng[ci],
+                                              ct0[ci], cnt[ci], pred, use_pred, pred_g0, pred_t0, m, c, a, es, level,
+                                              shared, compact, lanes, out, out_g0, out_t0, xs, grid)
+                if bad:
+                    err[ci] = bad
+                    continue
+                for j in range(lanes):
+                    if xs[j] != rans_lanes.RANS_L:
+                        bad = 4
+                if bad or ptr != end or (used + 31) // 32 != blen[ci]:
+                    err[ci] = 4
+            failed = False
+            for ci in range(rounds[r], rounds[r + 1]):
+                failed |= err[ci] != 0
+            if failed:
+                break
 
     return decode_chunks
 
@@ -516,10 +523,14 @@ _DECODERS: dict = {}
 
 def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
                   m, c, a, es, level, shared, compact, lanes, width, sign, mb, maxmag, escape, unit, inv_unit,
-                  out, out_g0, out_t0, err):
+                  out, out_g0, out_t0, err, rounds=None, chained=False):
     """Decode the listed chunks into ``out`` (bit patterns; its [0, 0] is (out_g0, out_t0)); the
     prediction's [0, 0] is (pred_g0, pred_t0). ``err[i]`` is set non-zero for a malformed chunk.
-    Chunks run in parallel (numba ``prange``, the caller's thread count).
+    Chunks run in parallel (numba ``prange``, the caller's thread count), in ``rounds`` (chunk index
+    boundaries, int64; None: one round) one after the other, stopping after a round with an error.
+    ``chained``: round 0 is decoded without the prediction (as by a zero one), the later rounds with
+    it: the neighbour-layer predictor passes ``out`` itself as ``pred``, one round per layer, so a
+    layer reads the one decoded before it (one call instead of one per layer: ~6 us a layer).
 
     The values of one token depend on the previous token only, so each token is four loops over
     its channels: the rANS symbols (two-level tables, :func:`tables.compact_tables`), the raw bit counts,
@@ -533,15 +544,30 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     bits 8 at a time with a prefix sum of their counts when none of the 8 is ESC or bin 0 (-6 to -9%).
     """
     del escape, unit  # the grid's tables: the decoder needs neither (values from exponent bits)
+    kernel, grid = _decoder(width, sign, mb, maxmag, inv_unit)
+    # read-only views: one compile whether the stream came as bytes or bytearray
+    if rounds is None:
+        rounds = np.array([0, cg0.size], np.int64)
+    kernel(_readonly(words), wstart, wlen, _readonly(bits), bstart, blen, cg0, cng, ct0, cnt, pred, has_pred,
+           pred_g0, pred_t0, m, c, a, es, level, shared, compact, lanes, out, out_g0, out_t0, err, grid, rounds,
+           chained)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    return readonly(a) if a.flags.writeable else a
+
+
+@lru_cache(maxsize=None)
+def _decoder(width: int, sign: int, mb: int, maxmag: int, inv_unit: float) -> tuple:
+    """(chunk decoder, its grid argument) of a dtype's bit layout: its own kernel for the
+    specialised dtypes, else the generic one (looked up once per layout: the lookups were ~2 us of a
+    small chunk's call)."""
     eoff = 1 - math.frexp(inv_unit)[1]  # inv_unit = 2**-eoff
     consts = (int(width), int(sign), int(mb), int(maxmag), eoff)
     key = consts if consts in _specialised_consts() else None
     if key not in _DECODERS:
         _DECODERS[key] = _chunk_decoder(key)
-    grid = np.array(consts, np.int64)
-    # read-only views: one compile whether the stream came as bytes or bytearray
-    _DECODERS[key](readonly(words), wstart, wlen, readonly(bits), bstart, blen, cg0, cng, ct0, cnt, pred, has_pred,
-                   pred_g0, pred_t0, m, c, a, es, level, shared, compact, lanes, out, out_g0, out_t0, err, grid)
+    return _DECODERS[key], readonly(np.array(consts, np.int64))
 
 
 @lru_cache(maxsize=None)

@@ -367,13 +367,14 @@ def _decode_v2(ps: ParsedStream, pred, threads: int, start: int, stop: int) -> n
     grid, p2 = ps.grid, ps.v2
     bgrid = bin_grid(torch.bfloat16 if ps.mode == "f32split" else ps.dtype)
     cg0, _, ct0, cnt = p2.chunks
-    if (start, stop) == (0, tt):  # every chunk (the common case: no mask of them to build)
-        hit, t0, t1 = np.ones(cg0.size, bool), 0, tt
+    every = (start, stop) == (0, tt)
+    if every:  # every chunk (the common case: no mask of them to build)
+        hit, t0, t1 = None, 0, tt
     else:
         hit = (ct0 < stop) & (ct0 + cnt > start)
         t0, t1 = int(ct0[hit].min()), int((ct0 + cnt)[hit].max())
     out = np.empty((g, t1 - t0, d), grid.bits_np)
-    if ps.source == "neighbour_layer" and int(hit.sum()) <= ps.shape[0]:
+    if ps.source == "neighbour_layer" and (cg0.size if every else int(hit.sum())) <= ps.shape[0]:
         threads = 1  # one chunk per layer: waking the other workers per layer only costs time
     with _Threads(threads):
         if ps.source == "neighbour_layer":
@@ -381,16 +382,21 @@ def _decode_v2(ps: ParsedStream, pred, threads: int, start: int, stop: int) -> n
             # bf16 patterns are their own prediction (the kernel widens them, a non-finite one
             # predicts 0 as in the value table): no float32 copy of each layer
             as_bits = bgrid is bin_grid(torch.bfloat16)
+            if as_bits:  # one call: each layer reads the one before from ``out``
+                sel = range(cg0.size) if every else np.flatnonzero(hit)
+                if format2.decode(p2, bgrid, sel, out, t0, None, 0, 0, layer_g=per_layer).any():
+                    raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
+                return out[:, start - t0:stop - t0]
             values = value_table(grid)
-            p_layer = np.zeros((per_layer, out.shape[1], d), np.uint16 if as_bits else np.float32)
+            p_layer = np.zeros((per_layer, out.shape[1], d), np.float32)
+            bounds = np.searchsorted(cg0, np.arange(ps.shape[0] + 1) * per_layer)  # chunks are layer-major
             for layer in range(ps.shape[0]):
-                sel = np.flatnonzero(hit & (cg0 >= layer * per_layer) & (cg0 < (layer + 1) * per_layer))
+                lo, hi = int(bounds[layer]), int(bounds[layer + 1])
+                sel = range(lo, hi) if every else lo + np.flatnonzero(hit[lo:hi])
                 if format2.decode(p2, bgrid, sel, out, t0, p_layer, layer * per_layer, t0).any():
                     raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
-                p_layer = out[layer * per_layer:(layer + 1) * per_layer]
-                if not as_bits:
-                    p_layer = values[grid.k_of_bits[p_layer]]
-        elif format2.decode(p2, bgrid, np.flatnonzero(hit), out, t0, pred, 0, 0).any():
+                p_layer = values[grid.k_of_bits[out[layer * per_layer:(layer + 1) * per_layer]]]
+        elif format2.decode(p2, bgrid, range(cg0.size) if every else np.flatnonzero(hit), out, t0, pred, 0, 0).any():
             raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
     return out[:, start - t0:stop - t0]
 

@@ -613,17 +613,35 @@ def _u32_at(b, i):
     return np.uint32(b[i]) | (np.uint32(b[i + 1]) << 8) | (np.uint32(b[i + 2]) << 16) | (np.uint32(b[i + 3]) << 24)
 
 
-def decode(ps: Parsed2, grid: BinGrid, select: np.ndarray, out: np.ndarray, out_t0: int, pred, pred_g0: int,
-           pred_t0: int) -> np.ndarray:
-    """Decode chunks ``select`` (indices) into ``out`` [G, T', D] (its token 0 is ``out_t0``); the
-    prediction's [0, 0] is (pred_g0, pred_t0). Returns the per-chunk error flags. Run inside the
-    caller's thread-count context."""
-    every = select.size == ps.wlen.size  # (the callers' selections are sorted and distinct)
-    cg0, cng, ct0, cnt, wstart, wlen, bstart, blen = (
-        x if every else x[select] for x in (*ps.chunks, ps.wstart, ps.wlen, ps.bstart, ps.blen))
-    err = np.zeros(select.size, np.int32)
+def decode(ps: Parsed2, grid: BinGrid, select, out: np.ndarray, out_t0: int, pred, pred_g0: int,
+           pred_t0: int, layer_g: int = 0) -> np.ndarray:
+    """Decode chunks ``select`` (sorted distinct indices, or a ``range`` of them) into ``out`` [G, T', D]
+    (its token 0 is ``out_t0``); the prediction's [0, 0] is (pred_g0, pred_t0). Returns the per-chunk
+    error flags. Run inside the caller's thread-count context. A run of consecutive chunks is passed
+    to the kernel as views (copies of the chunk arrays were most of a small call's Python time).
+
+    ``layer_g`` > 0: a neighbour-layer stream of bf16 patterns (``pred`` None), layers of ``layer_g``
+    leading indices, each predicted by the layer before as decoded into ``out`` (layer 0 by 0), in one
+    kernel call (``binned.decode_chunks``' rounds; chunks never cross a layer)."""
+    cols = (*ps.chunks, ps.wstart, ps.wlen, ps.bstart, ps.blen)
+    n = len(select)
+    if n != ps.wlen.size:
+        if isinstance(select, range) or (n and int(select[-1]) - int(select[0]) == n - 1):
+            part = slice(int(select[0]), int(select[0]) + n) if n else slice(0, 0)
+        else:
+            part = select
+        cols = tuple(x[part] for x in cols)
+    cg0, cng, ct0, cnt, wstart, wlen, bstart, blen = cols
+    err = np.zeros(n, np.int32)
+    rounds = None
+    if layer_g:
+        pred, pred_g0, pred_t0 = out, layer_g, out_t0
+        rounds = np.searchsorted(cg0, np.arange(out.shape[0] // layer_g + 1) * layer_g).astype(np.int64)
     has_pred = pred is not None
-    p = pred if has_pred else np.zeros((1, 1, 1), np.float32)
-    decode_chunks(ps.words, wstart, wlen, ps.bits, bstart, blen, cg0, cng, ct0, cnt, p, has_pred, pred_g0, pred_t0,
-                  *ps.margs, ps.shared, ps.compact, ps.lanes, *_grid_args(grid), out, 0, out_t0, err)
+    decode_chunks(ps.words, wstart, wlen, ps.bits, bstart, blen, cg0, cng, ct0, cnt, pred if has_pred else _NO_PRED,
+                  has_pred, pred_g0, pred_t0, *ps.margs, ps.shared, ps.compact, ps.lanes, *_grid_args(grid), out, 0,
+                  out_t0, err, rounds, bool(layer_g))
     return err
+
+
+_NO_PRED = np.zeros((1, 1, 1), np.float32)  # (writable: the kernels' type for a float32 prediction)
