@@ -713,3 +713,142 @@ __global__ void __launch_bounds__(32 * WARPS)
   }
   if (lane == 0 && hi != 0) atomicAdd(reinterpret_cast<unsigned long long*>(n_bad), 1ull);
 }
+
+// freq._gain / _loss: bits saved by raising f to f + 1 / lost by lowering it to f - 1 (infinite at 1), the
+// CPU's float64 expressions operation for operation (int / int as double division, c * log2(.)).
+__device__ __forceinline__ double ke_gain(double c, long long f) {
+  return __dmul_rn(c, log2((double)(f + 1) / (double)f));
+}
+__device__ __forceinline__ double ke_loss(double c, long long f) {
+  return f > 1 ? __dmul_rn(c, log2((double)f / (double)(f - 1))) : (double)INFINITY;
+}
+
+template <class T>
+__device__ __forceinline__ T ke_warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(KX_FULL, v, o);
+  return v;
+}
+
+#define KE_POLISH_MAX 65536  // polish moves a row at most (each lowers the code length: never reached)
+
+// ke_fit_tables: one warp a row (block) of 256 symbol counts: freq.quantize_rows' frequencies at 2**12
+// exactly (tables.fit_tables of the GPU encoder's histograms, on the device: the host no longer waits for the
+// histograms before the rANS kernel), then ke_encode's table words and reciprocals of the row.
+// Rows below hist_rows: the sum of hist's `copies` copies (copy stride `stride` keys, row r at 256 r);
+// row hist_rows: the sum of the 256-symbol rows of `extra` whose bit is set in extra_mask (the model's
+// field byte planes). The port: integer start max(1, c 4096 // total) of the used symbols; while the sum is
+// under (over) 4096 one unit to the symbol of largest gain (from the one of smallest loss); then while
+// moving a unit from the smallest loss to the largest gain saves more than 1e-12 relative, move it: at each
+// step the symbol the CPU's heaps pop (ties: the smallest symbol), from the same float64 values (log2 of the
+// same quotients; the emulator's std::log2 is the CPU's, CUDA's log2 is within 1 ulp: a near-tie could
+// round the other way, and then the table differs but stays valid: every used symbol keeps f >= 1, the sum
+// 4096). Lane L holds symbols 8 L .. 8 L + 7.
+// Needs total < 2**50 (freq.integer_rounding), true of any tensor on a GPU. A row of zeros: zeros.
+// freq [rows, 256] int32; ftab: f | cum << 16 (cum: exclusive, symbol order); rcp: 2**32 // f (0xffffffff
+// for f < 2).
+__global__ void __launch_bounds__(32)
+    ke_fit_tables(const kx_u64* __restrict__ hist, int copies, long long stride, int hist_rows,
+                  const kx_u64* __restrict__ extra, int extra_mask, int* __restrict__ freq,
+                  kx_u32* __restrict__ ftab, kx_u32* __restrict__ rcp) {
+  const int lane = threadIdx.x & 31, row = blockIdx.x;
+  long long c[8], f[8];
+  double gn[8], ls[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int s = 8 * lane + k;
+    long long v = 0;
+    if (row < hist_rows) {
+      for (int j = 0; j < copies; ++j) v += (long long)hist[j * stride + 256ll * row + s];
+    } else {
+      for (int j = 0; j < 30; ++j)
+        if ((extra_mask >> j) & 1) v += (long long)extra[256ll * j + s];
+    }
+    c[k] = v;
+  }
+  long long total = 0, used = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    total += c[k];
+    used += c[k] > 0;
+  }
+  total = ke_warp_sum(total);
+  used = ke_warp_sum(used);
+  long long sum = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    f[k] = c[k] > 0 ? max(1ll, c[k] * 4096 / total) : 0;
+    gn[k] = c[k] > 0 ? ke_gain((double)c[k], f[k]) : -1.0;  // unused symbols: never a receiver
+    ls[k] = c[k] > 0 ? ke_loss((double)c[k], f[k]) : (double)INFINITY;  // nor a donor
+    sum += f[k];
+  }
+  long long excess = total > 0 ? ke_warp_sum(sum) - 4096 : 0;
+  // one step: f of symbol s += dir, its gain and loss again (by its lane)
+  auto move = [&](int s, int dir) {
+    if ((s >> 3) == lane) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (k == (s & 7)) {
+          f[k] += dir;
+          gn[k] = ke_gain((double)c[k], f[k]);
+          ls[k] = ke_loss((double)c[k], f[k]);
+        }
+    }
+  };
+  // the symbol of largest gain (s, value v) and of smallest loss (t, w), the smallest symbol on ties: each
+  // lane's best of its 8 (smallest first), then every lane scans the 32 lanes' in order (shared memory: two
+  // warp barriers a step where shuffles took twenty collectives)
+  KE_SHARED double best_v[2][32];
+  KE_SHARED int best_s[2][32];
+  double v, w;
+  int s, t;
+  auto best = [&]() {
+    v = gn[0], w = ls[0];
+    s = t = 8 * lane;
+#pragma unroll
+    for (int k = 1; k < 8; ++k) {
+      if (gn[k] > v) v = gn[k], s = 8 * lane + k;
+      if (ls[k] < w) w = ls[k], t = 8 * lane + k;
+    }
+    __syncwarp();  // the last step's reads are done
+    best_v[0][lane] = v, best_s[0][lane] = s, best_v[1][lane] = w, best_s[1][lane] = t;
+    __syncwarp();
+    v = best_v[0][0], s = best_s[0][0], w = best_v[1][0], t = best_s[1][0];
+    for (int j = 1; j < 32; ++j) {
+      if (best_v[0][j] > v) v = best_v[0][j], s = best_s[0][j];
+      if (best_v[1][j] < w) w = best_v[1][j], t = best_s[1][j];
+    }
+  };
+  for (; excess < 0; ++excess) {
+    best();
+    move(s, 1);
+  }
+  for (; excess > 0; --excess) {
+    best();
+    move(t, -1);
+  }
+  for (int step = 0; used >= 2 && step < KE_POLISH_MAX; ++step) {
+    best();
+    if (w == (double)INFINITY || s == t || !(__dsub_rn(v, w) > __dmul_rn(1e-12, __dadd_rn(v, w)))) break;
+    move(s, 1);
+    move(t, -1);
+  }
+  long long mine = 0;  // this lane's frequencies' sum, then the exclusive sum of the lanes below
+#pragma unroll
+  for (int k = 0; k < 8; ++k) mine += f[k];
+  long long cum = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const long long up = __shfl_up_sync(KX_FULL, cum, o);
+    if (lane >= o) cum += up;
+  }
+  cum -= mine;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const long long at = 256ll * row + 8 * lane + k;
+    freq[at] = (int)f[k];
+    ftab[at] = (kx_u32)f[k] | (kx_u32)(cum << 16);
+    rcp[at] = f[k] >= 2 ? (kx_u32)((1ull << 32) / (kx_u64)f[k]) : 0xFFFFFFFFu;
+    cum += f[k];
+  }
+}
