@@ -134,7 +134,8 @@ def plan_breakdown(name: str, reps: int = 7) -> list[str]:
             "parse_stream (checks; tables part)": lambda: pcodec.parse_stream(meta, stand),
             "plan": lambda: kvctx_device.plan(meta, secs),
             "device inputs (upload, tables, field parts and checks) + sync":
-                lambda: (kvctx_device.device_inputs(ps, kp, secs, dblob.device, flags), torch.cuda.synchronize()),
+                lambda: (kvctx_device.device_inputs(ps, kp, secs, dblob.device, flags.data_ptr()),
+                         torch.cuda.synchronize()),
             "decode to the launch (no sync)": lambda: kvctx_device.decode(meta, secs, dblob.device, pred),
         }
         lines.append(f"{name}/{label}: host plan steps ({len(body) / 1e6:.2f} MB coded model, "
@@ -192,11 +193,10 @@ def timeline(name: str, reps: int = 9) -> list[str]:
                 mark(label + " >")
         return f
 
-    targets = [(device_container, "read_header_crc"), (device_container, "sections"), (kvctx_device, "plan"),
-               (pcodec, "parse_stream"), (kvctx_device, "device_inputs"),
-               (kvctx_plan, "field_parts_launch"), (kvctx_plan, "build_tables"), (kvctx_plan, "decode_field_parts"),
-               (kvctx_plan, "check_fields"), (kvctx_decode, "launch"), (device_container.Checks, "__init__"),
-               (device_container.Checks, "read")]
+    targets = [(device_container, "read_front"), (device_container, "sections"), (kvctx_device, "plan"),
+               (pcodec, "parse_stream"), (kvctx_device, "device_inputs"), (kvctx_plan, "decode_field_parts"),
+               (kvctx_plan, "plan_kernel"), (kvctx_device, "decode"), (kvctx_decode, "launch"),
+               (device_container.Checks, "__init__"), (device_container.Checks, "read")]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr in targets]
     lines = []
     try:

@@ -280,7 +280,7 @@ def host_profile(name, fn, calls: int = 20, top: int = 16) -> str:
 
 TRACE_STEPS = [  # (label, owner, attribute): host steps of a device-blob decode, timed inclusive per call
     ("decompress_on_device", "kvcodec.lossless.api", "_decompress_on_device"),
-    ("read_header_crc", "kvcodec.lossless.device_container", "read_header_crc"),
+    ("read_front", "kvcodec.lossless.device_container", "read_front"),
     ("header download+sync", "kvcodec.lossless.device_container", "download"),
     ("sections", "kvcodec.lossless.device_container", "sections"),
     ("Checks()", "kvcodec.lossless.device_container:Checks", "__init__"),

@@ -95,9 +95,9 @@ def emulated_launch(lib, nr=kd.ROUNDS):
         _, tt, d = plan.shape
         scratch = plan.scratch(count, "cpu")
         rc = lib.kx_emulate(plan.out_kind, nr, words, bits,
-                            dp.chunks.data_ptr() + 8 * kd.CHUNK_FIELDS * first, count,
-                            pred.data_ptr() if pred is not None else None, pred_g0, tt, dp.raw.data_ptr(),
-                            dp.layout.data_ptr(), int(plan.shared), dp.tabs.data_ptr(), *plan.grid, d, tt,
+                            dp.chunks + 8 * kd.CHUNK_FIELDS * first, count,
+                            pred.data_ptr() if pred is not None else None, pred_g0, tt, dp.raw,
+                            dp.layout, int(plan.shared), dp.tabs, *plan.grid, d, tt,
                             out.data_ptr(), lo16 or None, scratch.data_ptr() if scratch is not None else None,
                             status.data_ptr() + 4 * first)
         assert rc == 0

@@ -22,6 +22,7 @@ import torch
 import kvcodec
 from kvcodec import container
 from kvcodec.cuda import build
+from kvcodec.cuda.transfer import Staging
 from kvcodec.entropy import rans_fast
 from kvcodec.entropy.freq import count_symbols, quantize_frequencies
 from kvcodec.errors import CorruptStreamError
@@ -155,19 +156,21 @@ def test_field_parts_are_rans_fast_payloads(n, part, monkeypatch):
         want = rans_fast.encode_table(piece, freqs, format2.FIELD_PRECISION, format2.FIELD_STATES)
         assert np.array_equal(buf[parts.start[k]:parts.start[k] + parts.length[k]], want), k
     assert np.array_equal(parts.decode(buf), fields) and np.array_equal(got_tabs, tabs)
-    # the GPU decode's launch plan of the parts, written straight, is LaunchPlan.build's for one table
+    # the GPU decode's launch of the parts, staged straight, is LaunchPlan.build's for one table
     from kvcodec.cuda import kvctx_plan
     from kvcodec.cuda import rans as cuda_rans
+    from kvcodec.cuda.transfer import Staging
 
-    extra = np.arange(5, dtype=np.int16)
-    lp, (also,) = kvctx_plan.field_parts_launch(parts, torch.device("cpu"), [extra])
+    st = Staging(kvctx_plan.parts_pieces(parts), pin=False)
+    n_blocks = kvctx_plan.stage_parts(st, parts)
     table = cuda_rans.Table(np.zeros(16, np.uint8), mode=0, precision=format2.FIELD_PRECISION, lo=0,
                             smem_words=kvctx_plan.TABLE_SLOTS, aux=0, symbytes=1)
-    ref = cuda_rans.LaunchPlan.build(lp.pdesc.numpy(), np.zeros(len(parts.start), np.int32), [table], "cpu")
-    for name in ("pdesc", "order", "blocks", "tdesc"):
-        assert torch.equal(getattr(lp, name), getattr(ref, name)), name
-    assert (lp.smem_bytes, lp.n_blocks, lp.warps) == (ref.smem_bytes, ref.n_blocks, ref.warps)
-    assert np.array_equal(also.numpy(), extra)
+    pdesc = st.view("pdesc", np.int64, (-1, 4))
+    ref = cuda_rans.LaunchPlan.build(pdesc.copy(), np.zeros(len(parts.start), np.int32), [table], "cpu")
+    for name, dtype in (("pdesc", np.int64), ("order", np.int32), ("blocks", np.int32), ("tdesc", np.int64)):
+        assert np.array_equal(st.view(name, dtype), getattr(ref, name).numpy().reshape(-1)), name
+    assert (n_blocks, cuda_rans.WARPS * cuda_rans.RING_BYTES + 4 * kvctx_plan.TABLE_SLOTS) == (ref.n_blocks, ref.smem_bytes)
+    assert np.array_equal(st.view("ptable", np.uint32), tables.decode_tables(parts.freqs[None]))
 
 
 @pytest.mark.parametrize("edit,make", [(level_over, kv_like), (mq_65535, offset_kv)])
@@ -185,7 +188,7 @@ def test_plan_kernels_compile_with_nvcc(arch, tmp_path):
         pytest.skip("nvcc not installed")
     proc = build.nvcc_compile("kvctx_plan.cu", [], arch, tmp_path, extra=("-Xptxas", "-v"))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert " 0 bytes spill stores" in proc.stderr and "kp_tables" in proc.stderr and "kp_check_fields" in proc.stderr
+    assert " 0 bytes spill stores" in proc.stderr and "kp_plan" in proc.stderr
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -247,7 +250,8 @@ def test_gpu_field_checks_flag_what_the_host_refuses():
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
 @pytest.mark.parametrize("offset", [0, 1])
 def test_gpu_field_parts_equal_the_host_decode(offset, monkeypatch):
-    """The field parts decoded on the device (at an even and an odd address) equal the host decode."""
+    """The field parts decoded on the device (at an even and an odd address: then from an aligned copy)
+    equal the host decode."""
     from kvcodec.cuda import kvctx_plan
 
     monkeypatch.setattr(format2, "FIELD_PART_BYTES", 3000)
@@ -259,10 +263,15 @@ def test_gpu_field_parts_equal_the_host_decode(offset, monkeypatch):
     parts, got_tabs = format2.read_field_parts(meta, buf, offset, buf.size, 1 << 30)
     assert meta["mfields"] == 34 and np.array_equal(got_tabs, tabs)
     status = torch.full((34,), 7, dtype=torch.int32, device="cuda")
-    lp, (freq,) = kvctx_plan.field_parts_launch(parts, "cuda", [parts.freqs[None].astype(np.int16)])
-    tabs = kvctx_plan.build_tables(freq)  # the parts' table, built on the device
+    st = Staging(kvctx_plan.parts_pieces(parts), pin=True)
+    n_blocks = kvctx_plan.stage_parts(st, parts)
+    up = st.to("cuda")
+    model = torch.from_numpy(buf.copy()).cuda()
+    copy = torch.empty(buf.size, dtype=torch.uint8, device="cuda")
     poisoned_allocator(fields.size)
-    out = kvctx_plan.decode_field_parts(lp, torch.from_numpy(buf.copy()).cuda(), parts, tabs, status)
+    out = torch.empty(fields.size, dtype=torch.uint8, device="cuda")
+    kvctx_plan.decode_field_parts(up.data_ptr(), st.offsets, n_blocks, parts, model.data_ptr(), copy.data_ptr(),
+                                  out.data_ptr(), status.data_ptr(), model.device)
     assert not status.any() and np.array_equal(out.cpu().numpy(), parts.decode(buf))
     assert np.array_equal(out.cpu().numpy(), fields)
 

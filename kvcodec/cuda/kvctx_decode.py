@@ -1,10 +1,11 @@
 """Launcher of the kvctx / predictive format 2 GPU decoder (``kvctx_decode.cu``): one warp per chunk.
 
-``KernelPlan`` holds everything the kernel reads besides the blob (chunk descriptors, the stored
-per-channel field bytes as the stream has them, decode tables, the dtype's bit layout), as host arrays
-built by ``kvcodec.lossless.kvctx_device``; ``launch`` uploads them in one asynchronous copy and runs
-the kernel on torch's current stream without synchronizing. The same plan drives the CPU emulation of
-the kernel in the tests.
+``KernelPlan`` holds what the host plan (``kvcodec.lossless.kvctx_device``) knows of a stream: chunk
+descriptors, the stored fields' layout, the dtype's bit layout, in one staged host buffer with the plan's
+other device inputs; ``kvcodec.cuda.kvctx_plan`` puts them on the device (decoding the stored fields and
+building the decode tables there), and ``launch`` runs the kernel on torch's current stream without
+synchronizing, reading every input by address. The same plan drives the CPU emulation of the kernel in the
+tests.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import numpy as np
 import torch
 
 from kvcodec.cuda import build
-from kvcodec.cuda.transfer import upload
 
 SOURCE = "kvctx_decode.cu"
 WARPS = 4  # chunks (warps) per block
@@ -60,20 +60,20 @@ def instance_declarations() -> list[str]:
 
 @dataclass
 class KernelPlan:
-    """The kernel's inputs besides the blob: ``chunks`` [n, 8] int64 (rANS word start and count, raw
-    word start and count, first g, g count, first token, token count), the stored parameter fields
-    (``raw`` uint8 byte planes, ``layout`` int64 [13]: ``format2.StoredFields.layout`` then Gp * D),
-    ``tabs`` (uint32 decode tables), the grid's ``(width, sign, mb, maxmag, eoff)``, the output's shape
-    [G, T, D] and kind."""
+    """What the kernel reads besides the blob, as built on the host: ``chunks`` [n, 8] int64 (rANS word
+    start and count, raw word start and count, first g, g count, first token, token count), ``layout``
+    int64 [13] (``format2.StoredFields.layout`` then Gp * D: where the stored parameter fields lie in
+    their byte planes), the grid's ``(width, sign, mb, maxmag, eoff)``, the output's shape [G, T, D] and
+    kind; ``staged``: the host buffer (``transfer.Staging``) ``chunks`` and ``layout`` are views of, with
+    the rest of the plan's device inputs (``kvcodec.cuda.kvctx_plan``)."""
 
     chunks: np.ndarray
-    raw: np.ndarray
     layout: np.ndarray
     shared: bool
-    tabs: np.ndarray
     grid: tuple
     shape: tuple[int, int, int]
     out_kind: int
+    staged: object = None
 
     def smem_bytes(self, warps: int = WARPS) -> int:
         """Dynamic shared memory per block: the warps' rings, and their channel tables when they fit."""
@@ -90,22 +90,14 @@ class KernelPlan:
         return torch.empty(count * self.shape[2] * CHANNEL_BYTES // 8, dtype=torch.float64, device=device)
 
 
-class DevicePlan:
-    """A ``KernelPlan`` uploaded to one device (one asynchronous copy)."""
-
-    def __init__(self, plan: KernelPlan, device):
-        self.plan = plan
-        self.chunks, self.raw, self.layout, self.tabs = upload(
-            [plan.chunks, plan.raw if plan.raw.size else np.zeros(1, np.uint8), plan.layout, plan.tabs], device)
-
-
-def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: torch.Tensor, first: int = 0,
+def launch(dp, words: int, bits: int, out: torch.Tensor, status: torch.Tensor, first: int = 0,
            count: int | None = None, pred: torch.Tensor | None = None, pred_g0: int = 0,
            lo16: int = 0, nr: int | None = None, warps: int = WARPS) -> None:
     """Decode chunks ``first .. first + count`` into ``out`` (the whole [G, T, D] output; uint8, int16 or
     int32 by the plan's kind); ``words``/``bits``: device addresses of the blob's payload and raw-bit
     sections (2- and 4-byte aligned); ``pred``: float32 [., T, D] CUDA tensor whose row 0 is g = ``pred_g0``;
-    ``lo16``: address of the float32 low halves; ``status`` int32 [n chunks], zeroed by the caller.
+    ``lo16``: address of the float32 low halves; ``status`` int32 [n chunks], zeroed by the caller; ``dp``: a
+    ``kvctx_plan.DeviceInputs`` (the plan and the device addresses of its chunks, fields, layout and tables).
     ``nr`` / ``warps``: the kernel's rounds per batch and warps per block (default ``ROUNDS``, ``WARPS``;
     other values for benchmark sweeps)."""
     plan = dp.plan
@@ -121,9 +113,9 @@ def launch(dp: DevicePlan, words: int, bits: int, out: torch.Tensor, status: tor
     width, sign, mb, maxmag, eoff = plan.grid
     with build.cupy_stream(device):
         fn((-(-count // warps),), (32 * warps,),
-           (np.uint64(words), np.uint64(bits), np.uint64(dp.chunks.data_ptr() + 8 * CHUNK_FIELDS * first),
+           (np.uint64(words), np.uint64(bits), np.uint64(dp.chunks + 8 * CHUNK_FIELDS * first),
             np.int32(count), np.uint64(pred.data_ptr() if pred is not None else 0), np.int64(pred_g0),
-            np.int64(tt), dp.raw.data_ptr(), dp.layout.data_ptr(), np.int32(plan.shared), dp.tabs.data_ptr(),
+            np.int64(tt), np.uint64(dp.raw), np.uint64(dp.layout), np.int32(plan.shared), np.uint64(dp.tabs),
             np.int32(width), np.int32(sign), np.int32(mb), np.int32(maxmag), np.int32(eoff), np.int32(d),
             np.int64(tt), out.data_ptr(), np.uint64(lo16), np.uint64(scratch.data_ptr() if scratch is not None else 0),
             np.uint64(status.data_ptr() + 4 * first)),

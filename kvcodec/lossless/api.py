@@ -329,13 +329,14 @@ _blob_plans = device_container.BlobCache()  # header and plan of device blobs de
 
 
 def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_bytes,
-                          prediction: torch.Tensor | None = None, header=None) -> torch.Tensor | None:
-    """Decode a CUDA uint8 blob on its device (None: not a blob the GPU decodes). Only the header
-    and, at the end, a few status flags cross to the host; checks as on the CPU (container,
-    section crc32s, zero padding, streams, the prediction's and the tensor's crc32), all raising
-    CorruptStreamError. ``header``: (header, end offset) when the host already parsed it from the
-    same bytes (then it is not read back from the device). A blob tensor decoded before reuses that
-    decode's header and plan (``device_container.BlobCache``; the checks still run every time)."""
+                          prediction: torch.Tensor | None = None, header=None, front=None) -> torch.Tensor | None:
+    """Decode a CUDA uint8 blob on its device (None: not a blob the GPU decodes). Only the header (with,
+    in the same read-back, a kvctx blob's model section) and, at the end, a few status flags cross to
+    the host; checks as on the CPU (container, section crc32s, zero padding, streams, the prediction's
+    and the tensor's crc32), all raising CorruptStreamError. ``header``: (header, end offset) when the
+    host already parsed it from the same bytes, ``front``: those bytes (uint8; then nothing is read back
+    from the device). A blob tensor decoded before reuses that decode's header and plan
+    (``device_container.BlobCache``; the checks still run every time)."""
     import kvcodec.cuda
 
     if not kvcodec.cuda.is_available():
@@ -348,7 +349,7 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     elif header is not None:
         (header, header_end), header_crc = header, None
     else:
-        header, header_end, header_crc = device_container.read_header_crc(blob)
+        header, header_end, header_crc, front = device_container.read_front(blob)
     if header["kind"] != KIND:
         raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
     meta = _checked_meta(header["meta"])
@@ -367,11 +368,14 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
         # and waits for it, which would otherwise also wait for the checks' pass over the whole blob
         planned = reuse.get("kvctx plan") if reuse is not None else None
         if planned is None:
-            planned = kvctx_device.plan(meta["codec_meta"], secs)
+            planned = kvctx_device.plan(meta["codec_meta"], secs, front)
             if planned is None:
                 return None
             if reuse is not None:
                 reuse["kvctx plan"] = planned
+    if front is not None and entry is None and header_crc is not None:  # read back here: the next blobs' window
+        model = secs.get("model") if planned is not None else None
+        device_container.note_front(blob.numel(), model.offset + model.nbytes if model is not None else header_end)
     # section crc32s on a side stream (with an entry, the header's crc32 too), queued once the decode kernel
     # is: for kvctx / predictive waiting on the device only for an event recorded before the kernel's
     # launch (they run beside the kernel); for planes after the kernel, in one pass with the decoded
@@ -458,7 +462,7 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
             if target.type == "cuda":
                 head_end = container.PREFIX.size + container.PREFIX.unpack_from(mv, 0)[3]
                 out = _decompress_on_device(bytes_to_device(blob, target, threads), target, max_output_bytes,
-                                            prediction, header=(head, head_end))
+                                            prediction, header=(head, head_end), front=np.frombuffer(mv, np.uint8))
                 if out is not None:
                     return out
     meta, sections = _load(blob, max_output_bytes)

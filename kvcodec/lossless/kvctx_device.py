@@ -23,12 +23,10 @@ of the blob's shape on the blob's device.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import torch
 
-from kvcodec.cuda.transfer import download
+from kvcodec.cuda.transfer import Staging, download
 from kvcodec.lossless.predictive import codec as pcodec
 from kvcodec.lossless.predictive.bins import bin_grid
 from kvcodec.lossless.predictive.grid import value_table
@@ -49,41 +47,57 @@ def grid_constants(dtype: torch.dtype) -> tuple:
     return (g.width, g.sign, g.mb, g.maxmag, g.eoff)
 
 
-def _stand_ins(meta, sections) -> dict:
-    """The sections as the CPU parser reads them: ``model`` copied to the host, the others size-only
-    zero-stride arrays of their dtype and shape (nothing but sizes is read from them)."""
+def _stand_ins(meta, sections, front: np.ndarray | None = None) -> dict:
+    """The sections as the CPU parser reads them: ``model`` on the host (from ``front``, the blob's first
+    bytes already read back, when it lies there, else copied), the others size-only zero-stride arrays
+    of their dtype and shape (nothing but sizes is read from them)."""
     out = {}
     for name, s in sections.items():
         if name == "model" and len(s.shape) == 1:
-            out[name] = download(s.bytes).view(s.dtype)
+            inside = front is not None and s.offset + s.nbytes <= front.size
+            out[name] = (front[s.offset:s.offset + s.nbytes] if inside else download(s.bytes)).view(s.dtype)
         else:
             out[name] = np.broadcast_to(np.zeros(1, s.dtype), s.shape)
     return out
 
 
-def plan(meta, sections):
+def plan(meta, sections, front: np.ndarray | None = None):
     """(ParsedStream, KernelPlan) of a format 2 stream whose ``sections`` are device sections, or None
     when the kernel cannot take it: the host part of a decode. CorruptStreamError for what the CPU
-    decoder refuses before decoding. The KernelPlan's field bytes and decode tables are left empty:
-    :func:`device_inputs` builds them (on a CUDA device, there)."""
+    decoder refuses before decoding. ``front``: the blob's first bytes on the host (uint8), if read
+    already (``device_container.read_front``): the model section is taken from there when it lies
+    inside. The plan's device inputs are staged in one host buffer (``kvctx_plan.pieces``; pinned for a
+    CUDA blob) for :func:`device_inputs`; an ``mfields`` stream's fields are not decoded here."""
+    from kvcodec.cuda import kvctx_plan
     from kvcodec.cuda.kvctx_decode import KernelPlan
 
     if not gpu_decodable(meta):
         return None
-    ps = pcodec.parse_stream(meta, _stand_ins(meta, sections))
+    ps = pcodec.parse_stream(meta, _stand_ins(meta, sections, front))
     p2 = ps.v2
     if p2 is None or p2.lanes != 32:
         return None
     bdtype = torch.bfloat16 if ps.mode == "f32split" else ps.dtype
     grid = grid_constants(bdtype)
     g, tt, d = pcodec.kv_layout(ps.shape)
-    chunks = np.empty((len(p2.wstart), 8), np.int64)  # filled column by column: ~2x faster than np.stack
-    for j, column in enumerate((p2.wstart, p2.wlen, p2.bstart, p2.blen, *p2.chunks)):
-        chunks[:, j] = column
-    n = p2.field_shape[0] * p2.field_shape[1]
+    nc = len(p2.wstart)
+    parts = p2.field_parts
+    raw = p2.fields.raw if parts is None else None  # one model stream ("mparts" too): decoded and checked here
+    st = Staging(kvctx_plan.pieces(nc, len(p2.freq), parts, 0 if raw is None else raw.size),
+                 pin=sections["model"].blob.is_cuda)
+    chunks = st.view("chunks", np.int64, (nc, 8))
+    kvctx_plan.fill_chunks(chunks, p2.wstart, p2.wlen, p2.bstart, p2.blen, *p2.chunks)
+    layout = st.view("layout", np.int64)
+    layout[:12] = p2.layout.reshape(-1)
+    layout[12] = p2.field_shape[0] * p2.field_shape[1]
+    st.view("freq", np.int16)[:] = p2.freq.reshape(-1)
+    if raw is None:
+        kvctx_plan.stage_parts(st, parts)
+    else:
+        st.view("raw", np.uint8)[:] = raw
     out_kind = 4 if ps.mode == "f32split" else bin_grid(bdtype).width // 8
-    kp = KernelPlan(chunks=chunks, raw=np.zeros(0, np.uint8), layout=np.append(p2.layout.reshape(-1), n),
-                    shared=p2.shared, tabs=np.zeros(0, np.uint32), grid=grid, shape=(g, tt, d), out_kind=out_kind)
+    kp = KernelPlan(chunks=chunks, layout=layout, shared=p2.shared, grid=grid, shape=(g, tt, d), out_kind=out_kind,
+                    staged=st)
     return ps, kp
 
 
@@ -94,37 +108,43 @@ def flag_count(ps) -> int:
     return (0 if parts is None else len(parts.count)) + 1
 
 
-def device_inputs(ps, kp, sections, device, flags: torch.Tensor):
-    """The decode kernel's inputs on ``device`` (a ``kvctx_decode.DevicePlan`` or its device-built
-    equivalent), without synchronizing. On CUDA: chunk descriptors and table frequencies in one
-    upload, the decode tables built there, an ``mfields`` stream's fields decoded from the model
-    section in place and their values checked; ``flags`` (int32 [:func:`flag_count`], zeroed) get
-    the parts' rANS statuses and the value check (0 = good). Elsewhere (the tests' CPU emulation):
-    fields decoded and checked (CorruptStreamError) and tables built on the host, then uploaded."""
-    from kvcodec.cuda import kvctx_decode as kd
-
-    if device.type != "cuda":
-        return kd.DevicePlan(replace(kp, raw=ps.v2.fields.raw, tabs=ps.v2.tabs), device)
+def device_inputs(ps, kp, sections, device, flags: int):
+    """The decode kernel's inputs on ``device`` (a ``kvctx_plan.DeviceInputs``), without synchronizing:
+    the staged plan uploaded in one copy, and one buffer for the decode tables and the field bytes. On
+    CUDA: an ``mfields`` stream's fields decoded there from the model section (one launch), then the
+    tables built and the fields' values checked (one launch); the int32 flags at device address
+    ``flags`` (:func:`flag_count` of them, zeroed) get the parts' rANS statuses and the value check (0 =
+    good). Elsewhere (the tests' CPU emulation): the same buffers, the fields decoded and checked
+    (CorruptStreamError) and the tables built on the host."""
     from kvcodec.cuda import kvctx_plan
-    from kvcodec.cuda.transfer import upload
     from kvcodec.lossless.predictive.format2 import FIELD_ORDER, level_limit
 
     p2 = ps.v2
     parts = p2.field_parts
+    st = kp.staged
     classes = len(p2.freq)
-    if parts is None:  # fields decoded and checked on the host (one model stream, "mparts")
-        chunks, layout, freq, raw = upload([kp.chunks, kp.layout, p2.freq.astype(np.int16), p2.fields.raw], device)
-        return kvctx_plan.DeviceInputs(kp, chunks, raw, layout, kvctx_plan.build_tables(freq))
-    # one upload with the parts' launch plan; their shared table is built as one more row of the tables
-    freq = np.concatenate([p2.freq, parts.freqs[None]]).astype(np.int16)
-    lp, (chunks, layout, freq) = kvctx_plan.field_parts_launch(parts, device, [kp.chunks, kp.layout, freq])
-    tabs = kvctx_plan.build_tables(freq)
-    raw = kvctx_plan.decode_field_parts(lp, sections["model"].bytes, parts,
-                                        tabs[classes * kvctx_plan.TABLE_SLOTS:], flags[:-1])
-    lv, mq = (p2.layout[FIELD_ORDER.index(f)] for f in ("level", "mq"))
-    kvctx_plan.check_fields(raw, int(kp.layout[-1]), (int(lv[0]), int(lv[1])), level_limit(p2.layout),
-                            (int(mq[0]), int(mq[1])), flags[-1:])
-    return kvctx_plan.DeviceInputs(kp, chunks, raw, layout, tabs)
+    n_tabs = 4 * classes * kvctx_plan.TABLE_SLOTS
+    n_raw = 0 if parts is None else -(-parts.size // 16) * 16
+    n_copy = 0 if parts is None else int(parts.start[-1] + parts.length[-1] - parts.start[0])
+    up = st.to(device)
+    work = torch.empty(n_tabs + n_raw + n_copy + 16, dtype=torch.uint8, device=device)  # tables, fields, parts' copy
+    base, tabs = up.data_ptr(), work.data_ptr()
+    raw = base + st.offsets["raw"] if parts is None else tabs + n_tabs
+    if device.type != "cuda":
+        wv = work.numpy()
+        wv[:n_tabs].view(np.uint32)[:] = p2.tabs
+        if parts is not None:
+            wv[n_tabs:n_tabs + parts.size] = p2.fields.raw
+    else:
+        if parts is not None:
+            kvctx_plan.decode_field_parts(base, st.offsets, st.sizes["blocks"] // 16, parts, sections["model"].blob.data_ptr()
+                                          + sections["model"].offset, raw + n_raw, raw, flags, device)
+        lv, mq = (p2.layout[FIELD_ORDER.index(f)] for f in ("level", "mq"))
+        kvctx_plan.plan_kernel(device, base + st.offsets["freq"], classes, tabs, raw,
+                               0 if parts is None else int(kp.layout[-1]), (int(lv[0]), int(lv[1])),
+                               level_limit(p2.layout), (int(mq[0]), int(mq[1])),
+                               flags + 4 * (flag_count(ps) - 1))
+    return kvctx_plan.DeviceInputs(kp, base + st.offsets["chunks"], raw, base + st.offsets["layout"], tabs, (up, work))
 
 
 def layer_ranges(ps, kp) -> list[tuple[int, int]]:
@@ -205,7 +225,7 @@ def decode(meta, sections, device, prediction=None, launch=None, planned=None, r
     status = torch.zeros(nc + flag_count(ps), dtype=torch.int32, device=device)  # chunks, then the plan's flags
     dp = reuse.get("kvctx inputs") if reuse is not None else None
     if dp is None:
-        dp = device_inputs(ps, kp, sections, device, status[nc:])
+        dp = device_inputs(ps, kp, sections, device, status.data_ptr() + 4 * nc)
         if reuse is not None:
             reuse["kvctx inputs"] = dp
     torch_kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[kp.out_kind]
