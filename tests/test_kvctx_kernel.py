@@ -55,7 +55,8 @@ def test_gpu_deep_unary_chains(shape):
 
 
 def test_locate_fraction_of_negative_locations_by_one_subtraction():
-    """kx_locate takes a negative location's fraction as 1 - f where the CPU computes f + (1 - 2 f): the two give
+    """kx_locate_tail takes a negative location's fraction as the rounded 1 - f (|y - (u + 1)|, the same rounding) where
+    the CPU computes f + (1 - 2 f): the two give
     the same fine class q = min(floor(4 x), 3) for every f in [0, 1) (the kernel's comment has the proof); checked
     here at every binade's quarter boundaries, their neighbours and random fractions."""
     import numpy as np
@@ -71,3 +72,16 @@ def test_locate_fraction_of_negative_locations_by_one_subtraction():
     f = f[(f >= 0) & (f < 1)]
     cpu = np.minimum(np.floor(4 * (f + (1 - 2 * f))), 3)
     assert np.array_equal(cpu, np.minimum(np.floor(4 * (1 - f)), 3))
+
+
+def test_kernel_locate_equals_cpu_locate(cpu_emulator):
+    """kx_locate_ep (the decoder's bin coordinate in one fma, the negative fraction as |y - (u + 1)|) and kx_locate (the
+    encoder's) against bins.locate's float64 steps written out in C++, on 10**6 locations a grid built near every edge
+    (eu against ep, quarter boundaries of the fraction, rounding of the steps sum, zeros, subnormals, both signs)."""
+    import ctypes
+
+    lib = cpu_emulator("kvctx_locate_check")
+    lib.kx_locate_mismatches.restype = ctypes.c_longlong
+    lib.kx_locate_mismatches.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_ulonglong]
+    for mb in (0, 2, 3, 7, 10):  # e8m0, e5m2, e4m3, bf16, fp16
+        assert lib.kx_locate_mismatches(1_000_000, mb, 1 + mb) == 0

@@ -60,6 +60,10 @@ struct KxGrid {
   double inv_unit;  // 2**-eoff
 };
 
+#ifndef __CUDACC__  // the g++ emulation (tests/cuda_emulation): one rounding, as on the device
+static inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
+#endif
+
 __device__ __forceinline__ double kx_pow2(int e) {  // exact 2**e for -1022 <= e <= 1023
   return __longlong_as_double((long long)(e + 1023) << 52);
 }
@@ -77,6 +81,27 @@ __device__ __forceinline__ kx_u32 kx_bfind(kx_u32 w) {
   return r;
 #else
   return w ? (kx_u32)(LEAD ? __clz((int)w) : 31 - __clz((int)w)) : 0xffffffffu;
+#endif
+}
+
+// x, which the compiler cannot see through: a value so made is kept in its register, not recomputed from what it was
+// made of at every use (a rematerialisation that costs an instruction a use).
+__device__ __forceinline__ int kx_opaque(int x) {
+#ifdef __CUDA_ARCH__
+  asm volatile("mov.b32 %0, %0;" : "+r"(x));
+#endif
+  return x;
+}
+
+// The lanes below this one, (1 << lane) - 1 (a special register: read once, kept, not rebuilt by two instructions at
+// every use as the compiler does with the shift).
+__device__ __forceinline__ kx_u32 kx_lanemask_lt() {
+#ifdef __CUDA_ARCH__
+  kx_u32 r;
+  asm volatile("mov.u32 %0, %%lanemask_lt;" : "=r"(r));
+  return r;
+#else
+  return (1u << (threadIdx.x & 31)) - 1u;
 #endif
 }
 
@@ -114,6 +139,21 @@ __device__ __forceinline__ void kx_channel(const KxFields& f, long long pi, int 
   reinterpret_cast<int*>(chan + 3 * D)[d] = es | level << 10;
 }
 
+// bins.locate's tail: centre and class from the bin coordinate y >= 0 of |mv| (hw: mv's high word, for its sign;
+// lvl = level - 4 max(ep, eu)).
+__device__ __forceinline__ void kx_locate_tail(double y, int hw, int lvl, int& centre, int& cls) {
+  const int u = (int)y;  // y < 2**19
+  const int sg = hw >> 31;  // -1 for a negative mv
+  centre = u ^ sg;
+  // where mv lies in its bin, f = y - u (exact), or for a negative mv the CPU's f + (1 - 2 f): that is seen only
+  // through q below, which is min(floor(4 (1 - f)), 3) for the rounded 1 - f either way (for f >= 1/4, 1 - 2 f is exact
+  // (Sterbenz), so both round the exact 1 - f once; for f < 1/4 both are >= 3/4: q = 3); here 1 - f rounded as
+  // |y - (u + 1)|, one rounding of the same exact value (round to nearest even is symmetric)
+  const double fr = fabs(__dsub_rn(y, (double)(u - sg)));
+  const int q = min((int)__dmul_rn(fr, (double)KX_N_FRAC), KX_N_FRAC - 1);  // fr in [0, 1]
+  cls = lvl >= 12 ? min(lvl - 12, 3) : KX_N_FINE + 11 * KX_N_FRAC + q - KX_N_FRAC * max(lvl, KX_LVL_LO);
+}
+
 // bins.locate: (ep, centre, class) of a location mv (V units, finite, |mv| < 2**400). The bin coordinate
 // is V / 2**ep below 2**(ep + mb), one unit per grid step above (bins.bin_of). (Also the encoder's.)
 __device__ __forceinline__ void kx_locate(double mv, int es, int level, int mb, int& ep, int& centre, int& cls) {
@@ -125,16 +165,18 @@ __device__ __forceinline__ void kx_locate(double mv, int es, int level, int mb, 
   double y = __dmul_rn(av, kx_pow2(-ep));
   const double y_steps = __dadd_rn((double)((eu - ep) << mb), __dmul_rn(av, kx_pow2(-eu)));
   if (eu > ep) y = y_steps;
-  const int u = (int)y;  // y < 2**19
-  centre = u ^ (hw >> 31);
-  double f = __dsub_rn(y, (double)u);
-  // The CPU's f + (1 - 2 f), seen only through q below, which is min(floor(4 (1 - f)), 3) either way: for f >= 1/4,
-  // 1 - 2 f is exact (Sterbenz), so both round the exact 1 - f once; for f < 1/4 both are >= 3/4 (q = 3).
-  const double f_neg = __dsub_rn(1.0, f);
-  if (hw < 0) f = f_neg;
-  const int lvl = level - 4 * max(ep, eu);
-  const int q = min((int)__dmul_rn(f, (double)KX_N_FRAC), KX_N_FRAC - 1);  // f in [0, 1]
-  cls = lvl >= 12 ? min(lvl, 15) - 12 : KX_N_FINE + (11 - max(lvl, KX_LVL_LO)) * KX_N_FRAC + q;
+  kx_locate_tail(y, hw, level - 4 * max(ep, eu), centre, cls);
+}
+
+// kx_locate's (centre, class) for a channel's ep = min(es, KX_EP_MAX) >= 0 (kx_channel's), its bin coordinate in
+// one fma, |mv| 2**-e + (e - ep) 2**mb with e = max(ep, eu), bit for bit the CPU's: for eu <= ep that is |mv| 2**-ep
+// + 0, one rounding of the same product; for eu > ep the product is exact (a normal |mv| scaled into
+// [2**mb, 2**(mb + 1))), so the fma rounds the CPU's sum once, as its addition does.
+__device__ __forceinline__ void kx_locate_ep(double mv, int ep, int level, int mb, int& centre, int& cls) {
+  const int hw = __double2hiint(mv);
+  const int e = max(((hw >> 20) & 0x7FF) - 1023 - mb, ep);  // max(ep, eu) (ep >= 0)
+  const double p2 = __hiloint2double(0x3FF00000 - (e << 20), 0);  // 2**-e
+  kx_locate_tail(__fma_rn(fabs(mv), p2, (double)((e << mb) - (ep << mb))), hw, level - 4 * e, centre, cls);
 }
 
 // bins.value_of: the value of a finite pattern, built from its fields: mant * 2**(eoff + max(ef, 1) - 1) as a
@@ -334,13 +376,25 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
   constexpr bool in_regs = LAYOUT == KX_REGS;
   const int DT = in_regs ? 32 * NR : D;  // D, a constant for REGS (one batch a token: no batch loop)
   const int pre_end = pred || OUT == 4 ? (int)nt - 1 : 0;  // tokens tc < pre_end prefetch for tc + 1 (uniform)
-  double rm[NR], ra[NR], rdev[NR];
-  int rel[NR];
+  double rm[NR], rc[NR], ra[NR], rdev[NR];
+  int rep[NR], rlev[NR];  // ep, level
   // The prediction and the float32 low halves a batch reads are loaded one batch ahead (a DRAM round trip
   // is shorter than a batch): the thread's channels of batch (token tt, first channel rr0, place kk).
   float pnext[NR];
   kx_u16 lnext[NR];
   long long g = g0;
+  const kx_u32 lane_before = kx_lanemask_lt();  // ALIGNED: the places before this thread's (k = lane)
+  const float* pq = pred;  // REGS: this thread's next prefetch addresses (its channel lane of the next token)
+  const kx_u16* lq = lo16;
+  auto prefetch_regs = [&]() {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if (pred) pnext[r] = __ldcs(pq + 32 * r);
+      if (OUT == 4) lnext[r] = __ldcs(lq + 32 * r);
+    }
+    if (pred) pq += 32 * NR;
+    if (OUT == 4) lq += 32 * NR;
+  };
   auto prefetch = [&](long long tt, int rr0, int kk) {
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
@@ -360,18 +414,27 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         rm[r] = chan[lane + 32 * r];
+        rc[r] = chan[D + lane + 32 * r];
         ra[r] = chan[2 * D + lane + 32 * r];
-        rel[r] = reinterpret_cast<const int*>(chan + 3 * D)[lane + 32 * r];
+        const int el = reinterpret_cast<const int*>(chan + 3 * D)[lane + 32 * r];
+        rep[r] = kx_opaque(el & 1023);  // (opaque: kept in a register, not rebuilt from el at every use)
+        rlev[r] = el >> 10;
         rdev[r] = 0.0;
       }
     }
-    if (nt > 0) prefetch(t0, 0, (lane - (ALIGNED ? 0 : (int)(i & 31))) & 31);
+    if (in_regs) {
+      if (pred) pq = pred + ((g - pred_g0) * pred_t + t0) * D + lane;
+      if (OUT == 4) lq = lo16 + (g * T + t0) * D + lane;
+      if (nt > 0) prefetch_regs();
+    } else if (nt > 0) {
+      prefetch(t0, 0, (lane - (ALIGNED ? 0 : (int)(i & 31))) & 31);
+    }
     char* orow = reinterpret_cast<char*>(out) + (g * T + t0) * D * OUT;  // the token's output row
     for (int tc = 0; tc < (int)nt; ++tc, orow += DT * OUT) {  // token t = t0 + tc
       const long long t = t0 + tc;
       const int s = ALIGNED ? 0 : (int)(i & 31);
       const int k = (lane - s) & 31;  // this thread's place in a round
-      const kx_u32 before = (1u << k) - 1u;
+      const kx_u32 before = ALIGNED ? lane_before : (1u << k) - 1u;
       for (int r0 = 0; r0 < DT; r0 += 32 * NR) {
         float pf[NR];
         kx_u16 lo[NR];
@@ -380,7 +443,9 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           pf[r] = pnext[r];
           lo[r] = lnext[r];
         }
-        if (!in_regs && r0 + 32 * NR < D)  // warp-uniform: the next batch of this token, or the next token's first
+        if (in_regs) {
+          if (tc < pre_end) prefetch_regs();
+        } else if (r0 + 32 * NR < D)  // warp-uniform: the next batch of this token, or the next token's first
           prefetch(t, r0 + 32 * NR, k);
         else if (tc < pre_end)
           prefetch(t + 1, 0, (lane - (ALIGNED ? 0 : (int)((i + D) & 31))) & 31);
@@ -398,18 +463,19 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           dd[r] = ALIGNED ? r0 + 32 * r + k : min(r0 + 32 * r + k, D - 1);
           base[r] = in_regs ? rm[r] : chan[dd[r]];  // m + c * 0 is m exactly (m is never -0.0)
         }
-        if (pred) {  // warp-uniform
+        if (pred) {  // warp-uniform; m + c p in one fma: c p is exact (c = cq / 64, |cq| <= 128; p a float32)
 #pragma unroll
           for (int r = 0; r < NR; ++r)
-            base[r] = __dadd_rn(base[r], __dmul_rn(chan[D + dd[r]], isfinite(pf[r]) ? (double)pf[r] : 0.0));
+            base[r] = __fma_rn(in_regs ? rc[r] : chan[D + dd[r]], (double)(isfinite(pf[r]) ? pf[r] : 0.0f), base[r]);
         }
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
           const double mu = __dadd_rn(base[r], in_regs ? __dmul_rn(ra[r], rdev[r]) : __dmul_rn(chan[2 * D + dd[r]], dev[dd[r]]));
           double mv = __dmul_rn(mu, gr.inv_unit);
           if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
-          const int el = in_regs ? rel[r] : reinterpret_cast<const int*>(chan + 3 * D)[dd[r]];
-          kx_locate(mv, el & 1023, el >> 10, gr.mb, ep[r], centre[r], cls[r]);
+          const int el = in_regs ? 0 : reinterpret_cast<const int*>(chan + 3 * D)[dd[r]];
+          ep[r] = in_regs ? rep[r] : el & 1023;  // es <= KX_EP_MAX
+          kx_locate_ep(mv, ep[r], in_regs ? rlev[r] : el >> 10, gr.mb, centre[r], cls[r]);
         }
         // 2. rANS, round after round (every value of a round present: ALIGNED, or r0 + 32 r < D)
 #pragma unroll
@@ -485,7 +551,6 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
             }
           }
           int delta = 0;  // extra bits (over ubits) of the unary values passed so far
-          const kx_u32 mybit = 0x80000000u >> k, above = ~(KX_FULL >> k);  // (bit-reversed value order)
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
             // a unary value's extra bits: its depth (at most KX_UNARY), or its last depth when that is below
@@ -500,9 +565,9 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
               const int jv = (int)kx_bfind<true>(rp);
               const kx_u32 bit = 0x80000000u >> jv;
               const int extra = (int)min(kx_bfind<true>(top), cap);  // (0xffffffff for no one bit)
-              if (bit & mybit) myx = extra;
+              if (jv == k) myx = extra;
               delta = __shfl_sync(KX_FULL, delta + extra, ALIGNED ? jv : (jv + s) & 31);
-              if (bit & above) mine = delta;
+              if (jv < k) mine = delta;
               rp ^= bit;
             };
             while (rp && delta <= 64 - KX_UNARY) pass((kx_u32)((wrev[r] << delta) >> 32));
@@ -512,6 +577,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
             if (unary[r]) {
               fd[r] = uf;
               bad |= (int)!ok;
+              place[r] += uf.skip;  // the field's first bit
             }
             place[r] += mine;
           }
@@ -521,7 +587,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
           if (!act[r]) continue;
-          const kx_u32 field = (rb.window(place[r]) >> fd[r].skip) & ~(0xFFFFFFFFu << fd[r].nb);
+          const kx_u32 field = rb.window(place[r]) & ~(0xFFFFFFFFu << fd[r].nb);  // (place: past the skip)
           const int mag = fd[r].base + (int)field;
           const bool esc = sym[r] == KX_ESC;
           const bool over = !esc && mag > gr.maxmag;
