@@ -129,8 +129,8 @@ def reference_stream(t: torch.Tensor, meta, sections, prediction=None):
     k = int.from_bytes(sections["model"][:4].tobytes(), "little")
     head = sections["model"][4:4 + k].tobytes()
     n_head = 5 * len(predictive.params.stored_fields(meta["source"]))
-    _, rest = format2.StoredFields.read(head[:n_head], entropy.decode(head[n_head:]), meta["source"],
-                                        m.shape[0], d_n)
+    _, rest = format2.StoredFields.read(head[:n_head], format2.decode_model(meta, head[n_head:], 1 << 30),
+                                        meta["source"], m.shape[0], d_n)
     freq = tables.tables_from_bytes(rest)
     counts = np.zeros((bins.N_CLASSES, 256), np.int64)
     np.add.at(counts, (np.array(ctxs), np.array(syms)), 1)
@@ -289,7 +289,7 @@ def decode_model_bytes(meta, body, n):
 @given(data=st.binary(min_size=1, max_size=3000), cut=st.integers(0, 3000), part=st.integers(1, 700),
        skew=st.integers(0, 255))
 def test_model_parts_round_trip(data, cut, part, skew):
-    """code_model: one entropy stream (no meta field) up to MODEL_PART_BYTES, else ``mfields`` field
+    """code_model: one rans_lanes stream (``mlanes``) up to MODEL_PART_BYTES, else ``mfields`` field
     parts of FIELD_PART_BYTES plus a tables part, one shared table; every byte comes back exactly."""
     raw = np.frombuffer(data, np.uint8) & np.uint8(skew | 1)
     fields, tabs = raw[:max(1, min(cut, raw.size))], raw[max(1, min(cut, raw.size)):]
@@ -299,27 +299,44 @@ def test_model_parts_round_trip(data, cut, part, skew):
         body, meta = format2.code_model(fields, tabs)
     finally:
         format2.MODEL_PART_BYTES, format2.FIELD_PART_BYTES = old
-    assert meta == ({} if raw.size <= part else {"mfields": min(format2.MAX_FIELD_PARTS, -(-fields.size // part))})
+    assert meta == ({"mlanes": format2.MODEL_LANES} if raw.size <= part
+                    else {"mfields": min(format2.MAX_FIELD_PARTS, -(-fields.size // part))})
     got_fields, got_tabs = decode_model_bytes(meta, body, raw.size)
-    if meta:
+    if "mfields" in meta:
         assert np.array_equal(got_fields, fields) and np.array_equal(got_tabs, tabs)
     else:
         assert np.array_equal(got_fields, raw)
 
 
+def _entropy_stream_model(meta: dict, sections: dict) -> tuple[dict, dict]:
+    """The stream with its model as format 2 first wrote it: one ``entropy.encode`` stream, no meta field."""
+    model = sections["model"]
+    k = int.from_bytes(model[:4].tobytes(), "little")
+    n_head = 5 * len(predictive.params.stored_fields(meta["source"]))
+    raw = format2.decode_model(meta, model[4 + n_head:4 + k].tobytes(), 1 << 30)
+    head = model[4:4 + n_head].tobytes() + entropy.encode(raw, coder="rans")
+    new = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), model[4 + k:]])
+    return {key: v for key, v in meta.items() if key != "mlanes"}, {**sections, "model": new}
+
+
 def test_model_parts_stream_and_old_single_stream_decode(monkeypatch):
-    """The same tensor with the model in parts (meta "mfields") and as one stream (format 2 as first
-    written, no meta field): both decode bit-exactly; damaged part headers and part counts raise."""
+    """The same tensor with the model in parts (meta "mfields"), as one rans_lanes stream ("mlanes")
+    and as one entropy stream (format 2 as first written, no meta field): all decode bit-exactly;
+    damaged part headers and part counts raise."""
     g = torch.Generator().manual_seed(8)
     x = (torch.randn(3, 64, 64, generator=g) * torch.logspace(-3, 2, 64) + torch.randn(64, generator=g)).to(torch.bfloat16)
     one_meta, one_secs = predictive.encode_tensor(x, None, "none", 1, version=2)
+    old_meta, old_secs = _entropy_stream_model(one_meta, one_secs)
     monkeypatch.setattr(format2, "MODEL_PART_BYTES", 100)
     monkeypatch.setattr(format2, "FIELD_PART_BYTES", 100)
     meta, secs = predictive.encode_tensor(x, None, "none", 1, version=2)
-    assert "mfields" not in one_meta and meta["mfields"] >= 2
-    assert {k: v for k, v in meta.items() if k != "mfields"} == one_meta
-    for m, s in ((one_meta, one_secs), (meta, secs)):
+    assert "mfields" not in one_meta and one_meta["mlanes"] == format2.MODEL_LANES and meta["mfields"] >= 2
+    assert {k: v for k, v in meta.items() if k != "mfields"} == old_meta
+    for m, s in ((one_meta, one_secs), (old_meta, old_secs), (meta, secs)):
         assert torch.equal(predictive.decode_tensor(m, s, None, 1).view(torch.int16), x.view(torch.int16))
+    for bad in (0, 16, "8", 8.0, None):
+        with pytest.raises(CorruptStreamError):
+            predictive.decode_tensor({**one_meta, "mlanes": bad}, one_secs, None, 1)
     for bad in (0, format2.MAX_FIELD_PARTS + 1, "2", meta["mfields"] + 1, meta["mfields"] - 1):
         with pytest.raises(CorruptStreamError):
             predictive.decode_tensor({**meta, "mfields": bad}, secs, None, 1)
@@ -353,6 +370,28 @@ def test_model_parts_damaged_payload_raises_or_decodes(monkeypatch):
         decode_model_bytes(meta, body[:-1], raw.size)
     with pytest.raises(CorruptStreamError):
         decode_model_bytes(meta, body, raw.size - 1)  # more symbols than the shape allows
+
+
+def test_lanes_model_damaged_raises_or_decodes():
+    """A small model's one rans_lanes stream (``mlanes``): every byte comes back; byte flips, cuts and a
+    wrong symbol count give CorruptStreamError or bytes of the right size, never a crash."""
+    rng = np.random.default_rng(4)
+    raw = np.minimum(rng.geometric(0.05, 3000), 255).astype(np.uint8)
+    body, meta = format2.code_model(raw[:2500], raw[2500:])
+    assert meta == {"mlanes": format2.MODEL_LANES} and np.array_equal(format2.decode_model(meta, body, 3000), raw)
+    for _ in range(200):
+        b = bytearray(body)
+        b[int(rng.integers(0, len(b)))] ^= int(rng.integers(1, 256))
+        try:
+            got = format2.decode_model(meta, bytes(b), 1 << 20)
+        except CorruptStreamError:
+            continue
+        assert got.size <= 1 << 20
+    for bad in (body[:-1], body[:-2], body[:5], b""):
+        with pytest.raises(CorruptStreamError):
+            format2.decode_model(meta, bad, 3000)
+    with pytest.raises(CorruptStreamError):
+        format2.decode_model(meta, body, 2999)  # more symbols than the shape allows
 
 
 def test_a_bf16_prediction_is_read_as_is_with_the_float32_checksum():

@@ -11,10 +11,10 @@ one :func:`kvcodec.entropy.encode` stream, so a field of similar values costs a 
 - ``c``, ``a``: int8 / 64, as in format 1 (only the fields the source does not fix).
 
 Stream: meta adds ``lanes`` (8 or 32) to format 1's fields, and ``mfields`` (or, written before,
-``mparts``) when the model bytes are coded in parts (:func:`code_model`); sections ``model`` (uint8:
-u32 length, then the parameter fields' offsets and widths (5 bytes a field) and one
-``entropy.encode`` stream of the fields' bytes followed by the tables' bytes, or the parts of
-:func:`code_model`; then per chunk the u32 rANS word count and the u32 raw-bit word count), ``payload`` (uint16: the chunks' rANS streams in order, each ``rans_lanes``' layout) and
+``mparts``) when the model bytes are coded in parts, or ``mlanes`` when in one ``rans_lanes`` stream
+(:func:`code_model`); sections ``model`` (uint8: u32 length, then the parameter fields' offsets and
+widths (5 bytes a field) and the fields' bytes followed by the tables' bytes as one stream
+(:func:`lanes_model`; written before: one ``entropy.encode`` stream), or the parts of :func:`code_model`; then per chunk the u32 rANS word count and the u32 raw-bit word count), ``payload`` (uint16: the chunks' rANS streams in order, each ``rans_lanes``' layout) and
 ``bits`` (uint32: the chunks' raw bits in order). Chunks: :func:`chunk_layout`.
 """
 
@@ -357,8 +357,8 @@ def _part_sizes(n: int, parts: int) -> np.ndarray:
 
 def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
     """(bytes, meta fields) of the model bytes: the parameter fields' bytes and the tables' bytes.
-    At most ``MODEL_PART_BYTES`` bytes together: one ``entropy.encode`` stream of both (no meta
-    field: the original format 2 layout). More: meta ``mfields`` = K, the fields in K parts
+    At most ``MODEL_PART_BYTES`` bytes together: one 8-lane ``rans_lanes`` stream of both (meta
+    ``mlanes``: :func:`lanes_model`; before it, one ``entropy.encode`` stream, no meta field). More: meta ``mfields`` = K, the fields in K parts
     (``np.array_split``), each an independent ``FIELD_STATES``-state rANS payload
     (``rans_fast.encode_table``) of one shared table, coded in parallel, and the tables' bytes as
     they are: u32 field bytes, u32 table bytes, 256 x u16 frequencies (summing to
@@ -372,7 +372,7 @@ def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
     (``kvctx_device_encode._FieldParts``) and calls this for small models only."""
     fields = np.ascontiguousarray(fields)
     if fields.size + tables.size <= MODEL_PART_BYTES:
-        return entropy.encode(np.concatenate([fields, tables]), coder="rans"), {}
+        return lanes_model(np.concatenate([fields, tables])), {"mlanes": MODEL_LANES}
     parts = max(1, min(MAX_FIELD_PARTS, -(-fields.size // FIELD_PART_BYTES)))
     bounds = np.concatenate([[0], np.cumsum(_part_sizes(fields.size, parts))])
     groups = _task_ranges(parts, parts // 8)  # at least ~8 parts (~130 KB) a task: hand-offs stay small
@@ -393,6 +393,45 @@ def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
     run(lambda g: _place_parts(words.view(np.uint8), sbytes, bounds, first, offs, out, *g))
     out[offs[-1]:] = tables
     return out.tobytes(), {"mfields": parts}
+
+
+def lanes_model(raw: np.ndarray) -> bytes:
+    """Model bytes ``raw`` (uint8) as one ``MODEL_LANES``-lane ``rans_lanes`` stream of one table
+    (meta ``mlanes``): u32 symbol count, u16 length of the table's bytes, the table
+    (:func:`tables.table_bytes` of one row), the stream's uint16 words. Why: the single-state
+    ``entropy`` stream it replaces took ~60 us to decode ~8 KB (a serial state, byte-wise renormalisation
+    and its own header), ~25% of a small tensor's fixed decode cost; the lanes decode in ~15 us."""
+    freq = quantize_frequencies(count_symbols(raw), rans_lanes.PRECISION).astype(np.int64).reshape(1, 256)
+    fbytes = table_bytes(freq)
+    words = np.empty(raw.size + 2 * MODEL_LANES, np.uint16)
+    start = rans_lanes.encode(raw, 0, max(raw.size, 1), _ONE_ROW, freq, rans_lanes.cumulative(freq), MODEL_LANES,
+                              words)
+    head = raw.size.to_bytes(4, "little") + fbytes.size.to_bytes(2, "little")
+    return head + fbytes.tobytes() + words[start:].astype("<u2").tobytes()
+
+
+def _lanes_model_symbols(lanes, buf: np.ndarray, max_symbols: int) -> np.ndarray:
+    """The model bytes of a :func:`lanes_model` stream ``buf`` (uint8; CorruptStreamError)."""
+    if type(lanes) is not int or lanes not in rans_lanes.LANES:
+        raise CorruptStreamError("predictive stream has a bad model lane count")
+    if buf.size < 6:
+        raise CorruptStreamError("predictive stream model is truncated")
+    n = int(buf[:4].view("<u4")[0])
+    nt = int(buf[4]) | int(buf[5]) << 8
+    if n > max_symbols or 6 + nt > buf.size or (buf.size - 6 - nt) % 2:
+        raise CorruptStreamError("predictive stream has a malformed model")
+    freq = tables_from_bytes(buf[6:6 + nt], rows=1)
+    if not freq.any():
+        raise CorruptStreamError("predictive stream has a malformed model table")
+    words = np.frombuffer(buf[6 + nt:].tobytes(), "<u2")  # (a copy: aligned, so the decoder compiles once)
+    out = np.empty(n, np.uint8)
+    if rans_lanes.decode(words, 0, max(n, 1), _ONE_ROW, decode_tables(freq), lanes, out):
+        raise CorruptStreamError("predictive stream model is corrupted (rANS check failed)")
+    return out
+
+
+MODEL_LANES = 8  # lanes of a small model's one rANS stream (lanes_model)
+_ONE_ROW = readonly(np.zeros(1, np.uint8))  # the one table of every value
 
 
 def field_parts_head(n_fields: int, n_tables: int, freqs: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -469,8 +508,11 @@ def read_field_parts(meta: dict, model: np.ndarray, start: int, end: int,
 
 
 def decode_model(meta: dict, body: bytes, max_symbols: int) -> np.ndarray:
-    """The model bytes (uint8) of ``body`` coded as one entropy stream or in ``mparts`` parts (the
-    layouts written before ``mfields``; CorruptStreamError)."""
+    """The model bytes (uint8) of ``body`` coded as one ``rans_lanes`` stream (``mlanes``: what
+    encoders write up to ``MODEL_PART_BYTES``), or as one entropy stream or in ``mparts`` parts (the
+    layouts written before; CorruptStreamError)."""
+    if "mlanes" in meta:
+        return _lanes_model_symbols(meta["mlanes"], np.frombuffer(body, np.uint8), max_symbols)
     parts = meta.get("mparts", 1)
     if "mparts" not in meta:
         raw = entropy.decode(body, max_symbols=max_symbols, max_output_bytes=None)
