@@ -266,9 +266,12 @@ struct KxRing {
   __device__ __forceinline__ void fill(kx_u32 pos, int lane) {
     if (hi + 32 - pos > R) return;  // warp-uniform
     __syncwarp();
+    T* const mine = buf + lane;  // (hi is a multiple of 32: this lane's slot is mine[hi & (R - 1)])
+#pragma unroll 1
     do {
-      buf[(hi + lane) & (R - 1)] = stage;
-      if (MIRROR && (hi & (R - 1)) == 0) buf[R + lane] = stage;
+      const kx_u32 slot = hi & (R - 1);
+      mine[slot] = stage;
+      if (MIRROR && slot == 0) mine[R] = stage;
       hi += 32;
       next += 32;
       stage = load(hi + lane, next);
