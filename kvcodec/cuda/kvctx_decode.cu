@@ -213,6 +213,13 @@ __device__ __forceinline__ KxField kx_known_field(int sym, int ep, int u, int mb
   return fd;
 }
 
+// A unary value's extra bits are its depth (at most KX_UNARY), or its last depth when that is below KX_DEPTH_MAX and
+// reached: min(depth, cap).
+__device__ __forceinline__ kx_u32 kx_unary_cap(int ep, int mb) {
+  const int last = ep - mb - 1;
+  return last < KX_DEPTH_MAX ? last : KX_UNARY;
+}
+
 // The field of a unary value of depth d (d zero bits then a one, then mb bits; the last depth, exponent
 // fields 0 and 1, in mb + 1 bits without a one); ok = false for a depth past KX_DEPTH_MAX.
 __device__ __forceinline__ KxField kx_unary_field(int d, int ep, int mb, bool& ok) {
@@ -381,6 +388,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
   const int pre_end = pred || OUT == 4 ? (int)nt - 1 : 0;  // tokens tc < pre_end prefetch for tc + 1 (uniform)
   double rm[NR], rc[NR], ra[NR], rdev[NR];
   int rep[NR], rlev[NR];  // ep, level
+  kx_u32 rcap[NR];  // kx_unary_cap
   // The prediction and the float32 low halves a batch reads are loaded one batch ahead (a DRAM round trip
   // is shorter than a batch): the thread's channels of batch (token tt, first channel rr0, place kk).
   float pnext[NR];
@@ -422,6 +430,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         const int el = reinterpret_cast<const int*>(chan + 3 * D)[lane + 32 * r];
         rep[r] = kx_opaque(el & 1023);  // (opaque: kept in a register, not rebuilt from el at every use)
         rlev[r] = el >> 10;
+        rcap[r] = (kx_u32)kx_opaque((int)kx_unary_cap(el & 1023, gr.mb));
         rdev[r] = 0.0;
       }
     }
@@ -556,10 +565,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           int delta = 0;  // extra bits (over ubits) of the unary values passed so far
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
-            // a unary value's extra bits: its depth (at most KX_UNARY), or its last depth when that is below
-            // KX_DEPTH_MAX and reached (the depth capped there: min(depth, cap))
-            const int last = ep[r] - gr.mb - 1;
-            const kx_u32 cap = last < KX_DEPTH_MAX ? last : KX_UNARY;
+            const kx_u32 cap = in_regs ? rcap[r] : kx_unary_cap(ep[r], gr.mb);
             int mine = delta;  // extra bits of the unary values before this thread's value
             int myx = 0;       // this thread's value's extra bits (its depth, but at the last depth)
             kx_u32 rp = __brev(uv[r]);  // the unary values not yet passed, the first in the top bit
