@@ -1,6 +1,7 @@
 """Format 2 of kvctx / predictive (bins + per-class tables + 32-lane rANS) against independent references."""
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -421,3 +422,16 @@ def test_a_bf16_prediction_is_read_as_is_with_the_float32_checksum():
     wrong.view(torch.int16).reshape(-1)[12345] ^= 1
     with pytest.raises(CorruptStreamError):
         predictive.decode_tensor(meta, sections, wrong, 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(0, 3 * 4096 + 5), seed=st.integers(0, 2**31), isal=st.booleans())
+def test_bf16_float32_checksum_equals_zlib_of_the_widened_bits(n, seed, isal):
+    """``bf16_as_f32_crc32`` (ISA-L's crc32 over L1 blocks, or the numpy-block fallback without it) is
+    zlib's crc32 of the float32 bit patterns, across block boundaries."""
+    bits = np.random.default_rng(seed).integers(0, 2**16, n, dtype=np.uint16)
+    want = zlib.crc32((bits.astype(np.uint32) << 16).view(np.uint8))
+    with pytest.MonkeyPatch.context() as mp:
+        if not isal:
+            mp.setattr(predictive.codec, "_isal_crc32", lambda: None)
+        assert predictive.codec.bf16_as_f32_crc32(bits) == want
