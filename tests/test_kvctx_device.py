@@ -426,3 +426,29 @@ def test_emulated_api_reuses_the_plan_and_sees_writes_torch_does_not_count(emula
     del blob  # the entry holds nothing that keeps the blob alive, and goes with it
     gc.collect()
     assert key not in api._blob_plans._entries
+
+
+def test_emulated_api_reads_the_front_once(emulated_api, monkeypatch):
+    """A first decode copies the blob's front once (header and model section together); a model section
+    past the front is copied on its own; the window follows what the previous big blob needed."""
+    reads = []
+    real = device_container.download
+    monkeypatch.setattr(device_container, "download", lambda t: reads.append(t.numel()) or real(t))
+    monkeypatch.setattr(kvctx_device, "download", lambda t: reads.append(-t.numel()) or real(t))
+    monkeypatch.setattr(device_container, "_front_share", [1 / 128])
+    x = kv_like((2, 128, 64))
+    blob = torch.frombuffer(bytearray(kvcodec.compress(x, layout="kv")), dtype=torch.uint8)
+    assert same_bits(api._decompress_on_device(blob, torch.device("cpu"), None), x)
+    assert reads == [blob.numel()]  # a small blob: all of it, in one copy
+    header, end = device_container.read_header(blob)
+    secs, _ = device_container.sections(blob, header, end)
+    reads.clear()
+    ps, _ = kvctx_device.plan(header["meta"]["codec_meta"], secs, blob[:end].numpy())
+    assert reads == [-secs["model"].nbytes] and ps.v2.lanes == 32  # past the front: its own copy
+    n = 170 << 20
+    assert device_container.front_window(n) == n // 128
+    device_container.note_front(n, 1 << 20)
+    assert device_container.front_window(n) == int(n * (1 << 20) * 1.02 / n)
+    device_container.note_front(1000, 900)  # a small blob teaches nothing
+    device_container.note_front(n, n)  # at most 1/16 of a blob
+    assert device_container.front_window(n) == n // 16

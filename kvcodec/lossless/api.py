@@ -350,14 +350,20 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
         (header, header_end), header_crc = header, None
     else:
         header, header_end, header_crc, front = device_container.read_front(blob)
-    if header["kind"] != KIND:
-        raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
-    meta = _checked_meta(header["meta"])
+    if entry is None:
+        if header["kind"] != KIND:
+            raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
+        meta = _checked_meta(header["meta"])
+    else:  # header, meta and sections as the decode that stored the entry checked them
+        meta = header["meta"]
     dtype = dtype_from_name(meta["dtype"])
     check_output(numel(meta["shape"]) * dtype.itemsize, max_output_bytes, "tensor blob")
-    if not _gpu_decodable(header):
+    if entry is None and not _gpu_decodable(header):
         return None
-    secs, gaps = device_container.sections(blob, header, header_end)
+    if entry is None:
+        secs, gaps = device_container.sections(blob, header, header_end)
+    else:
+        secs, gaps = device_container.bound(entry["sections"], blob)
     reuse = entry if entry is not None else {} if header_crc is not None else None  # filled for the next decode
     planned = None
     if meta["codec"] != "planes":  # kvctx / predictive: a prediction only for a predictive blob coded with one
@@ -373,7 +379,7 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
                 return None
             if reuse is not None:
                 reuse["kvctx plan"] = planned
-    if front is not None and entry is None and header_crc is not None:  # read back here: the next blobs' window
+    if front is not None and header_crc is not None:  # read back here (read_front): the next blobs' window
         model = secs.get("model") if planned is not None else None
         device_container.note_front(blob.numel(), model.offset + model.nbytes if model is not None else header_end)
     # section crc32s on a side stream (with an entry, the header's crc32 too), queued once the decode kernel
@@ -421,6 +427,7 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
         raise CorruptStreamError("decoded tensor fails its checksum: wrong prediction, or a corrupted stream")
     if reuse is not None and entry is None:  # every check passed: kept for the next decode of this tensor
         reuse["header"] = (header, header_end, header_crc)
+        reuse["sections"] = device_container.unbound(secs, gaps)
         _blob_plans.put(blob, reuse)
     return out if target == blob.device else out.to(target)
 

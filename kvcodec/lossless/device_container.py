@@ -105,9 +105,10 @@ def note_front(n: int, needed: int) -> None:
     """Remember that a decode of an ``n``-byte blob needed its first ``needed`` bytes on the host (the
     header, and a kvctx / predictive blob's model section): the next blobs' :func:`front_window`. Why:
     the blobs a process decodes are mostly alike (one cache's blocks), and one read-back of 1 MB costs
-    ~0.04 ms where a second read-back and sync cost more."""
-    if n > 0:
-        _front_share[0] = min(1.0, needed * 1.02 / n)
+    ~0.04 ms where a second read-back and sync cost more. Blobs under 16 x ``_HEAD_GUESS`` teach nothing
+    (their header is most of them), and the share stays at most 1/16."""
+    if n >= 16 * _HEAD_GUESS:
+        _front_share[0] = min(1 / 16, needed * 1.02 / n)
 
 
 def read_front(blob: torch.Tensor, window: int | None = None) -> tuple[dict, int, int, np.ndarray]:
@@ -148,6 +149,18 @@ def sections(blob: torch.Tensor, header: dict, header_end: int) -> tuple[dict[st
     if pos != n:
         raise CorruptStreamError(f"container has {n - pos} trailing bytes")
     return out, gaps
+
+
+def unbound(secs: dict[str, DeviceSection], gaps) -> tuple:
+    """:func:`sections`' result without the blob (what a :class:`BlobCache` entry may keep): :func:`bound`
+    gives it back for the same blob tensor without checking the descriptors again."""
+    return tuple((name, s.offset, s.nbytes, s.dtype, s.shape, s.crc32) for name, s in secs.items()), tuple(gaps)
+
+
+def bound(kept: tuple, blob: torch.Tensor) -> tuple[dict[str, DeviceSection], list[tuple[int, int]]]:
+    """The inverse of :func:`unbound` on ``blob``."""
+    secs, gaps = kept
+    return {name: DeviceSection(blob, *rest) for name, *rest in secs}, list(gaps)
 
 
 class Checks:
