@@ -7,18 +7,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcodec import entropy
 from kvcodec.entropy import rans, rans_fast
 from kvcodec.entropy.freq import count_symbols, quantize_frequencies
 from kvcodec.lossless.predictive import format2 as f2
+from kvcodec.lossless.predictive.tables import table_bytes
 
 
 def reference_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
     """code_model's layout, spelled out: u32 field bytes, u32 table bytes, the frequencies, the payload
     lengths, each part's ``encode_table`` payload, the table bytes."""
     raw = np.concatenate([fields, tables])
-    if raw.size <= f2.MODEL_PART_BYTES:
-        return entropy.encode(raw, coder="rans"), {}
+    if raw.size <= f2.MODEL_PART_BYTES:  # one rans_lanes stream: u32 count, u16 table length, table, words
+        freq = quantize_frequencies(count_symbols(raw), 12).reshape(1, 256)
+        tab = table_bytes(freq).tobytes()
+        words = rans.encode_ctx(raw, np.zeros(raw.size, np.int64), list(freq), 12, f2.MODEL_LANES)
+        return raw.size.to_bytes(4, "little") + len(tab).to_bytes(2, "little") + tab + words, {"mlanes": f2.MODEL_LANES}
     parts = max(1, min(f2.MAX_FIELD_PARTS, -(-fields.size // f2.FIELD_PART_BYTES)))
     freqs = quantize_frequencies(count_symbols(fields), f2.FIELD_PRECISION).astype("<u2")
     payloads = [rans_fast.encode_table(p, freqs, f2.FIELD_PRECISION, f2.FIELD_STATES)

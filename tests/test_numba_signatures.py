@@ -13,6 +13,7 @@ import kvcodec
 from kvcodec import entropy
 from kvcodec.entropy import models
 from kvcodec.entropy import range_coder_fast, rans_fast, rans_lanes, rans_unrolled, stream, tans_fast
+from kvcodec.lossless import predictive
 from kvcodec.lossless.predictive import binned, format2, kernels
 
 
@@ -67,6 +68,16 @@ def test_decoders_compile_once_for_bytes_bytearray_and_arrays():
         assert rans_lanes.decode_merged(words[start:], 0, d, form(rowctx), form(tabs), 32, form(side), form(hi),
                                         form(lo), out16) == 0
         assert np.array_equal(out16, hi[sym[:n]] | side)
+    # a format 2 decode of every chunk (chunk_layout's read-only arrays) and of a token range whose
+    # chunks are not consecutive (copies of them), then a neighbour-layer decode (one call, rounds)
+    y = torch.randn(2, 200, 512).to(torch.bfloat16)
+    meta, sections = predictive.encode_tensor(y, None, "none", 1, version=2)
+    assert all(not a.flags.writeable for a in format2.chunk_layout(2, 200, 512, meta["tb"], 2))
+    for tokens in (None, (150, 200)):
+        got = predictive.decode_tensor(meta, sections, None, 1, tokens=tokens)
+        assert torch.equal(got.view(torch.int16), y[:, slice(*(tokens or (0, 200)))].view(torch.int16))
+    meta, sections = predictive.encode_tensor(y.reshape(2, 1, 200, 512), None, "neighbour_layer", 1, version=2)
+    assert torch.equal(predictive.decode_tensor(meta, sections, None, 1).view(torch.int16), y.view(torch.int16)[:, None])
     twice = [f"{d.__module__}.{d.__name__}" for d in _decoders()
              if len({_writable(s) for s in d.signatures}) < len(d.signatures)]
     assert not twice, f"compiled for read-only and writable inputs alike: {twice}"

@@ -371,7 +371,6 @@ def decode_tensor(meta: dict, sections: dict, prediction=None, threads: int = 0,
     """
     ps = parse_stream(meta, sections)
     dtype, shape, source, mode, grid = ps.dtype, ps.shape, ps.source, ps.mode, ps.grid
-    tb, n_tb, margs, lengths, words, wstart = ps.tb, ps.n_tb, ps.margs, ps.lengths, ps.words, ps.wstart
     g, tt, d = kv_layout(shape)
     start, stop = _token_range(tokens, tt)
     out_shape = _out_shape(shape, start, stop)

@@ -73,16 +73,19 @@ def chunk_layout(g: int, tt: int, d: int, tb: int, unit: int):
     """(first g, g count, first token, token count) per chunk, int64 arrays: blocks of ``tb``
     tokens x as many consecutive leading indices as fill ~CHUNK_VALUES, never crossing a multiple
     of ``unit`` (a layer, for the neighbour-layer predictor); g-major. Kept per shape and shared
-    between calls, so callers never write them: a cache's tensors share a few shapes, and building
-    them was ~0.015 ms a decode. (Not flagged read-only: numba types a read-only array apart and
-    would compile the chunk decoder twice, once for these and once for a selection's copies.)"""
+    between calls (a cache's tensors share a few shapes, and building them was ~0.015 ms a decode), so
+    read-only: numba types a read-only array apart from a writable one, so the kernels get these, and
+    :func:`decode` a selection's copies, as read-only arrays (one compile each)."""
     gb, per_unit = _blocks(g, tt, d, tb, unit)
     k = np.arange(per_unit, dtype=np.int64) * gb
     gs = (np.arange(0, g, unit, dtype=np.int64)[:, None] + k[None, :]).reshape(-1)
     ng = np.tile(np.minimum(gb, unit - k), g // unit)
     ts = np.arange(0, tt, tb, dtype=np.int64)
     nt = np.minimum(tb, tt - ts)
-    return np.repeat(gs, ts.size), np.repeat(ng, ts.size), np.tile(ts, gs.size), np.tile(nt, gs.size)
+    columns = (np.repeat(gs, ts.size), np.repeat(ng, ts.size), np.tile(ts, gs.size), np.tile(nt, gs.size))
+    for x in columns:
+        x.flags.writeable = False
+    return columns
 
 
 @dataclass
@@ -673,7 +676,8 @@ def decode(ps: Parsed2, grid: BinGrid, select, out: np.ndarray, out_t0: int, pre
         else:
             part = select
         cols = tuple(x[part] for x in cols)
-    cg0, cng, ct0, cnt, wstart, wlen, bstart, blen = cols
+    cg0, cng, ct0, cnt = (readonly(x) if x.flags.writeable else x for x in cols[:4])  # as chunk_layout's
+    wstart, wlen, bstart, blen = cols[4:]
     err = np.zeros(n, np.int32)
     rounds = None
     if layer_g:
