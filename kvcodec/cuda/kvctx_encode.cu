@@ -714,13 +714,16 @@ __global__ void __launch_bounds__(32 * WARPS)
   if (lane == 0 && hi != 0) atomicAdd(reinterpret_cast<unsigned long long*>(n_bad), 1ull);
 }
 
+// +infinity (NVRTC has no INFINITY: no host headers)
+__device__ __forceinline__ double ke_inf() { return __longlong_as_double(0x7ff0000000000000ll); }
+
 // freq._gain / _loss: bits saved by raising f to f + 1 / lost by lowering it to f - 1 (infinite at 1), the
 // CPU's float64 expressions operation for operation (int / int as double division, c * log2(.)).
 __device__ __forceinline__ double ke_gain(double c, long long f) {
   return __dmul_rn(c, log2((double)(f + 1) / (double)f));
 }
 __device__ __forceinline__ double ke_loss(double c, long long f) {
-  return f > 1 ? __dmul_rn(c, log2((double)f / (double)(f - 1))) : (double)INFINITY;
+  return f > 1 ? __dmul_rn(c, log2((double)f / (double)(f - 1))) : ke_inf();
 }
 
 template <class T>
@@ -779,7 +782,7 @@ __global__ void __launch_bounds__(32)
   for (int k = 0; k < 8; ++k) {
     f[k] = c[k] > 0 ? max(1ll, c[k] * 4096 / total) : 0;
     gn[k] = c[k] > 0 ? ke_gain((double)c[k], f[k]) : -1.0;  // unused symbols: never a receiver
-    ls[k] = c[k] > 0 ? ke_loss((double)c[k], f[k]) : (double)INFINITY;  // nor a donor
+    ls[k] = c[k] > 0 ? ke_loss((double)c[k], f[k]) : ke_inf();  // nor a donor
     sum += f[k];
   }
   long long excess = total > 0 ? ke_warp_sum(sum) - 4096 : 0;
@@ -829,7 +832,7 @@ __global__ void __launch_bounds__(32)
   }
   for (int step = 0; used >= 2 && step < KE_POLISH_MAX; ++step) {
     best();
-    if (w == (double)INFINITY || s == t || !(__dsub_rn(v, w) > __dmul_rn(1e-12, __dadd_rn(v, w)))) break;
+    if (w == ke_inf() || s == t || !(__dsub_rn(v, w) > __dmul_rn(1e-12, __dadd_rn(v, w)))) break;
     move(s, 1);
     move(t, -1);
   }
