@@ -110,14 +110,26 @@ def test_compiled_table_bytes_match_the_layout(seed, rows):
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), g=st.integers(1, 40), tt=st.integers(1, 3000), d=st.sampled_from([8, 64, 128]))
-def test_chunk_descriptors_match_their_formulas(seed, g, tt, d):
-    """kvctx_device_encode._chunk_descriptors == the payload launches' chunk arguments spelled out in numpy."""
+@given(seed=st.integers(0, 2**32 - 1), g=st.integers(1, 40), tt=st.integers(1, 3000), d=st.sampled_from([8, 64, 128]),
+       n_parts=st.integers(0, 5))
+def test_launch_tables_match_their_formulas(seed, g, tt, d, n_parts):
+    """kvctx_device_encode._chunk_descriptors and _launch_tables (one compiled pass, one buffer) == the
+    payload launches' arguments spelled out in numpy: chunk descriptors, cap, table words, reciprocals."""
+    from kvcodec.entropy import rans_lanes
     from kvcodec.lossless import kvctx_device_encode as kde
     from kvcodec.lossless.predictive.format2 import chunk_layout
 
+    rng = np.random.default_rng(seed)
+    freq = rng.integers(0, 4097, (int(rng.integers(1, 70)), 256)) * (rng.random((1, 256)) < 0.3)
     tb = min(tt, 2048)
     cg0, cng, ct0, cnt = chunk_layout(g, tt, d, tb, g)
     desc, cap = kde._chunk_descriptors((cg0, cng, ct0, cnt), tt, d)
     assert np.array_equal(desc, np.stack([(cg0 * tt + ct0) * d, cng, cnt * d, np.full_like(cng, tt * d)], 1))
     assert cap == int((cng * cnt).max()) * d
+    parts = rng.integers(0, 1 << 20, (n_parts, 4))
+    parts_d, ftab, rcp = kde._launch_tables(freq, parts, "cpu")
+    f = freq.reshape(-1).astype(np.uint64)
+    assert np.array_equal(parts_d.numpy(), parts)
+    assert np.array_equal(ftab.numpy().view(np.uint32),
+                          (f | (rans_lanes.cumulative(freq).reshape(-1).astype(np.uint64) << 16)).astype(np.uint32))
+    assert np.array_equal(rcp.numpy().view(np.uint32), np.where(f >= 2, (1 << 32) // np.maximum(f, 1), 0xFFFFFFFF))

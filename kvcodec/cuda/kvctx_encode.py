@@ -1,5 +1,5 @@
 """Launchers of the kvctx / predictive format 2 GPU encoder (``kvctx_encode.cu``): parameter-fit sums,
-symbolise + histograms, the rANS tables fitted from them, the per-chunk raw-bit writer and rANS coder.
+symbolise + histograms, the per-chunk raw-bit writer and rANS coder.
 
 Each function takes torch tensors (CUDA, or CPU ones under the tests' CPU emulation of the kernels),
 launches on torch's current stream and does not synchronize. Kernels are started through ``runner``:
@@ -38,8 +38,6 @@ SIGNATURES = {
                   "const unsigned int*, unsigned short*, long long, long long*)"),
     "ke_bits": ("(const unsigned long long*, const long long*, int, const long long*, const long long*, "
                 "unsigned int*, long long*)"),
-    "ke_fit_tables": ("(const unsigned long long*, int, long long, int, const unsigned long long*, int, int*, "
-                      "unsigned int*, unsigned int*)"),
 }
 
 
@@ -199,26 +197,6 @@ def raw_bits(raw, chunks, totals, starts, n_bad, n_words: int, runner=gpu_runner
     runner(f"ke_bits<{WARPS}>", max(1, -(-n // WARPS)), 32 * WARPS,
            (_ptr(raw), _ptr(chunks), np.int32(n), _ptr(totals), _ptr(starts), _ptr(bits), _ptr(n_bad)), dev)
     return bits[:n_words]
-
-
-def fit_tables(hist, rows: int, extra=None, extra_planes=(), runner=gpu_runner):
-    """(freq int32 [rows, 256], ftab, rcp uint32-in-int32 [rows * 256]: :func:`encode_chunks`' tables) of the
-    symbol counts of ``hist`` (int64 [copies, keys], :func:`symbolise`'s, summed over its copies: its
-    keys // 256 rows) and, as row ``keys // 256`` when ``rows`` is one more, the sum of the rows
-    ``extra_planes`` of ``extra`` (int64 [planes, 256], the model's field byte planes): ``tables.fit_tables``'
-    frequencies (``freq.quantize_rows`` at 2**12), fitted on the device, one warp a row."""
-    copies, keys = hist.shape
-    hist_rows = keys // 256
-    assert rows in (hist_rows, hist_rows + 1) and (rows == hist_rows or extra is not None)
-    mask = sum(1 << int(j) for j in extra_planes)
-    assert mask < 1 << 30
-    dev = hist.device
-    freq = torch.empty((rows, 256), dtype=torch.int32, device=dev)
-    tabs = torch.empty(2 * rows * 256, dtype=torch.int32, device=dev)
-    runner("ke_fit_tables", rows, 32, (_ptr(hist), np.int32(copies), np.int64(keys), np.int32(hist_rows),
-                                       _ptr(extra), np.int32(mask), _ptr(freq), _ptr(tabs),
-                                       np.uint64(tabs.data_ptr() + 4 * rows * 256)), dev)
-    return freq, tabs[:rows * 256], tabs[rows * 256:]
 
 
 def encode_chunks(keys, chunks, parts, ftab, rcp, cap: int, runner=gpu_runner):

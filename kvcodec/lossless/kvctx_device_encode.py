@@ -11,17 +11,16 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
 2. ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
    code with the GPU decoder's own model arithmetic and counts the per-class histogram;
 3. ``kvctx_encode.raw_bits``: one warp per chunk writes its raw bits (no table needed: it runs on a side
-   stream, with the checksums, right after symbolise, beside the table fit and the rANS kernel);
-4. ``kvctx_encode.fit_tables``: the tables on the device from the histograms (``tables.fit_tables``'
-   frequencies exactly: a port of ``freq.quantize_rows``), the ``model`` section as ``format2.code_model``
-   writes it: its field bytes' parts (``mfields``) coded on the device with the payload
-   (:class:`_FieldParts`), a small model on the host;
+   stream, with the checksums, right after symbolise: beside the first wait, the host's table work and
+   the rANS kernel);
+4. the tables on the host (``tables.fit_tables``: the CPU's tables for the same counts), the ``model``
+   section as ``format2.code_model`` writes it: its field bytes' parts (``mfields``) coded on the device
+   with the payload (:class:`_FieldParts`), a small model on the host;
 5. ``kvctx_encode.encode_chunks``: one warp per chunk writes its 32-lane rANS stream; the streams are
    packed into the ``payload`` section (``planes_codec.gather``).
 
-The host queues all of it without waiting for symbolise: it reads the stored fields' statistics back
-behind the fit (their sizes place the model's parts), then waits once, for the stream lengths, the
-frequencies, the raw-bit totals and small headers.
+Only the stored fields' statistics and byte histograms, the symbol histogram, per-chunk sizes and
+small headers cross to the host.
 Calls the GPU cannot take (:func:`unsupported`: format 1, e.g. fp8 against an external prediction by
 default; 8-lane streams of small tensors; other dtypes) are coded on the CPU by the caller: the format is
 never changed silently.
@@ -35,9 +34,10 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+from numba import njit
 
 from kvcodec import container
-from kvcodec.cuda.transfer import upload
+from kvcodec.cuda.transfer import download, upload
 from kvcodec.entropy import rans_lanes
 from kvcodec.lossless import kvctx_device_fit as kfit
 from kvcodec.lossless.device_container import side_stream
@@ -48,7 +48,7 @@ from kvcodec.lossless.predictive.bins import DEPTH_MAX, N_CLASSES, bin_grid
 from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, chunk_layout, code_model
 from kvcodec.lossless.predictive.grid import grid_for, value_table
 from kvcodec.lossless.predictive.params import stored_fields
-from kvcodec.lossless.predictive.tables import table_bytes
+from kvcodec.lossless.predictive.tables import fit_tables, table_bytes
 
 SOURCES = ("none", "external", "previous_token", "neighbour_layer")
 MODEL_CLASS = N_CLASSES  # the payload kernel's table of the model's field parts (:class:`_FieldParts`)
@@ -163,35 +163,15 @@ class _Clock:
 _NP_OF = {torch.uint8: np.uint8, torch.int32: np.int32, torch.int64: np.int64}
 
 
-def _read_back_later(tensors: list[torch.Tensor]):
-    """A function returning the tensors on the host (numpy, same dtypes and shapes), copied through one
-    pinned buffer behind the stream's work so far; it waits for that copy only (an event), not for work
-    queued after it. Why: the host needs the fields' statistics before the payload launch, and symbolise
-    (queued after them) need not be waited for."""
-    flat = torch.cat([x.reshape(-1).view(torch.uint8) for x in tensors])
-    if flat.device.type == "cuda":
-        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        done = torch.cuda.current_stream(flat.device).record_event()
-    else:
-        host, done = flat.clone(), None
-
-    def get() -> list[np.ndarray]:
-        if done is not None:
-            done.synchronize()
-        hv, out, pos = host.numpy(), [], 0
-        for x in tensors:
-            n = x.numel() * x.element_size()
-            out.append(hv[pos:pos + n].view(_NP_OF[x.dtype]).reshape(x.shape))
-            pos += n
-        return out
-
-    return get
-
-
 def _read_back(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """The tensors on the host now (:func:`_read_back_later`, waited for at once)."""
-    return _read_back_later(tensors)()
+    """The tensors on the host (numpy, same dtypes and shapes) through one pinned buffer and one copy:
+    the call's wait for the model (the fields, the histogram) before its tables can be built."""
+    hv, out, pos = download(torch.cat([x.reshape(-1).view(torch.uint8) for x in tensors])), [], 0
+    for x in tensors:
+        n = x.numel() * x.element_size()
+        out.append(hv[pos:pos + n].view(_NP_OF[x.dtype]).reshape(x.shape))
+        pos += n
+    return out
 
 
 def _chunk_descriptors(layout: tuple, tt: int, d: int) -> tuple[np.ndarray, int]:
@@ -201,6 +181,38 @@ def _chunk_descriptors(layout: tuple, tt: int, d: int) -> tuple[np.ndarray, int]
     cg0, cng, ct0, cnt = (np.asarray(a, np.int64) for a in layout)
     desc = np.stack([(cg0 * tt + ct0) * d, cng, cnt * d, np.full_like(cng, tt * d)], 1)
     return desc, int((cng * cnt).max()) * d
+
+
+def _launch_tables(freq: np.ndarray, parts: np.ndarray, dev):
+    """(the model parts' chunk descriptors ``parts`` [n, 4], rANS table words, reciprocals: ``kvctx_encode.
+    encode_chunks``' ``parts``, ``ftab``, ``rcp``, on ``dev``) of the tables ``freq`` [rows, 256]: one
+    compiled pass into one buffer, one upload. Why: ~15 numpy steps and three arrays took ~0.4 ms of the
+    host between the first wait and the payload launch."""
+    n, rows = parts.shape[0], freq.shape[0]
+    buf = np.empty(4 * n + rows * 256, np.int64)
+    buf[:4 * n] = parts.reshape(-1)
+    words = buf[4 * n:].view(np.uint32)
+    _fill_tables(np.ascontiguousarray(freq, np.int64), words[:rows * 256], words[rows * 256:])
+    (buf_d,) = upload([buf], dev)
+    tabs = buf_d[4 * n:].view(torch.int32)
+    return buf_d[:4 * n].view(n, 4), tabs[:rows * 256], tabs[rows * 256:]
+
+
+@njit(cache=True, nogil=True)
+def _fill_tables(freq, ftab, rcp):
+    """Per table entry its word (frequency | exclusive cumulative frequency << 16) and reciprocal
+    (2**32 // f, 0xFFFFFFFF where f < 2). Not ``rans_fast.table_args``: that gives the CPU table coder
+    three int64 / float64 arrays of one table (frequencies, cumulative sums, 1 / f in float64 for its
+    float division); ``ke_encode`` reads one packed uint32 word and an integer reciprocal for
+    ``__umulhi`` per (class, symbol) of all rows at once, into the launch's one upload buffer. The only
+    shared step is the exclusive cumulative sum, one line in this loop."""
+    for r in range(freq.shape[0]):
+        cum = 0
+        for s in range(freq.shape[1]):
+            f = freq[r, s]
+            ftab[r * freq.shape[1] + s] = f | (cum << 16)
+            rcp[r * freq.shape[1] + s] = (1 << 32) // f if f >= 2 else 0xFFFFFFFF
+            cum += f
 
 
 class _Side:
@@ -260,17 +272,14 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     checked :func:`unsupported`. ``runner`` / ``gather``: the kernels' launcher and the stream packer
     (default: the GPU's; the tests pass the CPU emulation's). ``overlap(buffers)``: checksums to queue of
     buffers finished by then (0-d int64 device tensors by name, all queued so far); called on a side stream
-    beside the fit (the tensor's, ``lo16``, ``"prediction"``: its bytes, read back at the last wait) and
-    beside the rANS kernel (``bits``);
-    ``steps``: a dict that receives the host time of each step (:class:`_Clock`).
+    before the first wait (the tensor's, ``lo16``, ``"prediction"``: its bytes, read back at the second wait)
+    and after the payload launch (``bits``); ``steps``: a dict that receives the host time of each step
+    (:class:`_Clock`).
 
-    The host never waits before the payload launch but for an event behind the fit (the stored fields'
-    statistics, read back while symbolise runs: they size the model's parts). Then it waits for an event
-    behind symbolise (the chunks' raw-bit totals: the bits' length, for their checksum beside the rANS
-    kernel) and once for the end: the stream lengths of the chunks and the model's field parts (both coded
-    by the payload kernel), the frequencies fitted on the device and the raw-bit check.
-    (Session 8: reading the fields back on the side stream while symbolise ran cost more than it saved: its
-    kernels queued behind symbolise's blocks; here they are on the main stream before symbolise.)"""
+    The host waits for the device twice: once for the fitted fields' statistics, the histograms and the
+    chunks' raw-bit totals (one read-back), once for the stream lengths of the chunks and the model's field
+    parts (both coded by the payload kernel) and the raw-bit check. (Reading the fields back on the side
+    stream while symbolise ran cost more than it saved: its kernels queued behind symbolise's blocks.)"""
     from kvcodec.cuda import crc32 as gcrc
     from kvcodec.cuda import kvctx_encode as ke
 
@@ -312,14 +321,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     values, margs = kfit.bin_params(cands, shared_won, bin_grid(bdtype), runner)
     clock.mark("fit: choice, bin parameters (launches)")
 
-    # 2. the stored fields' byte planes, their histograms and statistics: read back behind the fit, while
-    # symbolise runs (the host needs them for the fields' sizes before the payload launch)
-    planes, stats = kfit.field_planes(values, source)
-    phist = kfit.plane_histograms(planes, d, runner)
-    fields_stats = _read_back_later([stats, *([] if shared_won is None else [shared_won.view(1)])])
-    clock.mark("fit: field planes (launches)")
-
-    # 3. symbols, histogram, raw-bit counts (room after the values for the model's field bytes)
+    # 2. symbols, histogram, raw-bit counts (room after the values for the model's field bytes)
     layout = chunk_layout(g, tt, d, tb, unit)
     n_chunks = layout[0].size
     gb = int(layout[1][0])
@@ -331,73 +333,77 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     keys, raw, hist, chunk_bits = ke.symbolise(pats, pred, margs, choices == (True,), _escape_table(bdtype, dev),
                                                grid_constants(bdtype), (g, tt, d), tb, gb, unit, n_chunks, N_KEYS,
                                                spare, runner)
-    chunk_totals = _read_back_later([chunk_bits])  # the raw bits' length, known while the rANS kernel runs
+    planes, stats = kfit.field_planes(values, source)  # after the symbolise launch: off its critical path
+    phist = kfit.plane_histograms(planes, d, runner)
     pending = {k: sections[k] for k in ("lo16",) if k in sections}
-    if source == "external":  # read back with the stream lengths (the last wait)
+    if source == "external":  # read back with the stream lengths (the second wait)
         pending["prediction"] = pred.reshape(-1).view(torch.uint8)
     with side.after(inputs_ready):  # the checksums beside the fit and symbolise kernels
         crcs = overlap(pending) if overlap is not None else {}
         pred_crc = [crcs["prediction"] if "prediction" in crcs else gcrc.crc32_many([pending["prediction"]])[0]
                     ] if source == "external" else []
-    # the raw bits on the side stream right after symbolise, beside the table fit and the rANS kernel; into
-    # room for the most raw bits a value can have (bins: a raw code is at most the pattern or mb + DEPTH_MAX
-    # bits): their total is known on the host only after symbolise
+    # 3. the raw bits on the side stream right after symbolise, beside the first wait, the host's table work
+    # and the rANS kernel; into room for the most raw bits a value can have (bins: a raw code is at most the
+    # pattern or mb + DEPTH_MAX bits): their total is known on the host only after the wait
     most = max(grid_constants(bdtype)[0], grid_constants(bdtype)[2] + DEPTH_MAX)
     with side.after():
         chunk_words = (chunk_bits + 31) >> 5
         n_bad = torch.zeros(1, dtype=torch.int64, device=dev)
         bits = ke.raw_bits(raw, chunks_d, chunk_bits, torch.cumsum(chunk_words, 0) - chunk_words, n_bad,
                            -(-n_values * most // 32) + n_chunks, runner)
-    clock.mark("symbolise, checksums, raw bits (launches)")
-    stats, *won = fields_stats()
-    clock.mark("wait: field statistics (event)")
-    shared = bool(won[0][0]) if won else choices == (True,)
-
-    # 4. the model's field bytes (in parts: more chunks of the payload kernel) and every table, fitted on the
-    # device from the histograms (tables.fit_tables' frequencies): nothing waits for symbolise
-    fields_head, fields, widths = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
-    in_parts = fields.numel() > format2.MODEL_PART_BYTES
-    parts = _FieldParts(fields, keys, n_values) if in_parts else None
-    freq_d, ftab_d, rcp_d = ke.fit_tables(hist, N_CLASSES + in_parts, phist[0 if shared else 1].reshape(-1, 256),
-                                          [2 * f + p for f, w in enumerate(widths) for p in range(w)], runner)
-    parts_rows = parts.chunks if parts is not None else np.zeros((0, 4), np.int64)
-    parts_d = upload([parts_rows], dev)[0].view(-1, 4)
-    cap = max(cap, int(parts_rows[:, 2].max(initial=0))) + 2 * ke.LANES
-    clock.mark("model parts, tables (launches)")
-
-    # 5. the chunks' streams (and the model's parts); then the one wait for everything the host writes
-    scratch, lens = ke.encode_chunks(keys, chunks_d, parts_d, ftab_d, rcp_d, cap, runner)
-    clock.mark("payload (launch)")
-    (cbits,) = chunk_totals()
+    clock.mark("symbolise, field planes, checksums, raw bits (launches)")
+    won = [] if shared_won is None else [shared_won.view(1)]
+    stats, phist, counts, cbits, *won = _read_back([stats, phist, hist.sum(dim=0), chunk_bits, *won])
+    clock.mark("wait: fit + symbolise (sync 1)")
     bit_words = (cbits + 31) // 32
     bits = bits[:int(bit_words.sum())]
+    shared = bool(won[0][0]) if won else choices == (True,)
+
+    # 4. tables (the classes' and the model's field parts'), the parts
+    fields_head, fields, widths = kfit.field_bytes(planes, stats, d if shared else planes.shape[-1])
+    in_parts = fields.numel() > format2.MODEL_PART_BYTES
+    rows = counts.reshape(N_CLASSES, 256)
+    if in_parts:  # the model's field parts: one more row (MODEL_CLASS)
+        rows = np.concatenate([rows, kfit.field_counts(phist[0 if shared else 1], widths)[None]])
+    freq = fit_tables(rows, format2._pool())
+    clock.mark("tables: frequencies")
+    parts = _FieldParts(fields, freq[MODEL_CLASS], keys, n_values) if in_parts else None
+    clock.mark("tables: model parts (launches)")
+    parts_rows = parts.chunks if parts is not None else np.zeros((0, 4), np.int64)
+    parts_d, ftab_d, rcp_d = _launch_tables(freq, parts_rows, dev)
+    cap = max(cap, int(parts_rows[:, 2].max(initial=0))) + 2 * ke.LANES
+    clock.mark("tables: layout")
+
+    # 5. the chunks' streams (and the model's parts); the host writes the model meanwhile
+    scratch, lens = ke.encode_chunks(keys, chunks_d, parts_d, ftab_d, rcp_d, cap, runner)
     if overlap is not None:
-        with side.then():  # after the raw bits, beside the rANS kernel
+        with side.then():  # after the raw bits
             overlap({"bits": bits})
     side.join()  # what follows on the main stream (and the freeing of raw, keys) after the raw bits
     del keys, raw
-    clock.mark("wait: symbolise (event), bits checksum (launch)")
-    small = [fields] if parts is None else []
-    wlen, bad, freq, *rest = _read_back([lens, n_bad, freq_d, *small, *(c.view(1) for c in pred_crc)])
+    clock.mark("payload (launch)")
+    tables = table_bytes(freq[:N_CLASSES])
+    if parts is None:
+        body, mparts = code_model(fields.cpu().numpy(), tables)
+    clock.mark("model bytes (host)")
+    wlen, bad, *pred_crc = _read_back([lens, n_bad, *(c.view(1) for c in pred_crc)])
     if pred_crc:
-        meta["pred_crc"] = int(rest[-1][0])
-    clock.mark("wait: payload (sync)")
+        meta["pred_crc"] = int(pred_crc[0][0])
+    clock.mark("wait: payload (sync 2)")
     if (wlen < 0).any() or bad[0]:
         raise RuntimeError("GPU kvctx encoder: a symbol without frequency or a raw-bit miscount (internal error)")
-    tables = table_bytes(freq[:N_CLASSES])
     woff = np.concatenate([[0], np.cumsum(wlen)]).astype(np.int64)
     words = torch.empty(int(woff[-1]), dtype=torch.int16, device=dev)
     gather(scratch, cap, lens, woff[:-1], words)
     payload = words[:woff[n_chunks]]
     counts_b = np.concatenate([wlen[:n_chunks], bit_words]).astype("<u4").view(np.uint8)
     if parts is None:
-        body, mparts = code_model(rest[0], tables)
         head = np.frombuffer(b"".join([(len(fields_head) + len(body)).to_bytes(4, "little"), fields_head, body]),
                              np.uint8)
         (model_d,) = upload([np.concatenate([head, counts_b])], dev)
     else:
         mparts = {"mfields": parts.count}
-        head = parts.head(fields_head, freq[MODEL_CLASS], wlen[n_chunks:], tables.size)
+        head = parts.head(fields_head, wlen[n_chunks:], tables.size)
         head_d, tail_d = upload([head, np.concatenate([tables, counts_b])], dev)
         model_d = torch.cat([head_d, words[woff[n_chunks]:].view(torch.uint8), tail_d])
     meta.update(tb=tb, shared=shared, lanes=ke.LANES, **mparts)
@@ -414,19 +420,19 @@ class _FieldParts:
     i % 32, groups of 32 from the last, 2**12 probabilities). Why: coding ~1.5 MB of fields on the host
     took 2.5-4.5 ms of each call's critical path; on the device they ride along with the payload's chunks."""
 
-    def __init__(self, fields: torch.Tensor, keys: torch.Tensor, at: int):
+    def __init__(self, fields: torch.Tensor, freqs: np.ndarray, keys: torch.Tensor, at: int):
         n = fields.numel()
         self.count = max(1, min(format2.MAX_FIELD_PARTS, -(-n // format2.FIELD_PART_BYTES)))
         sizes = format2._part_sizes(n, self.count)
+        self.freqs = freqs  # quantize_frequencies of the bytes' counts, as code_model's
         self.size = n
         keys[at:at + n] = fields.to(torch.int16) | (MODEL_CLASS << 8)
         first = at + np.concatenate([[0], np.cumsum(sizes)[:-1]])
         self.chunks = np.stack([first, np.ones_like(sizes), sizes, sizes], 1).astype(np.int64)  # one g each
 
-    def head(self, fields_head: bytes, freqs: np.ndarray, lens: np.ndarray, n_tables: int) -> np.ndarray:
-        """The model section's bytes before the parts' payloads (``freqs``: the parts' table, fitted as
-        code_model's; ``lens``: their lengths in words)."""
-        parts_head = format2.field_parts_head(self.size, n_tables, freqs, 2 * lens)
+    def head(self, fields_head: bytes, lens: np.ndarray, n_tables: int) -> np.ndarray:
+        """The model section's bytes before the parts' payloads (``lens``: their lengths in words)."""
+        parts_head = format2.field_parts_head(self.size, n_tables, self.freqs, 2 * lens)
         body = parts_head.size + 2 * int(lens.sum()) + n_tables
         return np.concatenate([np.frombuffer((len(fields_head) + body).to_bytes(4, "little") + fields_head, np.uint8),
                                parts_head])

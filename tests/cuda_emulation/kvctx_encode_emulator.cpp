@@ -99,11 +99,3 @@ extern "C" void ke_bin_params_emu(int grid, int block, P s, P m, P c_q, P a_q, P
 extern "C" void ke_plane_hist_emu(int grid, int block, P planes, int n_planes, LL n, int d, int per_plane, void* out) {
   emu_run(grid, block, [&] { ke_plane_hist((const kx_u8*)planes, n_planes, n, d, per_plane, (kx_u64*)out); });
 }
-
-extern "C" void ke_fit_tables_emu(int grid, int block, P hist, int copies, LL stride, int hist_rows, P extra,
-                                  int extra_mask, void* freq, void* ftab, void* rcp) {
-  emu_run(grid, block, [&] {
-    ke_fit_tables((const kx_u64*)hist, copies, stride, hist_rows, (const kx_u64*)extra, extra_mask, (int*)freq,
-                  (kx_u32*)ftab, (kx_u32*)rcp);
-  });
-}
