@@ -220,13 +220,12 @@ __device__ __forceinline__ kx_u32 kx_unary_cap(int ep, int mb) {
   return last < KX_DEPTH_MAX ? last : KX_UNARY;
 }
 
-// The field of a unary value of depth d (d zero bits then a one, then mb bits; the last depth, exponent
-// fields 0 and 1, in mb + 1 bits without a one); ok = false for a depth past KX_DEPTH_MAX.
-__device__ __forceinline__ KxField kx_unary_field(int d, int ep, int mb, bool& ok) {
-  const int last = ep - mb - 1;
-  const bool at_last = last < KX_DEPTH_MAX && d >= last;
-  ok &= at_last || d < KX_DEPTH_MAX;
-  return at_last ? KxField{last, mb + 1, 0} : KxField{d + 1, mb, (ep - mb - d) << mb};
+// The field of a unary value from d = min(its depth, cap) (kx_unary_cap): d zero bits then a one, then mb bits; at
+// the last depth (d = cap < KX_DEPTH_MAX: exponent fields 0 and 1) mb + 1 bits without a one; ok = false for a
+// depth past KX_DEPTH_MAX (d = cap = KX_UNARY is one: the value is refused, its field never used).
+__device__ __forceinline__ KxField kx_unary_field(int d, int cap, int ep, int mb, bool& ok) {
+  ok &= d < KX_DEPTH_MAX;
+  return d == cap ? KxField{d, mb + 1, 0} : KxField{d + 1, mb, (ep - mb - d) << mb};
 }
 
 // One step of an inclusive warp scan: v + __shfl_up_sync(KX_FULL, v, delta) in lanes >= delta, else v; the
@@ -273,12 +272,9 @@ struct KxRing {
   __device__ __forceinline__ void fill(kx_u32 pos, int lane) {
     if (hi + 32 - pos > R) return;  // warp-uniform
     __syncwarp();
-    T* const mine = buf + lane;  // (hi is a multiple of 32: this lane's slot is mine[hi & (R - 1)])
-#pragma unroll 1
-    do {
-      const kx_u32 slot = hi & (R - 1);
-      mine[slot] = stage;
-      if (MIRROR && slot == 0) mine[R] = stage;
+    do {  // (unrolled by the compiler: a refill of several steps issues their loads together)
+      buf[(hi + lane) & (R - 1)] = stage;
+      if (MIRROR && (hi & (R - 1)) == 0) buf[R + lane] = stage;
       hi += 32;
       next += 32;
       stage = load(hi + lane, next);
@@ -582,7 +578,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
             while (rp && delta <= 64 - KX_UNARY) pass((kx_u32)((wrev[r] << delta) >> 32));
             while (rp) pass(__brev(rb.window(place[r] + delta)));  // warp-uniform, rare: past the window, the ring
             bool ok = true;
-            const KxField uf = kx_unary_field(myx, ep[r], gr.mb, ok);  // myx: the depth where it matters
+            const KxField uf = kx_unary_field(myx, (int)cap, ep[r], gr.mb, ok);  // myx: the depth where it matters
             if (unary[r]) {
               fd[r] = uf;
               bad |= (int)!ok;
