@@ -142,12 +142,14 @@ def rows_for(name, label, t, pred, opts, full: bool | None = True) -> tuple[list
     return rows, notes
 
 
-VARIANTS = {  # kvctx_encode.cu builds to compare (macros): how far ahead each kernel loads its values
+VARIANTS = {  # kvctx_encode.cu builds to compare (macros): how far ahead each kernel loads its values, and how
     "ke_symbolise": [(), ("KE_SYM_AHEAD=2",), ("KE_SYM_AHEAD=4",)],
-    "ke_encode": [(), ("KE_RANS_AHEAD=4",), ("KE_RANS_AHEAD=16",)],
-    "ke_bits": [(), ("KE_BITS_AHEAD=8",)],
+    "ke_encode": [(), ("KE_RANS_AHEAD=4",), ("KE_RANS_AHEAD=16",), ("KE_LOAD=__ldcs",)],
+    "ke_bits": [(), ("KE_BITS_AHEAD=8",), ("KE_LOAD=__ldcs",)],
     "ke_fit_residuals": [(), ("KE_RES_AHEAD=2",), ("KE_RES_AHEAD=4",)],
 }
+PAIR_VARIANTS = [(), ("KE_LOAD=__ldcs",)]  # ke_bits and ke_encode together on two streams (session 9: co-running,
+# ke_encode went 0.82 -> 1.61 ms: is it its tables evicted from L1 by ke_bits' 8-byte raw codes?)
 
 
 def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
@@ -163,10 +165,35 @@ def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
     from kvcodec.lossless import api
     from kvcodec.lossless import kvctx_device_encode as kde
 
-    out = []
+    out, seen = [], {}
+
+    def together(device) -> None:
+        """ke_bits and ke_encode (their arguments of this call) launched together on two streams, ``reps`` times
+        each: the device time of the pair per launch, for each PAIR_VARIANTS build (both kernels built with it)."""
+        streams = [torch.cuda.Stream(device) for _ in range(2)]
+        for defines in PAIR_VARIANTS:
+            fns = [(build.get_function(ke.SOURCE, n, defines), g, b, a) for n, (g, b, a) in seen.items()]
+            cur = torch.cuda.current_stream(device)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record(cur)
+            for _ in range(reps):
+                for s, (fn, g, b, a) in zip(streams, fns):
+                    s.wait_stream(cur)
+                    with torch.cuda.stream(s), build.cupy_stream(device):
+                        fn((g,), (b,), a)
+            for s in streams:
+                cur.wait_stream(s)
+            ev[1].record(cur)
+            torch.cuda.synchronize()
+            out.append(f"ke_bits + ke_encode together {'+'.join(defines) or 'default'} "
+                       f"{ev[0].elapsed_time(ev[1]) / reps:.3f} ms")
 
     def runner(name, grid, block, args, device, smem=0):
         base = name.partition("<")[0]
+        if base in ("ke_bits", "ke_encode"):
+            seen[name] = (grid, block, tuple(args))
+            if len(seen) == 2:
+                together(device)
         if base in VARIANTS:
             probe = list(args)
             n_keys = int(args[-5]) if base == "ke_symbolise" else 0

@@ -550,6 +550,9 @@ struct KeChunk {
       : first(cd[0]), per(cd[2]), stride(cd[3]), n(cd[1] * cd[2]), rounds((cd[1] * cd[2] + 31) >> 5) {}
 };
 
+#ifndef KE_LOAD
+#define KE_LOAD __ldg  // KeValues' loads (benchmark variant __ldcs: evict-first, so a co-running kernel's tables keep L1)
+#endif
 // One lane's values of a chunk, backwards, 32 a step from value 32 (rounds - 1) + lane, loaded N rounds
 // ahead (the rounds are a chain: a round's loads would otherwise wait a full memory latency): q[0] is this
 // round's value, pop() returns it and loads the one N rounds on (0 outside the chunk). Their places follow
@@ -570,7 +573,7 @@ struct KeValues {
   }
 
   __device__ __forceinline__ E next(const E* __restrict__ p, const KeChunk& ck) {
-    const E v = i >= 0 && i < ck.n ? __ldg(p + pos) : (E)0;
+    const E v = i >= 0 && i < ck.n ? KE_LOAD(p + pos) : (E)0;
     i -= 32;
     r -= 32;
     pos -= 32;
