@@ -12,7 +12,7 @@ from numba import njit
 from kvcodec import CorruptStreamError
 from kvcodec.entropy import rans_lanes
 from kvcodec.lossless import predictive
-from kvcodec.lossless.predictive import binned, bins, tables
+from kvcodec.lossless.predictive import binned, bins, format2, tables
 
 N_CLASSES = bins.N_CLASSES
 
@@ -149,12 +149,18 @@ def test_decode_is_exact_with_and_without_lane_aligned_tokens(d, tokens, seed, p
 
 @settings(max_examples=10, deadline=None)
 @given(dtype=st.sampled_from([torch.bfloat16, torch.float32]), layers=st.integers(2, 4),
-       tokens=st.integers(1, 40), seed=st.integers(0, 2**16))
-def test_neighbour_layer_decode_reads_bf16_layers_as_their_own_prediction(dtype, layers, tokens, seed):
+       tokens=st.integers(1, 40), seed=st.integers(0, 2**16), correlated=st.booleans())
+def test_neighbour_layer_decode_reads_bf16_layers_as_their_own_prediction(dtype, layers, tokens, seed, correlated):
     """The decoder predicts a bf16 layer from the previous layer's bit patterns, the encoder from
-    its value table (non-finite as 0): NaN, Inf, -0.0 and subnormals must give the same model."""
+    its value table (non-finite as 0): NaN, Inf, -0.0 and subnormals must give the same model. Layers
+    that follow the one before keep their fitted gains (one kernel call, a round per layer); a stream
+    without gains decodes without the prediction, and the chained decode of it gives the same values."""
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(layers, 2, tokens, 16, generator=g) * 2).to(dtype)
+    x = torch.randn(layers, 2, tokens, 16, generator=g) * 2
+    if correlated:
+        for layer in range(1, layers):
+            x[layer] = 0.9 * x[layer - 1] + 0.05 * torch.randn(x[layer].shape, generator=g)
+    x = x.to(dtype)
     flat = x.reshape(-1)
     specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, -3e-39])
     idx = torch.randint(0, flat.numel(), (specials.numel(),), generator=g)
@@ -163,3 +169,13 @@ def test_neighbour_layer_decode_reads_bf16_layers_as_their_own_prediction(dtype,
     out = predictive.decode_tensor(meta, sections, None, 1)
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert torch.equal(out.view(bits), x.view(bits))
+    ps = predictive.codec.parse_stream(meta, sections)
+    if correlated and tokens >= 8:
+        assert ps.v2.margs[1].any()  # the gains pay
+    if not ps.v2.margs[1].any():  # the chained decode (as with gains) of a stream without them: the same patterns
+        p2 = ps.v2
+        chained = np.empty((layers * 2, tokens, 16), np.uint16)
+        err = format2.decode(p2, p2.grid, range(p2.wlen.size), chained, 0, None, 0, 0, layer_g=2)
+        plain = np.empty_like(chained)
+        assert not err.any() and not format2.decode(p2, p2.grid, range(p2.wlen.size), plain, 0, None, 0, 0).any()
+        assert np.array_equal(chained, plain)
