@@ -8,8 +8,9 @@
 // the token's first value i: value order is lane order rotated by s; k below is a thread's place in its
 // round), NR rounds at a time (a batch): their models are independent, so they overlap:
 //   1. model: the channel's parameters from the stored field bytes (format2.StoredFields, exact:
-//      m = mq * 2**(es + eoff), c = cq / 64, a = aq / 64), location mu = base + a * dev[d] (float64,
-//      __dmul_rn/__dadd_rn: no FMA, the CPU's order), bins.locate -> (ep, centre, class);
+//      m = mq * 2**(es + eoff), c = cq / 64, a = aq / 64), location mu = base + a * dev[d] (float64 in the
+//      CPU's order, __dmul_rn/__dadd_rn; __fma_rn only where its product is exact, so it rounds once where the
+//      CPU rounds: base = m + c p and the bin coordinate), bins.locate -> (ep, centre, class) (kx_locate_ep);
 //   2. rANS: one step per value with its class's table, round after round (the lane states chain);
 //      the words are read in value order (a ballot rotated by s gives each value its word's place);
 //   3. raw bits: every value's field (bits skipped, bit count, magnitude base) follows from its symbol,
