@@ -450,5 +450,6 @@ def test_emulated_api_reads_the_front_once(emulated_api, monkeypatch):
     device_container.note_front(n, 1 << 20)
     assert device_container.front_window(n) == int(n * (1 << 20) * 1.02 / n)
     device_container.note_front(1000, 900)  # a small blob teaches nothing
-    device_container.note_front(n, n)  # at most 1/16 of a blob
-    assert device_container.front_window(n) == n // 16
+    device_container.note_front(n, n)  # at most 1/16 of a blob, and at most _FRONT_MAX bytes
+    assert device_container.front_window(n) == min(n // 16, device_container._FRONT_MAX)
+    assert device_container.front_window(1 << 40) == device_container._FRONT_MAX

@@ -92,13 +92,14 @@ def read_header(blob: torch.Tensor) -> tuple[dict, int]:
 
 
 _front_share = [1 / 128]  # of a blob's bytes, the first read-back's: what the previous decode needed
+_FRONT_MAX = 8 << 20  # bytes: a bigger model section is read on its own (the front is kept with a cached plan)
 
 
 def front_window(n: int) -> int:
     """Bytes of an ``n``-byte blob that :func:`read_front` copies by default: at least ``_HEAD_GUESS``, else
     the share of its blob the previous device decode needed (:func:`note_front`; first 1/128: a kvctx blob's
-    header and model section at 256 tokens a row take ~0.65%)."""
-    return min(n, max(_HEAD_GUESS, int(n * _front_share[0])))
+    header and model section at 256 tokens a row take ~0.65%), at most ``_FRONT_MAX``."""
+    return min(n, max(_HEAD_GUESS, min(_FRONT_MAX, int(n * _front_share[0]))))
 
 
 def note_front(n: int, needed: int) -> None:
