@@ -287,7 +287,7 @@ def host_pieces(dblob) -> dict:
         "header parse (container.read_header, host)": lambda: container.read_header(head),
         "upload of 170 KB (transfer.upload)": lambda: upload([np.zeros(170_000 // 8, np.int64)], dblob.device),
         "pinned 170 KB torch.empty": lambda: torch.empty(170_000, dtype=torch.uint8, pin_memory=True),
-        "one small launch (kp_tables, 1 class)": lambda: kvctx_plan.build_tables(freq),
+        "one small launch (kp_plan, 1 table)": lambda: kvctx_plan.build_tables(freq),
         "torch.zeros(2100, int32) on the device": lambda: torch.zeros(2100, dtype=torch.int32, device=dblob.device),
     }
 
