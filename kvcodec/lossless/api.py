@@ -469,7 +469,8 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
             if target.type == "cuda":
                 head_end = container.PREFIX.size + container.PREFIX.unpack_from(mv, 0)[3]
                 out = _decompress_on_device(bytes_to_device(blob, target, threads), target, max_output_bytes,
-                                            prediction, header=(head, head_end), front=np.frombuffer(mv, np.uint8))
+                                            prediction, header=(head, head_end),
+                                            front=np.frombuffer(mv, np.uint8))
                 if out is not None:
                     return out
     meta, sections = _load(blob, max_output_bytes)

@@ -152,8 +152,9 @@ def device_inputs(ps, kp, sections, device, flags: int):
             wv[n_tabs:n_tabs + parts.size] = p2.fields.raw
     else:
         if parts is not None:
-            kvctx_plan.decode_field_parts(base, st.offsets, st.sizes["blocks"] // 16, parts, sections["model"].blob.data_ptr()
-                                          + sections["model"].offset, raw + n_raw, raw, flags, device)
+            model = sections["model"]
+            kvctx_plan.decode_field_parts(base, st.offsets, st.sizes["blocks"] // 16, parts,
+                                          model.blob.data_ptr() + model.offset, raw + n_raw, raw, flags, device)
         lv, mq = (p2.layout[FIELD_ORDER.index(f)] for f in ("level", "mq"))
         kvctx_plan.plan_kernel(device, base + st.offsets["freq"], classes, tabs, raw,
                                0 if parts is None else int(kp.layout[-1]), (int(lv[0]), int(lv[1])),
