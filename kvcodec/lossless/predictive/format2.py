@@ -4,7 +4,7 @@ The model is format 1's (location ``m``, gain ``c``, previous-token coefficient 
 fitted by :func:`params.fit_params`); what changed is how a value's probability is found: not by
 evaluating a CDF at its bin edges but by the bins of :mod:`bins` and a table lookup
 (:mod:`tables`), which is what makes it faster. Stored per channel (the fields and the tables in
-one :func:`kvcodec.entropy.encode` stream, so a field of similar values costs a few bits a channel):
+one rANS stream, :func:`lanes_model`, so a field of similar values costs a few bits a channel):
 
 - ``level``: the scale as floor(4 * log2(s / step)), only its quarter octave matters (bins and class);
 - ``mq``: the location in units of the channel's bin width ``2**es`` steps (round(m / 2**es));
@@ -41,7 +41,7 @@ from kvcodec.lossless.predictive.tables import (compact_tables, decode_tables, f
                                                 tables_from_bytes)
 
 CHUNK_VALUES = 1 << 16  # about this many values per independently decodable chunk
-MODEL_PART_BYTES = 1 << 16  # model bytes (fields + tables) up to this: one entropy stream; "mparts": per part
+MODEL_PART_BYTES = 1 << 16  # model bytes (fields + tables) up to this: one stream (mlanes); more: "mfields" parts
 MAX_MODEL_PARTS = 64  # "mparts" (read only)
 MODEL_PRECISION = 14  # "mparts" (read only): the parts' shared table, probabilities in 2**-14
 MODEL_STREAMS = 8  # interleaved rANS states per "mparts" part

@@ -5,7 +5,7 @@ Each of the ``N_CLASSES`` classes of :mod:`bins` has its own table of 256 freque
 symbol counts (so every symbol that occurs has a frequency; an unused class has none). Stored
 compactly: per class the range of nonzero frequencies below ESC, the frequencies in it and ESC's,
 as bytes (a value >= 255 as 255 and two bytes), which the stream codes with the parameters in one
-:func:`kvcodec.entropy.encode` stream.
+rANS stream (``format2.lanes_model``).
 """
 
 from __future__ import annotations
