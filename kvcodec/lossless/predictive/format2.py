@@ -37,8 +37,8 @@ from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.predictive.binned import decode_chunks, gather_words, symbolise, write_chunks
 from kvcodec.lossless.predictive.bins import EP_MAX, N_CLASSES, BinGrid, bin_exponent, pow2, scale_levels
 from kvcodec.lossless.predictive.params import Q, ChannelParams, stored_fields
-from kvcodec.lossless.predictive.tables import (compact_tables, decode_tables, fit_tables, table_bytes,
-                                                tables_from_bytes)
+from kvcodec.lossless.predictive.tables import (compact_tables, decode_tables, fit_tables, row_decode_table,
+                                                table_bytes, tables_from_bytes)
 
 CHUNK_VALUES = 1 << 16  # about this many values per independently decodable chunk
 MODEL_PART_BYTES = 1 << 16  # model bytes (fields + tables) up to this: one stream (mlanes); more: "mfields" parts
@@ -423,12 +423,10 @@ def _lanes_model_symbols(lanes, buf: np.ndarray, max_symbols: int) -> np.ndarray
     nt = int(buf[4]) | int(buf[5]) << 8
     if n > max_symbols or 6 + nt > buf.size or (buf.size - 6 - nt) % 2:
         raise CorruptStreamError("predictive stream has a malformed model")
-    freq = tables_from_bytes(buf[6:6 + nt], rows=1)
-    if not freq.any():
-        raise CorruptStreamError("predictive stream has a malformed model table")
+    tabs = row_decode_table(buf[6:6 + nt])
     words = np.frombuffer(buf[6 + nt:].tobytes(), "<u2")  # (a copy: aligned, so the decoder compiles once)
     out = np.empty(n, np.uint8)
-    if rans_lanes.decode(words, 0, max(n, 1), _ONE_ROW, decode_tables(freq), lanes, out):
+    if rans_lanes.decode(words, 0, max(n, 1), _ONE_ROW, tabs, lanes, out):
         raise CorruptStreamError("predictive stream model is corrupted (rANS check failed)")
     return out
 
