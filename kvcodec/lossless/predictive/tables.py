@@ -83,13 +83,12 @@ def _table_values(freq):
     return out[:k]
 
 
-def tables_from_bytes(raw: np.ndarray, rows: int = N_CLASSES) -> np.ndarray:
-    """Inverse of :func:`table_bytes` of ``rows`` tables; CorruptStreamError unless every used row
-    sums to 2**12."""
+def tables_from_bytes(raw: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`table_bytes`; CorruptStreamError unless every used row sums to 2**12."""
     flat = _from_bytes(np.ascontiguousarray(raw, np.uint8))
     if flat is None:
         raise CorruptStreamError("predictive stream frequency tables end early")
-    freq = np.zeros((rows, 256), np.int64)
+    freq = np.zeros((N_CLASSES, 256), np.int64)
     if not _rows_from_flat(flat, freq):
         raise CorruptStreamError("predictive stream has malformed frequency tables")
     return freq
