@@ -1,5 +1,5 @@
-"""Why format 2 codes fp8 KV with a prediction in more bits than format 1, and the model change that
-would recover it (issue 14; measured, not built: it changes the symbols the GPU kernels compute).
+"""Why format 2 coded fp8 KV with a prediction in more bits than format 1, and the model change that
+recovers it (issue 14; built as format 2's "mag" flag, the default there: ``bins.magnitude_symbol``).
 
 For real SmolLM2 KV cast to fp8 e4m3 (``kvcodec.lossless.fp8``) and coded against the fp8-weight
 model's KV: bits per value of each format's sections (format 1: model, payload; format 2: model, rANS
@@ -8,6 +8,7 @@ parameters fitted and stored as ``format2.encode`` does, each value's bin, class
 empirical H(symbol | class) of the symbols as coded and of the symbols counted in the direction of
 increasing magnitude (``254 - symbol`` when mu's bin is negative; mu's position in its bin measured
 the same way), with the same classes. The coded payload is within ~0.01 b/v of H(symbol | class).
+``f2_mag_total``: the sections of format 2 as coded with the flag (``encode_tensor(..., mag=True)``).
 
 Run: ``python benchmarks/fp8_symbol_direction.py [--layers N] [--full]`` (``--full``: the 30 x 2048
 cache of ``make_kv_sample.py --full``, first N layers; default: the shipped 8 x 256 sample).
@@ -35,7 +36,7 @@ from kvcodec.lossless.predictive.grid import grid_for  # noqa: E402
 from kvcodec.lossless.predictive.params import fit_params  # noqa: E402
 
 COLUMNS = ["data", "tensor", "values", "f1_model", "f1_payload", "f1_total", "f2_model", "f2_rans", "f2_raw_bits",
-           "f2_total", "H_sym_class", "H_sym_class_by_magnitude", "f2_by_magnitude_estimate"]
+           "f2_total", "H_sym_class", "H_sym_class_by_magnitude", "f2_by_magnitude_estimate", "f2_mag_total"]
 
 
 @njit(cache=True)
@@ -55,13 +56,13 @@ def _replay(pats, pred, m, c, a, es, level, shared, tb, width, sign, mb, escape,
                 for d in range(d_n):
                     p = np.float64(pred[g, t, d])
                     base, mv = _mu_v(m[gp, d], c[gp, d], a[gp, d], p if np.isfinite(p) else 0.0, dev[d], inv_unit)
-                    ep, centre, cls = locate(mv, es[gp, d], level[gp, d], mb)
+                    ep, centre, cls = locate(mv, es[gp, d], level[gp, d], mb, 0)
                     pat = np.int64(pats[g, t, d])
                     s, _, _ = encode_value(pat, ep, centre, width, sign, mb, escape[pat])
                     cls_out[i], sym_out[i] = cls, s
                     neg = centre < 0
                     # the class with mu's position mirrored back (locate measures it towards larger values)
-                    _, _, cls_mag = locate(-mv if neg else mv, es[gp, d], level[gp, d], mb)
+                    _, _, cls_mag = locate(mv, es[gp, d], level[gp, d], mb, 1)
                     cls_mag_out[i] = cls_mag if neg else cls
                     sym_mag_out[i] = 254 - s if neg and s != ESC else s
                     dev[d] = 0.0 if s == ESC else value_of(pat, sign, mb, eoff) - base
@@ -80,7 +81,8 @@ def tensor_row(data: str, name: str, x: torch.Tensor, p: torch.Tensor) -> dict:
     p8 = fp8_prediction(p, scale)
     n = q.numel()
     _, s1 = pcodec.encode_tensor(q, p8, "external", 0, version=1)
-    _, s2 = pcodec.encode_tensor(q, p8, "external", 0, version=2)
+    _, s2 = pcodec.encode_tensor(q, p8, "external", 0, version=2, mag=False)
+    _, s3 = pcodec.encode_tensor(q, p8, "external", 0, version=2, mag=True)
     bpv = {k: 8 * v.nbytes / n for k, v in {**{f"1{k}": v for k, v in s1.items()},
                                              **{f"2{k}": v for k, v in s2.items()}}.items()}
     grid, bg = grid_for(q.dtype), bin_grid(q.dtype)
@@ -99,7 +101,7 @@ def tensor_row(data: str, name: str, x: torch.Tensor, p: torch.Tensor) -> dict:
     return {"data": data, "tensor": name, "values": n, "f1_model": bpv["1model"], "f1_payload": bpv["1payload"],
             "f1_total": bpv["1model"] + bpv["1payload"], "f2_model": bpv["2model"], "f2_rans": bpv["2payload"],
             "f2_raw_bits": bpv["2bits"], "f2_total": f2, "H_sym_class": h, "H_sym_class_by_magnitude": h_mag,
-            "f2_by_magnitude_estimate": f2 - (h - h_mag)}
+            "f2_by_magnitude_estimate": f2 - (h - h_mag), "f2_mag_total": 8 * sum(v.nbytes for v in s3.values()) / n}
 
 
 def run(full: bool, layers: int | None, out_dir: str) -> dict:
@@ -113,7 +115,8 @@ def run(full: bool, layers: int | None, out_dir: str) -> dict:
             x, p = x[:layers].contiguous(), p[:layers].contiguous()
         rows.append(tensor_row(f"{'full' if full else 'sample'} {tuple(x.shape)}", name, x, p))
     notes = ["bits per value of raw fp8 values; sections only (no container); f2_by_magnitude_estimate = f2_total "
-             "- (H_sym_class - H_sym_class_by_magnitude): the payload if the symbols were counted by magnitude"]
+             "- (H_sym_class - H_sym_class_by_magnitude): the payload if the symbols were counted by magnitude; "
+             "f2_mag_total: format 2 as coded with the flag (meta 'mag': 1)"]
     result = {"suite": "fp8_symbol_direction" + ("_full" if full else ""), "rows": rows, "notes": notes}
     save(result, out_dir, COLUMNS)
     return result

@@ -119,9 +119,11 @@ def reference_stream(t: torch.Tensor, meta, sections, prediction=None):
                 p = 0.0 if pred is None or not np.isfinite(pred[g, tok, d]) else float(pred[g, tok, d])
                 base, mu = location(m[gp, d], c[gp, d], p, a[gp, d], dev[d])
                 mv = mu * 2.0 ** -bg.eoff
-                ep, centre, k = bins.locate(mv if abs(mv) < bins.MU_MAX else 0.0, es[gp, d], level[gp, d], bg.mb)
+                ep, centre, k = bins.locate(mv if abs(mv) < bins.MU_MAX else 0.0, es[gp, d], level[gp, d], bg.mb,
+                                            p2.mag)
                 pat = int(pats[g, tok, d])
                 s, code, nb = bins.encode_value(pat, ep, centre, bg.width, bg.sign, bg.mb, bg.escape[pat])
+                s = bins.magnitude_symbol(s, centre, p2.mag)  # the stream's "mag" flag
                 syms.append(s)
                 ctxs.append(k)
                 raw.append((int(code), int(nb)))
@@ -149,7 +151,7 @@ def reference_stream(t: torch.Tensor, meta, sections, prediction=None):
 
 @pytest.mark.parametrize("dtype,source", [(torch.bfloat16, "none"), (torch.bfloat16, "external"),
                                           (torch.bfloat16, "previous_token"), (torch.float16, "external"),
-                                          (torch.float8_e4m3fn, "none")])
+                                          (torch.float8_e4m3fn, "none"), (torch.float8_e4m3fn, "external")])
 def test_chunk_streams_are_the_reference_coder_driven_by_the_model(dtype, source):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(2, 2, 24, 8, generator=g) * torch.rand(8, generator=g) * 4 + torch.randn(8, generator=g)
@@ -247,11 +249,11 @@ def test_scale_levels_are_exact_quarter_octaves():
 
 
 def test_default_format_per_dtype_and_the_version_option():
-    """Format 2 by default, except fp8 coded against a prediction tensor (format 1: its ratio)."""
+    """Format 2 by default (fp8 against a prediction tensor too: its symbols counted by magnitude)."""
     x = (torch.randn(2, 3, 80, 16) * 3).to(torch.bfloat16)
     q = x.float().to(torch.float8_e4m3fn)
     qp = q.float() + 0.1
-    for t, pred, default in ((x, None, 2), (x.float(), None, 2), (q, None, 2), (x, x.float(), 2), (q, qp, 1)):
+    for t, pred, default in ((x, None, 2), (x.float(), None, 2), (q, None, 2), (x, x.float(), 2), (q, qp, 2)):
         for version in (None, 1, 2):
             blob = compress(t, prediction=pred, layout="kv" if pred is None else None, version=version)
             meta = __import__("kvcodec").container.loads(blob)[1]["codec_meta"]

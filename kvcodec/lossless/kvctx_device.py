@@ -35,10 +35,13 @@ SOURCES = ("none", "previous_token", "external", "neighbour_layer")
 
 
 def gpu_decodable(meta) -> bool:
-    """Whether the GPU kernel takes a kvctx / predictive codec meta: format 2, 32 lanes, a coded mode."""
+    """Whether the GPU kernel takes a kvctx / predictive codec meta: format 2, 32 lanes, a coded mode,
+    symbols counted by value (no "mag" flag: the kernel does not count them by magnitude yet, so the
+    CPU decodes those streams, and refuses a forged flag)."""
     return (isinstance(meta, dict) and meta.get("v") == 2 and type(meta.get("v")) is int
             and meta.get("lanes") == 32 and type(meta.get("lanes")) is int
-            and meta.get("mode") in ("grid", "f32split") and meta.get("source") in SOURCES)
+            and meta.get("mode") in ("grid", "f32split") and meta.get("source") in SOURCES
+            and meta.get("mag", 0) == 0 and type(meta.get("mag", 0)) is int)
 
 
 def grid_constants(dtype: torch.dtype) -> tuple:

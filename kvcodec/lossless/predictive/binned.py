@@ -36,7 +36,8 @@ from numba.extending import intrinsic, overload
 from kvcodec.entropy import rans_lanes
 from kvcodec.kernel_inputs import readonly
 from kvcodec.lossless.predictive.bins import (
-    CENTRE, DEPTH_MAX, ESC, MU_MAX, N_CLASSES, bin_grid, encode_value, float64_bits, locate, pow2, value_of,
+    CENTRE, DEPTH_MAX, ESC, MU_MAX, N_CLASSES, bin_grid, encode_value, float64_bits, locate, magnitude_symbol, pow2,
+    value_of,
 )
 from kvcodec.lossless.predictive.cdf import location
 from kvcodec.lossless.predictive.tables import COMPACT_STRIDE
@@ -56,12 +57,13 @@ def _mu_v(m, c, a, p, dev, inv_unit):
 
 
 @njit(parallel=True, cache=True)
-def symbolise(pats, pred, has_pred, m, c, a, es, level, shared, cg0, cng, ct0, cnt, coff,
+def symbolise(pats, pred, has_pred, m, c, a, es, level, shared, mag, cg0, cng, ct0, cnt, coff,
               width, sign, mb, maxmag, escape, unit, inv_unit, packed, chunk_bits, hist):
     """Pass 1: every value (flat, chunk after chunk from ``coff``) as one int64 ``code << 24 |
     nbits << 16 | class << 8 | symbol`` (one store per value); per chunk the raw bit total and the
     [class, symbol] histogram. Per token three loops as the decoder's (the model and the residuals
-    vectorise; unsigned indices: no wrap-around code)."""
+    vectorise; unsigned indices: no wrap-around code). ``mag`` (0 / 1): the stream's "mag" flag
+    (classes and symbols counted by magnitude: ``bins.magnitude_symbol``)."""
     d_n, t_n = pats.shape[2], pats.shape[1]
     eoff = 1023 - ((float64_bits(inv_unit) >> 52) & 0x7FF)  # inv_unit = 2**-eoff
     pf, prf = pats.reshape(-1), pred.reshape(-1)
@@ -83,10 +85,11 @@ def symbolise(pats, pred, has_pred, m, c, a, es, level, shared, cg0, cng, ct0, c
                     k, di = np.uint64(mo + d), np.uint64(d)
                     p = np.float64(prf[np.uint64(o + d)]) if has_pred else 0.0
                     base[di], mv = _mu_v(mf[k], cf[k], af[k], p if np.isfinite(p) else 0.0, dev[di], inv_unit)
-                    t_ep[di], t_centre[di], t_cls[di] = locate(mv, esf[k], lvf[k], mb)
+                    t_ep[di], t_centre[di], t_cls[di] = locate(mv, esf[k], lvf[k], mb, mag)
                 for d in range(d_n):
                     pat = np.int64(pf[np.uint64(o + d)])
                     s, cd, nb = encode_value(pat, t_ep[d], t_centre[d], width, sign, mb, escape[pat])
+                    s = magnitude_symbol(s, t_centre[d], mag)
                     packed[i + d] = (cd << 24) | (nb << 16) | (t_cls[d] << 8) | s
                     total += nb
                 for d in range(d_n):  # an escaped value (NaN, Inf, outlier) leaves no residual
@@ -355,19 +358,21 @@ def _pattern(hi, low, nbits, j, base, sign, mb, maxmag, eoff):
 
 
 @njit(inline="always", cache=True)
-def _model(m, c, a, p, dev, es, level, inv_unit, mb):
+def _model(m, c, a, p, dev, es, level, inv_unit, mb, mag):
     """(base, table offset, centre bin - CENTRE, bin exponent) of the next value of a channel."""
     b, mv = _mu_v(m, c, a, p if np.isfinite(p) else 0.0, dev, inv_unit)
-    ep, centre, cls = locate(mv, es, level, mb)
+    ep, centre, cls = locate(mv, es, level, mb, mag)
     return b, cls * COMPACT_STRIDE, centre - CENTRE, ep
 
 
-def _chunk_decoder(consts):
+def _chunk_decoder(consts, mag: int):
     """The one-chunk decoder, with the dtype's (width, sign, mb, maxmag, eoff) compiled in as
     constants (``consts``), or read from its ``grid`` argument (None): the shifts and masks by
-    constants make the specialised kernels ~10% faster; the generic one serves rarer dtypes."""
+    constants make the specialised kernels ~10% faster; the generic one serves rarer dtypes. ``mag``
+    (the stream's "mag" flag) is compiled in too: as an argument it cost every decode 13-15%."""
     special = consts is not None
     c_width, c_sign, c_mb, c_maxmag, c_eoff = consts or (0, 0, 0, 0, 0)
+    c_mag = np.int64(mag)
 
     @njit(nogil=True, cache=True)
     def decode_chunk(words, ptr, bits8, pos0, g0, ng, t0, nt, pred, has_pred, pred_g0, pred_t0,
@@ -405,7 +410,7 @@ def _chunk_decoder(consts):
                 i, di = np.uint64(mo + d), np.uint64(d)
                 p = prediction_at(pflat, np.uint64(po + d)) if has_pred else 0.0
                 base[di], tbase[di], cen[di], t_ep[di] = _model(mf[i], cf[i], af[i], p, 0.0, esf[i], lvf[i], inv_unit,
-                                                                mb)
+                                                                mb, c_mag)
             for t in range(t0, t0 + nt):
                 if has_pred and t + 1 < t0 + nt:  # the next token's prediction (the last token's: unused)
                     po += d_n
@@ -437,6 +442,7 @@ def _chunk_decoder(consts):
                 lane0 = (lane0 + d_n) & lm
                 for d in range(d_n):  # 2. raw bit counts (vectorises); -1: ESC or bin 0
                     di = np.uint64(d)
+                    sym[di] = magnitude_symbol(sym[di], cen[di] + CENTRE, c_mag)
                     nbits[di], hi[di] = raw_layout(sym[di], cen[di], t_ep[di], mb)
                     j = cen[di] + sym[di]
                     if (j == 0) | (j == -1) | (sym[di] == ESC):
@@ -476,7 +482,7 @@ def _chunk_decoder(consts):
                     flat[np.uint64(o + d)] = pat
                     p = prediction_at(pflat, np.uint64(po + d)) if has_pred else 0.0
                     base[di], tbase[di], cen[di], t_ep[di] = _model(mf[i], cf[i], af[i], p, dev, esf[i], lvf[i],
-                                                                    inv_unit, mb)
+                                                                    inv_unit, mb, c_mag)
                 if bad:
                     return 5, ptr, 0
                 o += d_n
@@ -523,7 +529,7 @@ _DECODERS: dict = {}
 
 def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, pred, has_pred, pred_g0, pred_t0,
                   m, c, a, es, level, shared, compact, lanes, width, sign, mb, maxmag, escape, unit, inv_unit,
-                  out, out_g0, out_t0, err, rounds=None, chained=False):
+                  out, out_g0, out_t0, err, rounds=None, chained=False, mag=0):
     """Decode the listed chunks into ``out`` (bit patterns; its [0, 0] is (out_g0, out_t0)); the
     prediction's [0, 0] is (pred_g0, pred_t0). ``err[i]`` is set non-zero for a malformed chunk.
     Chunks run in parallel (numba ``prange``, the caller's thread count), in ``rounds`` (chunk index
@@ -531,6 +537,7 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     ``chained``: round 0 is decoded without the prediction (as by a zero one), the later rounds with
     it: the neighbour-layer predictor passes ``out`` itself as ``pred``, one round per layer, so a
     layer reads the one decoded before it (one call instead of one per layer: ~6 us a layer).
+    ``mag`` (0 / 1): the stream's "mag" flag (symbols and classes counted by magnitude).
 
     The values of one token depend on the previous token only, so each token is four loops over
     its channels: the rANS symbols (two-level tables, :func:`tables.compact_tables`), the raw bit counts,
@@ -544,7 +551,7 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     bits 8 at a time with a prefix sum of their counts when none of the 8 is ESC or bin 0 (-6 to -9%).
     """
     del escape, unit  # the grid's tables: the decoder needs neither (values from exponent bits)
-    kernel, grid = _decoder(width, sign, mb, maxmag, inv_unit)
+    kernel, grid = _decoder(width, sign, mb, maxmag, inv_unit, int(mag))
     # read-only views: one compile whether the stream came as bytes or bytearray
     if rounds is None:
         rounds = np.array([0, cg0.size], np.int64)
@@ -558,15 +565,15 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 
 @lru_cache(maxsize=None)
-def _decoder(width: int, sign: int, mb: int, maxmag: int, inv_unit: float) -> tuple:
-    """(chunk decoder, its grid argument) of a dtype's bit layout: its own kernel for the
+def _decoder(width: int, sign: int, mb: int, maxmag: int, inv_unit: float, mag: int = 0) -> tuple:
+    """(chunk decoder, its grid argument) of a dtype's bit layout and "mag" flag: its own kernel for the
     specialised dtypes, else the generic one (looked up once per layout: the lookups were ~2 us of a
     small chunk's call)."""
     eoff = 1 - math.frexp(inv_unit)[1]  # inv_unit = 2**-eoff
     consts = (int(width), int(sign), int(mb), int(maxmag), eoff)
-    key = consts if consts in _specialised_consts() else None
+    key = (consts if consts in _specialised_consts() else None, mag)
     if key not in _DECODERS:
-        _DECODERS[key] = _chunk_decoder(key)
+        _DECODERS[key] = _chunk_decoder(*key)
     return _DECODERS[key], readonly(np.array(consts, np.int64))
 
 

@@ -155,21 +155,30 @@ def _widened_crc32(fn, bits, block):
 
 
 def default_version(dtype: torch.dtype, source: str | None = None) -> int:
-    """Format 2 (fast) for 16- and 32-bit floats, and for 8-bit floats coded without a prediction
-    tensor (``source`` "none", "previous_token", "neighbour_layer"); format 1 for 8-bit floats coded
-    against an external prediction (``source`` "external", or None: not said), where format 2's
-    per-class tables model the few patterns per binade less well. Measured on the shipped sample's
-    fp8 e4m3 KV (format 2 vs 1): kvctx 1.273x vs 1.279x, previous_token 1.247x vs 1.236x,
-    neighbour_layer 1.265x vs 1.272x at 4-6x the decode speed; fp8-weight prediction 2.85x vs 3.08x:
-    ratio keeps priority there."""
-    fp8 = dtype.is_floating_point and dtype.itemsize == 1
-    return 1 if fp8 and source in (None, "external") else FORMAT_VERSION
+    """Format 2 (fast) for every dtype and source. fp8 against an external prediction took format 1
+    until its format 2 streams counted symbols by magnitude (:func:`magnitude_symbols`): by value,
+    format 2's ratio there was 7.5-8% lower (fp8 e4m3 SmolLM2 KV, fp8-weight prediction, keys and
+    values: sample 2.847x vs format 1's 3.079x, bench_lossless_kv's held-out 2.943x vs 3.197x); by
+    magnitude 3.106x and 3.206x (+0.9%, +0.3%) at ~150 MB/s per core instead of 23 (on longer
+    caches, layers 0-7 / 16-23 of the 2048-token cache: -0.6% / -1.4%). Format 1 is written on
+    request (``version=1``) and read always."""
+    del dtype, source
+    return FORMAT_VERSION
+
+
+def magnitude_symbols(dtype: torch.dtype, source: str | None) -> bool:
+    """Whether format 2 streams of this dtype and predictor count their symbols by magnitude (meta
+    ``"mag": 1``, ``bins.magnitude_symbol``): where it pays. The GPU encoder, which writes only the
+    by-value symbols, declines exactly these (``kvctx_device_encode.unsupported``)."""
+    return dtype.is_floating_point and dtype.itemsize == 1 and source == "external"
 
 
 def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0,
-                  version: int | None = None) -> tuple[dict, dict]:
+                  version: int | None = None, mag: bool | None = None) -> tuple[dict, dict]:
     """Encode ``t`` (any dtype and shape); ``source`` is one of PREDICTORS; ``version``: 2 (fast),
-    1 (the original continuous-CDF format) or None (:func:`default_version` of the dtype and source)."""
+    1 (the original continuous-CDF format) or None (:func:`default_version` of the dtype and source);
+    ``mag``: format 2's symbols by magnitude (None: :func:`magnitude_symbols`; a bool: forced, for
+    measurements and tests)."""
     if version is None:
         version = default_version(t.dtype, source)
     if version not in READ_VERSIONS or type(version) is not int:
@@ -239,7 +248,8 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0,
     if version == 2:
         unit = g // shape[0] if source == "neighbour_layer" else g
         with _Threads(threads):
-            meta2, sec2 = format2.encode(sym_bits.reshape(g, tt, d), pred, model, bgrid, tb, unit, source)
+            by_mag = magnitude_symbols(t.dtype, source) if mag is None else bool(mag)
+            meta2, sec2 = format2.encode(sym_bits.reshape(g, tt, d), pred, model, bgrid, tb, unit, source, by_mag)
         meta.update(tb=tb, **meta2)
         sections.update(sec2)
         return meta, sections

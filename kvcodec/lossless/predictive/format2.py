@@ -10,7 +10,8 @@ one rANS stream, :func:`lanes_model`, so a field of similar values costs a few b
 - ``mq``: the location in units of the channel's bin width ``2**es`` steps (round(m / 2**es));
 - ``c``, ``a``: int8 / 64, as in format 1 (only the fields the source does not fix).
 
-Stream: meta adds ``lanes`` (8 or 32) to format 1's fields, and ``mfields`` (or, written before,
+Stream: meta adds ``lanes`` (8 or 32) to format 1's fields, ``mag`` (1: symbols and classes counted
+by magnitude, :func:`bins.magnitude_symbol`; absent or 0: by value, the streams written before), and ``mfields`` (or, written before,
 ``mparts``) when the model bytes are coded in parts, or ``mlanes`` when in one ``rans_lanes`` stream
 (:func:`code_model`); sections ``model`` (uint8: u32 length, then the parameter fields' offsets and
 widths (5 bytes a field) and the fields' bytes followed by the tables' bytes as one stream
@@ -279,8 +280,9 @@ def _grid_args(grid: BinGrid):
 
 
 def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int, unit: int,
-           source: str) -> tuple[dict, dict]:
+           source: str, mag: bool = False) -> tuple[dict, dict]:
     """Code bit patterns ``pats`` [G, T, D] (uint8/uint16) with ``model``: (meta fields, sections).
+    ``mag``: count symbols and classes by magnitude (meta ``"mag": 1``; ``bins.magnitude_symbol``).
     Run inside the caller's thread-count context."""
     g, tt, d = pats.shape
     bp = BinParams.from_channel(model, grid)
@@ -294,7 +296,7 @@ def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int,
     hist = np.zeros((cg0.size, N_CLASSES, 256), np.int32)
     has_pred = pred is not None
     p = pred if has_pred else np.zeros((1, 1, 1), np.float32)
-    symbolise(pats, p, has_pred, m, c, a, es, level, bp.shared, cg0, cng, ct0, cnt, coff, *_grid_args(grid),
+    symbolise(pats, p, has_pred, m, c, a, es, level, bp.shared, int(mag), cg0, cng, ct0, cnt, coff, *_grid_args(grid),
               packed, chunk_bits, hist)
     freq = fit_tables(hist.sum(axis=0, dtype=np.int64))
     lanes = 32 if sizes.max() >= WIDE_LANES_FROM else 8
@@ -313,7 +315,8 @@ def encode(pats: np.ndarray, pred, model: ChannelParams, grid: BinGrid, tb: int,
     head = fields_head + body
     model_blob = np.concatenate([np.frombuffer(len(head).to_bytes(4, "little") + head, np.uint8), counts])
     payload = gather_words(words, wstart, wcap)
-    return {"shared": bp.shared, "lanes": lanes, **mparts}, {"model": model_blob, "payload": payload, "bits": bits}
+    flag = {"mag": 1} if mag else {}
+    return {"shared": bp.shared, "lanes": lanes, **mparts, **flag}, {"model": model_blob, "payload": payload, "bits": bits}
 
 
 _POOL_THREADS = min(MAX_MODEL_PARTS, os.cpu_count() or 1)
@@ -559,6 +562,7 @@ class Parsed2:
     blen: np.ndarray
     words: np.ndarray
     bits: np.ndarray
+    mag: int = 0  # meta "mag": symbols and classes counted by magnitude (bins.magnitude_symbol)
 
     @cached_property
     def fields(self) -> StoredFields:
@@ -594,6 +598,9 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
     shared, lanes = meta.get("shared"), meta.get("lanes")
     if not isinstance(shared, bool) or lanes not in rans_lanes.LANES or type(lanes) is not int:
         raise CorruptStreamError("predictive stream has a bad sharing or lane field")
+    mag = meta.get("mag", 0)
+    if type(mag) is not int or mag not in (0, 1):
+        raise CorruptStreamError("predictive stream has a bad symbol direction field (mag)")
     nc = chunk_count(g, tt, d, tb, unit)
     blob = section(sections, "model", np.uint8)
     if blob.size < 4:
@@ -629,7 +636,7 @@ def parse(meta: dict, sections: dict, section, grid: BinGrid, g: int, tt: int, d
         raise CorruptStreamError("predictive stream has a chunk with too many raw bits")
     bits = bits if bits.size else np.zeros(1, np.uint32)  # the kernel's branch-free reads need one word
     return Parsed2(layout, (gp, d), fields, parts, blob, freq, grid, shared, lanes, chunks, wstart, wlen, bstart,
-                   blen, words, bits)
+                   blen, words, bits, mag)
 
 
 @njit(cache=True, nogil=True)
@@ -684,7 +691,7 @@ def decode(ps: Parsed2, grid: BinGrid, select, out: np.ndarray, out_t0: int, pre
     has_pred = pred is not None
     decode_chunks(ps.words, wstart, wlen, ps.bits, bstart, blen, cg0, cng, ct0, cnt, pred if has_pred else _NO_PRED,
                   has_pred, pred_g0, pred_t0, *ps.margs, ps.shared, ps.compact, ps.lanes, *_grid_args(grid), out, 0,
-                  out_t0, err, rounds, bool(layer_g))
+                  out_t0, err, rounds, bool(layer_g), ps.mag)
     return err
 
 
