@@ -69,7 +69,9 @@ def unsupported(t: torch.Tensor, source: str, version) -> str | None:
     if t.dtype not in _CODED and t.dtype not in _CODED_FP8:
         return f"{t.dtype} is coded on the CPU"
     if (pcodec.default_version(t.dtype, source) if version is None else version) != 2:
-        return "only format 2 is encoded on the GPU (fp8 with a prediction tensor defaults to format 1: pass version=2)"
+        return "only format 2 is encoded on the GPU"
+    if pcodec.magnitude_symbols(t.dtype, source):
+        return "its format 2 stream counts symbols by magnitude (meta 'mag'), which the GPU encoder does not write yet"
     g, tt, d = pcodec.kv_layout(tuple(t.shape))
     if t.numel() == 0:
         return "empty tensor"
