@@ -442,10 +442,11 @@ def _chunk_decoder(consts, mag: int):
                 lane0 = (lane0 + d_n) & lm
                 for d in range(d_n):  # 2. raw bit counts (vectorises); -1: ESC or bin 0
                     di = np.uint64(d)
-                    sym[di] = magnitude_symbol(sym[di], cen[di] + CENTRE, c_mag)
-                    nbits[di], hi[di] = raw_layout(sym[di], cen[di], t_ep[di], mb)
-                    j = cen[di] + sym[di]
-                    if (j == 0) | (j == -1) | (sym[di] == ESC):
+                    s = magnitude_symbol(sym[di], cen[di] + CENTRE, c_mag)
+                    sym[di] = s
+                    nbits[di], hi[di] = raw_layout(s, cen[di], t_ep[di], mb)
+                    j = cen[di] + s
+                    if (j == 0) | (j == -1) | (s == ESC):
                         nbits[di] = -1
                 # 3. the raw bits, in order (ESC and bin 0 whole here), by unaligned 8-byte reads of src: the
                 # section, or near its end (< 32 bits a value) a zero-padded copy of its last bytes whose bit 0
