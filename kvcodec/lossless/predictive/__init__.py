@@ -15,14 +15,14 @@ per-symbol CDF is exact integer arithmetic after a few correctly rounded float64
 multiplies (numba without fast-math: nothing fused or reordered), so encoder and decoder build
 identical frequencies and the decoder never refits anything.
 
-How a value's probability is found is the stream format. Format 2 (written by default for
-bf16, fp16 and float32; ``bins``, ``tables``, ``binned``, ``format2``): the value's bin relative
-to mu's bin is one byte symbol coded by table lookup in the 32-lane rANS of
-:mod:`kvcodec.entropy.rans_lanes` (one 12-bit table per class: the scale-to-bin ratio and where mu
-lies in its bin), the position inside the bin is raw bits; 3-4x faster than format 1. Format 1
-(the density above evaluated at every pattern's rounding-bin edges, coded with the 64-bit rANS of
-:mod:`kvcodec.entropy.rans64`; ``grid``, ``cdf``, ``kernels``) is still read, written for fp8 by
-default (its ratio is higher there) and on request (``version=1``). Chunks are independent, coded
+How a value's probability is found is the stream format. Format 2 (written by default;
+``bins``, ``tables``, ``binned``, ``format2``): the value's bin relative to mu's bin is one byte
+symbol coded by table lookup in the 32-lane rANS of :mod:`kvcodec.entropy.rans_lanes` (one 12-bit
+table per class: the scale-to-bin ratio and where mu lies in its bin; for fp8 with a prediction the
+symbols counted by magnitude, meta ``"mag"``: ``bins.magnitude_symbol``), the position inside the
+bin is raw bits; 3-7x faster than format 1. Format 1 (the density above evaluated at every
+pattern's rounding-bin edges, coded with the 64-bit rANS of :mod:`kvcodec.entropy.rans64`;
+``grid``, ``cdf``, ``kernels``) is still read, and written on request (``version=1``). Chunks are independent, coded
 in parallel and decode alone.
 
 Modules: ``params`` (the fitted per-channel parameters), ``bins`` / ``tables`` / ``binned`` /
