@@ -150,6 +150,7 @@ VARIANTS = {  # kvctx_encode.cu builds to compare (macros): how far ahead each k
 }
 PAIR_VARIANTS = [(), ("KE_LOAD=__ldcs",)]  # ke_bits and ke_encode together on two streams (session 9: co-running,
 # ke_encode went 0.82 -> 1.61 ms: is it its tables evicted from L1 by ke_bits' 8-byte raw codes?)
+# H200 (session 9, encode-fuse): the pair 1.513 ms, with __ldcs 1.492 (ke_bits alone 0.985, ke_encode 0.848): no.
 
 
 def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
