@@ -78,7 +78,7 @@ def emulator(cpu_emulator):
     """The kernel compiled for the CPU (skipped without g++)."""
     lib = cpu_emulator("kvctx_decode_emulator")
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.kx_emulate.argtypes = [i, i, p, p, p, i, p, ll, ll, p, p, i, p, i, i, i, i, i, i, ll, p, p, p, p]
+    lib.kx_emulate.argtypes = [i, i, i, p, p, p, i, p, ll, ll, p, p, i, p, i, i, i, i, i, i, ll, p, p, p, p]
     lib.kx_emulate.restype = i
     return lib
 
@@ -94,7 +94,7 @@ def emulated_launch(lib, nr=kd.ROUNDS):
             return
         _, tt, d = plan.shape
         scratch = plan.scratch(count, "cpu")
-        rc = lib.kx_emulate(plan.out_kind, nr, words, bits,
+        rc = lib.kx_emulate(plan.out_kind, nr, plan.mag, words, bits,
                             dp.chunks + 8 * kd.CHUNK_FIELDS * first, count,
                             pred.data_ptr() if pred is not None else None, pred_g0, tt, dp.raw,
                             dp.layout, int(plan.shared), dp.tabs, *plan.grid, d, tt,
@@ -145,6 +145,8 @@ CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)
     ((2, 128, 64), torch.float8_e5m2, "previous_token"),
     ((2, 128, 64), torch.bfloat16, "external"),
     ((2, 2, 64, 128), torch.bfloat16, "neighbour_layer"),
+    ((2, 128, 64), torch.float8_e4m3fn, "external"),  # symbols counted by magnitude (meta "mag": 1, the default)
+    ((1, 130, 130), torch.float8_e5m2, "external"),  # the same, rounds from any lane
 ]
 
 
@@ -154,6 +156,7 @@ def test_emulated_kernel_equals_cpu_decoder(emulator, shape, dtype, source):
     pred = kv_like(shape, torch.bfloat16, seed=5) if source == "external" else None
     meta, sections = encode_tensor(x, pred, source, version=2)
     assert meta["lanes"] == 32 and kvctx_device.gpu_decodable(meta)
+    assert meta.get("mag", 0) == int(dtype.itemsize == 1 and source == "external")
     codec = "kvctx" if source == "none" else "predictive"
     blob = blob_of(meta, sections, x, codec, pred is not None)
     assert same_bits(kvcodec.decompress(blob, prediction=pred), x)  # the CPU decoder
@@ -162,6 +165,19 @@ def test_emulated_kernel_equals_cpu_decoder(emulator, shape, dtype, source):
     assert same_bits(out, x)
     for t, crc, _ in checks:  # the prediction's checksum, as the CPU computes it
         assert zlib.crc32(t.contiguous().view(torch.uint8).numpy()) == crc
+
+
+@pytest.mark.parametrize("shape,dtype,source", [((2, 128, 64), torch.bfloat16, "none"),
+                                                ((1, 130, 130), torch.float16, "previous_token")])
+def test_emulated_kernel_with_a_forced_magnitude_flag(emulator, shape, dtype, source):
+    """A 16-bit stream with the "mag" flag forced (codec.encode_tensor's mag=True: not a default, but a valid
+    stream): the kernel's flagged instances of 16-bit outputs decode it as the CPU does."""
+    x = with_specials(kv_like(shape, dtype, seed=9))
+    meta, sections = encode_tensor(x, None, source, version=2, mag=True)
+    assert meta["mag"] == 1 and kvctx_device.gpu_decodable(meta)
+    blob = blob_of(meta, sections, x, "kvctx" if source == "none" else "predictive", False)
+    out, status, _ = emulated_decode(emulator, blob)
+    assert not status.any() and same_bits(out, x)
 
 
 @pytest.mark.parametrize("shape", [(2, 128, 64), (1, 130, 130)])
@@ -318,6 +334,22 @@ def test_gpu_predictive_sources(dtype, gpu_calls):
         meta, sections = encode_tensor(x, kw.get("prediction"), kw.get("predictor", "external"), version=2)
         blob = blob_of(meta, sections, x, "predictive", "prediction" in kw)
         out = kvcodec.decompress(blob, prediction=kw.get("prediction"), device="cuda")
+        assert out.is_cuda and same_bits(out, x)
+    assert gpu_calls == [True] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
+def test_gpu_decodes_flagged_streams(gpu_calls):
+    """Streams with the "mag" flag: fp8 with a prediction (the default there) and a bf16 one with the flag forced
+    (the flagged 16-bit instances, compiled on first use), decoded by the kernel bit for bit."""
+    shape = (2, 4, 256, 64)
+    pred = kv_like(shape, torch.bfloat16, seed=3)
+    for dtype, mag in ((torch.float8_e4m3fn, None), (torch.float8_e5m2, None), (torch.bfloat16, True)):
+        x = with_specials(kv_like(shape, torch.float32, seed=2).to(dtype))
+        meta, sections = encode_tensor(x, pred, "external", version=2, mag=mag)
+        assert meta["mag"] == 1
+        out = kvcodec.decompress(blob_of(meta, sections, x, "predictive", True), prediction=pred.cuda(), device="cuda")
         assert out.is_cuda and same_bits(out, x)
     assert gpu_calls == [True] * 3
 

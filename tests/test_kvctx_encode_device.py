@@ -50,7 +50,9 @@ def emulated_runner(lib):
 
     def run(name, grid, block, args, device, smem=0):
         base, _, tmpl = name.rstrip(">").partition("<")
-        extra = () if base in ("ke_encode", "ke_bits") or not tmpl else tuple(ctypes.c_int(int(v)) for v in tmpl.split(","))
+        flags = {"true": 1, "false": 0}
+        extra = () if base in ("ke_encode", "ke_bits") or not tmpl else tuple(
+            ctypes.c_int(flags.get(v.strip(), None) if v.strip() in flags else int(v)) for v in tmpl.split(","))
         getattr(lib, base + "_emu")(ctypes.c_int(grid), ctypes.c_int(block), *extra, *(_c(a) for a in args))
 
     return run
@@ -96,6 +98,8 @@ CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)
     ((4, 64, 64), torch.float32, "none"),  # f32split: the lo16 section
     ((2, 128, 64), torch.float8_e5m2, "previous_token"),
     ((3, 2, 64, 128), torch.bfloat16, "neighbour_layer"),  # chunks within a layer, the gain fitted
+    ((2, 128, 64), torch.float8_e4m3fn, "external"),  # symbols counted by magnitude (meta "mag": 1), as on the CPU
+    ((1, 200, 96), torch.float8_e5m2, "external"),
 ]
 
 
@@ -144,11 +148,15 @@ def test_emulated_encoder_on_random_bit_patterns(emulator, zlib_crc, dtype, sour
     assert same_bits(kvcodec.decompress(blob, prediction=pred), x)
 
 
-def test_emulated_encoder_equals_cpu_bytes_with_the_same_model(emulator, zlib_crc):
-    """A large-scale channel set where the fitted parameters agree: the streams are the CPU's byte for byte."""
-    x = kv_like((2, 256, 64), seed=3)
-    meta, secs, _ = emulated_blob(emulator, x, None, "none")
-    cpu_meta, cpu_secs = encode_tensor(x, None, "none", version=2)
+@pytest.mark.parametrize("dtype,source", [(torch.float32, "none"), (torch.float8_e4m3fn, "external")])
+def test_emulated_encoder_equals_cpu_bytes_with_the_same_model(emulator, zlib_crc, dtype, source):
+    """A large-scale channel set where the fitted parameters agree: the streams are the CPU's byte for byte (fp8
+    with a prediction: symbols counted by magnitude, the flag in the same place of the meta)."""
+    x = kv_like((2, 256, 64), seed=3).to(dtype)
+    pred = kv_like((2, 256, 64), torch.bfloat16, seed=5) if source == "external" else None
+    meta, secs, _ = emulated_blob(emulator, x, pred, source)
+    cpu_meta, cpu_secs = encode_tensor(x, pred, source, version=2)
+    assert list(meta) == list(cpu_meta) and meta.get("mag", 0) == int(source == "external")
     if not np.array_equal(secs["model"][:200], cpu_secs["model"][:200]):
         pytest.skip("the fitted parameters differ in a last bit (allowed: they are stored)")
     assert meta == cpu_meta
@@ -344,6 +352,32 @@ def test_gpu_encode_fp8_version2_and_fallbacks(gpu_encodes):
     assert same_bits(kvcodec.decompress(kvcodec.compress(small, layout="kv")), small) and gpu_encodes == [1]
     with pytest.raises(ValueError, match="gpu=True: chunks under"):
         kvcodec.compress(small, layout="kv", gpu=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_gpu_encode_fp8_with_a_prediction_counts_by_magnitude(dtype, gpu_encodes):
+    """fp8 with a prediction: the GPU encoder writes the "mag" flag where the CPU encoder does; either decoder reads
+    either's stream bit for bit; with the same fitted model the codec meta (key order too) and sections are the CPU
+    encoder's byte for byte."""
+    from kvcodec import container
+
+    shape = (2, 4, 256, 64)
+    x = with_specials(kv_like(shape, torch.float32, seed=11).to(dtype)).cuda()
+    pred = kv_like(shape, torch.bfloat16, seed=7).cuda()
+    dblob = bytes(api.compress_device(x, prediction=pred).cpu().numpy())
+    assert gpu_encodes == [1]
+    cpu_blob = kvcodec.compress(x.cpu(), prediction=pred.cpu())
+    for blob in (dblob, cpu_blob):
+        assert container.loads(blob)[1]["codec_meta"]["mag"] == 1
+        assert same_bits(kvcodec.decompress(blob, prediction=pred.cpu(), device="cpu"), x)
+        assert same_bits(kvcodec.decompress(blob, prediction=pred, device="cuda"), x)
+    (_, gm, gs), (_, cm, cs) = (container.loads(b) for b in (dblob, cpu_blob))  # (outer metas: "device" differs)
+    if np.array_equal(np.asarray(gs["model"])[:200], np.asarray(cs["model"])[:200]):  # the same fitted fields (they
+        assert list(gm["codec_meta"].items()) == list(cm["codec_meta"].items())  # may differ in a last bit)
+        assert list(gs) == list(cs) and all(np.array_equal(np.asarray(gs[k]), np.asarray(cs[k])) for k in cs)
+    assert len(dblob) <= 1.01 * len(cpu_blob) + 256
 
 
 @pytest.mark.gpu

@@ -77,11 +77,13 @@ def test_locate_fraction_of_negative_locations_by_one_subtraction():
 def test_kernel_locate_equals_cpu_locate(cpu_emulator):
     """kx_locate_ep (the decoder's bin coordinate in one fma, the negative fraction as |y - (u + 1)|) and kx_locate (the
     encoder's) against bins.locate's float64 steps written out in C++, on 10**6 locations a grid built near every edge
-    (eu against ep, quarter boundaries of the fraction, rounding of the steps sum, zeros, subnormals, both signs)."""
+    (eu against ep, quarter boundaries of the fraction, rounding of the steps sum, zeros, subnormals, both signs);
+    3 * 10**5 more with the "mag" flag (a negative location's fraction by magnitude: its instances)."""
     import ctypes
 
     lib = cpu_emulator("kvctx_locate_check")
     lib.kx_locate_mismatches.restype = ctypes.c_longlong
-    lib.kx_locate_mismatches.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_ulonglong]
+    lib.kx_locate_mismatches.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int]
     for mb in (0, 2, 3, 7, 10):  # e8m0, e5m2, e4m3, bf16, fp16
-        assert lib.kx_locate_mismatches(1_000_000, mb, 1 + mb) == 0
+        assert lib.kx_locate_mismatches(1_000_000, mb, 1 + mb, 0) == 0
+        assert lib.kx_locate_mismatches(300_000, mb, 101 + mb, 1) == 0

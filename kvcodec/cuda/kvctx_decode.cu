@@ -30,7 +30,9 @@
 // Template: OUT (bytes per output element), WARPS (chunks per block), NR (rounds per batch), LAYOUT
 // (KX_ALIGNED: D is a multiple of 32 * NR, every batch starts at lane 0 and fills its rounds, so the rotation
 // and the per-lane masks fold away; KX_REGS: D = 32 * NR, also the channels' parameters in registers),
-// BF16 (the bf16 grid as constants: a value is its float32 upper half).
+// BF16 (the bf16 grid as constants: a value is its float32 upper half), MAG (the stream's "mag" flag: symbols and
+// mu's place in its bin counted by magnitude, bins.magnitude_symbol; its own instances, so that streams without it
+// run the code they ran before).
 
 typedef unsigned char kx_u8;
 typedef unsigned short kx_u16;
@@ -141,22 +143,27 @@ __device__ __forceinline__ void kx_channel(const KxFields& f, long long pi, int 
 }
 
 // bins.locate's tail: centre and class from the bin coordinate y >= 0 of |mv| (hw: mv's high word, for its sign;
-// lvl = level - 4 max(ep, eu)).
+// lvl = level - 4 max(ep, eu)). MAG: the stream's "mag" flag (bins.locate's mag: mv's place in its bin measured
+// towards larger magnitudes, so f unflipped for a negative mv).
+template <bool MAG>
 __device__ __forceinline__ void kx_locate_tail(double y, int hw, int lvl, int& centre, int& cls) {
   const int u = (int)y;  // y < 2**19
   const int sg = hw >> 31;  // -1 for a negative mv
+  const int sf = MAG ? 0 : sg;  // the fraction's flip: by value (a negative mv), or none by magnitude
   centre = u ^ sg;
   // where mv lies in its bin, f = y - u (exact), or for a negative mv the CPU's f + (1 - 2 f): that is seen only
   // through q below, which is min(floor(4 (1 - f)), 3) for the rounded 1 - f either way (for f >= 1/4, 1 - 2 f is exact
   // (Sterbenz), so both round the exact 1 - f once; for f < 1/4 both are >= 3/4: q = 3); here 1 - f rounded as
-  // |y - (u + 1)|, one rounding of the same exact value (round to nearest even is symmetric)
-  const double fr = fabs(__dsub_rn(y, (double)(u - sg)));
+  // |y - (u + 1)|, one rounding of the same exact value (round to nearest even is symmetric); MAG: f = |y - u|
+  const double fr = fabs(__dsub_rn(y, (double)(u - sf)));
   const int q = min((int)__dmul_rn(fr, (double)KX_N_FRAC), KX_N_FRAC - 1);  // fr in [0, 1]
   cls = lvl >= 12 ? min(lvl - 12, 3) : KX_N_FINE + 11 * KX_N_FRAC + q - KX_N_FRAC * max(lvl, KX_LVL_LO);
 }
 
 // bins.locate: (ep, centre, class) of a location mv (V units, finite, |mv| < 2**400). The bin coordinate
-// is V / 2**ep below 2**(ep + mb), one unit per grid step above (bins.bin_of). (Also the encoder's.)
+// is V / 2**ep below 2**(ep + mb), one unit per grid step above (bins.bin_of). (Also the encoder's.) MAG: as
+// kx_locate_tail's.
+template <bool MAG>
 __device__ __forceinline__ void kx_locate(double mv, int es, int level, int mb, int& ep, int& centre, int& cls) {
   const int hw = __double2hiint(mv);
   const int ex = ((hw >> 20) & 0x7FF) - 1023;
@@ -166,18 +173,19 @@ __device__ __forceinline__ void kx_locate(double mv, int es, int level, int mb, 
   double y = __dmul_rn(av, kx_pow2(-ep));
   const double y_steps = __dadd_rn((double)((eu - ep) << mb), __dmul_rn(av, kx_pow2(-eu)));
   if (eu > ep) y = y_steps;
-  kx_locate_tail(y, hw, level - 4 * max(ep, eu), centre, cls);
+  kx_locate_tail<MAG>(y, hw, level - 4 * max(ep, eu), centre, cls);
 }
 
 // kx_locate's (centre, class) for a channel's ep = min(es, KX_EP_MAX) >= 0 (kx_channel's), its bin coordinate in
 // one fma, |mv| 2**-e + (e - ep) 2**mb with e = max(ep, eu), bit for bit the CPU's: for eu <= ep that is |mv| 2**-ep
 // + 0, one rounding of the same product; for eu > ep the product is exact (a normal |mv| scaled into
-// [2**mb, 2**(mb + 1))), so the fma rounds the CPU's sum once, as its addition does.
+// [2**mb, 2**(mb + 1))), so the fma rounds the CPU's sum once, as its addition does. MAG: as kx_locate_tail's.
+template <bool MAG>
 __device__ __forceinline__ void kx_locate_ep(double mv, int ep, int level, int mb, int& centre, int& cls) {
   const int hw = __double2hiint(mv);
   const int e = max(((hw >> 20) & 0x7FF) - 1023 - mb, ep);  // max(ep, eu) (ep >= 0)
   const double p2 = __hiloint2double(0x3FF00000 - (e << 20), 0);  // 2**-e
-  kx_locate_tail(__fma_rn(fabs(mv), p2, (double)((e << mb) - (ep << mb))), hw, level - 4 * e, centre, cls);
+  kx_locate_tail<MAG>(__fma_rn(fabs(mv), p2, (double)((e << mb) - (ep << mb))), hw, level - 4 * e, centre, cls);
 }
 
 // bins.value_of: the value of a finite pattern, built from its fields: mant * 2**(eoff + max(ef, 1) - 1) as a
@@ -315,7 +323,7 @@ struct KxRing {
 // warp 5 x D doubles: dev and the channel table of the current g (kx_channel); else those in scratch,
 // n x 5 x D doubles. status[n]: 0 good, else the CPU's error
 // codes (1 short stream, 2 bad state, 4 end checks, 5 bad value).
-template <int OUT, int WARPS, int NR, int LAYOUT, bool BF16>
+template <int OUT, int WARPS, int NR, int LAYOUT, bool BF16, bool MAG>
 __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2048 chunks in one wave on an H100/H200
     kx_decode(const kx_u16* __restrict__ words, const kx_u32* __restrict__ bits, const long long* __restrict__ chunks,
               int n_chunks, const float* __restrict__ pred, long long pred_g0, long long pred_t,
@@ -484,7 +492,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
           if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
           const int el = in_regs ? 0 : reinterpret_cast<const int*>(chan + 3 * D)[dd[r]];
           ep[r] = in_regs ? rep[r] : el & 1023;  // es <= KX_EP_MAX
-          kx_locate_ep(mv, ep[r], in_regs ? rlev[r] : el >> 10, gr.mb, centre[r], cls[r]);
+          kx_locate_ep<MAG>(mv, ep[r], in_regs ? rlev[r] : el >> 10, gr.mb, centre[r], cls[r]);
         }
         // 2. rANS, round after round (every value of a round present: ALIGNED, or r0 + 32 r < D)
 #pragma unroll
@@ -504,6 +512,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         // 3. raw bits: every value's field from its symbol (unary values: depth 0 for now) and its bit count
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
+          if (MAG && centre[r] < 0 && sym[r] != KX_ESC) sym[r] = 254 - sym[r];  // bins.magnitude_symbol
           const int j = centre[r] + sym[r] - KX_CENTRE;
           neg[r] = j >> 31;
           fd[r] = kx_known_field(sym[r], ep[r], j ^ neg[r], gr.mb, gr.width, unary[r]);

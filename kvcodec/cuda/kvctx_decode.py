@@ -45,16 +45,20 @@ def variant(out_kind: int, grid: tuple, d: int, nr: int) -> tuple[int, bool]:
     return layout, out_kind == 4 or (out_kind == 2 and tuple(int(v) for v in grid) == BF16_GRID)
 
 
-def kernel_name(out_kind: int, nr: int, warps: int = WARPS, layout: int = REGS, bf16: bool = False) -> str:
-    return f"kx_decode<{out_kind}, {warps}, {nr}, {layout}, {str(bf16).lower()}>"
+def kernel_name(out_kind: int, nr: int, warps: int = WARPS, layout: int = REGS, bf16: bool = False,
+                mag: bool = False) -> str:
+    """The instance's name; ``mag``: the stream's "mag" flag (its own instances: streams without it pay nothing)."""
+    return f"kx_decode<{out_kind}, {warps}, {nr}, {layout}, {str(bf16).lower()}, {str(bool(mag)).lower()}>"
 
 
 def instance_declarations() -> list[str]:
     """Explicit instantiations for the nvcc compile check: every instance ``launch`` picks with the default
-    rounds, and the bf16 ones of the other rounds the benchmark sweeps."""
+    rounds, and the bf16 ones of the other rounds the benchmark sweeps; the flagged ("mag") ones of 8-bit outputs
+    (fp8 with a prediction writes the flag by default; other flagged streams compile their instance on first use)."""
     bf16 = {1: (False,), 2: (False, True), 4: (True,)}
     names = [kernel_name(k, ROUNDS, WARPS, lay, b) for k in OUT_KINDS for b in bf16[k] for lay in (GENERAL, ALIGNED, REGS)]
     names += [kernel_name(2, nr, WARPS, lay, True) for nr in SWEEP_ROUNDS if nr != ROUNDS for lay in (GENERAL, ALIGNED, REGS)]
+    names += [kernel_name(1, ROUNDS, WARPS, lay, False, True) for lay in (GENERAL, ALIGNED, REGS)]
     return [f"__global__ void {n}{SIGNATURE}" for n in names]
 
 
@@ -64,8 +68,8 @@ class KernelPlan:
     start and count, raw word start and count, first g, g count, first token, token count), ``layout``
     int64 [13] (``format2.StoredFields.layout`` then Gp * D: where the stored parameter fields lie in
     their byte planes), the grid's ``(width, sign, mb, maxmag, eoff)``, the output's shape [G, T, D] and
-    kind; ``staged``: the host buffer (``transfer.Staging``) ``chunks`` and ``layout`` are views of, with
-    the rest of the plan's device inputs (``kvcodec.cuda.kvctx_plan``)."""
+    kind, ``mag`` the stream's "mag" flag (0 / 1); ``staged``: the host buffer (``transfer.Staging``) ``chunks``
+    and ``layout`` are views of, with the rest of the plan's device inputs (``kvcodec.cuda.kvctx_plan``)."""
 
     chunks: np.ndarray
     layout: np.ndarray
@@ -74,6 +78,7 @@ class KernelPlan:
     shape: tuple[int, int, int]
     out_kind: int
     staged: object = None
+    mag: int = 0
 
     def smem_bytes(self, warps: int = WARPS) -> int:
         """Dynamic shared memory per block: the warps' rings, and their channel tables when they fit."""
@@ -109,7 +114,8 @@ def launch(dp, words: int, bits: int, out: torch.Tensor, status: torch.Tensor, f
     device = out.device
     scratch = plan.scratch(count, device, warps)
     nr = nr or ROUNDS
-    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr, warps, *variant(plan.out_kind, plan.grid, d, nr)))
+    fn = build.get_function(SOURCE, kernel_name(plan.out_kind, nr, warps, *variant(plan.out_kind, plan.grid, d, nr),
+                                                     plan.mag))
     width, sign, mb, maxmag, eoff = plan.grid
     with build.cupy_stream(device):
         fn((-(-count // warps),), (32 * warps,),

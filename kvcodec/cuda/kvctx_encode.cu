@@ -33,7 +33,7 @@ template <class T> struct KeDeref<T&> { typedef T type; };
 template <class F> struct KeCentreOf;
 template <class R, class A, class B, class C, class D, class E, class F, class G>
 struct KeCentreOf<R (*)(A, B, C, D, E, F, G)> { typedef typename KeDeref<F>::type type; };
-typedef KeCentreOf<decltype(&kx_locate)>::type ke_centre;
+typedef KeCentreOf<decltype(&kx_locate<false>)>::type ke_centre;
 
 #define KE_HIST_COPIES 32
 #define KE_RING 64  // raw-bit words per warp ring (a round adds at most 32)
@@ -446,8 +446,9 @@ __device__ __forceinline__ int ke_encode_value(int pat, int ep, ke_centre centre
 // class << 8 | symbol (hist: KE_HIST_COPIES x n_keys u64, zeroed) and each chunk's raw bit total (the chunks
 // of format2.chunk_layout with gb g's a block, blocks within multiples of unit). The model: per channel (pi = gp * D + d) m, c, a = pm, pc, pa[pi]
 // and es, level = pel[2 pi], pel[2 pi + 1] (format2.BinParams.kernel_args, which the decoder recomputes
-// exactly from the stored fields), then the decoder's kx_locate / kx_value.
-template <int W>
+// exactly from the stored fields), then the decoder's kx_locate / kx_value. MAG: the stream's "mag" flag (symbols
+// and mu's place in its bin counted by magnitude: bins.magnitude_symbol, binned.symbolise's mag).
+template <int W, bool MAG>
 __global__ void __launch_bounds__(256)
     ke_symbolise(const void* __restrict__ pats, const float* __restrict__ pred, const double* __restrict__ pm,
                  const double* __restrict__ pc, const double* __restrict__ pa, const int* __restrict__ pel,
@@ -510,10 +511,11 @@ __global__ void __launch_bounds__(256)
       if (!(fabs(mv) < kx_pow2(400))) mv = 0.0;  // bins.MU_MAX
       int ep, cls;
       ke_centre centre;
-      kx_locate(mv, es, level, mb, ep, centre, cls);
+      kx_locate<MAG>(mv, es, level, mb, ep, centre, cls);
       kx_u32 code;
       int nb;
-      const int sym = ke_encode_value(pat, ep, centre, gr, escape, code, nb);
+      int sym = ke_encode_value(pat, ep, centre, gr, escape, code, nb);
+      if (MAG && centre < 0 && sym != KX_ESC) sym = 254 - sym;  // bins.magnitude_symbol
       key = ((unsigned)cls << 8) | (unsigned)sym;
       keys[i] = (kx_u16)key;
       raw[i] = ((kx_u64)code << 8) | (kx_u64)nb;

@@ -43,10 +43,17 @@ SIGNATURES = {
 
 def instance_declarations() -> list[str]:
     """Explicit instantiations for the nvcc compile check."""
-    out = [f"__global__ void {k}<{w}>{SIGNATURES[k]}" for k in ("ke_fit_moments", "ke_symbolise") for w in WIDTHS]
+    out = [f"__global__ void ke_fit_moments<{w}>{SIGNATURES['ke_fit_moments']}" for w in WIDTHS]
+    out += [f"__global__ void {symbolise_name(w, mag)}{SIGNATURES['ke_symbolise']}" for w in WIDTHS
+            for mag in (False, True)]
     out += [f"__global__ void ke_fit_residuals<{w}, {n}>{SIGNATURES['ke_fit_residuals']}" for w in WIDTHS
             for n in (1, 2)]
     return out + [f"__global__ void {k}<{WARPS}>{SIGNATURES[k]}" for k in ("ke_encode", "ke_bits")]
+
+
+def symbolise_name(width: int, mag: bool) -> str:
+    """ke_symbolise's instance for ``width``-byte patterns and the stream's "mag" flag (its own instances)."""
+    return f"ke_symbolise<{width}, {str(bool(mag)).lower()}>"
 
 
 _smem_raised: dict = {}  # id(kernel) -> the dynamic shared memory its limit was raised to
@@ -162,13 +169,14 @@ def plane_histograms(planes, d: int, runner=gpu_runner) -> torch.Tensor:
 
 
 def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: int, gb: int, unit: int,
-              n_chunks: int, n_keys: int, spare: int = 0, runner=gpu_runner):
+              n_chunks: int, n_keys: int, spare: int = 0, runner=gpu_runner, mag: bool = False):
     """(keys int16 [G*T*D + spare]: class << 8 | symbol, raw int64 [G*T*D]: raw code << 8 | bit count,
     hist int64 [HIST_COPIES, n_keys], chunk raw-bit totals int64 [n_chunks]);
     ``margs``: device tensors m, c, a (float64 [Gp * D]) and es, level (int32 [Gp * D, 2]);
     ``grid``: the dtype's ``(width, sign, mb, maxmag, eoff)``; chunks of ``gb`` leading indices a block,
     blocks within multiples of ``unit`` (``format2.chunk_layout``); ``spare``: keys after the tensor's
-    values left for the caller (the model's field bytes, coded in the same :func:`encode_chunks` launch)."""
+    values left for the caller (the model's field bytes, coded in the same :func:`encode_chunks` launch);
+    ``mag``: symbols and classes counted by magnitude (the stream's "mag" flag, ``bins.magnitude_symbol``)."""
     g, tt, d = shape
     nblk, cols = _columns(shape, tb)
     dev = pats.device
@@ -177,7 +185,7 @@ def symbolise(pats, pred, margs, shared: bool, escape, grid: tuple, shape, tb: i
     hist = torch.zeros((HIST_COPIES, n_keys), dtype=torch.int64, device=dev)
     chunk_bits = torch.zeros(n_chunks, dtype=torch.int64, device=dev)
     width, sign, mb, maxmag, eoff = grid
-    runner(f"ke_symbolise<{pats.element_size()}>", -(-cols // THREADS), THREADS,
+    runner(symbolise_name(pats.element_size(), mag), -(-cols // THREADS), THREADS,
            (_ptr(pats), _ptr(pred), *(_ptr(x) for x in margs), np.int32(shared), _ptr(escape), np.int32(width),
             np.int32(sign), np.int32(mb), np.int32(maxmag), np.int32(eoff), np.int64(g), np.int64(tt), np.int32(d),
             np.int64(tb), np.int64(nblk), np.int64(gb), np.int64(unit), np.int32(n_keys), _ptr(keys), _ptr(raw),

@@ -35,13 +35,12 @@ SOURCES = ("none", "previous_token", "external", "neighbour_layer")
 
 
 def gpu_decodable(meta) -> bool:
-    """Whether the GPU kernel takes a kvctx / predictive codec meta: format 2, 32 lanes, a coded mode,
-    symbols counted by value (no "mag" flag: the kernel does not count them by magnitude yet, so the
-    CPU decodes those streams, and refuses a forged flag)."""
+    """Whether the GPU kernel takes a kvctx / predictive codec meta: format 2, 32 lanes, a coded mode, a
+    "mag" flag absent, 0 or 1 (a forged one is left to the CPU parser, which raises CorruptStreamError)."""
     return (isinstance(meta, dict) and meta.get("v") == 2 and type(meta.get("v")) is int
             and meta.get("lanes") == 32 and type(meta.get("lanes")) is int
             and meta.get("mode") in ("grid", "f32split") and meta.get("source") in SOURCES
-            and meta.get("mag", 0) == 0 and type(meta.get("mag", 0)) is int)
+            and meta.get("mag", 0) in (0, 1) and type(meta.get("mag", 0)) is int)
 
 
 def grid_constants(dtype: torch.dtype) -> tuple:
@@ -115,7 +114,7 @@ def plan(meta, sections, front: np.ndarray | None = None):
         st.view("raw", np.uint8)[:] = raw
     out_kind = 4 if ps.mode == "f32split" else bin_grid(bdtype).width // 8
     kp = KernelPlan(chunks=chunks, layout=layout, shared=p2.shared, grid=grid, shape=(g, tt, d), out_kind=out_kind,
-                    staged=st)
+                    staged=st, mag=p2.mag)
     return ps, kp
 
 

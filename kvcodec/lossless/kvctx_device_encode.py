@@ -9,7 +9,8 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
    ``kvctx_encode.fit_*``, reduced by torch; its formulas and the bin parameters on the device,
    ``kvctx_device_fit``; shared or per-(g, d) parameters chosen by the CPU encoder's estimate);
 2. ``kvctx_encode.symbolise`` computes every value's class, symbol and raw
-   code with the GPU decoder's own model arithmetic and counts the per-class histogram;
+   code with the GPU decoder's own model arithmetic and counts the per-class histogram (symbols counted by
+   magnitude, meta ``"mag": 1``, where the CPU encoder counts them so: ``pcodec.magnitude_symbols``);
 3. ``kvctx_encode.raw_bits``: one warp per chunk writes its raw bits (no table needed: it runs on a side
    stream, with the checksums, right after symbolise: beside the first wait, the host's table work and
    the rANS kernel);
@@ -21,9 +22,8 @@ The stream is the CPU encoder's (``predictive.format2.encode``), so either side 
 
 Only the stored fields' statistics and byte histograms, the symbol histogram, per-chunk sizes and
 small headers cross to the host.
-Calls the GPU cannot take (:func:`unsupported`: format 1, e.g. fp8 against an external prediction by
-default; 8-lane streams of small tensors; other dtypes) are coded on the CPU by the caller: the format is
-never changed silently.
+Calls the GPU cannot take (:func:`unsupported`: format 1, requested by ``version=1``; 8-lane streams of
+small tensors; other dtypes) are coded on the CPU by the caller: the format is never changed silently.
 """
 
 from __future__ import annotations
@@ -70,8 +70,6 @@ def unsupported(t: torch.Tensor, source: str, version) -> str | None:
         return f"{t.dtype} is coded on the CPU"
     if (pcodec.default_version(t.dtype, source) if version is None else version) != 2:
         return "only format 2 is encoded on the GPU"
-    if pcodec.magnitude_symbols(t.dtype, source):
-        return "its format 2 stream counts symbols by magnitude (meta 'mag'), which the GPU encoder does not write yet"
     g, tt, d = pcodec.kv_layout(tuple(t.shape))
     if t.numel() == 0:
         return "empty tensor"
@@ -295,6 +293,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     tb = pcodec.token_block(tt, d)
     f32 = t.dtype == torch.float32
     bdtype = torch.bfloat16 if f32 else t.dtype
+    mag = pcodec.magnitude_symbols(t.dtype, source)  # the CPU encoder's default (codec.encode_tensor)
     meta = {"v": 2, "source": source, "dtype": container.torch_dtype_name(t.dtype), "shape": list(shape),
             "mode": "f32split" if f32 else "grid"}
     sections: dict = {}
@@ -334,7 +333,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     chunks_d = upload([desc], dev)[0].view(-1, 4)
     keys, raw, hist, chunk_bits = ke.symbolise(pats, pred, margs, choices == (True,), _escape_table(bdtype, dev),
                                                grid_constants(bdtype), (g, tt, d), tb, gb, unit, n_chunks, N_KEYS,
-                                               spare, runner)
+                                               spare, runner, mag)
     planes, stats = kfit.field_planes(values, source)  # after the symbolise launch: off its critical path
     phist = kfit.plane_histograms(planes, d, runner)
     pending = {k: sections[k] for k in ("lo16",) if k in sections}
@@ -408,7 +407,8 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
         head = parts.head(fields_head, wlen[n_chunks:], tables.size)
         head_d, tail_d = upload([head, np.concatenate([tables, counts_b])], dev)
         model_d = torch.cat([head_d, words[woff[n_chunks]:].view(torch.uint8), tail_d])
-    meta.update(tb=tb, shared=shared, lanes=ke.LANES, **mparts)
+    flag = {"mag": 1} if mag else {}  # last, as format2.encode writes it (the same meta bytes)
+    meta.update(tb=tb, shared=shared, lanes=ke.LANES, **mparts, **flag)
     sections.update(model=model_d, payload=payload, bits=bits)
     clock.mark("sections")
     return meta, sections

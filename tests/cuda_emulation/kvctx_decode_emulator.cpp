@@ -17,43 +17,48 @@ double kx_smem[1 << 16];  // the dynamic shared memory of the one warp run at a 
       out, lo16, scratch, status
 
 // The launch: blocks of 4 warps, run one warp at a time.
-template <int OUT, int NR, int LAYOUT, bool BF16>
+template <int OUT, int NR, int LAYOUT, bool BF16, bool MAG>
 static void run(KX_ARGS) {
-  emu_run((n + 3) / 4, 128, [&] { kx_decode<OUT, 4, NR, LAYOUT, BF16>(KX_PASS); });
+  emu_run((n + 3) / 4, 128, [&] { kx_decode<OUT, 4, NR, LAYOUT, BF16, MAG>(KX_PASS); });
 }
 
 // The instance kvctx_decode.launch picks for rounds NR (kvctx_decode.variant: its layout from D, the bf16
 // one for the bf16 grid; 8-bit outputs never bf16, float32 ones always).
-template <int OUT, int NR, bool BF16>
+template <int OUT, int NR, bool BF16, bool MAG>
 static void pick_layout(KX_ARGS) {
   if (D == 32 * NR)
-    run<OUT, NR, KX_REGS, BF16>(KX_PASS);
+    run<OUT, NR, KX_REGS, BF16, MAG>(KX_PASS);
   else if (D % (32 * NR) == 0)
-    run<OUT, NR, KX_ALIGNED, BF16>(KX_PASS);
+    run<OUT, NR, KX_ALIGNED, BF16, MAG>(KX_PASS);
   else
-    run<OUT, NR, KX_GENERAL, BF16>(KX_PASS);
+    run<OUT, NR, KX_GENERAL, BF16, MAG>(KX_PASS);
 }
 
-template <int OUT, int NR>
+template <int OUT, int NR, bool MAG>
 static void pick(KX_ARGS) {
   const bool bf16 = width == 16 && sign == 0x8000 && mb == 7 && maxmag == 0x7F7F && eoff == -133;
   if (OUT == 1)
-    pick_layout<OUT, NR, false>(KX_PASS);
+    pick_layout<OUT, NR, false, MAG>(KX_PASS);
   else if (OUT == 4 || bf16)
-    pick_layout<OUT, NR, true>(KX_PASS);
+    pick_layout<OUT, NR, true, MAG>(KX_PASS);
   else
-    pick_layout<OUT, NR, false>(KX_PASS);
+    pick_layout<OUT, NR, false, MAG>(KX_PASS);
 }
 
-// kvctx_decode.launch's kernel call (WARPS = 4) with NR = nr; 1 when the shared memory it needs is too big.
-extern "C" int kx_emulate(int out_kind, int nr, KX_ARGS) {
+// kvctx_decode.launch's kernel call (WARPS = 4) with NR = nr and the stream's "mag" flag (flagged streams: 8- and
+// 16-bit outputs, rounds 2); 1 when the shared memory it needs is too big or the instance is not built here.
+extern "C" int kx_emulate(int out_kind, int nr, int mag, KX_ARGS) {
   if (!scratch && 4 * (5 * D + 272) > (int)(sizeof(kx_smem) / sizeof(double))) return 1;
   if (nr != 2 && nr != 4) return 1;
-  if (out_kind == 1)
-    nr == 2 ? pick<1, 2>(KX_PASS) : pick<1, 4>(KX_PASS);
-  else if (out_kind == 2)
-    nr == 2 ? pick<2, 2>(KX_PASS) : pick<2, 4>(KX_PASS);
-  else
-    nr == 2 ? pick<4, 2>(KX_PASS) : pick<4, 4>(KX_PASS);
+  if (mag) {
+    if (nr != 2 || out_kind == 4) return 1;
+    out_kind == 1 ? pick<1, 2, true>(KX_PASS) : pick<2, 2, true>(KX_PASS);
+  } else if (out_kind == 1) {
+    nr == 2 ? pick<1, 2, false>(KX_PASS) : pick<1, 4, false>(KX_PASS);
+  } else if (out_kind == 2) {
+    nr == 2 ? pick<2, 2, false>(KX_PASS) : pick<2, 4, false>(KX_PASS);
+  } else {
+    nr == 2 ? pick<4, 2, false>(KX_PASS) : pick<4, 4, false>(KX_PASS);
+  }
   return 0;
 }

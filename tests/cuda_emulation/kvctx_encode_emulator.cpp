@@ -39,12 +39,13 @@ extern "C" void ke_fit_residuals_emu(int grid, int block, int w, int sets, P pat
   emu_run(grid, block, [&] { f(pats, pred, val, m0, c0, a0, shared0, m1, c1, a1, shared1, G, T, D, tb, nblk, out); });
 }
 
-extern "C" void ke_symbolise_emu(int grid, int block, int w, P pats, P pred, P pm, P pc, P pa, P pel, int shared,
-                                 P escape, int width, int sign, int mb, int maxmag, int eoff, LL G, LL T, int D, LL tb,
-                                 LL nblk, LL gb, LL unit, int n_keys, void* keys, void* raw, void* hist,
+extern "C" void ke_symbolise_emu(int grid, int block, int w, int mag, P pats, P pred, P pm, P pc, P pa, P pel,
+                                 int shared, P escape, int width, int sign, int mb, int maxmag, int eoff, LL G, LL T,
+                                 int D, LL tb, LL nblk, LL gb, LL unit, int n_keys, void* keys, void* raw, void* hist,
                                  void* chunk_bits) {
   auto k = [&] {
-    auto f = w == 1 ? ke_symbolise<1> : ke_symbolise<2>;
+    auto f = w == 1 ? (mag ? ke_symbolise<1, true> : ke_symbolise<1, false>)
+                    : (mag ? ke_symbolise<2, true> : ke_symbolise<2, false>);
     f(pats, (const float*)pred, (const double*)pm, (const double*)pc, (const double*)pa, (const int*)pel, shared,
       (const kx_u8*)escape, width, sign, mb, maxmag, eoff, G, T, D, tb, nblk, gb, unit, n_keys, (kx_u16*)keys,
       (kx_u64*)raw, (kx_u64*)hist, (kx_u64*)chunk_bits);

@@ -39,8 +39,8 @@ static double location(int ex) {
   return (next_u64() & 1) ? -v : v;
 }
 
-// bins.locate, as the CPU computes it: (ep, centre, class).
-static void cpu_locate(double mu_v, int es, int level, int mb, int& ep, int& centre, int& cls) {
+// bins.locate, as the CPU computes it: (ep, centre, class); mag: the stream's "mag" flag.
+static void cpu_locate(double mu_v, int es, int level, int mb, int mag, int& ep, int& centre, int& cls) {
   const long long bits = __double_as_longlong(mu_v);
   const int ex = (int)((bits >> 52) & 0x7FF) - 1023;
   ep = min(es, KX_EP_MAX);
@@ -52,15 +52,16 @@ static void cpu_locate(double mu_v, int es, int level, int mb, int& ep, int& cen
   const long long neg = bits >> 63;
   centre = (int)(u ^ neg);
   double f = y - (double)u;
-  if (neg) f = f + (1.0 - 2.0 * f);
+  if (neg & (mag - 1)) f = f + (1.0 - 2.0 * f);
   const int lvl = level - 4 * max(ep, eu);
   const int fine = min(lvl, 15) - 12;
   const int coarse = KX_N_FINE + (11 - max(lvl, KX_LVL_LO)) * KX_N_FRAC + min((int)(long long)(f * KX_N_FRAC), KX_N_FRAC - 1);
   cls = lvl >= 12 ? fine : coarse;
 }
 
-// n random cases for grid mantissa bits mb; the number of cases where a kernel function's (ep, centre, class) differ.
-extern "C" long long kx_locate_mismatches(long long n, int mb, unsigned long long seed) {
+// n random cases for grid mantissa bits mb and "mag" flag mag; the number of cases where a kernel function's (ep,
+// centre, class) differ.
+extern "C" long long kx_locate_mismatches(long long n, int mb, unsigned long long seed, int mag) {
   kx_rng = seed | 1;
   long long bad = 0;
   for (long long i = 0; i < n; ++i) {
@@ -74,9 +75,14 @@ extern "C" long long kx_locate_mismatches(long long n, int mb, unsigned long lon
     if (ex < -1074) ex = -1074;
     const double mv = location(ex);
     int ep, c0, k0, e1, c1, k1, c2, k2;
-    cpu_locate(mv, es, level, mb, ep, c0, k0);
-    kx_locate(mv, es, level, mb, e1, c1, k1);
-    kx_locate_ep(mv, ep, level, mb, c2, k2);
+    cpu_locate(mv, es, level, mb, mag, ep, c0, k0);
+    if (mag) {
+      kx_locate<true>(mv, es, level, mb, e1, c1, k1);
+      kx_locate_ep<true>(mv, ep, level, mb, c2, k2);
+    } else {
+      kx_locate<false>(mv, es, level, mb, e1, c1, k1);
+      kx_locate_ep<false>(mv, ep, level, mb, c2, k2);
+    }
     bad += e1 != ep || c0 != c1 || k0 != k1 || c0 != c2 || k0 != k2;
   }
   return bad;
