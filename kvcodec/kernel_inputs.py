@@ -12,7 +12,9 @@ import numpy as np
 
 
 def readonly(a: np.ndarray) -> np.ndarray:
-    """A read-only view of ``a`` (no copy)."""
+    """``a`` read-only: itself when it already is, else a read-only view (no copy)."""
+    if not a.flags.writeable:
+        return a
     view = a.view()
     view.flags.writeable = False
     return view

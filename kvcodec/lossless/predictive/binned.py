@@ -556,13 +556,9 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     # read-only views: one compile whether the stream came as bytes or bytearray
     if rounds is None:
         rounds = np.array([0, cg0.size], np.int64)
-    kernel(_readonly(words), wstart, wlen, _readonly(bits), bstart, blen, cg0, cng, ct0, cnt, pred, has_pred,
+    kernel(readonly(words), wstart, wlen, readonly(bits), bstart, blen, cg0, cng, ct0, cnt, pred, has_pred,
            pred_g0, pred_t0, m, c, a, es, level, shared, compact, lanes, out, out_g0, out_t0, err, grid, rounds,
            chained)
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    return readonly(a) if a.flags.writeable else a
 
 
 @lru_cache(maxsize=None)

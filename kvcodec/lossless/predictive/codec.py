@@ -146,9 +146,7 @@ def _widened_crc32(fn, bits, block):
     s = 0
     while s < bits.size:
         n = min(block.size, bits.size - s)
-        src = bits[s:s + n]
-        for i in range(n):
-            block[i] = np.uint32(src[i]) << 16
+        _widen_bf16(bits[s:s + n], block[:n])
         crc = fn(crc, block.ctypes.data, 4 * n)
         s += n
     return crc

@@ -681,7 +681,7 @@ def decode(ps: Parsed2, grid: BinGrid, select, out: np.ndarray, out_t0: int, pre
         else:
             part = select
         cols = tuple(x[part] for x in cols)
-    cg0, cng, ct0, cnt = (readonly(x) if x.flags.writeable else x for x in cols[:4])  # as chunk_layout's
+    cg0, cng, ct0, cnt = (readonly(x) for x in cols[:4])  # as chunk_layout's
     wstart, wlen, bstart, blen = cols[4:]
     err = np.zeros(n, np.int32)
     rounds = None
