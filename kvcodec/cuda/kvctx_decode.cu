@@ -63,10 +63,6 @@ struct KxGrid {
   double inv_unit;  // 2**-eoff
 };
 
-#ifndef __CUDACC__  // the g++ emulation (tests/cuda_emulation): one rounding, as on the device
-static inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
-#endif
-
 __device__ __forceinline__ double kx_pow2(int e) {  // exact 2**e for -1022 <= e <= 1023
   return __longlong_as_double((long long)(e + 1023) << 52);
 }
@@ -186,6 +182,13 @@ __device__ __forceinline__ void kx_locate_ep(double mv, int ep, int level, int m
   const int e = max(((hw >> 20) & 0x7FF) - 1023 - mb, ep);  // max(ep, eu) (ep >= 0)
   const double p2 = __hiloint2double(0x3FF00000 - (e << 20), 0);  // 2**-e
   kx_locate_tail<MAG>(__fma_rn(fabs(mv), p2, (double)((e << mb) - (ep << mb))), hw, level - 4 * e, centre, cls);
+}
+
+// bins.magnitude_symbol: a coded symbol counted by magnitude (mirrored when the centre bin is negative; ESC
+// as it is) under a "mag" stream's flag, and the inverse mapping too (it is its own inverse). Also the encoder's.
+template <bool MAG>
+__device__ __forceinline__ int kx_magnitude_symbol(int sym, int centre) {
+  return MAG && centre < 0 && sym != KX_ESC ? 254 - sym : sym;
 }
 
 // bins.value_of: the value of a finite pattern, built from its fields: mant * 2**(eoff + max(ef, 1) - 1) as a
@@ -512,7 +515,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         // 3. raw bits: every value's field from its symbol (unary values: depth 0 for now) and its bit count
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
-          if (MAG && centre[r] < 0 && sym[r] != KX_ESC) sym[r] = 254 - sym[r];  // bins.magnitude_symbol
+          sym[r] = kx_magnitude_symbol<MAG>(sym[r], centre[r]);
           const int j = centre[r] + sym[r] - KX_CENTRE;
           neg[r] = j >> 31;
           fd[r] = kx_known_field(sym[r], ep[r], j ^ neg[r], gr.mb, gr.width, unary[r]);

@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(256)
       kx_u32 code;
       int nb;
       int sym = ke_encode_value(pat, ep, centre, gr, escape, code, nb);
-      if (MAG && centre < 0 && sym != KX_ESC) sym = 254 - sym;  // bins.magnitude_symbol
+      sym = kx_magnitude_symbol<MAG>(sym, centre);
       key = ((unsigned)cls << 8) | (unsigned)sym;
       keys[i] = (kx_u16)key;
       raw[i] = ((kx_u64)code << 8) | (kx_u64)nb;
