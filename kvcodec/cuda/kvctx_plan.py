@@ -11,9 +11,9 @@ statuses.
 
 A first decode's host time before the kernel's launch is a count of small steps (~0.01-0.05 ms each: a
 torch or CuPy call, a copy), so the host writes every input of these launches and of the decode kernel
-into one staged buffer (:func:`stage`: ``transfer.Staging``), uploads it in one copy and hands the kernels
-addresses inside it (:class:`DeviceInputs`), not tensors: 2 launches and 2 allocations before the decode
-kernel's own.
+into one staged buffer (``kvctx_device.plan`` with :func:`pieces` and :func:`stage_parts`:
+``transfer.Staging``), uploads it in one copy and hands the kernels addresses inside it
+(:class:`DeviceInputs`), not tensors: 2 launches and 2 allocations before the decode kernel's own.
 """
 
 from __future__ import annotations
@@ -93,30 +93,13 @@ def stage_parts(st, parts) -> int:
     np.cumsum(count, out=pdesc[:, 2])
     pdesc[:, 2] -= count
     pdesc[:, 3] = count
-    order, blocks = _part_order(count, cuda_rans.WARPS)
-    st.view("order", np.int32)[:] = order
+    blocks = cuda_rans._grouped_blocks((len(count),), cuda_rans.WARPS)[1]  # one table's blocks, cached per count
+    st.view("order", np.int32)[:] = np.argsort(-count, kind="stable")
     st.view("blocks", np.int32, (-1, 4))[:] = blocks
     # (offset, mode, precision, lo, shared-memory words, aux, symbol bytes, 0): rans.Table's descriptor
     st.view("tdesc", np.int64)[:] = (0, 0, FIELD_PRECISION, 0, TABLE_SLOTS, 0, 1, 0)
     st.view("ptable", np.uint32)[:] = decode_tables(parts.freqs[None])
     return len(blocks)
-
-
-_part_orders: dict = {}
-
-
-def _part_order(count: np.ndarray, warps: int) -> tuple[np.ndarray, np.ndarray]:
-    """(launch order: biggest parts first, blocks of ``warps`` parts of the one table) of parts of ``count``
-    symbols; kept per count list (a part count and field size give the same list for every stream of
-    that shape; with the pdesc fill, 0.033 -> 0.006 ms of a first decode's host time on a 2-core dev host)."""
-    key = (count.tobytes(), warps)
-    got = _part_orders.get(key)
-    if got is None:
-        if len(_part_orders) >= 64:
-            _part_orders.clear()
-        got = _part_orders[key] = (np.argsort(-count, kind="stable").astype(np.int32),
-                                   cuda_rans._blocks(np.zeros(len(count), np.int64), warps))
-    return got
 
 
 def decode_field_parts(base: int, offsets: dict, n_blocks: int, parts, model: int, copy: int, out: int,

@@ -358,12 +358,12 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
         meta = header["meta"]
     dtype = dtype_from_name(meta["dtype"])
     check_output(numel(meta["shape"]) * dtype.itemsize, max_output_bytes, "tensor blob")
-    if entry is None and not _gpu_decodable(header):
-        return None
-    if entry is None:
-        secs, gaps = device_container.sections(blob, header, header_end)
-    else:
+    if entry is not None:
         secs, gaps = device_container.bound(entry["sections"], blob)
+    elif not _gpu_decodable(header):
+        return None
+    else:
+        secs, gaps = device_container.sections(blob, header, header_end)
     reuse = entry if entry is not None else {} if header_crc is not None else None  # filled for the next decode
     planned = None
     if meta["codec"] != "planes":  # kvctx / predictive: a prediction only for a predictive blob coded with one

@@ -331,8 +331,9 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     spare = n_plane_bytes if n_plane_bytes > format2.MODEL_PART_BYTES else 0
     desc, cap = _chunk_descriptors(layout, tt, d)
     chunks_d = upload([desc], dev)[0].view(-1, 4)
+    grid = grid_constants(bdtype)  # (width, sign, mb, maxmag, eoff)
     keys, raw, hist, chunk_bits = ke.symbolise(pats, pred, margs, choices == (True,), _escape_table(bdtype, dev),
-                                               grid_constants(bdtype), (g, tt, d), tb, gb, unit, n_chunks, N_KEYS,
+                                               grid, (g, tt, d), tb, gb, unit, n_chunks, N_KEYS,
                                                spare, runner, mag)
     planes, stats = kfit.field_planes(values, source)  # after the symbolise launch: off its critical path
     phist = kfit.plane_histograms(planes, d, runner)
@@ -346,7 +347,7 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     # 3. the raw bits on the side stream right after symbolise, beside the first wait, the host's table work
     # and the rANS kernel; into room for the most raw bits a value can have (bins: a raw code is at most the
     # pattern or mb + DEPTH_MAX bits): their total is known on the host only after the wait
-    most = max(grid_constants(bdtype)[0], grid_constants(bdtype)[2] + DEPTH_MAX)
+    most = max(grid[0], grid[2] + DEPTH_MAX)
     with side.after():
         chunk_words = (chunk_bits + 31) >> 5
         n_bad = torch.zeros(1, dtype=torch.int64, device=dev)
