@@ -18,6 +18,7 @@ from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import kvctx_device
 from kvcodec.lossless import kvctx_device_encode as kde
 from kvcodec.lossless.predictive import codec as pc
+from test_kvctx_device import same_bits
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]  # e4m3: a specialised decoder; e5m2: the generic one
 
@@ -28,10 +29,6 @@ def _with_specials(x: torch.Tensor, gen: torch.Generator, share: float) -> torch
     hit = torch.rand(bits.numel(), generator=gen) < share
     bits[hit] = torch.randint(0, 256, (int(hit.sum()),), generator=gen, dtype=torch.uint8)
     return bits.view(x.dtype).reshape(x.shape)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -49,9 +46,9 @@ def test_flagged_streams_round_trip(dtype, source, g, t, d, scale, noise, specia
     # the default sets the flag for fp8 with a prediction; the others are forced (not their default)
     meta, sections = pc.encode_tensor(x, pred, source, 1, version=2, mag=None if source == "external" else True)
     assert meta.get("mag") == 1
-    assert _same(pc.decode_tensor(meta, sections, pred, 1), x)
+    assert same_bits(pc.decode_tensor(meta, sections, pred, 1), x)
     if t > 2:
-        assert _same(pc.decode_tensor(meta, sections, pred, 1, tokens=(1, t - 1)), x[:, 1:t - 1])
+        assert same_bits(pc.decode_tensor(meta, sections, pred, 1, tokens=(1, t - 1)), x[:, 1:t - 1])
 
 
 def test_flag_set_where_it_pays_and_in_the_blob():
@@ -63,7 +60,7 @@ def test_flag_set_where_it_pays_and_in_the_blob():
     assert not pc.magnitude_symbols(torch.float8_e4m3fn, "none")
     blob = kvcodec.compress(x, prediction=p, version=2)
     assert container.loads(blob)[1]["codec_meta"]["mag"] == 1
-    assert _same(kvcodec.decompress(blob, prediction=p), x)
+    assert same_bits(kvcodec.decompress(blob, prediction=p), x)
     assert "mag" not in container.loads(kvcodec.compress(x, layout="kv"))[1]["codec_meta"]
 
 
@@ -102,7 +99,7 @@ def _old_inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_streams_without_the_flag_decode_as_before():
     x, p = _old_inputs()
-    assert _same(kvcodec.decompress(OLD_BLOB, prediction=p), x)
+    assert same_bits(kvcodec.decompress(OLD_BLOB, prediction=p), x)
     kind, meta, sections = container.loads(OLD_BLOB)
     assert "mag" not in meta["codec_meta"]
     # the flag forced off writes those bytes again; set, the stream differs and decodes too
@@ -110,7 +107,7 @@ def test_streams_without_the_flag_decode_as_before():
     assert meta0 == meta["codec_meta"]
     assert all(np.array_equal(np.asarray(sections[k]), sec0[k]) for k in sec0)
     meta1, sec1 = pc.encode_tensor(x, p, "external", 1, version=2)
-    assert meta1["mag"] == 1 and _same(pc.decode_tensor(meta1, sec1, p, 1), x)
+    assert meta1["mag"] == 1 and same_bits(pc.decode_tensor(meta1, sec1, p, 1), x)
 
 
 @pytest.mark.parametrize("forged", [2, -1, True, False, 1.0, "1", None, [1]])
