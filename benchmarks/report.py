@@ -2,7 +2,7 @@
 
     python benchmarks/report.py                    # REPORT.md from benchmarks/results/*.json
     python benchmarks/report.py --demo             # first run `kvcodec demo` and save demo.json
-    python benchmarks/report.py --readme           # also refresh README.md's results region
+    python benchmarks/report.py --readme FILE      # also refresh FILE's results region (its markers)
     python benchmarks/report.py --results DIR      # another results folder
 
 Every table is generated from the JSON (never typed by hand), with the machine and date that
@@ -380,8 +380,8 @@ def build(results_dir: str | Path = "benchmarks/results", readme: str | Path | N
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="folder of suite JSON files")
-    parser.add_argument("--readme", nargs="?", const=str(ROOT / "README.md"), default=None,
-                        help="also replace the results region of this README (default: the repository's)")
+    parser.add_argument("--readme", default=None, metavar="PATH",
+                        help="also replace the results region (between the results markers) of this markdown file")
     parser.add_argument("--demo", action="store_true", help="run `kvcodec demo` first and save demo.json")
     parser.add_argument("--quick", action="store_true", help="with --demo: the quick demo")
     args = parser.parse_args(argv)

@@ -1,12 +1,13 @@
 """The README's tour runs as written, and what it says about the window is what the cache does."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvcodec.data import load_kv_sample
 from kvcodec.hf import CompressedCache
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -34,20 +35,30 @@ def test_a_prompt_shorter_than_the_window_compresses_nothing(prompt, compressed)
     assert (report["compressed_keys"] > 0) == compressed
 
 
-def test_the_tour_runs_as_written(tmp_path, monkeypatch):
-    """The python block of "A tour", with real SmolLM2 keys/queries from the shipped sample
-    (GQA: 9 query heads, 3 KV heads) and a small random model for the cache."""
-    tour = README.read_text().split("## A tour", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    sample = load_kv_sample()
-    monkeypatch.chdir(tmp_path)  # the tour saves prefix.kvc in the working folder
-    names = {
-        "keys": sample.keys[:2],                 # [2, 3, 256, 64] bf16: [B, Hkv, T, D]
-        "keys_fp8": sample.keys_fp8pred[:2],
-        "queries": sample.queries[:2].float(),   # [2, 9, 64, 64]: [B, Hq, Q, D]
-        "model": _tiny_model(),
-        "ids": torch.randint(1, 64, (1, 300)),
-    }
-    exec(compile(tour, "README.md (A tour)", "exec"), names)
-    assert names["scores"].shape == (2, 9, 64, 256)
-    assert torch.equal(names["keys_again"].view(torch.int16), sample.keys[:2].view(torch.int16))
-    assert names["out"].shape == (1, 364) and (tmp_path / "prefix.kvc").is_file()
+def _tour_blocks() -> list[str]:
+    tour = README.read_text().split("\n## Tour\n", 1)[1].split("\n## ", 1)[0]
+    return [part.split("```", 1)[0] for part in tour.split("```python\n")[1:]]
+
+
+def test_the_tour_runs_as_written(tmp_path):
+    """Every python block of "Tour" runs in a fresh interpreter, each with only its own names."""
+    blocks = _tour_blocks()
+    assert len(blocks) >= 4
+    runner = tmp_path / "run_tour.py"
+    runner.write_text(
+        "import sys\n"
+        f"blocks = {blocks!r}\n"
+        "for i, block in enumerate(blocks):\n"
+        "    exec(compile(block, f'README.md (Tour block {i + 1})', 'exec'), {'__name__': '__main__'})\n"
+        "print('tour ok')\n")
+    done = subprocess.run([sys.executable, str(runner)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "tour ok" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    assert (tmp_path / "prefix.kvc").is_file()
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    """The README's test command is a line of .ci/run, character for character."""
+    commands = [line for line in README.read_text().splitlines() if "python -m pytest -q" in line and line.startswith("pip ")]
+    assert len(commands) == 1
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert commands[0] in ci
