@@ -5,10 +5,14 @@ Subpackages: ``entropy`` (lossless coders), ``quant`` (vector quantizers for KV)
 cache plug-in). ``kvcodec.compress`` / ``kvcodec.decompress`` are the lossless front door.
 """
 
-from kvcodec.errors import CorruptStreamError
+from kvcodec import _numba_cache
+
+_numba_cache.configure()  # before any submodule imports numba: see kvcodec._numba_cache
+
+from kvcodec.errors import CorruptStreamError, WriteRefusedError  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["CorruptStreamError", "compress", "decompress", "__version__"]
+__all__ = ["CorruptStreamError", "WriteRefusedError", "compress", "decompress", "__version__"]
 
 
 def compress(tensor, prediction=None, **options):

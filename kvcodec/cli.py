@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,48 +49,24 @@ def _size(n: float) -> str:
     raise AssertionError
 
 
-def _check_output(src: Path, dst: Path, force: bool) -> None:
-    """Refuse to write over the input, a folder, or (without ``force``) any existing file."""
-    if dst.exists() or dst.is_symlink():
-        if src.exists() and dst.exists() and os.path.samefile(src, dst):
-            raise CliError(f"refusing to write {dst}: it is the input file {src}; choose another output name")
-        if dst.is_dir():
-            raise CliError(f"cannot write {dst}: it is a folder")
-        if not force:
-            raise CliError(f"{dst} already exists; pass --force to overwrite it")
-    if not dst.parent.is_dir():
-        raise CliError(f"cannot write {dst}: folder {dst.parent} does not exist")
-
-
 @contextlib.contextmanager
-def atomic_output(dst: Path, force: bool):
-    """Yield a temporary path beside ``dst``; rename it onto ``dst`` when the block succeeds,
-    delete it otherwise. Write errors are re-raised as CliError naming ``dst``."""
+def _writing(src: Path, dst: Path, force: bool):
+    """Check ``dst`` by kvcodec.safe_write's rules now (before any work), and turn its refusals and
+    write errors inside the block into one-line CliErrors naming ``dst``."""
+    from kvcodec.errors import WriteRefusedError
+    from kvcodec.safe_write import check_target
+
     try:
-        fd, name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+        check_target(dst, overwrite=force, inputs=(src,))
+        yield
+    except WriteRefusedError as exc:
+        if exc.reason == "exists":
+            raise CliError(f"{dst} already exists; pass --force to overwrite it") from None
+        raise CliError(str(exc)) from None
     except OSError as exc:
+        if exc.filename != str(dst):
+            raise  # an error about another file (the input): its own message names it
         raise CliError(f"cannot write {dst}: {exc.strerror or exc}") from None
-    os.close(fd)
-    tmp = Path(name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result gets a normal file's mode
-    try:
-        try:
-            yield tmp
-        except OSError as exc:
-            if exc.filename is not None and not str(exc.filename).startswith(str(tmp)):
-                raise  # an error about another file (the input): its own message names it
-            raise CliError(f"cannot write {dst}: {exc.strerror or exc}") from None
-        if not force and dst.exists():
-            raise CliError(f"{dst} appeared while writing; pass --force to overwrite it")
-        try:
-            os.replace(tmp, dst)
-        except OSError as exc:
-            raise CliError(f"cannot write {dst}: {exc.strerror or exc}") from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
 
 
 def _summary(verb: str, src: Path, dst: Path, n_in: int, n_out: int, raw: int, seconds: float, extra: str = "") -> str:
@@ -133,10 +108,9 @@ def _cmd_compress(args: argparse.Namespace) -> int:
     with contextlib.suppress(CorruptStreamError):
         fmt = identify(src)
         raise CliError(f"{src} is already a kvcodec file: {fmt.description}")
-    _check_output(src, dst, args.force)
     t0 = time.perf_counter()
-    with atomic_output(dst, args.force) as tmp:
-        info = compress_file(src, tmp, threads=args.threads, progress=not args.quiet)
+    with _writing(src, dst, args.force):
+        info = compress_file(src, dst, threads=args.threads, progress=not args.quiet, overwrite=args.force)
     seconds = time.perf_counter() - t0
     if not args.quiet:
         print(_summary("compressed", src, dst, info["source_bytes"], info["compressed_bytes"],
@@ -153,11 +127,10 @@ def _cmd_decompress(args: argparse.Namespace) -> int:
     if fmt.key != "kvc":
         raise CliError(f"{src} is a {fmt.description}; 'kvcodec decompress' restores .kvc files made by "
                        "'kvcodec compress' ('kvcodec inspect' shows what this file holds)")
-    _check_output(src, dst, args.force)
     t0 = time.perf_counter()
-    with atomic_output(dst, args.force) as tmp:
-        info = decompress_file(src, tmp, threads=args.threads, progress=not args.quiet,
-                               max_output_bytes=args.max_output)
+    with _writing(src, dst, args.force):
+        info = decompress_file(src, dst, threads=args.threads, progress=not args.quiet,
+                               max_output_bytes=args.max_output, overwrite=args.force)
     seconds = time.perf_counter() - t0
     if not args.quiet:
         print(_summary("restored", src, dst, src.stat().st_size, info["bytes"], info["bytes"], seconds))
@@ -180,18 +153,44 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_max_output(p: argparse.ArgumentParser) -> None:
-    from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, parse_size
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is reported in one line (exit 2), without the usage block."""
 
-    p.add_argument("--max-output", type=parse_size, default=DEFAULT_MAX_OUTPUT_BYTES, metavar="SIZE",
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see '{self.prog} --help')\n")
+
+
+def _threads(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (all cores) or a positive number of threads, got {text!r}")
+    return n
+
+
+def _size_arg(text: str) -> int:
+    from kvcodec.validate import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_max_output(p: argparse.ArgumentParser) -> None:
+    from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
+
+    p.add_argument("--max-output", type=_size_arg, default=DEFAULT_MAX_OUTPUT_BYTES, metavar="SIZE",
                    help="refuse files that restore to more than SIZE bytes (default 4G; e.g. 64G for a "
                         "big model you trust): a tiny hostile file could otherwise fill the disk")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcodec", description=DESCRIPTION)
+    parser = _Parser(prog="kvcodec", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"kvcodec {version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("demo", help="compress the real SmolLM2 KV sample that ships with kvcodec, with every codec")
     p.add_argument("--quick", action="store_true", help="two layers only (used by the tests)")
@@ -214,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("input")
         p.add_argument("output")
         p.add_argument("--force", action="store_true", help="overwrite the output if it exists (never the input)")
-        p.add_argument("--threads", type=int, default=0, help="threads to use (default 0: all cores)")
+        p.add_argument("--threads", type=_threads, default=0, help="threads to use (default 0: all cores)")
         p.add_argument("--quiet", action="store_true", help="print nothing on success (no progress bar, no summary)")
         if name == "decompress":
             _add_max_output(p)
@@ -225,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--verify", action="store_true",
                    help="check every checksum (decoding every record); exit 2 if anything is corrupt")
-    p.add_argument("--threads", type=int, default=0, help="threads for --verify (default 0: all cores)")
+    p.add_argument("--threads", type=_threads, default=0, help="threads for --verify (default 0: all cores)")
     _add_max_output(p)
     p.set_defaults(func=_cmd_inspect)
     return parser

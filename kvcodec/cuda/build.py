@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from kvcodec import safe_write
+
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
@@ -102,12 +104,6 @@ def cubin_key(text: str, name_expression: str, options: tuple[str, ...], compile
     return h.hexdigest()
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def compile_cubin(source: str, name_expression: str, arch: str, defines: tuple[str, ...] = ()) -> tuple[Path, str]:
     """NVRTC (CuPy's binding) straight to a cubin for ``arch`` with one template instance; returns
     (cubin path, the instance's mangled name). Cached in ``cubin_cache_dir`` by ``cubin_key``: the
@@ -133,8 +129,9 @@ def compile_cubin(source: str, name_expression: str, arch: str, defines: tuple[s
     finally:
         nvrtc.destroyProgram(prog)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_atomically(name_file, lowered.encode())
-    _write_atomically(cubin, data)
+    # content-addressed files: a concurrent compile writes the same bytes, so the last rename may win
+    safe_write.write_bytes(name_file, lowered.encode(), overwrite=True)
+    safe_write.write_bytes(cubin, data, overwrite=True)
     return cubin, lowered
 
 

@@ -121,7 +121,9 @@ class LosslessEncoding(NoSideData):
         return LosslessBlock(blobs, x.shape[-2], x.device)
 
     def decode(self, block: LosslessBlock) -> torch.Tensor:
-        rows = [lossless_api.decompress(blob) for blob in block.blobs]
+        # no per-row cap: the blobs are this encoder's output, or rows of a saved cache whose declared
+        # [1, H, length, D] kvcodec.hf.persist charged to load's max_output_bytes (None: no cap)
+        rows = [lossless_api.decompress(blob, max_output_bytes=None) for blob in block.blobs]
         return torch.cat([torch.as_tensor(r) for r in rows], dim=0).to(block.device)
 
     def scores(self, block: LosslessBlock, q: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvcodec import container, validate
+from kvcodec import container, safe_write, validate
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES as CAP
 from kvcodec.errors import CorruptStreamError
 from kvcodec.hf.storage import Block
@@ -44,11 +44,13 @@ def cache_to_bytes(cache) -> bytes:
     return container.dumps(CACHE_KIND, meta, layer_blobs)
 
 
-def save_cache(cache, path: str | os.PathLike) -> None:
-    data = cache_to_bytes(cache)
-    tmp = Path(f"{path}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def save_cache(cache, path: str | os.PathLike, overwrite: bool = False) -> None:
+    """Write :func:`cache_to_bytes` to ``path`` through :func:`kvcodec.safe_write.atomic_write`: the
+    old file or the whole new one, never a part; WriteRefusedError for a symlink, a hard-linked
+    file, or an existing file unless ``overwrite``."""
+    safe_write.check_target(path, overwrite=overwrite)  # refuse before the cache is serialized
+    with safe_write.atomic_write(path, overwrite=overwrite) as out:
+        out.write(cache_to_bytes(cache))
 
 
 def _layer_to_bytes(layer) -> bytes:

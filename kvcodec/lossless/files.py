@@ -44,7 +44,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from kvcodec import container, magics, validate
+from kvcodec import container, magics, safe_write, validate
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES as CAP
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import api, registry
@@ -221,31 +221,29 @@ def _compress_segment(seg: dict, buf: bytearray, codec: str, threads: int, opts:
 
 
 def compress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int = 0, progress: bool = True,
-                  codec: str = "auto", **opts) -> dict:
+                  codec: str = "auto", overwrite: bool = False, **opts) -> dict:
     """Compress a ``.safetensors`` file to ``dst`` (a ``.kvc`` file); returns a size summary.
 
     Raises CorruptStreamError if ``src`` is not a valid safetensors file. ``codec`` and ``opts``
-    go to :func:`kvcodec.lossless.api.compress` for every tensor.
+    go to :func:`kvcodec.lossless.api.compress` for every tensor. ``dst`` is written through
+    :func:`kvcodec.safe_write.atomic_write`: the old file or the whole new one, never a part;
+    WriteRefusedError if ``dst`` is ``src``, a symlink, a hard-linked file, or exists and
+    ``overwrite`` is False.
     """
     src, dst = Path(src), Path(dst)
     size = src.stat().st_size
     entries = []
-    tmp = dst.with_name(dst.name + ".partial")  # never a half-written dst, even if dst is src
-    try:
-        total = _compress_to(src, tmp, size, entries, threads, progress, codec, opts)
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with safe_write.atomic_write(dst, overwrite=overwrite, inputs=(src,)) as out:
+        total = _compress_to(src, out, size, entries, threads, progress, codec, opts)
     return {"source_bytes": size, "compressed_bytes": total, "ratio": size / total if total else 0.0,
             "tensors": sum(e["name"] is not None for e in entries)}
 
 
-def _compress_to(src: Path, dst: Path, size: int, entries: list, threads: int, progress: bool, codec: str,
+def _compress_to(src: Path, out, size: int, entries: list, threads: int, progress: bool, codec: str,
                  opts: dict) -> int:
     import zstandard
 
-    with open(src, "rb") as f, open(dst, "wb") as out:
+    with open(src, "rb") as f:
         st_header, header = _read_safetensors_header(f, size)
         data_start = len(st_header)
         segs = _segments(header, size - data_start)
@@ -548,20 +546,20 @@ def iter_tensors(path: str | os.PathLike, threads: int = 0,
 
 
 def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: int = 0, progress: bool = True,
-                    max_output_bytes: int | None = CAP) -> dict:
+                    max_output_bytes: int | None = CAP, overwrite: bool = False) -> dict:
     """Restore the original safetensors file from a ``.kvc`` file, byte for byte (crc32-checked).
 
     ``max_output_bytes``: refuse (CorruptStreamError, before ``dst`` is touched) a file that would
     restore to more bytes than this; default ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES`` (4 GiB).
-    Raise it for bigger model files you trust (CLI: ``--max-output``).
+    Raise it for bigger model files you trust (CLI: ``--max-output``). ``dst`` is written as by
+    :func:`compress_file` (``overwrite``, WriteRefusedError).
     """
     src, dst = Path(src), Path(dst)
-    tmp = dst.with_name(dst.name + ".partial")
     with KvcFile(src) as kf:
         total = validate.check_output(kf.meta["source_bytes"], max_output_bytes, f"{src.name}")
-        bar = _progress(total, progress, f"decompress {src.name}")
-        try:
-            with open(tmp, "wb") as out:
+        with safe_write.atomic_write(dst, overwrite=overwrite, inputs=(src,)) as out:
+            bar = _progress(total, progress, f"decompress {src.name}")
+            try:
                 out.write(kf.st_header)
                 crc = container.crc32(kf.st_header)
                 pipe = _OrderedPipeline(threads)
@@ -585,14 +583,11 @@ def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: 
                     pipe.drain(emit)
                 finally:
                     pipe.close()
-            if crc != kf.meta["source_crc32"]:
-                raise CorruptStreamError("restored file fails the source checksum")
-            os.replace(tmp, dst)
-        finally:
-            if bar is not None:
-                bar.close()
-            if tmp.exists():
-                tmp.unlink()
+                if crc != kf.meta["source_crc32"]:
+                    raise CorruptStreamError("restored file fails the source checksum")
+            finally:
+                if bar is not None:
+                    bar.close()
     return {"bytes": total}
 
 

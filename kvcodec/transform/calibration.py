@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvcodec import container
+from kvcodec import container, safe_write
 from kvcodec.errors import CorruptStreamError
 from kvcodec.transform.rope import RoPE
 
@@ -137,12 +136,10 @@ class Calibration:
     def to_bytes(self) -> bytes:
         return container.dumps(KIND, self.meta(), self.arrays())
 
-    def save(self, path) -> None:
-        """Write the calibration file (a temporary file renamed over ``path``: no half-written file)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_bytes(self.to_bytes())
-        os.replace(tmp, path)
+    def save(self, path, *, overwrite: bool = False) -> None:
+        """Write the calibration file through :func:`kvcodec.safe_write.atomic_write` (never a
+        half-written file); WriteRefusedError for an existing file unless ``overwrite``."""
+        safe_write.write_bytes(path, self.to_bytes(), overwrite=overwrite)
 
     @classmethod
     def from_bytes(cls, blob) -> "Calibration":

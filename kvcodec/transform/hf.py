@@ -11,11 +11,11 @@ CompressedCache re-compresses them with its own options.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
+from kvcodec import safe_write
 from kvcodec.transform.calibration import Calibration
 from kvcodec.transform.codec import decode, encode
 
@@ -81,15 +81,13 @@ def decode_cache(blob, calib: Calibration, *, device="cpu", config=None, cache=N
     return cache
 
 
-def save_cache(cache, path, calib: Calibration, bits: float | None = None, **options) -> int:
-    """Write ``encode_cache(cache, calib, bits, **options)`` to ``path`` (a temporary file renamed
-    over it: never a half-written file); returns the bytes written."""
-    blob = encode_cache(cache, calib, bits, **options)
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_bytes(blob)
-    os.replace(tmp, path)
-    return len(blob)
+def save_cache(cache, path, calib: Calibration, bits: float | None = None, *, overwrite: bool = False,
+               **options) -> int:
+    """Write ``encode_cache(cache, calib, bits, **options)`` to ``path`` through
+    :func:`kvcodec.safe_write.atomic_write` (never a half-written file; WriteRefusedError for an
+    existing file unless ``overwrite``); returns the bytes written."""
+    safe_write.check_target(path, overwrite=overwrite)  # refuse before the cache is encoded
+    return safe_write.write_bytes(path, encode_cache(cache, calib, bits, **options), overwrite=overwrite)
 
 
 def load_cache(path, calib: Calibration, **options):
