@@ -5,15 +5,11 @@ Usage, one line once the model is enabled::
     cache = CompressedCache(model, method="turboquant", key_bits=4, value_bits=3)
     model.generate(ids, past_key_values=cache)
 
-Passing the model (not only its config) lets forwards that receive this cache attend on its
-compressed form (``kvcodec.hf.binding``: the model itself is left as it was). Built from a config
-alone, the cache still works with any attention implementation, but ``update`` has to return
-dequantized K/V for the whole history every step (slow, like HF's QuantizedCache): kvcodec warns once.
-
-Every layer kind transformers' own ``DynamicCache`` builds for the model is kept: full-attention
-layers are compressed; sliding-window and chunked layers keep transformers' window layer (exact, at
-most the window's tokens, so compressing them saves little); linear-attention, SSM and conv states
-pass through untouched. A model with no full-attention layer is refused when the cache is built.
+Passing the model (not only its config) installs the kvcodec attention function and the
+pre-hooks that let it read this cache (``kvcodec.hf.attention.enable``); attention then scores the
+compressed blocks directly. With any other attention implementation the cache still works, but
+``update`` has to return dequantized K/V for the whole history every step (slow, like HF's
+QuantizedCache): kvcodec warns once.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from transformers.cache_utils import Cache
 
 from kvcodec.hf.attention import AttentionOptions, enable
 from kvcodec.hf.layer import CompressedLayer
-from kvcodec.hf.methods import _text_config, build_spec
+from kvcodec.hf.methods import build_spec
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
 
 
@@ -40,60 +36,7 @@ def _static_mode():
     return _STATIC_MODE[0]  # registered when the package kvcodec.hf is imported (its __init__)
 
 
-def exact_memory(layer) -> dict:
-    """Bytes of the tensors an uncompressed (transformers) cache layer holds."""
-    total = 0
-    for value in vars(layer).values():
-        tensors = value if isinstance(value, (list, tuple)) else [value]
-        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    seq = layer.get_seq_length() if hasattr(layer, "get_seq_length") else 0
-    return {"tokens": int(seq), "exact": total, "total": total}
-
-
-class KvcodecCache(Cache):
-    """What every kvcodec cache shares with the binding (``kvcodec.hf.binding``): the attention
-    implementation its forwards switch to, and the hand-off of new tokens to it."""
-
-    attention_name = "kvcodec"
-
-    def compressed_layers(self) -> list:
-        return [layer for layer in self.layers if getattr(layer, "compressed", False)]
-
-    def bind(self, on: bool) -> None:
-        """Called at the start (True) and end (False) of a forward that received this cache."""
-        for layer in self.compressed_layers():
-            layer.bound = on
-
-    def check_attended(self, completed: bool = True) -> None:
-        """After a bound forward: every compressed layer's new tokens were attended by kvcodec. A layer
-        whose attention bypassed the attention interface saw only its new tokens: refuse loudly."""
-        missed = [layer.layer_idx for layer in self.compressed_layers() if getattr(layer, "pending", 0)]
-        for layer in self.compressed_layers():
-            if getattr(layer, "pending", 0):
-                layer.finish_step()
-        if missed and completed:
-            raise RuntimeError(f"layers {missed} of this model did not attend through transformers' attention "
-                               "interface, so kvcodec cannot serve them; build the cache from the config instead "
-                               "(CompressedCache(model.config, ...): slower, decodes the history every step)")
-
-
-def cache_layers(config, make_compressed) -> list:
-    """The layers transformers' ``DynamicCache`` builds for ``config``, each full-attention one replaced
-    by ``make_compressed(layer_idx)``. ValueError when the model has no full-attention layer."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    n_layers = int(_text_config(config).num_hidden_layers)
-    template = DynamicCache(config=config).layers or [DynamicLayer() for _ in range(n_layers)]
-    layers = [make_compressed(i) if type(layer) is DynamicLayer else layer for i, layer in enumerate(template)]
-    if not any(getattr(layer, "compressed", False) for layer in layers):
-        kinds = sorted({type(layer).__name__ for layer in template})
-        raise ValueError(f"{type(_text_config(config)).__name__} has no full-attention layer to compress "
-                         f"(its cache layers: {', '.join(kinds)})")
-    return layers
-
-
-class CompressedCache(KvcodecCache):
+class CompressedCache(Cache):
     """A Hugging Face cache that keeps K/V compressed (TurboQuant, QJL, KIVI, lossless or none).
 
     Args:
@@ -176,20 +119,18 @@ class CompressedCache(KvcodecCache):
             calibration=calibration,
         )
         self.attention_options = attention or AttentionOptions()
-        super().__init__(layers=cache_layers(config, lambda i: CompressedLayer(self.spec, i, self.attention_options)))
+        layers = [CompressedLayer(self.spec, i, self.attention_options) for i in range(self.spec.num_layers)]
+        super().__init__(layers=layers)
         if model is not None:
             enable(model)
 
     def nbytes(self) -> int:
-        """Bytes actually held: compressed blocks, full-precision sink and window, side data, and the
-        uncompressed layers' tensors (sliding windows, linear-attention states)."""
-        return sum(row["total"] for row in self.memory_report())
+        """Bytes actually held: compressed blocks, full-precision sink and window, side data."""
+        return sum(layer.memory()["total"] for layer in self.layers)
 
     def memory_report(self) -> list[dict]:
-        """Per-layer bytes by part (sink, window, compressed keys/values, side data) and tokens;
-        uncompressed layers report their tensors as ``exact``."""
-        return [{"layer": i, **(layer.memory() if getattr(layer, "compressed", False) else exact_memory(layer))}
-                for i, layer in enumerate(self.layers)]
+        """Per-layer bytes by part (sink, window, compressed keys/values, side data) and tokens."""
+        return [{"layer": i, **layer.memory()} for i, layer in enumerate(self.layers)]
 
     def save(self, path, *, transform=None, overwrite: bool = False, **options) -> None:
         """Write the cache (compressed as held) to ``path``; reload with :meth:`load`. ``transform``: a
