@@ -108,11 +108,11 @@ def test_kvcodec_does_not_need_lmcache():
 
 
 def test_fs_lossless_bit_exact_and_slot_sized(tmp_path, chunk):
-    store, base = fs_store(tmp_path, {"type": "kvcodec_lossless"})
+    store, base = fs_store(tmp_path, {"type": "kvcodec_lossless", "slot_ratio": 1.4})
     try:
         key = store.put(chunk, lambda: files_in(base))
         stored = files_in(base)[0].stat().st_size
-        assert stored == kvlm.FRAME.size + math.ceil(chunk.nbytes / kvlm.DEFAULT_SLOT_RATIO)
+        assert stored == kvlm.FRAME.size + math.ceil(chunk.nbytes / 1.4)
         back = store.get(key, chunk)
     finally:
         store.close()
@@ -151,7 +151,8 @@ def test_fs_turboquant_states_its_error(tmp_path, sample, chunk):
     assert bit_equal(back[:, :, :1], chunk[:, :, :1])  # exact_tokens=1: the attention sink
 
 
-@pytest.mark.parametrize("serde", [{"type": "kvcodec_lossless"}, {"type": "kvcodec_turboquant", "head_dim": 64}])
+@pytest.mark.parametrize("serde", [{"type": "kvcodec_lossless", "slot_ratio": 1.4},
+                                   {"type": "kvcodec_turboquant", "head_dim": 64}])
 def test_fs_corrupted_object_is_a_miss(tmp_path, chunk, serde):
     store, base = fs_store(tmp_path, serde)
     try:
@@ -199,8 +200,8 @@ def test_frame_rejects_every_damage():
     for pos in list(range(kvlm.FRAME.size)) + [kvlm.FRAME.size, kvlm.FRAME.size + len(payload) - 1]:
         bad = buf.clone()
         bad[pos] ^= 0x01
-        if 20 <= pos < kvlm.FRAME.size:  # unused header bytes
-            continue
+        if 16 <= pos < 20:  # the reserved u16 is covered by the crc32 (bytes 0-15): check 16-19 too
+            pass
         with pytest.raises(CorruptStreamError):
             kvlm.read_frame(bad, kvlm.LOSSLESS)
     with pytest.raises(CorruptStreamError):
@@ -318,7 +319,8 @@ def redis_server(tmp_path):
 
 def test_resp_lossless_round_trip_and_corruption_miss(redis_server, chunk):
     port, client = redis_server
-    store = Store({"type": "resp", "host": "127.0.0.1", "port": port, "serde": {"type": "kvcodec_lossless"}})
+    store = Store({"type": "resp", "host": "127.0.0.1", "port": port,
+                   "serde": {"type": "kvcodec_lossless", "slot_ratio": 1.4}})
     try:
         key = store.put(chunk, lambda: client.dbsize() > 0)
         (name,) = client.keys("*")
@@ -331,3 +333,63 @@ def test_resp_lossless_round_trip_and_corruption_miss(redis_server, chunk):
         assert store.get(key, chunk) is None
     finally:
         store.close()
+
+
+# ------------------------------------------------------------------ key binding: a mix-up is a miss
+def mixup_serdes(calibration: str) -> list[dict]:
+    return [{"type": "kvcodec_lossless", "slot_ratio": 1.4},
+            {"type": "kvcodec_lossless", "codec": "kvctx", "slot_ratio": 1.4},
+            {"type": "kvcodec_turboquant", "head_dim": 64},
+            {"type": "kvcodec_transform", "calibration": calibration, "bits": 3.0}]
+
+
+def another_key(key: ObjectKey) -> ObjectKey:
+    return ObjectKey(chunk_hash=os.urandom(16), model_name=key.model_name, kv_rank=key.kv_rank)
+
+
+@pytest.mark.parametrize("which", range(4))
+def test_fs_object_copied_under_another_key_is_a_miss(tmp_path, chunk, transform_calibration, which):
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _object_key_to_filename
+
+    store, base = fs_store(tmp_path, mixup_serdes(transform_calibration)[which])
+    try:
+        key_a = store.put(chunk, lambda: files_in(base))
+        (path_a,) = files_in(base)
+        key_b = another_key(key_a)
+        shutil.copyfile(path_a, path_a.parent / _object_key_to_filename(key_b))
+        assert store.get(key_a, chunk) is not None  # the original still loads
+        assert store.get(key_b, chunk) is None  # a valid object under the wrong name: a miss
+        other = ObjectKey(chunk_hash=key_a.chunk_hash, model_name="another-model", kv_rank=key_a.kv_rank)
+        shutil.copyfile(path_a, path_a.parent / _object_key_to_filename(other))
+        assert store.get(other, chunk) is None  # same chunk hash, another model
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("which", range(4))
+def test_resp_object_copied_under_another_key_is_a_miss(redis_server, chunk, transform_calibration, which):
+    port, client = redis_server
+    store = Store({"type": "resp", "host": "127.0.0.1", "port": port, "serde": mixup_serdes(transform_calibration)[which]})
+    try:
+        key_a = store.put(chunk, lambda: client.dbsize() > 0)
+        (name_a,) = client.keys("*")
+        key_b = another_key(key_a)
+        a_hex, b_hex = key_a.chunk_hash.hex().encode(), key_b.chunk_hash.hex().encode()
+        assert a_hex in name_a, name_a  # the RESP adapter names objects by the chunk hash in hex
+        client.set(name_a.replace(a_hex, b_hex), client.get(name_a))
+        assert store.get(key_a, chunk) is not None
+        assert store.get(key_b, chunk) is None
+    finally:
+        store.close()
+
+
+def test_key_digest_covers_every_field_and_the_config():
+    key = ObjectKey(chunk_hash=b"\x01" * 16, model_name="m", kv_rank=3, object_group_id=1, cache_salt="s")
+    base = kvlm.key_digest(key, "c")
+    assert len(base) == kvlm.DIGEST_BYTES and base == kvlm.key_digest(key, "c")
+    for change in ({"chunk_hash": b"\x02" * 16}, {"model_name": "n"}, {"kv_rank": 4}, {"object_group_id": 2},
+                   {"cache_salt": "t"}):
+        assert kvlm.key_digest(ObjectKey(**{**key.__dict__, **change}), "c") != base, change
+    assert kvlm.key_digest(key, "d") != base
+    with pytest.raises(ValueError):
+        kvlm.key_digest("not a key", "c")

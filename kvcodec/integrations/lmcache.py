@@ -26,11 +26,17 @@ serde processor turns any exception into a failed load, i.e. a miss, never garba
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
+import os
 import struct
 import sys
-from dataclasses import dataclass, fields
+import threading
+import weakref
+from dataclasses import asdict, dataclass, fields, is_dataclass
+from statistics import NormalDist
 
 import numpy as np
 import torch
@@ -49,15 +55,38 @@ from kvcodec.quant import QuantizedTensor, TurboQuantMSE, TurboQuantOutlier
 
 log = logging.getLogger(__name__)
 
-MAGIC, VERSION = magics.LMCACHE_FRAME, 1
+MAGIC, VERSION = magics.LMCACHE_FRAME, 2
 LOSSLESS, TURBOQUANT, TRANSFORM = 1, 2, 3
-FRAME = struct.Struct("<4sBBHQI12x")  # magic, version, kind, reserved, payload bytes, crc32: 32 bytes
+# magic, version, kind, reserved, payload bytes, crc32, key digest: 32 bytes
+FRAME = struct.Struct("<4sBBHQI12s")
+DIGEST_BYTES = 12
 TQ_KIND = "kvcodec.lmcache.turboquant"
 HEADER_SLACK = 256
+SLOT_FIT = 0.999  #: share of chunks a "auto" lossless slot is chosen to fit
 
 
 class SlotOverflowError(ValueError):
     """A chunk's payload does not fit the fixed slot its serde allocated (the store is refused)."""
+
+
+class KeyMismatchError(CorruptStreamError):
+    """A valid object stored for another ObjectKey (or serde config) than the one being loaded:
+    LMCache counts it as a miss, like a damaged object."""
+
+
+def key_digest(key, config: str) -> bytes:
+    """12-byte BLAKE2b digest binding a stored object to its LMCache ``ObjectKey`` (every field:
+    model, chunk hash, kv_rank = the rank's layer/head slice, object group, cache salt) and to the
+    serde config that wrote it. ``key=None`` (offline use outside a storage manager) digests no key."""
+    if key is None:
+        fields_ = {}
+    elif is_dataclass(key):
+        fields_ = {f.name: getattr(key, f.name) for f in fields(key)}
+    else:
+        raise ValueError(f"expected an LMCache ObjectKey or None, got {type(key).__name__}")
+    canon = {k: (v.hex() if isinstance(v, (bytes, bytearray)) else v) for k, v in fields_.items()}
+    text = json.dumps({"key": canon, "serde": config}, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES, person=b"kvcodec-lmcache").digest()
 
 
 # -------------------------------------------------------------------------------- KV layout
@@ -94,16 +123,16 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def write_frame(dst: torch.Tensor, kind: int, payload) -> int:
+def write_frame(dst: torch.Tensor, kind: int, payload, digest: bytes = bytes(DIGEST_BYTES)) -> int:
     """Frame ``payload`` into ``dst`` and zero the rest of it; returns ``dst``'s size in bytes
-    (the slot: LMCache stores and later loads exactly that many bytes)."""
+    (the slot: LMCache stores and later loads exactly that many bytes). ``digest``: ``key_digest``."""
     body = np.frombuffer(payload, np.uint8)
     slot = dst.numel() * dst.element_size()
     if FRAME.size + body.size > slot:
         raise SlotOverflowError(f"payload of {body.size} bytes does not fit a {slot}-byte slot")
-    head = FRAME.pack(MAGIC, VERSION, kind, 0, body.size, 0)
+    head = FRAME.pack(MAGIC, VERSION, kind, 0, body.size, 0, digest)
     crc = container.crc32(body, container.crc32(head[:16]))
-    head = FRAME.pack(MAGIC, VERSION, kind, 0, body.size, crc)
+    head = FRAME.pack(MAGIC, VERSION, kind, 0, body.size, crc, digest)
     host = _bytes_of(dst) if dst.device.type == "cpu" else np.empty(slot, np.uint8)
     host[:FRAME.size] = np.frombuffer(head, np.uint8)
     host[FRAME.size:FRAME.size + body.size] = body
@@ -113,12 +142,13 @@ def write_frame(dst: torch.Tensor, kind: int, payload) -> int:
     return slot
 
 
-def read_frame(src: torch.Tensor, kind: int) -> np.ndarray:
-    """The payload (a view into ``src``) after checking magic, version, kind, length and crc32."""
+def read_frame(src: torch.Tensor, kind: int, digest: bytes = bytes(DIGEST_BYTES)) -> np.ndarray:
+    """The payload (a view into ``src``) after checking magic, version, kind, length, crc32 and the
+    key digest (``KeyMismatchError``: a valid object of another key or serde config)."""
     data = _bytes_of(src if src.device.type == "cpu" else src.cpu())
     if data.size < FRAME.size:
         raise CorruptStreamError(f"stored object of {data.size} bytes is shorter than its frame")
-    magic, version, got_kind, _, n, crc = FRAME.unpack(data[:FRAME.size].tobytes())
+    magic, version, got_kind, _, n, crc, got_digest = FRAME.unpack(data[:FRAME.size].tobytes())
     if magic != MAGIC:
         raise CorruptStreamError("stored object is not a kvcodec LMCache frame (bad magic)")
     if version != VERSION or got_kind != kind:
@@ -128,6 +158,8 @@ def read_frame(src: torch.Tensor, kind: int) -> np.ndarray:
     body = data[FRAME.size:FRAME.size + n]
     if container.crc32(body, container.crc32(data[:16])) != crc:
         raise CorruptStreamError("stored object fails its crc32")
+    if got_digest != digest:
+        raise KeyMismatchError("stored object was written for another key or serde config")
     return body
 
 
@@ -150,33 +182,181 @@ def _check_target(shape, dtype_name: str, out: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------ lossless
-class LosslessSerializer(Serializer):
-    """Bit-exact: ``kvcodec.compress`` of the chunk, in a slot of ``raw / slot_ratio`` bytes."""
+def choose_slot_ratio(ratios, fit: float = SLOT_FIT) -> float:
+    """The slot ratio (raw bytes / slot bytes) that a share ``fit`` of chunks is expected to fit,
+    from measured per-chunk ratios (raw / framed payload): the lower of the empirical
+    ``1 - fit`` quantile and a log-normal bound exp(mean - z * std) of the log ratios (with
+    few chunks the empirical quantile is just the minimum, which alone would promise too much),
+    floored to a multiple of 0.01 (servers that measured slightly different chunks then mostly
+    agree) and never below 1.0."""
+    r = np.asarray([float(x) for x in ratios], dtype=np.float64)
+    if r.size == 0 or not np.all(np.isfinite(r)) or np.any(r <= 0):
+        raise ValueError("choose_slot_ratio needs at least one finite positive ratio")
+    if not 0.5 <= fit < 1:
+        raise ValueError(f"fit must be in [0.5, 1), got {fit!r}")
+    logs = np.log(r)
+    z = NormalDist().inv_cdf(fit)
+    bound = math.exp(float(logs.mean() - z * (logs.std(ddof=1) if r.size > 1 else 0.0)))
+    quantile = float(np.quantile(r, 1 - fit, method="lower"))
+    return max(1.0, math.floor(min(bound, quantile) * 100 + 1e-9) / 100)
 
-    def __init__(self, codec: str, slot_ratio: float, threads: int):
+
+def _layout_key(shape, dtype) -> str:
+    return f"{container.torch_dtype_name(dtype)}{list(int(d) for d in shape)}"
+
+
+@dataclass
+class SlotStats:
+    """What a ``kvcodec_lossless`` serializer did with the chunks LMCache handed it."""
+
+    stored: int = 0
+    refused: int = 0  #: did not fit the slot (no L2 copy; a miss later)
+    calibrating: int = 0  #: measured for ``slot_ratio="auto"`` and not stored
+    slot_ratios: dict = None  #: layout ("bfloat16[2, 30, 256, 576]") -> slot ratio in use
+
+    @property
+    def refused_share(self) -> float:
+        """Refused / (stored + refused): the share of chunks past calibration that found no slot."""
+        n = self.stored + self.refused
+        return self.refused / n if n else 0.0
+
+
+_LOSSLESS_SERIALIZERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def lossless_slot_stats() -> list[tuple[str, SlotStats]]:
+    """(serde config, counters) of every live ``kvcodec_lossless`` serializer in this process: how a
+    deployment reads its refused share (LMCache builds the serde; this finds it)."""
+    return [(ser.config, ser.stats()) for ser in list(_LOSSLESS_SERIALIZERS)]
+
+
+class LosslessSerializer(Serializer):
+    """Bit-exact: ``kvcodec.compress`` of the chunk, in a slot of ``raw / slot_ratio`` bytes.
+
+    ``slot_ratio="auto"``: the first ``calibration_chunks`` chunks of every layout (shape and dtype,
+    which stands for the model) are compressed, measured and not stored; then ``choose_slot_ratio``
+    fixes that layout's slot for good (written to ``slot_file`` when given, and read from it at
+    startup, so restarts and other servers sharing the L2 use the same slot)."""
+
+    def __init__(self, codec: str, slot_ratio, threads: int, calibration_chunks: int = 32,
+                 slot_file: str | None = None, fit: float = SLOT_FIT):
         self.codec, self.slot_ratio, self.threads = codec, slot_ratio, threads
+        self.calibration_chunks, self.slot_file, self.fit = calibration_chunks, slot_file, fit
+        self.config = json.dumps({"type": "kvcodec_lossless", "codec": codec}, sort_keys=True)
+        self._lock = threading.Lock()
+        self._stats = SlotStats(slot_ratios={})
+        self._measured: dict = {}
+        if slot_file and os.path.exists(slot_file):
+            self._stats.slot_ratios.update(load_slot_file(slot_file, codec))
+        _LOSSLESS_SERIALIZERS.add(self)
+
+    def stats(self) -> SlotStats:
+        with self._lock:
+            return SlotStats(self._stats.stored, self._stats.refused, self._stats.calibrating,
+                             dict(self._stats.slot_ratios))
+
+    def _ratio(self, layout: str) -> float | None:
+        """The slot ratio of ``layout``, or None while ``auto`` is still measuring it."""
+        if self.slot_ratio != "auto":
+            return self.slot_ratio
+        return self._stats.slot_ratios.get(layout)
 
     def estimate_serialized_size(self, layout_desc) -> int:
-        return FRAME.size + math.ceil(_raw_nbytes(layout_desc) / self.slot_ratio)
+        raw = _raw_nbytes(layout_desc)
+        if len(layout_desc.shapes) != 1:
+            raise ValueError("kvcodec_lossless handles single-tensor KV chunks")
+        ratio = self._ratio(_layout_key(layout_desc.shapes[0], layout_desc.dtypes[0]))
+        return FRAME.size + (raw if ratio is None else math.ceil(raw / ratio))
 
     def serialize(self, src, dst, key) -> int:
         t = _the_tensor(src, "serialize")
+        layout = _layout_key(t.shape, t.dtype)
+        with self._lock:
+            ratio = self._ratio(layout)
         blob = compress(t, codec=self.codec, threads=self.threads)
+        if ratio is None:
+            self._calibrate(layout, t.nbytes / (FRAME.size + len(blob)))
+            raise SlotOverflowError(f"kvcodec_lossless is measuring {layout} for slot_ratio='auto': not stored")
         try:
-            return write_frame(_the_tensor(dst, "serialize"), LOSSLESS, blob)
+            n = write_frame(_the_tensor(dst, "serialize"), LOSSLESS, blob, key_digest(key, self.config))
         except SlotOverflowError as exc:
+            with self._lock:
+                self._stats.refused += 1
             raise SlotOverflowError(
-                f"chunk compresses {t.nbytes / len(blob):.3f}x, less than slot_ratio={self.slot_ratio}: "
+                f"chunk compresses {t.nbytes / len(blob):.3f}x, less than slot_ratio={ratio}: "
                 f"not stored ({exc})") from None
+        with self._lock:
+            self._stats.stored += 1
+        return n
+
+    def _calibrate(self, layout: str, ratio: float) -> None:
+        with self._lock:
+            self._stats.calibrating += 1
+            seen = self._measured.setdefault(layout, [])
+            seen.append(ratio)
+            if len(seen) < self.calibration_chunks or layout in self._stats.slot_ratios:
+                return
+            chosen = choose_slot_ratio(seen, self.fit)
+            self._stats.slot_ratios[layout] = chosen
+        log.info("kvcodec_lossless: %s slot ratio %.2f from %d chunks (measured %.3f-%.3f)", layout, chosen,
+                 len(seen), min(seen), max(seen))
+        if self.slot_file:
+            save_slot_file(self.slot_file, self.codec, {layout: chosen}, {layout: seen})
+
+
+def load_slot_file(path: str, codec: str) -> dict:
+    """{layout: slot ratio} for ``codec`` from a slot file (JSON written by ``save_slot_file``)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        slots = doc[codec]
+        out = {str(k): float(v["slot_ratio"]) for k, v in slots.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"kvcodec_lossless: cannot read slot file {path!r}: {exc}") from None
+    if any(not (r >= 1.0 and math.isfinite(r)) for r in out.values()):
+        raise ValueError(f"kvcodec_lossless: slot file {path!r} holds a slot ratio < 1.0")
+    return out
+
+
+def save_slot_file(path: str, codec: str, slots: dict, measured: dict | None = None) -> None:
+    """Merge ``{layout: slot ratio}`` (with the measured ratios it came from) into a slot file."""
+    doc = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+    entry = doc.setdefault(codec, {})
+    for layout, ratio in slots.items():
+        seen = (measured or {}).get(layout, [])
+        entry[layout] = {"slot_ratio": ratio, "chunks": len(seen),
+                         "min_ratio": min(seen) if seen else None, "median_ratio": float(np.median(seen)) if seen else None}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def calibrate_slots(chunks, codec: str = "planes", fit: float = SLOT_FIT, path: str | None = None,
+                    threads: int = 0) -> dict:
+    """Offline calibration: compress ``chunks`` (KV chunks in LMCache's layout, a model's real KV),
+    choose every layout's slot ratio with ``choose_slot_ratio`` and, with ``path``, write a slot
+    file for ``{"slot_ratio": "auto", "slot_file": path}``. Returns {layout: slot ratio}."""
+    measured: dict = {}
+    for c in chunks:
+        blob = compress(c.contiguous(), codec=codec, threads=threads)
+        measured.setdefault(_layout_key(c.shape, c.dtype), []).append(c.nbytes / (FRAME.size + len(blob)))
+    slots = {layout: choose_slot_ratio(r, fit) for layout, r in measured.items()}
+    if path:
+        save_slot_file(path, codec, slots, measured)
+    return slots
 
 
 class LosslessDeserializer(Deserializer):
-    def __init__(self, threads: int):
-        self.threads = threads
+    def __init__(self, threads: int, config: str):
+        self.threads, self.config = threads, config
 
     def deserialize(self, src, dst, key) -> None:
         out = _the_tensor(dst, "deserialize")
-        body = read_frame(_the_tensor(src, "deserialize"), LOSSLESS)
+        body = read_frame(_the_tensor(src, "deserialize"), LOSSLESS, key_digest(key, self.config))
         t = decompress(body, threads=self.threads, device="cpu", max_output_bytes=out.nbytes)
         _check_target(t.shape, container.torch_dtype_name(t.dtype), out)
         out.copy_(t)
@@ -212,20 +392,39 @@ class TurboQuantOptions:
 
 
 def _split_kv(kv: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
-    if kv.ndim != 4 or kv.shape[0] != 2 or not kv.is_floating_point():
-        raise ValueError(f"kvcodec_turboquant expects float KV chunks [2, layers, tokens, hidden], got {kv.dtype} {tuple(kv.shape)}")
+    if kv.ndim != 4 or kv.shape[0] not in (1, 2) or not kv.is_floating_point():
+        raise ValueError("kvcodec_turboquant expects float KV chunks [2, layers, tokens, hidden] (MHA/GQA) or "
+                         f"[1, layers, tokens, latent] (MLA), got {kv.dtype} {tuple(kv.shape)}")
     _, n_layers, n_tokens, hidden = kv.shape
     if hidden % head_dim:
         raise ValueError(f"hidden size {hidden} is not a multiple of head_dim={head_dim}")
     return n_layers, n_tokens, hidden // head_dim, head_dim
 
 
+def _part_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """One part of a chunk [layers, tokens, heads * d] -> [layers, heads, tokens, d] float32 (the
+    quantizer's input; fp8 KV is widened exactly, bf16/fp16 as quantize itself would)."""
+    n_layers, n_tokens, hidden = x.shape
+    return x.reshape(n_layers, n_tokens, n_heads, hidden // n_heads).transpose(1, 2).float()
+
+
+def _narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 -> the chunk's dtype; fp8 saturates at its largest finite value (a reconstruction a
+    little past it would otherwise become NaN)."""
+    if dtype.itemsize == 1:
+        big = torch.finfo(dtype).max
+        x = x.clamp(-big, big)
+    return x.to(dtype)
+
+
 class TurboQuantSerializer(Serializer):
-    """Lossy: TurboQuant codes + norms of every (layer, head), keys and values at their own bits."""
+    """Lossy: TurboQuant codes + norms of every (layer, head), keys and values at their own bits;
+    MLA chunks (one part, the latent) use the key settings."""
 
     def __init__(self, opts: TurboQuantOptions):
         self.opts = opts
         self.quantizers = (opts.quantizer(0), opts.quantizer(1))
+        self.config = json.dumps({"type": "kvcodec_turboquant", **asdict(opts)}, sort_keys=True)
         self._slots: dict = {}
 
     def payload(self, kv: torch.Tensor) -> bytes:
@@ -234,8 +433,8 @@ class TurboQuantSerializer(Serializer):
         meta = {"shape": list(kv.shape), "dtype": container.torch_dtype_name(kv.dtype), "exact_tokens": e}
         tensors = {"exact": kv[:, :, :e].contiguous()}
         if n_tokens > e:
-            for part, (name, x) in enumerate(zip("kv", kv_unchunk(kv[:, :, e:], n_heads))):
-                q = self.quantizers[part].quantize(x).to_dict()
+            for part, name in zip(range(kv.shape[0]), "kv"):
+                q = self.quantizers[part].quantize(_part_heads(kv[part, :, e:], n_heads)).to_dict()
                 meta[name] = q["meta"]
                 tensors.update({f"{name}.{k}": t for k, t in q["tensors"].items()})
         return container.dumps(TQ_KIND, meta, tensors)
@@ -253,17 +452,23 @@ class TurboQuantSerializer(Serializer):
         return self._slots[key]
 
     def serialize(self, src, dst, key) -> int:
-        return write_frame(_the_tensor(dst, "serialize"), TURBOQUANT, self.payload(_the_tensor(src, "serialize")))
+        return write_frame(_the_tensor(dst, "serialize"), TURBOQUANT, self.payload(_the_tensor(src, "serialize")),
+                           key_digest(key, self.config))
 
 
 class TurboQuantDeserializer(Deserializer):
+    def __init__(self, config: str = ""):
+        self.config = config
+
     def deserialize(self, src, dst, key) -> None:
         out = _the_tensor(dst, "deserialize")
-        body = read_frame(_the_tensor(src, "deserialize"), TURBOQUANT)
+        body = read_frame(_the_tensor(src, "deserialize"), TURBOQUANT, key_digest(key, self.config))
         _, meta, tensors = container.loads(body, expect_kind=TQ_KIND)
         if not isinstance(meta, dict) or not {"shape", "dtype", "exact_tokens"} <= set(meta):
             raise CorruptStreamError("turboquant chunk meta lacks shape/dtype/exact_tokens")
         _check_target(meta["shape"], meta["dtype"], out)
+        if out.ndim != 4 or out.shape[0] not in (1, 2):
+            raise CorruptStreamError(f"turboquant chunk shape {tuple(out.shape)} is not a KV chunk")
         e = meta["exact_tokens"]
         n_tokens = out.shape[2]
         exact = tensors.get("exact")
@@ -271,7 +476,7 @@ class TurboQuantDeserializer(Deserializer):
                 or exact.dtype != out.dtype or tuple(exact.shape) != (*out.shape[:2], e, out.shape[3])):
             raise CorruptStreamError("turboquant chunk's exact tokens do not fit the chunk")
         out[:, :, :e] = exact
-        for part, name in enumerate("kv"):
+        for part, name in zip(range(out.shape[0]), "kv"):
             if e == n_tokens:
                 break
             q = QuantizedTensor.from_dict({"meta": meta.get(name), "tensors": {
@@ -281,7 +486,7 @@ class TurboQuantDeserializer(Deserializer):
             if want is None or (*q.lead_shape, q.num_tokens, q.dim) != want:
                 raise CorruptStreamError(f"turboquant {name} codes do not fit the chunk {tuple(out.shape)}")
             rec = q.dequantize(torch.float32)  # [layers, heads, tokens, d]
-            out[part, :, e:] = rec.transpose(1, 2).reshape(out.shape[1], n_tokens - e, out.shape[3]).to(out.dtype)
+            out[part, :, e:] = _narrow(rec.transpose(1, 2).reshape(out.shape[1], n_tokens - e, out.shape[3]), out.dtype)
 
 
 # ---------------------------------------------------------------------------------- transform
@@ -296,6 +501,7 @@ class TransformSerializer(Serializer):
 
     def __init__(self, calib, bits: float, exact_tokens: int, threads: int):
         self.calib, self.bits, self.exact_tokens, self.threads = calib, bits, exact_tokens, threads
+        self.config = transform_config(calib)
 
     def estimate_serialized_size(self, layout_desc) -> int:
         if len(layout_desc.shapes) != 1:
@@ -313,23 +519,30 @@ class TransformSerializer(Serializer):
                              f"([2, {c.n_layers}, tokens, {c.n_kv_heads * c.head_dim}])")
         keys, values = kv_unchunk(kv, c.n_kv_heads)
         blob = transform.encode(keys, values, c, self.bits, sinks=self.exact_tokens, window=0, positions_start=0)
-        return write_frame(_the_tensor(dst, "serialize"), TRANSFORM, blob)
+        return write_frame(_the_tensor(dst, "serialize"), TRANSFORM, blob, key_digest(key, self.config))
 
 
 class TransformDeserializer(Deserializer):
     def __init__(self, calib, threads: int):
         self.calib, self.threads = calib, threads
+        self.config = transform_config(calib)
 
     def deserialize(self, src, dst, key) -> None:
         from kvcodec import transform
 
         out = _the_tensor(dst, "deserialize")
-        body = read_frame(_the_tensor(src, "deserialize"), TRANSFORM)
+        body = read_frame(_the_tensor(src, "deserialize"), TRANSFORM, key_digest(key, self.config))
         keys, values = transform.decode(body, self.calib, threads=self.threads,
                                         max_output_bytes=8 * out.numel() + (1 << 20))
         chunk = kv_chunk(keys, values)
         _check_target(chunk.shape, container.torch_dtype_name(chunk.dtype), out)
         out.copy_(chunk)
+
+
+def transform_config(calib) -> str:
+    """kvcodec_transform's part of the key digest: the calibration (bits vary per object and are
+    in the blob; the slot size already differs between rates)."""
+    return json.dumps({"type": "kvcodec_transform", "calibration": str(calib.fingerprint)}, sort_keys=True)
 
 
 def _rate_tolerance() -> float:
@@ -372,16 +585,27 @@ def _int(kwargs: dict, key: str, default: int, lo: int) -> int:
 
 
 def lossless_serde(kwargs: dict):
-    """Factory for ``{"type": "kvcodec_lossless", "codec": "planes", "slot_ratio": 1.4, "threads": 1, "max_workers": 1}``."""
-    _options(None, {k: v for k, v in kwargs.items() if k not in ("codec", "slot_ratio")}, "kvcodec_lossless")
+    """Factory for ``{"type": "kvcodec_lossless", "codec": "planes", "slot_ratio": "auto",
+    "calibration_chunks": 32, "slot_file": None, "threads": 0, "max_workers": 1}``."""
+    own = ("codec", "slot_ratio", "calibration_chunks", "slot_file", "fit")
+    _options(None, {k: v for k, v in kwargs.items() if k not in own}, "kvcodec_lossless")
     codec = kwargs.get("codec", "planes")
     if codec not in ("planes", "kvctx"):
         raise ValueError(f"kvcodec_lossless: codec must be 'planes' or 'kvctx', got {codec!r}")
     ratio = kwargs.get("slot_ratio", DEFAULT_SLOT_RATIO)
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1.0:
-        raise ValueError(f"kvcodec_lossless: slot_ratio must be a number >= 1.0, got {ratio!r}")
-    threads = _int(kwargs, "threads", 1, 1)
-    return AsyncSerdeProcessor(LosslessSerializer(codec, float(ratio), threads), LosslessDeserializer(threads),
+    if ratio != "auto":
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1.0 or not math.isfinite(ratio):
+            raise ValueError(f"kvcodec_lossless: slot_ratio must be 'auto' or a number >= 1.0, got {ratio!r}")
+        ratio = float(ratio)
+    slot_file = kwargs.get("slot_file")
+    if slot_file is not None and (not isinstance(slot_file, str) or not slot_file):
+        raise ValueError(f"kvcodec_lossless: slot_file must be a path, got {slot_file!r}")
+    fit = kwargs.get("fit", SLOT_FIT)
+    if isinstance(fit, bool) or not isinstance(fit, (int, float)) or not 0.5 <= fit < 1:
+        raise ValueError(f"kvcodec_lossless: fit must be a number in [0.5, 1), got {fit!r}")
+    threads = _int(kwargs, "threads", 0, 0)
+    ser = LosslessSerializer(codec, ratio, threads, _int(kwargs, "calibration_chunks", 32, 2), slot_file, float(fit))
+    return AsyncSerdeProcessor(ser, LosslessDeserializer(threads, ser.config),
                                max_workers=_int(kwargs, "max_workers", 1, 1))
 
 
@@ -393,7 +617,7 @@ def turboquant_serde(kwargs: dict):
     ser = TurboQuantSerializer(opts)  # builds the quantizers: bad bits/head_dim fail here, at config time
     log.info("kvcodec_turboquant is lossy: keys %d bits, values %d bits per value (+ norms); "
              "measured attention-output error in kvcodec's docs/lmcache.md", opts.key_bits, opts.value_bits)
-    return AsyncSerdeProcessor(ser, TurboQuantDeserializer(), max_workers=_int(kwargs, "max_workers", 1, 1))
+    return AsyncSerdeProcessor(ser, TurboQuantDeserializer(ser.config), max_workers=_int(kwargs, "max_workers", 1, 1))
 
 
 def transform_serde(kwargs: dict):
@@ -413,14 +637,14 @@ def transform_serde(kwargs: dict):
     bits = kwargs.get("bits", 2.0)
     if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0 < bits <= 16:
         raise ValueError(f"kvcodec_transform: bits must be a number in (0, 16], got {bits!r}")
-    threads = _int(kwargs, "threads", 1, 1)
+    threads = _int(kwargs, "threads", 0, 0)
     ser = TransformSerializer(calib, float(bits), _int(kwargs, "exact_tokens", 1, 0), threads)
     log.info("kvcodec_transform is lossy: %.2f true bits per value, calibration %s (%s)", bits, path,
              calib.fingerprint)
     return AsyncSerdeProcessor(ser, TransformDeserializer(calib, threads), max_workers=_int(kwargs, "max_workers", 1, 1))
 
 
-DEFAULT_SLOT_RATIO = 1.4
+DEFAULT_SLOT_RATIO = "auto"
 SERDES = {"kvcodec_lossless": lossless_serde, "kvcodec_turboquant": turboquant_serde,
           "kvcodec_transform": transform_serde}
 
