@@ -35,6 +35,11 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError("pack_bits expects an integer tensor")
     n = values.shape[-1]
     width = packed_width(n, bits)
+    from kvcodec.quant import turboquant_fast  # compiled CPU path, same bytes
+
+    fast = turboquant_fast.pack_bits(values, bits, width)
+    if fast is not None:
+        return fast
     if bits == 8:
         return values.to(torch.uint8).contiguous()
     v = values.to(torch.int32)
@@ -101,6 +106,11 @@ def value_table(values: tuple, bits: int, group: int, device: str) -> torch.Tens
 def unpack_values(packed: torch.Tensor, table: torch.Tensor, group: int, n: int) -> torch.Tensor:
     """uint8 [..., width] packed codes -> float32 [..., n] table values, one lookup (``embedding``) per
     unit: the same values as ``values[unpack_bits(packed, bits, n)]``, without per-bit shifts."""
+    from kvcodec.quant import turboquant_fast  # compiled CPU path, same values
+
+    fast = turboquant_fast.unpack_values(packed, table, group, n)
+    if fast is not None:
+        return fast
     lead = packed.shape[:-1]
     if group == 1:
         units = packed.long()

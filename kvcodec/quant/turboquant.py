@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvcodec.errors import CorruptStreamError
-from kvcodec.quant import base
+from kvcodec.quant import base, turboquant_fast
 from kvcodec.quant.base import KVQuantizer
 from kvcodec.quant.codebooks import lloyd_max_codebook
 from kvcodec.quant.compressed import QuantizedTensor
@@ -181,10 +181,10 @@ class TurboQuantMSE(KVQuantizer):
         norms = base.row_norms(xp)
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         y = (xp / safe.unsqueeze(-1)) @ k["rot"].T
-        idx = torch.bucketize(y, k["thr"])
+        idx, chosen = turboquant_fast.bucketize(y, k["thr"], k["cb"])  # compiled on the CPU, same indices
         scale = norms
         if self.norm_correction:
-            dot = (y * k["cb"][idx]).sum(-1)
+            dot = (y * chosen).sum(-1)
             scale = torch.where(dot > 0, norms / torch.where(dot > 0, dot, torch.ones_like(dot)), norms)
         return y, idx, norms, scale
 
