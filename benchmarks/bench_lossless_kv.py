@@ -45,7 +45,7 @@ COLUMNS = ["source", "method", "threads", "raw_MB", "ratio", "bits_per_value", "
            "decompress_MBps", "compress_MBps_core", "decompress_MBps_core", "exact"]
 FULL_CACHE = full_sample_location()  # where make_kv_sample.py --full writes it
 TARGETS = {"bf16 kvctx": 1.58, "bf16 predictive fp8-weight": 2.48, "fp8 predictive fp8-weight": 3.0}
-SPEED_TARGET_MBPS_CORE = 300  # issue 14: decode >= 300 MB/s per core for every codec
+SPEED_TARGET_MBPS_CORE = 300  # target: decode >= 300 MB/s per core for every codec
 DECODE_EXTRA_REPEATS = 12  # decoding is cheap: more tries give a steadier best time on a shared machine (3 moved a
 # sample row by up to 15% between runs at load 1.3)
 

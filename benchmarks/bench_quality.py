@@ -51,7 +51,7 @@ from bench_hf import dynamic_bytes, quanto_report  # noqa: E402
 from common import save  # noqa: E402
 
 SUITE = "bench_quality"
-RESIDUAL = 128  # full-precision window of every cache (kvcodec, KIVI, quanto), as in issue 16's table
+RESIDUAL = 128  # full-precision window of every cache (kvcodec, KIVI, quanto), as in the quality targets' table (docs/quality.md)
 DOC_MODULES = ("argparse", "subprocess", "shutil", "pathlib", "logging", "tarfile", "zipfile", "collections",
                "functools", "unittest.case")
 CODE_MODULES = ("difflib", "calendar", "dataclasses", "string", "graphlib")

@@ -1,5 +1,5 @@
 """Why format 2 coded fp8 KV with a prediction in more bits than format 1, and the model change that
-recovers it (issue 14; built as format 2's "mag" flag, the default there: ``bins.magnitude_symbol``).
+recovers it (built as format 2's "mag" flag, the default there: ``bins.magnitude_symbol``).
 
 For real SmolLM2 KV cast to fp8 e4m3 (``kvcodec.lossless.fp8``) and coded against the fp8-weight
 model's KV: bits per value of each format's sections (format 1: model, payload; format 2: model, rANS

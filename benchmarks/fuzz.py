@@ -1,4 +1,4 @@
-"""Mutation fuzzer for kvcodec's decoders (issue 18): hostile input must raise CorruptStreamError.
+"""Mutation fuzzer for kvcodec's decoders: hostile input must raise CorruptStreamError.
 
 Each *target* is one public decode entry point with a few small valid samples. A case takes a
 sample, applies one random mutation and runs the entry point; its outcome is one of

@@ -507,11 +507,11 @@ def _breakdown(label: str, variant: KernelVariant,
     return rows
 
 
-# ---------------------------------------------------------------- the one-launch kernel (issue 13 part 2)
+# ---------------------------------------------------------------- the one-launch kernel
 ONE, THREE = KernelVariant(fused=True), KernelVariant(fused=False)
-# the one-launch kernel's block merge and publish as in session 6: the plain [rows, D] layout for the warps'
+# the one-launch kernel's earlier block merge and publish: the plain [rows, D] layout for the warps'
 # merge (bank conflicts), __threadfence by every thread
-SESSION6_TAIL = ("TQ_FUSED_MERGE_PAD=0", "TQ_FUSED_SIGNAL=0")
+PLAIN_TAIL = ("TQ_FUSED_MERGE_PAD=0", "TQ_FUSED_SIGNAL=0")
 # automatic, one-launch, three-launch, wide-only (both), scalar; the one-launch kernel's other depths
 FUSED_CHECK_MODES = CHECK_MODES[:6] + [("one-launch 1 stage: ", ("TQ_FUSED_STAGES=1",), True, True),
                                        ("one-launch 2 stages: ", ("TQ_FUSED_STAGES=2",), True, True),
@@ -521,7 +521,7 @@ FUSED_CHECK_MODES = CHECK_MODES[:6] + [("one-launch 1 stage: ", ("TQ_FUSED_STAGE
                                        ("one-launch shared-memory rotations, 3 stages: ",
                                         ("TQ_FUSED_WARP_ROTATE=0", "TQ_FUSED_STAGES=3"), True, True),
                                        ("one-launch %laneid: ", ("TQ_ASM_LANEID=1",), True, True),
-                                       ("one-launch session-6 tail: ", SESSION6_TAIL, True, True)]
+                                       ("one-launch plain tail: ", PLAIN_TAIL, True, True)]
 TABLE_SHAPES = [(b, t, 32, 8, 128, 4, 4) for b in (1, 8, 32) for t in (4096, 32768, 131072)] + [
     (1, 32768, 32, 8, 128, 3, 3), (8, 32768, 32, 8, 128, 3, 3), (1, 32768, 32, 8, 128, 4, 2),
     (1, 32768, 9, 3, 64, 4, 4), (8, 32768, 9, 3, 64, 4, 4), (8, 131072, 9, 3, 64, 4, 4)]
@@ -532,12 +532,12 @@ FUSED_TPW_GRID = (32, 64, 128, 256, 512, 1024, 2048)
 # beside the automatic one); "timing only" builds skip a phase to measure what it costs (wrong
 # results, never checked or used).
 # (Builds measured away and no longer timed here: tail batch 8, values in registers, the L2 256B prefetch
-# hint, no query rotation (sessions 4-5), 1 stage and copy-engine L2 prefetches, no lane tables, lane
-# tables for values only, shared-memory rotations (session 6), 3 stages again, 192 tokens per warp, the
-# final merge staged in shared memory by cp.async, the four warps merged in parallel buffers (session 7):
-# benchmarks/GPU_NOTES.md.)
+# hint, no query rotation, 1 stage and copy-engine L2 prefetches, no lane tables, lane
+# tables for values only, shared-memory rotations, 3 stages again, 192 tokens per warp, the
+# final merge staged in shared memory by cp.async, the four warps merged in parallel buffers:
+# CHANGELOG.md, 2026-11-24.)
 FUSED_VARIANTS = [
-    ("session-6 block merge and publish (plain layout, fences)", SESSION6_TAIL, ()),
+    ("plain block merge and publish (plain layout, fences)", PLAIN_TAIL, ()),
     ("plain merge layout (bank conflicts)", ("TQ_FUSED_MERGE_PAD=0",), ()),
     ("__threadfence by every thread", ("TQ_FUSED_SIGNAL=0",), ()),
     ("lane index from %laneid", ("TQ_ASM_LANEID=1",), ()),
@@ -777,7 +777,7 @@ def run_fused_study(out_dir: str) -> dict:
     return result
 
 
-# ---------------------------------------------------------------- the bulk-copy ring (session 5, sm_90)
+# ---------------------------------------------------------------- the bulk-copy ring (sm_90)
 # Builds of the one-launch kernel with the code stream through the copy engine (TQ_FUSED_BULK), timed
 # against the default in one run; one is built by the explicit-target route (an sm_90a cubin).
 BULK = ("TQ_FUSED_BULK=1",)  # 3 stages, no prefetch (the ring's defaults)
@@ -883,7 +883,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
     """The whole suite; on a machine without a CUDA GPU + CuPy it prints a skip message and returns
     an empty result without writing anything (the committed GPU results stay as they are)."""
     if not kc.is_available():
-        msg = "gpu_kernels: skipped (needs a CUDA GPU and CuPy); measured results: benchmarks/GPU_NOTES.md"
+        msg = "gpu_kernels: skipped (needs a CUDA GPU and CuPy); measured results: benchmarks/results/gpu_kernels.md"
         print(msg)
         return {"suite": "gpu_kernels", "rows": [], "notes": [msg]}
     if fused_only:

@@ -148,9 +148,9 @@ VARIANTS = {  # kvctx_encode.cu builds to compare (macros): how far ahead each k
     "ke_bits": [(), ("KE_BITS_AHEAD=8",), ("KE_LOAD=__ldcs",)],
     "ke_fit_residuals": [(), ("KE_RES_AHEAD=2",), ("KE_RES_AHEAD=4",)],
 }
-PAIR_VARIANTS = [(), ("KE_LOAD=__ldcs",)]  # ke_bits and ke_encode together on two streams (session 9: co-running,
+PAIR_VARIANTS = [(), ("KE_LOAD=__ldcs",)]  # ke_bits and ke_encode together on two streams (co-running,
 # ke_encode went 0.82 -> 1.61 ms: is it its tables evicted from L1 by ke_bits' 8-byte raw codes?)
-# H200 (session 9, encode-fuse): the pair 1.513 ms, with __ldcs 1.492 (ke_bits alone 0.985, ke_encode 0.848): no.
+# H200: the pair 1.513 ms, with __ldcs 1.492 (ke_bits alone 0.985, ke_encode 0.848): no.
 
 
 def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:

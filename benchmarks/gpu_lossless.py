@@ -185,7 +185,7 @@ def decode_apart(blob, first: bool = False) -> dict:
                 rans_ms=round(med([a.elapsed_time(b) for a, b in events]), 3) if events else None)
 
 
-RANS_VARIANTS = [4, 2]  # warps per block of the rANS kernel alone (session 6: 2 was slower on every tensor)
+RANS_VARIANTS = [4, 2]  # warps per block of the rANS kernel alone (H200: 2 was slower on every tensor)
 
 
 def rans_kernel_rows(name, blob, nbytes, reps: int = 20):

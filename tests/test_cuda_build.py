@@ -146,8 +146,8 @@ def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(nvcc_result):
     assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_command("w.cu", "sm_90a", "o.cubin")
 
 
-# the one-launch kernel's session-6 block merge and publish (benchmarks/gpu_kernels.py SESSION6_TAIL)
-SESSION6_TAIL = ("TQ_FUSED_MERGE_PAD=0", "TQ_FUSED_SIGNAL=0")
+# the one-launch kernel's earlier block merge and publish (benchmarks/gpu_kernels.py PLAIN_TAIL)
+PLAIN_TAIL = ("TQ_FUSED_MERGE_PAD=0", "TQ_FUSED_SIGNAL=0")
 
 
 def _lane_build(defines: tuple[str, ...], archs=ARCHS) -> tuple:
@@ -158,7 +158,7 @@ def _lane_build(defines: tuple[str, ...], archs=ARCHS) -> tuple:
 
 
 LANE_DEFINES = [("TQ_LANE_LUT=3",), ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2"),
-                ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1") + SESSION6_TAIL,
+                ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1") + PLAIN_TAIL,
                 ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2", "TQ_ASM_LANEID=1")]
 
 
