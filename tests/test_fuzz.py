@@ -1,4 +1,4 @@
-"""Hostile input (issue 18): mutated streams, blobs, .kvc files, quantized tensors and saved caches
+"""Hostile input: mutated streams, blobs, .kvc files, quantized tensors and saved caches
 raise CorruptStreamError or decode exactly, never another exception, a hang or a huge allocation.
 
 The mutations (checksums recomputed so the decoders are reached, nested containers, hostile

@@ -288,7 +288,7 @@ def test_preset_with_per_layer_widths_matches_eager(model):
 def test_decode_step_work_per_layer_stays_small(model, monkeypatch):
     """What a CUDA graph of the step replays, counted on CPU as torch ops (views excluded) on the CUDA
     path (quantize on append): per layer about 22 besides the kernel's own launches, and the shared
-    per-step lengths/mask work once per forward (24), not once per layer (session 3: ~60 per layer)."""
+    per-step lengths/mask work once per forward (24), not once per layer (it was ~60 per layer before)."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -2,7 +2,7 @@
 kvctx_device.device_inputs) and the model layouts it reads (format2 ``mfields``, and ``mparts`` as
 written before it).
 
-CPU checks (always): an ``mparts`` stream (the layout of session 5) still decodes on the CPU and through
+CPU checks (always): an ``mparts`` stream (an older model layout) still decodes on the CPU and through
 the device path's host plan; forged field values are refused by the CPU decoder; the plan kernels
 compile for sm_90 and sm_100. GPU checks (marked gpu): the decode tables built on the device equal
 ``tables.decode_tables``, the field checks flag exactly what ``format2.check_field_values`` refuses, the
@@ -68,7 +68,7 @@ def rebuilt(kind, meta, secs, head, body: bytes, model_meta: dict) -> bytes:
 
 
 def legacy_mparts(raw: np.ndarray, parts: int) -> bytes:
-    """The ``mparts`` model body (session 5's code_model): u32 n | 256 x u16 freq | parts x u32 length |
+    """The ``mparts`` model body (the older code_model): u32 n | 256 x u16 freq | parts x u32 length |
     8-state payloads of np.array_split(raw, parts), one shared 14-bit table."""
     freqs = quantize_frequencies(count_symbols(raw), format2.MODEL_PRECISION).astype("<u2")
     payloads = [rans_fast.encode_table(x, freqs, format2.MODEL_PRECISION, format2.MODEL_STREAMS)

@@ -407,7 +407,7 @@ def _scratch_layout(*nbytes) -> tuple:
 
 # Whether the launcher picks the one-launch kernel wherever it applies (KernelVariant.fused=None):
 # measured as fast or faster than the three launches on every shape of the kernel table (H200,
-# benchmarks/GPU_NOTES.md, session 4); False: three launches unless a variant asks for one.
+# CHANGELOG.md, 2026-11-24); False: three launches unless a variant asks for one.
 FUSED_BY_DEFAULT = True
 
 

@@ -87,7 +87,7 @@ LANE_LUT_DIMS = (128,)
 # Macros that come with the tables by default: rotations of the query and the output in warp registers
 # (TQ_FUSED_WARP_ROTATE: no block barrier in the prologue or the final merge) and a 2-step copy ring.
 # (TQ_ASM_LANEID=1, the split loop's lane index from %laneid, stays opt-in: mixed, within about 1.5% of
-# threadIdx.x on every shape in four H200 runs; benchmarks/GPU_NOTES.md, session 7.)
+# threadIdx.x on every shape in four H200 runs.)
 LANE_LUT_COMPANIONS = (("TQ_FUSED_WARP_ROTATE", "1"), ("TQ_FUSED_STAGES", "2"))
 
 
@@ -116,8 +116,8 @@ def fused_defines(defines, tcap: int, dim: int = 0, k_bits: int = 0, v_bits: int
         return tuple(d for d in defines if not d.startswith("TQ_LANE_LUT"))
     if _macro(defines, "TQ_LANE_LUT") is None and narrow and k_bits == 4 and v_bits == 4 and dim in LANE_LUT_DIMS:
         defines += ("TQ_LANE_LUT=3",)
-        # with the tables: the query and output rotations in registers and a 2-step ring (H200, session 6:
-        # 1 x 32k 29.2 -> 25.6 us, every other timed shape equal or faster; benchmarks/GPU_NOTES.md)
+        # with the tables: the query and output rotations in registers and a 2-step ring (H200,
+        # `gpu_kernels.py --fused`: 1 x 32k 29.2 -> 25.6 us, every other timed shape equal or faster)
         defines += tuple(f"{m}={v}" for m, v in LANE_LUT_COMPANIONS if _macro(defines, m) is None)
     return defines
 

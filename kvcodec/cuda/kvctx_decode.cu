@@ -1,5 +1,5 @@
 // GPU decoder of the kvctx / predictive stream format 2 (launcher: kvcodec/cuda/kvctx_decode.py; format:
-// /work/notes/kvctx_format.md and kvcodec/lossless/predictive/{bins,binned,format2}.py). The CPU kernel
+// docs/format.md, docs/lossless_kv.md and kvcodec/lossless/predictive/{bins,binned,format2}.py). The CPU kernel
 // binned.decode_chunks is the reference: this one computes the same bits in the same order.
 //
 // One warp per chunk; thread j owns rANS lane j (value i of a chunk uses lane i % 32). A chunk's values

@@ -73,7 +73,7 @@ __device__ __forceinline__ KeColumn ke_column(long long G, long long T, int D, l
 // A consecutive tokens of one column loaded before the first is used: its bit patterns, values (val: float64
 // per pattern, NaN where not finite) and predictions, each load independent of the sums. Why: the per-column
 // passes are chains of dependent loads (pattern, then its value); one token a step leaves each thread
-// waiting a full memory latency per token (H200, session 8: moments 0.51 -> 0.37 ms on a 256 MB tensor at
+// waiting a full memory latency per token (H200: moments 0.51 -> 0.37 ms on a 256 MB tensor at
 // A = 4; the residual pass ran slower at 4: 78 registers, 3 blocks an SM). Tokens at or past t1 read
 // pattern 0's value and are skipped by the caller.
 #define KE_MOMENTS_AHEAD 4
@@ -559,7 +559,7 @@ struct KeChunk {
 // ahead (the rounds are a chain: a round's loads would otherwise wait a full memory latency): q[0] is this
 // round's value, pop() returns it and loads the one N rounds on (0 outside the chunk). Their places follow
 // by additions (one division at the start). Why: a 64-bit division per value was most of the payload
-// kernel's instructions (H200, session 8: 1.49 ms for both halves -> 0.89 rANS alone).
+// kernel's instructions (H200: 1.49 ms for both halves -> 0.89 rANS alone).
 template <class E, int N>
 struct KeValues {
   long long i, r, pos;

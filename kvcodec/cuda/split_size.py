@@ -11,7 +11,7 @@ import torch
 from kvcodec.cuda.build import sm_count
 from kvcodec.cuda.decode_kernels import FUSED_MAX_BLOCKS, MAX_SPLITS, WARPS_PER_BLOCK
 
-# Split-size model (H200 measurements, benchmarks/GPU_NOTES.md session 2): microseconds one warp
+# Split-size model (H200 measurements, `benchmarks/gpu_kernels.py` split-size grid): microseconds one warp
 # needs for a 16-token step when an SM runs 4 / 8 / 16+ of them at once (per-SM throughput grows
 # with resident warps, less and less: the kernel is latency bound), the fixed cost of a warp's
 # prologue and partial write, and the merge's cost per 16 splits (one batch of loads).
@@ -20,10 +20,9 @@ WARP_FIXED_US = 2.0
 MERGE_US_PER_16_SPLITS = 1.5
 # The one-launch kernel (tq_decode_fused): each block rotates its query tile first (prologue), the
 # tile's last block merges one partial per block and applies the inverse rotation (tail). Fitted to
-# its split-size sweep (H200, session 4: the tail costs ~1.5 us at 8 blocks per tile, ~7 at 32-64).
+# its split-size sweep (H200: the tail costs ~1.5 us at 8 blocks per tile, ~7 at 32-64).
 # Per block 0.25 us (was 0.15): b1 x 32k then takes 256 tokens per warp (32 blocks per tile), measured
-# 33.3 and 33.8 us in two runs against 34.6 and 35.0 for the 176 (47 blocks) that 0.15 picked
-# (sessions 4 and 5); the kernel table's other shapes keep their picks for any value in 0.2-0.4.
+# 33.3 and 33.8 us in two runs against 34.6 and 35.0 for the 176 (47 blocks) that 0.15 picked; the kernel table's other shapes keep their picks for any value in 0.2-0.4.
 FUSED_PROLOGUE_US = 1.0
 FUSED_TAIL_US = 1.0
 FUSED_TAIL_US_PER_BLOCK = 0.25

@@ -12,7 +12,7 @@
 // and for wide tiles (9-16 rows) the same with S = Q K^T and O += P V. All query heads of a GQA
 // group (times q_len) share each loaded K/V byte. Partial (O, m, l) go to scratch; kernel 2
 // (tq_decode_merge) merges the splits with a log-sum-exp and applies the inverse rotation once per
-// output row. Measured design choices (H200): benchmarks/GPU_NOTES.md.
+// output row. Measured design choices (H200): docs/cuda.md and CHANGELOG.md.
 //
 // Dimension bookkeeping. The mma k index is a permutation of the head dimension chosen so that each
 // thread reads a contiguous run of codes: thread t (= lane % 4) of a key row owns coordinates
@@ -60,7 +60,7 @@
 // registers as two byte planes and is read with prmt (TqRegLut4: 2.6 ALU ops per code instead of
 // one shared-memory load per two codes). 1 or 2 balance the L1 and ALU pipes; 3 moves everything
 // to the ALU pipe. Default 1 (keys in registers, values in shared memory: fastest on an H200,
-// GPU_NOTES runs 4-5); -DTQ_REG_LUT=n.
+// `benchmarks/gpu_kernels.py` variants); -DTQ_REG_LUT=n.
 #ifndef TQ_REG_LUT
 #define TQ_REG_LUT 1
 #endif
@@ -78,9 +78,9 @@
 // 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
 // 1 (loads at the top of each step, latency covered by the other warps) measured fastest on an H200:
 // the kernel is issue/dependency bound, not waiting on memory (deeper register rings, L2 prefetch
-// and a cp.async shared-memory ring all measured slower: benchmarks/GPU_NOTES.md, session 2).
+// and a cp.async shared-memory ring all measured slower: CHANGELOG.md, 2026-11-22).
 // The one-launch kernel (tq_decode_fused) has its own depth, TQ_FUSED_STAGES (default 3: measured
-// 2-8% faster than 1 there, H200 session 4).
+// 2-8% faster than 1 there, H200).
 #ifndef TQ_STAGES
 #define TQ_STAGES 1
 #endif
@@ -88,7 +88,7 @@
 // ptxas then keeps the lane-derived offsets in registers; with threadIdx.x it may re-read it in the
 // loop (6 S2R per 3 steps in the TQ_FUSED_WARP_ROTATE build). SASS of the d128 4/4 lane-table
 // one-launch loop (3 steps, sm_90): 1068 -> 1056 instructions (default), 1082 -> 1053 (warp
-// rotations; 2-step loop 720 -> 703). Timed in four H200 runs (GPU notes, sessions 6-7): mixed, within
+// rotations; 2-step loop 720 -> 703). Timed in four H200 runs: mixed, within
 // about 1.5% of threadIdx.x on every shape. Default 0.
 #ifndef TQ_ASM_LANEID
 #define TQ_ASM_LANEID 0
@@ -286,7 +286,7 @@ TQ_DEVI void load_any(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
 
 
 // ---- TQ_FUSED_BULK: the code stream through the bulk copy engine (sm_90+, plain cp.async.bulk) ----
-// Measured on an H200 (benchmarks/GPU_NOTES.md, session 5, runs B1-B2): every build of the ring was
+// Measured on an H200 (`benchmarks/gpu_kernels.py --bulk`): every build of the ring was
 // 12-30% slower than the register path (b1 x 32k 39.2 vs 34.8 us, b8 x 32k 150 vs 134): the split
 // loop is issue/latency bound, and the ring moves the code loads from registers filled three steps
 // ahead to shared-memory reads on the critical path and adds a barrier wait per step.
@@ -305,7 +305,7 @@ TQ_DEVI void load_any(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
 #define TQ_BULK_STAGES 3
 #endif
 // 1: the next step's fragments are read from its stage before the current step computes (two
-// register buffers); 0: read right before use. Default 0: prefetching was slower on an H200 (run B2:
+// register buffers); 0: read right before use. Default 0: prefetching was slower on an H200 (
 // b8 x 32k 174 vs 157 us; waiting for step n + 1 before computing step n stalls on copies in flight).
 #ifndef TQ_BULK_PREFETCH
 #define TQ_BULK_PREFETCH 0
@@ -1253,7 +1253,7 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
 #define TQ_LANE_LUT_BYTES 65536
 // 1: lane-table builds rotate the query in registers in the prologue and merge one row per warp in the
 // last block, Hadamard rotations as warp butterflies (tq::rotate_query_rows, tq::merge_row: no block
-// barrier in either). Measured (GPU notes, session 6 "kernel2", run R1): the prologue 4.1 -> 2.0 us and
+// barrier in either). Measured on an H200: the prologue 4.1 -> 2.0 us and
 // the final merge 4.3 -> 2.4 us at b1 x 32k (call 29.2 -> 27.6 us), but the split loop 1-3% slower
 // (ptxas re-reads threadIdx.x in it) and b8 x 128k 12% slower: not the default until that is understood.
 #ifndef TQ_FUSED_WARP_ROTATE
@@ -1262,7 +1262,7 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
 // 1: the four warps of a block accumulate their partials into a padded shared layout (tq::MergeLayout)
 // in which every store of a warp hits 32 different banks; 0: the plain [ROWS, D] layout, where a narrow
 // tile's stores are 16-way and a wide tile's 32-way bank conflicts (H200, b1 x 32k: the last block's
-// warp merge 2.8 -> 1.2 us, GPU notes session 7). Same arithmetic, same results either way. Default 1.
+// warp merge 2.8 -> 1.2 us). Same arithmetic, same results either way. Default 1.
 #ifndef TQ_FUSED_MERGE_PAD
 #define TQ_FUSED_MERGE_PAD 1
 #endif

@@ -548,7 +548,7 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
     with unaligned 8-byte loads (near the section's end from a zero-padded copy of its last bytes).
     A uint16 ``pred`` holds bf16 bit patterns (:func:`prediction_at`). Measured alternatives that
     were slower (one core): the raw bit counts inside the rANS loop (-25%), the raw bits as a serial
-    position loop plus a gather loop (-10%; session 8 again with AVX-512 gathers: fp8 -10%), the raw
+    position loop plus a gather loop (-10%; again with AVX-512 gathers: fp8 -10%), the raw
     bits 8 at a time with a prefix sum of their counts when none of the 8 is ESC or bin 0 (-6 to -9%).
     """
     del escape, unit  # the grid's tables: the decoder needs neither (values from exponent bits)
