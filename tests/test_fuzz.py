@@ -57,7 +57,7 @@ def test_mutated_input_is_refused_or_decoded_exactly(name):
     check()
 
 
-# ------------------------------------------------------------------------ the cases
+# ------------------------------------------------------------------------ known hostile cases
 def _index_parts(blob: bytes):
     ioff, ilen = struct.unpack_from("<QQ", blob, len(blob) - 16)
     header, payloads = fuzz.split_container(blob[ioff : ioff + ilen])

@@ -125,7 +125,7 @@ def small_parts(monkeypatch):
 
 # ------------------------------------------------------------------------------------ CPU
 def test_mparts_streams_still_decode(emulator, small_parts):
-    """A stream whose model is in the session-5 ``mparts`` layout decodes on the CPU and through the
+    """A stream whose model is in the older ``mparts`` layout decodes on the CPU and through the
     device path's host plan (emulated kernel), as its ``mfields`` twin does."""
     x = with_specials(kv_like((2, 2, 128, 64), seed=3))
     blob = kvcodec.compress(x, layout="kv")
