@@ -51,7 +51,7 @@ from lmcache.v1.distributed.serde import (
 from kvcodec import container, magics
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.api import compress, decompress
-from kvcodec.quant import QuantizedTensor, TurboQuantMSE, TurboQuantOutlier
+from kvcodec.quant import QuantizedTensor, TurboQuantMSE, TurboQuantOutlier, turboquant_fast
 
 log = logging.getLogger(__name__)
 
@@ -421,8 +421,8 @@ class TurboQuantSerializer(Serializer):
     """Lossy: TurboQuant codes + norms of every (layer, head), keys and values at their own bits;
     MLA chunks (one part, the latent) use the key settings."""
 
-    def __init__(self, opts: TurboQuantOptions):
-        self.opts = opts
+    def __init__(self, opts: TurboQuantOptions, threads: int = 0):
+        self.opts, self.threads = opts, threads
         self.quantizers = (opts.quantizer(0), opts.quantizer(1))
         self.config = json.dumps({"type": "kvcodec_turboquant", **asdict(opts)}, sort_keys=True)
         self._slots: dict = {}
@@ -434,7 +434,8 @@ class TurboQuantSerializer(Serializer):
         tensors = {"exact": kv[:, :, :e].contiguous()}
         if n_tokens > e:
             for part, name in zip(range(kv.shape[0]), "kv"):
-                q = self.quantizers[part].quantize(_part_heads(kv[part, :, e:], n_heads)).to_dict()
+                with turboquant_fast.workers(self.threads):
+                    q = self.quantizers[part].quantize(_part_heads(kv[part, :, e:], n_heads)).to_dict()
                 meta[name] = q["meta"]
                 tensors.update({f"{name}.{k}": t for k, t in q["tensors"].items()})
         return container.dumps(TQ_KIND, meta, tensors)
@@ -457,8 +458,8 @@ class TurboQuantSerializer(Serializer):
 
 
 class TurboQuantDeserializer(Deserializer):
-    def __init__(self, config: str = ""):
-        self.config = config
+    def __init__(self, config: str = "", threads: int = 0):
+        self.config, self.threads = config, threads
 
     def deserialize(self, src, dst, key) -> None:
         out = _the_tensor(dst, "deserialize")
@@ -485,7 +486,8 @@ class TurboQuantDeserializer(Deserializer):
             want = (out.shape[1], out.shape[3] // d, n_tokens - e, d) if d and out.shape[3] % d == 0 else None
             if want is None or (*q.lead_shape, q.num_tokens, q.dim) != want:
                 raise CorruptStreamError(f"turboquant {name} codes do not fit the chunk {tuple(out.shape)}")
-            rec = q.dequantize(torch.float32)  # [layers, heads, tokens, d]
+            with turboquant_fast.workers(self.threads):
+                rec = q.dequantize(torch.float32)  # [layers, heads, tokens, d]
             out[part, :, e:] = _narrow(rec.transpose(1, 2).reshape(out.shape[1], n_tokens - e, out.shape[3]), out.dtype)
 
 
@@ -614,10 +616,12 @@ def turboquant_serde(kwargs: dict):
     opts = TurboQuantOptions(**_options(TurboQuantOptions, kwargs, "kvcodec_turboquant"))
     for f in ("head_dim", "key_bits", "value_bits", "exact_tokens", "outliers", "seed"):
         _int({f: getattr(opts, f)}, f, 0, 0)
-    ser = TurboQuantSerializer(opts)  # builds the quantizers: bad bits/head_dim fail here, at config time
+    threads = _int(kwargs, "threads", 0, 0)
+    ser = TurboQuantSerializer(opts, threads)  # builds the quantizers: bad bits/head_dim fail here, at config time
     log.info("kvcodec_turboquant is lossy: keys %d bits, values %d bits per value (+ norms); "
              "measured attention-output error in kvcodec's docs/lmcache.md", opts.key_bits, opts.value_bits)
-    return AsyncSerdeProcessor(ser, TurboQuantDeserializer(ser.config), max_workers=_int(kwargs, "max_workers", 1, 1))
+    return AsyncSerdeProcessor(ser, TurboQuantDeserializer(ser.config, threads),
+                               max_workers=_int(kwargs, "max_workers", 1, 1))
 
 
 def transform_serde(kwargs: dict):

@@ -3,7 +3,7 @@
 The torch versions of these steps (``torch.bucketize``, ``packing.pack_bits``,
 ``packing.unpack_values``) materialize several int32/int64 temporaries per coordinate and run on
 one core; on a 2-core AMD EPYC they took ~80% of ``TurboQuantMSE.quantize``. These numba kernels
-(``nogil``: rows are split over ``torch.get_num_threads()`` threads) compute the same integers and
+(``nogil``: rows are split over ``torch.get_num_threads()`` threads, or ``workers(n)``) compute the same integers and
 table values, so the bytes a quantizer writes and the floats it reads back are identical to the
 torch path (tests/test_lmcache_turboquant_fast.py checks that over random inputs with hypothesis).
 The float reductions (norms, the rotation, the norm-correction dot) stay in torch, where their
@@ -38,6 +38,20 @@ def disabled():
         yield
     finally:
         _state.off = prev
+
+
+@contextlib.contextmanager
+def workers(n: int):
+    """Split rows over ``n`` threads in this thread's calls (0: every core) instead of
+    ``torch.get_num_threads()``: a caller that runs torch on one thread can still spread these."""
+    from kvcodec.lossless.threads import resolve_threads
+
+    prev = getattr(_state, "workers", None)
+    _state.workers = resolve_threads(n)
+    try:
+        yield
+    finally:
+        _state.workers = prev
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -123,13 +137,14 @@ def _unpack_rows(packed, table, group, n, out):  # pragma: no cover - compiled
 
 def _split_rows(fn, n_rows: int, *arrays) -> None:
     """Run ``fn(*row_slices)`` over row blocks on ``torch.get_num_threads()`` threads (GIL released)."""
-    workers = max(1, min(torch.get_num_threads(), n_rows // MIN_ROWS_PER_THREAD))
-    if workers == 1:
+    want = getattr(_state, "workers", None) or torch.get_num_threads()
+    n = max(1, min(want, n_rows // MIN_ROWS_PER_THREAD))
+    if n == 1:
         fn(*arrays)
         return
-    bounds = np.linspace(0, n_rows, workers + 1).astype(np.int64)
+    bounds = np.linspace(0, n_rows, n + 1).astype(np.int64)
     parts = [[a[lo:hi] for a in arrays] for lo, hi in zip(bounds[:-1], bounds[1:])]
-    with ThreadPoolExecutor(workers) as ex:
+    with ThreadPoolExecutor(n) as ex:
         list(ex.map(lambda p: fn(*p), parts))
 
 
