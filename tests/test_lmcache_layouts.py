@@ -43,7 +43,7 @@ def mla(sample, tokens: int, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def _cast(x: torch.Tensor, dtype) -> torch.Tensor:
-    if dtype == FP8:
+    if dtype.itemsize == 1:
         return (x.float() * 8).clamp(-448, 448).to(FP8)  # fp8 KV with a per-tensor scale, as vLLM stores it
     return x.to(dtype)
 
@@ -88,7 +88,7 @@ def rel_err(a, b) -> float:
 
 LAYOUTS = [("mha", torch.bfloat16, 256), ("mha", torch.bfloat16, 16), ("mha", torch.bfloat16, 1),
            ("mha", torch.bfloat16, 1000), ("mha", FP8, 256), ("mha", FP8, 48), ("mla", torch.bfloat16, 256),
-           ("mla", torch.bfloat16, 7), ("mla", FP8, 256), ("mha", torch.float16, 64)]
+           ("mla", torch.bfloat16, 7), ("mla", FP8, 256), ("mha", torch.float16, 64), ("mha", torch.float8_e5m2, 64)]
 
 
 @pytest.mark.parametrize("kind,dtype,tokens,codec", [(*layout, "planes") for layout in LAYOUTS] + [

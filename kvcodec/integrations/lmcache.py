@@ -15,13 +15,20 @@ point for serdes, so the import must run in the process that builds the storage 
 Fixed-size slots. LMCache 0.5.6 allocates the buffer an L2 adapter loads into from
 ``estimate_serialized_size`` and its fs and resp adapters count a stored object of any other
 length as a miss ("Incomplete read"). So every object written here fills exactly its estimate:
-a 32-byte frame (magic, version, kind, payload length, crc32), the payload, zero padding.
-The lossless slot is ``raw / slot_ratio`` bytes; a chunk that does not compress into its slot
-is refused (its store fails, LMCache keeps serving it from L1 or recomputes it), never truncated.
+a 32-byte frame (magic, version, kind, payload length, crc32, key digest), the payload, zero
+padding. The lossless slot is ``raw / slot_ratio`` bytes, the ratio chosen from measured chunks
+(``slot_ratio="auto"``, ``calibrate_slots``) or given; a chunk that does not compress into its slot
+is refused (its store fails, LMCache keeps serving it from L1 or recomputes it), never truncated,
+and counted (``lossless_slot_stats``).
 
-Errors. A damaged object (bad frame, checksum, container, or a stored shape/dtype other than
-the one LMCache asks for) raises ``kvcodec.CorruptStreamError`` inside ``deserialize``; LMCache's
-serde processor turns any exception into a failed load, i.e. a miss, never garbage KV.
+Keys. The frame carries a digest of LMCache's ``ObjectKey`` (model, chunk hash, kv_rank, object
+group, cache salt) and of the serde config that wrote it: a valid object found under another key
+raises ``KeyMismatchError`` in ``deserialize``, a miss.
+
+Errors. A damaged or mixed-up object (bad frame, checksum, key digest, container, or a stored
+shape/dtype other than the one LMCache asks for) raises ``kvcodec.CorruptStreamError`` (or its
+subclasses ``KeyMismatchError``, ``DeviceStagingError``) inside ``deserialize``; LMCache's serde
+processor turns any exception into a failed load, i.e. a miss, never garbage KV.
 """
 
 from __future__ import annotations
@@ -181,6 +188,74 @@ def _check_target(shape, dtype_name: str, out: torch.Tensor) -> None:
                                  f"{container.torch_dtype_name(out.dtype)} {tuple(out.shape)}")
 
 
+# ---------------------------------------------------------------------------------- GPU staging
+class DeviceStagingError(CorruptStreamError):
+    """The GPU a ``cuda_device`` serde stages on failed (out of memory, a device error): the store is
+    not made, the load is a miss, as for a damaged object."""
+
+
+def resolve_cuda_device(spec) -> torch.device | None:
+    """``cuda_device`` option -> a CUDA device, or None (CPU). ``""``/``"auto"``: the visible GPU with
+    the most free memory; ``"cuda:N"`` or ``N``: that one. ValueError without CUDA or for a bad name."""
+    if spec is None:
+        return None
+    if isinstance(spec, bool) or not isinstance(spec, (str, int)):
+        raise ValueError(f"cuda_device must be null, 'auto', 'cuda:N' or N, got {spec!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"cuda_device={spec!r} but CUDA is not available here: leave cuda_device out to code on the CPU")
+    if spec in ("", "auto"):
+        free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+        return torch.device("cuda", int(np.argmax(free)))
+    try:
+        dev = torch.device(f"cuda:{spec}" if isinstance(spec, int) else spec)
+    except RuntimeError as exc:
+        raise ValueError(f"cuda_device {spec!r}: {exc}") from None
+    if dev.type != "cuda" or (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"cuda_device {spec!r} is not a visible CUDA device")
+    return torch.device("cuda", dev.index or 0)
+
+
+class CudaStage:
+    """Moves chunks between LMCache's host buffers and one GPU through a pinned bounce buffer per
+    thread (pageable host memory would make every copy synchronous and slower); device failures
+    become ``DeviceStagingError``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._local = threading.local()
+
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+            self._local.buf = buf
+        return buf[:nbytes]
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        buf = self._pinned(t.nbytes)
+        buf.copy_(t.reshape(-1).view(torch.uint8))
+        with torch.cuda.device(self.device):
+            dev = buf.to(self.device, non_blocking=True)
+            torch.cuda.current_stream().synchronize()  # the bounce buffer is reused by the next call
+        return dev.view(t.dtype).reshape(t.shape)
+
+    def download(self, d: torch.Tensor, out: torch.Tensor) -> None:
+        buf = self._pinned(d.numel() * d.element_size())
+        with torch.cuda.device(self.device):
+            buf.copy_(d.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+        out.reshape(-1).view(torch.uint8).copy_(buf)
+
+    def run(self, what: str, fn):
+        """``fn()`` with device errors turned into DeviceStagingError (kvcodec's own errors pass)."""
+        try:
+            return fn()
+        except (CorruptStreamError, SlotOverflowError):
+            raise
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            raise DeviceStagingError(f"{what} on {self.device} failed: {exc}") from exc
+
+
 # ------------------------------------------------------------------------------------ lossless
 def choose_slot_ratio(ratios, fit: float = SLOT_FIT) -> float:
     """The slot ratio (raw bytes / slot bytes) that a share ``fit`` of chunks is expected to fit,
@@ -239,8 +314,8 @@ class LosslessSerializer(Serializer):
     startup, so restarts and other servers sharing the L2 use the same slot)."""
 
     def __init__(self, codec: str, slot_ratio, threads: int, calibration_chunks: int = 32,
-                 slot_file: str | None = None, fit: float = SLOT_FIT):
-        self.codec, self.slot_ratio, self.threads = codec, slot_ratio, threads
+                 slot_file: str | None = None, fit: float = SLOT_FIT, stage: CudaStage | None = None):
+        self.codec, self.slot_ratio, self.threads, self.stage = codec, slot_ratio, threads, stage
         self.calibration_chunks, self.slot_file, self.fit = calibration_chunks, slot_file, fit
         self.config = json.dumps({"type": "kvcodec_lossless", "codec": codec}, sort_keys=True)
         self._lock = threading.Lock()
@@ -273,7 +348,11 @@ class LosslessSerializer(Serializer):
         layout = _layout_key(t.shape, t.dtype)
         with self._lock:
             ratio = self._ratio(layout)
-        blob = compress(t, codec=self.codec, threads=self.threads)
+        if self.stage is None:
+            blob = compress(t, codec=self.codec, threads=self.threads)
+        else:  # kvcodec's GPU encoders; only the blob comes back
+            blob = self.stage.run("compress", lambda: compress(self.stage.upload(t), codec=self.codec,
+                                                                threads=self.threads))
         if ratio is None:
             self._calibrate(layout, t.nbytes / (FRAME.size + len(blob)))
             raise SlotOverflowError(f"kvcodec_lossless is measuring {layout} for slot_ratio='auto': not stored")
@@ -351,15 +430,24 @@ def calibrate_slots(chunks, codec: str = "planes", fit: float = SLOT_FIT, path: 
 
 
 class LosslessDeserializer(Deserializer):
-    def __init__(self, threads: int, config: str):
-        self.threads, self.config = threads, config
+    def __init__(self, threads: int, config: str, stage: CudaStage | None = None):
+        self.threads, self.config, self.stage = threads, config, stage
 
     def deserialize(self, src, dst, key) -> None:
         out = _the_tensor(dst, "deserialize")
         body = read_frame(_the_tensor(src, "deserialize"), LOSSLESS, key_digest(key, self.config))
-        t = decompress(body, threads=self.threads, device="cpu", max_output_bytes=out.nbytes)
-        _check_target(t.shape, container.torch_dtype_name(t.dtype), out)
-        out.copy_(t)
+        if self.stage is None:
+            t = decompress(body, threads=self.threads, device="cpu", max_output_bytes=out.nbytes)
+            _check_target(t.shape, container.torch_dtype_name(t.dtype), out)
+            out.copy_(t)
+            return
+
+        def on_gpu():
+            t = decompress(body, threads=self.threads, device=self.stage.device, max_output_bytes=out.nbytes)
+            _check_target(t.shape, container.torch_dtype_name(t.dtype), out)
+            self.stage.download(t, out)
+
+        self.stage.run("decompress", on_gpu)
 
 
 # ---------------------------------------------------------------------------------- turboquant
@@ -421,8 +509,8 @@ class TurboQuantSerializer(Serializer):
     """Lossy: TurboQuant codes + norms of every (layer, head), keys and values at their own bits;
     MLA chunks (one part, the latent) use the key settings."""
 
-    def __init__(self, opts: TurboQuantOptions, threads: int = 0):
-        self.opts, self.threads = opts, threads
+    def __init__(self, opts: TurboQuantOptions, threads: int = 0, stage: CudaStage | None = None):
+        self.opts, self.threads, self.stage = opts, threads, stage
         self.quantizers = (opts.quantizer(0), opts.quantizer(1))
         self.config = json.dumps({"type": "kvcodec_turboquant", **asdict(opts)}, sort_keys=True)
         self._slots: dict = {}
@@ -437,8 +525,8 @@ class TurboQuantSerializer(Serializer):
                 with turboquant_fast.workers(self.threads):
                     q = self.quantizers[part].quantize(_part_heads(kv[part, :, e:], n_heads)).to_dict()
                 meta[name] = q["meta"]
-                tensors.update({f"{name}.{k}": t for k, t in q["tensors"].items()})
-        return container.dumps(TQ_KIND, meta, tensors)
+                tensors.update({f"{name}.{k}": t.cpu() for k, t in q["tensors"].items()})
+        return container.dumps(TQ_KIND, meta, {k: t.cpu() for k, t in tensors.items()})
 
     def estimate_serialized_size(self, layout_desc) -> int:
         """Exact for the layout (probed once on zeros) plus HEADER_SLACK: what the container's JSON
@@ -453,13 +541,17 @@ class TurboQuantSerializer(Serializer):
         return self._slots[key]
 
     def serialize(self, src, dst, key) -> int:
-        return write_frame(_the_tensor(dst, "serialize"), TURBOQUANT, self.payload(_the_tensor(src, "serialize")),
-                           key_digest(key, self.config))
+        kv = _the_tensor(src, "serialize")
+        if self.stage is None:
+            body = self.payload(kv)
+        else:  # torch's CUDA kernels; the codes come back (GPU rounding may pick other codes than the CPU)
+            body = self.stage.run("quantize", lambda: self.payload(self.stage.upload(kv)))
+        return write_frame(_the_tensor(dst, "serialize"), TURBOQUANT, body, key_digest(key, self.config))
 
 
 class TurboQuantDeserializer(Deserializer):
-    def __init__(self, config: str = "", threads: int = 0):
-        self.config, self.threads = config, threads
+    def __init__(self, config: str = "", threads: int = 0, stage: CudaStage | None = None):
+        self.config, self.threads, self.stage = config, threads, stage
 
     def deserialize(self, src, dst, key) -> None:
         out = _the_tensor(dst, "deserialize")
@@ -486,9 +578,20 @@ class TurboQuantDeserializer(Deserializer):
             want = (out.shape[1], out.shape[3] // d, n_tokens - e, d) if d and out.shape[3] % d == 0 else None
             if want is None or (*q.lead_shape, q.num_tokens, q.dim) != want:
                 raise CorruptStreamError(f"turboquant {name} codes do not fit the chunk {tuple(out.shape)}")
-            with turboquant_fast.workers(self.threads):
-                rec = q.dequantize(torch.float32)  # [layers, heads, tokens, d]
-            out[part, :, e:] = _narrow(rec.transpose(1, 2).reshape(out.shape[1], n_tokens - e, out.shape[3]), out.dtype)
+            if self.stage is None:
+                with turboquant_fast.workers(self.threads):
+                    rec = q.dequantize(torch.float32)  # [layers, heads, tokens, d]
+                out[part, :, e:] = _narrow(rec.transpose(1, 2).reshape(out.shape[1], n_tokens - e, out.shape[3]),
+                                           out.dtype)
+            else:
+                def on_gpu(q=q, part=part):
+                    rec = q.to(self.stage.device).dequantize(torch.float32)
+                    rec = _narrow(rec.transpose(1, 2).reshape(out.shape[1], n_tokens - e, out.shape[3]), out.dtype)
+                    host = torch.empty(rec.shape, dtype=rec.dtype)
+                    self.stage.download(rec, host)
+                    out[part, :, e:] = host
+
+                self.stage.run("dequantize", on_gpu)
 
 
 # ---------------------------------------------------------------------------------- transform
@@ -571,7 +674,7 @@ def fit_chunk_calibration(keys, values, rope, chunk_tokens: int = 256, **fit_opt
 
 
 # ------------------------------------------------------------------------------ registration
-def _options(cls, kwargs: dict, name: str, extra=("max_workers", "threads")) -> dict:
+def _options(cls, kwargs: dict, name: str, extra=("max_workers", "threads", "cuda_device")) -> dict:
     allowed = {f.name for f in fields(cls)} if cls else set()
     unknown = set(kwargs) - allowed - set(extra)
     if unknown:
@@ -606,9 +709,16 @@ def lossless_serde(kwargs: dict):
     if isinstance(fit, bool) or not isinstance(fit, (int, float)) or not 0.5 <= fit < 1:
         raise ValueError(f"kvcodec_lossless: fit must be a number in [0.5, 1), got {fit!r}")
     threads = _int(kwargs, "threads", 0, 0)
-    ser = LosslessSerializer(codec, ratio, threads, _int(kwargs, "calibration_chunks", 32, 2), slot_file, float(fit))
-    return AsyncSerdeProcessor(ser, LosslessDeserializer(threads, ser.config),
+    stage = _stage(kwargs)
+    ser = LosslessSerializer(codec, ratio, threads, _int(kwargs, "calibration_chunks", 32, 2), slot_file, float(fit),
+                             stage)
+    return AsyncSerdeProcessor(ser, LosslessDeserializer(threads, ser.config, stage),
                                max_workers=_int(kwargs, "max_workers", 1, 1))
+
+
+def _stage(kwargs: dict) -> CudaStage | None:
+    device = resolve_cuda_device(kwargs.get("cuda_device"))
+    return None if device is None else CudaStage(device)
 
 
 def turboquant_serde(kwargs: dict):
@@ -617,10 +727,11 @@ def turboquant_serde(kwargs: dict):
     for f in ("head_dim", "key_bits", "value_bits", "exact_tokens", "outliers", "seed"):
         _int({f: getattr(opts, f)}, f, 0, 0)
     threads = _int(kwargs, "threads", 0, 0)
-    ser = TurboQuantSerializer(opts, threads)  # builds the quantizers: bad bits/head_dim fail here, at config time
+    stage = _stage(kwargs)
+    ser = TurboQuantSerializer(opts, threads, stage)  # builds the quantizers: bad bits/head_dim fail here
     log.info("kvcodec_turboquant is lossy: keys %d bits, values %d bits per value (+ norms); "
              "measured attention-output error in kvcodec's docs/lmcache.md", opts.key_bits, opts.value_bits)
-    return AsyncSerdeProcessor(ser, TurboQuantDeserializer(ser.config, threads),
+    return AsyncSerdeProcessor(ser, TurboQuantDeserializer(ser.config, threads, stage),
                                max_workers=_int(kwargs, "max_workers", 1, 1))
 
 
@@ -630,7 +741,7 @@ def transform_serde(kwargs: dict):
     from kvcodec.transform import Calibration
 
     _options(None, {k: v for k, v in kwargs.items() if k not in ("calibration", "bits", "exact_tokens")},
-             "kvcodec_transform")
+             "kvcodec_transform", extra=("max_workers", "threads"))
     path = kwargs.get("calibration")
     if not isinstance(path, str) or not path:
         raise ValueError("kvcodec_transform: 'calibration' must name a calibration file (kvcodec.transform)")
