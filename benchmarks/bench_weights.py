@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     device = torch.device(args.device)
+    load_before = os.getloadavg()[0]
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(2048, 4096, generator=gen) * 0.02
     tensors = {"normal_0.02": w.to(torch.bfloat16), "normal_0.02 fp16": w.to(torch.float16),
@@ -123,7 +125,9 @@ def main() -> None:
     rows.append(model_row("tiny llama (4 layers, d 512)", _tiny_llama(), device, args.tokens))
     if use_smollm2:
         rows.append(model_row("SmolLM2-135M-Instruct", copy.deepcopy(real), device, args.tokens))
-    notes = [f"torch threads {torch.get_num_threads()}; device {device}"
+    notes = [f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs, 1-minute load average "
+             f"{load_before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (other processes slow "
+             f"every speed here when it exceeds the CPU count); device {device}"
              + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
              "format: ratio = dense bytes / blob bytes; decode GB/s = dense bytes out per second, best of 5",
              "model: weights = distinct Linear / Embedding weights (tied once); ms/token = greedy generate of "
