@@ -1,10 +1,12 @@
 """The ``kvcodec`` command line: demo, bench, compress, decompress, inspect.
 
-Rules every command follows: an existing file is never overwritten without ``--force``, and never
-the input itself; output is written to a temporary file beside the target and renamed into place
-only once complete, so a failure (full disk, Ctrl-C, corrupt input) leaves the old file or
-nothing; errors name the user's paths, never a temporary one; success prints one summary line.
-Exit codes: 0 success, 1 a benchmark suite failed, 2 bad input or a refused/failed write.
+Rules every command follows (those of ``kvcodec.safe_write``): an existing file is never
+overwritten without ``--force``, and never the input itself, a symbolic link or a file with other
+hard links; output is written to a temporary file beside the target, fsync'ed and renamed into
+place only once complete, so a failure (full disk, Ctrl-C, kill -9, corrupt input) leaves the old
+file or nothing; errors name the user's paths, never a temporary one; success prints one summary
+line; a bad argument prints one line. Exit codes: 0 success, 1 a benchmark suite failed, 2 bad
+arguments, bad input or a refused/failed write.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvcodec import container
 from kvcodec import transform as T
-from kvcodec.errors import CorruptStreamError
+from kvcodec.errors import CorruptStreamError, WriteRefusedError
 from kvcodec.transform import blob as fmt
 
 L, H, D = 2, 2, 16
@@ -109,6 +109,9 @@ def test_truncated_rank_codes_only_the_kept_components(rope):
 def test_calibration_file_round_trip_and_validation(calib, tmp_path):
     path = tmp_path / "model.kvtc"
     calib.save(path)
+    with pytest.raises(WriteRefusedError, match="already exists"):  # kvcodec.safe_write's rules
+        calib.save(path)
+    calib.save(path, overwrite=True)
     back = T.Calibration.load(path)
     assert back.fingerprint == calib.fingerprint and back.rope == calib.rope
     raw = path.read_bytes()
@@ -381,7 +384,7 @@ def test_hf_compressed_cache_saved_and_loaded_as_a_file(tiny_llama, tmp_path):
     cal = T.fit(k, v, None)
     path = tmp_path / "prefix.kvt"
     n = thf.save_cache(cache, path, cal, distortion=0.01, window=16)
-    assert path.stat().st_size == n and not list(tmp_path.glob("*.tmp*"))
+    assert path.stat().st_size == n and not list(tmp_path.glob(".*.kvcodec-tmp.*"))  # no temporary left
     back = thf.load_cache(path, cal, cache=CompressedCache(cfg, key_bits=4))
     assert isinstance(back, CompressedCache) and back.get_seq_length() == 300
     dense = thf.load_cache(path, cal)
