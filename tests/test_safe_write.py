@@ -333,7 +333,7 @@ def _fork(body):
     return pid
 
 
-def _race_processes(write, n=3, rounds=3, timeout=120):
+def _race_processes(write, n=3, rounds=6, timeout=120):
     """``n`` forked writers, ``rounds`` writes each; returns (exit statuses, what a reader saw)."""
     pids = [_fork(lambda i=i: [write((i + r) % 2) for r in range(rounds)]) for i in range(n)]
     status, deadline = {}, time.monotonic() + timeout
@@ -387,9 +387,12 @@ def test_kill_9_at_random_moments_leaves_the_old_or_the_new_file(tmp_path):
     srcs = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
     originals = {_model(srcs[0], 0), _model(srcs[1], 1, n=40)}
     dst = tmp_path / "out.kvc"
-    t0 = time.perf_counter()
-    files.compress_file(srcs[0], tmp_path / "warm.kvc", threads=1, progress=False)
-    one_write = time.perf_counter() - t0
+    times = []
+    for _ in range(2):  # the first compiles or loads the codec; the second is what a writer costs
+        t0 = time.perf_counter()
+        files.compress_file(srcs[1], tmp_path / "warm.kvc", threads=1, progress=False, overwrite=True)
+        times.append(time.perf_counter() - t0)
+    one_write = times[-1]
     (tmp_path / "warm.kvc").unlink()
     rng = random.Random(1234)
     seen, leftovers = [], []
@@ -400,13 +403,13 @@ def test_kill_9_at_random_moments_leaves_the_old_or_the_new_file(tmp_path):
 
     for trial in range(24):
         pid = _fork(rewrite_forever)
-        time.sleep(rng.uniform(0, 4 * one_write))
+        time.sleep(rng.uniform(0, 6 * one_write))  # before, during or after a first write
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         if dst.exists():
             seen.append(dst.read_bytes())
         leftovers.append(len(_temporaries(tmp_path)))
-    assert len(seen) >= 12, f"only {len(seen)} of 24 writers finished a write: the kill window is too short"
+    assert len(seen) >= 6, f"only {len(seen)} of 24 writers finished a write: the kill window is too short"
     assert max(leftovers) <= 1 and sum(leftovers) > 0, leftovers
     for blob in set(seen):
         (tmp_path / "seen.kvc").write_bytes(blob)

@@ -210,6 +210,6 @@ def nvcc_compile(source: str, instances: list[str], arch: str, workdir: str | Pa
     workdir.mkdir(parents=True, exist_ok=True)
     stem = Path(source).stem
     wrapper = workdir / f"{stem}_{arch}.cu"
-    wrapper.write_text(instantiation_wrapper(source, instances))
+    safe_write.write_bytes(wrapper, instantiation_wrapper(source, instances).encode(), overwrite=True)
     cmd = nvcc_command(wrapper, arch, workdir / f"{stem}_{arch}.cubin", extra)
     return subprocess.run(cmd, capture_output=True, text=True)
