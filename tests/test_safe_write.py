@@ -570,3 +570,39 @@ def test_first_run_on_a_read_only_mount(tmp_path):
             subprocess.run(["umount", str(site)], check=False)
         subprocess.run(["chmod", "-R", "u+w", str(root)], check=False)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_numba_cache_folder_choice(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME, then ~/.cache, then a private folder in the temporary directory; an existing
+    NUMBA_CACHE_DIR or a writable package folder is left alone."""
+    from kvcodec import _numba_cache as nc
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert nc.user_cache_dir() == tmp_path / "xdg" / "kvcodec" / "numba" and nc.user_cache_dir().is_dir()
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert nc.user_cache_dir() == tmp_path / "home" / ".cache" / "kvcodec" / "numba"
+    (tmp_path / "file").write_bytes(b"")
+    monkeypatch.setenv("HOME", str(tmp_path / "file"))  # no folder can be made under a file, even by root
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    private = nc.user_cache_dir()
+    assert private == tmp_path / "tmp" / f"kvcodec-numba-{os.getuid()}"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    private.chmod(0o777)  # open to others: anyone could plant pickled code there, so a fresh folder
+    fresh = nc.user_cache_dir()
+    assert fresh != private and fresh.parent == tmp_path / "tmp" and stat.S_IMODE(fresh.stat().st_mode) == 0o700
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/somewhere")
+    monkeypatch.setattr(nc, "PACKAGE_DIR", tmp_path / "file" / "pkg")  # not writable
+    assert nc.configure() is None and os.environ["NUMBA_CACHE_DIR"] == "/somewhere"
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    import numba.core.config
+
+    monkeypatch.setattr(numba.core.config, "CACHE_DIR", numba.core.config.CACHE_DIR)
+    assert nc.configure() == str(tmp_path / "xdg" / "kvcodec" / "numba")
+    assert os.environ["NUMBA_CACHE_DIR"] == numba.core.config.CACHE_DIR  # numba already imported: told too
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    monkeypatch.setattr(nc, "PACKAGE_DIR", tmp_path)  # writable: numba's own __pycache__ works
+    assert nc.configure() is None and "NUMBA_CACHE_DIR" not in os.environ
