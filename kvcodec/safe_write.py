@@ -207,7 +207,7 @@ def atomic_write(path: str | os.PathLike, *, overwrite: bool = False,
     out = None
     try:
         if st is not None and hasattr(os, "fchmod"):
-            os.fchmod(fd, stat.S_IMODE(st.st_mode))  # a replaced file keeps its permissions
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)  # a replaced file keeps its permissions
         out = _Output(fd, path)
         yield out
         try:
