@@ -130,11 +130,18 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def write_frame(dst: torch.Tensor, kind: int, payload, digest: bytes = bytes(DIGEST_BYTES)) -> int:
-    """Frame ``payload`` into ``dst`` and zero the rest of it; returns ``dst``'s size in bytes
-    (the slot: LMCache stores and later loads exactly that many bytes). ``digest``: ``key_digest``."""
+def write_frame(dst: torch.Tensor, kind: int, payload, digest: bytes = bytes(DIGEST_BYTES),
+                slot: int | None = None) -> int:
+    """Frame ``payload`` into the first ``slot`` bytes of ``dst`` (default: all of it) and zero the
+    rest of the slot; returns the slot's size (LMCache stores and later loads exactly that many
+    bytes). ``digest``: ``key_digest``."""
     body = np.frombuffer(payload, np.uint8)
-    slot = dst.numel() * dst.element_size()
+    size = dst.numel() * dst.element_size()
+    if slot is None:
+        slot = size
+    elif slot > size:
+        raise SlotOverflowError(f"a {slot}-byte slot does not fit the {size}-byte buffer LMCache allocated")
+    dst = dst.reshape(-1).view(torch.uint8)[:slot]
     if FRAME.size + body.size > slot:
         raise SlotOverflowError(f"payload of {body.size} bytes does not fit a {slot}-byte slot")
     head = FRAME.pack(MAGIC, VERSION, kind, 0, body.size, 0, digest)
@@ -356,8 +363,9 @@ class LosslessSerializer(Serializer):
         if ratio is None:
             self._calibrate(layout, t.nbytes / (FRAME.size + len(blob)))
             raise SlotOverflowError(f"kvcodec_lossless is measuring {layout} for slot_ratio='auto': not stored")
-        try:
-            n = write_frame(_the_tensor(dst, "serialize"), LOSSLESS, blob, key_digest(key, self.config))
+        try:  # the slot of the ratio in force now (the buffer came from an estimate that may predate it)
+            n = write_frame(_the_tensor(dst, "serialize"), LOSSLESS, blob, key_digest(key, self.config),
+                            slot=FRAME.size + math.ceil(t.nbytes / ratio))
         except SlotOverflowError as exc:
             with self._lock:
                 self._stats.refused += 1
