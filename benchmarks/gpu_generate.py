@@ -34,6 +34,7 @@ decode, CUDA-graph timed, vs bf16 flash SDPA and % of copy bandwidth on the comp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -90,13 +91,9 @@ def fill(cache, kind: str, model, batch: int, ctx: int, seed: int) -> None:
     for i in range(cfg.num_hidden_layers):
         k = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=g)
         v = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=g)
-        if kind == "kvc eager":  # the eager layer compresses after its attention: arm it, then finish
-            layer = cache.layers[i]
-            if not layer.is_initialized:
-                layer.lazy_initialization(k, v)
-            layer.armed = True
-            layer.update(k, v)
-            layer.finish_step()
+        if kind == "kvc eager":  # the bound eager layer compresses after its attention: finish the step
+            cache.layers[i].update(k, v)
+            cache.layers[i].finish_step()
         else:
             cache.update(k, v, i, {"cache_position": torch.arange(ctx, device=dev)})
         del k, v
@@ -137,8 +134,12 @@ def measure(kind: str, model, batch: int, ctx: int, n_steps: int, seed: int) -> 
     cuda = dev.type == "cuda"
     max_len = ctx + n_steps + 16
     row = {}
-    with torch.no_grad(), _sdpa_flash(cuda):
+    with torch.no_grad(), _sdpa_flash(cuda), contextlib.ExitStack() as bound:
         cache = make_cache(kind, model, batch, max_len)
+        if kind.startswith("kvc"):  # model.forward is called directly (and compiled, captured): bind by hand
+            import kvcodec.hf as khf
+
+            bound.enter_context(khf.use(model, cache))
         fill(cache, kind, model, batch, ctx, seed)
         step, tok, pos = step_fn(model, cache, batch)
         pos.fill_(ctx)

@@ -214,8 +214,16 @@ def test_bad_configuration_raises_at_construction(kwargs, match):
         CompressedCache(config, **kwargs)
 
 
-def test_sliding_window_models_are_refused():
+def test_sliding_window_layers_follow_the_window_rule():
+    """A window longer than residual + 2 * block_size is a compressed sliding layer; a shorter one stays
+    transformers' exact window layer (tests/test_hf_models.py runs both through generate)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from kvcodec.hf.layer import SlidingCompressedLayer
+
     config = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=16, max_window_layers=0,
                          hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(ValueError, match="full-attention"):
-        CompressedCache(config, method="none")
+    short = CompressedCache(config, method="none", residual=4, block_size=8)
+    assert all(type(layer) is DynamicSlidingWindowLayer for layer in short.layers)
+    long = CompressedCache(config, method="none", residual=4, block_size=4)
+    assert all(isinstance(layer, SlidingCompressedLayer) and layer.sliding_window == 16 for layer in long.layers)

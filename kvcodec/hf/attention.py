@@ -1,26 +1,30 @@
 """Attention computed on the compressed cache, plugged into transformers' AttentionInterface.
 
 transformers calls ``fn(module, query, key, value, attention_mask, scaling=..., dropout=...)``
-but never passes the cache. A forward pre-hook on every attention module (installed by
-:func:`enable`) sees ``past_key_values`` in the module's kwargs, *arms* the module's
-:class:`~kvcodec.hf.layer.CompressedLayer` (so its ``update`` returns only the new exact K/V)
-and leaves the function a weak reference to it. The function then runs one joint softmax over
-``[sink | compressed blocks | full-precision window (which ends with the new tokens)]``:
+but never passes the cache: during a forward that received a kvcodec cache, ``kvcodec.hf.binding``
+switches the model's configs to this function and leaves the cache where it finds it
+(``module.config``). A compressed layer's ``update`` then returns only the new tokens, and the
+function runs one joint softmax over ``[sink | compressed blocks | full-precision window (which ends
+with the new tokens)]``:
 
 * exact parts: ``q @ k^T`` in float32;
 * compressed blocks: ``encoding.scores`` / ``encoding.weighted_sum`` (kvcodec.hf.encodings) on the compressed form, never a
   dense K/V copy;
 * online (flash-style) softmax over the parts, chunked over query rows and key tokens so the
-  working memory stays bounded; GQA by viewing the queries as [B, H_kv, G*Tq, D].
+  working memory stays bounded; GQA by viewing the queries as [B, H_kv, G*Tq, D]; K and V may have
+  different head dims (MLA); logit soft-capping (Gemma 2) and learned sink logits (GPT-OSS) as the
+  models' own eager attention applies them.
 
-On CUDA (TurboQuant, no padding mask) the compressed tokens go through the fused kernel instead
-(:func:`fused_compressed`) and the exact tokens join them in one softmax
+On CUDA (TurboQuant, no padding mask, no soft-cap or sinks) the compressed tokens go through the fused
+kernel instead (:func:`fused_compressed`) and the exact tokens join them in one softmax
 (:func:`_attend_with_compressed`): about ten torch kernels per layer and step besides the kernel's
 own, because a decode step is host-bound (launch overhead, not GPU time, sets its speed).
 
-Prefill (no compressed block yet) and the exact encodings ("none", "lossless") attend with
-transformers' own SDPA over the exact/decoded K/V: the prompt is attended at full precision (best
-quality) and only then compressed, and the lossless cache reproduces DynamicCache bit for bit.
+Layers that are not compressed (sliding-window, linear-attention and SSM layers keep transformers' own
+cache layers), the prefill (no compressed block yet) and the exact encodings ("none", "lossless")
+attend with the model's own implementation (``delegate``: its eager function when the model runs
+eager or cannot run SDPA, else SDPA) over the exact/decoded K/V: the prompt is attended at full
+precision and only then compressed, and the lossless cache reproduces DynamicCache bit for bit.
 """
 
 from __future__ import annotations
@@ -33,14 +37,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kvcodec.cuda as kcuda
 from kvcodec.cuda import quantized as packed_attention
+from kvcodec.hf.binding import EAGER_NAME, NAME, attach, bound, bound_to, detach, implementation_for  # noqa: F401
 from kvcodec.hf.layer import CompressedLayer
 from kvcodec.hf.storage import Block, Segment
 from kvcodec.quant.packed import PackedKV
 
-NAME = "kvcodec"
 FUSED_MODES = ("auto", "off", "cpu-reference")
-_HOOK_ATTR = "_kvcodec_pre_hook"
-_LAYER_ATTR = "_kvcodec_layer"
 
 
 @dataclass(frozen=True)
@@ -71,118 +73,183 @@ DEFAULT_OPTIONS = AttentionOptions()
 
 
 def register() -> None:
-    """Register the attention function and its mask function under ``NAME`` (idempotent)."""
+    """Register the attention functions and their mask functions (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
     AttentionInterface.register(NAME, compressed_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # boolean [B, 1, Tq, Tkv] masks, None when causal
-
-
-def attention_modules(model: torch.nn.Module):
-    """The self-attention modules of a decoder (those that receive ``past_key_values``)."""
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "k_proj") and hasattr(module, "v_proj"):
-            yield name, module
+    AttentionInterface.register(EAGER_NAME, compressed_attention_eager)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(EAGER_NAME, eager_mask)  # additive float masks
 
 
 def enable(model: torch.nn.Module) -> torch.nn.Module:
-    """Switch ``model`` to kvcodec attention and hook its attention modules (idempotent)."""
+    """Let kvcodec caches passed to ``model`` attend on their compressed form (idempotent). The model is
+    not changed: see ``kvcodec.hf.binding``. ``CompressedCache(model, ...)`` calls this."""
     register()
-    if model.config._attn_implementation != NAME:
-        model.set_attn_implementation(NAME)
-    found = 0
-    for _, module in attention_modules(model):
-        found += 1
-        if getattr(module, _HOOK_ATTR, None) is None:
-            setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_arm_layer, with_kwargs=True))
-    if not found:
-        raise ValueError(f"{type(model).__name__} has no attention modules with k_proj/v_proj and layer_idx")
+    return attach(model)
+
+
+def use(model: torch.nn.Module, cache):
+    """Bind ``cache`` to ``model`` for a block of code (``with kvcodec.hf.use(model, cache): ...``), for
+    callers that run ``model.forward`` or a compiled copy of it directly, which skips the binding hooks."""
+    register()
+    return bound_to(model, cache)
+
+
+def disable(model: torch.nn.Module, attn_implementation: str | None = None) -> torch.nn.Module:
+    """Remove what :func:`enable` installed. ``attn_implementation``: also switch the model to it."""
+    detach(model)
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
     return model
 
 
-def disable(model: torch.nn.Module, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """Remove the hooks and restore another attention implementation."""
-    for _, module in attention_modules(model):
-        handle = getattr(module, _HOOK_ATTR, None)
-        if handle is not None:
-            handle.remove()
-            setattr(module, _HOOK_ATTR, None)
-        setattr(module, _LAYER_ATTR, None)
-    model.set_attn_implementation(attn_implementation)
-    return model
+def _eager_function(module):
+    """The model's own eager attention (defined in its modeling file: GPT-OSS adds sinks there)."""
+    import sys
+
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward in its modeling module; "
+                           "kvcodec cannot attend its uncompressed layers with eager masks")
+    return fn
 
 
-def _arm_layer(module, args, kwargs):
-    """Pre-hook: arm the module's layer when ``past_key_values`` is a compressed cache (its layers are
-    :class:`CompressedLayer`; a CompressedCache holds nothing else)."""
-    layers = getattr(kwargs.get("past_key_values"), "layers", None)
-    config = getattr(module, "config", None)
-    setattr(module, _LAYER_ATTR, None)
-    if isinstance(layers, list) and getattr(config, "_attn_implementation", None) == NAME:
-        idx = module.layer_idx
-        if idx < len(layers) and isinstance(layers[idx], CompressedLayer):
-            layer = layers[idx]
-            layer.armed = True
-            setattr(module, _LAYER_ATTR, weakref.ref(layer))
-    return None
+def _layer_of(module):
+    """The compressed layer whose new tokens this attention call must attend, or None."""
+    binding = bound(module)
+    idx = getattr(module, "layer_idx", None)
+    if binding is None or not isinstance(idx, int):
+        return None
+    layers = binding.cache.layers
+    layer = layers[idx] if idx < len(layers) else None
+    return layer if isinstance(layer, CompressedLayer) and layer.pending else None
 
 
 def compressed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface function: returns (output [B, Tq, H, D], None)."""
-    ref = getattr(module, _LAYER_ATTR, None)
-    layer = ref() if ref is not None else None
-    if layer is None or not layer.pending:
-        # no compressed cache armed (no cache, DynamicCache, use_cache=False): plain SDPA on what we got
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    setattr(module, _LAYER_ATTR, None)
+    """AttentionInterface function ``"kvcodec"`` (SDPA masks): returns (output [B, Tq, H, Dv], None)."""
+    return _attention(sdpa_attention_forward, module, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def compressed_attention_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface function ``"kvcodec_eager"`` (eager's additive masks)."""
+    return _attention(_eager_function(module), module, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def _attention(delegate, module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    layer = _layer_of(module)
+    if layer is None:  # an uncompressed layer (linear, KV-sharing), or no kvcodec cache bound
+        _check_shared(module, key)
+        return delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout and module.training:
         raise ValueError("kvcodec attention is for inference; dropout is not supported")
     scaling = module.scaling if scaling is None else scaling
     store = layer.store
     options = layer.attention_options or DEFAULT_OPTIONS
+    if key is not layer.handed[0] or value is not layer.handed[1]:  # not the tensors update returned
+        return _attends_transformed(delegate, layer, module, query, key, value, attention_mask, scaling, kwargs)
+    if key.shape[-2] == len(store):  # the new tokens are the whole history (a prompt on an empty cache)
+        layer.finish_step()
+        return delegate(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
     try:
+        skip = layer.hidden(query.shape[-2])  # sliding layers: held tokens outside the step's window
         if store.key_encoding.decoded_attention or not store.blocks:
             k, v = store.materialize(query.dtype)
-            return sdpa_attention_forward(module, query, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
-        fused = fused_compressed(layer, query, attention_mask, scaling, options)
-        out = attend_store(store, query, attention_mask, scaling, layer.spec.num_kv_heads, compressed=fused,
-                           options=options)
+            return delegate(module, query, k[..., skip:, :], v[..., skip:, :], attention_mask, dropout=0.0,
+                            scaling=scaling, **kwargs)
+        extras = Extras(kwargs.get("softcap"), kwargs.get("s_aux"))
+        fused = None if extras.any or skip else fused_compressed(layer, query, attention_mask, scaling, options)
+        out = attend_store(store, query, attention_mask, scaling, key.shape[1], compressed=fused,
+                           options=options, extras=extras, skip=skip)
         return out, None
     finally:
         layer.finish_step()
 
 
+def _check_shared(module, key) -> None:
+    """A layer that reuses another layer's K/V (Gemma 3n / 4 KV sharing) receives what that layer's
+    ``update`` returned: the producer must return its whole history, so it is switched to decoded mode
+    (found on the first forward, where the new tokens are the whole history; later: refuse)."""
+    binding = bound(module)
+    if binding is None:
+        return
+    for producer in binding.cache.compressed_layers():
+        if producer.handed[0] is key:
+            if not producer.decoded and not producer.handed_whole:
+                raise RuntimeError(f"layer {getattr(module, 'layer_idx', '?')} reuses layer {producer.layer_idx}'s K/V, "
+                                   "found on a cache that already held tokens: start from a fresh cache")
+            producer.decoded = True
+
+
+def _attends_transformed(delegate, layer, module, query, key, value, attention_mask, scaling, kwargs):
+    """The model attends something computed from what ``update`` returned (transformers' MLA expands its
+    cached latent into per-head K/V; DiffLlama splits V in halves): kvcodec cannot attend the compressed form, so the layer returns its
+    whole history decoded from now on. Found on the cache's first forward, where the new tokens are the
+    whole history and this call is exact; later it would have seen too little: refuse."""
+    fresh = len(layer.store) == layer.pending
+    layer.decoded = True
+    layer.finish_step()
+    if not fresh:
+        raise RuntimeError(f"layer {layer.layer_idx} of {type(module).__name__} attends K/V computed from its cache "
+                           "entries, found on a cache that already held tokens: start from a fresh cache")
+    return delegate(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
+
+
+@dataclass(frozen=True)
+class Extras:
+    """Score transforms some models apply inside attention: ``softcap`` (Gemma 2: scores become
+    ``softcap * tanh(scores / softcap)``) and ``sinks`` ([H] learned logits that join every softmax
+    with no value: GPT-OSS)."""
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def any(self) -> bool:
+        return bool(self.softcap) or self.sinks is not None
+
+
+NO_EXTRAS = Extras()
+
+
 def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads: int, compressed=None,
-                 options: AttentionOptions = DEFAULT_OPTIONS) -> torch.Tensor:
+                 options: AttentionOptions = DEFAULT_OPTIONS, extras: Extras = NO_EXTRAS, skip: int = 0) -> torch.Tensor:
     """Softmax attention of ``query`` [B, H, Tq, D] over every token of ``store`` (which ends with the
     Tq query tokens themselves). ``mask``: None (causal), bool [B, 1|H, Tq, Tkv] (True = attend) or an
     additive float mask. ``compressed``: optional :class:`CompressedPart` of the compressed tokens
     already computed by the fused kernel (``fused_compressed``, which takes no padding mask); then only
     the exact parts are attended here, merged with it in one softmax (:func:`_attend_with_compressed`).
-    ``options``: the chunk sizes. Returns [B, Tq, H, D] in the query dtype."""
+    ``options``: the chunk sizes; ``extras``: soft-capping and sink logits; ``skip``: the oldest held
+    tokens the queries may not see (sliding windows; the mask covers the rest). Returns [B, Tq, H, Dv]
+    in the query dtype (Dv: the values' head dim, which MLA models make differ from the keys')."""
     B, H, Tq, D = query.shape
     if H % num_kv_heads:
         raise ValueError(f"{H} query heads do not group over {num_kv_heads} KV heads")
     G = H // num_kv_heads
-    total = len(store)
+    total = len(store) - skip
     past = total - Tq
     if mask is not None and mask.shape[-1] != total:
         raise ValueError(f"attention mask covers {mask.shape[-1]} keys but the cache holds {total}")
     if compressed is not None:
         out = _attend_with_compressed(store, mask, compressed, G, Tq, options.q_chunk)
-        return out.reshape(B, H, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
-    parts = _split(store, options.kv_chunk, options.compressed_chunk)
+        return out.reshape(B, H, Tq, -1).transpose(1, 2).to(query.dtype).contiguous()
+    Dv = store.exact_v.shape[-1]
+    parts = _split(store, options.kv_chunk, options.compressed_chunk, skip)
     q = query.float().reshape(B, num_kv_heads, G, Tq, D)
-    out = torch.empty(B, num_kv_heads, G, Tq, D, dtype=torch.float32, device=query.device)
+    out = torch.empty(B, num_kv_heads, G, Tq, Dv, dtype=torch.float32, device=query.device)
+    cap = float(extras.softcap) if extras.softcap else None
+    sinks = None if extras.sinks is None else extras.sinks.float().reshape(num_kv_heads, G, 1)
     for q0 in range(0, Tq, options.q_chunk):
         n = min(options.q_chunk, Tq - q0)
         qc = (q[:, :, :, q0 : q0 + n] * scaling).reshape(B, num_kv_heads, G * n, D)
         m = torch.full((B, num_kv_heads, G * n, 1), float("-inf"), device=query.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros(B, num_kv_heads, G * n, D, device=query.device)
+        acc = torch.zeros(B, num_kv_heads, G * n, Dv, device=query.device)
         for seg in parts:
             s = qc @ seg.key.float().transpose(-1, -2) if seg.exact else store.key_encoding.scores(seg.key, qc)
+            if cap is not None:
+                s = torch.tanh(s / cap) * cap
             s = _apply_mask(s, seg.start, seg.length, mask, q0, n, past, G, num_kv_heads)
             if s is None:  # every key of this part lies after every query of the chunk
                 continue
@@ -194,8 +261,14 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
             pv = p @ seg.value.float() if seg.exact else store.value_encoding.weighted_sum(seg.value, p)
             acc = acc * alpha + pv
             m = m_new
-        out[:, :, :, q0 : q0 + n] = (acc / l.clamp_min(1e-30)).reshape(B, num_kv_heads, G, n, D)
-    return out.reshape(B, H, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
+        if sinks is not None:  # one more logit per head in the softmax, with no value
+            sink = sinks.expand(num_kv_heads, G, n).reshape(1, num_kv_heads, G * n, 1).to(m.device)
+            m_new = torch.maximum(m, sink)
+            alpha = torch.exp(m - m_new)
+            l = l * alpha + torch.exp(sink - m_new)
+            acc = acc * alpha
+        out[:, :, :, q0 : q0 + n] = (acc / l.clamp_min(1e-30)).reshape(B, num_kv_heads, G, n, Dv)
+    return out.reshape(B, H, Tq, Dv).transpose(1, 2).to(query.dtype).contiguous()
 
 
 @dataclass(eq=False)
@@ -260,7 +333,7 @@ def fused_compressed(layer: CompressedLayer, query: torch.Tensor, mask, scaling:
     keys, values = store.key_encoding.packed(block.key), store.value_encoding.packed(block.value)
     if not packed_attention.supported(keys, values, query.shape[-1]):
         return None
-    if mask is not None and not (mask.dtype == torch.bool and bool(mask.all())):  # host sync, only with a mask
+    if mask is not None and not _attends_everything(mask):  # host sync, only with a mask
         return None
     if query.is_cuda and not kcuda.is_available():
         return None
@@ -269,6 +342,11 @@ def fused_compressed(layer: CompressedLayer, query: torch.Tensor, mask, scaling:
     # exact keys mapped by k_mul/k_add in the merge, so the joint softmax is unchanged
     q, out, lse = packed_attention.attend_packed(query, keys, values, c.packed, c.seq_lens)
     return CompressedPart(q, out, lse, c)
+
+
+def _attends_everything(mask: torch.Tensor) -> bool:
+    """True when a boolean or additive mask masks nothing."""
+    return bool(mask.all()) if mask.dtype == torch.bool else not bool(mask.any())
 
 
 def _attend_with_compressed(store, mask, part: CompressedPart, G: int, Tq: int, q_chunk: int) -> torch.Tensor:
@@ -304,21 +382,27 @@ def _query_rows(t: torch.Tensor, G: int, Tq: int, q0: int, n: int) -> torch.Tens
     return t.view(B, Hkv, G, Tq, X)[:, :, :, q0 : q0 + n].reshape(B, Hkv, G * n, X)
 
 
-def _split(store, exact_chunk: int, compressed_chunk: int):
-    """The store's segments cut into bounded runs (views, no copies), so the scores stay small."""
+def _split(store, exact_chunk: int, compressed_chunk: int, skip: int = 0):
+    """The store's segments cut into bounded runs (views, no copies), so the scores stay small; the
+    first ``skip`` tokens left out and the positions counted from the first one kept."""
     out = []
     for seg in store.segments():
-        chunk = exact_chunk if seg.exact else compressed_chunk
-        if seg.length <= chunk or (not seg.exact and not hasattr(store.key_encoding, "view")):
-            out.append(seg)
+        lo = max(skip - seg.start, 0)  # tokens of this segment that are skipped
+        if lo >= seg.length:
             continue
-        for a in range(0, seg.length, chunk):
+        chunk = exact_chunk if seg.exact else compressed_chunk
+        if lo == 0 and (seg.length <= chunk or (not seg.exact and not hasattr(store.key_encoding, "view"))):
+            out.append(Segment(seg.start - skip, seg.length, seg.key, seg.value, seg.exact))
+            continue
+        if lo and not seg.exact and not hasattr(store.key_encoding, "view"):
+            raise ValueError(f"{type(store.key_encoding).__name__} blocks cannot be read from a middle token")
+        for a in range(lo, seg.length, chunk):
             b = min(a + chunk, seg.length)
             if seg.exact:
                 k, v = seg.key[..., a:b, :], seg.value[..., a:b, :]
             else:
                 k, v = store.key_encoding.view(seg.key, a, b), store.value_encoding.view(seg.value, a, b)
-            out.append(Segment(seg.start + a, b - a, k, v, seg.exact))
+            out.append(Segment(seg.start + a - skip, b - a, k, v, seg.exact))
     return out
 
 

@@ -5,11 +5,16 @@ Usage, one line once the model is enabled::
     cache = CompressedCache(model, method="turboquant", key_bits=4, value_bits=3)
     model.generate(ids, past_key_values=cache)
 
-Passing the model (not only its config) installs the kvcodec attention function and the
-pre-hooks that let it read this cache (``kvcodec.hf.attention.enable``); attention then scores the
-compressed blocks directly. With any other attention implementation the cache still works, but
-``update`` has to return dequantized K/V for the whole history every step (slow, like HF's
-QuantizedCache): kvcodec warns once.
+Passing the model (not only its config) lets forwards that receive this cache attend on its
+compressed form (``kvcodec.hf.binding``: the model itself is left as it was). Built from a config
+alone, the cache still works with any attention implementation, but ``update`` has to return
+dequantized K/V for the whole history every step (slow, like HF's QuantizedCache): kvcodec warns once.
+
+Every layer kind transformers' own ``DynamicCache`` builds for the model is kept: full-attention
+layers are compressed; sliding-window and chunked layers are compressed when their window is longer
+than ``residual + 2 * block_size`` (else transformers' exact window layer is smaller); linear-attention,
+SSM and conv states pass through untouched. A model with no attention K/V is refused when the cache
+is built.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvcodec.hf.attention import AttentionOptions, enable
-from kvcodec.hf.layer import CompressedLayer
-from kvcodec.hf.methods import build_spec
+from kvcodec.hf.layer import CompressedLayer, SlidingCompressedLayer, hybrid_layer
+from kvcodec.hf.methods import _text_config, build_spec
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
 
 
@@ -36,7 +41,100 @@ def _static_mode():
     return _STATIC_MODE[0]  # registered when the package kvcodec.hf is imported (its __init__)
 
 
-class CompressedCache(Cache):
+def exact_memory(layer) -> dict:
+    """Bytes of the tensors an uncompressed (transformers) cache layer holds."""
+    total = 0
+    for value in vars(layer).values():
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    seq = layer.get_seq_length() if hasattr(layer, "get_seq_length") else 0
+    return {"tokens": int(seq), "exact": total, "total": total}
+
+
+class KvcodecCache(Cache):
+    """What every kvcodec cache shares with the binding (``kvcodec.hf.binding``): the attention
+    implementation its forwards switch to, and the hand-off of new tokens to it."""
+
+    attention_name = "kvcodec"
+    binds = True  # False: a cache built from a config alone, which any attention reads decoded
+
+    def compressed_layers(self) -> list:
+        return [layer for layer in self.layers if getattr(layer, "compressed", False)]
+
+    def bind(self, on: bool) -> None:
+        """Called at the start (True) and end (False) of a forward that received this cache."""
+        for layer in self.compressed_layers():
+            layer.bound = on
+            layer.handed = (None, None)
+
+    def check_attended(self, completed: bool = True) -> None:
+        """After a bound forward: every compressed layer's new tokens were attended by kvcodec. A layer
+        whose model reads something else than what ``update`` returned (transformers' MLA expands its
+        latent cache after ``update``; a few modules bypass the attention interface) is switched to
+        returning the whole history decoded; that is only safe to find out on the cache's first forward,
+        where the new tokens are the whole history: later, refuse loudly (the forward saw too little)."""
+        missed = []
+        for layer in self.compressed_layers():
+            pending = getattr(layer, "pending", 0)
+            if not pending:
+                continue
+            if len(layer.store) != pending:
+                missed.append(layer.layer_idx)
+            layer.decoded = True
+            layer.finish_step()
+        if missed and completed:
+            raise RuntimeError(f"layers {missed} of this model did not attend through kvcodec on a cache that "
+                               "already held tokens, so this forward saw only its new tokens; start from a fresh "
+                               "cache (the first forward finds such layers) or build the cache from the config")
+
+
+def cache_layers(config, make_compressed) -> list:
+    """The layers transformers' ``DynamicCache`` builds for ``config``, each attention K/V one replaced by
+    ``make_compressed(layer_idx, sliding_window)`` (``sliding_window`` None for full attention); the
+    others (linear-attention, SSM, conv states, shared-KV placeholders) kept as they are. ValueError when
+    the model caches no attention K/V."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    n_layers = int(_text_config(config).num_hidden_layers)
+    template = DynamicCache(config=config).layers or [DynamicLayer() for _ in range(n_layers)]
+    layers, attention = [], 0
+    for i, layer in enumerate(template):
+        kind = type(layer).__name__
+        if type(layer) is DynamicLayer:
+            layer = make_compressed(i, None)
+        elif type(layer) is DynamicSlidingWindowLayer:
+            layer = make_compressed(i, int(layer.sliding_window)) or layer
+        elif kind == "LinearAttentionAndFullAttentionLayer":  # Falcon-H1: an SSM state and K/V in one layer
+            layer = make_compressed(i, None, number_of_states=layer.number_of_states) or layer
+        else:
+            attention -= 1  # linear attention, SSM, conv, shared-KV placeholders
+        attention += 1
+        layers.append(layer)
+    if not attention:
+        kinds = sorted({type(layer).__name__ for layer in template})
+        raise ValueError(f"{type(_text_config(config)).__name__} caches no attention K/V: kvcodec compresses "
+                         f"attention caches only (its cache layers: {', '.join(kinds)})")
+    return layers
+
+
+def make_layer(spec, options):
+    """``cache_layers``' factory for the eager cache's layers. A sliding layer is compressed only when its
+    window exceeds ``residual + 2 * block_size``: below that it would hold no compressed block for long
+    (the exact window plus one block are at least the window), and transformers' exact sliding layer,
+    ``sliding_window - 1`` tokens, is the smaller (returns None: the caller keeps transformers' layer)."""
+    def make(i: int, sliding_window: int | None, number_of_states: int | None = None):
+        if number_of_states is not None:
+            return hybrid_layer(spec, i, options, number_of_states)
+        if sliding_window is not None and sliding_window <= spec.residual + 2 * spec.block_size:
+            return None
+        if sliding_window is None:
+            return CompressedLayer(spec, i, options)
+        return SlidingCompressedLayer(spec, i, options, sliding_window=sliding_window)
+    return make
+
+
+class CompressedCache(KvcodecCache):
     """A Hugging Face cache that keeps K/V compressed (TurboQuant, QJL, KIVI, lossless or none).
 
     Args:
@@ -119,18 +217,21 @@ class CompressedCache(Cache):
             calibration=calibration,
         )
         self.attention_options = attention or AttentionOptions()
-        layers = [CompressedLayer(self.spec, i, self.attention_options) for i in range(self.spec.num_layers)]
-        super().__init__(layers=layers)
+        super().__init__(layers=cache_layers(config, make_layer(self.spec, self.attention_options)))
+        self.binds = model is not None
         if model is not None:
             enable(model)
 
     def nbytes(self) -> int:
-        """Bytes actually held: compressed blocks, full-precision sink and window, side data."""
-        return sum(layer.memory()["total"] for layer in self.layers)
+        """Bytes actually held: compressed blocks, full-precision sink and window, side data, and the
+        uncompressed layers' tensors (sliding windows, linear-attention states)."""
+        return sum(row["total"] for row in self.memory_report())
 
     def memory_report(self) -> list[dict]:
-        """Per-layer bytes by part (sink, window, compressed keys/values, side data) and tokens."""
-        return [{"layer": i, **layer.memory()} for i, layer in enumerate(self.layers)]
+        """Per-layer bytes by part (sink, window, compressed keys/values, side data) and tokens;
+        uncompressed layers report their tensors as ``exact``."""
+        return [{"layer": i, **(layer.memory() if getattr(layer, "compressed", False) else exact_memory(layer))}
+                for i, layer in enumerate(self.layers)]
 
     def save(self, path, *, transform=None, overwrite: bool = False, **options) -> None:
         """Write the cache (compressed as held) to ``path``; reload with :meth:`load`. ``transform``: a

@@ -76,6 +76,9 @@ class ExactEncoding(NoSideData):
     def truncate(self, block: torch.Tensor, n: int) -> torch.Tensor:
         return block[..., :n, :].contiguous()
 
+    def drop(self, block: torch.Tensor, n: int) -> torch.Tensor:
+        return block[..., n:, :].contiguous()
+
     def cat(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.cat([a, b], dim=-2)
 
@@ -140,6 +143,9 @@ class LosslessEncoding(NoSideData):
 
     def truncate(self, block: LosslessBlock, n: int) -> LosslessBlock:
         return self.encode(self.decode(block)[..., :n, :])
+
+    def drop(self, block: LosslessBlock, n: int) -> LosslessBlock:
+        return self.encode(self.decode(block)[..., n:, :])
 
     def select(self, block: LosslessBlock, idx: torch.Tensor) -> LosslessBlock:
         order = [int(i) for i in idx.tolist()]

@@ -1,7 +1,7 @@
 """Cache configuration: validate the user's choices once, at construction, and build per-layer encodings.
 
-Every bad argument (unknown method, bits out of range, head_dim a quantizer cannot take,
-sliding-window layers) raises ``ValueError`` here, before any token is seen.
+Every bad argument (unknown method, bits out of range, a head dim a quantizer cannot take) raises
+``ValueError`` here, before any token is seen.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ class CacheSpec:
     value_precondition: str = "none"
     kivi_group: int | None = None
     calibration: str | None = None  # name of fitted query scales / codebooks (kvcodec.hf.fitted)
+    value_head_dim: int | None = None  # None: head_dim (MLA models give values another head dim)
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
     def options(self) -> dict:
         """The constructor arguments that reproduce this spec (for save/load)."""
@@ -56,16 +61,21 @@ class CacheSpec:
             **({"calibration": self.calibration} if self.calibration else {}),
         }
 
-    def make_encodings(self, layer_idx: int):
-        """(key encoding, value encoding) for one layer; quantizers get a per-layer seed."""
+    def make_encodings(self, layer_idx: int, key_dim: int | None = None, value_dim: int | None = None):
+        """(key encoding, value encoding) for one layer; quantizers get a per-layer seed. ``key_dim`` /
+        ``value_dim``: the head dims the layer really caches, when they differ from the config's (MLA
+        latents, per-layer head dims)."""
         if self.method == "none":
             return ExactEncoding(), ExactEncoding()
         if self.method == "lossless":
             return LosslessEncoding(), LosslessEncoding()
+        spec = self
+        if key_dim is not None and (key_dim, value_dim) != (self.head_dim, self.value_dim):
+            spec = replace(spec, head_dim=key_dim, value_head_dim=None if value_dim == key_dim else value_dim)
         if isinstance(self.key_bits, tuple) or isinstance(self.value_bits, tuple):  # per-layer widths
-            return make_quant_encodings(replace(self, key_bits=_at(self.key_bits, layer_idx),
+            return make_quant_encodings(replace(spec, key_bits=_at(self.key_bits, layer_idx),
                                                 value_bits=_at(self.value_bits, layer_idx)), layer_idx)
-        return make_quant_encodings(self, layer_idx)
+        return make_quant_encodings(spec, layer_idx)
 
 
 def _at(bits, layer_idx: int) -> int:
@@ -94,24 +104,49 @@ def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
     return value
 
 
+def _text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def model_shape(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a decoder config; ValueError for unsupported layouts."""
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
+    """(num_layers, num_kv_heads, key head dim) of a decoder config; ValueError for configs that
+    describe no attention (pure state-space models)."""
+    config = _text_config(config)
     try:
         n_layers = int(config.num_hidden_layers)
         n_heads = int(config.num_attention_heads)
-        n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    except AttributeError as exc:
-        raise ValueError(f"config does not describe a decoder-only attention model: {exc}") from exc
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        raise ValueError(f"CompressedCache supports full-attention layers only; this model also has {other}")
+        n_kv = int(_attr(config, "num_key_value_heads") or n_heads)
+    except (AttributeError, TypeError) as exc:
+        raise ValueError(f"{type(config).__name__} describes no attention K/V to cache ({exc}); "
+                         "kvcodec compresses attention caches only") from exc
     if n_heads % n_kv:
         raise ValueError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
-    return n_layers, n_kv, int(head_dim)
+    return n_layers, n_kv, head_dims(config)[0]
+
+
+def head_dims(config) -> tuple[int, int]:
+    """(key head dim, value head dim): MLA configs (DeepSeek-V2/V3, Kimi-K2) cache keys of
+    ``qk_nope_head_dim + qk_rope_head_dim`` and values of ``v_head_dim``; their ``head_dim`` is the
+    rope part only."""
+    config = _text_config(config)
+    nope, rope = _attr(config, "qk_nope_head_dim"), _attr(config, "qk_rope_head_dim")
+    if nope is not None and rope is not None:
+        key = int(nope) + int(rope)
+    else:
+        key = int(_attr(config, "head_dim") or config.hidden_size // config.num_attention_heads)
+    value = _attr(config, "v_head_dim")
+    return key, int(value) if value else key
+
+
+def _attr(config, name: str):
+    """A config attribute, or the first layer's where the config holds it per layer (Gemma 3n / 4:
+    reading the global value raises). Layers may differ: the cache takes each layer's dims from the
+    tensors it receives; this value only checks the arguments early."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers' per-layer attribute guard
+        layers = getattr(config, "per_layer_config", None)
+        return getattr(layers[0], name, None) if layers else None
 
 
 def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed,
@@ -139,10 +174,12 @@ def build_spec(config, *, method, key_bits, value_bits, key_mode, residual, bloc
         raise ValueError(f"block_size must be a multiple of {group} for method {method!r}, got {block_size}")
     if calibration is not None and (not isinstance(calibration, str) or method not in QUANT_METHODS):
         raise ValueError(f"calibration must be the name of a fit (kvcodec.hf.fitted) for a quantizing method, got {calibration!r}")
-    if outliers >= head_dim:
-        raise ValueError(f"outliers must be < head_dim ({head_dim}), got {outliers}")
+    if outliers >= min(head_dim, head_dims(config)[1]):
+        raise ValueError(f"outliers must be < head_dim ({min(head_dim, head_dims(config)[1])}), got {outliers}")
+    value_dim = head_dims(config)[1]
     spec = CacheSpec(method, key_bits, value_bits, key_mode, residual, block_size, sink, outliers, seed,
-                     n_layers, n_kv, head_dim, key_precondition, value_precondition, calibration=calibration or None)
+                     n_layers, n_kv, head_dim, key_precondition, value_precondition, calibration=calibration or None,
+                     value_head_dim=None if value_dim == head_dim else value_dim)
     if method in QUANT_METHODS:
         for layer in range(n_layers if isinstance(key_bits, tuple) or isinstance(value_bits, tuple) else 1):
             spec.make_encodings(layer)  # surfaces the quantizer's own ValueError (e.g. head_dim it cannot rotate) now

@@ -31,6 +31,11 @@ def cache_to_bytes(cache) -> bytes:
     if callable(getattr(cache, "to_eager", None)):
         cache = cache.to_eager()
     spec = cache.spec
+    for i, layer in enumerate(cache.layers):
+        if type(layer).__name__ != "CompressedLayer" or layer.decoded:
+            kind = "decoded (its model attends K/V computed from the cache)" if getattr(layer, "decoded", 0) else type(layer).__name__
+            raise ValueError(f"saving a cache supports full-attention layers attended on their compressed form; "
+                             f"layer {i} is {kind}")
     layer_blobs = {}
     for i, layer in enumerate(cache.layers):
         if layer.pending:

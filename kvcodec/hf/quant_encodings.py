@@ -35,15 +35,15 @@ def make_quantizers(spec, layer_idx: int):
     ``outliers=k`` both use the paper's outlier split (k channels at bits+1, the rest at bits).
     qjl: QJL keys with m = key_bits * head_dim sign bits, TurboQuantMSE values.
     kivi: keys per-channel and values per-token, groups of 32 (the KIVI paper's layout)."""
-    d = spec.head_dim
+    d, dv = spec.head_dim, spec.value_dim
     ks, vs = layer_seed(spec.seed, layer_idx, 0), layer_seed(spec.seed, layer_idx, 1)
     if spec.method == "kivi":
         return (KIVI(spec.key_bits, group_size=KIVI_GROUP, axis="channel", dim=d),
-                KIVI(spec.value_bits, group_size=KIVI_GROUP, axis="token", dim=d))
+                KIVI(spec.value_bits, group_size=KIVI_GROUP, axis="token", dim=dv))
     if spec.outliers:
-        values = _outlier(d, spec.outliers, spec.value_bits, vs, spec.value_precondition)
+        values = _outlier(dv, spec.outliers, spec.value_bits, vs, spec.value_precondition)
     else:
-        values = TurboQuantMSE(d, spec.value_bits, seed=vs, precondition=spec.value_precondition)
+        values = TurboQuantMSE(dv, spec.value_bits, seed=vs, precondition=spec.value_precondition)
     if spec.method == "qjl":
         return QJL(d, m=spec.key_bits * d, seed=ks), values
     if spec.key_mode == "prod":
@@ -129,6 +129,13 @@ class QuantEncoding:
         t.token = {k: v.clone() for k, v in t.token.items()}
         t.grouped = {k: v.clone() for k, v in t.grouped.items()}
         return t  # side tensors stay shared with the layer
+
+    def drop(self, block, n: int):
+        """The block without its first ``n`` tokens, in copies of its own (the dropped codes are freed)."""
+        t = block.slice_tokens(n, block.num_tokens)
+        t.token = {k: v.clone() for k, v in t.token.items()}
+        t.grouped = {k: v.clone() for k, v in t.grouped.items()}
+        return t
 
     def cat(self, a, b):
         return type(a).cat([a, b])

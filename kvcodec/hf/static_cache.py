@@ -48,11 +48,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin
 
 from kvcodec.cuda import ops
 from kvcodec.cuda.quantized import PackedConsts, attend_packed
-from kvcodec.hf.cache import register_static_mode
+from kvcodec.hf.binding import attach
+from kvcodec.hf.cache import KvcodecCache, register_static_mode
 from kvcodec.hf.methods import build_spec
 from kvcodec.quant import QuantizedTensor
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
@@ -79,6 +80,22 @@ class _Active:
 
 
 _ACTIVE = _Active()
+
+
+def _check_model(config, spec) -> None:
+    """Static mode serves models whose every layer is full attention with one K/V head dim: refuse the
+    others here, naming what is not supported, instead of mis-attending them (the eager cache serves them)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    other = sorted({type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer})
+    if other:
+        raise ValueError(f"max_cache_len (static mode) supports full-attention layers only; this model's cache also "
+                         f"has {', '.join(other)} (sliding-window, linear-attention or SSM layers): use "
+                         "CompressedCache(model, ...) without max_cache_len")
+    if spec.value_dim != spec.head_dim:
+        raise ValueError(f"max_cache_len (static mode) needs keys and values of one head dim; this model has "
+                         f"{spec.head_dim} and {spec.value_dim} (MLA): use CompressedCache(model, ...) without max_cache_len")
 
 
 def _check_supported(spec) -> None:
@@ -195,6 +212,8 @@ class StaticCompressedLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     is_compileable = True
+    compressed = True
+    bound = False  # set while the cache is bound to a forward (kvcodec.hf.binding)
 
     def __init__(self, spec, layer_idx: int, max_cache_len: int, lengths: SharedLengths, group: int = 1,
                  scaling: float | None = None):
@@ -297,6 +316,10 @@ class StaticCompressedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ contract
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.bound:
+            raise RuntimeError("a static kvcodec cache attends only in forwards it is bound to: call the model "
+                               "(model(...), model.generate) or wrap direct model.forward calls in "
+                               "kvcodec.hf.use(model, cache)")
         _ACTIVE.layer = self
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -555,11 +578,13 @@ def _device_const(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device, torch.float32).contiguous()
 
 
-class StaticCompressedCache(Cache):
+class StaticCompressedCache(KvcodecCache):
     """Static-shape compressed cache (``CompressedCache(..., max_cache_len=N)``); see the module doc.
 
     Same arguments as :class:`kvcodec.hf.CompressedCache` plus ``max_cache_len``, the most tokens a
     sequence may hold (prompt + generated). ``config_or_model`` must be the model."""
+
+    attention_name = NAME
 
     def __init__(self, config_or_model, method: str = "turboquant", key_bits: int = 4, value_bits: int | None = None,
                  *, max_cache_len: int, key_mode: str = "mse", residual: int = 128, block_size: int | None = None,
@@ -582,6 +607,7 @@ class StaticCompressedCache(Cache):
 
             options.update(preset_options(preset, model.config))
         self.spec = build_spec(model.config, **options)
+        _check_model(model.config, self.spec)
         _check_supported(self.spec)  # (max_cache_len lives on the layers: transformers 5.17's Cache reads it there)
         scalings = {m.layer_idx: float(m.scaling) for m in model.modules()
                     if isinstance(getattr(m, "layer_idx", None), int) and isinstance(getattr(m, "scaling", None), float)}
@@ -631,11 +657,12 @@ class StaticCompressedCache(Cache):
 
         return to_eager(self)
 
-    def save(self, path) -> None:
-        """Write the cache in the eager cache's format (the same bytes): either cache loads it."""
+    def save(self, path, *, overwrite: bool = False) -> None:
+        """Write the cache in the eager cache's format (the same bytes): either cache loads it. An
+        existing ``path`` raises kvcodec.WriteRefusedError unless ``overwrite=True``."""
         from kvcodec.hf.persist import save_cache
 
-        save_cache(self, path)
+        save_cache(self, path, overwrite=overwrite)
 
     @classmethod
     def load(cls, path, model, max_cache_len: int, device: str | torch.device = "cpu",
@@ -681,14 +708,14 @@ def static_mask(*args, **kwargs):
 
 
 def enable_static(model: torch.nn.Module) -> torch.nn.Module:
-    """Register ``"kvcodec_static"`` with transformers and switch ``model`` to it."""
+    """Register ``"kvcodec_static"`` with transformers and attach the binding hooks to ``model``: its
+    forwards switch to it only while they receive a static cache (``kvcodec.hf.binding``)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, static_attention)
     AttentionMaskInterface.register(NAME, static_mask)
-    model.set_attn_implementation(NAME)
-    return model
+    return attach(model)
 
 
 register_static_mode(StaticCompressedCache)

@@ -159,6 +159,31 @@ class LayerStore:
         return torch.cat([k.to(dtype) for k in ks], dim=-2), torch.cat([v.to(dtype) for v in vs], dim=-2)
 
     # ------------------------------------------------------------------ edits
+    def drop_front(self, n: int) -> int:
+        """Forget the oldest ``n`` tokens (a sliding-window layer's past), or fewer where a grouped
+        encoding can only cut at a group edge; returns how many went. The store must hold no sink."""
+        if self.sink_len:
+            raise ValueError("drop_front: a store with a sink keeps its first tokens")
+        kc, vc = self.key_encoding, self.value_encoding
+        multiple = max(kc.token_multiple, vc.token_multiple)
+        dropped = 0
+        while self.blocks and dropped < n:
+            b, rest = self.blocks[0], n - dropped
+            if b.length <= rest:
+                self.blocks.pop(0)
+                dropped += b.length
+                continue
+            cut = rest - rest % multiple
+            if cut:
+                self.blocks[0] = Block(kc.drop(b.key, cut), vc.drop(b.value, cut), b.length - cut)
+                dropped += cut
+            return dropped
+        cut = min(n - dropped, self.window_len)
+        if cut > 0:
+            self.exact_k, self.exact_v = _drop_rows(self.exact_k, 0, cut), _drop_rows(self.exact_v, 0, cut)
+            dropped += cut
+        return dropped
+
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens (speculative / assisted decoding roll-back)."""
         if n >= len(self):
