@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvcodec import container
-from kvcodec.errors import CorruptStreamError
+from kvcodec.errors import CorruptStreamError, WriteRefusedError
 from kvcodec.weights import (HostWeight, compress_model, decompress_model, encode, load_model, model_report,
                              save_model)
 from kvcodec.weights.blob import CHUNK_BYTES
@@ -181,7 +181,7 @@ def test_save_load_round_trip(tmp_path, ids):
     path = tmp_path / "m.kvw"
     size = save_model(model, path)
     assert size == os.path.getsize(path) == os.path.getsize(dense_file)
-    with pytest.raises(FileExistsError):
+    with pytest.raises(WriteRefusedError):
         save_model(model, path)
     save_model(model, path, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["dense.kvw", "m.kvw"]  # no temporaries left

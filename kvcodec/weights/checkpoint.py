@@ -10,15 +10,13 @@ against its own crc32 when loaded, one weight at a time.
 
 from __future__ import annotations
 
-import errno
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from kvcodec import container
+from kvcodec import container, safe_write
 from kvcodec.errors import CorruptStreamError
 from kvcodec.weights.blob import encode
 from kvcodec.weights.runtime import ATTR, Held, attach, groups, holder_for
@@ -50,8 +48,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, overwrite: bool = Fals
 
     A compressed model (``compress_model``) writes the blobs it holds; a dense one has its Linear and
     Embedding weights encoded here, one at a time, and is left as it was. The file appears whole or
-    not at all (a temporary beside it, then a rename); an existing file is replaced only with
-    ``overwrite=True`` (else FileExistsError).
+    not at all (``kvcodec.safe_write``: a temporary beside it, fsync'ed, then renamed); an existing file
+    is replaced only with ``overwrite=True`` (else ``kvcodec.errors.WriteRefusedError``).
     """
     rt = getattr(model, ATTR, None)
     meta = {"v": VERSION, "weights": [], "params": [], "buffers": []}
@@ -73,35 +71,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, overwrite: bool = Fals
         meta["buffers"].append({"names": names})
         sections[f"b{i}"] = b.detach()
     data = container.dumps(KIND, meta, sections)
-    _write_new(Path(path), data, overwrite)
+    safe_write.write_bytes(path, data, overwrite=overwrite)
     return len(data)
-
-
-def _write_new(path: Path, data: bytes, overwrite: bool) -> None:
-    """``data`` at ``path`` whole or not at all: a unique temporary in the same folder, fsync'ed, then
-    ``os.replace`` (``overwrite``) or ``os.link``, which fails rather than replace a file that exists."""
-    if not overwrite and os.path.lexists(path):
-        raise FileExistsError(errno.EEXIST, "file exists (pass overwrite=True to replace it)", str(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise FileExistsError(errno.EEXIST, "file exists (pass overwrite=True to replace it)", str(path)) from None
-            except OSError:  # no hard links on this filesystem
-                if os.path.lexists(path):
-                    raise FileExistsError(errno.EEXIST, "file exists", str(path)) from None
-                os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
 
 
 def _entries(meta, key: str, fields: set[str]) -> list[dict]:
