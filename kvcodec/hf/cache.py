@@ -88,6 +88,16 @@ class KvcodecCache(Cache):
                                "cache (the first forward finds such layers) or build the cache from the config")
 
 
+def check_model(model) -> None:
+    """Refuse, when the cache is built, a model that runs only on a cache class of its own (MiniMax's
+    linear attention, xLSTM, RWKV: transformers' ``_supports_default_dynamic_cache`` says so): a
+    ``Cache`` of kvcodec's cannot stand in for it."""
+    probe = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if probe is not None and not probe():
+        raise ValueError(f"{type(model).__name__} keeps its state in a cache class of its own, which a kvcodec "
+                         "cache cannot stand in for")
+
+
 def cache_layers(config, make_compressed) -> list:
     """The layers transformers' ``DynamicCache`` builds for ``config``, each attention K/V one replaced by
     ``make_compressed(layer_idx, sliding_window)`` (``sliding_window`` None for full attention); the
@@ -193,6 +203,7 @@ class CompressedCache(KvcodecCache):
         config = config_or_model
         if hasattr(config_or_model, "config") and isinstance(config_or_model, torch.nn.Module):
             model, config = config_or_model, config_or_model.config
+            check_model(model)
         if preset is not None:  # a named quality preset sets the quantizer options (kvcodec.hf.presets)
             from kvcodec.hf.presets import preset_options
 

@@ -105,6 +105,9 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def get_max_cache_shape(self) -> int:  # the abstract name of get_max_length in early transformers 5.x
+        return -1
+
     def reset(self) -> None:
         if self.store is not None:
             self.store.clear()
