@@ -2,7 +2,6 @@
 ``DynamicCache(config=...)`` and with no cache argument, and its sliding window (where it has one) is
 shorter than the prompt and changes the logits."""
 
-import time
 import warnings
 
 import pytest
@@ -111,15 +110,3 @@ def test_attention_modules_take_a_cache_argument(name):
         assert any(getattr(mod, "bias", None) is not None for mod in qkv.values()), sorted(qkv)
     if "fused_qkv" in e.features:
         assert not {"q_proj", "k_proj", "v_proj"} <= set(projs), sorted(projs)
-
-
-def test_build_time():
-    # CPU seconds of this process: other processes on the same cores do not inflate it
-    t0 = time.process_time()
-    n = 0
-    for name, e in model_zoo.zoo():
-        if e.available():
-            model_zoo.build(name)
-            n += 1
-    dt = time.process_time() - t0
-    assert dt < 20.0, f"{n} builds took {dt:.1f} CPU s"
