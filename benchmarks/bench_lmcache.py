@@ -33,7 +33,8 @@ quality on the same chunk (no speed: it is an emulation). ``naive`` = no serde (
 Run: ``python benchmarks/bench_lmcache.py --out benchmarks/results`` (SmolLM2 model, all layers) and
 ``TRITON_INTERPRET=1 python benchmarks/bench_lmcache.py --quick`` (the shipped 8-layer sample, no
 model; suite ``bench_lmcache_quick``). Triton for the interpreter can live outside the environment:
-``pip install --no-deps --target /tmp/tritonenv triton`` and ``PYTHONPATH=/tmp/tritonenv``.
+``pip install --no-deps --target /tmp/tritonenv triton`` and ``PYTHONPATH=/tmp/tritonenv``. ``python benchmarks/bench_lmcache.py --cuda`` (needs a GPU; suite
+``bench_lmcache_cuda``): the ``cuda_device`` serdes against the same serdes on every CPU core.
 """
 
 from __future__ import annotations
@@ -371,6 +372,74 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", prefix: int = 
     return result
 
 
+def run_cuda(out_dir: str, repeat: int = 5, layers_x: int = 4) -> dict:
+    """``--cuda``: the kvcodec serdes with ``cuda_device="auto"`` against the same serdes on every CPU
+    core, on the shipped sample chunk with its 8 layers repeated ``layers_x`` times. Each path
+    serializes and deserializes the chunk (best of ``repeat``; the GPU path includes the copies
+    through pinned memory), and each path's object is also read back by the other path."""
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+    from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
+
+    import kvcodec.integrations.lmcache as kvlm
+    from kvcodec.data import load_kv_sample
+
+    s = load_kv_sample()
+    c = torch.cat([kvlm.kv_chunk(s.keys, s.values)] * layers_x, 1).contiguous()
+    key = object_key(0)
+    specs = [{"type": "kvcodec_lossless", "codec": "planes", "slot_ratio": 1.3},
+             {"type": "kvcodec_lossless", "codec": "kvctx", "slot_ratio": 1.3},
+             {"type": "kvcodec_turboquant", "head_dim": 64, "key_bits": 4, "value_bits": 4}]
+
+    def timed(fn) -> float:
+        fn()
+        t = float("inf")
+        for _ in range(repeat):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    rows = []
+    for spec in specs:
+        kwargs = {k: v for k, v in spec.items() if k != "type"}
+        procs = {"gpu": create_serde_processor(SerdeConfig(type=spec["type"], kwargs={**kwargs, "cuda_device": "auto"})),
+                 "cpu": create_serde_processor(SerdeConfig(type=spec["type"], kwargs={**kwargs, "threads": 0}))}
+        try:
+            for path, proc in procs.items():
+                ser, de = proc._serializer, proc._deserializer
+                dst = torch.zeros(ser.estimate_serialized_size(MemoryLayoutDesc(shapes=[c.shape], dtypes=[c.dtype])),
+                                  dtype=torch.uint8)
+                src, dst_obj, out = kvlm.host_memory_obj(c), kvlm.host_memory_obj(dst), torch.empty_like(c)
+                t_ser = timed(lambda: ser.serialize(src, dst_obj, key))
+                t_de = timed(lambda: de.deserialize(kvlm.host_memory_obj(dst), kvlm.host_memory_obj(out), key))
+                other = procs["cpu" if path == "gpu" else "gpu"]._deserializer
+                out2 = torch.empty_like(c)
+                other.deserialize(kvlm.host_memory_obj(dst), kvlm.host_memory_obj(out2), key)
+                rel = lambda o: float((o.float() - c.float()).norm() / c.float().norm())  # noqa: E731
+                rows.append({"serde": spec["type"], "config": json.dumps(kwargs), "path": path,
+                             "ser_GBps": c.nbytes / t_ser / 1e9, "deser_GBps": c.nbytes / t_de / 1e9,
+                             "rel_err": rel(out), "read_by_other_path_rel_err": rel(out2),
+                             "bit_exact": torch.equal(out.view(torch.uint8), c.view(torch.uint8))})
+        finally:
+            for proc in procs.values():
+                proc.close()
+    from common import machine_record
+
+    machine = machine_record()
+    result = {"suite": SUITE + "_cuda", "rows": rows, "machine": machine, "notes": [
+        f"one chunk {list(c.shape)} bf16 ({c.nbytes / 1e6:.1f} MB): the shipped 8-layer SmolLM2 sample chunk, layers "
+        f"repeated {layers_x}x; GB/s = raw KV bytes per second, best of {repeat}",
+        f"gpu: cuda_device='auto' on {machine.get('gpu', 'no GPU')} (host -> pinned -> GPU -> host copies included); "
+        f"cpu: threads=0 on {machine['cores']} cores of {machine['processor']}",
+        "read_by_other_path_rel_err: the object one path wrote, loaded by the other (CPU <-> GPU compatibility)",
+    ]}
+    save(result, out_dir, columns=["serde", "config", "path", "ser_GBps", "deser_GBps", "rel_err",
+                                   "read_by_other_path_rel_err", "bit_exact"])
+    return result
+
+
 def _version(name: str) -> str:
     from importlib.metadata import version
 
@@ -384,7 +453,11 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--calib-tokens", type=int, default=2048, help="tokens of other text the lossless slot is chosen on")
+    p.add_argument("--cuda", action="store_true", help="cuda_device serdes against the CPU path (needs a GPU)")
     a = p.parse_args(argv)
+    if a.cuda:
+        run_cuda(a.out)
+        return 0
     run(quick=a.quick, out_dir=a.out, prefix=a.prefix, repeat=a.repeat, calib_tokens=a.calib_tokens)
     return 0
 
