@@ -119,6 +119,24 @@ def test_fs_lossless_bit_exact_and_slot_sized(tmp_path, chunk):
     assert back is not None and bit_equal(back, chunk)
 
 
+def test_fs_lossless_auto_slot_measures_then_stores(tmp_path, chunk):
+    """slot_ratio='auto' inside LMCache: the first chunks are measured and not stored, later ones get
+    the chosen slot, are stored at its size and load bit-exact; the slot file holds the choice."""
+    slot_file = tmp_path / "slots.json"
+    store, base = fs_store(tmp_path, {"type": "kvcodec_lossless", "calibration_chunks": 2, "slot_file": str(slot_file)})
+    try:
+        for i in range(2):
+            store.put(chunk.roll(i + 1, dims=2).contiguous(), lambda: time.sleep(1.0) or True)
+        assert files_in(base) == [] and slot_file.exists()
+        ratio = json.loads(slot_file.read_text())["planes"]["bfloat16[2, 8, 256, 192]"]["slot_ratio"]
+        key = store.put(chunk, lambda: files_in(base))
+        assert files_in(base)[0].stat().st_size == kvlm.FRAME.size + math.ceil(chunk.nbytes / ratio)
+        back = store.get(key, chunk)
+    finally:
+        store.close()
+    assert back is not None and bit_equal(back, chunk)
+
+
 def test_fs_lossless_every_bit_pattern(tmp_path):
     """NaN payloads, infinities, -0.0 and subnormals survive LMCache's storage path bit for bit."""
     g = torch.Generator().manual_seed(0)
