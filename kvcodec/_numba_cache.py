@@ -6,10 +6,16 @@ another user, a read-only container image). Unless ``NUMBA_CACHE_DIR`` is set, a
 gets ``$XDG_CACHE_HOME/kvcodec/numba`` (default ``~/.cache/kvcodec/numba``) or, when that cannot
 be created, a private folder in the temporary directory. Never raises: the worst case is numba's
 own behaviour.
+
+:func:`stable_closure_cache` makes a kernel built by a factory, whose closure holds another jitted
+function, find its disk cache in a new process: numba keys a cached closure on the pickle of its
+cells, and a dispatcher's pickle carries a random per-process id, so such a kernel missed the cache
+and wrote one more cache file in every process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import sys
@@ -62,3 +68,38 @@ def configure() -> str | None:
         return folder
     except Exception:  # never fail the import over a cache folder
         return None
+
+
+def _cell_key(value) -> bytes:
+    """Bytes that describe a closure cell the same way in every process: a jitted function by its
+    module, name, bytecode and (recursively) its own cells; anything else by numba's pickle."""
+    from numba.core.dispatcher import Dispatcher
+    from numba.core.serialize import dumps
+
+    if isinstance(value, Dispatcher):
+        fn = value.py_func
+        cells = tuple(_cell_key(c.cell_contents) for c in fn.__closure__ or ())
+        return repr((fn.__module__, fn.__qualname__, fn.__code__.co_code, cells)).encode()
+    return dumps(value)
+
+
+def stable_closure_cache(dispatcher):
+    """Give ``dispatcher`` (``@njit(cache=True)``, not compiled yet) a disk cache whose index key
+    describes closure cells that are jitted functions by their code (:func:`_cell_key`) rather than
+    by numba's pickle of them, which differs in every process. Returns ``dispatcher``. Numba keeps
+    invalidating the cache when the source file changes (its index stores the file's stamp)."""
+    try:
+        from numba.core.caching import FunctionCache
+
+        class _StableClosureCache(FunctionCache):
+            def _index_key(self, sig, codegen):
+                cells = tuple(_cell_key(c.cell_contents) for c in self._py_func.__closure__ or ())
+                digest = hashlib.sha256(repr(cells).encode()).hexdigest()
+                return (sig, codegen.magic_tuple(), (hashlib.sha256(self._py_func.__code__.co_code).hexdigest(),
+                                                     digest))
+
+        if getattr(dispatcher, "_cache", None) is not None and type(dispatcher._cache) is FunctionCache:
+            dispatcher._cache = _StableClosureCache(dispatcher.py_func)
+    except Exception:  # numba's internals moved: its own (per-process) cache key, still correct
+        pass
+    return dispatcher

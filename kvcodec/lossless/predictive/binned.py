@@ -33,6 +33,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from kvcodec._numba_cache import stable_closure_cache
 from kvcodec.entropy import rans_lanes
 from kvcodec.kernel_inputs import readonly
 from kvcodec.lossless.predictive.bins import (
@@ -521,7 +522,9 @@ def _chunk_decoder(consts, mag: int):
             if failed:
                 break
 
-    return decode_chunks
+    # its closure holds ``decode_chunk`` (a dispatcher): keyed by numba's pickle of it, the disk cache
+    # missed in every new process (5-12 s of compiling the first decode) and grew by a file each time
+    return stable_closure_cache(decode_chunks)
 
 
 _SPECIALISED = tuple(t for t in (torch.bfloat16, torch.float16, getattr(torch, "float8_e4m3fn", None)) if t)
