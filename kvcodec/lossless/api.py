@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from kvcodec import container
-from kvcodec.cuda.transfer import bytes_to_device, device_to_bytes
-from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output, numel, resolve_max_output
+from kvcodec.device.transfer import bytes_to_device, device_to_bytes
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import device_container, kvctx_device, kvctx_device_encode, planes_device, registry
 from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
-from kvcodec.lossless.threads import resolve_threads
+from kvcodec.threads import resolve_threads
+from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output, numel, resolve_max_output
 
 KIND = "kvcodec.tensor"
 _META_KEYS = {"codec", "dtype", "shape", "device", "crc32", "uses_prediction", "codec_meta"}
@@ -79,7 +79,9 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
     cheaper model's KV); codecs that use it store only what it does not predict. ``codec``:
     ``"auto"`` (predictive if a prediction is given, ``"kvctx"`` if ``layout="kv"``, else
     ``"planes"``) or a registered codec name. ``threads``: 0 = all cores. Other keyword options
-    go to the codec's ``encode``.
+    go to the codec's ``encode``. With ``"auto"``, a tensor the chosen codec would make bigger than
+    its raw bytes is stored with the ``"raw"`` codec instead (the bytes and a header of a few hundred
+    bytes; e.g. one-token or incompressible tensors), a blob every version of the decoder reads.
 
     A CUDA tensor coded with ``planes`` is encoded on its GPU (``gpu=None``, the default, when the
     options allow it: ``max_classes=1``, the GPU default, and ``chunk_bytes`` default 64 KiB;
@@ -126,7 +128,15 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         "uses_prediction": pred is not None,
         "codec_meta": codec_meta,
     }
-    return container.dumps(KIND, meta, sections)
+    blob = container.dumps(KIND, meta, sections)
+    if codec == "auto" and name != "raw" and len(blob) > t.numel() * t.element_size():
+        # the codec expanded the tensor (tiny or incompressible ones: a model's parameters and tables
+        # outweigh its gain): the smaller of it and the "raw" codec's blob (the bytes verbatim, a
+        # header of a few hundred bytes; decoded without the prediction)
+        codec_meta, sections = registry.get("raw").encode(t, None, threads)
+        meta.update(codec="raw", uses_prediction=False, codec_meta=codec_meta)
+        blob = min(blob, container.dumps(KIND, meta, sections), key=len)
+    return blob
 
 
 def compress_device(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec: str = "auto",
@@ -166,9 +176,9 @@ def _gpu_encode_options(tensor, prediction, codec, opts, gpu) -> dict | None:
     elif tensor.numel() == 0 or tensor.element_size() > 8 or tensor.layout != torch.strided:
         why = "empty tensors and elements over 8 bytes are coded on the CPU"
     else:
-        import kvcodec.cuda
+        import kvcodec.device
 
-        if not kvcodec.cuda.is_available():
+        if not kvcodec.device.is_available():
             why = "CuPy is not available"
     if why is not None:
         if gpu:
@@ -184,7 +194,7 @@ def _gpu_encode_options(tensor, prediction, codec, opts, gpu) -> dict | None:
 
 def _compress_on_gpu(tensor: torch.Tensor, opts: dict) -> torch.Tensor:
     """The planes blob of a CUDA tensor, encoded and assembled on its device (uint8 CUDA tensor)."""
-    from kvcodec.cuda.crc32 import crc32_many
+    from kvcodec.device.crc32 import crc32_many
 
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
     codec_meta, sections = planes_device.encode(t, **opts)
@@ -320,9 +330,9 @@ def _gpu_decodable(header: dict) -> bool:
 
 
 def _cuda_kernels() -> bool:
-    import kvcodec.cuda
+    import kvcodec.device
 
-    return kvcodec.cuda.is_available()
+    return kvcodec.device.is_available()
 
 
 _blob_plans = device_container.BlobCache()  # header and plan of device blobs decoded before
@@ -337,9 +347,9 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     host already parsed it from the same bytes, ``front``: those bytes (uint8; then nothing is read back
     from the device). A blob tensor decoded before reuses that decode's header and plan
     (``device_container.BlobCache``; the checks still run every time)."""
-    import kvcodec.cuda
+    import kvcodec.device
 
-    if not kvcodec.cuda.is_available():
+    if not kvcodec.device.is_available():
         return None  # no CuPy: the CPU decodes
     if not blob.is_contiguous() or blob.data_ptr() % 2:
         blob = blob.clone()  # the stream words must be 2-byte aligned
