@@ -4,7 +4,10 @@ One table, no network, under a minute of CPU time on a 2-core machine (the note 
 prints the measured wall and CPU time): for each method, the TRUE bits per
 value (every byte the compressed form holds), the ratio against the bf16 cache, the relative error
 of the attention output computed with the model's real queries (lossless rows: 0, and the demo
-checks every bit), and encode/decode throughput in MB/s of bf16 input.
+checks every bit), and encode/decode throughput in MB/s of bf16 input, steady state: each is the
+best of timed calls after one untimed warm-up call, which pays numba's compilation (or its disk
+cache load) once per process; the notes give those first calls' total time and the machine. A
+progress bar on stderr names the method being run.
 
 Quantized rows run attention the way a kernel would: scores from the compressed keys
 (``q.scores``) and the output from the compressed values (``q.weighted_sum``), never a bf16 copy.
@@ -13,8 +16,11 @@ Quantized rows run attention the way a kernel would: scores from the compressed 
 from __future__ import annotations
 
 import math
+import os
+import platform
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -23,12 +29,31 @@ from kvcodec.data import KVSample, attention_reference, load_kv_sample
 
 COLUMNS = ["method", "kind", "bits_per_value", "ratio_vs_bf16", "attn_rel_err", "encode_MBps", "decode_MBps"]
 
+_first_calls: list[float] = []  # wall seconds of every warm-up call of the current run_demo
+
+
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``'s "model name", else ``platform.processor()``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line() -> str:
+    return f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
 
 def _timed(fn: Callable, repeat: int, budget_s: float = 0.5):
     """(result of the first call, best wall time of up to ``repeat`` further calls, stopping
     early once ``budget_s`` is spent). The first call is the warm-up that pays numba JIT
-    compilation, which a user pays once per process."""
+    compilation, which a user pays once per process (its time goes to ``_first_calls``)."""
+    t_first = time.perf_counter()
     result = fn()
+    _first_calls.append(time.perf_counter() - t_first)
     best = math.inf
     spent = 0.0
     for _ in range(max(repeat, 1)):
@@ -98,8 +123,10 @@ def _zipnn_rows(sample: KVSample, repeat: int) -> list[dict]:
     return [_row("zipnn (peer)", "lossless", sum(map(len, blobs)), sample, 0.0, t_enc, t_dec)]
 
 
-def _lossless_rows(sample: KVSample, repeat: int, notes: list[str]) -> list[dict]:
+def _lossless_rows(sample: KVSample, repeat: int, notes: list[str], progress=None) -> list[dict]:
+    progress = progress or _NoProgress()
     rows = []
+    progress.set_description("zstd")
     try:
         import zstandard
     except ImportError:  # a core dependency, but the demo must not die for a baseline
@@ -112,8 +139,11 @@ def _lossless_rows(sample: KVSample, repeat: int, notes: list[str]) -> list[dict
         if back != raw:
             raise AssertionError("zstd round trip differs")
         rows.append(_row("zstd -3 (baseline)", "lossless", sum(map(len, blobs)), sample, 0.0, t_enc, t_dec))
+    progress.update()
 
+    progress.set_description("zipnn")
     rows += _zipnn_rows(sample, repeat)
+    progress.update()
 
     import kvcodec
     from kvcodec.lossless import registry
@@ -124,6 +154,8 @@ def _lossless_rows(sample: KVSample, repeat: int, notes: list[str]) -> list[dict
         ("kvcodec predictive (FP8-weight model)", "predictive", {}, "fp8"),
     ]
     for label, codec, opts, pred in configs:
+        progress.set_description(label)
+        progress.update()
         if not registry.has(codec):
             notes.append(f"{label}: codec {codec!r} is not available in this install")
             continue
@@ -240,13 +272,16 @@ def quant_configs(quick: bool) -> list[tuple[str, Callable, Callable]]:
     return configs
 
 
-def _quant_rows(sample: KVSample, quick: bool, repeat: int, notes: list[str]) -> list[dict]:
+def _quant_rows(sample: KVSample, quick: bool, repeat: int, notes: list[str], progress=None) -> list[dict]:
     """One row per quantizer config: true bytes of both compressed tensors, attention error from
     the compressed form, quantize (encode) and dequantize (decode) throughput."""
+    progress = progress or _NoProgress()
     rows = []
     d = sample.head_dim
     keys, values = sample.keys, sample.values
     for label, make_k, make_v in quant_configs(quick):
+        progress.set_description(label)
+        progress.update()
         try:
             kq, vq = make_k(d), make_v(d)
             (ck, cv), t_enc = _timed(lambda: (kq.quantize(keys), vq.quantize(values)), repeat)
@@ -261,6 +296,24 @@ def _quant_rows(sample: KVSample, quick: bool, repeat: int, notes: list[str]) ->
 
 
 # ------------------------------------------------------------------------------------------------
+
+
+class _NoProgress:
+    def set_description(self, desc: str) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def _progress(total: int):
+    """A tqdm bar on stderr (one step per method; it starts with the warm-up of the first)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return _NoProgress()
+    return tqdm(total=total, desc="kvcodec demo", unit="method", file=sys.stderr, leave=False,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]")
 
 
 def format_table(rows: list[dict], columns: list[str] = COLUMNS) -> str:
@@ -286,6 +339,7 @@ def run_demo(quick: bool = False, file=None) -> dict:
     ``{"rows", "columns", "notes"}`` (the rows are what ``benchmarks/report.py --demo`` stores)."""
     out = file or sys.stdout
     t0, c0 = time.perf_counter(), time.process_time()
+    _first_calls.clear()
     sample = load_kv_sample()
     if quick:
         sample = _subset(sample, [0, sample.n_layers - 1])
@@ -294,20 +348,27 @@ def run_demo(quick: bool = False, file=None) -> dict:
     print(
         f"kvcodec demo: real {sample.meta.get('model', 'SmolLM2')} KV cache, layers {sample.layer_ids}, "
         f"{sample.n_kv_heads} KV heads x {sample.n_tokens} tokens x {sample.head_dim} dims (bf16), "
-        f"attention error over {sample.n_q_heads} real query heads x last {sample.n_q} positions",
+        f"attention error over {sample.n_q_heads} real query heads x last {sample.n_q} positions; "
+        f"machine: {machine_line()}",
         file=out, flush=True,
     )
     rows = [_row("bf16 cache (reference)", "raw", 2 * sample.keys.numel() * 2, sample, 0.0, 0.0, 0.0)]
-    rows += _lossless_rows(sample, repeat, notes)
-    rows += _quant_rows(sample, quick, repeat, notes)
+    progress = _progress(2 + 3 + len(quant_configs(quick)))  # zstd, zipnn, 3 kvcodec codecs, quantizers
+    try:
+        rows += _lossless_rows(sample, repeat, notes, progress)
+        rows += _quant_rows(sample, quick, repeat, notes, progress)
+    finally:
+        if hasattr(progress, "close"):
+            progress.close()
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     notes.append(
         "bits_per_value counts every stored byte (codes, norms, scales, headers) over keys+values; "
         "attn_rel_err = ||O - O_ref|| / ||O_ref|| of causal GQA attention with the real queries "
         "(lossless rows are verified bit-exact); MB/s of bf16 input, best of up to "
-        f"{repeat} timed calls after a warm-up call, one process, {torch.get_num_threads()} torch threads"
+        f"{repeat} timed calls after a warm-up call, one process; machine: {machine_line()}"
     )
-    notes.append(f"demo total {elapsed:.1f} s wall, {cpu:.1f} s CPU, including JIT compilation")
+    notes.append(f"demo total {elapsed:.1f} s wall, {cpu:.1f} s CPU; of it the warm-up calls (numba compilation on "
+                 f"a first run, its disk cache after) {sum(_first_calls):.1f} s wall")
     print(format_table(rows), file=out)
     for n in notes:
         print(f"- {n}", file=out)
