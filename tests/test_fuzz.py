@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import fuzz  # noqa: E402
+import kvcodec  # noqa: E402
 from kvcodec import CorruptStreamError, container, validate  # noqa: E402
 from kvcodec.lossless import files  # noqa: E402
 from kvcodec.quant.compressed import QuantizedTensor  # noqa: E402
@@ -273,3 +274,75 @@ def test_output_cap_arguments():
     with pytest.raises(ValueError):
         validate.parse_size("1.5G")
     assert json.loads(json.dumps(validate.DEFAULT_MAX_OUTPUT_BYTES)) == 4 << 30
+
+
+# ------------------------------------------------------------------------ container header size
+def _with_meta_value(value) -> bytes:
+    """A valid tensor blob whose codec meta gains ``value`` (checksums fixed): reaches the header parser."""
+    header, payloads = fuzz.split_container(kvcodec.compress(torch.arange(64, dtype=torch.float32).reshape(8, 8)))
+    header["meta"]["codec_meta"]["x"] = value
+    return fuzz.raw_container(header, payloads)
+
+
+def test_a_header_of_a_million_keys_is_refused_before_it_is_parsed():
+    blob = _with_meta_value({f"k{i}": 0 for i in range(1_300_000)})  # 15.7 MB: 5.5 s and +490 MB when parsed
+    assert len(blob) < container.MAX_HEADER_BYTES
+    t0 = time.process_time()
+    with pytest.raises(CorruptStreamError, match="keys"):
+        kvcodec.decompress(blob)
+    assert time.process_time() - t0 < 0.5
+
+
+@pytest.mark.parametrize("kind", ["objects", "lists", "strings"])
+def test_a_header_of_millions_of_nodes_is_refused_before_it_is_parsed(kind):
+    n = container.MAX_HEADER_NODES + 10
+    blob = _with_meta_value({"objects": [{}] * (n // 2), "lists": [[]] * (n // 2), "strings": ["ab"] * n}[kind])
+    t0 = time.process_time()
+    with pytest.raises(CorruptStreamError, match="nodes"):
+        kvcodec.decompress(blob)
+    assert time.process_time() - t0 < 0.5
+
+
+def test_a_header_just_under_the_limits_parses_in_bounded_time():
+    for value in ({f"k{i}": 0 for i in range(container.MAX_HEADER_KEYS - 100)},
+                  [[]] * (container.MAX_HEADER_NODES // 2 - 100)):
+        blob = _with_meta_value(value)
+        t0 = time.process_time()
+        with pytest.raises(CorruptStreamError):  # parsed, then refused by the codec's meta check
+            kvcodec.decompress(blob)
+        assert time.process_time() - t0 < 2.0  # benchmarks/fuzz.py's per-case limit
+
+
+def test_the_writer_refuses_what_the_reader_would():
+    with pytest.raises(ValueError, match="keys"):
+        container.dumps("k", {f"k{i}": 0 for i in range(container.MAX_HEADER_KEYS + 1)}, {})
+    with pytest.raises(ValueError, match="nodes"):
+        container.dumps("k", {"x": [0] * (container.MAX_HEADER_NODES + 1)}, {})
+    assert container.loads(container.dumps("k", {"x": [0] * 1000}, {}))[1] == {"x": [0] * 1000}
+
+
+def test_duplicate_keys_are_still_refused():
+    blob = container.dumps("k", {"a": 1, "b": 2}, {})
+    body = blob[16:].replace(b'"b"', b'"a"')
+    prefix = struct.pack("<4sHHI", b"KVCC", 1, 0, len(body))
+    with pytest.raises(CorruptStreamError, match="duplicate key 'a'"):
+        container.loads(prefix + struct.pack("<I", zlib.crc32(body, zlib.crc32(prefix))) + body)
+
+
+# ------------------------------------------------------------------------ regression corpus
+#: seeds of benchmarks/fuzz.py cases that once failed or ran slow (``python benchmarks/fuzz.py`` lists
+#: them under "First bad cases" and "slowest case seed"); each must stay refused or decoded exactly,
+#: warm, under the per-case CPU limit
+REGRESSION_SEEDS = {
+    "entropy.decode": [100044197],  # decoded to different content (benchmarks/results/fuzz.md)
+}
+
+
+@pytest.mark.parametrize("name,seed", [(n, s) for n, seeds in REGRESSION_SEEDS.items() for s in seeds])
+def test_regression_corpus(name, seed):
+    target = fuzz.TARGETS[name]
+    fuzz.case(target, seed)  # warm: numba compilation and lazy imports
+    t0 = time.process_time()
+    outcome, detail, _ = fuzz.case(target, seed)
+    assert outcome in fuzz.GOOD, detail
+    assert time.process_time() - t0 < 2.0
