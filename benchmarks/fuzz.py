@@ -609,7 +609,7 @@ def worker(name: str, seed0: int, count: int, case_seconds: float, mem_extra: in
 
     signal.signal(signal.SIGVTALRM, on_alarm)  # fires after case_seconds of this process's CPU time
     counts = {o: 0 for o in OUTCOMES}
-    slowest = 0.0
+    slowest, slowest_seed = 0.0, -1
     with open(out_path, "a") as out:
         for seed in range(seed0, seed0 + count):
             out.write(json.dumps({"start": seed}) + "\n")
@@ -623,7 +623,8 @@ def worker(name: str, seed0: int, count: int, case_seconds: float, mem_extra: in
             finally:
                 signal.setitimer(signal.ITIMER_VIRTUAL, 0)
             dt = time.process_time() - t0
-            slowest = max(slowest, dt)
+            if dt > slowest:
+                slowest, slowest_seed = dt, seed
             if dt > case_seconds and outcome != "timeout":  # native code the alarm could not interrupt
                 outcome, detail = "timeout", f"{outcome} after {dt:.2f} s CPU"
             counts[outcome] += 1
@@ -631,12 +632,14 @@ def worker(name: str, seed0: int, count: int, case_seconds: float, mem_extra: in
                 out.write(json.dumps({"seed": seed, "outcome": outcome, "detail": detail, "cpu_s": round(dt, 3),
                                       "blob_len": len(blob)}) + "\n")
             if (seed - seed0) % 200 == 199 or seed == seed0 + count - 1:
-                out.write(json.dumps({"counts": counts, "done": seed, "slowest_cpu_s": round(slowest, 3)}) + "\n")
+                out.write(json.dumps({"counts": counts, "done": seed, "slowest_cpu_s": round(slowest, 3),
+                                      "slowest_seed": slowest_seed}) + "\n")
                 out.flush()
 
 
-def _tally(path: Path) -> tuple[dict, float, list, int | None, int]:
-    counts, slowest, bad, last_start, done = {o: 0 for o in OUTCOMES}, 0.0, [], None, -1
+def _tally(path: Path) -> tuple[dict, tuple[float, int], list, int | None, int]:
+    """(counts, (slowest case CPU s, its seed), bad cases, last case started, last case counted)."""
+    counts, slowest, bad, last_start, done = {o: 0 for o in OUTCOMES}, (0.0, -1), [], None, -1
     block = {o: 0 for o in OUTCOMES}
     if not path.exists():
         return counts, slowest, bad, last_start, done
@@ -649,7 +652,7 @@ def _tally(path: Path) -> tuple[dict, float, list, int | None, int]:
             last_start = rec["start"]
         elif "counts" in rec:
             block = rec["counts"]
-            slowest = max(slowest, rec["slowest_cpu_s"])
+            slowest = max(slowest, (rec["slowest_cpu_s"], rec.get("slowest_seed", -1)))
             done = rec["done"]
         elif rec.get("outcome") not in (None, "valid"):
             bad.append(rec)
@@ -664,7 +667,7 @@ def run(minutes: float, targets: list[str], case_seconds: float, mem_extra: int,
 
     work = Path(tempfile.mkdtemp(prefix="kvcodec-fuzz-"))
     totals = {t: {o: 0 for o in OUTCOMES} for t in targets}
-    slowest = {t: 0.0 for t in targets}
+    slowest = {t: (0.0, -1) for t in targets}
     examples = {t: [] for t in targets}
     next_seed = {t: 100_000_000 * (i + 1) for i, t in enumerate(targets)}
     chunk = 10000
@@ -750,8 +753,8 @@ def run(minutes: float, targets: list[str], case_seconds: float, mem_extra: int,
     for t in targets:
         n = sum(totals[t].values())
         bad = n - sum(totals[t][o] for o in GOOD)
-        result["targets"][t] = {"cases": n, **totals[t], "bad": bad, "slowest_case_cpu_s": slowest[t],
-                                "examples": examples[t][:20]}
+        result["targets"][t] = {"cases": n, **totals[t], "bad": bad, "slowest_case_cpu_s": slowest[t][0],
+                                "slowest_case_seed": slowest[t][1], "examples": examples[t][:20]}
     return result
 
 
@@ -768,7 +771,8 @@ def markdown(result: dict) -> str:
     ]
     for t, r in result["targets"].items():
         lines.append(f"| {t} | {r['cases']} | {r['corrupt']} | {r['identical']} | {r['valid']} | {r['other']} | "
-                     f"{r['timeout']} | {r['memory']} | {r['bad']} | {r['slowest_case_cpu_s']:.2f} |")
+                     f"{r['timeout']} | {r['memory']} | {r['bad']} | {r['slowest_case_cpu_s']:.2f} "
+                     f"(seed {r.get('slowest_case_seed', '?')}) |")
     lines.append("")
     lines.append("'valid other input': the mutated bytes were themselves a well-formed file (decoding and "
                  "re-encoding gives them back exactly; an entropy stream counts when only its frequency table's "
