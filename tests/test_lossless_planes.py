@@ -105,7 +105,8 @@ def test_constant_and_incompressible_tensors():
     assert len(blob) < 1600
     assert_bit_exact(decompress(blob), const)
     noise = random_bits(torch.bfloat16, (4000,), 9)
-    assert _modes(compress(noise)) == ["raw", "raw"]
+    assert _modes(compress(noise, codec="planes")) == ["raw", "raw"]
+    assert api.describe(compress(noise))["codec"] == "raw"  # "auto": the planes blob would exceed the raw bytes
     assert _modes(blob) == ["const", "const"]
 
 
