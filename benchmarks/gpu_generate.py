@@ -354,7 +354,7 @@ def kernel_table(dev) -> list[dict]:
     import torch.nn.functional as F
 
     from benchmarks.gpu_kernels import copy_bandwidth, cuda_time_ms
-    from kvcodec.cuda import decode_attention, reference
+    from kvcodec.quant.cuda import decode_attention, reference
 
     bw = copy_bandwidth()
     rows = []

@@ -324,7 +324,7 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", *, device: str
         "peak_*_GiB: torch.cuda.max_memory_allocated, reset before prefill and before decode (weights included)",
         f"agree16: fraction of the first {AGREE_TOKENS} greedy tokens of the decode steps (warm-up included, prefill "
         "token excluded) equal to DynamicCache's (free-running: one divergence changes later inputs; random weights)",
-        "fused: compressed-attention calls taken by kvcodec.cuda's fused kernel / all such calls in the timed steps",
+        "fused: compressed-attention calls taken by kvcodec.quant.cuda's fused kernel / all such calls in the timed steps",
         f"total {time.time() - t_start:.0f}s",
     ]
     result = {"suite": SUITE, "rows": rows, "machine": rec, "notes": notes, "columns": COLUMNS}

@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine_record, save_with_out  # noqa: E402
-from kvcodec.cuda import KernelVariant, reference  # noqa: E402
-import kvcodec.cuda as kc  # noqa: E402
+from kvcodec.quant.cuda import KernelVariant, reference  # noqa: E402
+import kvcodec.quant.cuda as kc  # noqa: E402
 
 L2_ROTATE_BYTES = 512 << 20  # rotate among input sets until this many bytes: no timing out of L2
 
@@ -211,11 +211,11 @@ def _run_checks(prefix: str, variant: KernelVariant, checks=CHECKS) -> list[dict
 
 
 def run_quant_checks(variant: KernelVariant) -> list[dict]:
-    """kvcodec.cuda.quantized.attend on the GPU vs the quant package's own scores + weighted_sum."""
+    """kvcodec.quant.cuda.quantized.attend on the GPU vs the quant package's own scores + weighted_sum."""
     rows = []
     try:
-        from kvcodec.cuda.quantized import attend
         from kvcodec.quant import TurboQuantMSE, TurboQuantProd
+        from kvcodec.quant.cuda.quantized import attend
     except Exception as e:
         return [{"quant_check": "import", "ok": False, "error": str(e)[:200]}]
     for prod, pre, d in ((False, "none", 128), (True, "scale", 128), (False, "center", 64), (True, "none", 64)):
@@ -550,8 +550,8 @@ FUSED_VARIANT_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4,
 
 def _compile_one(job) -> str:
     name, defines, arch = job
-    from kvcodec.cuda import build as _build
-    from kvcodec.cuda.decode_kernels import SOURCE
+    from kvcodec.device import build as _build
+    from kvcodec.quant.cuda.decode_kernels import SOURCE
 
     _build.get_function(SOURCE, name, tuple(defines), arch)
     return name
@@ -566,7 +566,8 @@ def precompile(calls) -> int:
     import types
     from concurrent.futures import ProcessPoolExecutor
 
-    from kvcodec.cuda import attention, build
+    from kvcodec.device import build
+    from kvcodec.quant.cuda import attention
 
     jobs = set()
     real, saved = build.get_function, dict(attention._plans)
@@ -646,7 +647,7 @@ def fused_variants() -> list[dict]:
 
 def auto_path(t) -> str:
     """The path the launcher picks for a decode call (MSE keys, automatic split size)."""
-    from kvcodec.cuda import attention
+    from kvcodec.quant.cuda import attention
 
     return "one-launch" if attention.use_fused(KernelVariant(), False, t, None) else "three-launch"
 
@@ -683,7 +684,7 @@ def fused_table() -> list[dict]:
 
 def fused_tpw_sweep() -> list[dict]:
     """Split sizes of the one-launch kernel (for its cost model), the launcher's choice first."""
-    from kvcodec.cuda.decode_kernels import FUSED_MAX_BLOCKS, WARPS_PER_BLOCK
+    from kvcodec.quant.cuda.decode_kernels import FUSED_MAX_BLOCKS, WARPS_PER_BLOCK
 
     return tpw_sweep(ONE, FUSED_TPW_SHAPES, FUSED_TPW_GRID, WARPS_PER_BLOCK * FUSED_MAX_BLOCKS, "fused tpw")
 
@@ -729,7 +730,7 @@ def trace_phases() -> list[dict]:
 def run_fused_study(out_dir: str) -> dict:
     """``--fused``: checks of every launch mode, kernel table, split sizes, per-kernel device times.
     The launcher's automatic choice is allowed to pick the one-launch kernel here (what would ship)."""
-    from kvcodec.cuda import attention
+    from kvcodec.quant.cuda import attention
 
     attention.FUSED_BY_DEFAULT = True
     t0 = time.time()
@@ -856,7 +857,7 @@ def run_bulk_study(out_dir: str) -> dict:
             log("bulk", row)
             rows.append(row)
     # split sizes: whether a bulk build wants other ones than the model (fitted to the default) picks
-    from kvcodec.cuda.decode_kernels import FUSED_MAX_BLOCKS, WARPS_PER_BLOCK
+    from kvcodec.quant.cuda.decode_kernels import FUSED_MAX_BLOCKS, WARPS_PER_BLOCK
 
     sweep = []
     for label, v in (BULK_VARIANTS[0], BULK_VARIANTS[2], BULK_VARIANTS[5]):

@@ -173,8 +173,9 @@ def timeline(name: str, reps: int = 9) -> list[str]:
     import torch
 
     import kvcodec
-    from kvcodec.cuda import crc32, kvctx_decode, kvctx_plan
+    from kvcodec.device import crc32
     from kvcodec.lossless import api, device_container, kvctx_device
+    from kvcodec.lossless.cuda import kvctx_decode, kvctx_plan
     from kvcodec.lossless.predictive import codec as pcodec
 
     marks = []
@@ -275,8 +276,8 @@ def host_pieces(dblob) -> dict:
     import torch
 
     from kvcodec import container
-    from kvcodec.cuda import kvctx_plan
-    from kvcodec.cuda.transfer import download, upload
+    from kvcodec.device.transfer import download, upload
+    from kvcodec.lossless.cuda import kvctx_plan
 
     head = download(dblob[:1 << 16])
     freq = torch.zeros(256, dtype=torch.int16, device=dblob.device)
@@ -323,9 +324,9 @@ def quick(out_dir: str, mb: int) -> dict:
 def main(out_dir: str, mb: int) -> dict:
     import torch
 
-    import kvcodec.cuda
+    import kvcodec.device
 
-    if not kvcodec.cuda.is_available():
+    if not kvcodec.device.is_available():
         gl.log("gpu_kvctx: no CUDA GPU + CuPy; skipped")
         return {}
     rec = machine_record()

@@ -161,10 +161,10 @@ def kernel_variants(label: str, t, pred, opts, reps: int = 5) -> list[str]:
     import numpy as np
     import torch
 
-    from kvcodec.cuda import build
-    from kvcodec.cuda import kvctx_encode as ke
+    from kvcodec.device import build
     from kvcodec.lossless import api
     from kvcodec.lossless import kvctx_device_encode as kde
+    from kvcodec.lossless.cuda import kvctx_encode as ke
 
     out, seen = [], {}
 
@@ -247,7 +247,7 @@ def main(out_dir: str, mb: int, quick: bool = False) -> dict:
         "with torch.cuda.synchronize(), median of 11 (host bytes: 3) after a warm-up; CPU encode/decode: one call; "
         "'long rows': the same tiled sample as [-1, 2048, 64] (8 consecutive 256-token rows concatenated: 8x fewer "
         "channels), GPU encode + GPU decode and the host profile only",
-        "GPU encode: kvcodec/cuda/kvctx_encode.cu (fit sums per column, symbolise + histogram, one warp per chunk "
+        "GPU encode: kvcodec/lossless/cuda/kvctx_encode.cu (fit sums per column, symbolise + histogram, one warp per chunk "
         "for the raw bits on a side stream, one per chunk for rANS); the same format 2 stream the CPU encoder writes",
         *notes]}
     save_with_out(result, out_dir, columns=COLUMNS)

@@ -149,7 +149,7 @@ def decode_apart(blob, first: bool = False) -> dict:
     import torch
 
     import kvcodec
-    from kvcodec.cuda import rans as gr
+    from kvcodec.entropy.cuda import rans as gr
     from kvcodec.lossless import device_container
 
     stamps, events = [], []
@@ -195,7 +195,7 @@ def rans_kernel_rows(name, blob, nbytes, reps: int = 20):
     import torch
 
     import kvcodec
-    from kvcodec.cuda import rans as gr
+    from kvcodec.entropy.cuda import rans as gr
 
     got = {}
     build, launch = gr.LaunchPlan.build.__func__, gr.LaunchPlan.launch
@@ -225,8 +225,8 @@ def rans_kernel_rows(name, blob, nbytes, reps: int = 20):
         try:
             plan = gr.LaunchPlan.build(pdesc, table_of, tables, device, also=also, warps=warps)
             if any(tb.data is None for tb in tables):  # tables made on the device: write this plan's
-                from kvcodec.cuda import planes_codec as pc
                 from kvcodec.entropy import rans_lanes
+                from kvcodec.lossless.cuda import planes_codec as pc
 
                 pc.stream_desc(data, plan.also[0], len(tables), 0, 0, 0, plan.pdesc, plan.also[1], rans_lanes.M,
                                plan.table_data)
@@ -288,20 +288,20 @@ TRACE_STEPS = [  # (label, owner, attribute): host steps of a device-blob decode
     ("_prepare", "kvcodec.lossless.planes:PlaneCodec", "_prepare"),
     ("launch_inputs", "kvcodec.lossless.planes_device", "launch_inputs"),
     ("stream_descriptors", "kvcodec.lossless.planes_device", "stream_descriptors"),
-    ("build_table", "kvcodec.cuda.rans", "build_table"),
-    ("LaunchPlan.build", "kvcodec.cuda.rans:LaunchPlan", "build"),
-    ("upload", "kvcodec.cuda.transfer", "upload"),
-    ("stream_desc launch", "kvcodec.cuda.planes_codec", "stream_desc"),
-    ("rANS launch", "kvcodec.cuda.rans:LaunchPlan", "launch"),
-    ("merge launch", "kvcodec.cuda.planes_codec", "merge"),
+    ("build_table", "kvcodec.entropy.cuda.rans", "build_table"),
+    ("LaunchPlan.build", "kvcodec.entropy.cuda.rans:LaunchPlan", "build"),
+    ("upload", "kvcodec.device.transfer", "upload"),
+    ("stream_desc launch", "kvcodec.lossless.cuda.planes_codec", "stream_desc"),
+    ("rANS launch", "kvcodec.entropy.cuda.rans:LaunchPlan", "launch"),
+    ("merge launch", "kvcodec.lossless.cuda.planes_codec", "merge"),
     ("Checks.read", "kvcodec.lossless.device_container:Checks", "read"),
-    ("crc32 _launch", "kvcodec.cuda.crc32", "_launch"),
+    ("crc32 _launch", "kvcodec.device.crc32", "_launch"),
     ("planes_device.encode", "kvcodec.lossless.planes_device", "encode"),
-    ("split_hist", "kvcodec.cuda.planes_codec", "split_hist"),
+    ("split_hist", "kvcodec.lossless.cuda.planes_codec", "split_hist"),
     ("one_table", "kvcodec.lossless.planes_device", "one_table"),
-    ("encode_chunks", "kvcodec.cuda.planes_codec", "encode_chunks"),
-    ("gather", "kvcodec.cuda.planes_codec", "gather"),
-    ("crc32_many", "kvcodec.cuda.crc32", "crc32_many"),
+    ("encode_chunks", "kvcodec.lossless.cuda.planes_codec", "encode_chunks"),
+    ("gather", "kvcodec.lossless.cuda.planes_codec", "gather"),
+    ("crc32_many", "kvcodec.device.crc32", "crc32_many"),
     ("assemble", "kvcodec.lossless.device_container", "assemble"),
     ("torch.empty", "torch", "empty"),
     ("torch.cat", "torch", "cat"),
@@ -560,8 +560,8 @@ def kvctx_kernel_rows(name, x, variants=KERNEL_VARIANTS):
     NR, warps per block; None = the default for D), each output checked bit-exact."""
     import torch
 
-    from kvcodec.cuda import kvctx_decode as kd
     from kvcodec.lossless import device_container, kvctx_device
+    from kvcodec.lossless.cuda import kvctx_decode as kd
 
     rows = []
     for label, t, hblob, pred, nbytes in kv_blobs(name):
@@ -652,7 +652,7 @@ def transfer_rows(name, x):
     """The host-blob path's copies alone, on the compressed blob's bytes: ``transfer.device_to_bytes``
     (enc column) and ``bytes_to_device`` (dec column) with 16 workers and huge pages, without the
     huge-page advice, and with 8 workers."""
-    from kvcodec.cuda import transfer
+    from kvcodec.device import transfer
     from kvcodec.lossless import compress_device
 
     blob = compress_device(x)
@@ -760,10 +760,10 @@ def breakdown(name, x) -> dict:
 def main(out_dir: str, mb: int, only: set | None = None) -> dict:
     import torch
 
-    import kvcodec.cuda
+    import kvcodec.device
 
     rec = machine_record()
-    if not kvcodec.cuda.is_available():
+    if not kvcodec.device.is_available():
         log("gpu_lossless: no CUDA GPU + CuPy; skipped")
         return {}
     data = tensors(mb)
@@ -802,7 +802,7 @@ def main(out_dir: str, mb: int, only: set | None = None) -> dict:
         "of the first decode are reused (api._blob_plans; every check still runs); 'first decode' rows forget "
         "them before each call",
         "kvctx / predictive rows: format 2 encoded on the CPU (all cores: the encode column), decoded on the GPU "
-        "(kvcodec/cuda/kvctx_decode.cu, one warp per ~65536-value chunk); CPU rows decode the same blobs",
+        "(kvcodec/lossless/cuda/kvctx_decode.cu, one warp per ~65536-value chunk); CPU rows decode the same blobs",
         "nvCOMP: nvidia-nvcomp-cu13 6.0.0.12 Python API, Codec(algorithm, data_type), default chunk size (64 KiB), "
         "NVCOMP_NATIVE bitstream",
         "planes device-blob decode taken apart (median of the same number of calls): host_ms = from the call to the "

@@ -1,4 +1,4 @@
-"""GPU benchmark of the batched 32-state rANS decoder (kvcodec/cuda/rans_decode.cu) vs the numba CPU
+"""GPU benchmark of the batched 32-state rANS decoder (kvcodec/entropy/cuda/rans_decode.cu) vs the numba CPU
 decoder, on the byte planes of real bf16 KV values.
 
     PYTHONPATH=. python3 benchmarks/gpu_rans.py [--out DIR] [--quick] [--mb 128]
@@ -116,8 +116,8 @@ def run(out_dir: str, mb: int, quick: bool) -> dict:
     rec = machine_record()
     import torch
 
-    import kvcodec.cuda as kc
-    from kvcodec.cuda import rans as gr
+    import kvcodec.device as kc
+    from kvcodec.entropy.cuda import rans as gr
 
     if not kc.is_available():
         log("gpu_rans: no CUDA GPU + CuPy here; skipped")

@@ -79,7 +79,7 @@ class _Builds:
 
     def nvcc(self, build: tuple) -> dict:
         """``build`` = (source, instances, archs, extra): {arch: Future of build.nvcc_compile's process}."""
-        from kvcodec.cuda import build as cuda_build
+        from kvcodec.device import build as cuda_build
 
         source, instances, archs, extra = build
         return {arch: self._start(("nvcc", source, tuple(instances), arch, tuple(extra)), cuda_build.nvcc_compile,
@@ -146,7 +146,7 @@ def cpu_emulator():
 
 @pytest.fixture
 def nvcc_result(nvcc_build) -> dict:
-    """``{arch: CompletedProcess}`` of ``kvcodec.cuda.build.nvcc_compile`` for the test's ``nvcc_build``
+    """``{arch: CompletedProcess}`` of ``kvcodec.device.build.nvcc_compile`` for the test's ``nvcc_build``
     parameter, ``(source, instances, archs, extra)`` (started when the session started; the cubins lie
     where each process's ``-o`` says); skipped without nvcc."""
     if shutil.which("nvcc") is None:

@@ -1,4 +1,5 @@
-"""CPU-side checks of kvcodec.cuda: nvcc compiles every kernel for Hopper and Blackwell, and the
+"""CPU-side checks of the CUDA kernels (kvcodec.quant.cuda, kvcodec.lossless.cuda, kvcodec.entropy.cuda,
+kvcodec.device): nvcc compiles every kernel for Hopper and Blackwell, and the
 torch reference / index bookkeeping the kernels rely on is right (no GPU needed)."""
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcodec.cuda import attention, build, decode_kernels, pack, reference, split_size
-from kvcodec.cuda.attention import decode_attention
-from kvcodec.cuda.decode_kernels import key_permutation
+from kvcodec.device import build
+from kvcodec.quant.cuda import attention, decode_kernels, pack, reference, split_size
+from kvcodec.quant.cuda.attention import decode_attention
+from kvcodec.quant.cuda.decode_kernels import key_permutation
 
 # The template instances the launchers use most; each is compiled for both targets.
 SPLIT_CONFIGS = [
@@ -421,10 +423,10 @@ def test_quantize_pack_cpu_path_is_reference():
 
 @pytest.mark.parametrize("prod,precondition", [(False, "none"), (True, "scale"), (False, "center")])
 def test_attend_on_quantized_tensors_matches_quant_package(prod, precondition):
-    """kvcodec.cuda.quantized.attend (CPU path) == softmax over the quant package's own scores and
+    """kvcodec.quant.cuda.quantized.attend (CPU path) == softmax over the quant package's own scores and
     weighted_sum: same layout, rotation, codebook, QJL scale and preconditioning semantics."""
-    from kvcodec.cuda.quantized import attend
     from kvcodec.quant import TurboQuantMSE, TurboQuantProd
+    from kvcodec.quant.cuda.quantized import attend
 
     b, hkv, g, ql, t, d = 2, 2, 3, 2, 24, 64
     torch.manual_seed(0)
@@ -449,7 +451,7 @@ def test_attend_on_quantized_tensors_matches_quant_package(prod, precondition):
 
 
 def test_gpu_benchmark_skips_cleanly_without_a_gpu(tmp_path):
-    import kvcodec.cuda as kc
+    import kvcodec.device as kc
 
     if kc.is_available():
         pytest.skip("a GPU is present: the suite would run for real")

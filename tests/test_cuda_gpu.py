@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-import kvcodec.cuda as kc
-from kvcodec.cuda import reference
+import kvcodec.quant.cuda as kc
+from kvcodec.quant.cuda import reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kc.is_available(), reason="needs a CUDA GPU and CuPy")]
 
@@ -90,7 +90,7 @@ def test_fused_dense_and_two_round_rotations(rotation):
 def test_fused_graph_replay_resets_its_counters():
     """A captured one-launch call replayed with new queries and lengths equals the reference every
     time: the last block of each tile returns its counter to 0 for the next launch."""
-    from kvcodec.cuda import attention
+    from kvcodec.quant.cuda import attention
 
     for b, hq, hkv, t, kb, vb in ((1, 32, 8, 3000, 4, 4), (3, 40, 2, 900, 4, 2)):  # narrow; wide, 2 row tiles
         case, kw = make_case(b, hq, hkv, 1, t, 128, kb, vb, [t] * b)
@@ -158,8 +158,8 @@ def test_quantize_pack_matches_reference_bytes():
 
 @pytest.mark.parametrize("prod,precondition", [(False, "none"), (True, "scale")])
 def test_attend_on_quant_objects_matches_quant_package(prod, precondition):
-    from kvcodec.cuda.quantized import attend
     from kvcodec.quant import TurboQuantMSE, TurboQuantProd
+    from kvcodec.quant.cuda.quantized import attend
 
     b, hkv, g, t, d = 2, 2, 4, 300, 128
     k = torch.randn(b, hkv, t, d, device="cuda") * 2
@@ -236,7 +236,8 @@ def test_fused_bulk_ring_random_shapes(defines):
 def test_sm90a_route_compiles_caches_and_matches(tmp_path, monkeypatch):
     """build.compile_cubin: NVRTC for sm_90a, cached on disk (a second call compiles nothing), loaded
     with cupy.RawModule(path=...); the one-launch kernel built so equals the reference."""
-    from kvcodec.cuda import build, decode_kernels
+    from kvcodec.device import build
+    from kvcodec.quant.cuda import decode_kernels
 
     monkeypatch.setenv("KVCODEC_CUBIN_CACHE", str(tmp_path))
     name = decode_kernels.fused_name(128, 4, 4, False, False, True)

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.cuda import attention, build, decode_kernels, reference, split_size
-from kvcodec.cuda.decode_kernels import KernelVariant
+from kvcodec.device import build
+from kvcodec.quant.cuda import attention, decode_kernels, reference, split_size
+from kvcodec.quant.cuda.decode_kernels import KernelVariant
 
 
 class _Recorder:

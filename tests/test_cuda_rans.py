@@ -1,4 +1,4 @@
-"""CPU checks of the GPU rANS decoder (kvcodec/cuda/rans_decode.cu + rans.py): nvcc builds it for
+"""CPU checks of the GPU rANS decoder (kvcodec/entropy/cuda/rans_decode.cu + rans.py): nvcc builds it for
 Hopper and Blackwell without spills, and a lane-by-lane numpy emulation of the kernel (the launcher's
 descriptors, shared-memory/global tables, shared-memory word ring, ballot/popcount reads, masked
 loads, final checks) decodes real ``entropy.encode(..., streams=32)`` streams bit-exactly and gives
@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcodec import entropy
-from kvcodec.cuda import build
-from kvcodec.cuda import rans as gr
+from kvcodec.device import build
 from kvcodec.entropy import rans_fast, stream
+from kvcodec.entropy.cuda import rans as gr
 from kvcodec.errors import CorruptStreamError
 
 L = 1 << 16

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import kvcodec.cuda as kc
+import kvcodec.device as kc
 from kvcodec import entropy
-from kvcodec.cuda import rans as gr
 from kvcodec.entropy import stream
+from kvcodec.entropy.cuda import rans as gr
 from kvcodec.errors import CorruptStreamError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kc.is_available(), reason="needs a CUDA GPU and CuPy")]

@@ -7,7 +7,7 @@ import torch
 from model_zoo import VOCAB, build
 from transformers import DynamicCache
 
-import kvcodec.cuda as kcuda
+import kvcodec.device as kcuda
 from kvcodec.hf import CompressedCache
 
 pytestmark = [pytest.mark.gpu,

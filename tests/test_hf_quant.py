@@ -140,7 +140,7 @@ def test_prod_keys_need_two_bits():
     ("mse", "scale", "none", 3, 2, 128), ("prod", "scale", "scale", 3, 2, 128), ("mse", "none", "center", 0, 1, 128),
     ("mse", "center", "scale", 1, 7, 3)])
 def test_fused_kernel_wiring_matches_torch_path(key_mode, kpre, vpre, sink, tq, q_chunk):
-    """The kvcodec.cuda launcher (run here through its CPU float64 reference) plus the one-softmax
+    """The kvcodec.quant.cuda launcher (run here through its CPU float64 reference) plus the one-softmax
     merge with the exact sink and window give the same attention as the torch path on the same packed
     blocks (queries laid out as HF passes them: [B, Tq, H, D] transposed; chunked queries too)."""
     import kvcodec.hf.attention as attn
@@ -169,7 +169,7 @@ def test_fused_decode_step_stays_lean(monkeypatch):
     """Host-overhead guard: a one-token decode step through the fused wiring makes ~30 torch calls
     per layer besides the kernel launcher (views and attribute reads included; ~10 of them launch
     work), and the per-block constants are built once per block, not per step."""
-    import kvcodec.cuda.attention as kernel_launcher
+    import kvcodec.quant.cuda.attention as kernel_launcher
     import kvcodec.hf.attention as attn
     from torch.overrides import TorchFunctionMode
     from transformers import AttentionInterface
@@ -216,7 +216,7 @@ def test_fused_decode_step_stays_lean(monkeypatch):
 
 def _cuda_ready():
     try:
-        import kvcodec.cuda as kc
+        import kvcodec.device as kc
 
         return kc.is_available()
     except ImportError:

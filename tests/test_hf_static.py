@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kvcodec.cuda import ops
 from kvcodec.hf import CompressedCache
 from kvcodec.hf.static_cache import StaticCompressedCache
+from kvcodec.quant.cuda import ops
 
 from test_hf_cache import VOCAB, tiny_model
 
@@ -260,7 +260,7 @@ def test_quantize_op_gives_the_quantizers_bytes():
 @pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="torch.library.custom_op needs torch >= 2.4")
 def test_custom_ops_pass_opcheck():
     """Schema, fake (meta) implementation and dispatch of both ops agree with the real one (CPU)."""
-    from kvcodec.cuda import reference
+    from kvcodec.quant.cuda import reference
 
     case, kw = reference.random_decode_case(1, 4, 2, 1, 24, 32, 4, 3, [17], device="cpu")
     args = (case["query"].float(), case["k_codes"], case["k_norms"], case["v_codes"], case["v_norms"],

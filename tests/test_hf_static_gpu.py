@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcodec.cuda import is_available, ops
+from kvcodec.quant.cuda import is_available, ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not is_available(), reason="needs CUDA and CuPy")]
 

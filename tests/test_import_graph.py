@@ -1,4 +1,8 @@
-"""kvcodec's import graph has no cycles, counting imports inside functions too.
+"""kvcodec's import graph has no cycles, counting imports inside functions too: not between modules,
+and not between packages either (collapsed to each package's members, a subpackage with everything
+inside it counts as one: ``lossless`` may import ``device`` or ``entropy``, never the reverse through
+any of their modules). ``kvcodec.device``, the device runtime every kernel owner shares, imports no
+other subpackage.
 
 A function-level import hides a cycle from the interpreter but not from a reader: the two modules
 still depend on each other. The graph is built statically from the AST of every module (an edge
@@ -73,6 +77,35 @@ def import_graph() -> dict[str, set[str]]:
     return {name: imports_of(name, path, known) for name, path in mods.items()}
 
 
+def packages() -> list[str]:
+    return sorted(name for name, path in modules().items() if path.name == "__init__.py")
+
+
+def member(name: str, package: str) -> str | None:
+    """The member of ``package`` that module ``name`` belongs to: the package itself (its
+    ``__init__``), a module directly in it, or the subpackage that holds it; None outside it."""
+    if name == package:
+        return package
+    if not name.startswith(package + "."):
+        return None
+    return ".".join(name.split(".")[: package.count(".") + 2])
+
+
+def package_graph(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """``graph`` collapsed to ``package``'s members: an edge A -> B for each import from a module of
+    member A to a module of member B (A != B)."""
+    out: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        a = member(name, package)
+        if a is None:
+            continue
+        for t in targets:
+            b = member(t, package)
+            if b is not None and b != a:
+                out.setdefault(a, set()).add(b)
+    return out
+
+
 def cycles(graph: dict[str, set[str]]) -> list[frozenset]:
     """Strongly connected components with more than one module (Tarjan)."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -120,6 +153,31 @@ def test_cycle_finder_finds_a_cycle():
 def test_no_import_cycles():
     found = cycles(import_graph())
     assert not found, f"import cycles: {[sorted(c) for c in found]}"
+
+
+def test_package_graph_finds_a_cycle_no_module_has():
+    graph = {"kvcodec.a.x": {"kvcodec.b.y"}, "kvcodec.b.z": {"kvcodec.a.w"}, "kvcodec.a.w": set(), "kvcodec.b.y": set()}
+    assert not cycles(graph)
+    assert cycles(package_graph(graph, "kvcodec")) == [frozenset({"kvcodec.a", "kvcodec.b"})]
+    assert package_graph(graph, "kvcodec.a") == {}  # the imports leave kvcodec.a
+
+
+def test_no_cycles_between_packages():
+    graph = import_graph()
+    found = {p: sorted(sorted(c) for c in cycles(package_graph(graph, p))) for p in packages()}
+    found = {p: c for p, c in found.items() if c}
+    assert not found, f"import cycles between the members of a package: {found}"
+
+
+def test_device_imports_no_other_subpackage():
+    """kvcodec.device (compile and cache kernels, transfers, the device CRC-32) is the leaf every
+    kernel owner imports: it reads only kvcodec's base modules (errors, validate, safe_write, threads)."""
+    graph, pkgs = import_graph(), set(packages())
+    outside = {t for name, targets in graph.items() if member(name, "kvcodec.device") for t in targets
+               if not member(t, "kvcodec.device")}
+    assert outside, "kvcodec.device imports no base module: the check reads nothing"
+    above = sorted(t for t in outside if member(t, "kvcodec") in pkgs)
+    assert not above, f"kvcodec.device imports {above}"
 
 
 def test_graph_skips_script_blocks(tmp_path):

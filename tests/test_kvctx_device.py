@@ -1,4 +1,4 @@
-"""The kvctx / predictive format 2 GPU decoder (kvcodec.lossless.kvctx_device, kvcodec/cuda/kvctx_decode.cu).
+"""The kvctx / predictive format 2 GPU decoder (kvcodec.lossless.kvctx_device, kvcodec/lossless/cuda/kvctx_decode.cu).
 
 CPU checks (always): the kernel source itself runs on the CPU (``tests/cuda_emulation``: g++ with the
 CUDA names defined there, 32 threads per warp meeting at every warp collective) through the real host
@@ -22,10 +22,10 @@ import torch
 
 import kvcodec
 from kvcodec import container
-from kvcodec.cuda import build
-from kvcodec.cuda import kvctx_decode as kd
+from kvcodec.device import build
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import api, device_container, kvctx_device
+from kvcodec.lossless.cuda import kvctx_decode as kd
 from kvcodec.lossless.predictive import format2
 from kvcodec.lossless.predictive.codec import encode_tensor
 
@@ -125,15 +125,15 @@ def emulated_decode(lib, blob: bytes, prediction=None, nr=kd.ROUNDS):
 @pytest.fixture
 def emulated_api(emulator, monkeypatch):
     """The API's device decode path on CPU tensors: kernel emulated, crc32 by zlib, CuPy assumed."""
-    import kvcodec.cuda
-    from kvcodec.cuda import crc32 as gcrc
+    import kvcodec.device
+    from kvcodec.device import crc32 as gcrc
 
     def crc32_many(bufs):
         return torch.tensor([zlib.crc32(b.contiguous().view(torch.uint8).numpy().tobytes()) for b in bufs])
 
     monkeypatch.setattr(kd, "launch", emulated_launch(emulator))
     monkeypatch.setattr(gcrc, "crc32_many", crc32_many)
-    monkeypatch.setattr(kvcodec.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kvcodec.device, "is_available", lambda: True)
 
 
 CASES = [  # (shape, dtype, source): every chunk >= 16384 values (32 lanes)

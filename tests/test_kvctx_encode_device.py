@@ -1,4 +1,4 @@
-"""The kvctx / predictive format 2 GPU encoder (kvcodec.lossless.kvctx_device_encode, kvcodec/cuda/kvctx_encode.cu).
+"""The kvctx / predictive format 2 GPU encoder (kvcodec.lossless.kvctx_device_encode, kvcodec/lossless/cuda/kvctx_encode.cu).
 
 CPU checks (always): the kernel source itself runs on the CPU (``tests/cuda_emulation/kvctx_encode_emulator.cpp``:
 g++ with the CUDA names defined there, 32 threads per warp meeting at every warp collective) through the real
@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from test_kvctx_device import GPU, blob_of, kv_like, same_bits, with_specials
 
 import kvcodec
-from kvcodec.cuda import build
-from kvcodec.cuda import kvctx_encode as ke
+from kvcodec.device import build
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import api
 from kvcodec.lossless import kvctx_device_encode as kde
+from kvcodec.lossless.cuda import kvctx_encode as ke
 from kvcodec.lossless.predictive.codec import encode_tensor
 
 
@@ -66,7 +66,7 @@ def emulated_gather(scratch, cap, lens, dst_off, dst):
 
 @pytest.fixture
 def zlib_crc(monkeypatch):
-    from kvcodec.cuda import crc32 as gcrc
+    from kvcodec.device import crc32 as gcrc
 
     monkeypatch.setattr(gcrc, "crc32_many", lambda bufs: torch.tensor(
         [zlib.crc32(b.contiguous().view(torch.uint8).numpy().tobytes()) for b in bufs]))

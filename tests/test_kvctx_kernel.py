@@ -1,4 +1,4 @@
-"""The kvctx / predictive GPU decode kernel's own paths (kvcodec/cuda/kvctx_decode.cu): the instance the
+"""The kvctx / predictive GPU decode kernel's own paths (kvcodec/lossless/cuda/kvctx_decode.cu): the instance the
 launcher picks per layout and dtype, and unary (bin-0) depths deep enough that their running sum leaves the
 64-bit windows read ahead (the kernel then reads the ring), on the CPU emulation of the kernel and, marked
 gpu, on the device."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvcodec
-from kvcodec.cuda import kvctx_decode as kd
+from kvcodec.lossless.cuda import kvctx_decode as kd
 from kvcodec.lossless.predictive.bins import bin_grid
 from test_kvctx_device import GPU, emulated_decode, emulator, same_bits  # noqa: F401
 

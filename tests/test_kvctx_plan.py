@@ -1,4 +1,4 @@
-"""The kvctx / predictive GPU decode's plan on the device (kvcodec/cuda/kvctx_plan.{cu,py},
+"""The kvctx / predictive GPU decode's plan on the device (kvcodec/lossless/cuda/kvctx_plan.{cu,py},
 kvctx_device.device_inputs) and the model layouts it reads (format2 ``mfields``, and ``mparts`` as
 written before it).
 
@@ -21,11 +21,12 @@ import torch
 
 import kvcodec
 from kvcodec import container
-from kvcodec.cuda import build
-from kvcodec.cuda.transfer import Staging
+from kvcodec.device import build
+from kvcodec.device.transfer import Staging
 from kvcodec.entropy import rans_fast
 from kvcodec.entropy.freq import count_symbols, quantize_frequencies
 from kvcodec.errors import CorruptStreamError
+from kvcodec.lossless.cuda import kvctx_plan
 from kvcodec.lossless.predictive import format2, params, tables
 from kvcodec.lossless.predictive.codec import kv_layout
 from test_kvctx_device import GPU, emulated_decode, emulator, kv_like, same_bits, with_specials  # noqa: F401
@@ -157,9 +158,8 @@ def test_field_parts_are_rans_fast_payloads(n, part, monkeypatch):
         assert np.array_equal(buf[parts.start[k]:parts.start[k] + parts.length[k]], want), k
     assert np.array_equal(parts.decode(buf), fields) and np.array_equal(got_tabs, tabs)
     # the GPU decode's launch of the parts, staged straight, is LaunchPlan.build's for one table
-    from kvcodec.cuda import kvctx_plan
-    from kvcodec.cuda import rans as cuda_rans
-    from kvcodec.cuda.transfer import Staging
+    from kvcodec.device.transfer import Staging
+    from kvcodec.entropy.cuda import rans as cuda_rans
 
     st = Staging(kvctx_plan.parts_pieces(parts), pin=False)
     n_blocks = kvctx_plan.stage_parts(st, parts)
@@ -187,7 +187,7 @@ def test_forged_field_values_are_refused_on_the_cpu(edit, make, small_parts):
 def test_plan_kernels_compile_with_nvcc(arch, tmp_path):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not installed")
-    proc = build.nvcc_compile("kvctx_plan.cu", [], arch, tmp_path, extra=("-Xptxas", "-v"))
+    proc = build.nvcc_compile(kvctx_plan.SOURCE, [], arch, tmp_path, extra=("-Xptxas", "-v"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert " 0 bytes spill stores" in proc.stderr and "kp_plan" in proc.stderr
 
@@ -204,7 +204,7 @@ def poisoned_allocator(nbytes: int) -> None:
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
 @pytest.mark.parametrize("seed", range(3))
 def test_gpu_tables_equal_the_host_tables(seed):
-    from kvcodec.cuda import kvctx_plan
+    from kvcodec.lossless.cuda import kvctx_plan
 
     rng = np.random.default_rng(seed)
     counts = rng.geometric(0.05, (68, 256)) * (rng.random((68, 256)) < [[0.02], [0.5], [1.0], [0.1]] * 17)
@@ -220,7 +220,7 @@ def test_gpu_tables_equal_the_host_tables(seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
 def test_gpu_field_checks_flag_what_the_host_refuses():
-    from kvcodec.cuda import kvctx_plan
+    from kvcodec.lossless.cuda import kvctx_plan
 
     rng = np.random.default_rng(1)
     for trial in range(40):
@@ -253,7 +253,7 @@ def test_gpu_field_checks_flag_what_the_host_refuses():
 def test_gpu_field_parts_equal_the_host_decode(offset, monkeypatch):
     """The field parts decoded on the device (at an even and an odd address: then from an aligned copy)
     equal the host decode."""
-    from kvcodec.cuda import kvctx_plan
+    from kvcodec.lossless.cuda import kvctx_plan
 
     monkeypatch.setattr(format2, "FIELD_PART_BYTES", 3000)
     rng = np.random.default_rng(offset)

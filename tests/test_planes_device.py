@@ -1,4 +1,4 @@
-"""The planes codec on a GPU (kvcodec.lossless.planes_device, kvcodec.cuda.planes_codec / crc32).
+"""The planes codec on a GPU (kvcodec.lossless.planes_device, kvcodec.lossless.cuda.planes_codec / crc32).
 
 CPU checks (always): the CRC decomposition of crc32.cu against zlib, a lane-by-lane numpy emulation of
 the encode kernel against the CPU encoder, the kernels compile for sm_90 and sm_100, and the device
@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcodec import container
-from kvcodec.cuda import build
-from kvcodec.cuda import crc32 as gcrc
-from kvcodec.cuda import planes_codec as pc
+from kvcodec.device import build
+from kvcodec.device import crc32 as gcrc
 from kvcodec.entropy import rans_lanes
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import compress, decompress, planes, planes_device
 from kvcodec.lossless.api import compress_device
+from kvcodec.lossless.cuda import planes_codec as pc
 
 from test_lossless_planes import assert_bit_exact, random_bits, weights_like
 
@@ -136,7 +136,7 @@ def emulate_stream_desc(data, jobs, planes, n_chunks, chunk, n, pdesc, freqs, sl
 
 def _device_rows(blob: bytes):
     """(sections, info, launch_inputs' parts, emulated device rows) of a format-3 planes blob."""
-    from kvcodec.cuda.rans import LaunchPlan, build_table
+    from kvcodec.entropy.cuda.rans import LaunchPlan, build_table
     from kvcodec.lossless import device_container
     from kvcodec.lossless.planes import PlaneCodec, _dtype_shape
 
@@ -212,8 +212,8 @@ def emulated_kernels(monkeypatch):
     logic (modes, tables, offsets, container, checks) runs on CPU tensors without a GPU."""
     from types import SimpleNamespace
 
-    import kvcodec.cuda
-    from kvcodec.cuda import rans as gr
+    import kvcodec.device
+    from kvcodec.entropy.cuda import rans as gr
     from kvcodec.lossless.planes import merge_planes, split_planes
 
     from test_cuda_rans import emulate_launch
@@ -262,7 +262,7 @@ def emulated_kernels(monkeypatch):
         monkeypatch.setattr(pc, name, fn)
     monkeypatch.setattr(gr.LaunchPlan, "launch", launch)
     monkeypatch.setattr(gcrc, "crc32_many", crc32_many)
-    monkeypatch.setattr(kvcodec.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kvcodec.device, "is_available", lambda: True)
 
 
 @pytest.mark.parametrize("dtype,shape,chunk_bytes", [(torch.bfloat16, (30, 70), 256), (torch.float32, (9, 33), 100),
@@ -476,9 +476,9 @@ def test_damaged_device_blobs_raise():
 
 
 def test_host_transfers_without_cuda_are_plain_copies():
-    """The CPU side of kvcodec.cuda.transfer: bytes <-> CPU tensors (empty, read-only buffers), and
+    """The CPU side of kvcodec.device.transfer: bytes <-> CPU tensors (empty, read-only buffers), and
     the huge-page advice is harmless on any buffer."""
-    from kvcodec.cuda import transfer
+    from kvcodec.device import transfer
 
     for data in (b"", b"\x01", bytes(range(256)) * 9):
         t = transfer.bytes_to_device(memoryview(data), "cpu")
@@ -496,7 +496,7 @@ def test_host_transfers_without_cuda_are_plain_copies():
 def test_pinned_ring_transfers_round_trip(threads):
     """transfer.device_to_bytes / bytes_to_device through the pinned ring (sizes around the slot
     size and the direct-copy threshold) move every byte, also from a view at an odd offset."""
-    from kvcodec.cuda import transfer
+    from kvcodec.device import transfer
 
     rng = np.random.default_rng(threads)
     big = rng.integers(0, 256, transfer.DIRECT_BELOW + 5 * transfer.STAGE_BYTES + 12345).astype(np.uint8)
@@ -536,7 +536,7 @@ def test_gpu_decode_again_reuses_the_plan_and_sees_writes_torch_does_not_count()
 def test_device_built_tables_equal_build_table(fmt):
     """pc_stream_desc's decode tables (made on the device from the frequencies) are build_table's words,
     for a blob of format 3 (rows on the device too) and 2 (rows from the host: the tables alone)."""
-    from kvcodec.cuda.rans import build_table
+    from kvcodec.entropy.cuda.rans import build_table
     from kvcodec.lossless import api
 
     g = torch.Generator().manual_seed(0)

@@ -8,11 +8,11 @@ import torch
 
 from test_weights import _weightlike as weightlike
 
-import kvcodec.cuda
+import kvcodec.device
 from kvcodec.errors import CorruptStreamError
 from kvcodec.weights import HostWeight, compress_model, decompress_model, encode, load_model, model_report, save_model
 
-pytestmark = pytest.mark.skipif(not kvcodec.cuda.is_available(), reason="needs a CUDA device and CuPy")
+pytestmark = pytest.mark.skipif(not kvcodec.device.is_available(), reason="needs a CUDA device and CuPy")
 
 FP8 = torch.float8_e4m3fn
 
@@ -34,7 +34,7 @@ def _poison(nbytes: int, device) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, FP8])
 @pytest.mark.parametrize("shape,share", [((1000, 700), 0.0), ((333, 257), 0.3), ((17,), 1.0), ((4096, 512), 0.01)])
 def test_device_decode_equals_cpu_reference(dtype, shape, share):
-    from kvcodec.cuda.transfer import bytes_to_device, device_to_bytes
+    from kvcodec.device.transfer import bytes_to_device, device_to_bytes
     from kvcodec.weights.device import DeviceWeight
 
     dev = torch.device("cuda")
@@ -53,7 +53,7 @@ def test_device_decode_equals_cpu_reference(dtype, shape, share):
 
 
 def test_damaged_device_blob_raises():
-    from kvcodec.cuda.transfer import bytes_to_device
+    from kvcodec.device.transfer import bytes_to_device
     from kvcodec.weights.device import DeviceWeight
 
     blob = bytearray(encode((torch.randn(256, 512) * 0.02).to(torch.bfloat16)))

@@ -5,7 +5,7 @@ pure-Python reference, and tests check these kernels against it byte for byte), 
 what tensor codecs need and fast:
 
 - byte symbols, 12-bit probabilities (``PRECISION``), tables of 256 frequencies;
-- ``lanes`` interleaved states (8, or 32 = one warp of the GPU decoder in ``kvcodec.cuda.rans``):
+- ``lanes`` interleaved states (8, or 32 = one warp of the GPU decoder in ``kvcodec.entropy.cuda.rans``):
   symbol ``i`` of a stream uses lane ``i % lanes``;
 - contexts by *row*: the stream holds elements ``a .. a+n`` of a longer array cut into rows of
   ``D`` elements, and element ``e`` is coded with table ``rowctx[e // D]`` (one table: ``D`` >= the

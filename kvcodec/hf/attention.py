@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-import kvcodec.cuda as kcuda
-from kvcodec.cuda import quantized as packed_attention
+import kvcodec.device as kcuda
+from kvcodec.quant.cuda import quantized as packed_attention
 from kvcodec.hf.binding import EAGER_NAME, NAME, attach, bound, bound_to, detach, implementation_for  # noqa: F401
 from kvcodec.hf.layer import CompressedLayer
 from kvcodec.hf.storage import Block, Segment

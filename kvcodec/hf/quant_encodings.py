@@ -3,7 +3,7 @@
 A block is a ``kvcodec.quant.QuantizedTensor`` [B, H, T, D]; attention reads it through the
 quantizer's ``attention_scores`` / ``attention_weighted_sum`` (rotated-domain math on the packed codes,
 no dense K/V; the cache made the block, so no argument checks) or, on CUDA, through ``packed`` and the
-fused kernel (``kvcodec.cuda.quantized``).
+fused kernel (``kvcodec.quant.cuda.quantized``).
 
 Side data (per-head preconditioners fitted on the layer's first compressed block) is computed
 once per layer and shared by every later block (``precond=``), so it is held, and counted by

@@ -50,8 +50,8 @@ import dataclasses
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvcodec.cuda import ops
-from kvcodec.cuda.quantized import PackedConsts, attend_packed
+from kvcodec.quant.cuda import ops
+from kvcodec.quant.cuda.quantized import PackedConsts, attend_packed
 from kvcodec.hf.binding import attach
 from kvcodec.hf.cache import KvcodecCache, register_static_mode
 from kvcodec.hf.methods import build_spec

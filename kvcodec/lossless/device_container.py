@@ -2,7 +2,7 @@
 
 Why: a GPU codec that must hand its blob to the host, or parse it there, is bound by PCIe and host
 memory copies, not by its kernels. Here the payloads stay on the device: only the JSON header
-crosses (a few KB), section checksums are computed by ``kvcodec.cuda.crc32`` and compared on the
+crosses (a few KB), section checksums are computed by ``kvcodec.device.crc32`` and compared on the
 device, so a decode costs one small synchronization at the end.
 
 - :func:`assemble`: header (built by ``container.header_bytes``, the CPU writer's own code) +
@@ -12,7 +12,7 @@ device, so a decode costs one small synchronization at the end.
   bytes), with each section returned as a :class:`DeviceSection` view of the blob.
 - :class:`Checks`: the checks that need the payloads (section crc32s and zero padding launched
   as soon as the sections are known, the decoded buffers' crc32s at the end), flagged on the
-  device by ``kvcodec.cuda.crc32.check_many`` and read with the decoder's stream statuses in one
+  device by ``kvcodec.device.crc32.check_many`` and read with the decoder's stream statuses in one
   synchronization.
 - :class:`BlobCache`: the parsed header and the codec's plan of a blob tensor decoded before, reused
   by its next decode (a reused prefix's KV blocks) while the device checks still run every time.
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvcodec import container
-from kvcodec.cuda.transfer import download, upload
+from kvcodec.device.transfer import download, upload
 from kvcodec.errors import CorruptStreamError
 
 _HEAD_GUESS = 1 << 16  # bytes fetched first: the prefix and, usually, the whole header
@@ -180,7 +180,7 @@ class Checks:
 
     def __init__(self, blob: torch.Tensor, secs: dict[str, DeviceSection], gaps, header: tuple[int, int] | None = None,
                  early=(), after=None):
-        from kvcodec.cuda.crc32 import check_many
+        from kvcodec.device.crc32 import check_many
 
         early = list(early)
         n = len(secs)
@@ -218,7 +218,7 @@ class Checks:
         """int32 flags on the host, 1 = failed: [section crc32s..., ``extra`` (tensor, crc32) pairs' crc32s...,
         ``early`` pairs' crc32s..., nonzero padding, any nonzero entry of ``status`` (the decode kernels'
         stream statuses), the header differs from the one given]. The one synchronization of a device decode."""
-        from kvcodec.cuda.crc32 import check_many
+        from kvcodec.device.crc32 import check_many
 
         if self._done is not None:
             torch.cuda.current_stream(self.flags.device).wait_event(self._done)

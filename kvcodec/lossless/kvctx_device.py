@@ -3,7 +3,7 @@
 Why: a KV cache lives on the GPU; decoding its blob on the CPU and copying the tensor back costs
 more than decoding it where it is. The stream's chunks are 32-lane rANS streams (the warp layout of
 ``kvcodec.entropy.rans_lanes``) plus a raw bit stream per chunk, so one warp decodes one chunk
-(``kvcodec/cuda/kvctx_decode.cu``, the CPU kernel ``predictive.binned.decode_chunks`` computed bit
+(``kvcodec/lossless/cuda/kvctx_decode.cu``, the CPU kernel ``predictive.binned.decode_chunks`` computed bit
 for bit).
 
 Host work (:func:`plan`): the stream is checked by the CPU decoder's own parser
@@ -11,7 +11,7 @@ Host work (:func:`plan`): the stream is checked by the CPU decoder's own parser
 payload, raw-bit and ``lo16`` sections stay on the device and the parser sees size-only stand-ins
 for them (zero-stride arrays of their dtype and length). The stored parameter fields of an
 ``mfields`` stream are not decoded there: :func:`device_inputs` decodes them on the device from the
-blob's model section, checks their values and builds the decode tables there (``kvcodec.cuda.kvctx_plan``),
+blob's model section, checks their values and builds the decode tables there (``kvcodec.lossless.cuda.kvctx_plan``),
 all on the stream without a sync. Decoding (:func:`decode`): one launch for every chunk (a ``"neighbour_layer"`` stream: one per layer, each predicted from the layer decoded
 before it); every chunk's status, the plan's status words and the prediction's checksum are checked once,
 with the container's checks, by the caller (``kvcodec.lossless.api``).
@@ -28,7 +28,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kvcodec.cuda.transfer import Staging, download
+from kvcodec.device.transfer import Staging, download
 from kvcodec.lossless.predictive import codec as pcodec
 from kvcodec.lossless.predictive.bins import bin_grid
 from kvcodec.lossless.predictive.grid import value_table
@@ -79,8 +79,8 @@ def plan(meta, sections, front: np.ndarray | None = None):
     already (``device_container.read_front``): the model section is taken from there when it lies
     inside. The plan's device inputs are staged in one host buffer (``kvctx_plan.pieces``; pinned for a
     CUDA blob) for :func:`device_inputs`; an ``mfields`` stream's fields are not decoded here."""
-    from kvcodec.cuda import kvctx_plan
-    from kvcodec.cuda.kvctx_decode import KernelPlan
+    from kvcodec.lossless.cuda import kvctx_plan
+    from kvcodec.lossless.cuda.kvctx_decode import KernelPlan
 
     if not gpu_decodable(meta):
         return None
@@ -127,7 +127,7 @@ def device_inputs(ps, kp, sections, device, flags: int):
     ``flags`` (:func:`flag_count` of them, zeroed) get the parts' rANS statuses and the value check (0 =
     good). Elsewhere (the tests' CPU emulation): the same buffers, the fields decoded and checked
     (CorruptStreamError) and the tables built on the host."""
-    from kvcodec.cuda import kvctx_plan
+    from kvcodec.lossless.cuda import kvctx_plan
     from kvcodec.lossless.predictive.format2 import FIELD_ORDER, level_limit
 
     p2 = ps.v2
@@ -213,7 +213,7 @@ def decode(meta, sections, device, prediction=None, launch=None, planned=None, r
     caller already has it. ``reuse``: a dict that keeps the device inputs for the next decode of the
     same bytes (filled when empty; ``device_container.BlobCache``: stored only after a decode whose
     checks all passed, so the plan's flags of a reused entry are known to be 0)."""
-    from kvcodec.cuda import kvctx_decode as kd
+    from kvcodec.lossless.cuda import kvctx_decode as kd
 
     launch = launch or kd.launch
     res = planned if planned is not None else plan(meta, sections)

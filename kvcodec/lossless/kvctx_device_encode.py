@@ -37,7 +37,7 @@ import torch
 from numba import njit
 
 from kvcodec import container
-from kvcodec.cuda.transfer import download, upload
+from kvcodec.device.transfer import download, upload
 from kvcodec.entropy import rans_lanes
 from kvcodec.lossless import kvctx_device_fit as kfit
 from kvcodec.lossless.device_container import side_stream
@@ -104,7 +104,7 @@ class _Sums:
     """The per-column fit kernels, summed over token blocks (and leading indices when shared) by torch."""
 
     def __init__(self, pats, pred, val, shape, tb, runner):
-        from kvcodec.cuda import kvctx_encode as ke
+        from kvcodec.lossless.cuda import kvctx_encode as ke
 
         self.ke, self.pats, self.pred, self.val, self.shape, self.tb, self.runner = ke, pats, pred, val, shape, tb, runner
 
@@ -280,13 +280,13 @@ def encode(t: torch.Tensor, prediction, source: str, runner=None, gather=None, o
     chunks' raw-bit totals (one read-back), once for the stream lengths of the chunks and the model's field
     parts (both coded by the payload kernel) and the raw-bit check. (Reading the fields back on the side
     stream while symbolise ran cost more than it saved: its kernels queued behind symbolise's blocks.)"""
-    from kvcodec.cuda import crc32 as gcrc
-    from kvcodec.cuda import kvctx_encode as ke
+    from kvcodec.device import crc32 as gcrc
+    from kvcodec.lossless.cuda import kvctx_encode as ke
 
     clock = _Clock(steps)
     runner = runner or ke.gpu_runner
     if gather is None:
-        from kvcodec.cuda.planes_codec import gather
+        from kvcodec.lossless.cuda.planes_codec import gather
     dev = t.device
     shape = tuple(t.shape)
     g, tt, d = pcodec.kv_layout(shape)
@@ -446,7 +446,7 @@ def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: st
     """The tensor blob (``kvcodec.compress``'s container, a uint8 tensor on the device) of a CUDA tensor
     coded with codec ``codec`` ("kvctx" / "predictive") and predictor ``source``; ``steps``: as
     :func:`encode`'s, with the container's steps."""
-    from kvcodec.cuda.crc32 import crc32_many
+    from kvcodec.device.crc32 import crc32_many
     from kvcodec.lossless import device_container
 
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
@@ -500,9 +500,9 @@ def route(tensor, prediction, name: str, opts: dict, gpu) -> tuple[str, str] | N
         source = predictor
     else:
         return None
-    import kvcodec.cuda
+    import kvcodec.device
 
-    why = unsupported(tensor, source, version) or (None if kvcodec.cuda.is_available() else "CuPy is not available")
+    why = unsupported(tensor, source, version) or (None if kvcodec.device.is_available() else "CuPy is not available")
     if why is not None:
         if gpu:
             raise ValueError(f"gpu=True: {why}")

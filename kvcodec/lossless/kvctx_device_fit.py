@@ -4,7 +4,7 @@
 Why: a KV cache of ~0.5 M (leading index, channel) pairs costs ~50 ms of numpy on one host core for the
 fit formulas and the bin parameters, ten times the GPU encode of the whole tensor; here they are one
 launch per formula step for all channels of both candidates (shared and per-(g, d), stacked), on the sums
-of the per-column kernels (``kvcodec.cuda.kvctx_encode``: ``ke_fit_location`` / ``_coefficient`` /
+of the per-column kernels (``kvcodec.lossless.cuda.kvctx_encode``: ``ke_fit_location`` / ``_coefficient`` /
 ``_scale``, ``ke_bin_params``), and only the stored fields' byte planes come to the host.
 
 Device forms of ``params.fit_params`` (format 2: no shape table), ``params.estimated_bits`` and
@@ -57,7 +57,7 @@ def fit(mom: torch.Tensor, residuals, gain: str, prev_coef: str, choices: tuple[
     ``choices`` entry (shared parameters or not), fitted together (one launch per formula step,
     ``kvctx_encode.fit_*``; ``residuals([(m, c, a, shared), ...])`` returns each location's [Gp, D, 3]
     residual sums from one pass over the tensor). ``gain``: "zero", "one" or "fit" (c)."""
-    from kvcodec.cuda import kvctx_encode as ke
+    from kvcodec.lossless.cuda import kvctx_encode as ke
 
     d = mom.shape[1]
     parts = [mom.sum(dim=0, keepdim=True) if sh else mom for sh in choices]
@@ -96,7 +96,7 @@ def bin_params(cands: Candidates, won: torch.Tensor | None, grid: BinGrid, runne
     arguments [m, c, a float64 [n], (es, level) int32 [n, 2]]: format2.BinParams.from_channel +
     kernel_args exactly) of the chosen candidate: the first one's n channels, with the shared row
     broadcast over g where ``won`` (:func:`choose`) is set."""
-    from kvcodec.cuda import kvctx_encode as ke
+    from kvcodec.lossless.cuda import kvctx_encode as ke
 
     n = cands.bounds[1] * cands.d
     shared_row = cands.bounds[1] if won is not None else 0
@@ -128,7 +128,7 @@ def plane_histograms(planes: torch.Tensor, d: int, runner) -> torch.Tensor:
     """int64 [2, fields, 2, 256]: the byte histogram of each of :func:`field_planes`' planes over its
     first ``d`` channels (the shared row) and over all of them, on the device (``ke_plane_hist``): the
     model's field bytes are counted for their rANS table before the host knows which of the two it stores."""
-    from kvcodec.cuda import kvctx_encode as ke
+    from kvcodec.lossless.cuda import kvctx_encode as ke
 
     f, _, n = planes.shape
     return ke.plane_histograms(planes.reshape(2 * f, n), d, runner).reshape(2, f, 2, 256)

@@ -50,11 +50,11 @@ from kvcodec.entropy.freq import quantize_frequencies
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import registry
 from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name, int_list
-from kvcodec.lossless.threads import resolve_threads
+from kvcodec.threads import resolve_threads
 
 PREC = rans_lanes.PRECISION
 M = rans_lanes.M
-LANES = 32  # rANS lanes of new streams: one GPU warp (kvcodec.cuda.rans); format 1 used 8
+LANES = 32  # rANS lanes of new streams: one GPU warp (kvcodec.entropy.cuda.rans); format 1 used 8
 DEFAULT_CHUNK_BYTES = 2 << 20
 DEFAULT_MIN_GAIN = 0.02
 FORMAT_VERSION = 3  # 3: chunk stream lengths in a binary section; 2: in the meta; 1: 8 lanes (both still decode)

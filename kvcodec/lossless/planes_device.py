@@ -6,7 +6,7 @@ to code it costs more (PCIe, host memory) than coding it.
 
 Encoding (:func:`encode`; ``kvcodec.compress`` / ``compress_device`` call it for CUDA tensors):
 one pass splits the tensor into byte planes and counts each plane's histogram
-(``kvcodec.cuda.planes_codec``; 1-byte elements are their own plane: counted, not copied); the histograms (256 counts per plane) come to the host, where the
+(``kvcodec.lossless.cuda.planes_codec``; 1-byte elements are their own plane: counted, not copied); the histograms (256 counts per plane) come to the host, where the
 CPU encoder's own functions pick each plane's mode and table (``planes.one_table``,
 ``planes.pays_to_code``: the same integer tables, so the same bytes); one kernel encodes every
 chunk of every coded plane (one warp per chunk), the stream lengths come back (one int per chunk),
@@ -15,7 +15,7 @@ GPU decoder reads one table per stream. The result equals ``PlaneCodec.encode`` 
 ``max_classes=1`` byte for byte.
 
 Decoding (:func:`decode`): the blob's sections are views of a device blob
-(``kvcodec.lossless.device_container``); one launch of ``kvcodec.cuda.rans``'s decoder decodes
+(``kvcodec.lossless.device_container``); one launch of ``kvcodec.entropy.cuda.rans``'s decoder decodes
 every chunk stream of every coded plane straight from the blob (no staging copy), one kernel
 merges the planes (decoded, raw sections, constants) into the tensor; a tensor of one coded plane
 (1-byte elements) is decoded straight into the output. Blobs the kernels cannot
@@ -45,7 +45,7 @@ GPU_CHUNK_BYTES = 64 << 10
 def encode(t: torch.Tensor, chunk_bytes: int = GPU_CHUNK_BYTES, min_gain: float = 0.02):
     """(codec meta, sections {name: 1-D CUDA tensor}) of the contiguous CUDA tensor ``t`` (n > 0),
     equal to ``PlaneCodec().encode(t.cpu(), ..., max_classes=1)`` with the sections on the device."""
-    from kvcodec.cuda import planes_codec as pc
+    from kvcodec.lossless.cuda import planes_codec as pc
 
     itemsize = t.element_size()
     layout = layout_of(t.dtype)
@@ -86,7 +86,7 @@ def encode(t: torch.Tensor, chunk_bytes: int = GPU_CHUNK_BYTES, min_gain: float 
 def _encode_streams(planes: torch.Tensor, coded: list[int], tables: list, n: int, chunk: int, n_chunks: int):
     """Encode every chunk of the coded planes; returns (one int16 CUDA tensor of words per coded
     plane, one int32 CUDA tensor of its chunk streams' lengths in words: the format-3 sections)."""
-    from kvcodec.cuda import planes_codec as pc
+    from kvcodec.lossless.cuda import planes_codec as pc
 
     if not coded:
         return [], []
@@ -134,8 +134,8 @@ def decode(meta, sections, device, reuse: dict | None = None) -> tuple[torch.Ten
     tables are made on the device too (``stream_desc``, from the checked frequencies).
     ``reuse``: a dict that keeps the launch inputs (host arrays, decode tables, the launch's device
     arrays) for the next decode of the same bytes (filled when empty; ``device_container.BlobCache``)."""
-    from kvcodec.cuda import planes_codec as pc
-    from kvcodec.cuda import rans as gr
+    from kvcodec.entropy.cuda import rans as gr
+    from kvcodec.lossless.cuda import planes_codec as pc
 
     if not gpu_decodable(meta):
         return None
@@ -190,8 +190,8 @@ def launch_inputs(lengths_section: bool, sections, info, n: int, chunk: int, n_c
     row, of its table in the plan's table bytes, its lowest symbol. Payload rows [P, 4] come from the
     host (:func:`stream_descriptors`) for offsets in the meta (format 2), else None: the device makes
     them from the length section (``lengths_section``, format 3)."""
-    from kvcodec.cuda import planes_codec as pc
-    from kvcodec.cuda import rans as gr
+    from kvcodec.entropy.cuda import rans as gr
+    from kvcodec.lossless.cuda import planes_codec as pc
 
     coded = [k for k, p in enumerate(info) if p[0] == "rans"]
     freqs = np.array([info[k][3][0] for k in coded], np.int32).reshape(-1, 256)

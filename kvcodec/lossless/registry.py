@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from kvcodec.errors import CorruptStreamError
-from kvcodec.lossless.threads import resolve_threads  # noqa: F401  (kept importable from here)
+from kvcodec.threads import resolve_threads  # noqa: F401  (kept importable from here)
 
 
 class Codec(Protocol):

@@ -1,7 +1,7 @@
 """PackedKV: what an attention kernel reads of one TurboQuant-compressed K or V tensor.
 
 The quantizer that made a ``QuantizedTensor`` describes it for kernels (``TurboQuantMSE.packed``);
-the HF cache's codecs pass that on (``QuantEncoding.packed``) and ``kvcodec.cuda.quantized`` feeds it
+the HF cache's codecs pass that on (``QuantEncoding.packed``) and ``kvcodec.quant.cuda.quantized`` feeds it
 to the fused decode kernel. So neither the cache nor the kernel wrappers read a quantizer's private
 fields or a QuantizedTensor's field names, and a quantizer without such a layout simply returns None.
 """
@@ -15,7 +15,7 @@ import torch
 
 @dataclass(frozen=True, eq=False)
 class PackedKV:
-    """The packed form of a [*lead, T, D] tensor in kvcodec.cuda's layout (docs/cuda.md, tq layout v1).
+    """The packed form of a [*lead, T, D] tensor in kvcodec.quant.cuda's layout (docs/cuda.md, tq layout v1).
 
     ``codes`` uint8 [*lead, T, D*bits/8] (b-bit Lloyd-Max indices of the rotated unit vectors) and
     ``norms`` fp16/bf16 [*lead, T]; ``rotation`` [D, D] (y = x @ rotation.T) and ``codebook``

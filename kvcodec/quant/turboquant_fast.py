@@ -44,7 +44,7 @@ def disabled():
 def workers(n: int):
     """Split rows over ``n`` threads in this thread's calls (0: every core) instead of
     ``torch.get_num_threads()``: a caller that runs torch on one thread can still spread these."""
-    from kvcodec.lossless.threads import resolve_threads
+    from kvcodec.threads import resolve_threads
 
     prev = getattr(_state, "workers", None)
     _state.workers = resolve_threads(n)

@@ -187,7 +187,7 @@ def decode(blob, calib: Calibration, *, device="cpu", threads: int = 1,
 
 class Decoder:
     """A parsed, validated blob ready to decode; ``run()`` does the decoding work. On a CUDA device
-    the rANS streams are uploaded once (``kvcodec.cuda.rans.RansBatch``), so repeated ``run()`` calls
+    the rANS streams are uploaded once (``kvcodec.entropy.cuda.rans.RansBatch``), so repeated ``run()`` calls
     time the device work alone (benchmarks)."""
 
     def __init__(self, blob, calib: Calibration, *, device="cpu", threads: int = 1,
@@ -219,7 +219,7 @@ class Decoder:
         self.steps = qz.row_steps(calib, h.step, self.device)
         self.batch = None
         if self.device.type == "cuda" and h.n_coded:
-            from kvcodec.cuda.rans import RansBatch
+            from kvcodec.entropy.cuda.rans import RansBatch
 
             self.batch = RansBatch(self.streams, self.device)
             self.rows_dev = [torch.from_numpy(r).to(self.device) for r in self.rows]

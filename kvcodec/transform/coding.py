@@ -4,7 +4,7 @@ The symbols of one code class (``quantize.classes``: its components back to back
 token values) are shifted to start at 0 and split into chunks; every chunk is an independent,
 self-describing 32-state rANS stream (``kvcodec.entropy`` format, own frequency table, CRCs), so
 the tables adapt to each chunk's statistics and the same bytes decode on the CPU
-(``kvcodec.entropy.decode``, numba) or on the GPU (``kvcodec.cuda.rans.decode_batch``, one warp
+(``kvcodec.entropy.decode``, numba) or on the GPU (``kvcodec.entropy.cuda.rans.decode_batch``, one warp
 per stream).
 """
 
@@ -39,7 +39,7 @@ class ClassInfo:
 
 def encode_classes(q_rows: np.ndarray, cls: np.ndarray, chunk: int, workers: int | None = None):
     """q_rows [R, M] int32, cls [R] uint8 -> (list[ClassInfo], list of stream bytes in class order)."""
-    from kvcodec.cuda.rans import encode_chunks
+    from kvcodec.entropy.cuda.rans import encode_chunks
 
     infos, streams = [], []
     for c in np.unique(cls):
@@ -101,7 +101,7 @@ def decode_coefficients_cpu(infos, streams, M: int, chunk: int, rows, steps: np.
 
 def decode_classes_gpu(infos, batch, M: int, chunk: int) -> list[torch.Tensor]:
     """The same as ``decode_classes_cpu`` with one rANS kernel launch on the device of ``batch``
-    (a ``kvcodec.cuda.rans.RansBatch`` of the blob's streams, uploaded once)."""
+    (a ``kvcodec.entropy.cuda.rans.RansBatch`` of the blob's streams, uploaded once)."""
     out_buf, status = batch.launch()
     batch.check(status)
     parts = batch.split(out_buf)

@@ -29,7 +29,7 @@ from kvcodec.kernel_inputs import readonly
 from kvcodec.lossless import api
 from kvcodec.lossless.planes import _EXP_HIGH, _SIGN_LOW, PlaneCodec
 from kvcodec.lossless.tensor_meta import dtype_from_name
-from kvcodec.lossless.threads import resolve_threads
+from kvcodec.threads import resolve_threads
 
 CHUNK_BYTES = 64 << 10  # input bytes per chunk: 64 KiB, the GPU encoder's default (one warp each)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)

@@ -28,7 +28,7 @@ VERSION = 1
 def _blob_bytes(blob):
     """A held blob as host bytes (a CUDA blob is copied back)."""
     if isinstance(blob, torch.Tensor):
-        from kvcodec.cuda.transfer import device_to_bytes
+        from kvcodec.device.transfer import device_to_bytes
 
         return device_to_bytes(blob)
     return blob

@@ -157,7 +157,7 @@ def groups(model: nn.Module) -> list[tuple[list[str], list[nn.Module], torch.Ten
 def holder_for(blob, device: torch.device, verify: bool = True):
     """The CPU or CUDA holder of a weight blob (bytes-like, or a uint8 tensor) for ``device``."""
     if device.type == "cuda":
-        from kvcodec.cuda.transfer import bytes_to_device
+        from kvcodec.device.transfer import bytes_to_device
         from kvcodec.weights.device import DeviceWeight
 
         if not isinstance(blob, torch.Tensor):

@@ -1,11 +1,11 @@
-// Runs kvcodec/cuda/kvctx_decode.cu on the CPU: the kernel source compiled by g++ with the CUDA names it
+// Runs kvcodec/lossless/cuda/kvctx_decode.cu on the CPU: the kernel source compiled by g++ with the CUDA names it
 // uses defined in warp_emulation.h (32 std::threads per warp, meeting at every warp collective). Used by
 // tests/test_kvctx_device.py to check the kernel on machines without a GPU.
 #include "warp_emulation.h"
 
 double kx_smem[1 << 16];  // the dynamic shared memory of the one warp run at a time (rings, dev)
 
-#include "../../kvcodec/cuda/kvctx_decode.cu"
+#include "../../kvcodec/lossless/cuda/kvctx_decode.cu"
 
 #define KX_ARGS                                                                                             \
   const kx_u16 *words, const kx_u32 *bits, const long long *chunks, int n, const float *pred, long long pred_g0, \

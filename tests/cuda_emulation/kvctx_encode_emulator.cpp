@@ -1,4 +1,4 @@
-// Runs kvcodec/cuda/kvctx_encode.cu on the CPU: the kernel source compiled by g++ with the CUDA names it
+// Runs kvcodec/lossless/cuda/kvctx_encode.cu on the CPU: the kernel source compiled by g++ with the CUDA names it
 // uses defined in warp_emulation.h (32 std::threads per warp, meeting at every warp collective). A block's
 // warps run one after the other, so the kernels' per-warp shared memory is a static array here (KE_SHARED).
 // Used by tests/test_kvctx_encode_device.py to check the encoder on machines without a GPU.
@@ -9,7 +9,7 @@
 static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 double kx_smem[1];  // the decoder's dynamic shared memory (its kernel is included, not run)
 
-#include "../../kvcodec/cuda/kvctx_encode.cu"
+#include "../../kvcodec/lossless/cuda/kvctx_encode.cu"
 
 typedef const void* P;
 typedef long long LL;

@@ -6,7 +6,7 @@
 
 double kx_smem[1];
 
-#include "../../kvcodec/cuda/kvctx_decode.cu"
+#include "../../kvcodec/lossless/cuda/kvctx_decode.cu"
 
 static unsigned long long kx_rng = 88172645463325252ull;
 static unsigned long long next_u64() {  // xorshift64

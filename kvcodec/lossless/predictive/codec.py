@@ -25,7 +25,7 @@ from kvcodec.lossless.predictive.grid import FloatGrid, grid_for, inverse_shape_
 from kvcodec.lossless.predictive.kernels import decode_chunks, encode_chunks
 from kvcodec.lossless.predictive.params import ChannelParams, estimated_bits, fit_params
 from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
-from kvcodec.lossless.threads import resolve_threads
+from kvcodec.threads import resolve_threads
 
 FORMAT_VERSION = 2  # what encoders write
 READ_VERSIONS = (1, 2)  # what decoders read

@@ -46,7 +46,7 @@ MODEL_PART_BYTES = 1 << 16  # model bytes (fields + tables) up to this: one stre
 MAX_MODEL_PARTS = 64  # "mparts" (read only)
 MODEL_PRECISION = 14  # "mparts" (read only): the parts' shared table, probabilities in 2**-14
 MODEL_STREAMS = 8  # interleaved rANS states per "mparts" part
-FIELD_PART_BYTES = 1 << 14  # "mfields": field bytes per part (one GPU warp each: kvcodec/cuda/rans_decode.cu)
+FIELD_PART_BYTES = 1 << 14  # "mfields": field bytes per part (one GPU warp each: kvcodec/entropy/cuda/rans_decode.cu)
 MAX_FIELD_PARTS = 1 << 12
 FIELD_STATES = 32  # "mfields": interleaved rANS states per part (the warp layout)
 FIELD_PRECISION = 12  # "mfields": the parts' shared table, in the decode-table layout of rans_lanes
@@ -153,7 +153,7 @@ class StoredFields:
 
     Why: a stream holds up to ~10**6 channels; expanding them into float64 arrays costs more than
     the GPU decode of the whole tensor, so the GPU kernel reads these bytes as they are
-    (kvcodec/cuda/kvctx_decode.cu ``kx_params``) and only the CPU decoder expands them
+    (kvcodec/lossless/cuda/kvctx_decode.cu ``kx_params``) and only the CPU decoder expands them
     (:meth:`kernel_args`)."""
 
     raw: np.ndarray
@@ -221,7 +221,7 @@ def _field(raw, layout, f, n):
 def field_layout(head: bytes, source: str, gp: int, d: int) -> tuple[np.ndarray, int]:
     """(``StoredFields.layout``, byte size of the fields) of a field header (5 bytes a field), its
     widths and stored minima checked (CorruptStreamError); the values are checked by
-    :func:`check_field_values` (or, decoded on a GPU, by ``kvcodec/cuda/kvctx_plan.cu``)."""
+    :func:`check_field_values` (or, decoded on a GPU, by ``kvcodec/lossless/cuda/kvctx_plan.cu``)."""
     n = gp * d
     layout = np.zeros((4, 3), np.int64)
     layout[FIELD_ORDER.index("c"), 2] = Q if source == "external" else 0
@@ -372,7 +372,7 @@ def code_model(fields: np.ndarray, tables: np.ndarray) -> tuple[bytes, dict]:
 
     Why: a stream of ~10**6 channels has megabytes of fields; their entropy decode was the GPU
     decoder's largest host cost. In parts of 32 states, a GPU decodes them (one warp a part:
-    ``kvcodec/cuda/rans_decode.cu``); the host reads the table bytes (~1 KB) as they are.
+    ``kvcodec/entropy/cuda/rans_decode.cu``); the host reads the table bytes (~1 KB) as they are.
     The CPU encoder runs it in three rounds on the thread pool (histogram, coding, placing the parts
     in the one output buffer), no per-part Python work; the GPU encoder codes the parts on the device
     (``kvctx_device_encode._FieldParts``) and calls this for small models only."""
@@ -474,7 +474,7 @@ class FieldParts:
     """The coded field parts of an ``mfields`` model (:func:`code_model`): payload ``p`` is bytes
     ``start[p] : start[p] + length[p]`` of the model section and decodes to ``count[p]`` symbols
     with ``freqs`` (``FIELD_STATES`` states); ``size`` field bytes in all. The host decodes them with
-    :meth:`decode`, a GPU in place (``kvcodec.cuda.kvctx_plan``)."""
+    :meth:`decode`, a GPU in place (``kvcodec.lossless.cuda.kvctx_plan``)."""
 
     freqs: np.ndarray  # int64 [256], summing to 2**FIELD_PRECISION
     start: np.ndarray

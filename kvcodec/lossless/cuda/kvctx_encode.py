@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SOURCE = "kvctx_encode.cu"
+SOURCE = "kvcodec.lossless.cuda/kvctx_encode.cu"
 WARPS = 4  # chunks per block of ke_encode and ke_bits (one warp each)
 THREADS = 256  # columns per block of the per-column kernels
 HIST_COPIES = 32  # KE_HIST_COPIES
@@ -62,7 +62,7 @@ _smem_raised: dict = {}  # id(kernel) -> the dynamic shared memory its limit was
 def gpu_runner(name: str, grid: int, block: int, args: tuple, device, smem: int = 0) -> None:
     """Launch kernel instance ``name`` (e.g. ``"ke_encode<4>"``) on torch's current stream with ``smem``
     bytes of dynamic shared memory (a kernel's limit is raised once, the first time it needs more)."""
-    from kvcodec.cuda import build
+    from kvcodec.device import build
 
     fn = build.get_function(SOURCE, name)
     if smem > _smem_raised.get(id(fn), 0):  # may be over the 48 KB default (kernels are cached: ids stay)

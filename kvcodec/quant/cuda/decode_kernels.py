@@ -2,7 +2,7 @@
 instance names and signatures (for CuPy and the nvcc checks), the build variants, the macros a call
 adds (symmetric register codebooks) and the query layout the mma fragments expect.
 
-Launching them is ``kvcodec.cuda.attention``'s job; choosing their split size is ``split_size``'s.
+Launching them is ``kvcodec.quant.cuda.attention``'s job; choosing their split size is ``split_size``'s.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kvcodec.cuda import build
+from kvcodec.device import build
 
-SOURCE = "tq_decode_attention.cu"
+SOURCE = "kvcodec.quant.cuda/tq_decode_attention.cu"
 LOG2E = 1.4426950408889634
 WARPS_PER_BLOCK = 4
 

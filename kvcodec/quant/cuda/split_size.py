@@ -8,8 +8,8 @@ from functools import lru_cache
 
 import torch
 
-from kvcodec.cuda.build import sm_count
-from kvcodec.cuda.decode_kernels import FUSED_MAX_BLOCKS, MAX_SPLITS, WARPS_PER_BLOCK
+from kvcodec.device.build import sm_count
+from kvcodec.quant.cuda.decode_kernels import FUSED_MAX_BLOCKS, MAX_SPLITS, WARPS_PER_BLOCK
 
 # Split-size model (H200 measurements, `benchmarks/gpu_kernels.py` split-size grid): microseconds one warp
 # needs for a 16-token step when an SM runs 4 / 8 / 16+ of them at once (per-SM throughput grows

@@ -2,7 +2,7 @@
 
 ``KernelPlan`` holds what the host plan (``kvcodec.lossless.kvctx_device``) knows of a stream: chunk
 descriptors, the stored fields' layout, the dtype's bit layout, in one staged host buffer with the plan's
-other device inputs; ``kvcodec.cuda.kvctx_plan`` puts them on the device (decoding the stored fields and
+other device inputs; ``kvcodec.lossless.cuda.kvctx_plan`` puts them on the device (decoding the stored fields and
 building the decode tables there), and ``launch`` runs the kernel on torch's current stream without
 synchronizing, reading every input by address. The same plan drives the CPU emulation of the kernel in the
 tests.
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcodec.cuda import build
+from kvcodec.device import build
 
-SOURCE = "kvctx_decode.cu"
+SOURCE = "kvcodec.lossless.cuda/kvctx_decode.cu"
 WARPS = 4  # chunks (warps) per block
 ROUNDS = 2  # rounds of 32 values decoded together (template NR); 4 spills at the 128 registers of 16 warps per SM
 SWEEP_ROUNDS = (1, 2, 4)  # the NR instances compile-checked and swept by benchmarks/gpu_kvctx.py
@@ -69,7 +69,7 @@ class KernelPlan:
     int64 [13] (``format2.StoredFields.layout`` then Gp * D: where the stored parameter fields lie in
     their byte planes), the grid's ``(width, sign, mb, maxmag, eoff)``, the output's shape [G, T, D] and
     kind, ``mag`` the stream's "mag" flag (0 / 1); ``staged``: the host buffer (``transfer.Staging``) ``chunks``
-    and ``layout`` are views of, with the rest of the plan's device inputs (``kvcodec.cuda.kvctx_plan``)."""
+    and ``layout`` are views of, with the rest of the plan's device inputs (``kvcodec.lossless.cuda.kvctx_plan``)."""
 
     chunks: np.ndarray
     layout: np.ndarray

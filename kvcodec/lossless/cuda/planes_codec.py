@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcodec.cuda import build
-from kvcodec.cuda.transfer import upload
+from kvcodec.device import build
+from kvcodec.device.transfer import upload
 
-SOURCE = "planes_codec.cu"
+SOURCE = "kvcodec.lossless.cuda/planes_codec.cu"
 LAYOUTS = {"f16": 0, "f32": 1, "bytes": 2}
 ENCODE_WARPS = 4
 LANES = 32

@@ -1,4 +1,4 @@
-// zlib's CRC-32 of many device buffers (launcher and the math: kvcodec/cuda/crc32.py).
+// zlib's CRC-32 of many device buffers (launcher and the math: kvcodec/device/crc32.py).
 //
 // R(c, M) is the CRC register after bytes M starting from register c (no pre/post inversion); it is
 // affine: R(c, M) = S_|M|(c) ^ R(0, M), where S_n ("n zero bytes") is linear, and

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvcodec.threads import resolve_threads
+
 _ALIGN = 16
 _TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int8): torch.int8, np.dtype(np.int16): torch.int16,
           np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
@@ -97,8 +99,6 @@ def _pool(workers: int):
 
 
 def _workers(threads: int, cap: int) -> int:
-    from kvcodec.lossless.threads import resolve_threads
-
     return max(1, min(cap, resolve_threads(threads)))
 
 

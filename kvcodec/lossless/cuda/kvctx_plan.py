@@ -24,10 +24,12 @@ import numpy as np
 import torch
 from numba import njit
 
-from kvcodec.cuda import build
-from kvcodec.cuda import rans as cuda_rans
+from kvcodec.device import build
+from kvcodec.entropy.cuda import rans as cuda_rans
+from kvcodec.lossless.predictive.format2 import FIELD_PRECISION, FIELD_STATES
+from kvcodec.lossless.predictive.tables import decode_tables
 
-SOURCE = "kvctx_plan.cu"
+SOURCE = "kvcodec.lossless.cuda/kvctx_plan.cu"
 TABLE_SLOTS = 4096  # rans_lanes.M
 PLAN_THREADS = 256  # kp_plan's blocks: one thread per symbol of a table
 CHECK_BLOCKS = 264  # kp_plan's field-check blocks at most (grid-stride): a few blocks per SM
@@ -82,9 +84,6 @@ def stage_parts(st, parts) -> int:
     gives one table (biggest parts first, blocks of ``rans.WARPS`` parts), written straight, and the parts'
     12-bit decode table (``tables.decode_tables`` of their frequencies: the decoder's mode 0 with lo = 0).
     Payload byte offsets are relative to the first part. Returns the launch's block count."""
-    from kvcodec.lossless.predictive.format2 import FIELD_PRECISION, FIELD_STATES
-    from kvcodec.lossless.predictive.tables import decode_tables
-
     assert FIELD_STATES == cuda_rans.STATES and FIELD_PRECISION == 12
     count = np.asarray(parts.count, np.int64)
     pdesc = st.view("pdesc", np.int64, (-1, 4))

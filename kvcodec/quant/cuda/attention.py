@@ -1,6 +1,6 @@
 """The launcher of the fused decode attention over a TurboQuant-compressed KV cache (tq layout v1).
 
-``decode_attention`` is the one entry point for raw packed tensors (``kvcodec.cuda.quantized`` wraps
+``decode_attention`` is the one entry point for raw packed tensors (``kvcodec.quant.cuda.quantized`` wraps
 it for quantizer objects). On CUDA tensors it launches either the one-launch kernel
 ``tq_decode_fused`` (MSE keys; query prep, split-KV and merge in one kernel: the last block of each
 tile merges) or the three kernels ``tq_decode_prep`` (query rotation, scaling, fp16, mma order),
@@ -26,8 +26,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kvcodec.cuda import build, reference
-from kvcodec.cuda.decode_kernels import (
+from kvcodec.device import build
+from kvcodec.quant.cuda import reference
+from kvcodec.quant.cuda.decode_kernels import (
     DEFAULT_VARIANT,
     FUSED_MAX_BLOCKS,
     LOG2E,
@@ -44,8 +45,8 @@ from kvcodec.cuda.decode_kernels import (
     split_defines,
     split_name,
 )
-from kvcodec.cuda.pack import _signs_for
-from kvcodec.cuda.split_size import default_tokens_per_warp
+from kvcodec.quant.cuda.pack import _signs_for
+from kvcodec.quant.cuda.split_size import default_tokens_per_warp
 
 _QIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _perm_cache: dict = {}
@@ -182,7 +183,7 @@ def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_r
         if seq_lens is None:
             seq_lens = torch.full((query.shape[0],), k_codes.shape[2], dtype=torch.int32, device=query.device)
         if query.is_cuda:
-            warnings.warn("kvcodec.cuda: CuPy is not installed (pip install 'kvcodec[cuda]'); "
+            warnings.warn("kvcodec.quant.cuda: CuPy is not installed (pip install 'kvcodec[cuda]'); "
                           "using the slow torch reference on the GPU", RuntimeWarning, stacklevel=2)
         out, lse = reference.decode_attention_reference(
             query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation=k_rotation, v_rotation=v_rotation,

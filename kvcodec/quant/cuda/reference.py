@@ -1,7 +1,7 @@
 """Torch reference of tq layout v1: bit packing, quantize, dequantize and decode attention.
 
 Plain torch on any device, float64 where it matters. It is the oracle the CUDA kernels are
-tested against and the CPU fallback of ``kvcodec.cuda.decode_attention``. Layout (shared with
+tested against and the CPU fallback of ``kvcodec.quant.cuda.decode_attention``. Layout (shared with
 ``kvcodec.quant`` and ``kvcodec.hf``): codes are b-bit centroid indices of the rotated unit vector,
 packed per row as a little-endian bit stream (coordinate j at bits [j*b, (j+1)*b), row bit i = bit
 i % 8 of byte i // 8); norms are ||x|| as float16 (bfloat16 where float16 overflows); the rotation
@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from kvcodec.quant.codebooks import lloyd_max_codebook
 
 
 def hadamard_matrix(dim: int) -> torch.Tensor:
@@ -133,7 +135,7 @@ def decode_attention_reference(query, k_codes, k_norms, v_codes, v_norms, seq_le
                                window_lens=None, causal=True):
     """Dequantize-then-attend in float64. Returns (out [B, Hq, q_len, D] float64, lse [B, Hq, q_len]).
 
-    Same arguments as ``kvcodec.cuda.decode_attention``; the lse is over every attended token
+    Same arguments as ``kvcodec.quant.cuda.decode_attention``; the lse is over every attended token
     (compressed and window) of exp(scale * score).
     """
     b, hq, ql, d = query.shape
@@ -191,8 +193,6 @@ def poison_allocator(nbytes: int = 256 << 20) -> None:
 
 def codebook_tensor(bits: int, dim: int) -> torch.Tensor:
     """The Lloyd-Max codebook of ``kvcodec.quant`` as a float32 tensor (what the kernels read)."""
-    from kvcodec.quant.codebooks import lloyd_max_codebook
-
     return torch.tensor(lloyd_max_codebook(dim, bits), dtype=torch.float32)
 
 

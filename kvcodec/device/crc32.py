@@ -21,7 +21,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-SOURCE = "crc32.cu"
+SOURCE = "kvcodec.device/crc32.cu"
 POLY = 0xEDB88320
 ITERS = 32  # CRC_ITERS: pieces per lane per block
 BLOCK = 512 * ITERS  # CRC_BLOCK bytes per warp
@@ -214,8 +214,8 @@ def check_many(buffers: list[torch.Tensor], expected, slots, n_flags: int) -> to
 def _launch(buffers: list[torch.Tensor], check: np.ndarray | None = None, n_flags: int = 0):
     """crc_blocks + crc_finish over ``buffers``: (crc32 values as int32 [N], flags int32 [n_flags] or
     None); the descriptors, the checks and the zeroed flags travel in one upload."""
-    from kvcodec.cuda import build
-    from kvcodec.cuda.transfer import upload
+    from kvcodec.device import build
+    from kvcodec.device.transfer import upload
 
     if not buffers:
         raise ValueError("no buffers")

@@ -1,4 +1,4 @@
-// GPU decoder of the kvctx / predictive stream format 2 (launcher: kvcodec/cuda/kvctx_decode.py; format:
+// GPU decoder of the kvctx / predictive stream format 2 (launcher: kvcodec/lossless/cuda/kvctx_decode.py; format:
 // docs/format.md, docs/lossless_kv.md and kvcodec/lossless/predictive/{bins,binned,format2}.py). The CPU kernel
 // binned.decode_chunks is the reference: this one computes the same bits in the same order.
 //

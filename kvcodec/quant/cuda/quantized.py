@@ -1,6 +1,6 @@
 """Packed attention: the fused decode kernel fed from quantizer objects, with their preconditioners.
 
-This is the one path from compressed K/V to ``kvcodec.cuda.decode_attention``: the HF cache
+This is the one path from compressed K/V to ``kvcodec.quant.cuda.decode_attention``: the HF cache
 (``kvcodec.hf.attention``) and ``attend`` below both go through ``attend_packed``. The operands come
 as :class:`~kvcodec.quant.packed.PackedKV` (``quantizer.packed(c)``), so nothing here reads a
 quantizer's private fields. What the raw kernel does not know about is handled around it:
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcodec.cuda import attention, ops
-from kvcodec.cuda.decode_kernels import DEFAULT_VARIANT, KernelVariant
+from kvcodec.quant.cuda import attention, ops
+from kvcodec.quant.cuda.decode_kernels import DEFAULT_VARIANT, KernelVariant
 from kvcodec.quant.packed import PackedKV
 
 
@@ -104,7 +104,7 @@ def attend_packed(query: torch.Tensor, keys: PackedKV, values: PackedKV, consts:
     Hkv = keys.codes.shape[1]
     G = H // Hkv
     q_in = (query * consts.q_scale if consts.q_scale is not None else query.float()).contiguous()
-    # through the custom op (kvcodec.cuda.ops): the same launcher, traceable by torch.compile / CUDA graphs
+    # through the custom op (kvcodec.quant.cuda.ops): the same launcher, traceable by torch.compile / CUDA graphs
     out, lse = ops.packed_decode(q_in, keys, values, seq_lens, consts.scaling, variant)
     out = consts.unfold_values(out.reshape(B, Hkv, G * Tq, D))  # float32: the kernel returns the query's dtype
     return q_in.view(B, Hkv, G * Tq, D), out, lse.reshape(B, Hkv, G * Tq, 1)
@@ -130,7 +130,7 @@ def attend(query: torch.Tensor, keys, values, k_quantizer, v_quantizer, seq_lens
     keys/values: QuantizedTensor with lead_shape (B, Hkv) and the same number of token slots, made by
     k_quantizer / v_quantizer; seq_lens [B]: valid compressed tokens per sequence (default: all
     slots). Output in query.dtype, in the original value space; lse (return_lse) of the true scores.
-    See ``kvcodec.cuda.decode_attention`` for the window arguments.
+    See ``kvcodec.quant.cuda.decode_attention`` for the window arguments.
     """
     b, hq, ql, d = query.shape
     if tuple(keys.lead_shape) != tuple(values.lead_shape) or len(keys.lead_shape) != 2:

@@ -1,8 +1,11 @@
 """Compile the ``.cu`` kernels: CuPy ``RawModule`` at run time, ``nvcc`` for the CI compile checks.
 
-The sources include ``tq_common.cuh``; NVRTC gets no include path from us, so the include is
-inlined textually (``source_text``). Compiled modules are cached per (device, source, template
-instance): NVRTC compiles once per process per instance, CuPy's disk cache makes later processes fast.
+Each owner ships its ``.cu`` / ``.cuh`` files beside its launchers (``kvcodec/quant/cuda``,
+``kvcodec/lossless/cuda``, ``kvcodec/entropy/cuda``, ``kvcodec/device``) and names a source
+``"<package>/<file>"``. NVRTC gets no include path from us, so a local ``#include`` is inlined
+textually from the including file's package (``source_text``). Compiled modules are cached per
+(device, source, template instance): NVRTC compiles once per process per instance, CuPy's disk cache
+makes later processes fast.
 Importing this module needs neither CuPy nor a GPU; only ``get_function`` does.
 
 A second route compiles for an explicit target such as ``sm_90a`` (Hopper's arch-specific
@@ -33,26 +36,32 @@ _modules: dict[tuple, object] = {}
 NVRTC_OPTIONS = ("-std=c++17",)
 
 
-def source_path(name: str) -> Path:
-    """Path of a kernel source shipped as package data (``tq_pack.cu``, ``tq_decode_attention.cu``)."""
-    return Path(str(resources.files("kvcodec.cuda").joinpath(name)))
+def source_path(source: str) -> Path:
+    """Path of a kernel source shipped as package data, named ``"<package>/<file>"``: each owner
+    ships its kernels beside its launchers (``"kvcodec.quant.cuda/tq_pack.cu"``,
+    ``"kvcodec.lossless.cuda/kvctx_decode.cu"``)."""
+    package, _, name = source.rpartition("/")
+    if not package or not name:
+        raise ValueError(f"a kernel source is named '<package>/<file>', got {source!r}")
+    return Path(str(resources.files(package).joinpath(name)))
 
 
-def source_text(name: str) -> str:
-    """The source with local ``#include "..."`` lines replaced by the included file (once each)."""
+def source_text(source: str) -> str:
+    """The source with local ``#include "..."`` lines replaced by the included file (once each); an
+    included file is found in the including file's package (as nvcc finds it in the file's folder)."""
     seen: set[str] = set()
 
-    def expand(text: str) -> str:
+    def expand(text: str, package: str) -> str:
         def sub(m: re.Match) -> str:
-            inc = m.group(1)
+            inc = f"{package}/{m.group(1)}"
             if inc in seen:
                 return ""
             seen.add(inc)
-            return expand(source_path(inc).read_text())
+            return expand(source_path(inc).read_text(), inc.rpartition("/")[0])
 
         return _INCLUDE.sub(sub, text)
 
-    return expand(source_path(name).read_text()).replace("#pragma once", "")
+    return expand(source_path(source).read_text(), source.rpartition("/")[0]).replace("#pragma once", "")
 
 
 def get_function(source: str, name_expression: str, defines: tuple[str, ...] = (), arch: str | None = None):

@@ -15,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcodec.cuda import build, reference
+from kvcodec.device import build
+from kvcodec.quant.cuda import reference
 
-SOURCE = "tq_pack.cu"
+SOURCE = "kvcodec.quant.cuda/tq_pack.cu"
 WARPS_PER_BLOCK = 8  # tqp::WARPS in tq_pack.cu: blocks of 256 threads
 SIGNATURE = "(const void*, long long, const float*, const float*, const float*, int, tq_u8*, tq_u16*)"
 _IN_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

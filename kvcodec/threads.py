@@ -1,7 +1,7 @@
 """Worker counts: the one place a ``threads`` argument is read (0 = every core we may use).
 
-A leaf module (imports only the standard library) so every codec, the registry and the file
-reader can share it without importing each other.
+A base module (imports only the standard library) so every codec, the registry, the file reader,
+the quantizers, the weights and the device transfers can share it without importing each other.
 """
 
 from __future__ import annotations

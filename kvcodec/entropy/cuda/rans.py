@@ -37,7 +37,7 @@ import torch
 
 from kvcodec.errors import CorruptStreamError
 
-SOURCE = "rans_decode.cu"
+SOURCE = "kvcodec.entropy.cuda/rans_decode.cu"
 WARPS = 4  # warps (payloads) per block
 KERNEL = f"rans32_decode<{WARPS}>"
 SIGNATURE = ("(const unsigned char*, const long long*, const int*, const int*, const long long*, "
@@ -207,7 +207,7 @@ class LaunchPlan:
         group them by table (``table_of`` non-decreasing).
         ``also``: more arrays for the same upload (a caller's next launch), as ``plan.also``; ``warps``
         per block (default WARPS; 2 or 4 keep every table of ``build_table`` in shared memory)."""
-        from kvcodec.cuda.transfer import upload
+        from kvcodec.device.transfer import upload
 
         warps = warps or WARPS
         P = len(table_of)
@@ -244,7 +244,7 @@ class LaunchPlan:
         payload), on torch's current stream; no synchronization."""
         if not self.n_blocks:
             return
-        from kvcodec.cuda import build
+        from kvcodec.device import build
 
         fn = build.get_function(SOURCE, f"rans32_decode<{self.warps}>")
         with build.cupy_stream(data.device):

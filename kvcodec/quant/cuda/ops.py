@@ -10,10 +10,10 @@ reference (``tq_quantize`` there reproduces ``kvcodec.quant.TurboQuantMSE``'s by
   of already preconditioned ``x`` [..., D] -> packed codes uint8 [..., D*bits/8] and norms.
 * ``tq_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation,
   k_codebook, v_codebook, k_bits, v_bits, scale, k_qjl=None, k_rnorms=None, qjl_matrix=None) -> (out,
-  lse)``: ``kvcodec.cuda.decode_attention`` with ``return_lse=True`` (prod keys with the three QJL
+  lse)``: ``kvcodec.quant.cuda.decode_attention`` with ``return_lse=True`` (prod keys with the three QJL
   tensors); ``out`` float32 [B, Hq, q_len, D], ``lse`` float32 [B, Hq, q_len].
 
-``packed_decode`` is how ``kvcodec.cuda.quantized.attend_packed`` (the one packed-attention path of
+``packed_decode`` is how ``kvcodec.quant.cuda.quantized.attend_packed`` (the one packed-attention path of
 the eager and the static HF caches) reaches the kernel: through ``tq_attention``, so the same call
 traces into a compiled or captured step; a non-default kernel variant (benchmarks) calls the launcher
 directly.
@@ -56,7 +56,7 @@ def _quantize(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tensor, b
               bf16_norms: bool) -> tuple[torch.Tensor, torch.Tensor]:
     norm_dtype = torch.bfloat16 if bf16_norms else torch.float16
     if x.is_cuda:
-        from kvcodec.cuda.pack import quantize_pack
+        from kvcodec.quant.cuda.pack import quantize_pack
 
         codes, norms = quantize_pack(x, rotation, codebook, bits, norm_dtype, norm_correction)
         return codes.contiguous(), norms.contiguous()
@@ -69,7 +69,7 @@ def _attention(query: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor
                k_codebook: torch.Tensor, v_codebook: torch.Tensor, k_bits: int, v_bits: int, scale: float,
                k_qjl: Optional[torch.Tensor] = None, k_rnorms: Optional[torch.Tensor] = None,
                qjl_matrix: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    from kvcodec.cuda import attention  # the module's launcher, looked up per call
+    from kvcodec.quant.cuda import attention  # the module's launcher, looked up per call
 
     out, lse = attention.decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation=k_rotation,
                                           v_rotation=v_rotation, k_codebook=k_codebook, v_codebook=v_codebook,
@@ -100,16 +100,16 @@ else:  # torch < 2.4: same results, no compile support
 def packed_decode(query: torch.Tensor, keys, values, seq_lens: torch.Tensor | None, scale: float, variant=None):
     """The fused kernel over :class:`~kvcodec.quant.packed.PackedKV` keys/values for the prepared query
     [B, Hq, q_len, D] (key scale folded in): (out, lse) float32 as ``tq_attention``. ``variant``: None or
-    the default goes through the custom op; another :class:`~kvcodec.cuda.KernelVariant` (kernel
+    the default goes through the custom op; another :class:`~kvcodec.quant.cuda.KernelVariant` (kernel
     benchmarks) calls the launcher directly (not traceable)."""
-    from kvcodec.cuda.decode_kernels import DEFAULT_VARIANT
+    from kvcodec.quant.cuda.decode_kernels import DEFAULT_VARIANT
 
     extra = (keys.qjl, keys.rnorms, keys.qjl_matrix) if keys.prod else (None, None, None)
     args = (query, keys.codes, keys.norms, values.codes, values.norms, seq_lens, keys.rotation, values.rotation,
             keys.codebook, values.codebook, keys.bits, values.bits, float(scale), *extra)
     if variant is None or variant is DEFAULT_VARIANT or variant == DEFAULT_VARIANT:
         return tq_attention(*args)
-    from kvcodec.cuda.attention import decode_attention
+    from kvcodec.quant.cuda.attention import decode_attention
 
     out, lse = decode_attention(*args[:6], k_rotation=keys.rotation, v_rotation=values.rotation,
                                 k_codebook=keys.codebook, v_codebook=values.codebook, k_bits=keys.bits,

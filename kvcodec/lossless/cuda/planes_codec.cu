@@ -1,4 +1,4 @@
-// GPU kernels of the "planes" codec (launchers: kvcodec/cuda/planes_codec.py): byte-plane split with
+// GPU kernels of the "planes" codec (launchers: kvcodec/lossless/cuda/planes_codec.py): byte-plane split with
 // histograms, 32-lane rANS encode of chunk streams, stream compaction and the plane merge of decoding.
 // The format is kvcodec/entropy/rans_lanes.py's (the CPU encoder there is the reference, byte for byte):
 // 12-bit probabilities, 32-bit states in [2^16, 2^32), 16-bit renormalisation words; element i of a
@@ -425,14 +425,14 @@ __device__ __forceinline__ long long pc_block_scan(long long v, long long* warp_
 }
 
 // Format 3 keeps each coded plane's chunk stream lengths (uint32 words, one per chunk) in a section of the blob;
-// this kernel turns them into the rANS decoder's payload rows (kvcodec/cuda/rans_decode.cu: byte offset in data,
+// this kernel turns them into the rANS decoder's payload rows (kvcodec/entropy/cuda/rans_decode.cu: byte offset in data,
 // byte length, output byte offset, symbols) and checks them as the CPU decoder does: chunk c's stream is the
 // words [sum of the lengths before it, + its length) of the plane's stream section. A length under 2 * 32 words,
 // a stream reaching past the section, or a last stream not ending exactly at the section's end gets byte length
 // 0, which the decoder reports as a bad length (status 1): the error arrives with the stream statuses, and no
 // row ever points outside the section. One block per coded plane, a block-wide scan per 512 chunks.
 // It also writes the plane's decode table (rans_decode.cu mode 0, byte symbols: slot s of symbol lo + i holds
-// (i << 24) | ((f - 1) << 12) | (s - cum)), the words kvcodec.cuda.rans.build_table makes on the host, from the
+// (i << 24) | ((f - 1) << 12) | (s - cum)), the words kvcodec.entropy.cuda.rans.build_table makes on the host, from the
 // plane's frequencies (checked on the host: >= 1 where used, summing to slots): no table built or uploaded per
 // decode. n_chunks 0: the table only (format 2: the rows come from the host).
 // jobs [J, 6] int64: byte offset of plane j's lengths in data, of its stream section, the section's words, the

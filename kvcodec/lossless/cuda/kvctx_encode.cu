@@ -1,4 +1,4 @@
-// GPU encoder of the kvctx / predictive stream format 2 (launchers: kvcodec/cuda/kvctx_encode.py; driver:
+// GPU encoder of the kvctx / predictive stream format 2 (launchers: kvcodec/lossless/cuda/kvctx_encode.py; driver:
 // kvcodec/lossless/kvctx_device_encode.py; format: kvcodec/lossless/predictive/{bins,binned,format2}.py).
 // The CPU encoder (binned.symbolise + binned.write_chunks) is the reference; the model arithmetic is the
 // GPU decoder's own (kx_locate, kx_value of kvctx_decode.cu, included), so what the decoder
