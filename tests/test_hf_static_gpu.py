@@ -22,13 +22,16 @@ def _model(heads, kv_heads, head_dim, layers=2, seed=0):
 
 def _stepper(model, cache, batch):
     """A decode step on fixed token/position buffers (what a graph or compiled step replays)."""
+    from kvcodec.hf import use
+
     tok = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
     pos = torch.zeros(1, dtype=torch.long, device="cuda")
     logits = torch.zeros(batch, model.config.vocab_size, device="cuda")
 
     def step(forward=model.forward):
-        out = forward(input_ids=tok, position_ids=pos.view(1, 1).expand(batch, 1), cache_position=pos,
-                      past_key_values=cache, use_cache=True).logits
+        with use(model, cache):  # model.forward skips the binding hooks: bind by hand
+            out = forward(input_ids=tok, position_ids=pos.view(1, 1).expand(batch, 1), cache_position=pos,
+                          past_key_values=cache, use_cache=True).logits
         logits.copy_(out[:, -1].float())
         tok.copy_(out[:, -1].argmax(-1, keepdim=True))
         pos.add_(1)

@@ -144,11 +144,12 @@ def _attention(delegate, module, query, key, value, attention_mask, scaling, dro
         return delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout and module.training:
         raise ValueError("kvcodec attention is for inference; dropout is not supported")
-    scaling = module.scaling if scaling is None else scaling
     store = layer.store
     options = layer.attention_options or DEFAULT_OPTIONS
-    if key is not layer.handed[0] or value is not layer.handed[1]:  # not the tensors update returned
+    # not the tensors update returned, or a scale kvcodec cannot know (GPT-2 passes none on transformers 5.0)
+    if key is not layer.handed[0] or value is not layer.handed[1] or (scaling is None and not hasattr(module, "scaling")):
         return _attends_transformed(delegate, layer, module, query, key, value, attention_mask, scaling, kwargs)
+    scaling = module.scaling if scaling is None else scaling
     if key.shape[-2] == len(store):  # the new tokens are the whole history (a prompt on an empty cache)
         layer.finish_step()
         return delegate(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs)

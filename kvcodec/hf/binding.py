@@ -53,6 +53,10 @@ class Attachment:
         self.depth = 0
         self.saved: list[tuple[object, object]] = []
         self.cache = None
+        # models whose class declares it attends through transformers' attention interface; the others
+        # (Falcon, Bloom, GPT-Neo, StableLM, MPT in some releases) branch on the implementation's name
+        # themselves: their configs are left alone and their layers return the history decoded
+        self.interface = bool(getattr(model, "_supports_attention_backend", False))
         self.handles = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True),
             model.register_forward_hook(self._exit, with_kwargs=True, always_call=True),
@@ -80,6 +84,9 @@ class Attachment:
 
     def bind(self, cache) -> None:
         self.depth, self.cache, self.saved = 1, cache, []
+        if not self.interface:
+            cache.bind(True, decoded=True)
+            return
         for cfg in self.configs():
             original = cfg._attn_implementation_internal
             self.saved.append((cfg, original))

@@ -61,11 +61,15 @@ class KvcodecCache(Cache):
     def compressed_layers(self) -> list:
         return [layer for layer in self.layers if getattr(layer, "compressed", False)]
 
-    def bind(self, on: bool) -> None:
-        """Called at the start (True) and end (False) of a forward that received this cache."""
+    def bind(self, on: bool, decoded: bool = False) -> None:
+        """Called at the start (True) and end (False) of a forward that received this cache. ``decoded``:
+        the model does not attend through the attention interface, so its layers return the history
+        decoded (kvcodec.hf.binding)."""
         for layer in self.compressed_layers():
             layer.bound = on
             layer.handed = (None, None)
+            if decoded:
+                layer.decoded = True
 
     def check_attended(self, completed: bool = True) -> None:
         """After a bound forward: every compressed layer's new tokens were attended by kvcodec. A layer
