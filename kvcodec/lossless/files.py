@@ -367,7 +367,8 @@ def _check_groups(groups, entries: list, rec_pos: int) -> int:
     filled = [0] * len(groups)
     for g in groups:
         validate.require_keys(g, _GROUP_KEYS, "kvcodec file group")
-        if g["st_dtype"] not in ST_DTYPES or container.torch_dtypes().get(ST_DTYPES[g["st_dtype"]]) is None:
+        if type(g["st_dtype"]) is not str or g["st_dtype"] not in ST_DTYPES \
+                or container.torch_dtypes().get(ST_DTYPES[g["st_dtype"]]) is None:  # a list: TypeError in the lookup
             raise CorruptStreamError("kvcodec file group: bad dtype")
         validate.require_int(g["bytes"], 1, MAX_GROUP_BYTES, "kvcodec file group bytes")
         validate.require_int(g["length"], 0, validate.MAX_ADDRESSABLE, "kvcodec file group length")
