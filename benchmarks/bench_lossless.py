@@ -175,8 +175,8 @@ def measure_file(tensors: dict[str, torch.Tensor], source: str, cores: int, repe
         src, kvc, back = Path(d) / "m.safetensors", Path(d) / "m.kvc", Path(d) / "back.safetensors"
         save_file(tensors, str(src))
         size = src.stat().st_size
-        t_c = best_time(lambda: files.compress_file(src, kvc, progress=False), repeat=repeat)
-        t_d = best_time(lambda: files.decompress_file(kvc, back, progress=False), repeat=max(repeat, 3))
+        t_c = best_time(lambda: files.compress_file(src, kvc, progress=False, overwrite=True), repeat=repeat)
+        t_d = best_time(lambda: files.decompress_file(kvc, back, progress=False, overwrite=True), repeat=max(repeat, 3))
         exact = back.read_bytes() == src.read_bytes()
         comp = kvc.stat().st_size
     return {"source": source, "method": "kvcodec .kvc file (whole safetensors)", "threads": cores,
