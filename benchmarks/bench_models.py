@@ -59,7 +59,7 @@ def decode_ms(model, cache, ids, steps: int) -> float:
 
 
 def bench_entry(name: str, entry, context: int, steps: int) -> list[dict]:
-    from model_zoo import VOCAB, build
+    from model_zoo import VOCAB, build, supports_dynamic_cache
     from transformers import DynamicCache
 
     from kvcodec.hf import CompressedCache
@@ -69,6 +69,9 @@ def bench_entry(name: str, entry, context: int, steps: int) -> list[dict]:
         model, config = build(name, **overrides)
     except Exception as exc:  # noqa: BLE001 - reported in the table
         return [{"architecture": name, "method": "-", "supported": False, "error": f"build: {exc}"[:100]}]
+    if not supports_dynamic_cache(model):  # kvcodec refuses these when the cache is built
+        return [{"architecture": name, "method": "-", "supported": False,
+                 "error": "runs only on a cache class of its own"}]
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or context
     n = min(context, int(limit) - steps - 8)
     g = torch.Generator().manual_seed(0)

@@ -185,9 +185,10 @@ def _check_shared(module, key) -> None:
 
 def _attends_transformed(delegate, layer, module, query, key, value, attention_mask, scaling, kwargs):
     """The model attends something computed from what ``update`` returned (transformers' MLA expands its
-    cached latent into per-head K/V; DiffLlama splits V in halves): kvcodec cannot attend the compressed form, so the layer returns its
-    whole history decoded from now on. Found on the cache's first forward, where the new tokens are the
-    whole history and this call is exact; later it would have seen too little: refuse."""
+    cached latent into per-head K/V; DiffLlama splits V in halves): kvcodec cannot attend the compressed
+    form, so the layer returns its whole history decoded from now on. Found on the cache's first forward,
+    where the new tokens are the whole history and this call is exact; later it would have seen too
+    little: refuse."""
     fresh = len(layer.store) == layer.pending
     layer.decoded = True
     layer.finish_step()
