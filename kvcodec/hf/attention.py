@@ -49,7 +49,7 @@ FUSED_MODES = ("auto", "off", "cpu-reference")
 class AttentionOptions:
     """How the attention function runs on one cache (``CompressedCache(..., attention=...)``).
 
-    ``fused``: "auto" runs the compressed tokens through kvcodec.cuda's fused kernel on CUDA tensors
+    ``fused``: "auto" runs the compressed tokens through kvcodec.quant.cuda's fused kernel on CUDA tensors
     when it applies (TurboQuant, no padding mask); "off" always takes the torch path; "cpu-reference"
     also takes the fused wiring on CPU, through the kernel's float64 reference (tests, CPU smoke runs).
     ``q_chunk`` query tokens per pass (times the GQA group), ``kv_chunk`` exact and
@@ -277,7 +277,7 @@ def attend_store(store, query: torch.Tensor, mask, scaling: float, num_kv_heads:
 class CompressedPart:
     """Attention over a layer's compressed tokens from the fused kernel, in the GQA layout
     [B, H_kv, G*Tq, ...] (query head h = kv * G + g, HF repeat_kv order) and the kernel's domain
-    (``kvcodec.cuda.quantized.attend_packed``):
+    (``kvcodec.quant.cuda.quantized.attend_packed``):
 
     * ``q``: the queries the kernel saw (key preconditioner folded in: q * key scale), float32;
     * ``out``: their normalized output over the compressed tokens (value preconditioner undone);
@@ -323,7 +323,7 @@ class _FusedConsts:
 
 def fused_compressed(layer: CompressedLayer, query: torch.Tensor, mask, scaling: float,
                      options: AttentionOptions = DEFAULT_OPTIONS) -> CompressedPart | None:
-    """The compressed tokens' attention from the fused kernel (``kvcodec.cuda.quantized.attend_packed``:
+    """The compressed tokens' attention from the fused kernel (``kvcodec.quant.cuda.quantized.attend_packed``:
     packed codes read by the kernel) as a :class:`CompressedPart`, or None when it does not apply: CPU
     tensors, padding masks, encodings without a packed layout the kernel takes (``encoding.packed``), or
     ``options.fused`` says so (see AttentionOptions). The exact sink and window are attended by

@@ -25,11 +25,11 @@ quantizes it as one [B, H_kv, block_size, D] batch, like the eager store, so the
 kernel treats rows independently), and compaction is only the length update; the kernel and torch's
 quantizer differ on ~1e-6 of the codes (float ties). No host synchronisation, no Python branch on
 data: the step is capturable by ``torch.cuda.CUDAGraph`` and compiles with
-``torch.compile(fullgraph=True)`` (the kernels are ``kvcodec.cuda.ops`` custom ops).
+``torch.compile(fullgraph=True)`` (the kernels are ``kvcodec.quant.cuda.ops`` custom ops).
 
 Attention of a step goes through the one packed-attention path of the eager cache: the layer's
 buffers are a ``QuantizedTensor`` its encodings describe for the kernel (``encoding.packed`` ->
-``kvcodec.quant.PackedKV``), ``kvcodec.cuda.quantized.attend_packed`` runs the kernel with the
+``kvcodec.quant.PackedKV``), ``kvcodec.quant.cuda.quantized.attend_packed`` runs the kernel with the
 preconditioners folded around it (``PackedConsts``, built once, not per step) and returns (q, out,
 lse); the sink and ring join in one softmax where the compressed part is a single pseudo-key (its
 lse), with exact keys mapped into the kernel's domain as the eager cache does. The prefill (first
