@@ -174,7 +174,7 @@ def test_device_decode_launch_through_the_emulated_kernel():
     for dtype, shape, cb in ((torch.bfloat16, (21, 50), 256), (torch.float32, (21, 50), 256),
                              (torch.float8_e4m3fn, (60, 64), 1024)):
         t = weights_like(dtype, shape)
-        blob = compress(t, max_classes=1, chunk_bytes=cb)
+        blob = compress(t, codec="planes", max_classes=1, chunk_bytes=cb)
         bt, secs, info, (layout, itemsize, chunk, n_chunks, n), (coded, plan), pdesc = _device_rows(blob)
         host = [("rans", None, np.concatenate(([0], np.cumsum(secs[f"p{k}.len"].bytes.numpy().view("<u4"))))) if
                 p[0] == "rans" else p for k, p in enumerate(info)]
@@ -274,7 +274,7 @@ def test_gpu_path_host_logic_on_emulated_kernels(emulated_kernels, dtype, shape,
 
     t = _special(dtype, int(np.prod(shape)), 3).reshape(shape)
     blob = api._compress_on_gpu(t, {"chunk_bytes": chunk_bytes, "min_gain": 0.02})
-    assert blob.numpy().tobytes() == compress(t, max_classes=1, chunk_bytes=chunk_bytes)
+    assert blob.numpy().tobytes() == compress(t, codec="planes", max_classes=1, chunk_bytes=chunk_bytes)
     assert_bit_exact(api._decompress_on_device(blob, torch.device("cpu"), None), t)
     assert_bit_exact(api._decompress_on_device(blob, torch.device("cpu"), None), t)  # again: the kept plan
     assert api.describe(blob) == api.validate(blob) == api.describe(blob.numpy().tobytes())  # tensor blobs
@@ -310,7 +310,7 @@ def test_gpu_decodable_only_for_32_lane_single_table_blobs():
     meta = lambda blob: container.loads(blob)[1]["codec_meta"]  # noqa: E731
     assert len(meta(compress(t))["planes"][0]["tables"]) > 1
     assert not planes_device.gpu_decodable(meta(compress(t)))
-    assert planes_device.gpu_decodable(meta(compress(t, max_classes=1)))
+    assert planes_device.gpu_decodable(meta(compress(t, codec="planes", max_classes=1)))
     from pathlib import Path
 
     v1 = (Path(__file__).parent / "data" / "planes_v1_bf16.kvt").read_bytes()  # 8 lanes
