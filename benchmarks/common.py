@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvcodec.benchrunner import DEFAULT_OUT  # noqa: F401  (re-exported for the suites)
+from kvcodec.demo import cpu_name
 
 
 def machine_record() -> dict:
@@ -24,7 +25,7 @@ def machine_record() -> dict:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "processor": _cpu_name(),
+        "processor": cpu_name(),
         "cores": os.cpu_count(),
         "versions": {},
     }
@@ -41,16 +42,6 @@ def machine_record() -> dict:
     except Exception:
         pass
     return rec
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def best_time(fn, *, repeat: int = 5, min_time: float = 0.0) -> float:
