@@ -189,10 +189,9 @@ def _attends_transformed(delegate, layer, module, query, key, value, attention_m
     form, so the layer returns its whole history decoded from now on. Found on the cache's first forward,
     where the new tokens are the whole history and this call is exact; later it would have seen too
     little: refuse."""
-    fresh = len(layer.store) == layer.pending
     layer.decoded = True
     layer.finish_step()
-    if not fresh:
+    if not layer.handed_whole:
         raise RuntimeError(f"layer {layer.layer_idx} of {type(module).__name__} attends K/V computed from its cache "
                            "entries, found on a cache that already held tokens: start from a fresh cache")
     return delegate(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs)

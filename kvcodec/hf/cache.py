@@ -82,7 +82,7 @@ class KvcodecCache(Cache):
             pending = getattr(layer, "pending", 0)
             if not pending:
                 continue
-            if len(layer.store) != pending:
+            if not layer.handed_whole:
                 missed.append(layer.layer_idx)
             layer.decoded = True
             layer.finish_step()

@@ -70,7 +70,7 @@ class CompressedLayer(CacheLayerMixin):
             self.pending = key_states.shape[-2]
             # the attention function checks it receives these; KV-sharing layers reuse them (kept to forward end)
             self.handed = (key_states, value_states)
-            self.handed_whole = len(self.store) == key_states.shape[-2]
+            self.handed_whole = len(self.store) == key_states.shape[-2]  # the new tokens are the whole history
             return key_states, value_states
         if not self.bound:
             _warn_fallback()
