@@ -29,6 +29,14 @@ decode, CUDA-graph timed, vs bf16 flash SDPA and % of copy bandwidth on the comp
     PYTHONPATH=. python3 benchmarks/gpu_generate.py --out $OUT --no-kernels --full-model-shapes "" \
         --shapes 1:32768,8:32768 --kinds "dynamic,kvc static+graph,kvc static+compile" --suite gpu_generate_static
     PYTHONPATH=. python3 benchmarks/gpu_generate.py --tiny --device cpu # smoke test (tests/)
+
+``--route generate`` measures ``model.generate`` the way users call it instead (32-layer model, fresh
+caches, ms per new token from two generate lengths): DynamicCache, HF StaticCache compiled by
+generate (``cache_implementation="static"``), HF QuantizedCache (quanto, if installed), kvcodec eager
+and kvcodec's default on CUDA (the static mode growing in pages, compiled by generate) and with a
+fixed ``max_cache_len``; the byte floor beside each row:
+
+    PYTHONPATH=. python3 benchmarks/gpu_generate.py --route generate --out $OUT --shapes 1:32768,8:32768
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ def make_cache(kind: str, model, batch: int, max_len: int):
     if kind.startswith("kvc"):
         kw = dict(method="turboquant", key_bits=BITS[0], value_bits=BITS[1], residual=RESIDUAL)
         if kind == "kvc eager":
-            return khf.CompressedCache(model, **kw)
+            return khf.CompressedCache(model, **kw, max_cache_len=None)
         return khf.CompressedCache(model, **kw, max_cache_len=max_len)
     khf.disable(model)  # back to sdpa
     if kind == "dynamic":
@@ -390,6 +398,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--profile", action="store_true", help="only list the kernels of one static-cache step")
+    ap.add_argument("--route", choices=("step", "generate"), default="step",
+                    help="step: the decode step called by hand (default); generate: model.generate as users call it")
+    ap.add_argument("--layers", type=int, default=32, help="layers of the model on the generate route")
     ap.add_argument("--shapes", type=_shapes, default=None, help="batch:ctx,... (default: the full grid)")
     ap.add_argument("--compile-shapes", type=_shapes, default=((1, 32768), (8, 32768)))
     ap.add_argument("--full-model-shapes", type=_shapes, default=((1, 32768), (8, 32768)),
@@ -400,6 +411,10 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.profile:
         return profile_static_step(a.shapes or ((1, 32768), (8, 32768)), a.out)
+    if a.route == "generate":
+        kinds = GENERATE_ROWS if a.kinds == ALL_ROWS else a.kinds
+        return run_generate(a.out, device=a.device, tiny=a.tiny, shapes=a.shapes, kinds=kinds, layers=a.layers,
+                            budget_s=a.budget_s, suite=a.suite if a.suite != SUITE else SUITE + "_route")
     unknown = set(a.kinds) - set(ALL_ROWS)
     if unknown:
         ap.error(f"unknown caches {sorted(unknown)}")
@@ -407,6 +422,134 @@ def main(argv=None) -> dict:
                kernels=not a.no_kernels,
                budget_s=a.budget_s, compile_shapes=a.compile_shapes, full_model_shapes=a.full_model_shapes,
                suite=a.suite)
+
+
+# ------------------------------------------------------------------------------------ the generate route
+GENERATE_ROWS = ("dynamic", "static", "quanto", "kvc eager", "kvc fast", "kvc fixed")
+GENERATE_COLUMNS = ["model", "layers", "batch", "ctx", "cache", "ms_token", "speedup_vs_best_hf", "floor_ms",
+                    "x_floor", "kv_MiB", "peak_GiB", "error"]
+
+
+def generate_call(kind: str, model, ids, new: int, max_len: int):
+    """One ``model.generate`` as a user writes it, with a fresh cache of ``kind``: ``dynamic`` (the
+    default DynamicCache), ``static`` (``cache_implementation="static"``: HF's StaticCache, which
+    generate compiles), ``quanto`` (HF QuantizedCache, 4 bits), ``kvc eager`` (``CompressedCache``),
+    ``kvc fast`` (``CompressedCache(...)``: on CUDA the static mode, growing in pages, which
+    generate compiles), ``kvc fixed`` (``CompressedCache(..., max_cache_len=N)``). Returns the output
+    and the cache (for its bytes)."""
+    import kvcodec.hf as khf
+
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    if kind.startswith("kvc"):
+        opts = dict(method="turboquant", key_bits=BITS[0], value_bits=BITS[1], residual=RESIDUAL)
+        size = {"kvc eager": {"max_cache_len": None}, "kvc fixed": {"max_cache_len": max_len}}.get(kind, {})
+        cache = khf.CompressedCache(model, **opts, **size)
+        return model.generate(ids, past_key_values=cache, **kw), cache
+    if kind == "static":
+        kw.update(cache_implementation="static", max_cache_len=max_len)
+    elif kind == "quanto":
+        kw.update(cache_implementation="quantized", cache_config={"backend": "quanto", "nbits": 4,
+                                                                  "residual_length": RESIDUAL})
+    out = model.generate(ids, return_dict_in_generate=True, **kw)
+    return out.sequences, out.past_key_values
+
+
+def measure_generate(kind: str, model, batch: int, ctx: int, lengths=(8, 40), seed: int = 0) -> dict:
+    """ms per new token in ``model.generate`` from two generate lengths on fresh caches (prefill,
+    compile and capture cancel; one warm-up call first), and the peak memory of the longer call."""
+    dev = model.device
+    cuda = dev.type == "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    ids = torch.randint(2, model.config.vocab_size, (batch, ctx), device=dev, generator=g)
+    max_len = ctx + max(lengths)
+    times, held = {}, 0
+    with _sdpa_flash(cuda):
+        generate_call(kind, model, ids, lengths[0], max_len)  # warm-up: compile, capture, first launches
+        for new in lengths:
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            out, cache = generate_call(kind, model, ids, new, max_len)
+            if cuda:
+                torch.cuda.synchronize()
+            times[new] = time.perf_counter() - t0
+            assert out.shape[-1] == ctx + new, out.shape
+            held = _cache_bytes(cache)
+            del out, cache
+    a, b = lengths
+    return {"ms_token": 1e3 * (times[b] - times[a]) / (b - a), "kv_bytes": held, "kv_MiB": held / MiB,
+            "peak_GiB": torch.cuda.max_memory_allocated() / GiB if cuda else None,
+            "s_per_call": {str(n): t for n, t in times.items()}}
+
+
+def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, kinds=GENERATE_ROWS,
+                 layers=32, budget_s=540.0, suite=SUITE + "_route") -> dict:
+    """Every cache of GENERATE_ROWS through ``model.generate`` per (batch, context), same run; the
+    byte floor is the weights plus the compressed KV read once at the device's copy bandwidth."""
+    t0 = time.time()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    name = "tiny-llama" if tiny else "llama8b-like"
+    shape = dict((TINY_MODELS if tiny else MODELS)[name], num_hidden_layers=2 if tiny else layers)
+    shapes = shapes or ([(1, 40), (2, 24)] if tiny else [(1, 32768), (8, 32768), (1, 131072)])
+    rec = machine_record()
+    bw = None
+    if cuda:
+        from benchmarks.gpu_kernels import copy_bandwidth
+
+        rec["gpu"] = torch.cuda.get_device_name(dev)
+        bw = copy_bandwidth() * 1e12 / 2  # bytes read per second (copy_bandwidth counts read + write)
+    model, weights = build_model(name, shape, dev)
+    model.generation_config.pad_token_id = 0
+    rows = []
+    for batch, ctx in shapes:
+        shape_rows = []
+        for kind in kinds:
+            row = {"model": name, "layers": shape["num_hidden_layers"], "batch": batch, "ctx": ctx, "cache": kind}
+            if kind == "quanto" and not _quanto_available():
+                row["error"] = "skipped: optimum-quanto is not installed"
+            elif time.time() > t0 + budget_s:
+                row["error"] = "skipped: time budget"
+            else:
+                try:
+                    row.update(measure_generate(kind, model, batch, ctx, lengths=(2, 6) if tiny else (8, 40),
+                                                seed=batch * 131 + ctx))
+                except Exception as e:  # OOM, a bug: recorded, the sweep goes on
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    traceback.print_exc()
+            if bw and "kv_bytes" in row:
+                row["floor_ms"] = 1e3 * (weights + row["kv_bytes"]) / bw
+                row["x_floor"] = row["ms_token"] / row["floor_ms"]
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            log("row", {k: v for k, v in row.items() if k != "s_per_call"})
+            shape_rows.append(row)
+        hf = [r for r in shape_rows if r["cache"] in ("dynamic", "static", "quanto") and "ms_token" in r]
+        best = min(hf, key=lambda r: r["ms_token"]) if hf else None
+        for r in shape_rows:
+            if best and "ms_token" in r:
+                r["speedup_vs_best_hf"] = best["ms_token"] / r["ms_token"]
+        rows += shape_rows
+    result = {"suite": suite, "machine": rec, "rows": rows,
+              "notes": [f"ms per new token = (time of generate(max_new_tokens=b) - time of a) / (b - a), (a, b) = {(2, 6) if tiny else (8, 40)}, fresh caches, "
+                        f"after one warm-up call; bits {BITS}, residual {RESIDUAL}; weights {weights / GiB:.2f} GiB",
+                        f"byte floor: (weights + compressed KV) / read bandwidth "
+                        f"({bw / 1e12:.2f} TB/s)" if bw else "byte floor: CUDA only",
+                        f"elapsed {time.time() - t0:.0f} s"]}
+    save_with_out(result, out_dir, GENERATE_COLUMNS)
+    return result
+
+
+def _quanto_available() -> bool:
+    try:
+        import optimum.quanto  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:

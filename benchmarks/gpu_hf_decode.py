@@ -90,7 +90,7 @@ def make_cache(model, bits, residual, fused="auto"):
         return DynamicCache(config=model.config)
     kw = {} if residual is None else {"residual": residual}
     return khf.CompressedCache(model, method="turboquant", key_bits=bits[0], value_bits=bits[1],
-                               attention=khf.AttentionOptions(fused=fused), **kw)
+                               attention=khf.AttentionOptions(fused=fused), max_cache_len=None, **kw)
 
 
 FLASH = "flash"  # DynamicCache with SDPA kept off cuDNN (flash / mem-efficient kernels)

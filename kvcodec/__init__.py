@@ -1,18 +1,19 @@
 """kvcodec: compress LLM KV caches and weights.
 
-Subpackages: ``entropy`` (lossless coders), ``quant`` (vector quantizers for KV),
-``lossless`` (bit-exact tensor codecs), ``cuda`` (fused GPU kernels), ``hf`` (Hugging Face
-cache plug-in). ``kvcodec.compress`` / ``kvcodec.decompress`` are the lossless front door.
+Subpackages: ``entropy`` (lossless coders), ``quant`` (vector quantizers for KV and their fused
+attention kernels), ``lossless`` (bit-exact tensor codecs), ``transform`` (the stored-cache codec),
+``weights`` (compressed model weights), ``hf`` (Hugging Face cache plug-in), ``integrations``
+(LMCache), ``device`` (the GPU runtime every kernel owner shares). ``kvcodec.compress`` / ``kvcodec.decompress`` are the lossless front door.
 """
 
 from kvcodec import _numba_cache
 
 _numba_cache.configure()  # before any submodule imports numba: see kvcodec._numba_cache
 
-from kvcodec.errors import CorruptStreamError, WriteRefusedError  # noqa: E402
+from kvcodec.errors import CorruptStreamError, PlanBuiltInCaptureError, WriteRefusedError  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["CorruptStreamError", "WriteRefusedError", "compress", "decompress", "__version__"]
+__all__ = ["CorruptStreamError", "PlanBuiltInCaptureError", "WriteRefusedError", "compress", "decompress", "__version__"]
 
 
 def compress(tensor, prediction=None, **options):

@@ -26,3 +26,8 @@ class WriteRefusedError(OSError):
 
     def __reduce__(self):
         return type(self), (self.args[0], self.filename, self.reason)
+
+
+class PlanBuiltInCaptureError(RuntimeError):
+    """A kernel launch plan would have been built inside a CUDA graph capture, where its device tensors
+    would outlive the graph (``kvcodec.device.plans``): run the step once outside the capture first."""

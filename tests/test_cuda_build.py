@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcodec.device import build
+from kvcodec.device.plans import PlanCache
 from kvcodec.quant.cuda import attention, decode_kernels, pack, reference, split_size
 from kvcodec.quant.cuda.attention import decode_attention
 from kvcodec.quant.cuda.decode_kernels import key_permutation
@@ -923,7 +924,7 @@ def test_decode_plan_is_cached_on_the_call_invariants(monkeypatch):
     the cache grows, and a bad argument still raises."""
     monkeypatch.setattr(build, "get_function", lambda *a, **k: object())
     monkeypatch.setattr(split_size, "sm_count", lambda device: 132)
-    monkeypatch.setattr(attention, "_plans", {})
+    monkeypatch.setattr(attention, "_plans", PlanCache("decode attention", attention.MAX_PLANS))
     cache = _random_cache(1, 2, 40, 32, 4, 4)
     rot, cb = reference.hadamard_rotation(32), torch.linspace(-0.3, 0.3, 16)
     q = torch.randn(1, 4, 1, 32)

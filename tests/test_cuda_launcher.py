@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvcodec.device import build
+from kvcodec.device.plans import PlanCache
 from kvcodec.quant.cuda import attention, decode_kernels, reference, split_size
 from kvcodec.quant.cuda.decode_kernels import KernelVariant
 
@@ -38,7 +39,7 @@ def stub(monkeypatch):
     monkeypatch.setattr(build, "get_function", get_function)
     monkeypatch.setattr(build, "cupy_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(split_size, "sm_count", lambda device: 132)
-    monkeypatch.setattr(attention, "_plans", {})
+    monkeypatch.setattr(attention, "_plans", PlanCache("decode attention", attention.MAX_PLANS))
     monkeypatch.setattr(attention, "FUSED_BY_DEFAULT", True)
     return kernels
 

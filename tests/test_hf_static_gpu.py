@@ -91,7 +91,7 @@ def test_static_step_matches_the_eager_compressed_cache():
     model = _model(8, 2, 128)
     ids = torch.randint(2, 256, (2, 70), generator=torch.Generator().manual_seed(5)).cuda()
     with torch.no_grad():
-        eager = CompressedCache(model, **KW)
+        eager = CompressedCache(model, **KW, max_cache_len=None)
         e = [model(ids, past_key_values=eager).logits[:, -1].float()]
         static, _ = _prefilled(model, ids, 128)
         s = []
@@ -171,3 +171,92 @@ def test_static_cache_saved_on_cuda_loads_and_continues_identically(tmp_path):
                                      for i in range(10, 20)]))
         assert type(CompressedCache.load(tmp_path / "c.kvc", model.config, device="cuda")) is CompressedCache
     assert torch.equal(runs[0], runs[1])
+
+
+def _same_run(ref, got, rtol=2e-2):
+    """Two generate runs (``output_logits=True``) agree: the same tokens, or logits within ``rtol`` of
+    the reference up to the first differing token, where the reference's top two were within that
+    difference (a near-tie of random weights, which bf16 rounding may flip)."""
+    for step, (a, b) in enumerate(zip(ref.logits, got.logits)):
+        a, b = a.float(), b.float()
+        diff = float((a - b).abs().max())
+        assert diff <= rtol * float(a.abs().max()), (step, diff)
+        if not torch.equal(a.argmax(-1), b.argmax(-1)):
+            top = a.topk(2, dim=-1).values
+            margin = float((top[:, 0] - top[:, 1])[a.argmax(-1) != b.argmax(-1)].min())
+            assert margin <= 2 * diff, (step, margin, diff)
+            return
+    assert torch.equal(ref.sequences, got.sequences)
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="needs torch.library.custom_op")
+def test_generate_fast_path_the_way_users_call_it():
+    """``model.generate`` compiles the static cache's decode step itself (reduce-overhead: cudagraph
+    trees): fresh caches of other lengths, a left-padded batch, beams, sampling; each run agrees with
+    the same cache uncompiled, and no tensor outlives a captured step, also when the launcher's plan
+    cache was filled by other work just before (its plans are pinned to the layers)."""
+    import torch._dynamo
+
+    from kvcodec.hf import CompressedCache
+    from kvcodec.quant.cuda import attention
+
+    torch._dynamo.reset()
+    model = _model(8, 2, 128, layers=3)
+    model.generation_config.pad_token_id = 0
+    gen = torch.Generator().manual_seed(21)
+
+    def ids_of(lengths):
+        T = max(lengths)
+        ids = torch.zeros(len(lengths), T, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(lengths):
+            ids[i, T - n:] = torch.randint(2, 256, (n,), generator=gen)
+            mask[i, T - n:] = 1
+        return ids.cuda(), mask.cuda()
+
+    cases = [([40], 20, {}), ([57, 57], 33, {}), ([50, 23, 37], 24, {}), ([45, 30], 16, {"num_beams": 3}),
+             ([38], 18, {"do_sample": True, "top_k": 20})]
+    for lengths, new, kw in cases:
+        ids, mask = ids_of(lengths)
+        for i in range(attention.MAX_PLANS - 2):  # other work fills the plan cache: the next plans evict it
+            attention._plans.get(("other work", i), lambda: object())
+        runs = []
+        for compiled in (False, True):
+            torch.manual_seed(5)
+            cache = CompressedCache(model, **KW, max_cache_len=ids.shape[1] + new)
+            runs.append(model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+                                       disable_compile=not compiled, output_logits=True,
+                                       return_dict_in_generate=True, **{"do_sample": False, **kw}))
+        _same_run(*runs)
+    torch._dynamo.reset()
+
+
+def test_a_padded_batch_matches_the_eager_compressed_cache():
+    """Left padding on the static path (kernel + per-row slots) against the eager compressed cache
+    (torch attention under a padding mask), teacher-forced: logits agree to bf16 rounding."""
+    from kvcodec.hf import CompressedCache
+
+    model = _model(8, 2, 128)
+    gen = torch.Generator().manual_seed(9)
+    lengths, T = [70, 31, 52], 70
+    ids = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, T - n:] = torch.randint(2, 256, (n,), generator=gen)
+        mask[i, T - n:] = 1
+    ids, mask = ids.cuda(), mask.cuda()
+    feed = torch.randint(2, 256, (3, 30), generator=gen).cuda()
+    pos0 = mask.sum(-1, keepdim=True)
+    out = []
+    with torch.no_grad():
+        for cache in (CompressedCache(model, **KW, max_cache_len=None), CompressedCache(model, **KW, max_cache_len=128)):
+            m = mask
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)
+            steps = [model(ids, attention_mask=m, position_ids=pos, past_key_values=cache).logits[:, -1].float()]
+            for i in range(feed.shape[1]):
+                m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+                steps.append(model(feed[:, i:i + 1], attention_mask=m, position_ids=pos0 + i,
+                                   past_key_values=cache).logits[:, -1].float())
+            out.append(torch.stack(steps))
+    e, s = out
+    assert float((e - s).abs().max() / e.abs().max()) < 2e-2

@@ -87,6 +87,7 @@ class Attachment:
         cache = _find_cache(args, kwargs)
         if cache is not None:
             self.bind(cache)
+            cache.before_forward(args, kwargs)
         return None
 
     def bind(self, cache) -> None:

@@ -41,6 +41,18 @@ def _static_mode():
     return _STATIC_MODE[0]  # registered when the package kvcodec.hf is imported (its __init__)
 
 
+def _on_cuda_with_kernels(model) -> bool:
+    """A model whose weights are on a CUDA device, with kvcodec's CUDA kernels usable."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    first = next(model.parameters(), None)
+    if first is None or first.device.type != "cuda":
+        return False
+    from kvcodec.device import is_available
+
+    return is_available()
+
+
 def exact_memory(layer) -> dict:
     """Bytes of the tensors an uncompressed (transformers) cache layer holds."""
     total = 0
@@ -70,6 +82,10 @@ class KvcodecCache(Cache):
             layer.handed = (None, None)
             if decoded:
                 layer.decoded = True
+
+    def before_forward(self, args: tuple, kwargs: dict) -> None:
+        """Called by the binding's pre-hook with the arguments of a forward this cache is bound to
+        (the static cache reads the prompt's padding from its attention mask here)."""
 
     def check_attended(self, completed: bool = True) -> None:
         """After a bound forward: every compressed layer's new tokens were attended by kvcodec. A layer
@@ -175,13 +191,29 @@ class CompressedCache(KvcodecCache):
             key_bits / value_bits may also be lists with one width per layer.
         calibration: name of fitted quantizer statistics (kvcodec.hf.fitted: query-aware key scales,
             codebooks fitted to real K/V; opt-in: on SmolLM2 they did not beat the presets, docs/quality.md).
+        max_cache_len: "auto" (default): for a model on CUDA with kvcodec's kernels, where the static
+            mode holds the model and options (full attention, TurboQuant MSE keys, 1-4 bits, no
+            outliers), ``CompressedCache(...)`` returns a :class:`~kvcodec.hf.static_cache.StaticCompressedCache`
+            that grows in pages, whose decode step ``generate`` compiles and replays from CUDA graphs;
+            otherwise this eager cache. N: the static mode with room for N tokens per sequence.
+            None: this eager cache.
     """
 
-    def __new__(cls, *args, max_cache_len: int | None = None, **kwargs):
-        """``max_cache_len=N`` gives the static, graph-capturable mode (kvcodec.hf.static_cache)."""
+    def __new__(cls, *args, max_cache_len: int | str | None = "auto", **kwargs):
+        """The static, graph-capturable mode (kvcodec.hf.static_cache) for ``max_cache_len=N``, and by
+        default (``"auto"``) for a model on CUDA with kvcodec's kernels whose configuration that mode
+        holds (then growing in pages); else this eager cache (always for ``max_cache_len=None``)."""
         if max_cache_len is None:
             return super().__new__(cls)
-        return _static_mode()(*args, max_cache_len=max_cache_len, **kwargs)
+        static = _static_mode()
+        if max_cache_len == "auto":
+            if not _on_cuda_with_kernels(args[0] if args else kwargs.get("config_or_model")):
+                return super().__new__(cls)
+            try:
+                return static(*args, max_cache_len=None, **kwargs)
+            except ValueError:  # a model or option the static mode does not hold: the eager cache
+                return super().__new__(cls)
+        return static(*args, max_cache_len=max_cache_len, **kwargs)
 
     def __init__(
         self,
@@ -201,7 +233,7 @@ class CompressedCache(KvcodecCache):
         attention: AttentionOptions | None = None,
         preset: str | None = None,
         calibration: str | None = None,
-        max_cache_len: None = None,  # not None: __new__ returned a StaticCompressedCache instead
+        max_cache_len: int | str | None = "auto",  # __new__ chose this eager cache (see there)
     ):
         model = None
         config = config_or_model

@@ -35,9 +35,17 @@ lse); the sink and ring join in one softmax where the compressed part is a singl
 lse), with exact keys mapped into the kernel's domain as the eager cache does. The prefill (first
 call) is transformers' SDPA on the exact prompt, as in the eager cache.
 
+Left-padded batches (``generate``'s padding) are held with each row's pads masked: pads past the
+sink are never stored compressed (row b's compressed slots start at its first real token), so the
+kernel's per-row lengths cover real tokens only; the sink and ring are masked per row.
+
+Every kernel the step launches has its launch plan built before any capture, when the buffers are
+described, and pinned to the layer (``kvcodec.device.plans``): a compiled or captured step allocates
+nothing that outlives it, whatever other caches do to the plan caches in between.
+
 Limits (ValueError): method "turboquant" with key_mode "mse", 1-4 bits, no outliers; the model must
-be passed (its attention is switched to ``"kvcodec_static"``); no padded batches; after the prefill at
-most ``block_size`` tokens per forward; ``max_cache_len`` is a hard limit. When the prompt is too
+be passed (its attention is switched to ``"kvcodec_static"``); padding on the left only, and a padded
+cache is not saved; after the prefill at most ``block_size`` tokens per forward; ``max_cache_len`` is a hard limit. When the prompt is too
 short for its own compaction, the key preconditioner is fitted on the device, on the first block
 that leaves the window (as the eager store does). ``save``/``load`` write and read the eager cache's
 file (``kvcodec.hf.static_convert``): the bytes are the same, so either cache loads the other's file.
@@ -50,9 +58,10 @@ import dataclasses
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvcodec.device.plans import pinned_by
 from kvcodec.quant.cuda import ops
 from kvcodec.quant.cuda.quantized import PackedConsts, attend_packed
-from kvcodec.hf.binding import attach
+from kvcodec.hf.binding import BOUND_ATTR, attach, bound
 from kvcodec.hf.cache import KvcodecCache, register_static_mode
 from kvcodec.hf.methods import build_spec
 from kvcodec.quant import QuantizedTensor
@@ -70,16 +79,6 @@ def _compiling() -> bool:
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-class _Active:
-    """The layer whose ``update`` ran last: transformers does not pass the cache to attention
-    functions, and the attention of a layer always follows its ``update`` in the same forward."""
-
-    layer = None
-
-
-_ACTIVE = _Active()
 
 
 def _check_model(config, spec) -> None:
@@ -113,35 +112,55 @@ def _mark_static(t: torch.Tensor) -> None:
         torch._dynamo.mark_static_address(t)
 
 
+@dataclasses.dataclass
+class _LongStep:
+    """A forward of more than block_size tokens: the held tokens before it and its attention mask."""
+
+    seen: int
+    comp: int
+    comp_after: int
+    comp_lens: torch.Tensor  # [B] int32, before the forward
+    bias: torch.Tensor  # [B, q, sink + ring + q]
+
+
 class SharedLengths:
     """Token counts and positions shared by every layer of one static cache (all layers hold the same
     tokens). ``begin_step`` (layer 0's update) decides this step's compaction and writes the step's
     slots and mask into fixed buffers that the other layers read: once per forward, not per layer.
 
-    ``seen``/``comp`` int64 scalars; ``comp_lens`` [B] int32 (the kernel's lengths); ``key_pos``
-    [sink + ring] the position each exact slot holds (``_EMPTY_SLOT`` for none); per step: ``slots``
-    / ``dest`` [block] (ring slot and compressed slot of each new token), ``blk_slots`` / ``blk_dest``
-    (CPU: the block that may leave the window), ``move`` (it does), ``bias`` [block, sink + ring]
-    (0 where a query may attend a slot, -inf elsewhere)."""
+    ``seen``/``comp`` int64 scalars (positions, pads included); ``pads`` [B] the left padding of each
+    row's prompt and ``skip`` [B] how many of those lie past the sink (they are never stored
+    compressed: row b's compressed slot of position p is ``p - sink - skip[b]``, so its valid slots
+    start at 0 and ``comp_lens`` [B] int32, the kernel's lengths, counts them); ``key_pos`` [sink +
+    ring] the position each exact slot holds (``_EMPTY_SLOT`` for none); per step: ``slots`` [block]
+    (ring slot of each new token), ``dest`` / ``blk_dest`` [B, block] (compressed slot of each new
+    token / of the block that may leave the window; a pad's is the spare ``dump`` slot, never read),
+    ``blk_slots`` [block], ``move`` (the block leaves), ``bias`` [B, block, sink + ring] (0 where a
+    query may attend a slot, -inf elsewhere)."""
 
     def __init__(self, sink: int, residual: int, block: int, ring: int):
         self.sink, self.residual, self.block, self.ring = sink, residual, block, ring
         self.batch = None
+        self.padded = False  # host flag: some row of the prompt was left-padded
+        self.prompt_pads = None  # [B] pads of the next prefill's prompt (set by the mask function)
         self.seen = torch.tensor(0, dtype=torch.int64)
 
-    def allocate(self, batch: int, device: torch.device) -> None:
-        """Buffers for ``batch`` sequences on ``device`` (idempotent: every layer's init calls it)."""
+    def allocate(self, batch: int, device: torch.device, dump: int) -> None:
+        """Buffers for ``batch`` sequences on ``device`` (idempotent: every layer's init calls it);
+        ``dump`` is the spare compressed slot pads are written to."""
         if self.batch == batch and self.seen.device == device:
             return
-        S, bs, e = self.sink, self.block, self.sink + self.ring
+        bs, e = self.block, self.sink + self.ring
         z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
-        self.batch = batch
+        self.batch, self.dump = batch, dump
         self.seen, self.comp, self.move = z(()), z(()), z((), dt=torch.bool)
+        self.pads, self.skip = z(batch), z(batch)
         self.comp_lens = z(batch, dt=torch.int32)
         self.key_pos = self._empty_positions(device)
         self.arange = torch.arange(bs, device=device)
-        self.slots, self.dest, self.blk_slots, self.blk_dest = z(bs), z(bs), z(bs), z(bs)
-        self.bias = z(bs, e, dt=torch.float32)
+        self.slots, self.blk_slots = z(bs), z(bs)
+        self.dest, self.blk_dest = z(batch, bs), z(batch, bs)
+        self.bias = z(batch, bs, e, dt=torch.float32)
         for t in self.tensors():
             _mark_static(t)
 
@@ -149,18 +168,37 @@ class SharedLengths:
         return torch.cat([torch.arange(self.sink), torch.full((self.ring,), _EMPTY_SLOT)]).to(device)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.seen, self.comp, self.move, self.comp_lens, self.key_pos, self.arange, self.slots, self.dest,
-                self.blk_slots, self.blk_dest, self.bias]
+        return [self.seen, self.comp, self.move, self.pads, self.skip, self.comp_lens, self.key_pos, self.arange,
+                self.slots, self.dest, self.blk_slots, self.blk_dest, self.bias]
 
     def slot_of(self, pos: torch.Tensor) -> torch.Tensor:
         return self.sink + torch.remainder(pos - self.sink, self.ring)
+
+    def dest_of(self, rel: torch.Tensor) -> torch.Tensor:
+        """Compressed slots [B, n] of positions ``sink + rel`` ([n]) in each row; pads go to ``dump``."""
+        d = rel[None, :] - self.skip[:, None]
+        return torch.where(d >= 0, d, self.dump)
+
+    def start(self) -> None:
+        """The prefill's padding (``prompt_pads``, or none): host side, once per prompt."""
+        pads = self.prompt_pads
+        self.prompt_pads = None
+        if pads is None or pads.shape != self.pads.shape:
+            self.pads.zero_()
+        else:
+            self.pads.copy_(pads)
+        self.skip.copy_((self.pads - self.sink).clamp_min(0))
+        self.padded = bool(self.pads.any())
+
+    def _update_lens(self) -> None:
+        self.comp_lens.copy_((self.comp - self.skip).clamp_min(0))
 
     def set(self, seen: int, comp: int) -> None:
         """Host-side state after a prefill / load: ``seen`` tokens, ``comp`` compressed, window in the ring."""
         dev = self.seen.device
         self.seen.fill_(seen)
         self.comp.fill_(comp)
-        self.comp_lens.fill_(comp)
+        self._update_lens()
         self.key_pos.copy_(self._empty_positions(dev))
         pos = torch.arange(self.sink + comp, seen, device=dev)
         self.key_pos.index_copy_(0, self.slot_of(pos), pos)
@@ -172,38 +210,75 @@ class SharedLengths:
         self.move.copy_((self.seen - self.comp) >= S + self.residual + bs)
         if block_path:  # the block that would leave: positions S + comp ...
             bp = self.comp + self.arange
-            self.blk_dest.copy_(bp)
+            self.blk_dest.copy_(self.dest_of(bp))
             self.blk_slots.copy_(self.slot_of(bp + S))
         self.comp.add_(self.move, alpha=bs)
-        self.comp_lens.copy_(self.comp.expand_as(self.comp_lens))
+        self._update_lens()
         pos = self.seen + self.arange[:q]
-        self.dest[:q].copy_(pos - S)
+        self.dest[:, :q].copy_(self.dest_of(pos - S))
         self.slots[:q].copy_(self.slot_of(pos))
         self.key_pos.index_copy_(0, self.slots[:q], pos)
         self.seen.add_(q)
         kp = self.key_pos
         allowed = ((kp < S) | (kp >= S + self.comp)) & (kp <= pos[:, None])  # [q, sink + ring]
-        self.bias[:q].copy_(torch.where(allowed, 0.0, float("-inf")))
+        allowed = allowed & ((kp >= self.pads[:, None, None]) | (kp == pos[:, None]))  # [B, q, sink + ring]
+        self.bias[:, :q].copy_(torch.where(allowed, 0.0, float("-inf")))
+
+    def begin_long(self, q: int) -> None:
+        """Host side: a forward of ``q`` > block tokens (a conversation continued). ``long`` keeps what
+        its attention reads (the lengths and mask before it: the held tokens, then the new ones causal);
+        the shared state moves on at once to after the eager store's compaction of that forward."""
+        S, E = self.sink, self.sink + self.ring
+        seen, comp = int(self.seen), int(self.comp)
+        dev, B = self.seen.device, self.pads.shape[0]
+        pos = torch.arange(seen, seen + q, device=dev)
+        kp = self.key_pos
+        held = ((kp < S) | (kp >= S + comp)) & (kp < seen)  # [E]
+        held = held[None, None, :] & (kp[None, None, :] >= self.pads[:, None, None])  # [B, 1, E]
+        causal = pos[None, :] <= pos[:, None]  # [q, q]
+        allowed = torch.cat([held.expand(B, q, E), causal.expand(B, q, q)], dim=-1)
+        window = seen + q - S - comp
+        after = comp + max((window - self.residual) // self.block, 0) * self.block
+        self.long = _LongStep(seen, comp, after, self.comp_lens.clone(), torch.where(allowed, 0.0, float("-inf")))
+        self.seen.fill_(seen + q)
+        self.comp.fill_(after)
+        self._update_lens()
+        kept = pos[pos >= S + after]
+        self.key_pos.index_copy_(0, self.slot_of(kept), kept)
 
     def crop(self, keep: int) -> None:
         """Keep the first ``keep`` tokens (host side): compressed tokens past them are dropped."""
         c = min(int(self.comp), max(keep - self.sink, 0))
         self.seen.fill_(keep)
         self.comp.fill_(c)
-        self.comp_lens.fill_(c)
+        self._update_lens()
         self.key_pos.masked_fill_(self.key_pos >= keep, _EMPTY_SLOT)
 
     def reset(self) -> None:
         if self.batch is not None:
-            for t in (self.seen, self.comp, self.comp_lens):
+            for t in (self.seen, self.comp, self.comp_lens, self.pads, self.skip):
                 t.zero_()
             self.key_pos.copy_(self._empty_positions(self.key_pos.device))
+        self.padded = False
 
-    def resize_batch(self, batch: int) -> None:
-        if batch != self.comp_lens.numel():
-            self.comp_lens = self.comp.to(torch.int32).expand(batch).clone()
-            self.batch = batch
-            _mark_static(self.comp_lens)
+    def reorder(self, idx: torch.Tensor) -> None:
+        """Beam search: rows follow ``idx`` in place (same batch size)."""
+        for t in (self.pads, self.skip):
+            t.copy_(t.index_select(0, idx))
+        self._update_lens()
+
+    def select(self, idx: torch.Tensor) -> None:
+        """Rows ``idx`` of the batch (another size: new per-row buffers)."""
+        pads, skip, batch = self.pads.index_select(0, idx), self.skip.index_select(0, idx), int(idx.numel())
+        dev, bs, e = self.pads.device, self.block, self.sink + self.ring
+        self.pads, self.skip, self.batch = pads, skip, batch
+        self.comp_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.dest = torch.zeros(batch, bs, dtype=torch.int64, device=dev)
+        self.blk_dest = torch.zeros(batch, bs, dtype=torch.int64, device=dev)
+        self.bias = torch.zeros(batch, bs, e, dtype=torch.float32, device=dev)
+        self._update_lens()
+        for t in (self.pads, self.skip, self.comp_lens, self.dest, self.blk_dest, self.bias):
+            _mark_static(t)
 
 
 class StaticCompressedLayer(CacheLayerMixin):
@@ -228,6 +303,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.ring = spec.residual + 2 * spec.block_size
         self.kc, self.vc = spec.make_encodings(layer_idx)  # the eager encodings: prefill encodes are theirs
         self.prefill_now = False
+        self.long_kv = None  # (k, v) float32 of a forward of more than block_size tokens, until attended
         self.device_fit = False  # True when the preconditioner is still to be fitted on the device
 
     @property
@@ -243,17 +319,20 @@ class StaticCompressedLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape
         dev, dt = key_states.device, key_states.dtype
         self.dtype, self.device, self.batch_size, self.num_heads, self.head_dim = dt, dev, B, H, D
+        if self.max_cache_len is None:  # a growable cache called without its pre-hook (kvcodec.hf.use)
+            self.max_cache_len = grown_capacity(key_states.shape[-2])
         cap = max(self.max_cache_len - self.sink, 0) + self.block
-        self.capacity = cap
+        self.capacity = cap + 1  # + the spare slot pads are written to (never read: past every length)
         e = self.sink + self.ring
         # float32 (the model's values exactly): attention and quantization read them with no conversion
         self.exact_k = torch.zeros(B, H, e, D, dtype=torch.float32, device=dev)
         self.exact_v = torch.zeros(B, H, e, D, dtype=torch.float32, device=dev)
         kb, vb = self.kc.q_config()["bits"], self.vc.q_config()["bits"]  # this layer's widths
-        self.k_codes = torch.zeros(B, H, cap, (D * kb + 7) // 8, dtype=torch.uint8, device=dev)
-        self.v_codes = torch.zeros(B, H, cap, (D * vb + 7) // 8, dtype=torch.uint8, device=dev)
-        self.k_norms = torch.zeros(B, H, cap, dtype=torch.float16, device=dev)
-        self.v_norms = torch.zeros(B, H, cap, dtype=torch.float16, device=dev)
+        n = self.capacity
+        self.k_codes = torch.zeros(B, H, n, (D * kb + 7) // 8, dtype=torch.uint8, device=dev)
+        self.v_codes = torch.zeros(B, H, n, (D * vb + 7) // 8, dtype=torch.uint8, device=dev)
+        self.k_norms = torch.zeros(B, H, n, dtype=torch.float16, device=dev)
+        self.v_norms = torch.zeros(B, H, n, dtype=torch.float16, device=dev)
         self.pre = {}
         for side, enc in (("k", self.kc), ("v", self.vc)):
             mode = enc.q_config()["precondition"]
@@ -262,11 +341,28 @@ class StaticCompressedLayer(CacheLayerMixin):
             if mode == "scale":
                 self.pre[side + "_scale"] = torch.ones(B, H, 1, D, dtype=torch.float16, device=dev)
         self.fitted = torch.zeros((), dtype=torch.bool, device=dev)
-        self.lengths.allocate(B, dev)
+        self.lengths.allocate(B, dev, dump=cap)
         for t in self._state_tensors():
             _mark_static(t)
         self._describe()
         self.is_initialized = True
+
+    def grow(self, max_cache_len: int) -> None:
+        """Room for ``max_cache_len`` tokens (``StaticCompressedCache.grow``): before the prefill only the
+        size; after it, larger code/norm buffers with the compressed tokens copied, described anew."""
+        if self.is_initialized and max_cache_len > self.max_cache_len:
+            n = max(max_cache_len - self.sink, 0) + self.block + 1
+            for name in ("k_codes", "v_codes", "k_norms", "v_norms"):
+                old = getattr(self, name)
+                new = old.new_zeros(*old.shape[:2], n, *old.shape[3:])
+                new[:, :, :old.shape[2]] = old
+                setattr(self, name, new)
+                _mark_static(new)
+            self.capacity = n
+            self.max_cache_len = max_cache_len
+            self._describe()
+        elif not self.is_initialized:
+            self.max_cache_len = max_cache_len
 
     def _state_tensors(self) -> list[torch.Tensor]:
         return [self.exact_k, self.exact_v, self.k_codes, self.v_codes, self.k_norms, self.v_norms, self.fitted,
@@ -292,6 +388,14 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.norm_correction = {"k": self.kc.q_config()["norm_correction"], "v": self.vc.q_config()["norm_correction"]}
         self.consts = None
         self._refresh_consts()
+        self._warm_kernels()
+
+    def set_scaling(self, scaling: float) -> None:
+        """The attention module's scaling, seen at the prefill (host side): constants and plans anew."""
+        self.scaling = float(scaling)
+        self.consts = None
+        self._refresh_consts()
+        self._warm_kernels()
 
     def _refresh_consts(self) -> None:
         """Rebuild the float32 constants from the stored preconditioners: in place when they exist, so a
@@ -320,17 +424,24 @@ class StaticCompressedLayer(CacheLayerMixin):
             raise RuntimeError("a static kvcodec cache attends only in forwards it is bound to: call the model "
                                "(model(...), model.generate) or wrap direct model.forward calls in "
                                "kvcodec.hf.use(model, cache)")
-        _ACTIVE.layer = self
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+            if self.layer_idx == 0:  # the first layer of a forward: the prompt's padding, once
+                self.lengths.start()
             self._prefill(key_states, value_states)
             self.prefill_now = True
             return key_states, value_states
         self.prefill_now = False
         q = key_states.shape[-2]
-        if q > self.block:
-            raise ValueError(f"static compressed cache: at most block_size={self.block} tokens per forward "
-                             f"after the prefill, got {q}")
+        if q > self.block:  # a conversation continued: host side, like a prefill
+            if _compiling() or _capturing(self.device):
+                raise ValueError(f"static compressed cache: a compiled or captured step takes at most "
+                                 f"block_size={self.block} tokens, got {q}")
+            if self.layer_idx == 0:
+                self._check_room(q)
+                self.lengths.begin_long(q)
+            self.long_kv = (key_states.float(), value_states.float())
+            return key_states, value_states
         if self.layer_idx == 0:  # once per forward: every layer holds the same tokens
             self._check_room(q)
             self.lengths.begin_step(q, block_path=not self.on_append)
@@ -341,7 +452,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.exact_k.index_copy_(2, L.slots[:q], k)
         self.exact_v.index_copy_(2, L.slots[:q], v)
         if self.on_append:
-            self._quantize_into(k, v, L.dest[:q])
+            self._quantize_into(k, v, L.dest[:, :q])
         return key_states, value_states
 
     @property
@@ -354,7 +465,9 @@ class StaticCompressedLayer(CacheLayerMixin):
         return self.device.type == "cuda" and not self.device_fit
 
     def _quantize_into(self, k: torch.Tensor, v: torch.Tensor, dest: torch.Tensor, move=None) -> None:
-        """Quantize float32 K/V [B, H, n, D] with the layer's preconditioners into compressed slots ``dest``."""
+        """Quantize float32 K/V [B, H, n, D] with the layer's preconditioners into compressed slots
+        ``dest`` [B, n] (each row its own: left padding shifts them)."""
+        B, H, n, _ = k.shape
         for side, x in (("k", k), ("v", v)):
             center, scale = self._precond(side, x, move)
             if center is not None:  # ChannelPreconditioner.apply's arithmetic: the eager bytes
@@ -365,8 +478,9 @@ class StaticCompressedLayer(CacheLayerMixin):
             norms_buf = getattr(self, side + "_norms")
             codes, norms = ops.tq_quantize(x, p.rotation, p.codebook, p.bits, self.norm_correction[side],
                                            norms_buf.dtype == torch.bfloat16)
-            getattr(self, side + "_codes").index_copy_(2, dest, codes)
-            norms_buf.index_copy_(2, dest, norms)
+            idx = dest[:, None, :].expand(B, H, n)
+            getattr(self, side + "_codes").scatter_(2, idx[..., None].expand_as(codes), codes)
+            norms_buf.scatter_(2, idx, norms)
 
     def _compact_block(self) -> None:
         """CPU path: quantize the block that may leave the window this step (``lengths.begin_step``
@@ -410,11 +524,12 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.exact_v[:, :, :S] = sink_v.float()
         if c:
             for side, p in zip(("k", "v"), blocks):
-                getattr(self, side + "_codes")[:, :, :c] = p.codes
+                codes, norms = self._unpadded(p.codes, c), self._unpadded(p.norms, c)
+                getattr(self, side + "_codes")[:, :, :c] = codes
                 if p.norms.dtype != getattr(self, side + "_norms").dtype:  # bf16 norms: kept for good
                     setattr(self, side + "_norms", getattr(self, side + "_norms").to(p.norms.dtype))
                     _mark_static(getattr(self, side + "_norms"))
-                getattr(self, side + "_norms")[:, :, :c] = p.norms
+                getattr(self, side + "_norms")[:, :, :c] = norms
                 for name, t in (("center", p.center), ("scale", p.scale)):
                     if t is not None:
                         self.pre[f"{side}_{name}"].copy_(t.expand_as(self.pre[f"{side}_{name}"]))
@@ -428,18 +543,31 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.exact_v.index_copy_(2, slots, win_v.float())
         self._describe()
         if self.on_append:  # the window's tokens go to their future slots now
-            self._quantize_into(win_k.float(), win_v.float(), pos - S)
-        self._warm_kernels()
+            self._quantize_into(win_k.float(), win_v.float(), self.lengths.dest_of(pos - S))
+
+    def _unpadded(self, t: torch.Tensor, c: int) -> torch.Tensor:
+        """Compressed rows [B, H, c, ...] of positions sink .. sink + c with each row's pads past the
+        sink left out (row b's slot j holds position sink + skip[b] + j; the tail is never read)."""
+        if not self.lengths.padded:
+            return t
+        src = (torch.arange(c, device=t.device)[None, :] + self.lengths.skip[:, None]).clamp_max(c - 1)  # [B, c]
+        src = src[:, None, :].expand(t.shape[0], t.shape[1], c)
+        return t.gather(2, src if t.dim() == 3 else src[..., None].expand_as(t))
 
     def _warm_kernels(self) -> None:
-        """Run the attention and quantize ops once outside any graph: the launcher's cached plan and
-        derived constants are then allocated in the ordinary pool, not inside a cudagraph tree's pool."""
-        if self.device.type == "cuda":
+        """Run the attention and quantize ops once outside any graph, under ``pinned_by(self)``: their
+        launch plans (device tensors included) are built now, in the ordinary memory pool, and stay
+        cached while this layer lives, so a captured or compiled step only looks them up
+        (``kvcodec.device.plans``). Called whenever the buffers are described anew."""
+        if self.device.type != "cuda":
+            return
+        with pinned_by(self):
             query = torch.zeros(self.batch_size, self.num_heads * self.group, 1, self.head_dim, device=self.device)
             attend_packed(query, self.packed["k"], self.packed["v"], self.consts, self.lengths.comp_lens)
             row = torch.zeros(1, self.head_dim, device=self.device)
             for side, p in self.packed.items():
-                ops.tq_quantize(row, p.rotation, p.codebook, p.bits, self.norm_correction[side], False)
+                bf16 = getattr(self, side + "_norms").dtype == torch.bfloat16
+                ops.tq_quantize(row, p.rotation, p.codebook, p.bits, self.norm_correction[side], bf16)
 
     def _precond(self, side: str, x: torch.Tensor, move: torch.Tensor):
         """(centre, scale) float32 for the block x: the stored ones, or, before the first fit (device_fit),
@@ -464,24 +592,66 @@ class StaticCompressedLayer(CacheLayerMixin):
         s16.copy_(torch.where(store, new_scale, s16))
         return new_center.float(), new_scale.float()
 
+    # ------------------------------------------------------------------ many tokens at once
+    def _attend_long(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of a forward of more than ``block_size`` new tokens (host side): the held tokens
+        as before it (compressed by the kernel, the sink and ring exact) and the new tokens exact and
+        causal, as the eager cache attends them; then the new tokens are stored (``_store_long``)."""
+        B, Hq, Tq, D = query.shape
+        H, E, lg = self.num_heads, self.exact_k.shape[-2], self.lengths.long
+        G = Hq // H
+        k_new, v_new = self.long_kv
+        consts = self.consts if scaling == self.scaling else PackedConsts.build(
+            self.packed["k"], self.packed["v"], scaling, Hq, self.device)
+        q, out_c, lse = attend_packed(query, self.packed["k"], self.packed["v"], consts, lg.comp_lens)
+        keys = torch.addcmul(consts.k_add, torch.cat([self.exact_k, k_new], dim=2), consts.k_mul)
+        s = (q @ keys.transpose(-1, -2)).view(B, H, G, Tq, E + Tq) + lg.bias[:, None, None]
+        p = torch.softmax(torch.cat([lse, s.view(B, H, G * Tq, E + Tq)], dim=-1), dim=-1)
+        out = torch.addcmul(p[..., 1:] @ torch.cat([self.exact_v, v_new], dim=2), p[..., :1], out_c)
+        self._store_long()
+        return out.view(B, H, G, Tq, D).reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
+
+    def _store_long(self) -> None:
+        """After ``_attend_long``: the tokens that leave the window (as the eager store compacts after
+        the forward) go to compressed slots, the others to the ring."""
+        L, lg, S = self.lengths, self.lengths.long, self.sink
+        k_new, v_new = self.long_kv
+        self.long_kv = None
+        dev, q = self.device, k_new.shape[-2]
+        c0, c1 = S + lg.comp, S + lg.comp_after  # positions [c0, c1) leave the window
+        new_pos = torch.arange(lg.seen, lg.seen + q, device=dev)
+        if self.on_append:  # the ring's tokens were quantized on arrival: the new ones now
+            self._quantize_into(k_new, v_new, L.dest_of(new_pos - S))
+        elif c1 > c0:
+            old = L.slot_of(torch.arange(c0, min(lg.seen, c1), device=dev))
+            n_new = max(c1 - lg.seen, 0)
+            mk = torch.cat([self.exact_k.index_select(2, old), k_new[:, :, :n_new]], dim=2)
+            mv = torch.cat([self.exact_v.index_select(2, old), v_new[:, :, :n_new]], dim=2)
+            move = torch.ones((), dtype=torch.bool, device=dev)
+            self._quantize_into(mk, mv, L.dest_of(torch.arange(c0 - S, c1 - S, device=dev)), move)
+            if self.device_fit:
+                self.fitted.fill_(True)
+        keep = new_pos >= c1
+        self.exact_k.index_copy_(2, L.slot_of(new_pos[keep]), k_new[:, :, keep])
+        self.exact_v.index_copy_(2, L.slot_of(new_pos[keep]), v_new[:, :, keep])
+
     # ------------------------------------------------------------------ attention
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of query [B, Hq, Tq, D] over every held token (the Tq newest are the queries'
         own); returns [B, Tq, Hq, D] in the query dtype. The compressed tokens by the kernel
         (``attend_packed``), the sink and ring in the kernel's query domain, one softmax."""
+        if self.long_kv is not None:
+            return self._attend_long(query, scaling)
         B, Hq, Tq, D = query.shape
         H, E = self.num_heads, self.exact_k.shape[-2]
         G = Hq // H
-        if scaling != self.scaling:  # (the module's scaling is a constant: set once)
-            self.scaling = scaling
-            self.consts = None
-            self._refresh_consts()
         consts = self.consts
-        if self.device_fit:  # the preconditioner may have been fitted in this very step
+        if self.device_fit or scaling != self.scaling:  # fitted in this very step, or another scaling:
+            # this step's constants (nothing a captured step allocates may outlive it)
             consts = PackedConsts.build(self.packed["k"], self.packed["v"], scaling, Hq, self.device)
         q, out_c, lse = attend_packed(query, self.packed["k"], self.packed["v"], consts, self.lengths.comp_lens)
         keys = torch.addcmul(consts.k_add, self.exact_k, consts.k_mul)  # scaling * (k - center) / scale
-        s = (q @ keys.transpose(-1, -2)).view(B, H, G, Tq, E) + self.lengths.bias[:Tq]
+        s = (q @ keys.transpose(-1, -2)).view(B, H, G, Tq, E) + self.lengths.bias[:, None, None, :Tq]
         p = torch.softmax(torch.cat([lse, s.view(B, H, G * Tq, E)], dim=-1), dim=-1)
         out = torch.addcmul(p[..., 1:] @ self.exact_v, p[..., :1], out_c)
         return out.view(B, H, G, Tq, D).reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
@@ -493,6 +663,8 @@ class StaticCompressedLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
+        if not self.is_initialized:  # the prefill attends its own tokens (SDPA, transformers' mask)
+            return query_length, 0
         return self.max_cache_len, 0
 
     def get_max_length(self) -> int:
@@ -541,12 +713,12 @@ class StaticCompressedLayer(CacheLayerMixin):
                 *self.pre.values()]
 
     def _resize_batch(self, idx: torch.Tensor) -> None:
-        """A batch of another size: new buffers (a compiled step recompiles for the new shapes)."""
+        """A batch of another size: new buffers (a compiled step recompiles for the new shapes); the
+        shared lengths follow in ``StaticCompressedCache``."""
         for name in ("exact_k", "exact_v", "k_codes", "v_codes", "k_norms", "v_norms"):
             setattr(self, name, getattr(self, name).index_select(0, idx))
         self.pre = {name: t.index_select(0, idx) for name, t in self.pre.items()}
         self.batch_size = int(idx.numel())
-        self.lengths.resize_batch(self.batch_size)
         for t in self._state_tensors():
             _mark_static(t)
         self._describe()
@@ -582,7 +754,10 @@ class StaticCompressedCache(KvcodecCache):
     """Static-shape compressed cache (``CompressedCache(..., max_cache_len=N)``); see the module doc.
 
     Same arguments as :class:`kvcodec.hf.CompressedCache` plus ``max_cache_len``, the most tokens a
-    sequence may hold (prompt + generated). ``config_or_model`` must be the model."""
+    sequence may hold (prompt + generated), or None: the buffers grow (``grown_capacity``) when a
+    forward needs more room, which the binding's pre-hook finds from the forward's input length before
+    the forward runs (host side; a compiled ``generate`` step breaks its graph there, and each growth
+    is a new buffer shape: one more capture). ``config_or_model`` must be the model."""
 
     attention_name = NAME
 
@@ -593,8 +768,11 @@ class StaticCompressedCache(KvcodecCache):
         if not isinstance(config_or_model, torch.nn.Module) or not hasattr(config_or_model, "config"):
             raise ValueError("max_cache_len (static mode) needs the model, not only its config: "
                              "CompressedCache(model, ..., max_cache_len=N)")
-        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive integer or None (grow), got {max_cache_len!r}")
+        self.growable = max_cache_len is None
+        self._host_seen = None  # tokens held, counted on the host by before_forward (growable caches)
         if attention is not None:
             raise ValueError("attention options are the eager cache's; the static mode always runs its own path")
         model = config_or_model
@@ -619,12 +797,57 @@ class StaticCompressedCache(KvcodecCache):
                                  for i in range(sp.num_layers)])
         enable_static(model)
 
+    def before_forward(self, args: tuple, kwargs: dict) -> None:
+        """Before a prefill: the prompt's left padding, from the forward's attention mask (2D, or the 4D
+        mask ``generate`` builds for compileable caches, whose last query row is a real token). A
+        growable cache also makes room for the forward's tokens (``_make_room``)."""
+        if self.growable:
+            _make_room(self, _input_length(args, kwargs))
+        if self.layers[0].is_initialized:
+            return
+        mask = kwargs.get("attention_mask")
+        if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            mask = args[1]  # (input_ids, attention_mask, ...) positionally
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            row = mask[:, 0, -1, :]
+            mask = row if row.dtype == torch.bool else row == 0
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            self.lengths.prompt_pads = _left_pads(mask, check=not _compiling())
+
+    def grow(self, max_cache_len: int) -> None:
+        """Room for ``max_cache_len`` tokens per sequence: larger buffers, the held tokens copied, launch
+        plans built anew (host side; a compiled step recompiles or re-captures for the new shapes)."""
+        for layer in self.layers:
+            layer.grow(max_cache_len)
+        if self.layers[0].is_initialized:
+            self.lengths.dump = self.layers[0].capacity - 1
+
     def nbytes(self) -> int:
         """Bytes allocated by the static buffers (codes, norms, side data, sink and window ring)."""
         return sum(layer.memory()["total"] for layer in self.layers)
 
     def memory_report(self) -> list[dict]:
         return [{"layer": i, **layer.memory()} for i, layer in enumerate(self.layers)]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: every row follows ``beam_idx`` in place (the buffers keep their addresses)."""
+        if self.layers[0].is_initialized:
+            self.lengths.reorder(beam_idx.to(self.layers[0].device, torch.long))
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.layers[0].is_initialized:
+            indices = torch.as_tensor(indices)
+            if indices.dtype == torch.bool:
+                indices = indices.nonzero().flatten()
+            self.lengths.select(indices.to(self.layers[0].device, torch.long))
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.layers[0].is_initialized:
+            first = self.layers[0]
+            self.lengths.select(torch.arange(first.batch_size, device=first.device).repeat_interleave(repeats))
+        super().batch_repeat_interleave(repeats)
 
     def compact(self) -> None:
         """Apply the compaction the last step deferred to the next one (a block leaves the window when
@@ -649,19 +872,30 @@ class StaticCompressedCache(KvcodecCache):
         keep = max(n + max_length if max_length < 0 else max_length, 0)
         if keep < n:
             self.lengths.crop(keep)
+        self._host_seen = None  # read from the device at the next forward of a growable cache
+
+    def reset(self) -> None:
+        super().reset()
+        self._host_seen = None
 
     def to_eager(self):
         """An eager :class:`~kvcodec.hf.CompressedCache` holding the same tokens and bytes (not tied to the
         model's attention: build it with the config); see ``kvcodec.hf.static_convert``."""
         from kvcodec.hf.static_convert import to_eager
 
+        self._refuse_padded("converted to an eager cache")
         return to_eager(self)
+
+    def _refuse_padded(self, what: str) -> None:
+        if self.lengths.padded:
+            raise ValueError(f"a static cache of a left-padded batch cannot be {what}: its pad tokens are not stored")
 
     def save(self, path, *, overwrite: bool = False) -> None:
         """Write the cache in the eager cache's format (the same bytes): either cache loads it. An
         existing ``path`` raises kvcodec.WriteRefusedError unless ``overwrite=True``."""
         from kvcodec.hf.persist import save_cache
 
+        self._refuse_padded("saved")
         save_cache(self, path, overwrite=overwrite)
 
     @classmethod
@@ -678,33 +912,104 @@ class StaticCompressedCache(KvcodecCache):
         return from_eager(eager, cls(model, **eager.spec.options(), max_cache_len=max_cache_len))
 
 
+PAGE = 4096  # a growable cache's sizes are multiples of this many tokens
+HEADROOM = 1024  # the least room a growable cache's first size leaves past its prompt
+
+
+def grown_capacity(tokens: int, current: int = 0) -> int:
+    """A growable cache's next size for ``tokens`` held: the first size a prompt of n tokens gets is n
+    plus an eighth (at least HEADROOM) rounded up to PAGE; later it doubles until the tokens fit, so a
+    generation of any length captures its step a bounded number of times (log2 of the growth)."""
+    if current <= 0:
+        want = tokens + max(tokens // 8, HEADROOM)
+        return -(-want // PAGE) * PAGE
+    size = current
+    while size < tokens:
+        size *= 2
+    return size
+
+
+def _input_length(args: tuple, kwargs: dict) -> int:
+    """New tokens of a forward: the length of its input_ids or inputs_embeds (0 when neither is found)."""
+    for name in ("input_ids", "inputs_embeds"):
+        x = kwargs.get(name)
+        if isinstance(x, torch.Tensor):
+            return x.shape[1]
+    return args[0].shape[1] if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2 else 0
+
+
+@torch._dynamo.disable
+def _make_room(cache: StaticCompressedCache, q: int) -> None:
+    """Host side, before a forward of ``q`` tokens on a growable cache: grow it when they do not fit.
+    The count of held tokens is kept on the host (read from the device once after a crop or load), so
+    a decode step never waits for the GPU; outside dynamo's graphs (a graph break in a compiled step)."""
+    first = cache.layers[0]
+    if not first.is_initialized:
+        cache._host_seen = 0
+    elif cache._host_seen is None:
+        cache._host_seen = int(cache.lengths.seen)
+    need = cache._host_seen + q
+    if first.max_cache_len is None or need > first.max_cache_len:
+        cache.grow(grown_capacity(need, first.max_cache_len or 0))
+    cache._host_seen = need
+
+
 # ---------------------------------------------------------------------------------------------
 # transformers hooks: the attention function and its mask function
 
 
 def static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface ``"kvcodec_static"``: the active static layer's attention; transformers' SDPA
-    for the prefill (exact prompt, like the eager cache) and when no static layer is active."""
+    """AttentionInterface ``"kvcodec_static"``: the bound static cache's layer attends; transformers'
+    SDPA for the prefill (the exact prompt with the mask ``static_mask`` built, like the eager cache)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layer = _ACTIVE.layer
+    binding = bound(module)
+    layer = None if binding is None else binding.cache.layers[module.layer_idx]
     scaling = module.scaling if scaling is None else scaling
-    if layer is None or layer.layer_idx != module.layer_idx or layer.prefill_now:
+    if layer is None or layer.prefill_now:
+        if layer is not None and scaling != layer.scaling:  # the module's own (host side, before any capture)
+            layer.set_scaling(scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     return layer.attend(query, scaling), None
 
 
 def static_mask(*args, **kwargs):
-    """Mask function of ``"kvcodec_static"``: causality comes from the cache's token positions, so no
-    mask is built; padded batches are refused (checked outside compiled or captured code)."""
+    """Mask function of ``"kvcodec_static"``. The prefill gets transformers' SDPA mask over the prompt
+    (padding included), and the prompt's left padding is handed to the cache; a decode step builds no
+    mask (the cache masks by token position and padding). Padding that is not on the left, or that
+    changes after the prefill, raises ValueError (checked outside compiled or captured code)."""
+    from transformers.masking_utils import sdpa_mask
+
+    binding = getattr(kwargs.get("config"), BOUND_ATTR, None)
+    cache = None if binding is None else binding.cache
     mask = kwargs.get("attention_mask")
-    if mask is None or mask.dim() != 2 or _compiling():
+    if cache is None or not isinstance(cache, StaticCompressedCache):
         return None
-    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        if not bool(mask.all()):
-            raise ValueError("the static compressed cache does not support padded batches")
+    host = not _compiling() and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    if not cache.layers[0].is_initialized:  # the prefill (its padding: before_forward, or here)
+        if cache.lengths.prompt_pads is None:
+            cache.lengths.prompt_pads = _left_pads(mask, check=host)
+        return sdpa_mask(*args, **kwargs)
+    if host and mask is not None and mask.dim() == 2 and mask.shape[-1] == int(cache.lengths.seen) + kwargs.get("q_length", 1):
+        pads = cache.lengths.pads
+        want = torch.arange(mask.shape[-1], device=mask.device)[None, :] >= pads.to(mask.device)[:, None]
+        if not torch.equal(mask.bool(), want):
+            raise ValueError("the static compressed cache takes the padding of the prompt only (left padding, "
+                             "unchanged while it decodes)")
     return None
+
+
+def _left_pads(mask, check: bool) -> torch.Tensor | None:
+    """[B] leading zeros of a 2D attention mask (None: no mask); ValueError where a row is not left padded."""
+    if mask is None or mask.dim() != 2:
+        return None
+    m = mask.bool()
+    pads = (m.long().cumsum(-1) == 0).sum(-1)
+    if check and not torch.equal(m, torch.arange(m.shape[-1], device=m.device)[None, :] >= pads[:, None]):
+        raise ValueError("the static compressed cache takes left-padded batches only (a 0 after a 1 in the "
+                         "attention mask)")
+    return pads
 
 
 def enable_static(model: torch.nn.Module) -> torch.nn.Module:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvcodec.device import build
+from kvcodec.device.plans import PlanCache
 from kvcodec.quant.cuda import reference
 from kvcodec.quant.cuda.decode_kernels import (
     DEFAULT_VARIANT,
@@ -242,8 +243,8 @@ class DecodePlan:
     tokens_per_warp: int = 0
 
 
-_plans: dict = {}
-MAX_PLANS = 256  # live plans: one per (layer, cache length) in use; the cache is cleared when full
+MAX_PLANS = 256  # unpinned plans: one per (layer, cache length) in use; dropped together when full
+_plans = PlanCache("decode attention", MAX_PLANS)  # a static cache's plans are pinned (kvcodec.device.plans)
 
 
 def _tensor_key(t):
@@ -269,17 +270,14 @@ def plan(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rota
     tensors."""
     key = _plan_key(query, k_codes, k_norms, v_codes, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
                     k_bits, v_bits, scale, k_qjl, k_rnorms, qjl_matrix, tokens_per_warp, variant)
-    cached = _plans.get(key)
-    if cached is None:
+
+    def build_plan() -> DecodePlan:
         _validate(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_codebook, v_codebook, k_bits, v_bits,
                   k_qjl, k_rnorms, qjl_matrix, window_k, window_v)
-        cached = _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
-                             k_bits, v_bits, scale, k_qjl is not None, k_rnorms, qjl_matrix, tokens_per_warp,
-                             variant)
-        if len(_plans) >= MAX_PLANS:
-            _plans.clear()
-        _plans[key] = cached
-    return cached
+        return _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_codebook, v_codebook,
+                           k_bits, v_bits, scale, k_qjl is not None, k_rnorms, qjl_matrix, tokens_per_warp, variant)
+
+    return _plans.get(key, build_plan)
 
 
 def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_codebook, v_codebook, k_bits,

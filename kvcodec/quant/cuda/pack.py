@@ -12,10 +12,13 @@ head_dims the kernel does not take use the torch reference. x must already be pr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from kvcodec.device import build
+from kvcodec.device.plans import PlanCache
 from kvcodec.quant.cuda import reference
 
 SOURCE = "kvcodec.quant.cuda/tq_pack.cu"
@@ -76,6 +79,44 @@ def _signs_for(rotation: torch.Tensor, device) -> torch.Tensor | None:
     return hit[1]
 
 
+@dataclass(eq=False)
+class QuantizePlan:
+    """What ``quantize_pack`` derives from its invariants (rotation, codebook, bits, dtypes, device):
+    the Hadamard signs (None: the rotation is not one the kernel takes, use the reference), the
+    codebook's decision thresholds and float32 copy on the device, the compiled kernel. Cached in a
+    :class:`~kvcodec.device.plans.PlanCache`, so a captured step never builds one."""
+
+    signs: torch.Tensor | None
+    thresholds: torch.Tensor | None = None
+    codebook: torch.Tensor | None = None
+    fn: object = None
+    sms: int = 0
+    keep: tuple = ()  # the key's tensors: their ids stay unique while the plan is cached
+
+
+_quantize_plans = PlanCache("quantize + pack", 256)
+
+
+def _quantize_plan(x, rotation, codebook, bits, norm_dtype, norm_correction) -> QuantizePlan:
+    d, dev = x.shape[-1], x.device
+    key = (id(rotation), rotation._version, id(codebook), codebook._version, bits, x.dtype, norm_dtype,
+           norm_correction, str(dev), d)
+
+    def build_plan() -> QuantizePlan:
+        signs = _signs_for(rotation, dev) if d % 32 == 0 and d <= 1024 else None
+        if signs is None:
+            return QuantizePlan(None, keep=(rotation, codebook))
+        rounds = 1 if signs.dim() == 1 else 2
+        fn = build.get_function(SOURCE, pack_name(d, bits, _IN_CODE[x.dtype], norm_dtype == torch.bfloat16, rounds,
+                                                  norm_correction))
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return QuantizePlan(signs, reference.thresholds_of(codebook.to(torch.float32)).to(dev).contiguous(),
+                            codebook.to(dev, torch.float32).contiguous(), fn, build.sm_count(index),
+                            keep=(rotation, codebook))
+
+    return _quantize_plans.get(key, build_plan)
+
+
 def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tensor, bits: int,
                   norm_dtype: torch.dtype = torch.float16,
                   norm_correction: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +138,8 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
         raise ValueError(f"rotation must be [{d}, {d}]")
     if x.dtype not in _IN_CODE:
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    signs = _signs_for(rotation, x.device) if x.is_cuda and d % 32 == 0 and d <= 1024 else None
-    if signs is None:
+    plan = _quantize_plan(x, rotation, codebook, bits, norm_dtype, norm_correction) if x.is_cuda else None
+    if plan is None or plan.signs is None:
         return reference.quantize_reference(x, rotation, codebook, bits, norm_dtype, norm_correction)
 
     rows = x.reshape(-1, d)
@@ -108,16 +149,9 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
     codes = torch.empty(n, d * bits // 8, device=x.device, dtype=torch.uint8)
     norms = torch.empty(n, device=x.device, dtype=norm_dtype)
     if n:
-        thr = build.derived(codebook, f"thresholds {x.device}",
-                            lambda c: reference.thresholds_of(c.to(torch.float32)).to(x.device).contiguous())
-        rounds = 1 if signs.dim() == 1 else 2
-        fn = build.get_function(SOURCE, pack_name(d, bits, _IN_CODE[x.dtype], norm_dtype == torch.bfloat16, rounds,
-                                                  norm_correction))
-        cbf = build.derived(codebook, f"f32 {x.device}", lambda c: c.to(x.device, torch.float32).contiguous())
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        grid = grid_blocks(n, d, build.sm_count(dev), getattr(fn, "num_regs", None))
+        grid = grid_blocks(n, d, plan.sms, getattr(plan.fn, "num_regs", None))
         with build.cupy_stream(x.device):
-            fn((grid,), (32 * WARPS_PER_BLOCK,),
-               (rows.data_ptr(), np.int64(rows.stride(0)), signs.data_ptr(), thr.data_ptr(), cbf.data_ptr(), np.int32(n),
-                codes.data_ptr(), norms.data_ptr()))
+            plan.fn((grid,), (32 * WARPS_PER_BLOCK,),
+                    (rows.data_ptr(), np.int64(rows.stride(0)), plan.signs.data_ptr(), plan.thresholds.data_ptr(),
+                     plan.codebook.data_ptr(), np.int32(n), codes.data_ptr(), norms.data_ptr()))
     return codes.reshape(*x.shape[:-1], -1), norms.reshape(x.shape[:-1])
