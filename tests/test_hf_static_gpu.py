@@ -260,3 +260,31 @@ def test_a_padded_batch_matches_the_eager_compressed_cache():
             out.append(torch.stack(steps))
     e, s = out
     assert float((e - s).abs().max() / e.abs().max()) < 2e-2
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="needs torch.library.custom_op")
+def test_the_default_cache_on_cuda_is_the_compiled_static_mode():
+    """``CompressedCache(model, preset=...)`` with no size on a CUDA model: the growable static mode,
+    compiled by generate; its buffers grow past the first size mid-generation and the run agrees with
+    a fixed-size static cache run uncompiled."""
+    import torch._dynamo
+
+    from kvcodec.hf import CompressedCache
+    from kvcodec.hf import static_cache
+
+    torch._dynamo.reset()
+    model = _model(8, 2, 128, layers=2)
+    ids = torch.randint(2, 256, (2, 30), generator=torch.Generator().manual_seed(4)).cuda()
+    old = static_cache.PAGE, static_cache.HEADROOM
+    static_cache.PAGE, static_cache.HEADROOM = 16, 8  # grows twice in 60 tokens
+    try:
+        cache = CompressedCache(model, preset="3.5bit")
+        assert isinstance(cache, static_cache.StaticCompressedCache) and cache.growable
+        runs = [model.generate(ids, past_key_values=c, max_new_tokens=60, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, disable_compile=not compiled)
+                for c, compiled in ((CompressedCache(model, preset="3.5bit", max_cache_len=96), False), (cache, True))]
+        assert cache.layers[0].max_cache_len == 96  # 30 + 8 -> 48, then 96
+    finally:
+        static_cache.PAGE, static_cache.HEADROOM = old
+        torch._dynamo.reset()
+    _same_run(*runs)
