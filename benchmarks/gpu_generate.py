@@ -31,7 +31,7 @@ decode, CUDA-graph timed, vs bf16 flash SDPA and % of copy bandwidth on the comp
     PYTHONPATH=. python3 benchmarks/gpu_generate.py --tiny --device cpu # smoke test (tests/)
 
 ``--route generate`` measures ``model.generate`` the way users call it instead (32-layer model, fresh
-caches, ms per new token from two generate lengths): DynamicCache, HF StaticCache compiled by
+caches, ms per new token from the intervals between generated tokens): DynamicCache, HF StaticCache compiled by
 generate (``cache_implementation="static"``), HF QuantizedCache (quanto, if installed), kvcodec eager
 and kvcodec's default on CUDA (the static mode growing in pages, compiled by generate) and with a
 fixed ``max_cache_len``; the byte floor beside each row:
@@ -427,19 +427,19 @@ def main(argv=None) -> dict:
 # ------------------------------------------------------------------------------------ the generate route
 GENERATE_ROWS = ("dynamic", "static", "quanto", "kvc eager", "kvc fast", "kvc fixed")
 GENERATE_COLUMNS = ["model", "layers", "batch", "ctx", "cache", "ms_token", "speedup_vs_best_hf", "floor_ms",
-                    "x_floor", "kv_MiB", "peak_GiB", "error"]
+                    "x_floor", "kv_MiB", "peak_GiB", "prefill_s", "error"]
 
 
-def generate_call(kind: str, model, ids, new: int, max_len: int):
+def generate_call(kind: str, model, ids, new: int, max_len: int, **extra):
     """One ``model.generate`` as a user writes it, with a fresh cache of ``kind``: ``dynamic`` (the
     default DynamicCache), ``static`` (``cache_implementation="static"``: HF's StaticCache, which
-    generate compiles), ``quanto`` (HF QuantizedCache, 4 bits), ``kvc eager`` (``CompressedCache``),
-    ``kvc fast`` (``CompressedCache(...)``: on CUDA the static mode, growing in pages, which
-    generate compiles), ``kvc fixed`` (``CompressedCache(..., max_cache_len=N)``). Returns the output
-    and the cache (for its bytes)."""
+    generate compiles), ``quanto`` (HF QuantizedCache, 4 bits), ``kvc eager`` (``CompressedCache(...,
+    max_cache_len=None)``), ``kvc fast`` (``CompressedCache(...)``: on CUDA the static mode, growing in
+    pages, which generate compiles), ``kvc fixed`` (``CompressedCache(..., max_cache_len=N)``).
+    Returns the output and the cache (for its bytes)."""
     import kvcodec.hf as khf
 
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, **extra)
     if kind.startswith("kvc"):
         opts = dict(method="turboquant", key_bits=BITS[0], value_bits=BITS[1], residual=RESIDUAL)
         size = {"kvc eager": {"max_cache_len": None}, "kvc fixed": {"max_cache_len": max_len}}.get(kind, {})
@@ -454,35 +454,48 @@ def generate_call(kind: str, model, ids, new: int, max_len: int):
     return out.sequences, out.past_key_values
 
 
-def measure_generate(kind: str, model, batch: int, ctx: int, lengths=(8, 40), seed: int = 0) -> dict:
-    """ms per new token in ``model.generate`` from two generate lengths on fresh caches (prefill,
-    compile and capture cancel; one warm-up call first), and the peak memory of the longer call."""
+class _StepClock:
+    """A stopping criterion that only notes when each generated token is ready (generate reads its
+    result on the host every step, so the step has finished on the device by then)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def measure_generate(kind: str, model, batch: int, ctx: int, new: int = 40, seed: int = 0) -> dict:
+    """ms per new token inside ``model.generate`` on a fresh cache (one warm-up call first: compile,
+    capture, first launches): the median interval between consecutive tokens from the third on (the
+    step a graph is captured in and the prefill excluded), the prefill time and the peak memory."""
+    from transformers import StoppingCriteriaList
+
     dev = model.device
     cuda = dev.type == "cuda"
     g = torch.Generator(device=dev).manual_seed(seed)
     ids = torch.randint(2, model.config.vocab_size, (batch, ctx), device=dev, generator=g)
-    max_len = ctx + max(lengths)
-    times, held = {}, 0
+    max_len = ctx + new
     with _sdpa_flash(cuda):
-        generate_call(kind, model, ids, lengths[0], max_len)  # warm-up: compile, capture, first launches
-        for new in lengths:
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            out, cache = generate_call(kind, model, ids, new, max_len)
-            if cuda:
-                torch.cuda.synchronize()
-            times[new] = time.perf_counter() - t0
-            assert out.shape[-1] == ctx + new, out.shape
-            held = _cache_bytes(cache)
-            del out, cache
-    a, b = lengths
-    return {"ms_token": 1e3 * (times[b] - times[a]) / (b - a), "kv_bytes": held, "kv_MiB": held / MiB,
-            "peak_GiB": torch.cuda.max_memory_allocated() / GiB if cuda else None,
-            "s_per_call": {str(n): t for n, t in times.items()}}
+        generate_call(kind, model, ids, min(8, new), max_len)  # warm-up
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        clock = _StepClock()
+        t0 = time.perf_counter()
+        out, cache = generate_call(kind, model, ids, new, max_len, stopping_criteria=StoppingCriteriaList([clock]))
+        if cuda:
+            torch.cuda.synchronize()
+        assert out.shape[-1] == ctx + new, out.shape
+        held = _cache_bytes(cache)
+        del out, cache
+    steps = sorted(b - a for a, b in zip(clock.times[2:], clock.times[3:]))
+    return {"ms_token": 1e3 * steps[len(steps) // 2], "ms_token_mean": 1e3 * sum(steps) / len(steps),
+            "prefill_s": clock.times[0] - t0, "kv_bytes": held, "kv_MiB": held / MiB,
+            "peak_GiB": torch.cuda.max_memory_allocated() / GiB if cuda else None}
 
 
 def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, kinds=GENERATE_ROWS,
@@ -515,7 +528,7 @@ def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shape
                 row["error"] = "skipped: time budget"
             else:
                 try:
-                    row.update(measure_generate(kind, model, batch, ctx, lengths=(2, 6) if tiny else (8, 40),
+                    row.update(measure_generate(kind, model, batch, ctx, new=8 if tiny else 40,
                                                 seed=batch * 131 + ctx))
                 except Exception as e:  # OOM, a bug: recorded, the sweep goes on
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -535,8 +548,9 @@ def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shape
                 r["speedup_vs_best_hf"] = best["ms_token"] / r["ms_token"]
         rows += shape_rows
     result = {"suite": suite, "machine": rec, "rows": rows,
-              "notes": [f"ms per new token = (time of generate(max_new_tokens=b) - time of a) / (b - a), (a, b) = {(2, 6) if tiny else (8, 40)}, fresh caches, "
-                        f"after one warm-up call; bits {BITS}, residual {RESIDUAL}; weights {weights / GiB:.2f} GiB",
+              "notes": [f"ms per new token: median interval between consecutive tokens (from the third) of one "
+                        f"generate(max_new_tokens={8 if tiny else 40}) on a fresh cache after one warm-up call; "
+                        f"bits {BITS}, residual {RESIDUAL}; weights {weights / GiB:.2f} GiB",
                         f"byte floor: (weights + compressed KV) / read bandwidth "
                         f"({bw / 1e12:.2f} TB/s)" if bw else "byte floor: CUDA only",
                         f"elapsed {time.time() - t0:.0f} s"]}
