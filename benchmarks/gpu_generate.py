@@ -401,6 +401,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--route", choices=("step", "generate"), default="step",
                     help="step: the decode step called by hand (default); generate: model.generate as users call it")
     ap.add_argument("--layers", type=int, default=32, help="layers of the model on the generate route")
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one generate-route row (a subprocess)
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="generate route: each row in a process of its own (default on CUDA)")
     ap.add_argument("--shapes", type=_shapes, default=None, help="batch:ctx,... (default: the full grid)")
     ap.add_argument("--compile-shapes", type=_shapes, default=((1, 32768), (8, 32768)))
     ap.add_argument("--full-model-shapes", type=_shapes, default=((1, 32768), (8, 32768)),
@@ -411,10 +414,13 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.profile:
         return profile_static_step(a.shapes or ((1, 32768), (8, 32768)), a.out)
+    if a.route == "generate" and a.row:
+        return _one_row(a.out, a.row, a.device, a.tiny, a.shapes, a.layers)
     if a.route == "generate":
         kinds = GENERATE_ROWS if a.kinds == ALL_ROWS else a.kinds
         return run_generate(a.out, device=a.device, tiny=a.tiny, shapes=a.shapes, kinds=kinds, layers=a.layers,
-                            budget_s=a.budget_s, suite=a.suite if a.suite != SUITE else SUITE + "_route")
+                            budget_s=a.budget_s, suite=a.suite if a.suite != SUITE else SUITE + "_route",
+                            isolate=a.isolate)
     unknown = set(a.kinds) - set(ALL_ROWS)
     if unknown:
         ap.error(f"unknown caches {sorted(unknown)}")
@@ -499,9 +505,11 @@ def measure_generate(kind: str, model, batch: int, ctx: int, new: int = 40, seed
 
 
 def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, kinds=GENERATE_ROWS,
-                 layers=32, budget_s=540.0, suite=SUITE + "_route") -> dict:
+                 layers=32, budget_s=540.0, suite=SUITE + "_route", isolate=None) -> dict:
     """Every cache of GENERATE_ROWS through ``model.generate`` per (batch, context), same run; the
-    byte floor is the weights plus the compressed KV read once at the device's copy bandwidth."""
+    byte floor is the weights plus the compressed KV read once at the device's copy bandwidth.
+    ``isolate`` (default: on CUDA): each row in a process of its own, so an out-of-memory row or a
+    compiled graph it left behind cannot break the next one."""
     t0 = time.time()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
@@ -515,8 +523,15 @@ def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shape
 
         rec["gpu"] = torch.cuda.get_device_name(dev)
         bw = copy_bandwidth() * 1e12 / 2  # bytes read per second (copy_bandwidth counts read + write)
+    isolate = cuda if isolate is None else isolate
     model, weights = build_model(name, shape, dev)
     model.generation_config.pad_token_id = 0
+    if isolate:  # the rows build their own (the weights' size is kept for the floor)
+        del model
+        gc.collect()
+        model = None
+        if cuda:
+            torch.cuda.empty_cache()
     rows = []
     for batch, ctx in shapes:
         shape_rows = []
@@ -526,6 +541,8 @@ def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shape
                 row["error"] = "skipped: optimum-quanto is not installed"
             elif time.time() > t0 + budget_s:
                 row["error"] = "skipped: time budget"
+            elif isolate:
+                row.update(_row_in_subprocess(kind, batch, ctx, shape["num_hidden_layers"], dev, tiny))
             else:
                 try:
                     row.update(measure_generate(kind, model, batch, ctx, new=8 if tiny else 40,
@@ -556,6 +573,43 @@ def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shape
                         f"elapsed {time.time() - t0:.0f} s"]}
     save_with_out(result, out_dir, GENERATE_COLUMNS)
     return result
+
+
+def _row_in_subprocess(kind: str, batch: int, ctx: int, layers: int, dev, tiny: bool) -> dict:
+    """One generate-route row measured by a fresh interpreter running this script with ``--row``."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--route", "generate", "--row", kind,
+               "--shapes", f"{batch}:{ctx}", "--layers", str(layers), "--device", str(dev), "--out", tmp]
+        proc = subprocess.run(cmd + (["--tiny"] if tiny else []), capture_output=True, text=True)
+        sys.stderr.write(proc.stderr[-4000:])
+        try:
+            return json.loads((Path(tmp) / "row.json").read_text())
+        except OSError:
+            return {"error": f"process exited {proc.returncode}: {proc.stderr.strip()[-280:]}"}
+
+
+def _one_row(out_dir: str, kind: str, device, tiny: bool, shapes, layers: int) -> dict:
+    """``--row``: measure one (kind, batch, context) row and write it to out_dir/row.json."""
+    import json
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = "tiny-llama" if tiny else "llama8b-like"
+    shape = dict((TINY_MODELS if tiny else MODELS)[name], num_hidden_layers=2 if tiny else layers)
+    (batch, ctx), = shapes
+    model, _ = build_model(name, shape, dev)
+    model.generation_config.pad_token_id = 0
+    try:
+        row = measure_generate(kind, model, batch, ctx, new=8 if tiny else 40, seed=batch * 131 + ctx)
+    except Exception as e:  # OOM, a bug: recorded
+        row = {"error": f"{type(e).__name__}: {e}"[:300]}
+        traceback.print_exc()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "row.json").write_text(json.dumps(row))
+    return row
 
 
 def _quanto_available() -> bool:

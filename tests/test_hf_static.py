@@ -210,6 +210,25 @@ def test_gpu_generate_benchmark_runs_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpu_generate_route_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_generate.py --route generate --tiny on CPU: every cache row through
+    model.generate measures (quanto: skipped when not installed), one of them in a process of its own."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_generate.py"
+    spec = importlib.util.spec_from_file_location("gpu_generate", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.run_generate(str(tmp_path), device="cpu", tiny=True, shapes=[(2, 24)], isolate=False)["rows"]
+    assert [r["cache"] for r in rows] == list(mod.GENERATE_ROWS)
+    assert all(r["ms_token"] > 0 for r in rows if r["cache"] != "quanto"), rows
+    row = mod.run_generate(str(tmp_path), device="cpu", tiny=True, shapes=[(1, 30)], kinds=("kvc fast",),
+                           isolate=True)["rows"][0]
+    assert row["ms_token"] > 0 and "error" not in row, row
+
+
+@pytest.mark.slow
 def test_smollm2_static_cache_follows_the_eager_greedy_tokens():
     """Real SmolLM2-135M (bf16, CPU), one short greedy generation with the eager compressed cache; the
     static cache, fed the same tokens, picks the same token wherever eager's choice is not a near-tie
