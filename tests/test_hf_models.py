@@ -168,8 +168,35 @@ def test_compressed_sliding_layers_keep_their_window(method):
 
 
 def test_static_mode_refuses_what_it_cannot_serve_when_built():
-    model = build("gemma2")[0]
+    model = build("mistral")[0]
     with pytest.raises(ValueError, match="full-attention layers only"):
+        CompressedCache(model, method="turboquant", max_cache_len=128)
+    model = build("gemma2")[0]
+    with pytest.raises(ValueError, match="soft-capping"):
         CompressedCache(model, method="turboquant", max_cache_len=128)
     model = build("llama")[0]
     CompressedCache(model, method="turboquant", max_cache_len=128)  # accepted
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_static_mode_serves_the_eager_tokens_or_refuses_when_built(name):
+    """The static mode (the default on CUDA, run here on the CPU through the kernels' reference) either
+    refuses the architecture when the cache is built, naming why (sliding or hybrid layers, MLA, sinks
+    or soft-capping, attention outside transformers' interface, K/V transformed after the cache), or
+    gives the eager cache's greedy tokens and per-step logits."""
+    from kvcodec.hf.static_cache import StaticCompressedCache
+
+    model = _model(name)
+    kw = dict(method="turboquant", key_bits=4, value_bits=4, residual=4, block_size=4)
+    try:
+        static = StaticCompressedCache(model, **kw, max_cache_len=64)
+    except ValueError as exc:
+        assert "static mode" in str(exc)
+        return
+    ids = _ids()
+    with torch.no_grad():
+        eager_tokens, eager_scores = _generate(model, ids, CompressedCache(model, **kw, max_cache_len=None),
+                                               max_new_tokens=4, disable_compile=True)
+        tokens, scores = _generate(model, ids, static, max_new_tokens=4, disable_compile=True)
+    assert torch.equal(tokens, eager_tokens)
+    torch.testing.assert_close(scores, eager_scores, rtol=0, atol=1e-5)

@@ -81,11 +81,29 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _check_model(config, spec) -> None:
-    """Static mode serves models whose every layer is full attention with one K/V head dim: refuse the
-    others here, naming what is not supported, instead of mis-attending them (the eager cache serves them)."""
+_TRANSFORMED_KV = {"diffllama": "splits its values in halves after the cache"}  # model_type: what it does
+
+
+def _check_model(model, spec) -> None:
+    """Static mode serves models whose every layer is full attention with one K/V head dim, attended
+    through transformers' attention interface with plain softmax scores: refuse the others here, naming
+    what is not supported, instead of mis-attending them (the eager cache serves them)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
+
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    eager = "use CompressedCache(model, ..., max_cache_len=None)"
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(f"static mode: {type(model).__name__} does not attend through transformers' attention "
+                         f"interface: {eager}")
+    if not getattr(model, "_supports_sdpa", True) or getattr(text, "attn_logit_softcapping", None):
+        raise ValueError(f"static mode: {type(model).__name__} needs soft-capping or sink logits in its attention "
+                         f"(it cannot run SDPA): {eager}")
+    if getattr(text, "kv_lora_rank", None):
+        raise ValueError(f"static mode: {type(model).__name__} attends a latent K/V (MLA): {eager}")
+    if getattr(text, "model_type", None) in _TRANSFORMED_KV:
+        raise ValueError(f"static mode: {type(model).__name__} {_TRANSFORMED_KV[text.model_type]}: {eager}")
 
     other = sorted({type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer})
     if other:
@@ -304,6 +322,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.kc, self.vc = spec.make_encodings(layer_idx)  # the eager encodings: prefill encodes are theirs
         self.prefill_now = False
         self.long_kv = None  # (k, v) float32 of a forward of more than block_size tokens, until attended
+        self.handed = (None, None)
         self.device_fit = False  # True when the preconditioner is still to be fitted on the device
 
     @property
@@ -430,6 +449,7 @@ class StaticCompressedLayer(CacheLayerMixin):
                 self.lengths.start()
             self._prefill(key_states, value_states)
             self.prefill_now = True
+            self.handed = (key_states, value_states)  # what the prefill's attention must receive
             return key_states, value_states
         self.prefill_now = False
         q = key_states.shape[-2]
@@ -785,7 +805,7 @@ class StaticCompressedCache(KvcodecCache):
 
             options.update(preset_options(preset, model.config))
         self.spec = build_spec(model.config, **options)
-        _check_model(model.config, self.spec)
+        _check_model(model, self.spec)
         _check_supported(self.spec)  # (max_cache_len lives on the layers: transformers 5.17's Cache reads it there)
         scalings = {m.layer_idx: float(m.scaling) for m in model.modules()
                     if isinstance(getattr(m, "layer_idx", None), int) and isinstance(getattr(m, "scaling", None), float)}
@@ -967,11 +987,27 @@ def static_attention(module, query, key, value, attention_mask, scaling=None, dr
     layer = None if binding is None else binding.cache.layers[module.layer_idx]
     scaling = module.scaling if scaling is None else scaling
     if layer is None or layer.prefill_now:
-        if layer is not None and scaling != layer.scaling:  # the module's own (host side, before any capture)
-            layer.set_scaling(scaling)
+        if layer is not None:
+            _check_prefill(module, layer, key, value, kwargs)
+            if scaling != layer.scaling:  # the module's own (host side, before any capture)
+                layer.set_scaling(scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     return layer.attend(query, scaling), None
+
+
+def _check_prefill(module, layer, key, value, kwargs) -> None:
+    """The prefill's attention must receive what the layer's ``update`` returned, and plain softmax
+    scores: a model that attends K/V computed from its cache entries, or with soft-capping or sink
+    logits, would be mis-attended by every later step. Refused loudly on the first forward."""
+    handed = layer.handed
+    layer.handed = (None, None)
+    if handed[0] is not key or handed[1] is not value:
+        raise RuntimeError(f"layer {layer.layer_idx} of {type(module).__name__} attends K/V computed from its cache "
+                           "entries, which the static mode cannot serve: CompressedCache(model, ..., max_cache_len=None)")
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise RuntimeError(f"{type(module).__name__} uses soft-capping or sink logits, which the static mode does "
+                           "not apply: CompressedCache(model, ..., max_cache_len=None)")
 
 
 def static_mask(*args, **kwargs):
