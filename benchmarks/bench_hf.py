@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT, save  # noqa: E402
+from common import DEFAULT_OUT, save, pyplot  # noqa: E402
 
 SUITE = "bench_hf"
 
@@ -263,12 +263,8 @@ def run(quick: bool = False, out_dir: str = DEFAULT_OUT) -> dict:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot(path)
+    if plt is None:
         return
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     groups: dict[str, list] = {}

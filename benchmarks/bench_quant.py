@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import DEFAULT_OUT, save  # noqa: E402
+from common import DEFAULT_OUT, save, pyplot  # noqa: E402
 
 from kvcodec.data import load_kv_sample  # noqa: E402
 from kvcodec.quant import KIVI, QJL, TurboQuantMSE, TurboQuantOutlier, TurboQuantProd  # noqa: E402
@@ -244,10 +244,10 @@ def run(quick: bool = False, out_dir: str = DEFAULT_OUT) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    plt = pyplot(path)
+    if plt is None:
+        return
     import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 6.5))
     fams = list(dict.fromkeys(r["method"] for r in rows if "attn_err_K" in r))

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save  # noqa: E402
+from common import save, pyplot  # noqa: E402
 
 SUITE = "bench_transform"
 CACHE_DIR = Path("benchmarks/results/cache")
@@ -466,10 +466,9 @@ def speed_rows(calib, window) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     groups: dict = {}

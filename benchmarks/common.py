@@ -99,6 +99,20 @@ def save(result: dict, out_dir: str | os.PathLike, columns: list[str] | None = N
 
 
 
+def pyplot(path: str | os.PathLike):
+    """matplotlib.pyplot on the Agg backend, or None after saying that ``path`` is not drawn
+    (matplotlib comes with the ``bench`` extra; the tables and JSON never need it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"(no {Path(path).name}: matplotlib is not installed; pip install 'kvcodec[bench]')", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_with_out(result: dict, out_dir: str | os.PathLike, columns: list[str] | None = None) -> None:
     """``save`` into ``out_dir`` and, when set, into ``$OUT`` too (the device machine sends back only
     what lands under ``$OUT``)."""

@@ -93,7 +93,8 @@ def run_bench(suite: str = "all", quick: bool = False, out_dir: str | Path = DEF
                     written.append(path)
             print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
     if written:
-        print(f"kvcodec bench: wrote {', '.join(p.name for p in written)} (and their .md/.png) in {out}", flush=True)
+        files = [q.name for p in written for q in (p, p.with_suffix(".md"), p.with_suffix(".png")) if q.is_file()]
+        print(f"kvcodec bench: wrote {', '.join(files)} in {out}", flush=True)
     else:
         print(f"kvcodec bench: no result files written in {out}", flush=True)
     return 1 if failed else 0

@@ -197,3 +197,17 @@ def test_rd_coordinates_read_the_kv_split_keys():
     assert report.rd_coordinates({"K_bits_per_value": 4.0, "V_bits_per_value": 3.0, "attn_err_KV": 0.2}) == (3.5, 0.2)
     assert report.rd_coordinates({"bits_per_value": float("nan"), "attn_rel_err": 0.1}) == (None, 0.1)
     assert report.rd_coordinates({"method": "x"}) == (None, None)
+
+
+def test_plots_are_skipped_with_a_hint_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
+    """The tables and JSON never need matplotlib: without it a suite draws nothing, says why and
+    names the extra, and ``kvcodec bench`` lists only the files that exist."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_quant
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    bench_quant.plot([], tmp_path / "bench_quant.png")
+    assert not (tmp_path / "bench_quant.png").exists()
+    assert "no bench_quant.png: matplotlib is not installed; pip install 'kvcodec[bench]'" in capsys.readouterr().out
