@@ -22,6 +22,8 @@ import time
 import traceback
 from pathlib import Path
 
+from kvcodec.safe_write import write_bytes
+
 SUITES: dict[str, list[str]] = {
     "entropy": ["bench_entropy", "bench_entropy_models"],
     "lossless": ["bench_lossless"],  # includes bench_lossless_kv rows
@@ -58,7 +60,7 @@ def _stamp_quick(path: Path, quick: bool) -> None:
         return  # not ours to repair; report.py lists unreadable files
     if isinstance(data, dict) and data.get("quick") != quick:
         data["quick"] = quick
-        path.write_text(json.dumps(data, indent=2, default=float))
+        write_bytes(path, json.dumps(data, indent=2, default=float).encode(), overwrite=True)  # the run's own file
 
 
 def run_bench(suite: str = "all", quick: bool = False, out_dir: str | Path = DEFAULT_OUT) -> int:

@@ -11,6 +11,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sysconfig
 import sys
 import tempfile
 import threading
@@ -476,12 +477,13 @@ def _readonly_copy(root: Path) -> Path:
     return site
 
 
-def _first_run(run, site: Path, work: Path, env: dict) -> Path:
-    """``import kvcodec`` and ``kvcodec compress`` through ``run`` with only ``site`` on the path;
-    returns the numba cache folder the import chose."""
-    env = {**env, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
+def _first_run(run, site: Path, work: Path, env: dict, python: str = sys.executable, packages: str = "") -> Path:
+    """``import kvcodec`` and ``kvcodec compress`` through ``run`` with only ``site`` (then
+    ``packages``, the dependencies, when given) on the path; returns the numba cache folder the
+    import chose."""
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, (str(site), packages))), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("NUMBA_CACHE_DIR", None)
-    proc = run([sys.executable, "-c", "import os, kvcodec; print(kvcodec.__file__); print(os.environ['NUMBA_CACHE_DIR'])"],
+    proc = run([python, "-c", "import os, kvcodec; print(kvcodec.__file__); print(os.environ['NUMBA_CACHE_DIR'])"],
                env=env)
     assert proc.returncode == 0, proc.stderr
     module, cache_dir = proc.stdout.split()
@@ -489,7 +491,7 @@ def _first_run(run, site: Path, work: Path, env: dict) -> Path:
     src, dst = work / "m.safetensors", work / "m.kvc"
     original = _model(src)
     os.chmod(src, 0o644)
-    proc = run([sys.executable, "-m", "kvcodec.cli", "compress", str(src), str(dst), "--quiet"], env=env)
+    proc = run([python, "-m", "kvcodec.cli", "compress", str(src), str(dst), "--quiet"], env=env)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert _restores_to(dst, {original}, work)
     return Path(cache_dir)
@@ -513,13 +515,35 @@ def test_first_run_as_another_user_on_a_read_only_install(tmp_path):
     import pwd
 
     uid, gid = pwd.getpwnam(name).pw_uid, pwd.getpwnam(name).pw_gid
-    try:
-        probe = subprocess.run([sys.executable, "-c", "import torch"], user=uid, group=gid, extra_groups=[],
-                               capture_output=True, text=True, timeout=300)
-        failure = probe.stderr.strip().splitlines()[-1][:200] if probe.returncode else ""
-    except OSError as exc:  # the interpreter itself cannot be executed by that user
-        failure = str(exc)
+
+    def probe(python, packages=""):
+        env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": packages}
+        try:
+            proc = subprocess.run([python, "-c", "import torch"], user=uid, group=gid, extra_groups=[], env=env,
+                                  capture_output=True, text=True, timeout=300, cwd="/")
+            return proc.stderr.strip().splitlines()[-1][:200] if proc.returncode else ""
+        except OSError as exc:  # the interpreter itself cannot be executed by that user
+            return str(exc)
+
+    python, mounted, packages = sys.executable, None, ""
+    failure = probe(python)
+    if failure and sys.prefix == sys.base_prefix:  # an installation under a private home (pyenv in /root):
+        # the same installation bind-mounted where every user can reach it, as a system Python would be
+        mounted = Path(tempfile.mkdtemp(prefix="kvcodec-python-"))
+        os.chmod(mounted, 0o755)
+        if subprocess.run(["mount", "--bind", sys.base_prefix, str(mounted)], capture_output=True).returncode:
+            mounted.rmdir()
+            mounted = None
+        else:
+            base = os.path.realpath(sys.base_prefix)
+            python = str(mounted / Path(os.path.realpath(sys.executable)).relative_to(base))
+            # the mounted interpreter's site module does not list the installation's site-packages
+            packages = str(mounted / Path(os.path.realpath(sysconfig.get_paths()["purelib"])).relative_to(base))
+            failure = probe(python, packages)
     if failure:
+        if mounted:
+            subprocess.run(["umount", str(mounted)], check=False)
+            mounted.rmdir()
         pytest.skip(f"{sys.executable} or its packages cannot be used by another user here ({failure}); "
                     "test_first_run_on_a_read_only_mount covers the read-only install as root")
     root = Path(tempfile.mkdtemp(prefix="kvcodec-ro-"))
@@ -538,12 +562,15 @@ def test_first_run_as_another_user_on_a_read_only_install(tmp_path):
             return subprocess.run(cmd, env=env, user=uid, group=gid, extra_groups=[], cwd=work,
                                   capture_output=True, text=True, timeout=300)
 
-        cache_dir = _first_run(as_user, site, work, env)
+        cache_dir = _first_run(as_user, site, work, env, python, packages)
         assert cache_dir == tmp / f"kvcodec-numba-{uid}" and cache_dir.stat().st_uid == uid
         assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(root)], check=False)
         shutil.rmtree(root, ignore_errors=True)
+        if mounted:
+            subprocess.run(["umount", str(mounted)], check=False)
+            mounted.rmdir()
 
 
 def test_first_run_on_a_read_only_mount(tmp_path):

@@ -465,7 +465,10 @@ def write_unrolled_module() -> None:
     """Rewrite ``rans_unrolled.py`` from the generator (after changing ``_unrolled_source``)."""
     from pathlib import Path
 
-    (Path(__file__).parent / UNROLLED_MODULE).write_text(unrolled_module_source())
+    from kvcodec.safe_write import write_bytes
+
+    # atomically: an interrupted rewrite never leaves a torn module that every import would fail on
+    write_bytes(Path(__file__).parent / UNROLLED_MODULE, unrolled_module_source().encode(), overwrite=True)
 
 
 @njit(cache=True, nogil=True)

@@ -240,16 +240,17 @@ def smollm2_fit():
     return fit_statistics(model, torch.stack([ids[20_000:21_024], ids[60_000:61_024]]))
 
 
-if __name__ == "__main__":  # python -m kvcodec.hf.calibrate [--fit PATH]: SmolLM2 preset allocations / fitted statistics
+if __name__ == "__main__":  # python -m kvcodec.hf.calibrate [--fit PATH [--force]]: preset allocations / fitted statistics
     import json
     import sys
 
     from kvcodec.hf.presets import PRESETS, allocation_for
+    from kvcodec.safe_write import write_bytes
 
-    if "--fit" in sys.argv:
+    if "--fit" in sys.argv:  # an existing PATH is replaced only with --force (kvcodec.safe_write)
         path = sys.argv[sys.argv.index("--fit") + 1]
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(smollm2_fit().to_json(), f, separators=(",", ":"))
+        text = json.dumps(smollm2_fit().to_json(), separators=(",", ":"))
+        write_bytes(path, text.encode("utf-8"), overwrite="--force" in sys.argv)
         sys.exit(0)
 
     sens = smollm2_sensitivity()
