@@ -168,8 +168,11 @@ def test_compressed_sliding_layers_keep_their_window(method):
 
 
 def test_static_mode_refuses_what_it_cannot_serve_when_built():
-    model = build("mistral")[0]
-    with pytest.raises(ValueError, match="full-attention layers only"):
+    model = build("lfm2")[0]
+    with pytest.raises(ValueError, match="full-attention and sliding-window layers only"):
+        CompressedCache(model, method="turboquant", max_cache_len=128)
+    model = build("mistral")[0]  # every layer a sliding window: nothing to compress
+    with pytest.raises(ValueError, match="no full-attention layer"):
         CompressedCache(model, method="turboquant", max_cache_len=128)
     model = build("gemma2")[0]
     with pytest.raises(ValueError, match="soft-capping"):

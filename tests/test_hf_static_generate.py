@@ -218,3 +218,30 @@ def test_the_default_is_the_growable_static_mode_on_cuda_where_it_holds(model, m
     assert type(CompressedCache(model, **KW, attention=AttentionOptions())) is CompressedCache
     assert type(CompressedCache(model, **KW, max_cache_len=None)) is CompressedCache
     assert type(CompressedCache(model.config, **KW)) is CompressedCache
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3"])
+def test_sliding_window_models_give_the_eager_tokens(arch):
+    """Full-attention layers compressed, sliding-window layers (8-token windows here) held exact by
+    transformers' StaticSlidingWindowLayer: a left-padded batch, beams and a continued conversation
+    give the eager cache's tokens (whose sliding layers are transformers' exact ones too)."""
+    from model_zoo import build
+
+    from kvcodec.hf.static_cache import StaticCompressedCache
+
+    model = build(arch)[0]
+    cache = StaticCompressedCache(model, **KW, max_cache_len=96)
+    assert {type(layer).__name__ for layer in cache.layers} == {"StaticCompressedLayer", "StaticSlidingWindowLayer"}
+    ids, mask = _left_padded([30, 17], 4)
+    for kw in ({}, {"num_beams": 2}):
+        eager = _generate(model, ids, False, 12, attention_mask=mask, do_sample=False, **kw)
+        static = _generate(model, ids, True, 12, attention_mask=mask, do_sample=False, **kw)
+        assert torch.equal(static, eager), kw
+    runs = []
+    for static in (False, True):
+        cache = CompressedCache(model, **KW, max_cache_len=96) if static else CompressedCache(model, **KW)
+        first = model.generate(_ids(1, 20, 7), past_key_values=cache, max_new_tokens=6, do_sample=False,
+                               disable_compile=True)
+        runs.append(model.generate(torch.cat([first, _ids(1, 9, 8)], dim=1), past_key_values=cache,
+                                   max_new_tokens=6, do_sample=False, disable_compile=True))
+    assert torch.equal(runs[1], runs[0])

@@ -1,7 +1,7 @@
 """Static compressed cache: pre-allocated buffers, device-side lengths, a decode step a CUDA graph can hold.
 
 ``CompressedCache(model, method="turboquant", key_bits=4, value_bits=4, max_cache_len=N)`` builds a
-:class:`StaticCompressedCache`. Per layer it allocates, once, on the first (prefill) call:
+:class:`StaticCompressedCache` (and ``CompressedCache(model, ...)`` does, growing, for a model on CUDA). Per layer it allocates, once, on the first (prefill) call:
 
 * ``codes``/``norms`` of keys and values for ``max_cache_len`` tokens (+ one block of slack),
 * ``exact_k``/``exact_v`` [B, H_kv, sink + W, D] float32 (the model's values exactly): the sink, then
@@ -43,11 +43,17 @@ Every kernel the step launches has its launch plan built before any capture, whe
 described, and pinned to the layer (``kvcodec.device.plans``): a compiled or captured step allocates
 nothing that outlives it, whatever other caches do to the plan caches in between.
 
-Limits (ValueError): method "turboquant" with key_mode "mse", 1-4 bits, no outliers; the model must
-be passed (its attention is switched to ``"kvcodec_static"``); padding on the left only, and a padded
-cache is not saved; after the prefill at most ``block_size`` tokens per forward; ``max_cache_len`` is a hard limit. When the prompt is too
-short for its own compaction, the key preconditioner is fitted on the device, on the first block
-that leaves the window (as the eager store does). ``save``/``load`` write and read the eager cache's
+Sliding-window (and chunked) layers are transformers' own ``StaticSlidingWindowLayer``: exact, attended
+by transformers' SDPA with its sliding mask. Full-attention layers are the compressed ones.
+
+Limits (ValueError when built): the model (its attention is switched to ``"kvcodec_static"``)
+attending through transformers' attention interface with plain softmax scores (``_check_model``);
+method "turboquant" with key_mode "mse", 1-4 bits, no outliers; padding on the left only; a padded
+cache, or one with sliding layers, is not saved; a compiled or captured step takes at most
+``block_size`` new tokens (a longer forward runs host side); a fixed ``max_cache_len`` is a hard
+limit, ``max_cache_len=None`` grows. When the prompt is too short for its own compaction, the key
+preconditioner is fitted on the device, on the first block that leaves the window (as the eager
+store does). ``save``/``load`` write and read the eager cache's
 file (``kvcodec.hf.static_convert``): the bytes are the same, so either cache loads the other's file.
 """
 
@@ -85,11 +91,12 @@ _TRANSFORMED_KV = {"diffllama": "splits its values in halves after the cache"}  
 
 
 def _check_model(model, spec) -> None:
-    """Static mode serves models whose every layer is full attention with one K/V head dim, attended
+    """Static mode serves models whose layers are full attention (compressed) or sliding-window
+    attention (held exact, transformers' ``StaticSlidingWindowLayer``) with one K/V head dim, attended
     through transformers' attention interface with plain softmax scores: refuse the others here, naming
     what is not supported, instead of mis-attending them (the eager cache serves them)."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     config = model.config
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -105,11 +112,13 @@ def _check_model(model, spec) -> None:
     if getattr(text, "model_type", None) in _TRANSFORMED_KV:
         raise ValueError(f"static mode: {type(model).__name__} {_TRANSFORMED_KV[text.model_type]}: {eager}")
 
-    other = sorted({type(layer).__name__ for layer in DynamicCache(config=config).layers if type(layer) is not DynamicLayer})
+    kinds = [type(layer) for layer in DynamicCache(config=config).layers]
+    other = sorted({k.__name__ for k in kinds if k not in (DynamicLayer, DynamicSlidingWindowLayer)})
     if other:
-        raise ValueError(f"max_cache_len (static mode) supports full-attention layers only; this model's cache also "
-                         f"has {', '.join(other)} (sliding-window, linear-attention or SSM layers): use "
-                         "CompressedCache(model, ...) without max_cache_len")
+        raise ValueError(f"static mode supports full-attention and sliding-window layers only; this model's cache "
+                         f"also has {', '.join(other)} (chunked, linear-attention or SSM layers): {eager}")
+    if DynamicLayer not in kinds:
+        raise ValueError(f"static mode: {type(model).__name__} has no full-attention layer to compress: {eager}")
     if spec.value_dim != spec.head_dim:
         raise ValueError(f"max_cache_len (static mode) needs keys and values of one head dim; this model has "
                          f"{spec.head_dim} and {spec.value_dim} (MLA): use CompressedCache(model, ...) without max_cache_len")
@@ -321,6 +330,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.ring = spec.residual + 2 * spec.block_size
         self.kc, self.vc = spec.make_encodings(layer_idx)  # the eager encodings: prefill encodes are theirs
         self.prefill_now = False
+        self.first = False  # the model's first compressed layer: it moves the shared lengths once per forward
         self.long_kv = None  # (k, v) float32 of a forward of more than block_size tokens, until attended
         self.handed = (None, None)
         self.device_fit = False  # True when the preconditioner is still to be fitted on the device
@@ -445,7 +455,7 @@ class StaticCompressedLayer(CacheLayerMixin):
                                "kvcodec.hf.use(model, cache)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            if self.layer_idx == 0:  # the first layer of a forward: the prompt's padding, once
+            if self.first:  # the first compressed layer of a forward: the prompt's padding, once
                 self.lengths.start()
             self._prefill(key_states, value_states)
             self.prefill_now = True
@@ -457,12 +467,12 @@ class StaticCompressedLayer(CacheLayerMixin):
             if _compiling() or _capturing(self.device):
                 raise ValueError(f"static compressed cache: a compiled or captured step takes at most "
                                  f"block_size={self.block} tokens, got {q}")
-            if self.layer_idx == 0:
+            if self.first:
                 self._check_room(q)
                 self.lengths.begin_long(q)
             self.long_kv = (key_states.float(), value_states.float())
             return key_states, value_states
-        if self.layer_idx == 0:  # once per forward: every layer holds the same tokens
+        if self.first:  # once per forward: every compressed layer holds the same tokens
             self._check_room(q)
             self.lengths.begin_step(q, block_path=not self.on_append)
         if not self.on_append:
@@ -813,8 +823,9 @@ class StaticCompressedCache(KvcodecCache):
         group = cfg.num_attention_heads // self.spec.num_kv_heads
         sp = self.spec
         self.lengths = SharedLengths(sp.sink, sp.residual, sp.block_size, sp.residual + 2 * sp.block_size)
-        super().__init__(layers=[StaticCompressedLayer(sp, i, max_cache_len, self.lengths, group, scalings.get(i))
-                                 for i in range(sp.num_layers)])
+        super().__init__(layers=_static_layers(model.config, sp, max_cache_len, self.lengths, group, scalings))
+        self.first_layer = next(layer for layer in self.layers if isinstance(layer, StaticCompressedLayer))
+        self.first_layer.first = True
         enable_static(model)
 
     def before_forward(self, args: tuple, kwargs: dict) -> None:
@@ -823,11 +834,13 @@ class StaticCompressedCache(KvcodecCache):
         growable cache also makes room for the forward's tokens (``_make_room``)."""
         if self.growable:
             _make_room(self, _input_length(args, kwargs))
-        if self.layers[0].is_initialized:
+        if self.first_layer.is_initialized:
             return
         mask = kwargs.get("attention_mask")
         if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
             mask = args[1]  # (input_ids, attention_mask, ...) positionally
+        if isinstance(mask, dict):  # generate's masks of a model with several layer types
+            mask = mask.get("full_attention")
         if isinstance(mask, torch.Tensor) and mask.dim() == 4:
             row = mask[:, 0, -1, :]
             mask = row if row.dtype == torch.bool else row == 0
@@ -837,42 +850,43 @@ class StaticCompressedCache(KvcodecCache):
     def grow(self, max_cache_len: int) -> None:
         """Room for ``max_cache_len`` tokens per sequence: larger buffers, the held tokens copied, launch
         plans built anew (host side; a compiled step recompiles or re-captures for the new shapes)."""
-        for layer in self.layers:
+        for layer in self.compressed_layers():
             layer.grow(max_cache_len)
-        if self.layers[0].is_initialized:
-            self.lengths.dump = self.layers[0].capacity - 1
+        if self.first_layer.is_initialized:
+            self.lengths.dump = self.first_layer.capacity - 1
 
     def nbytes(self) -> int:
-        """Bytes allocated by the static buffers (codes, norms, side data, sink and window ring)."""
-        return sum(layer.memory()["total"] for layer in self.layers)
+        """Bytes allocated by the static buffers (codes, norms, side data, sink and window ring; the
+        exact K/V of sliding-window layers)."""
+        return sum(_memory(layer)["total"] for layer in self.layers)
 
     def memory_report(self) -> list[dict]:
-        return [{"layer": i, **layer.memory()} for i, layer in enumerate(self.layers)]
+        return [{"layer": i, **_memory(layer)} for i, layer in enumerate(self.layers)]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: every row follows ``beam_idx`` in place (the buffers keep their addresses)."""
-        if self.layers[0].is_initialized:
-            self.lengths.reorder(beam_idx.to(self.layers[0].device, torch.long))
+        if self.first_layer.is_initialized:
+            self.lengths.reorder(beam_idx.to(self.first_layer.device, torch.long))
         super().reorder_cache(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.layers[0].is_initialized:
+        if self.first_layer.is_initialized:
             indices = torch.as_tensor(indices)
             if indices.dtype == torch.bool:
                 indices = indices.nonzero().flatten()
-            self.lengths.select(indices.to(self.layers[0].device, torch.long))
+            self.lengths.select(indices.to(self.first_layer.device, torch.long))
         super().batch_select_indices(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.layers[0].is_initialized:
-            first = self.layers[0]
+        if self.first_layer.is_initialized:
+            first = self.first_layer
             self.lengths.select(torch.arange(first.batch_size, device=first.device).repeat_interleave(repeats))
         super().batch_repeat_interleave(repeats)
 
     def compact(self) -> None:
         """Apply the compaction the last step deferred to the next one (a block leaves the window when
         the eager store would have moved it): afterwards the buffers hold what the eager cache holds."""
-        first = self.layers[0]
+        first = self.first_layer
         if not first.is_initialized:
             return
         L = self.lengths
@@ -885,7 +899,7 @@ class StaticCompressedCache(KvcodecCache):
     def crop(self, max_length: int) -> None:
         """Keep the first n tokens (negative: remove that many), as the eager store's ``truncate``:
         compressed tokens past n are dropped, never decompressed back into the window."""
-        if not self.layers[0].is_initialized or max_length == 0:
+        if not self.first_layer.is_initialized or max_length == 0:
             return
         self.compact()
         n = int(self.lengths.seen)
@@ -909,6 +923,9 @@ class StaticCompressedCache(KvcodecCache):
     def _refuse_padded(self, what: str) -> None:
         if self.lengths.padded:
             raise ValueError(f"a static cache of a left-padded batch cannot be {what}: its pad tokens are not stored")
+        if any(not isinstance(layer, StaticCompressedLayer) for layer in self.layers):
+            raise ValueError(f"a static cache with sliding-window layers cannot be {what} (those layers are "
+                             "transformers' own); the eager cache can")
 
     def save(self, path, *, overwrite: bool = False) -> None:
         """Write the cache in the eager cache's format (the same bytes): either cache loads it. An
@@ -930,6 +947,32 @@ class StaticCompressedCache(KvcodecCache):
             raise ValueError("loading a static cache (max_cache_len) needs the model, not only its config")
         eager = load_cache(CompressedCache, path, model.config, device=device, max_output_bytes=max_output_bytes)
         return from_eager(eager, cls(model, **eager.spec.options(), max_cache_len=max_cache_len))
+
+
+def _static_layers(config, spec, max_cache_len, lengths, group, scalings) -> list:
+    """One layer per layer of ``DynamicCache(config=config)``: a StaticCompressedLayer for full attention,
+    transformers' StaticSlidingWindowLayer (exact, a ring of the window's size) for sliding windows."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
+
+    layers = []
+    for i, layer in enumerate(DynamicCache(config=config).layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            window = int(layer.sliding_window)
+            # a growable cache's sliding layers never grow: the window's size (+1: never "croppable")
+            layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len or window + 1, sliding_window=window))
+        else:
+            layers.append(StaticCompressedLayer(spec, i, max_cache_len, lengths, group, scalings.get(i)))
+    return layers
+
+
+def _memory(layer) -> dict:
+    if isinstance(layer, StaticCompressedLayer):
+        return layer.memory()
+    held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor)]
+    exact = sum(t.numel() * t.element_size() for t in held) if layer.is_initialized else 0
+    return {"tokens": int(layer.get_seq_length()) if layer.is_initialized else 0, "exact": exact,
+            "compressed_keys": 0, "compressed_values": 0, "side": 0, "total": exact}
 
 
 PAGE = 4096  # a growable cache's sizes are multiples of this many tokens
@@ -963,7 +1006,7 @@ def _make_room(cache: StaticCompressedCache, q: int) -> None:
     """Host side, before a forward of ``q`` tokens on a growable cache: grow it when they do not fit.
     The count of held tokens is kept on the host (read from the device once after a crop or load), so
     a decode step never waits for the GPU; outside dynamo's graphs (a graph break in a compiled step)."""
-    first = cache.layers[0]
+    first = cache.first_layer
     if not first.is_initialized:
         cache._host_seen = 0
     elif cache._host_seen is None:
@@ -986,7 +1029,10 @@ def static_attention(module, query, key, value, attention_mask, scaling=None, dr
     binding = bound(module)
     layer = None if binding is None else binding.cache.layers[module.layer_idx]
     scaling = module.scaling if scaling is None else scaling
-    if layer is None or layer.prefill_now:
+    if not isinstance(layer, StaticCompressedLayer):  # a sliding-window layer (transformers' own, exact)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if layer.prefill_now:
         if layer is not None:
             _check_prefill(module, layer, key, value, kwargs)
             if scaling != layer.scaling:  # the module's own (host side, before any capture)
@@ -1022,8 +1068,10 @@ def static_mask(*args, **kwargs):
     mask = kwargs.get("attention_mask")
     if cache is None or not isinstance(cache, StaticCompressedCache):
         return None
+    if kwargs.get("local_size") is not None:  # the mask of the sliding-window layers (transformers' own)
+        return sdpa_mask(*args, **kwargs)
     host = not _compiling() and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-    if not cache.layers[0].is_initialized:  # the prefill (its padding: before_forward, or here)
+    if not cache.first_layer.is_initialized:  # the prefill (its padding: before_forward, or here)
         if cache.lengths.prompt_pads is None:
             cache.lengths.prompt_pads = _left_pads(mask, check=host)
         return sdpa_mask(*args, **kwargs)
