@@ -218,6 +218,11 @@ def test_the_default_is_the_growable_static_mode_on_cuda_where_it_holds(model, m
     assert type(CompressedCache(model, **KW, attention=AttentionOptions())) is CompressedCache
     assert type(CompressedCache(model, **KW, max_cache_len=None)) is CompressedCache
     assert type(CompressedCache(model.config, **KW)) is CompressedCache
+    from model_zoo import build
+
+    sliding = build("gemma3_text")[0]  # sliding-window layers: static only when asked for
+    assert type(CompressedCache(sliding, **KW)) is CompressedCache
+    assert type(CompressedCache(sliding, **KW, max_cache_len=64)) is StaticCompressedCache
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3"])

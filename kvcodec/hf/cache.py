@@ -192,8 +192,8 @@ class CompressedCache(KvcodecCache):
         calibration: name of fitted quantizer statistics (kvcodec.hf.fitted: query-aware key scales,
             codebooks fitted to real K/V; opt-in: on SmolLM2 they did not beat the presets, docs/quality.md).
         max_cache_len: "auto" (default): for a model on CUDA with kvcodec's kernels, where the static
-            mode holds the model and options (full attention, TurboQuant MSE keys, 1-4 bits, no
-            outliers), ``CompressedCache(...)`` returns a :class:`~kvcodec.hf.static_cache.StaticCompressedCache`
+            mode holds the model and options (every layer full attention, TurboQuant MSE keys, 1-4
+            bits, no outliers), ``CompressedCache(...)`` returns a :class:`~kvcodec.hf.static_cache.StaticCompressedCache`
             that grows in pages, whose decode step ``generate`` compiles and replays from CUDA graphs;
             otherwise this eager cache. N: the static mode with room for N tokens per sequence.
             None: this eager cache.
@@ -210,9 +210,12 @@ class CompressedCache(KvcodecCache):
             if not _on_cuda_with_kernels(args[0] if args else kwargs.get("config_or_model")):
                 return super().__new__(cls)
             try:
-                return static(*args, max_cache_len=None, **kwargs)
+                cache = static(*args, max_cache_len=None, **kwargs)
             except ValueError:  # a model or option the static mode does not hold: the eager cache
                 return super().__new__(cls)
+            # models with sliding-window layers take the static mode when asked (max_cache_len=N); the
+            # default picks it where every layer is compressed, the configuration run on GPUs so far
+            return cache if cache.all_compressed else super().__new__(cls)
         return static(*args, max_cache_len=max_cache_len, **kwargs)
 
     def __init__(

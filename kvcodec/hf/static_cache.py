@@ -828,6 +828,11 @@ class StaticCompressedCache(KvcodecCache):
         self.first_layer.first = True
         enable_static(model)
 
+    @property
+    def all_compressed(self) -> bool:
+        """Every layer is a compressed one (no sliding-window layers)."""
+        return all(isinstance(layer, StaticCompressedLayer) for layer in self.layers)
+
     def before_forward(self, args: tuple, kwargs: dict) -> None:
         """Before a prefill: the prompt's left padding, from the forward's attention mask (2D, or the 4D
         mask ``generate`` builds for compileable caches, whose last query row is a real token). A
