@@ -947,3 +947,14 @@ def test_decode_plan_is_cached_on_the_call_invariants(monkeypatch):
     args = (q, cache["k_codes"], cache["k_norms"], cache["v_codes"], cache["v_norms"])
     for a, b in zip(decode_attention(*args, torch.tensor([40]), **kw), decode_attention(*args, None, **kw)):
         assert torch.equal(a, b)
+
+
+def test_one_hadamard_for_one_seed():
+    """The kernels' test rotations are kvcodec.quant's own: one generator per (dim, seed, rounds)."""
+    from kvcodec.quant.rotations import rotation_matrix
+
+    for d, seed in ((32, 0), (128, 5)):
+        assert torch.equal(reference.hadamard_rotation(d, seed), rotation_matrix(d, seed, "hadamard"))
+        assert torch.equal(reference.hadamard_rotation(d, seed, rounds=2), rotation_matrix(d, seed, "hadamard2"))
+        assert reference.hadamard_signs(reference.hadamard_rotation(d, seed)) is not None
+        assert reference.hadamard2_signs(reference.hadamard_rotation(d, seed, rounds=2)) is not None

@@ -15,23 +15,23 @@ import math
 import torch
 
 from kvcodec.quant.codebooks import lloyd_max_codebook
+from kvcodec.quant.rotations import rotation_matrix, sylvester_hadamard
 
 
 def hadamard_matrix(dim: int) -> torch.Tensor:
-    """Sylvester Hadamard matrix H_dim (entries +-1, float64); dim must be a power of two."""
+    """Sylvester Hadamard matrix H_dim (entries +-1, float64): ``kvcodec.quant.rotations``' one."""
     if dim < 1 or dim & (dim - 1):
         raise ValueError(f"dim must be a power of two, got {dim}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
+    return torch.from_numpy(sylvester_hadamard(dim))
 
 
-def hadamard_rotation(dim: int, seed: int = 0) -> torch.Tensor:
-    """Randomized Hadamard rotation H diag(s) / sqrt(dim) as float32 [dim, dim] (s: seeded +-1)."""
-    gen = torch.Generator().manual_seed(seed)
-    s = torch.randint(0, 2, (dim,), generator=gen).to(torch.float64) * 2 - 1
-    return (hadamard_matrix(dim) * s / math.sqrt(dim)).to(torch.float32)
+def hadamard_rotation(dim: int, seed: int = 0, rounds: int = 1) -> torch.Tensor:
+    """The randomized Hadamard rotation kvcodec.quant builds for ``seed`` (float32 [dim, dim]):
+    H diag(s) / sqrt(dim) for one round ("hadamard"), H diag(s2) H diag(s1) / dim for two
+    ("hadamard2"); the same matrix as ``kvcodec.quant.rotations.rotation_matrix``."""
+    if rounds not in (1, 2):
+        raise ValueError(f"rounds must be 1 or 2, got {rounds}")
+    return rotation_matrix(dim, seed, "hadamard" if rounds == 1 else "hadamard2").to(torch.float32)
 
 
 def hadamard_signs(rotation: torch.Tensor, atol: float = 1e-6) -> torch.Tensor | None:
