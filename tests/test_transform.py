@@ -320,6 +320,12 @@ def test_forged_headers_are_refused_before_allocation(small_blob, calib):
             T.decode(_remeta(small_blob, **change), calib, max_output_bytes=1 << 26)
     with pytest.raises(CorruptStreamError):
         T.decode(_remeta(small_blob, shape=[L_ + 1, H_, T_, D_]), calib)
+    huge = _remeta(small_blob, shape=[L_, H_, 1 << 24, D_])  # a working set of gigabytes (the most tokens a header may say)
+    with pytest.raises(CorruptStreamError, match="max_output_bytes"):  # the library's default cap
+        T.decode(huge, calib)
+    with pytest.raises(CorruptStreamError) as exc:  # no cap: refused further on (the streams do not fit)
+        T.decode(huge, calib, max_output_bytes=None)
+    assert "max_output_bytes" not in str(exc.value)
 
 
 @pytest.mark.gpu

@@ -117,8 +117,8 @@ def parse_header(meta: dict) -> Header:
 def unpack(blob, calib: Calibration | None, max_output_bytes: int | None = None, check_output: bool = True):
     """Parse and validate a blob against ``calib`` (None: header checks only); returns
     (Header, exact bytes or None, class stream bytes, list of stream byte views).
-    ``max_output_bytes`` (None: ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES``) caps the decoder's
-    working set, 2 * L * H * T * D float32 values; ``check_output=False`` skips that (inspect)."""
+    ``max_output_bytes`` caps the decoder's working set, 2 * L * H * T * D float32 values (None: no
+    cap; the decoding functions default to ``kvcodec.validate.DEFAULT_MAX_OUTPUT_BYTES``); ``check_output=False`` skips that (inspect)."""
     _, meta, sec = container.loads(blob, expect_kind=KIND)
     h = parse_header(meta)
     L, H, T, D = h.shape

@@ -17,6 +17,7 @@ from kvcodec import container, entropy
 from kvcodec.errors import CorruptStreamError
 from kvcodec.transform import blob as fmt
 from kvcodec.transform import coding
+from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
 from kvcodec.transform import quantize as qz
 from kvcodec.transform.allocation import StepModel, solve_step
 from kvcodec.transform.calibration import Calibration
@@ -178,7 +179,7 @@ class _Builder:
 
 
 def decode(blob, calib: Calibration, *, device="cpu", threads: int = 1,
-           max_output_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """keys, values [L, H, T, D] in the stored dtype on ``device`` ("cpu" or a CUDA device: rANS and
     the inverse transform then run on the GPU). Raises CorruptStreamError for a damaged blob and
     ValueError for a blob made with another calibration."""
@@ -191,7 +192,7 @@ class Decoder:
     time the device work alone (benchmarks)."""
 
     def __init__(self, blob, calib: Calibration, *, device="cpu", threads: int = 1,
-                 max_output_bytes: int | None = None):
+                 max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES):
         h, exact, cls_stream, self.streams = fmt.unpack(blob, calib, max_output_bytes)
         self.h, self.calib, self.threads = h, calib, threads
         self.device = torch.device(device)
@@ -263,7 +264,7 @@ def inspect(blob) -> dict:
     }
 
 
-def verify(blob, max_output_bytes: int | None = None) -> int:
+def verify(blob, max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> int:
     """Decode every entropy stream and the exact tokens of a blob without its calibration (what
     ``kvcodec inspect --verify`` can check); returns the number of symbols decoded. Raises
     CorruptStreamError on damage."""
