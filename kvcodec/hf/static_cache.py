@@ -1006,8 +1006,19 @@ def _input_length(args: tuple, kwargs: dict) -> int:
     return args[0].shape[1] if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2 else 0
 
 
-@torch._dynamo.disable
 def _make_room(cache: StaticCompressedCache, q: int) -> None:
+    """``_grow_if_needed`` outside dynamo's graphs (wrapped on first use: importing torch._dynamo
+    costs ~1.6 s, which ``import kvcodec.hf`` should not pay)."""
+    global _room_outside_graphs
+    if _room_outside_graphs is None:
+        _room_outside_graphs = torch.compiler.disable(_grow_if_needed)
+    _room_outside_graphs(cache, q)
+
+
+_room_outside_graphs = None
+
+
+def _grow_if_needed(cache: StaticCompressedCache, q: int) -> None:
     """Host side, before a forward of ``q`` tokens on a growable cache: grow it when they do not fit.
     The count of held tokens is kept on the host (read from the device once after a crop or load), so
     a decode step never waits for the GPU; outside dynamo's graphs (a graph break in a compiled step)."""
