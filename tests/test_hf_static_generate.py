@@ -250,3 +250,13 @@ def test_sliding_window_models_give_the_eager_tokens(arch):
         runs.append(model.generate(torch.cat([first, _ids(1, 9, 8)], dim=1), past_key_values=cache,
                                    max_new_tokens=6, do_sample=False, disable_compile=True))
     assert torch.equal(runs[1], runs[0])
+
+
+def test_prompt_lookup_decoding_gives_the_eager_tokens(model):
+    """Assisted generation (prompt lookup): candidates the model rejects are cropped from the cache
+    (several tokens per forward, then crop); the static cache gives the eager cache's tokens."""
+    ids = torch.tensor([[5, 6, 7, 8, 9] * 3 + [10, 11]])
+    kw = dict(max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3, disable_compile=True)
+    eager = model.generate(ids, past_key_values=CompressedCache(model, **KW), **kw)
+    static = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=64), **kw)
+    assert torch.equal(static, eager)
