@@ -248,6 +248,30 @@ def test_hf_dynamic_cache_round_trip(calib, rope):
         T.encode_cache(DynamicCache(), calib)
 
 
+def test_hf_decode_into_a_static_compressed_cache(calib, rope):
+    """decode_cache into kvcodec's static cache (the default CompressedCache on CUDA; growable here):
+    filled through its eager form, the same compressed bytes as decoding into an eager cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcodec.hf import CompressedCache
+    from kvcodec.hf.static_cache import StaticCompressedCache
+
+    k, v = synthetic_kv(300, seed=5, rope=rope)
+    blob = T.encode(k, v, calib, distortion=0.01, window=16)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=2 * H * D, intermediate_size=32,
+                                         num_hidden_layers=L, num_attention_heads=2 * H, num_key_value_heads=H,
+                                         head_dim=D)).eval()
+    kw = dict(method="turboquant", key_bits=4, value_bits=4, residual=16, block_size=16)
+    static = T.decode_cache(blob, calib, cache=StaticCompressedCache(model, **kw, max_cache_len=None))
+    eager = T.decode_cache(blob, calib, cache=CompressedCache(model.config, **kw))
+    assert int(static.lengths.seen) == 300 and static.first_layer.max_cache_len >= 300
+    back = static.to_eager()
+    for a, b in zip(back.layers, eager.layers):
+        (ka, va), (kb, vb) = a.store.materialize(), b.store.materialize()
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 # ------------------------------------------------------------------------------ corruption
 @pytest.fixture(scope="module")
 def small_blob(calib, rope):

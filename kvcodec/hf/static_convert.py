@@ -54,7 +54,14 @@ def from_eager(eager, static):
     """Fill ``static``, a fresh static cache built with ``eager``'s options, with an eager CompressedCache's
     tokens (same bytes) and return it. ValueError when the static mode cannot hold them (too many tokens,
     fewer tokens than the sink, a window longer than the eager store ever leaves)."""
-    max_cache_len = static.layers[0].max_cache_len
+    if not static.all_compressed:
+        raise ValueError("a static cache with sliding-window layers is not filled from an eager cache")
+    if static.growable:  # room for what the eager cache holds
+        from kvcodec.hf.static_cache import grown_capacity
+
+        held = max((len(layer.store) for layer in eager.layers if layer.store is not None), default=0)
+        static.grow(grown_capacity(held))
+    max_cache_len = static.first_layer.max_cache_len
     spec = static.spec
     for le, ls in zip(eager.layers, static.layers):
         store = le.store
