@@ -175,7 +175,7 @@ def test_static_mode_refuses_what_it_cannot_serve_when_built():
     with pytest.raises(ValueError, match="no full-attention layer"):
         CompressedCache(model, method="turboquant", max_cache_len=128)
     model = build("gemma2")[0]
-    with pytest.raises(ValueError, match="soft-capping"):
+    with pytest.raises(ValueError, match="soft-caps"):
         CompressedCache(model, method="turboquant", max_cache_len=128)
     model = build("llama")[0]
     CompressedCache(model, method="turboquant", max_cache_len=128)  # accepted

@@ -225,7 +225,7 @@ def test_the_default_is_the_growable_static_mode_on_cuda_where_it_holds(model, m
     assert type(CompressedCache(sliding, **KW, max_cache_len=64)) is StaticCompressedCache
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3", "gpt_oss"])  # gpt_oss: sinks, eager attention
 def test_sliding_window_models_give_the_eager_tokens(arch):
     """Full-attention layers compressed, sliding-window layers (8-token windows here) held exact by
     transformers' StaticSlidingWindowLayer: a left-padded batch, beams and a continued conversation

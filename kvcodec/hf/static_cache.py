@@ -74,6 +74,7 @@ from kvcodec.quant import QuantizedTensor
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
 
 NAME = "kvcodec_static"
+EAGER_NAME = NAME + "_eager"  # the same attention, for models that attend with their eager attention (sinks)
 _EMPTY_SLOT = 1 << 62  # key_pos of a ring slot that holds no token: after every query position
 
 
@@ -104,9 +105,8 @@ def _check_model(model, spec) -> None:
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(f"static mode: {type(model).__name__} does not attend through transformers' attention "
                          f"interface: {eager}")
-    if not getattr(model, "_supports_sdpa", True) or getattr(text, "attn_logit_softcapping", None):
-        raise ValueError(f"static mode: {type(model).__name__} needs soft-capping or sink logits in its attention "
-                         f"(it cannot run SDPA): {eager}")
+    if getattr(text, "attn_logit_softcapping", None):
+        raise ValueError(f"static mode: {type(model).__name__} soft-caps its attention scores: {eager}")
     if getattr(text, "kv_lora_rank", None):
         raise ValueError(f"static mode: {type(model).__name__} attends a latent K/V (MLA): {eager}")
     if getattr(text, "model_type", None) in _TRANSFORMED_KV:
@@ -120,13 +120,13 @@ def _check_model(model, spec) -> None:
     if DynamicLayer not in kinds:
         raise ValueError(f"static mode: {type(model).__name__} has no full-attention layer to compress: {eager}")
     if spec.value_dim != spec.head_dim:
-        raise ValueError(f"max_cache_len (static mode) needs keys and values of one head dim; this model has "
-                         f"{spec.head_dim} and {spec.value_dim} (MLA): use CompressedCache(model, ...) without max_cache_len")
+        raise ValueError(f"static mode needs keys and values of one head dim; this model has {spec.head_dim} and "
+                         f"{spec.value_dim}: {eager}")
 
 
 def _check_supported(spec) -> None:
     if spec.method != "turboquant" or spec.key_mode != "mse" or spec.outliers:
-        raise ValueError("max_cache_len (static mode) supports method='turboquant' with key_mode='mse' and no outliers")
+        raise ValueError("static mode supports method='turboquant' with key_mode='mse' and no outliers")
     for name, bits in (("key_bits", spec.key_bits), ("value_bits", spec.value_bits)):
         for b in bits if isinstance(bits, tuple) else (bits,):  # one width, or one per layer
             if not 1 <= b <= 4:
@@ -623,7 +623,29 @@ class StaticCompressedLayer(CacheLayerMixin):
         return new_center.float(), new_scale.float()
 
     # ------------------------------------------------------------------ many tokens at once
-    def _attend_long(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _sink_logits(self, query: torch.Tensor, consts, sinks, scaling: float):
+        """Sink logits [B, H_kv, G*Tq, 1] in the kernel's score domain (which lacks each query's
+        ``scaling * q . centre``), or None: they join the softmax with no value (GPT-OSS)."""
+        if sinks is None:
+            return None
+        B, Hq, Tq, D = query.shape
+        H = self.num_heads
+        G = Hq // H
+        sink = sinks.float().view(1, H, G, 1).expand(B, H, G, Tq).reshape(B, H, G * Tq, 1)
+        if consts.k_center is not None:
+            q = query.float().reshape(B, H, G * Tq, D)
+            sink = sink - scaling * (q * consts.k_center).sum(-1, keepdim=True)
+        return sink
+
+    @staticmethod
+    def _merge(lse, s, sink, values_part, out_c):
+        """One softmax over [compressed pseudo-key | exact keys | sink]; the sink has no value."""
+        logits = [lse, s] if sink is None else [lse, s, sink]
+        p = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+        n = s.shape[-1]
+        return torch.addcmul(p[..., 1:1 + n] @ values_part, p[..., :1], out_c)
+
+    def _attend_long(self, query: torch.Tensor, scaling: float, sinks=None) -> torch.Tensor:
         """Attention of a forward of more than ``block_size`` new tokens (host side): the held tokens
         as before it (compressed by the kernel, the sink and ring exact) and the new tokens exact and
         causal, as the eager cache attends them; then the new tokens are stored (``_store_long``)."""
@@ -636,8 +658,8 @@ class StaticCompressedLayer(CacheLayerMixin):
         q, out_c, lse = attend_packed(query, self.packed["k"], self.packed["v"], consts, lg.comp_lens)
         keys = torch.addcmul(consts.k_add, torch.cat([self.exact_k, k_new], dim=2), consts.k_mul)
         s = (q @ keys.transpose(-1, -2)).view(B, H, G, Tq, E + Tq) + lg.bias[:, None, None]
-        p = torch.softmax(torch.cat([lse, s.view(B, H, G * Tq, E + Tq)], dim=-1), dim=-1)
-        out = torch.addcmul(p[..., 1:] @ torch.cat([self.exact_v, v_new], dim=2), p[..., :1], out_c)
+        sink = self._sink_logits(query, consts, sinks, scaling)
+        out = self._merge(lse, s.view(B, H, G * Tq, E + Tq), sink, torch.cat([self.exact_v, v_new], dim=2), out_c)
         self._store_long()
         return out.view(B, H, G, Tq, D).reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
 
@@ -666,12 +688,12 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.exact_v.index_copy_(2, L.slot_of(new_pos[keep]), v_new[:, :, keep])
 
     # ------------------------------------------------------------------ attention
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of query [B, Hq, Tq, D] over every held token (the Tq newest are the queries'
         own); returns [B, Tq, Hq, D] in the query dtype. The compressed tokens by the kernel
         (``attend_packed``), the sink and ring in the kernel's query domain, one softmax."""
         if self.long_kv is not None:
-            return self._attend_long(query, scaling)
+            return self._attend_long(query, scaling, sinks)
         B, Hq, Tq, D = query.shape
         H, E = self.num_heads, self.exact_k.shape[-2]
         G = Hq // H
@@ -682,8 +704,8 @@ class StaticCompressedLayer(CacheLayerMixin):
         q, out_c, lse = attend_packed(query, self.packed["k"], self.packed["v"], consts, self.lengths.comp_lens)
         keys = torch.addcmul(consts.k_add, self.exact_k, consts.k_mul)  # scaling * (k - center) / scale
         s = (q @ keys.transpose(-1, -2)).view(B, H, G, Tq, E) + self.lengths.bias[:, None, None, :Tq]
-        p = torch.softmax(torch.cat([lse, s.view(B, H, G * Tq, E)], dim=-1), dim=-1)
-        out = torch.addcmul(p[..., 1:] @ self.exact_v, p[..., :1], out_c)
+        out = self._merge(lse, s.view(B, H, G * Tq, E), self._sink_logits(query, consts, sinks, scaling),
+                          self.exact_v, out_c)
         return out.view(B, H, G, Tq, D).reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
 
     # ------------------------------------------------------------------ sizes and edits
@@ -802,6 +824,8 @@ class StaticCompressedCache(KvcodecCache):
                                           or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be a positive integer or None (grow), got {max_cache_len!r}")
         self.growable = max_cache_len is None
+        # models that cannot run SDPA (sink logits) keep their eager attention for the exact tokens
+        self.attention_name = NAME if getattr(config_or_model, "_supports_sdpa", True) else EAGER_NAME
         self._host_seen = None  # tokens held, counted on the host by before_forward (growable caches)
         if attention is not None:
             raise ValueError("attention options are the eager cache's; the static mode always runs its own path")
@@ -1038,59 +1062,89 @@ def _grow_if_needed(cache: StaticCompressedCache, q: int) -> None:
 
 
 def static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface ``"kvcodec_static"``: the bound static cache's layer attends; transformers'
-    SDPA for the prefill (the exact prompt with the mask ``static_mask`` built, like the eager cache)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """AttentionInterface ``"kvcodec_static"`` (and ``"kvcodec_static_eager"``): the bound static cache's
+    compressed layer attends; the prefill (the exact prompt, like the eager cache) and the sliding-window
+    layers go to transformers' SDPA, or to the model's own eager attention for models that cannot run
+    SDPA (sink logits: GPT-OSS), with the mask ``static_mask`` built in that format."""
     binding = bound(module)
-    layer = None if binding is None else binding.cache.layers[module.layer_idx]
+    cache = None if binding is None else binding.cache
+    layer = None if cache is None else cache.layers[module.layer_idx]
     scaling = module.scaling if scaling is None else scaling
-    if not isinstance(layer, StaticCompressedLayer):  # a sliding-window layer (transformers' own, exact)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    if layer.prefill_now:
-        if layer is not None:
+    if not isinstance(layer, StaticCompressedLayer) or layer.prefill_now:
+        if isinstance(layer, StaticCompressedLayer):
             _check_prefill(module, layer, key, value, kwargs)
             if scaling != layer.scaling:  # the module's own (host side, before any capture)
                 layer.set_scaling(scaling)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    return layer.attend(query, scaling), None
+        delegate = _delegate(module, cache)
+        return delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return layer.attend(query, scaling, _sinks(module, kwargs)), None
+
+
+def _delegate(module, cache):
+    """The attention the static cache hands exact tokens to: SDPA, or the model's eager attention."""
+    if getattr(cache, "attention_name", NAME) == EAGER_NAME:
+        from kvcodec.hf.attention import _eager_function
+
+        return _eager_function(module)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def _sinks(module, kwargs):
+    """The layer's sink logits [heads] (GPT-OSS passes them as ``s_aux`` and keeps them as ``sinks``)."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
 
 
 def _check_prefill(module, layer, key, value, kwargs) -> None:
-    """The prefill's attention must receive what the layer's ``update`` returned, and plain softmax
-    scores: a model that attends K/V computed from its cache entries, or with soft-capping or sink
-    logits, would be mis-attended by every later step. Refused loudly on the first forward."""
+    """The prefill's attention must receive what the layer's ``update`` returned, and no soft-capping:
+    a model that attends K/V computed from its cache entries would be mis-attended by every later
+    step. Refused loudly on the first forward."""
     handed = layer.handed
     layer.handed = (None, None)
     if handed[0] is not key or handed[1] is not value:
         raise RuntimeError(f"layer {layer.layer_idx} of {type(module).__name__} attends K/V computed from its cache "
                            "entries, which the static mode cannot serve: CompressedCache(model, ..., max_cache_len=None)")
-    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise RuntimeError(f"{type(module).__name__} uses soft-capping or sink logits, which the static mode does "
+    if kwargs.get("softcap"):
+        raise RuntimeError(f"{type(module).__name__} soft-caps its attention scores, which the static mode does "
                            "not apply: CompressedCache(model, ..., max_cache_len=None)")
 
 
 def static_mask(*args, **kwargs):
-    """Mask function of ``"kvcodec_static"``. The prefill gets transformers' SDPA mask over the prompt
-    (padding included), and the prompt's left padding is handed to the cache; a decode step builds no
-    mask (the cache masks by token position and padding). Padding that is not on the left, or that
-    changes after the prefill, raises ValueError (checked outside compiled or captured code)."""
+    """Mask function of ``"kvcodec_static"``: SDPA's boolean masks (``static_eager_mask``: eager's
+    additive ones). The prefill gets transformers' mask over the prompt (padding included), and the
+    prompt's left padding is handed to the cache; sliding-window layers get transformers' sliding
+    mask; a decode step of the compressed layers builds none (the cache masks by token position and
+    padding). Padding that is not on the left, or that changes after the prefill, raises ValueError
+    (checked outside compiled or captured code)."""
     from transformers.masking_utils import sdpa_mask
 
+    return _static_mask(sdpa_mask, *args, **kwargs)
+
+
+def static_eager_mask(*args, **kwargs):
+    """``static_mask`` with eager's additive float masks (models that attend with their eager attention)."""
+    from transformers.masking_utils import eager_mask
+
+    return _static_mask(eager_mask, *args, **kwargs)
+
+
+def _static_mask(build, *args, **kwargs):
     binding = getattr(kwargs.get("config"), BOUND_ATTR, None)
     cache = None if binding is None else binding.cache
     mask = kwargs.get("attention_mask")
     if cache is None or not isinstance(cache, StaticCompressedCache):
         return None
     if kwargs.get("local_size") is not None:  # the mask of the sliding-window layers (transformers' own)
-        return sdpa_mask(*args, **kwargs)
+        return build(*args, **kwargs)
     host = not _compiling() and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     if not cache.first_layer.is_initialized:  # the prefill (its padding: before_forward, or here)
         if cache.lengths.prompt_pads is None:
             cache.lengths.prompt_pads = _left_pads(mask, check=host)
-        return sdpa_mask(*args, **kwargs)
+        return build(*args, **kwargs)
     if host and mask is not None and mask.dim() == 2 and mask.shape[-1] == int(cache.lengths.seen) + kwargs.get("q_length", 1):
         pads = cache.lengths.pads
         want = torch.arange(mask.shape[-1], device=mask.device)[None, :] >= pads.to(mask.device)[:, None]
@@ -1120,6 +1174,8 @@ def enable_static(model: torch.nn.Module) -> torch.nn.Module:
 
     AttentionInterface.register(NAME, static_attention)
     AttentionMaskInterface.register(NAME, static_mask)
+    AttentionInterface.register(EAGER_NAME, static_attention)
+    AttentionMaskInterface.register(EAGER_NAME, static_eager_mask)
     return attach(model)
 
 
