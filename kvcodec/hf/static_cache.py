@@ -876,6 +876,23 @@ class StaticCompressedCache(KvcodecCache):
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             self.lengths.prompt_pads = _left_pads(mask, check=not _compiling())
 
+    def make_room(self, tokens: int) -> None:
+        """A growable cache's size for ``tokens`` held (``grown_capacity``), grown if it is smaller."""
+        current = self.first_layer.max_cache_len or 0
+        if tokens > current:
+            self.grow(grown_capacity(tokens, current))
+
+    def fill(self, keys: torch.Tensor, values: torch.Tensor) -> "StaticCompressedCache":
+        """Fill an empty cache with dense K/V [layers, batch, heads, tokens, dim] (a stored prefix):
+        compressed as the eager cache compresses them (through its eager form, the same bytes)."""
+        from kvcodec.hf.cache import CompressedCache
+        from kvcodec.hf.static_convert import from_eager
+
+        eager = CompressedCache(self.config, **self.spec.options(), max_cache_len=None)
+        for i in range(keys.shape[0]):
+            eager.update(keys[i], values[i], i)
+        return from_eager(eager, self)
+
     def grow(self, max_cache_len: int) -> None:
         """Room for ``max_cache_len`` tokens per sequence: larger buffers, the held tokens copied, launch
         plans built anew (host side; a compiled step recompiles or re-captures for the new shapes)."""

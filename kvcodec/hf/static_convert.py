@@ -57,10 +57,7 @@ def from_eager(eager, static):
     if not static.all_compressed:
         raise ValueError("a static cache with sliding-window layers is not filled from an eager cache")
     if static.growable:  # room for what the eager cache holds
-        from kvcodec.hf.static_cache import grown_capacity
-
-        held = max((len(layer.store) for layer in eager.layers if layer.store is not None), default=0)
-        static.grow(grown_capacity(held))
+        static.make_room(max((len(layer.store) for layer in eager.layers if layer.store is not None), default=0))
     max_cache_len = static.first_layer.max_cache_len
     spec = static.spec
     for le, ls in zip(eager.layers, static.layers):

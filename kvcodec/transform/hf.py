@@ -76,18 +76,10 @@ def decode_cache(blob, calib: Calibration, *, device="cpu", config=None, cache=N
         cache = DynamicCache(config=config) if config is not None else DynamicCache()
     elif cache.get_seq_length() != 0:
         raise ValueError("decode_cache fills an empty cache; this one already holds tokens")
-    static = callable(getattr(cache, "to_eager", None))  # kvcodec's static cache: filled through its eager form
-    target = cache
-    if static:
-        from kvcodec.hf.cache import CompressedCache
-
-        target = CompressedCache(cache.config, **cache.spec.options(), max_cache_len=None)
+    if callable(getattr(cache, "fill", None)):  # kvcodec's static cache: filled as a whole
+        return cache.fill(keys[:, None], values[:, None])
     for i in range(keys.shape[0]):
-        target.update(keys[i][None], values[i][None], i)
-    if static:
-        from kvcodec.hf.static_convert import from_eager
-
-        from_eager(target, cache)
+        cache.update(keys[i][None], values[i][None], i)
     return cache
 
 
