@@ -43,8 +43,8 @@ Every kernel the step launches has its launch plan built before any capture, whe
 described, and pinned to the layer (``kvcodec.device.plans``): a compiled or captured step allocates
 nothing that outlives it, whatever other caches do to the plan caches in between.
 
-Sliding-window (and chunked) layers are transformers' own ``StaticSlidingWindowLayer``: exact, attended
-by transformers' SDPA with its sliding mask. Full-attention layers are the compressed ones.
+Sliding-window layers are transformers' own ``StaticSlidingWindowLayer``: exact, attended by
+transformers' SDPA (or the model's eager attention) with its sliding mask. Full-attention layers are the compressed ones.
 
 Limits (ValueError when built): the model (its attention is switched to ``"kvcodec_static"``)
 attending through transformers' attention interface with plain softmax scores (``_check_model``);
@@ -109,6 +109,10 @@ def _check_model(model, spec) -> None:
         raise ValueError(f"static mode: {type(model).__name__} soft-caps its attention scores: {eager}")
     if getattr(text, "kv_lora_rank", None):
         raise ValueError(f"static mode: {type(model).__name__} attends a latent K/V (MLA): {eager}")
+    if getattr(text, "attention_chunk_size", None):  # (generate's masks for compileable caches fail on 5.17)
+        raise ValueError(f"static mode: {type(model).__name__} uses chunked attention: {eager}")
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise ValueError(f"static mode: {type(model).__name__} shares K/V between layers: {eager}")
     if getattr(text, "model_type", None) in _TRANSFORMED_KV:
         raise ValueError(f"static mode: {type(model).__name__} {_TRANSFORMED_KV[text.model_type]}: {eager}")
 
@@ -997,7 +1001,7 @@ class StaticCompressedCache(KvcodecCache):
 
 def _static_layers(config, spec, max_cache_len, lengths, group, scalings) -> list:
     """One layer per layer of ``DynamicCache(config=config)``: a StaticCompressedLayer for full attention,
-    transformers' StaticSlidingWindowLayer (exact, a ring of the window's size) for sliding windows."""
+    transformers' StaticSlidingWindowLayer (exact, the window's size) for sliding windows."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
