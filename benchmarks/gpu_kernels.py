@@ -569,8 +569,11 @@ def precompile(calls) -> int:
     from kvcodec.device import build
     from kvcodec.quant.cuda import attention
 
+    from kvcodec.device.plans import PlanCache
+
     jobs = set()
-    real, saved = build.get_function, dict(attention._plans)
+    real, saved = build.get_function, attention._plans
+    attention._plans = PlanCache("recorded decode attention", attention.MAX_PLANS)  # dropped afterwards
 
     def record(source, name, defines=(), arch=None):
         jobs.add((name, tuple(defines), arch))
@@ -586,8 +589,7 @@ def precompile(calls) -> int:
                            kw.get("qjl_matrix"), None, None, extra.get("tokens_per_warp"), extra["variant"])
     finally:
         build.get_function = real
-        attention._plans.clear()
-        attention._plans.update(saved)
+        attention._plans = saved
     if jobs:
         with ProcessPoolExecutor(min(16, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as ex:
             list(ex.map(_compile_one, sorted(jobs, key=str)))
@@ -729,10 +731,7 @@ def trace_phases() -> list[dict]:
 
 def run_fused_study(out_dir: str) -> dict:
     """``--fused``: checks of every launch mode, kernel table, split sizes, per-kernel device times.
-    The launcher's automatic choice is allowed to pick the one-launch kernel here (what would ship)."""
-    from kvcodec.quant.cuda import attention
-
-    attention.FUSED_BY_DEFAULT = True
+    The launcher's automatic choice picks the one-launch kernel wherever it applies (what ships)."""
     t0 = time.time()
     rec = machine_record()
     rec["gpu"] = torch.cuda.get_device_name(0)

@@ -40,7 +40,6 @@ def stub(monkeypatch):
     monkeypatch.setattr(build, "cupy_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(split_size, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention, "_plans", PlanCache("decode attention", attention.MAX_PLANS))
-    monkeypatch.setattr(attention, "FUSED_BY_DEFAULT", True)
     return kernels
 
 

@@ -404,16 +404,12 @@ def _scratch_layout(*nbytes) -> tuple:
     return (*offsets, total)
 
 
-# Whether the launcher picks the one-launch kernel wherever it applies (KernelVariant.fused=None):
-# measured as fast or faster than the three launches on every shape of the kernel table (H200,
-# CHANGELOG.md, 2026-11-24); False: three launches unless a variant asks for one.
-FUSED_BY_DEFAULT = True
-
-
 def use_fused(variant: KernelVariant, qjl: bool, tcap: int, tokens_per_warp: int | None) -> bool:
-    """Whether a call runs the one-launch kernel: it takes MSE keys only (prod keys: three launches)
-    and at most FUSED_MAX_BLOCKS blocks per tile (an explicit ``tokens_per_warp`` may ask for more)."""
-    if variant.fused is False or qjl or (variant.fused is None and not FUSED_BY_DEFAULT):
+    """Whether a call runs the one-launch kernel: wherever it applies unless the variant says
+    ``fused=False`` (measured as fast or faster than the three launches on every shape of the kernel
+    table, H200, CHANGELOG.md 2026-11-24). It takes MSE keys only (prod keys: three launches) and at
+    most FUSED_MAX_BLOCKS blocks per tile (an explicit ``tokens_per_warp`` may ask for more)."""
+    if variant.fused is False or qjl:
         return False
     return not (tokens_per_warp and -(-tcap // tokens_per_warp) > WARPS_PER_BLOCK * FUSED_MAX_BLOCKS)
 
