@@ -289,3 +289,30 @@ def test_the_default_cache_on_cuda_is_the_compiled_static_mode():
         static_cache.PAGE, static_cache.HEADROOM = old
         torch._dynamo.reset()
     _same_run(*runs)
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="needs torch.library.custom_op")
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])  # sliding layers; gpt_oss: sinks, eager attention
+def test_sliding_and_sink_models_on_the_compiled_static_mode(arch):
+    """Models with sliding-window layers (transformers' StaticSlidingWindowLayer beside the compressed
+    full-attention layers) and sink logits, through generate's own compile on CUDA: the run agrees
+    with the same cache uncompiled, and the first step with the eager compressed cache."""
+    import torch._dynamo
+    from model_zoo import build
+
+    from kvcodec.hf import CompressedCache
+
+    torch._dynamo.reset()
+    model = build(arch, head_dim=64)[0].to("cuda", torch.bfloat16)
+    ids = torch.randint(3, 160, (2, 48), generator=torch.Generator().manual_seed(2)).cuda()
+    runs = []
+    for compiled in (False, True):
+        cache = CompressedCache(model, **KW, max_cache_len=96)
+        runs.append(model.generate(ids, past_key_values=cache, max_new_tokens=24, do_sample=False,
+                                   output_logits=True, return_dict_in_generate=True, disable_compile=not compiled))
+    eager = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=None), max_new_tokens=1,
+                           do_sample=False, output_logits=True, return_dict_in_generate=True)
+    torch._dynamo.reset()
+    _same_run(*runs)
+    first, ref = runs[0].logits[0].float(), eager.logits[0].float()
+    assert float((first - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
