@@ -260,3 +260,16 @@ def test_prompt_lookup_decoding_gives_the_eager_tokens(model):
     eager = model.generate(ids, past_key_values=CompressedCache(model, **KW), **kw)
     static = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=64), **kw)
     assert torch.equal(static, eager)
+
+
+def test_a_long_continuation_after_the_preconditioner_was_fitted_in_decode(model):
+    """A prompt too short to compact, decode steps that fit the key preconditioner on the device, then
+    more than block_size tokens at once: attended with the fitted constants (they were stale: 6e-4)."""
+    with torch.no_grad():
+        runs = []
+        for cache in (CompressedCache(model, **KW), CompressedCache(model, **KW, max_cache_len=64)):
+            out = [model(_ids(2, 5, 1), past_key_values=cache).logits[:, -1]]
+            out += [model(_ids(2, 1, 10 + i), past_key_values=cache).logits[:, -1] for i in range(9)]
+            out += [model(ids, past_key_values=cache).logits[:, -1] for ids in (_ids(2, 9, 3), _ids(2, 1, 4))]
+            runs.append(torch.stack(out))
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=1e-5)

@@ -626,7 +626,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         s16.copy_(torch.where(store, new_scale, s16))
         return new_center.float(), new_scale.float()
 
-    # ------------------------------------------------------------------ many tokens at once
+    # ------------------------------------------------------------------ attention parts
     def _sink_logits(self, query: torch.Tensor, consts, sinks, scaling: float):
         """Sink logits [B, H_kv, G*Tq, 1] in the kernel's score domain (which lacks each query's
         ``scaling * q . centre``), or None: they join the softmax with no value (GPT-OSS)."""
@@ -649,26 +649,8 @@ class StaticCompressedLayer(CacheLayerMixin):
         n = s.shape[-1]
         return torch.addcmul(p[..., 1:1 + n] @ values_part, p[..., :1], out_c)
 
-    def _attend_long(self, query: torch.Tensor, scaling: float, sinks=None) -> torch.Tensor:
-        """Attention of a forward of more than ``block_size`` new tokens (host side): the held tokens
-        as before it (compressed by the kernel, the sink and ring exact) and the new tokens exact and
-        causal, as the eager cache attends them; then the new tokens are stored (``_store_long``)."""
-        B, Hq, Tq, D = query.shape
-        H, E, lg = self.num_heads, self.exact_k.shape[-2], self.lengths.long
-        G = Hq // H
-        k_new, v_new = self.long_kv
-        consts = self.consts if scaling == self.scaling else PackedConsts.build(
-            self.packed["k"], self.packed["v"], scaling, Hq, self.device)
-        q, out_c, lse = attend_packed(query, self.packed["k"], self.packed["v"], consts, lg.comp_lens)
-        keys = torch.addcmul(consts.k_add, torch.cat([self.exact_k, k_new], dim=2), consts.k_mul)
-        s = (q @ keys.transpose(-1, -2)).view(B, H, G, Tq, E + Tq) + lg.bias[:, None, None]
-        sink = self._sink_logits(query, consts, sinks, scaling)
-        out = self._merge(lse, s.view(B, H, G * Tq, E + Tq), sink, torch.cat([self.exact_v, v_new], dim=2), out_c)
-        self._store_long()
-        return out.view(B, H, G, Tq, D).reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
-
     def _store_long(self) -> None:
-        """After ``_attend_long``: the tokens that leave the window (as the eager store compacts after
+        """After ``attend`` of a forward of more than ``block_size`` tokens: the tokens that leave the window (as the eager store compacts after
         the forward) go to compressed slots, the others to the ring."""
         L, lg, S = self.lengths, self.lengths.long, self.sink
         k_new, v_new = self.long_kv
@@ -695,21 +677,32 @@ class StaticCompressedLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of query [B, Hq, Tq, D] over every held token (the Tq newest are the queries'
         own); returns [B, Tq, Hq, D] in the query dtype. The compressed tokens by the kernel
-        (``attend_packed``), the sink and ring in the kernel's query domain, one softmax."""
-        if self.long_kv is not None:
-            return self._attend_long(query, scaling, sinks)
+        (``attend_packed``), the sink and ring in the kernel's query domain, one softmax. A forward of
+        more than ``block_size`` tokens (host side, ``long_kv``) attends the held tokens as they were
+        before it and its own tokens exact and causal, as the eager cache does; they are stored after
+        (``_store_long``)."""
         B, Hq, Tq, D = query.shape
-        H, E = self.num_heads, self.exact_k.shape[-2]
+        H = self.num_heads
         G = Hq // H
         consts = self.consts
-        if self.device_fit or scaling != self.scaling:  # fitted in this very step, or another scaling:
-            # this step's constants (nothing a captured step allocates may outlive it)
+        if self.device_fit or scaling != self.scaling:  # fitted in this very step (or earlier, in place),
+            # or another scaling: this step's constants (nothing a captured step allocates may outlive it)
             consts = PackedConsts.build(self.packed["k"], self.packed["v"], scaling, Hq, self.device)
-        q, out_c, lse = attend_packed(query, self.packed["k"], self.packed["v"], consts, self.lengths.comp_lens)
-        keys = torch.addcmul(consts.k_add, self.exact_k, consts.k_mul)  # scaling * (k - center) / scale
-        s = (q @ keys.transpose(-1, -2)).view(B, H, G, Tq, E) + self.lengths.bias[:, None, None, :Tq]
-        out = self._merge(lse, s.view(B, H, G * Tq, E), self._sink_logits(query, consts, sinks, scaling),
-                          self.exact_v, out_c)
+        if self.long_kv is None:
+            lens, bias = self.lengths.comp_lens, self.lengths.bias[:, None, None, :Tq]
+            exact_k, exact_v = self.exact_k, self.exact_v
+        else:
+            lens, bias = self.lengths.long.comp_lens, self.lengths.long.bias[:, None, None]
+            exact_k = torch.cat([self.exact_k, self.long_kv[0]], dim=2)
+            exact_v = torch.cat([self.exact_v, self.long_kv[1]], dim=2)
+        E = exact_k.shape[-2]
+        q, out_c, lse = attend_packed(query, self.packed["k"], self.packed["v"], consts, lens)
+        keys = torch.addcmul(consts.k_add, exact_k, consts.k_mul)  # scaling * (k - center) / scale
+        s = (q @ keys.transpose(-1, -2)).view(B, H, G, Tq, E) + bias
+        out = self._merge(lse, s.view(B, H, G * Tq, E), self._sink_logits(query, consts, sinks, scaling), exact_v,
+                          out_c)
+        if self.long_kv is not None:
+            self._store_long()
         return out.view(B, H, G, Tq, D).reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype).contiguous()
 
     # ------------------------------------------------------------------ sizes and edits
