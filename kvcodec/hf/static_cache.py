@@ -181,19 +181,25 @@ class SharedLengths:
         ``dump`` is the spare compressed slot pads are written to."""
         if self.batch == batch and self.seen.device == device:
             return
-        bs, e = self.block, self.sink + self.ring
+        bs = self.block
         z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         self.batch, self.dump = batch, dump
         self.seen, self.comp, self.move = z(()), z(()), z((), dt=torch.bool)
         self.pads, self.skip = z(batch), z(batch)
-        self.comp_lens = z(batch, dt=torch.int32)
         self.key_pos = self._empty_positions(device)
         self.arange = torch.arange(bs, device=device)
         self.slots, self.blk_slots = z(bs), z(bs)
-        self.dest, self.blk_dest = z(batch, bs), z(batch, bs)
-        self.bias = z(batch, bs, e, dt=torch.float32)
+        self._allocate_rows(batch, device)
         for t in self.tensors():
             _mark_static(t)
+
+    def _allocate_rows(self, batch: int, device: torch.device) -> None:
+        """The per-row step buffers (lengths, compressed slots, mask) for ``batch`` rows."""
+        bs, e = self.block, self.sink + self.ring
+        self.comp_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.dest = torch.zeros(batch, bs, dtype=torch.int64, device=device)
+        self.blk_dest = torch.zeros(batch, bs, dtype=torch.int64, device=device)
+        self.bias = torch.zeros(batch, bs, e, dtype=torch.float32, device=device)
 
     def _empty_positions(self, device) -> torch.Tensor:
         return torch.cat([torch.arange(self.sink), torch.full((self.ring,), _EMPTY_SLOT)]).to(device)
@@ -300,13 +306,9 @@ class SharedLengths:
 
     def select(self, idx: torch.Tensor) -> None:
         """Rows ``idx`` of the batch (another size: new per-row buffers)."""
-        pads, skip, batch = self.pads.index_select(0, idx), self.skip.index_select(0, idx), int(idx.numel())
-        dev, bs, e = self.pads.device, self.block, self.sink + self.ring
-        self.pads, self.skip, self.batch = pads, skip, batch
-        self.comp_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
-        self.dest = torch.zeros(batch, bs, dtype=torch.int64, device=dev)
-        self.blk_dest = torch.zeros(batch, bs, dtype=torch.int64, device=dev)
-        self.bias = torch.zeros(batch, bs, e, dtype=torch.float32, device=dev)
+        self.pads, self.skip = self.pads.index_select(0, idx), self.skip.index_select(0, idx)
+        self.batch = int(idx.numel())
+        self._allocate_rows(self.batch, self.pads.device)
         self._update_lens()
         for t in (self.pads, self.skip, self.comp_lens, self.dest, self.blk_dest, self.bias):
             _mark_static(t)
@@ -419,13 +421,15 @@ class StaticCompressedLayer(CacheLayerMixin):
             _mark_static(cb)
             self.packed[side] = dataclasses.replace(p, rotation=rot, codebook=cb)
         self.norm_correction = {"k": self.kc.q_config()["norm_correction"], "v": self.vc.q_config()["norm_correction"]}
-        self.consts = None
-        self._refresh_consts()
-        self._warm_kernels()
+        self._new_consts()
 
     def set_scaling(self, scaling: float) -> None:
         """The attention module's scaling, seen at the prefill (host side): constants and plans anew."""
         self.scaling = float(scaling)
+        self._new_consts()
+
+    def _new_consts(self) -> None:
+        """Constants built anew (not in place) and the kernels' plans for them, pinned."""
         self.consts = None
         self._refresh_consts()
         self._warm_kernels()
