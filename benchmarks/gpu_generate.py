@@ -67,6 +67,7 @@ RESIDUAL = 128
 LIMIT_80GB = 80e9
 QUANTO_MAX_TOKENS = 8 * 32768
 SLOW_STATIC_TOKENS = 32768
+KVC_OPTIONS = dict(method="turboquant", key_bits=BITS[0], value_bits=BITS[1], residual=RESIDUAL)
 
 
 # ------------------------------------------------------------------------------------ caches
@@ -76,10 +77,9 @@ def make_cache(kind: str, model, batch: int, max_len: int):
     import kvcodec.hf as khf
 
     if kind.startswith("kvc"):
-        kw = dict(method="turboquant", key_bits=BITS[0], value_bits=BITS[1], residual=RESIDUAL)
         if kind == "kvc eager":
-            return khf.CompressedCache(model, **kw, max_cache_len=None)
-        return khf.CompressedCache(model, **kw, max_cache_len=max_len)
+            return khf.CompressedCache(model, **KVC_OPTIONS, max_cache_len=None)
+        return khf.CompressedCache(model, **KVC_OPTIONS, max_cache_len=max_len)
     khf.disable(model)  # back to sdpa
     if kind == "dynamic":
         return DynamicCache(config=model.config)
@@ -447,9 +447,8 @@ def generate_call(kind: str, model, ids, new: int, max_len: int, **extra):
 
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, **extra)
     if kind.startswith("kvc"):
-        opts = dict(method="turboquant", key_bits=BITS[0], value_bits=BITS[1], residual=RESIDUAL)
         size = {"kvc eager": {"max_cache_len": None}, "kvc fixed": {"max_cache_len": max_len}}.get(kind, {})
-        cache = khf.CompressedCache(model, **opts, **size)
+        cache = khf.CompressedCache(model, **KVC_OPTIONS, **size)
         return model.generate(ids, past_key_values=cache, **kw), cache
     if kind == "static":
         kw.update(cache_implementation="static", max_cache_len=max_len)
@@ -513,8 +512,7 @@ def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shape
     t0 = time.time()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
-    name = "tiny-llama" if tiny else "llama8b-like"
-    shape = dict((TINY_MODELS if tiny else MODELS)[name], num_hidden_layers=2 if tiny else layers)
+    name, shape = _route_model(tiny, layers)
     shapes = shapes or ([(1, 40), (2, 24)] if tiny else [(1, 32768), (8, 32768), (1, 131072)])
     rec = machine_record()
     bw = None
@@ -575,6 +573,13 @@ def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shape
     return result
 
 
+def _route_model(tiny: bool, layers: int) -> tuple[str, dict]:
+    """(name, LlamaConfig overrides) of the generate route's model: 8B-shaped with ``layers`` layers,
+    or the tiny CPU one with 2."""
+    name = "tiny-llama" if tiny else "llama8b-like"
+    return name, dict((TINY_MODELS if tiny else MODELS)[name], num_hidden_layers=2 if tiny else layers)
+
+
 def _row_in_subprocess(kind: str, batch: int, ctx: int, layers: int, dev, tiny: bool) -> dict:
     """One generate-route row measured by a fresh interpreter running this script with ``--row``."""
     import json
@@ -597,8 +602,7 @@ def _one_row(out_dir: str, kind: str, device, tiny: bool, shapes, layers: int) -
     import json
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = "tiny-llama" if tiny else "llama8b-like"
-    shape = dict((TINY_MODELS if tiny else MODELS)[name], num_hidden_layers=2 if tiny else layers)
+    name, shape = _route_model(tiny, layers)
     (batch, ctx), = shapes
     model, _ = build_model(name, shape, dev)
     model.generation_config.pad_token_id = 0
