@@ -37,6 +37,7 @@ and kvcodec's default on CUDA (the static mode growing in pages, compiled by gen
 fixed ``max_cache_len``; the byte floor beside each row:
 
     PYTHONPATH=. python3 benchmarks/gpu_generate.py --route generate --out $OUT --shapes 1:32768,8:32768
+    PYTHONPATH=. python3 benchmarks/gpu_generate.py --route generate --profile --out $OUT  # where a token's time goes
 """
 
 from __future__ import annotations
@@ -412,6 +413,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--kinds", type=lambda t: tuple(k.strip() for k in t.split(",") if k.strip()), default=ALL_ROWS,
                     help=f"caches to measure, comma-separated among: {', '.join(ALL_ROWS)}")
     a = ap.parse_args(argv)
+    if a.profile and a.route == "generate":
+        kinds = ("kvc fast", "dynamic") if a.kinds == ALL_ROWS else a.kinds
+        return profile_generate(kinds, a.shapes or ((1, 32768),), a.layers, a.out)
     if a.profile:
         return profile_static_step(a.shapes or ((1, 32768), (8, 32768)), a.out)
     if a.route == "generate" and a.row:
@@ -614,6 +618,95 @@ def _one_row(out_dir: str, kind: str, device, tiny: bool, shapes, layers: int) -
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "row.json").write_text(json.dumps(row))
     return row
+
+
+def profile_generate(kinds, shapes, layers: int = 32, out_dir=None, new: int = 24) -> dict:
+    """Where a token's time goes inside ``model.generate`` per (cache, batch, ctx): the wall time per
+    token beside the device's busy time (the union of its kernels' intervals) and kernel count per
+    token, the top kernels by device time and the top host operations by self time; after one
+    warm-up call, over the steps from the third on. JSON under out_dir."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import StoppingCriteriaList
+
+    dev = torch.device("cuda")
+    name, shape = _route_model(False, layers)
+    model, _ = build_model(name, shape, dev)
+    model.generation_config.pad_token_id = 0
+    result = {"suite": SUITE + "_route_profile", "machine": machine_record(), "rows": []}
+    result["machine"]["gpu"] = torch.cuda.get_device_name()
+    for batch, ctx in shapes:
+        ids = torch.randint(2, model.config.vocab_size, (batch, ctx), device=dev)
+        for kind in kinds:
+            row = {"cache": kind, "batch": batch, "ctx": ctx, "layers": layers}
+            try:
+                with _sdpa_flash(True):
+                    generate_call(kind, model, ids, 8, ctx + new)  # warm-up: compile, capture
+                    torch.cuda.synchronize()
+                    clock = _StepClock()
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        generate_call(kind, model, ids, new, ctx + new,
+                                      stopping_criteria=StoppingCriteriaList([clock]))
+                        torch.cuda.synchronize()
+                row.update(_profile_window(prof, clock.times[2], clock.times[-1], len(clock.times) - 3))
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                traceback.print_exc()
+            log("profile", {k: v for k, v in row.items() if k not in ("top_kernels", "top_host")})
+            for item in row.get("top_kernels", []) + row.get("top_host", []):
+                log("   ", item)
+            result["rows"].append(row)
+            gc.collect()
+            torch.cuda.empty_cache()
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / f"{result['suite']}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _profile_window(prof, t_start: float, t_end: float, steps: int) -> dict:
+    """Busy device time, kernels and host operations of a profile between two perf_counter stamps
+    (mapped onto the profiler's clock through the span of its events, which starts at the first)."""
+    events = list(prof.events())
+    gpu = [e for e in events if e.device_type.name == "CUDA"]
+    cpu = [e for e in events if e.device_type.name == "CPU"]
+    if not gpu or steps <= 0:
+        return {"error": "no device events"}
+    # the profiler's microseconds start near the profile's start; the stamps are perf_counter seconds:
+    # take the steady window as the last `steps` tokens' share of the span of device events
+    t0 = min(e.time_range.start for e in gpu)
+    t1 = max(e.time_range.end for e in gpu)
+    span_wall = (t_end - t_start) * 1e6
+    lo = max(t0, t1 - span_wall)
+    window = sorted((max(e.time_range.start, lo), e.time_range.end) for e in gpu if e.time_range.end > lo)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in window:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += (cur_e - cur_s) if cur_e is not None else 0.0
+    per_kernel: dict[str, list] = {}
+    for e in gpu:
+        if e.time_range.end > lo:
+            rec = per_kernel.setdefault(e.name[:100], [0, 0.0])
+            rec[0] += 1
+            rec[1] += e.time_range.end - max(e.time_range.start, lo)
+    host: dict[str, list] = {}
+    for e in cpu:
+        if e.time_range.end > lo:
+            rec = host.setdefault(e.name[:80], [0, 0.0])
+            rec[0] += 1
+            rec[1] += e.self_cpu_time_total
+    top_k = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:25]
+    top_h = sorted(host.items(), key=lambda kv: -kv[1][1])[:25]
+    return {"ms_token_wall": span_wall / 1e3 / steps, "ms_token_device_busy": busy / 1e3 / steps,
+            "kernels_per_token": sum(c for c, _ in per_kernel.values()) / steps,
+            "top_kernels": [(k, round(c / steps, 2), round(t / 1e3 / steps, 4)) for k, (c, t) in top_k],
+            "top_host": [(k, round(c / steps, 2), round(t / 1e3 / steps, 4)) for k, (c, t) in top_h]}
 
 
 def _quanto_available() -> bool:

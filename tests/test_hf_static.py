@@ -288,6 +288,55 @@ def test_custom_ops_pass_opcheck():
     x = torch.randn(5, 32)
     torch.library.opcheck(ops.tq_quantize, (x, kw["k_rotation"], kw["k_codebook"], 4, True, False),
                           test_utils=("test_schema", "test_faketensor"))
+    codes, norms = torch.zeros(2, 3, 9, 16, dtype=torch.uint8), torch.zeros(2, 3, 9, dtype=torch.float16)
+    into = (torch.randn(2, 3, 2, 32), kw["k_rotation"], kw["k_codebook"], 4, True, codes, norms,
+            torch.tensor([[0, 5], [3, 8]]))
+    torch.library.opcheck(ops.tq_quantize_into, into, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_quantize_into_writes_the_slots_of_each_row():
+    from kvcodec.quant.turboquant import TurboQuantMSE
+
+    q = TurboQuantMSE(32, 3, seed=1, precondition="none")
+    x = torch.randn(2, 3, 2, 32, generator=torch.Generator().manual_seed(1))
+    codes, norms = torch.full((2, 3, 6, 12), 7, dtype=torch.uint8), torch.full((2, 3, 6), 9.0, dtype=torch.float16)
+    dest = torch.tensor([[0, 4], [2, 5]])
+    ops.tq_quantize_into(x, q.rotation, q.codebook, 3, True, codes, norms, dest)
+    ref_c, ref_n = ops.tq_quantize(x, q.rotation, q.codebook, 3, True, False)
+    for b in range(2):
+        assert torch.equal(codes[b][:, dest[b]], ref_c[b]) and torch.equal(norms[b][:, dest[b]], ref_n[b])
+        untouched = [i for i in range(6) if i not in dest[b].tolist()]
+        assert bool((codes[b][:, untouched] == 7).all()) and bool((norms[b][:, untouched] == 9).all())
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="torch.library.custom_op needs torch >= 2.4")
+def test_a_compiled_append_writes_the_buffers_in_place():
+    """Inductor calls the mutating op on the cache's own buffers: no copy of a whole buffer per step
+    (a scatter in the graph made two full copies of every code buffer per layer and token)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from kvcodec.quant.turboquant import TurboQuantMSE
+
+    q = TurboQuantMSE(64, 4, seed=2, precondition="none")
+    codes, norms = torch.zeros(1, 2, 512, 32, dtype=torch.uint8), torch.zeros(1, 2, 512, dtype=torch.float16)
+    for t in (codes, norms):
+        torch._dynamo.mark_static_address(t)
+
+    def append(x, dest):
+        ops.tq_quantize_into(x, q.rotation, q.codebook, 4, True, codes, norms, dest)
+        return norms.float().sum()
+
+    torch._dynamo.reset()
+    _, (code, *_) = run_and_get_code(torch.compile(append, fullgraph=True), torch.randn(1, 2, 1, 64),
+                                     torch.tensor([[11]]))
+    lines = [line.strip() for line in code.splitlines()]
+    calls = [line for line in lines if "tq_quantize_into.default(" in line]
+    assert len(calls) == 1 and "arg3_1, arg4_1" in calls[0], code  # the buffers themselves
+    for buffer in ("arg3_1", "arg4_1"):  # codes, norms: nothing reads or writes them but the op (and the sum)
+        uses = [line for line in lines if buffer in line and not line.startswith(
+            ("assert_size_stride", "#", "del ", "arg0_1, ", f"{buffer} = rand_strided", "return ["))]
+        assert all(line == calls[0] or line.startswith("cpp_fused__to_copy_sum") for line in uses), code
+    assert bool(norms[0, :, 11].ne(0).all()) and int(norms.ne(0).sum()) == 2
 
 
 def test_preset_with_per_layer_widths_matches_eager(model):

@@ -504,8 +504,7 @@ class StaticCompressedLayer(CacheLayerMixin):
 
     def _quantize_into(self, k: torch.Tensor, v: torch.Tensor, dest: torch.Tensor, move=None) -> None:
         """Quantize float32 K/V [B, H, n, D] with the layer's preconditioners into compressed slots
-        ``dest`` [B, n] (each row its own: left padding shifts them)."""
-        B, H, n, _ = k.shape
+        ``dest`` [B, n] (each row its own: left padding shifts them), in place (``tq_quantize_into``)."""
         for side, x in (("k", k), ("v", v)):
             center, scale = self._precond(side, x, move)
             if center is not None:  # ChannelPreconditioner.apply's arithmetic: the eager bytes
@@ -513,12 +512,8 @@ class StaticCompressedLayer(CacheLayerMixin):
             if scale is not None:
                 x = x / scale
             p = self.packed[side]
-            norms_buf = getattr(self, side + "_norms")
-            codes, norms = ops.tq_quantize(x, p.rotation, p.codebook, p.bits, self.norm_correction[side],
-                                           norms_buf.dtype == torch.bfloat16)
-            idx = dest[:, None, :].expand(B, H, n)
-            getattr(self, side + "_codes").scatter_(2, idx[..., None].expand_as(codes), codes)
-            norms_buf.scatter_(2, idx, norms)
+            ops.tq_quantize_into(x, p.rotation, p.codebook, p.bits, self.norm_correction[side],
+                                 getattr(self, side + "_codes"), getattr(self, side + "_norms"), dest)
 
     def _compact_block(self) -> None:
         """CPU path: quantize the block that may leave the window this step (``lengths.begin_step``

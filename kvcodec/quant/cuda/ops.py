@@ -8,6 +8,11 @@ reference (``tq_quantize`` there reproduces ``kvcodec.quant.TurboQuantMSE``'s by
 
 * ``tq_quantize(x, rotation, codebook, bits, norm_correction, bf16_norms) -> (codes, norms)``: rows
   of already preconditioned ``x`` [..., D] -> packed codes uint8 [..., D*bits/8] and norms.
+* ``tq_quantize_into(x, rotation, codebook, bits, norm_correction, codes, norms, dest)``: the same
+  rows [B, H, n, D] written straight into compressed slots ``dest`` [B, n] of the buffers ``codes``
+  [B, H, N, D*bits/8] and ``norms`` [B, H, N] (a static cache's append). Declared as mutating them,
+  so a compiled step writes the n slots in place; a scatter in the graph would make inductor copy
+  the whole buffer twice per call.
 * ``tq_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation, v_rotation,
   k_codebook, v_codebook, k_bits, v_bits, scale, k_qjl=None, k_rnorms=None, qjl_matrix=None) -> (out,
   lse)``: ``kvcodec.quant.cuda.decode_attention`` with ``return_lse=True`` (prod keys with the three QJL
@@ -63,6 +68,15 @@ def _quantize(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tensor, b
     return quantize_rows_torch(x, rotation, codebook, bits, norm_correction, norm_dtype)
 
 
+def _quantize_into(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tensor, bits: int,
+                   norm_correction: bool, codes: torch.Tensor, norms: torch.Tensor, dest: torch.Tensor) -> None:
+    c, n = _quantize(x, rotation, codebook, bits, norm_correction, norms.dtype == torch.bfloat16)
+    B, H, m = n.shape
+    idx = dest[:, None, :].expand(B, H, m)
+    codes.scatter_(2, idx[..., None].expand_as(c), c)
+    norms.scatter_(2, idx, n)
+
+
 def _attention(query: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes: torch.Tensor,
                v_norms: torch.Tensor, seq_lens: Optional[torch.Tensor], k_rotation: torch.Tensor,
                v_rotation: torch.Tensor,
@@ -80,6 +94,8 @@ def _attention(query: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor
 
 if HAVE_CUSTOM_OPS:
     tq_quantize = torch.library.custom_op("kvcodec::tq_quantize", mutates_args=())(_quantize)
+    tq_quantize_into = torch.library.custom_op("kvcodec::tq_quantize_into",
+                                               mutates_args=("codes", "norms"))(_quantize_into)
     tq_attention = torch.library.custom_op("kvcodec::tq_attention", mutates_args=())(_attention)
 
     @tq_quantize.register_fake
@@ -94,6 +110,7 @@ if HAVE_CUSTOM_OPS:
         return query.new_empty(query.shape, dtype=torch.float32), query.new_empty(query.shape[:-1], dtype=torch.float32)
 else:  # torch < 2.4: same results, no compile support
     tq_quantize = _quantize
+    tq_quantize_into = _quantize_into
     tq_attention = _attention
 
 
