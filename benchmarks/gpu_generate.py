@@ -510,7 +510,7 @@ def measure_generate(kind: str, model, batch: int, ctx: int, new: int = 40, seed
 def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shapes=None, kinds=GENERATE_ROWS,
                  layers=32, budget_s=540.0, suite=SUITE + "_route", isolate=None) -> dict:
     """Every cache of GENERATE_ROWS through ``model.generate`` per (batch, context), same run; the
-    byte floor is the weights plus the compressed KV read once at the device's copy bandwidth.
+    byte floor is the weights plus the KV held read once at the device's copy bandwidth.
     ``isolate`` (default: on CUDA): each row in a process of its own, so an out-of-memory row or a
     compiled graph it left behind cannot break the next one."""
     t0 = time.time()
@@ -524,7 +524,7 @@ def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shape
         from benchmarks.gpu_kernels import copy_bandwidth
 
         rec["gpu"] = torch.cuda.get_device_name(dev)
-        bw = copy_bandwidth() * 1e12 / 2  # bytes read per second (copy_bandwidth counts read + write)
+        bw = copy_bandwidth() * 1e12  # bytes moved per second by a device copy (read + write): the floor's rate
     isolate = cuda if isolate is None else isolate
     model, weights = build_model(name, shape, dev)
     model.generation_config.pad_token_id = 0
@@ -570,8 +570,8 @@ def run_generate(out_dir="benchmarks/results", *, device=None, tiny=False, shape
               "notes": [f"ms per new token: median interval between consecutive tokens (from the third) of one "
                         f"generate(max_new_tokens={8 if tiny else 40}) on a fresh cache after one warm-up call; "
                         f"bits {BITS}, residual {RESIDUAL}; weights {weights / GiB:.2f} GiB",
-                        f"byte floor: (weights + compressed KV) / read bandwidth "
-                        f"({bw / 1e12:.2f} TB/s)" if bw else "byte floor: CUDA only",
+                        f"byte floor: (weights + KV held) read once at the device's copy bandwidth "
+                        f"({bw / 1e12:.2f} TB/s, bytes read + written per second)" if bw else "byte floor: CUDA only",
                         f"elapsed {time.time() - t0:.0f} s"]}
     save_with_out(result, out_dir, GENERATE_COLUMNS)
     return result

@@ -39,9 +39,23 @@ def _left_padded(lengths, seed):
     return ids, mask
 
 
-def _generate(model, ids, static, new, **kw):
-    cache = CompressedCache(model, **KW, max_cache_len=ids.shape[1] + new) if static else CompressedCache(model, **KW)
+def _generate(model, ids, static, new, options=KW, **kw):
+    size = ids.shape[1] + new if static else None
+    cache = CompressedCache(model, **options, max_cache_len=size)
     return model.generate(ids, past_key_values=cache, max_new_tokens=new, disable_compile=True, **kw)
+
+
+@pytest.mark.parametrize("options", [
+    dict(KW, key_bits=2, value_bits=3),
+    dict(KW, key_bits=(1, 4), value_bits=(3, 2)),  # per-layer widths, as the presets give
+    dict(KW, key_bits=3, value_bits=3, key_precondition="none", value_precondition="center"),
+    dict(preset="2.5bit", residual=4, block_size=4),
+], ids=["k2v3", "per-layer", "center-values", "preset"])
+def test_the_configurations_users_pick_give_the_eager_tokens(model, options):
+    ids, mask = _left_padded([11, 7], 5)
+    eager = _generate(model, ids, False, 10, options, attention_mask=mask, do_sample=False)
+    static = _generate(model, ids, True, 10, options, attention_mask=mask, do_sample=False)
+    assert torch.equal(static, eager)
 
 
 def test_fresh_caches_of_other_lengths_give_the_eager_tokens(model):

@@ -316,3 +316,29 @@ def test_sliding_and_sink_models_on_the_compiled_static_mode(arch):
     _same_run(*runs)
     first, ref = runs[0].logits[0].float(), eager.logits[0].float()
     assert float((first - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="needs torch.library.custom_op")
+@pytest.mark.parametrize("options", [
+    dict(KW, key_bits=2, value_bits=3),
+    dict(KW, key_bits=(1, 4), value_bits=(3, 2)),  # per-layer widths, as the presets give
+    dict(preset="2.5bit", residual=16, block_size=16),
+], ids=["k2v3", "per-layer", "preset"])
+def test_the_configurations_users_pick_on_the_compiled_fast_path(options):
+    """Asymmetric widths, per-layer widths and a preset, compiled by generate over a left-padded
+    batch: the run agrees with the same cache uncompiled."""
+    import torch._dynamo
+
+    from kvcodec.hf import CompressedCache
+
+    torch._dynamo.reset()
+    model = _model(8, 2, 128, layers=2)
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(2, 256, (2, 45), generator=torch.Generator().manual_seed(8)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    runs = [model.generate(ids, attention_mask=mask, past_key_values=CompressedCache(model, **options),
+                           max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                           disable_compile=not compiled) for compiled in (False, True)]
+    torch._dynamo.reset()
+    _same_run(*runs)

@@ -646,7 +646,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         logits = [lse, s] if sink is None else [lse, s, sink]
         p = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
         n = s.shape[-1]
-        return torch.addcmul(p[..., 1:1 + n] @ values_part, p[..., :1], out_c)
+        return torch.addcmul(_product(p[..., 1:1 + n], values_part), p[..., :1], out_c)
 
     def _store_long(self) -> None:
         """After ``attend`` of a forward of more than ``block_size`` tokens: the tokens that leave the window (as the eager store compacts after
@@ -697,7 +697,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         E = exact_k.shape[-2]
         q, out_c, lse = attend_packed(query, self.packed["k"], self.packed["v"], consts, lens)
         keys = torch.addcmul(consts.k_add, exact_k, consts.k_mul)  # scaling * (k - center) / scale
-        s = (q @ keys.transpose(-1, -2)).view(B, H, G, Tq, E) + bias
+        s = _product(q, keys.transpose(-1, -2)).view(B, H, G, Tq, E) + bias
         out = self._merge(lse, s.view(B, H, G * Tq, E), self._sink_logits(query, consts, sinks, scaling), exact_v,
                           out_c)
         if self.long_kv is not None:
@@ -791,6 +791,17 @@ class StaticCompressedLayer(CacheLayerMixin):
 
 
 _CONST_FIELDS = ("q_scale", "k_mul", "k_add", "k_center", "v_scale", "v_center")
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of the window attention (float32, [B, H, m, k] @ [B, H, k, n], m and n small). In a
+    compiled step as a broadcast product summed over k, which inductor fuses with its neighbours into
+    one reduction: 13 us a layer instead of 33 for cuBLAS's float32 kernels at 1 x 32k on an H100
+    (8B shape: m = 4 query heads a KV head, k or n = 385 window slots, the other 128). Eager code keeps
+    the matmul (the broadcast product would be materialized)."""
+    if _compiling():
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    return a @ b
 
 
 def _device_const(t: torch.Tensor, device) -> torch.Tensor:

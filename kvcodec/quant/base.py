@@ -10,6 +10,13 @@ from kvcodec.quant.packed import PackedKV
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CHUNK_ELEMENTS = 1 << 22  # floats materialized per chunk of tokens (16 MiB of float32)
+CHUNK_ELEMENTS_CUDA = 1 << 26  # on a GPU (256 MiB): ~15 launches a chunk, so a 32k-token prefill takes a few chunks
+
+
+def chunk_elements(device) -> int:
+    """Floats an encode materializes per chunk on ``device``: bounded host memory on the CPU; on a GPU,
+    chunks large enough that a long prefill is not bound by kernel launches."""
+    return CHUNK_ELEMENTS_CUDA if torch.device(device).type == "cuda" else CHUNK_ELEMENTS
 _FP16_MAX, _FP16_MIN_NORMAL = 65504.0, 2.0 ** -14
 
 

@@ -200,7 +200,7 @@ class TurboQuantMSE(KVQuantizer):
         lead, T = tuple(x.shape[:-2]), x.shape[-2]
         # chunk over tokens so the float temporaries stay bounded for long prefills
         n_lead = max(1, math.prod(lead))
-        step = max(1, base.CHUNK_ELEMENTS // (n_lead * self.dim * (self._mse_bits + 4)))
+        step = max(1, base.chunk_elements(x.device) // (n_lead * self.dim * (self._mse_bits + 4)))
         parts = {"codes": [], "norms": [], "qjl": [], "rnorms": []}
         for t0 in range(0, max(T, 1), step):
             xp = pre.apply(x[..., t0:t0 + step, :].float())
