@@ -87,9 +87,13 @@ def _time_decode(case: str, folder: Path, preload: bool = False) -> None:
     print(json.dumps({"import_s": t_import, "setup_s": t_setup, "first_s": times[0], "second_s": times[1]}))
 
 
-def _child(args: list[str], cache_dir: Path | None) -> dict:
+def _child(args: list[str], cache_dir: Path | None, without_scipy: bool = False) -> dict:
     env = dict(os.environ) if cache_dir is None else dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir))
-    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, check=False)
+    cmd = [sys.executable, __file__, *args]
+    if without_scipy:  # an interpreter where scipy cannot be imported, as if it were not installed
+        cmd = [sys.executable, "-c", "import runpy, sys; sys.modules['scipy'] = None; "
+               f"sys.argv = {cmd[1:]!r}; runpy.run_path(sys.argv[0], run_name='__main__')"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"child {args} failed:\n{proc.stderr[-4000:]}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -102,19 +106,20 @@ def _cache_files(cache_dir: Path) -> int:
 
 def run_case(case: str, work: Path, processes: int = 3, shape: tuple = SHAPE, preloaded: bool = False) -> list[dict]:
     """``processes`` fresh processes on one empty cache folder, then (``preloaded``) one more that
-    runs the setup before its timed call."""
+    runs the setup before its timed call and one without scipy."""
     cache = work / f"cache-{case}"
     cache.mkdir()
     _child(["--write", case, str(work), ",".join(map(str, shape))], None)
     rows = []
-    for k in range(1, processes + 1 + preloaded):
+    for k in range(1, processes + 1 + 2 * preloaded):
         before = _cache_files(cache)
         t0 = time.perf_counter()
-        pre = k > processes
-        r = _child(["--decode", case, str(work)] + ["--preload"] * pre, cache)
+        pre, bare = k == processes + 1, k == processes + 2
+        r = _child(["--decode", case, str(work)] + ["--preload"] * pre, cache, without_scipy=bare)
         wall = time.perf_counter() - t0
-        rows.append({"case": case, "process": k,
-                     "run": "first-ever" if k == 1 else "cached, setup before the timer" if pre else "cached",
+        run = ("first-ever" if k == 1 else "cached, setup before the timer" if pre else
+               "cached, without scipy" if bare else "cached")
+        rows.append({"case": case, "process": k, "run": run,
                      "import_s": r["import_s"], "setup_s": r["setup_s"], "first_decompress_s": r["first_s"],
                      "second_decompress_s": r["second_s"], "process_wall_s": wall,
                      "new_cache_files": _cache_files(cache) - before})
@@ -132,7 +137,9 @@ def run(cases: list[str], processes: int = 3) -> dict:
         "notes": [
             f"tensor {list(SHAPE)}; each case: {processes} fresh processes in sequence sharing one empty "
             "NUMBA_CACHE_DIR; times are wall seconds inside the process; a last process per case imports "
-            "kvcodec.lossless.api and runs numba's per-process setup (setup_s) before its timed first decompress",
+            "kvcodec.lossless.api and runs numba's per-process setup (setup_s) before its timed first decompress; "
+            "the very last one runs where scipy cannot be imported (a plain `pip install kvcodec`: numba's setup "
+            "imports scipy.linalg only where scipy is installed)",
             "python benchmarks/bench_cold_start.py --out benchmarks/results",
         ],
     }
