@@ -352,3 +352,22 @@ def test_chunked_quantize_is_identical(make, monkeypatch):
         assert torch.equal(t, chunked.tensors()[name]), name
     empty = q.quantize(x[:, :, :0])
     assert empty.num_tokens == 0 and q.scores(empty, torch.randn(2, 3, 4, q.dim)).shape == (2, 3, 4, 0)
+
+
+@pytest.mark.parametrize("value, message", [(float("nan"), "contains NaN or Inf"), (float("inf"), "contains NaN or Inf"),
+                                            (-float("inf"), "contains NaN or Inf"), (3e38, "row norm overflows")])
+@pytest.mark.parametrize("precondition", ["none", "scale"])
+def test_a_bad_row_in_a_late_chunk_is_refused_with_its_cause(value, message, precondition, monkeypatch):
+    """An encode checks its values with its norms, once at the end (one host read for every chunk):
+    a NaN, an Inf or an overflowing row anywhere, here in the last of many chunks, still raises the
+    error naming its cause."""
+    from kvcodec.quant import base
+
+    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 64 * 8 * 4)  # 4 rows a chunk
+    x = torch.randn(2, 40, 64)
+    x[1, 38, 5] = value
+    if value == 3e38:
+        x[1, 38] = 3e38  # every coordinate finite, the norm not
+    for q in (TurboQuantMSE(64, 3, precondition=precondition), TurboQuantProd(64, 3, precondition=precondition)):
+        with pytest.raises(ValueError, match=message):
+            q.quantize(x)

@@ -60,6 +60,7 @@ file (``kvcodec.hf.static_convert``): the bytes are the same, so either cache lo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -805,8 +806,22 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _device_const(t: torch.Tensor, device) -> torch.Tensor:
-    """A quantizer's float32 constant (rotation, codebook) on the cache's device."""
-    return t.to(device, torch.float32).contiguous()
+    """A quantizer's float32 constant (rotation, codebook) on the cache's device, one tensor per value:
+    every cache of a model then hands the kernels the same constants, so the launch plans built for
+    one cache (host work, ~6 ms each on a GPU) serve the next fresh cache of that shape. Never written
+    to (the kernels and the plans only read them)."""
+    src = t.detach().to("cpu", torch.float32).contiguous()
+    key = (str(torch.device(device)), tuple(src.shape), hashlib.sha1(src.numpy().tobytes()).digest())
+    hit = _CONSTS.get(key)
+    if hit is None:
+        if len(_CONSTS) >= _CONSTS_LIMIT:
+            _CONSTS.clear()
+        hit = _CONSTS[key] = src.to(device).contiguous()
+    return hit
+
+
+_CONSTS: dict = {}  # (device, shape, digest of the float32 bytes) -> the constant on that device
+_CONSTS_LIMIT = 1024  # two per layer and side: a few models' worth
 
 
 class StaticCompressedCache(KvcodecCache):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvcodec.errors import CorruptStreamError
@@ -20,8 +22,9 @@ def chunk_elements(device) -> int:
 _FP16_MAX, _FP16_MIN_NORMAL = 65504.0, 2.0 ** -14
 
 
-def check_input(x, dim: int, what: str = "x") -> torch.Tensor:
-    """A floating tensor [..., N, dim] with finite values, or a clear ValueError."""
+def check_input(x, dim: int, what: str = "x", finite: bool = True) -> torch.Tensor:
+    """A floating tensor [..., N, dim] with finite values, or a clear ValueError. ``finite=False``
+    leaves the values to the caller (an encode checks them with its norms: ``settle_norms``)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -30,7 +33,7 @@ def check_input(x, dim: int, what: str = "x") -> torch.Tensor:
         raise ValueError(f"{what} must have shape [..., N, {dim}], got {tuple(x.shape)}")
     if x.shape[-1] != dim:
         raise ValueError(f"{what} has last dim {x.shape[-1]}, this quantizer was built for dim={dim}")
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    if finite and x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{what} contains NaN or Inf")
     return x
 
@@ -47,14 +50,36 @@ def check_dim(dim, minimum: int = 4) -> int:
     return dim
 
 
-def row_norms(x: torch.Tensor) -> torch.Tensor:
-    """L2 norm of each row, without overflow or underflow for huge or tiny float32 values."""
+def row_norms(x: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """L2 norm of each row, without overflow or underflow for huge or tiny float32 values.
+    ``check=False``: no host read here (``settle_norms`` checks a whole encode's norms at once)."""
     amax = x.abs().amax(dim=-1, keepdim=True)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     n = torch.linalg.vector_norm(x / safe, dim=-1, keepdim=True) * amax
-    if not bool(torch.isfinite(n).all()):
-        raise ValueError("a row norm overflows float32; scale the input down")
+    if check and not bool(torch.isfinite(n).all()):
+        raise ValueError(ROW_NORM_OVERFLOW)
     return n.squeeze(-1)
+
+
+ROW_NORM_OVERFLOW = "a row norm overflows float32; scale the input down"
+
+
+def settle_norms(x: torch.Tensor, *norms: torch.Tensor, what: str = "x") -> torch.dtype:
+    """The end of an encode, in one host read instead of one per check and chunk (each read waits for
+    a GPU): every norm is finite, else ``x`` held NaN or Inf (check_input's error) or a row norm
+    overflowed (row_norms's); and the dtype the norms are stored in (``storage_dtype``'s choice).
+    Non-finite input always gives a non-finite norm (an Inf row's norm is NaN, a NaN row's NaN)."""
+    parts = [n.reshape(-1).float() for n in norms if n.numel()]
+    if not parts:
+        return torch.float16
+    n = torch.cat(parts)
+    positive = torch.where(n > 0, n, torch.full_like(n, math.inf))
+    finite, top, low = torch.stack([torch.isfinite(n).all().float(), n.amax(), positive.amin()]).tolist()
+    if not finite:
+        if x.numel() and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{what} contains NaN or Inf")
+        raise ValueError(ROW_NORM_OVERFLOW)
+    return torch.bfloat16 if top > _FP16_MAX or low < _FP16_MIN_NORMAL else torch.float16
 
 
 def storage_dtype(*norms: torch.Tensor) -> torch.dtype:

@@ -178,7 +178,7 @@ class TurboQuantMSE(KVQuantizer):
         which shrinks every attention logit by the same factor (a temperature error that hurts
         peaked heads); the correction removes it at no storage cost.
         """
-        norms = base.row_norms(xp)
+        norms = base.row_norms(xp, check=False)  # checked once per encode (quantize: settle_norms)
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         y = (xp / safe.unsqueeze(-1)) @ k["rot"].T
         idx, chosen = turboquant_fast.bucketize(y, k["thr"], k["cb"])  # compiled on the CPU, same indices
@@ -194,7 +194,7 @@ class TurboQuantMSE(KVQuantizer):
         precond: None (calibrate on x when preconditioning is on), a ChannelPreconditioner, or an
         earlier QuantizedTensor whose side data to reuse (so the two can be concatenated).
         """
-        base.check_input(x, self.dim)
+        base.check_input(x, self.dim, finite=False)  # the values: with the norms, at the end
         pre = resolve_precond(self, x, precond)
         k = self._consts(x.device)
         lead, T = tuple(x.shape[:-2]), x.shape[-2]
@@ -212,7 +212,7 @@ class TurboQuantMSE(KVQuantizer):
                 parts["qjl"].append(extra["qjl"])
                 parts["rnorms"].append(extra["rnorms"])
         token = {name: torch.cat(v, dim=-2 if name in ("codes", "qjl") else -1) for name, v in parts.items() if v}
-        dt = base.storage_dtype(token["norms"], *([token["rnorms"]] if "rnorms" in token else []))
+        dt = base.settle_norms(x, token["norms"], *([token["rnorms"]] if "rnorms" in token else []))
         token["norms"] = token["norms"].to(dt)
         if "rnorms" in token:
             token["rnorms"] = token["rnorms"].to(dt)
@@ -405,7 +405,7 @@ class TurboQuantProd(TurboQuantMSE):
         dt = base.storage_dtype(scale)
         n_st = scale.to(dt).float().unsqueeze(-1)
         r = y * norms.unsqueeze(-1) - k["cb"][idx] * n_st
-        return {"qjl": pack_signs(r @ k["S"].T), "rnorms": base.row_norms(r)}
+        return {"qjl": pack_signs(r @ k["S"].T), "rnorms": base.row_norms(r, check=False)}
 
     def _coef(self, c, t0, t1):
         return c.token["rnorms"][..., t0:t1].float() * (SQRT_PI_OVER_2 / self.m)
