@@ -659,14 +659,9 @@ def transfer_rows(name, x):
     host = transfer.device_to_bytes(blob)
     nbytes = blob.numel()
     rows = []
-    defaults = (transfer.HUGE_PAGES, transfer.DOWNLOAD_WORKERS, transfer.UPLOAD_WORKERS)
     for huge, workers in ((True, 16), (False, 16), (True, 8)):
-        transfer.HUGE_PAGES, transfer.DOWNLOAD_WORKERS, transfer.UPLOAD_WORKERS = huge, workers, workers
-        try:
-            d2h, back = timed(lambda: transfer.device_to_bytes(blob), reps=5)
-            h2d, dev = timed(lambda: transfer.bytes_to_device(host, blob.device), reps=5)
-        finally:
-            transfer.HUGE_PAGES, transfer.DOWNLOAD_WORKERS, transfer.UPLOAD_WORKERS = defaults
+        d2h, back = timed(lambda: transfer.device_to_bytes(blob, threads=workers, huge_pages=huge), reps=5)
+        h2d, dev = timed(lambda: transfer.bytes_to_device(host, blob.device, threads=workers), reps=5)
         label = f"{workers} workers, {'MADV_HUGEPAGE' if huge else 'no huge-page advice'}"
         rows.append(dict(data=name, codec=f"blob bytes <-> device only ({label}; MB = blob)", MB=nbytes / 1e6,
                          ratio=1.0, enc_GBps=nbytes / d2h / 1e9, dec_GBps=nbytes / h2d / 1e9,

@@ -82,7 +82,6 @@ STAGE_BYTES = 4 << 20  # one slot
 DIRECT_BELOW = 8 << 20  # smaller buffers take the plain one-copy path
 DOWNLOAD_WORKERS = 16  # at most, and at most the cores this process may use
 UPLOAD_WORKERS = 8
-HUGE_PAGES = True  # advise MADV_HUGEPAGE on the new bytes object (benchmarks switch it off to compare)
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
@@ -99,7 +98,8 @@ def _pool(workers: int):
 
 
 def _workers(threads: int, cap: int) -> int:
-    return max(1, min(cap, resolve_threads(threads)))
+    """Workers of a transfer: ``threads`` when given, else (0) every core up to ``cap``."""
+    return max(1, resolve_threads(threads) if threads else min(cap, resolve_threads(0)))
 
 
 def _address(buf) -> int:
@@ -107,14 +107,14 @@ def _address(buf) -> int:
     return np.frombuffer(buf, np.uint8).ctypes.data
 
 
-def _advise_huge_pages(addr: int, n: int) -> None:
+def _advise_huge_pages(addr: int, n: int, advise: bool = True) -> None:
     """madvise(MADV_HUGEPAGE) on the 2 MiB pages inside [addr, addr + n) (Linux; errors ignored:
     only an advice, as glibc's own ``glibc.malloc.hugetlb`` tunable gives it)."""
     import ctypes
     import sys
 
     start, end = -(-addr // _HUGE) * _HUGE, (addr + n) // _HUGE * _HUGE
-    if not HUGE_PAGES or end <= start or not sys.platform.startswith("linux"):
+    if not advise or end <= start or not sys.platform.startswith("linux"):
         return
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
@@ -132,9 +132,10 @@ def _memmove_after(event, dst: int, src: int, n: int) -> None:
     ctypes.memmove(dst, src, n)
 
 
-def device_to_bytes(t: torch.Tensor, threads: int = 0) -> bytes:
+def device_to_bytes(t: torch.Tensor, threads: int = 0, huge_pages: bool = True) -> bytes:
     """The bytes of the contiguous tensor ``t`` as a new ``bytes`` object; a CUDA tensor crosses
-    through the pinned ring (``threads`` workers, 0 = all cores up to DOWNLOAD_WORKERS)."""
+    through the pinned ring (``threads`` workers, 0 = all cores up to DOWNLOAD_WORKERS), into a
+    bytes object advised MADV_HUGEPAGE (``huge_pages=False``: not, for comparisons)."""
     src = t.detach().reshape(-1).view(torch.uint8)
     n = src.numel()
     if src.device.type != "cuda" or n < DIRECT_BELOW:
@@ -142,7 +143,7 @@ def device_to_bytes(t: torch.Tensor, threads: int = 0) -> bytes:
     workers = _workers(threads, DOWNLOAD_WORKERS)
     out = bytes(n)  # calloc'd: pages are mapped (and faulted) only as the workers write them
     dst = _address(out)  # written before anyone else sees ``out`` (as C code fills a new bytes object)
-    _advise_huge_pages(dst, n)
+    _advise_huge_pages(dst, n, huge_pages)
     slots = workers + 2
     stage = torch.empty((slots, STAGE_BYTES), dtype=torch.uint8, pin_memory=True)
     stream = torch.cuda.current_stream(src.device)
