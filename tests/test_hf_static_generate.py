@@ -266,6 +266,26 @@ def test_sliding_window_models_give_the_eager_tokens(arch):
     assert torch.equal(runs[1], runs[0])
 
 
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
+def test_a_growable_cache_of_a_sliding_window_model_gives_the_eager_tokens(arch, small_pages):
+    """Growable (``max_cache_len=None``): the compressed layers grow while generate runs, the
+    sliding-window layers hold their window from the start and never grow; a left-padded batch and
+    beams give the eager cache's tokens."""
+    from model_zoo import build
+
+    from kvcodec.hf.static_cache import StaticCompressedCache
+
+    model = build(arch)[0]
+    ids, mask = _left_padded([21, 13], 6)
+    for kw in ({}, {"num_beams": 2}):
+        cache = StaticCompressedCache(model, **KW, max_cache_len=None)
+        static = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30, do_sample=False,
+                                disable_compile=True, **kw)
+        eager = _generate(model, ids, False, 30, attention_mask=mask, do_sample=False, **kw)
+        assert torch.equal(static, eager), kw
+        assert cache.first_layer.max_cache_len >= 51 > 32  # grew past its first size (21 + 4 -> 32)
+
+
 def test_prompt_lookup_decoding_gives_the_eager_tokens(model):
     """Assisted generation (prompt lookup): candidates the model rejects are cropped from the cache
     (several tokens per forward, then crop); the static cache gives the eager cache's tokens."""

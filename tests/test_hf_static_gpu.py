@@ -342,3 +342,31 @@ def test_the_configurations_users_pick_on_the_compiled_fast_path(options):
                            disable_compile=not compiled) for compiled in (False, True)]
     torch._dynamo.reset()
     _same_run(*runs)
+
+
+@pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="needs torch.library.custom_op")
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
+def test_a_growable_cache_of_a_sliding_window_model_compiles_and_grows(arch):
+    """The growable static mode of a model with sliding-window layers (and sinks: gpt_oss), compiled by
+    generate while its compressed layers grow twice: the run agrees with the same cache uncompiled."""
+    import torch._dynamo
+    from model_zoo import build
+
+    from kvcodec.hf import static_cache
+    from kvcodec.hf.static_cache import StaticCompressedCache
+
+    torch._dynamo.reset()
+    model = build(arch, head_dim=64)[0].to("cuda", torch.bfloat16)
+    ids = torch.randint(3, 160, (2, 30), generator=torch.Generator().manual_seed(6)).cuda()
+    old = static_cache.PAGE, static_cache.HEADROOM
+    static_cache.PAGE, static_cache.HEADROOM = 16, 8  # 30 + 8 -> 48, then 96
+    try:
+        caches = [StaticCompressedCache(model, **KW, max_cache_len=None) for _ in range(2)]
+        runs = [model.generate(ids, past_key_values=c, max_new_tokens=60, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, disable_compile=not compiled)
+                for c, compiled in zip(caches, (False, True))]
+        assert caches[1].first_layer.max_cache_len == 96
+    finally:
+        static_cache.PAGE, static_cache.HEADROOM = old
+        torch._dynamo.reset()
+    _same_run(*runs)
