@@ -28,12 +28,17 @@ from kvcodec.hf.methods import _text_config, build_spec
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
 
 
-def _static_mode():
-    """The static cache class (``kvcodec.hf.static_cache`` builds on this module, so it is imported
-    when a static cache is asked for, not at this module's import)."""
-    from kvcodec.hf.static_cache import StaticCompressedCache
+_STATIC_MODE: list = []  # the static cache class, registered by kvcodec.hf.static_cache at package import
 
-    return StaticCompressedCache
+
+def register_static_mode(cls) -> None:
+    """Called once by ``kvcodec.hf.static_cache``: the class ``max_cache_len=`` builds (kept apart so
+    this module does not import the static cache, which builds on it)."""
+    _STATIC_MODE[:] = [cls]
+
+
+def _static_mode():
+    return _STATIC_MODE[0]  # registered when the package kvcodec.hf is imported (its __init__)
 
 
 def _on_cuda_with_kernels(model) -> bool:

@@ -69,7 +69,7 @@ from kvcodec.device.plans import pinned_by
 from kvcodec.quant.cuda import ops
 from kvcodec.quant.cuda.quantized import PackedConsts, attend_packed
 from kvcodec.hf.binding import BOUND_ATTR, attach, bound
-from kvcodec.hf.cache import KvcodecCache
+from kvcodec.hf.cache import KvcodecCache, register_static_mode
 from kvcodec.hf.methods import build_spec
 from kvcodec.quant import QuantizedTensor
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES
@@ -1216,3 +1216,6 @@ def enable_static(model: torch.nn.Module) -> torch.nn.Module:
     AttentionInterface.register(EAGER_NAME, static_attention)
     AttentionMaskInterface.register(EAGER_NAME, static_eager_mask)
     return attach(model)
+
+
+register_static_mode(StaticCompressedCache)
