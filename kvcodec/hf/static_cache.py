@@ -380,7 +380,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         self.lengths.allocate(B, dev, dump=cap)
         for t in self._state_tensors():
             _mark_static(t)
-        self._describe()
+        self._describe(warm=False)  # every caller installs tokens next, which describes and warms
         self.is_initialized = True
 
     def grow(self, max_cache_len: int) -> None:
@@ -404,7 +404,7 @@ class StaticCompressedLayer(CacheLayerMixin):
         return [self.exact_k, self.exact_v, self.k_codes, self.v_codes, self.k_norms, self.v_norms, self.fitted,
                 *self.pre.values()]
 
-    def _describe(self) -> None:
+    def _describe(self, warm: bool = True) -> None:
         """The buffers as the encodings describe them for the kernel (``encoding.packed`` of a
         QuantizedTensor over every slot: ``kvcodec.quant.PackedKV``), with the rotation and codebook on
         the device, and the preconditioner constants around the kernel (``PackedConsts``). Called
@@ -422,18 +422,19 @@ class StaticCompressedLayer(CacheLayerMixin):
             _mark_static(cb)
             self.packed[side] = dataclasses.replace(p, rotation=rot, codebook=cb)
         self.norm_correction = {"k": self.kc.q_config()["norm_correction"], "v": self.vc.q_config()["norm_correction"]}
-        self._new_consts()
+        self._new_consts(warm)
 
     def set_scaling(self, scaling: float) -> None:
         """The attention module's scaling, seen at the prefill (host side): constants and plans anew."""
         self.scaling = float(scaling)
         self._new_consts()
 
-    def _new_consts(self) -> None:
-        """Constants built anew (not in place) and the kernels' plans for them, pinned."""
+    def _new_consts(self, warm: bool = True) -> None:
+        """Constants built anew (not in place) and (``warm``) the kernels' plans for them, pinned."""
         self.consts = None
         self._refresh_consts()
-        self._warm_kernels()
+        if warm:
+            self._warm_kernels()
 
     def _refresh_consts(self) -> None:
         """Rebuild the float32 constants from the stored preconditioners: in place when they exist, so a
