@@ -1,0 +1,123 @@
+"""The real LMCache server path: ``python -m kvcodec.integrations.lmcache server`` started as a process
+with an fs L2 that stores through ``kvcodec_lossless``, driven by LMCache's own client
+(``lmcache bench server --mode cpu``: it registers a KV cache, stores, looks up, retrieves and
+checksums the KV through the server). A second server on the same L2 folder, with an empty L1,
+serves the chunks from the kvcodec objects alone, bit for bit; a damaged object is never served.
+127.0.0.1 only; each process is stopped when the test ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lmcache")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LMCache's server: Linux")]
+
+SHAPE = "(2,64,16,2,64):bfloat16:4"  # kv, blocks, tokens a block, heads, head size: dtype: layers
+CHUNKS_PER_SEQ = 2  # 512 tokens of LMCache's 256-token chunks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return dict(os.environ, LMCACHE_DISABLE_BANNER="1", PYTHONUNBUFFERED="1")
+
+
+class Server:
+    """One LMCache server process with the kvcodec serdes registered, an fs L2 in ``folder``."""
+
+    def __init__(self, folder: Path, log: Path):
+        self.port, self.http = _free_port(), _free_port()
+        adapter = {"type": "fs", "base_path": str(folder), "serde": {"type": "kvcodec_lossless", "slot_ratio": 1.0}}
+        cmd = [sys.executable, "-m", "kvcodec.integrations.lmcache", "server", "--host", "127.0.0.1",
+               "--port", str(self.port), "--http-host", "127.0.0.1", "--http-port", str(self.http),
+               "--l1-size-gb", "0.25", "--eviction-policy", "LRU", "--supported-transfer-mode", "engine_driven",
+               "--l2-adapter", json.dumps(adapter)]
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env())
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.http), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("the server did not come up in 120 s")
+
+    def client(self, start: int, end: int) -> str:
+        """LMCache's own client over sequences [start, end): its report."""
+        cmd = [sys.executable, "-m", "kvcodec.integrations.lmcache", "bench", "server", "--mode", "cpu",
+               "--rpc-url", f"tcp://127.0.0.1:{self.port}", "--url", f"http://127.0.0.1:{self.http}",
+               "--start", str(start), "--end", str(end), "--interval", "0", "--num-tokens", "512",
+               "--kvcache-shape-spec", SHAPE, "--num-blocks", "64"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _checksums(report: str, phase: str) -> dict[int, str]:
+    return {int(seq): value for seq, value in re.findall(rf"\[seq (\d+)/{phase}\] CHECKSUM: (\w+)", report)}
+
+
+def _objects(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file())
+
+
+def test_a_server_stores_through_kvcodec_and_a_fresh_one_serves_the_same_bytes(tmp_path):
+    from kvcodec import magics
+
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    first = Server(l2, tmp_path / "server1.log")
+    try:
+        report = first.client(0, 3)
+    finally:
+        first.stop()
+    assert report.count("CHECKSUM MATCH OK") == 3, report
+    stored = _checksums(report, "cold")
+    objects = _objects(l2)
+    assert len(objects) == 3 * CHUNKS_PER_SEQ
+    assert all(p.read_bytes()[:4] == magics.LMCACHE_FRAME for p in objects)  # kvcodec's frames, not raw KV
+    assert "Traceback" not in (tmp_path / "server1.log").read_text()
+
+    # one object damaged: whatever the fresh server serves is the stored KV or nothing
+    damaged = objects[0]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    damaged.write_bytes(bytes(data))
+
+    second = Server(l2, tmp_path / "server2.log")  # empty L1: every hit comes from the kvcodec objects
+    try:
+        report = second.client(0, 3)
+    finally:
+        second.stop()
+    served = _checksums(report, "warm")
+    assert set(served) == {0, 1, 2} and all(served[s] == stored[s] for s in served), report
+    hits = [int(n) for n in re.findall(r"/cold\] LOOKUP: (\d+)/2 chunks hit", report)]
+    # the sequences without the damaged object come from L2 whole; the damaged one's lookup stops at it
+    # (a prefix match), and its KV was stored again by the client and served right
+    assert len(hits) == 3 and sorted(hits)[1:] == [CHUNKS_PER_SEQ] * 2 and sorted(hits)[0] < CHUNKS_PER_SEQ, report
