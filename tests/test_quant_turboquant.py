@@ -371,3 +371,17 @@ def test_a_bad_row_in_a_late_chunk_is_refused_with_its_cause(value, message, pre
     for q in (TurboQuantMSE(64, 3, precondition=precondition), TurboQuantProd(64, 3, precondition=precondition)):
         with pytest.raises(ValueError, match=message):
             q.quantize(x)
+
+
+def test_storage_dtype_reads_the_positive_range_of_every_norm_tensor():
+    """bfloat16 as soon as any positive norm leaves float16's normal range; NaN, zeros and negatives
+    do not count; float64 norms are compared exactly (one read of a combined range, not one per tensor)."""
+    from kvcodec.quant import base
+
+    f16, bf16 = torch.float16, torch.bfloat16
+    assert base.storage_dtype(torch.tensor([1.0, 0.0, -1e9, float("nan")])) == f16
+    assert base.storage_dtype(torch.tensor([1.0]), torch.tensor([7e4])) == bf16
+    assert base.storage_dtype(torch.tensor([1.0]), torch.tensor([1e-5])) == bf16
+    assert base.storage_dtype(torch.tensor([65504.0000001], dtype=torch.float64)) == bf16
+    assert base.storage_dtype(torch.tensor([65504.0], dtype=torch.float64), torch.tensor([2.0 ** -14])) == f16
+    assert base.storage_dtype(torch.zeros(3), torch.empty(0)) == f16 and base.storage_dtype() == f16

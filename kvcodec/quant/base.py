@@ -69,26 +69,39 @@ def settle_norms(x: torch.Tensor, *norms: torch.Tensor, what: str = "x") -> torc
     a GPU): every norm is finite, else ``x`` held NaN or Inf (check_input's error) or a row norm
     overflowed (row_norms's); and the dtype the norms are stored in (``storage_dtype``'s choice).
     Non-finite input always gives a non-finite norm (an Inf row's norm is NaN, a NaN row's NaN)."""
-    parts = [n.reshape(-1).float() for n in norms if n.numel()]
-    if not parts:
+    stats = _norm_stats(*norms)
+    if stats is None:
         return torch.float16
-    n = torch.cat(parts)
-    positive = torch.where(n > 0, n, torch.full_like(n, math.inf))
-    finite, top, low = torch.stack([torch.isfinite(n).all().float(), n.amax(), positive.amin()]).tolist()
+    finite, top, low = stats.tolist()
     if not finite:
         if x.numel() and not bool(torch.isfinite(x).all()):
             raise ValueError(f"{what} contains NaN or Inf")
         raise ValueError(ROW_NORM_OVERFLOW)
-    return torch.bfloat16 if top > _FP16_MAX or low < _FP16_MIN_NORMAL else torch.float16
+    return _dtype_for(top, low)
 
 
 def storage_dtype(*norms: torch.Tensor) -> torch.dtype:
     """float16 when every nonzero norm fits its normal range, else bfloat16 (same range as float32)."""
-    for n in norms:
-        nz = n[n > 0]
-        if nz.numel() and (float(nz.max()) > _FP16_MAX or float(nz.min()) < _FP16_MIN_NORMAL):
-            return torch.bfloat16
-    return torch.float16
+    stats = _norm_stats(*norms)
+    return torch.float16 if stats is None else _dtype_for(*stats[1:].tolist())
+
+
+def _norm_stats(*norms: torch.Tensor) -> torch.Tensor | None:
+    """[all finite, largest positive value, smallest positive value] of ``norms`` as one tensor, for one
+    host read (0 and inf where none is positive; NaN is not positive), or None when they are empty.
+    float64 norms stay float64, so the range tests are exact."""
+    parts = [n.reshape(-1) for n in norms if n.numel()]
+    if not parts:
+        return None
+    dt = torch.float64 if any(n.dtype == torch.float64 for n in parts) else torch.float32
+    n = torch.cat([p.to(dt) for p in parts])
+    positive = n > 0
+    return torch.stack([torch.isfinite(n).all().to(dt), torch.where(positive, n, 0.0).amax(),
+                        torch.where(positive, n, math.inf).amin()])
+
+
+def _dtype_for(top: float, low: float) -> torch.dtype:
+    return torch.bfloat16 if top > _FP16_MAX or low < _FP16_MIN_NORMAL else torch.float16
 
 
 def token_chunk(q: QuantizedTensor, width: int, multiple: int = 1) -> int:
