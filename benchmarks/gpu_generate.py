@@ -349,13 +349,18 @@ def profile_static_step(shapes=((1, 32768), (8, 32768)), out_dir=None) -> dict:
         del cache
         gc.collect()
         torch.cuda.empty_cache()
+    _write_json(result, out_dir)
+    del model
+    return result
+
+
+def _write_json(result: dict, out_dir) -> None:
+    """A profile's result as out_dir/<suite>.json (no table: its rows are lists of kernels)."""
     if out_dir:
         import json
 
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / f"{result['suite']}.json").write_text(json.dumps(result, indent=1))
-    del model
-    return result
 
 
 def kernel_table(dev) -> list[dict]:
@@ -625,8 +630,6 @@ def profile_generate(kinds, shapes, layers: int = 32, out_dir=None, new: int = 2
     token beside the device's busy time (the union of its kernels' intervals) and kernel count per
     token, the top kernels by device time and the top host operations by self time; after one
     warm-up call, over the steps from the third on. JSON under out_dir."""
-    import json
-
     from torch.profiler import ProfilerActivity, profile
     from transformers import StoppingCriteriaList
 
@@ -659,9 +662,7 @@ def profile_generate(kinds, shapes, layers: int = 32, out_dir=None, new: int = 2
             result["rows"].append(row)
             gc.collect()
             torch.cuda.empty_cache()
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / f"{result['suite']}.json").write_text(json.dumps(result, indent=1))
+    _write_json(result, out_dir)
     return result
 
 
