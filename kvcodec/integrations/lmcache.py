@@ -58,7 +58,7 @@ from lmcache.v1.distributed.serde import (
 from kvcodec import container, magics
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.api import compress, decompress
-from kvcodec.quant import QuantizedTensor, TurboQuantMSE, TurboQuantOutlier, turboquant_fast
+from kvcodec.quant import QuantizedTensor, TurboQuantMSE, TurboQuantOutlier, turboquant_fast, turboquant_rows
 
 log = logging.getLogger(__name__)
 
@@ -531,7 +531,8 @@ class TurboQuantSerializer(Serializer):
         if n_tokens > e:
             for part, name in zip(range(kv.shape[0]), "kv"):
                 with turboquant_fast.workers(self.threads):
-                    q = self.quantizers[part].quantize(_part_heads(kv[part, :, e:], n_heads)).to_dict()
+                    x = _part_heads(kv[part, :, e:], n_heads)
+                    q = turboquant_rows.quantize(self.quantizers[part], x).to_dict()
                 meta[name] = q["meta"]
                 tensors.update({f"{name}.{k}": t.cpu() for k, t in q["tensors"].items()})
         return container.dumps(TQ_KIND, meta, {k: t.cpu() for k, t in tensors.items()})
@@ -588,7 +589,7 @@ class TurboQuantDeserializer(Deserializer):
                 raise CorruptStreamError(f"turboquant {name} codes do not fit the chunk {tuple(out.shape)}")
             if self.stage is None:
                 with turboquant_fast.workers(self.threads):
-                    rec = q.dequantize(torch.float32)  # [layers, heads, tokens, d]
+                    rec = turboquant_rows.dequantize(q, torch.float32)  # [layers, heads, tokens, d]
                 out[part, :, e:] = _narrow(rec.transpose(1, 2).reshape(out.shape[1], n_tokens - e, out.shape[3]),
                                            out.dtype)
             else:

@@ -64,17 +64,26 @@ def resolve_kind(kind: str, dim: int) -> str:
     return kind
 
 
+def hadamard_signs(dim: int, seed: int, kind: str) -> tuple[np.ndarray, ...]:
+    """The sign vectors of a Hadamard rotation: (s1,) for "hadamard", (s1, s2) for "hadamard2"
+    (float64 +-1). R = H diag(s1) / sqrt(D), or H diag(s2) H diag(s1) / D; a fast Walsh-Hadamard
+    transform applies the same R without the matrix (``kvcodec.quant.turboquant_rows``)."""
+    if kind not in ("hadamard", "hadamard2") or not is_power_of_two(dim):
+        raise ValueError(f"no Hadamard signs for rotation {kind!r} at dim {dim}")
+    rng = rng_for(seed, _PURPOSE_ROTATION, dim)
+    s1 = rng.choice([-1.0, 1.0], size=dim)
+    return (s1,) if kind == "hadamard" else (s1, rng.choice([-1.0, 1.0], size=dim))
+
+
 @lru_cache(maxsize=256)
 def _rotation_np(dim: int, seed: int, kind: str) -> np.ndarray:
-    rng = rng_for(seed, _PURPOSE_ROTATION, dim)
     if kind == "qr":
-        return haar_orthogonal(dim, rng)
+        return haar_orthogonal(dim, rng_for(seed, _PURPOSE_ROTATION, dim))
     h = sylvester_hadamard(dim)
-    s1 = rng.choice([-1.0, 1.0], size=dim)
+    signs = hadamard_signs(dim, seed, kind)
     if kind == "hadamard":
-        return h * s1[None, :] / np.sqrt(dim)
-    s2 = rng.choice([-1.0, 1.0], size=dim)
-    return (h * s2[None, :]) @ (h * s1[None, :]) / dim
+        return h * signs[0][None, :] / np.sqrt(dim)
+    return (h * signs[1][None, :]) @ (h * signs[0][None, :]) / dim
 
 
 def rotation_matrix(dim: int, seed: int = 0, kind: str = "auto") -> torch.Tensor:

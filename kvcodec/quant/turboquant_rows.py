@@ -1,0 +1,310 @@
+"""TurboQuant MSE on the CPU in one compiled pass per row: the stored-chunk codec's fast path.
+
+Why: ``TurboQuantMSE.quantize`` runs a row through seven torch ops (norms, a D x D matmul for the
+rotation, the centroid search, the norm correction, the bit packing), each over the whole chunk
+with its own float32 temporaries; on one core of a 2-core AMD EPYC that is ~50 ms for an LMCache
+chunk of SmolLM2 (30 layers x 256 tokens x 192 channels, K and V), 0.1 GB/s. Here each row is
+normalised, rotated, searched, corrected and packed while it sits in L1, and Hadamard rotations
+(the default for power-of-two head dims) are two fast Walsh-Hadamard transforms (12 adds per
+value at D = 64, against 128 multiply-adds for the matmul). Rows are split over threads with the
+GIL released (``turboquant_fast.workers``).
+
+What it writes is an ordinary ``QuantizedTensor`` of the quantizer's format: every reader decodes
+it, and ``dequantize`` here reads any of them. The floats are summed in another order than torch's
+matmul, so a coordinate that lies within float32 rounding of a centroid boundary can take the
+neighbouring code (the same kind of difference as the CUDA quantizer's) and a norm can differ in
+its last bits before it is rounded to its storage dtype; tests/test_turboquant_rows.py bounds both
+against the torch path.
+
+Applies to ``TurboQuantMSE`` itself (not its QJL or outlier variants) with a Hadamard rotation, on CPU
+tensors; anything else goes to the quantizer's own methods.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from numba import njit
+
+from kvcodec.quant import base, turboquant_fast
+from kvcodec.quant.compressed import QuantizedTensor
+from kvcodec.quant.packing import packed_width
+from kvcodec.quant.precondition import ChannelPreconditioner
+from kvcodec.quant.rotations import hadamard_signs
+from kvcodec.quant.turboquant import TurboQuantMSE, resolve_precond
+
+# rotation kinds as the kernels see them
+_HADAMARD, _HADAMARD2 = 1, 2
+
+
+# sums may be reassociated (vector lanes) and multiply-adds fused; NaN and Inf keep their meaning
+_FAST = {"reassoc", "contract"}
+LANES = 16  # rows rotated together: every butterfly is one vector operation over these rows
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST, inline="always")
+def _fwht(v, m):  # pragma: no cover - compiled
+    """In place, unnormalised, on the first m lanes of v [D, LANES]: v <- H v (Sylvester order)."""
+    n = v.shape[0]
+    h = 1
+    while h < n:
+        for i in range(0, n, 2 * h):
+            for j in range(i, i + h):
+                for r in range(m):
+                    a = v[j, r]
+                    b = v[j + h, r]
+                    v[j, r] = a + b
+                    v[j + h, r] = a - b
+        h *= 2
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST, inline="always")
+def _rotate(u, m, kind, s1, s2, post, out):  # pragma: no cover - compiled
+    """out <- R u for the first m lanes of u [D, LANES]: H diag(s2) H diag(s1) u / D ("hadamard2") or
+    H diag(s1) u / sqrt(D) ("hadamard")."""
+    d = u.shape[0]
+    for j in range(d):
+        for r in range(m):
+            out[j, r] = u[j, r] * s1[j]
+    _fwht(out, m)
+    if kind == _HADAMARD2:
+        for j in range(d):
+            for r in range(m):
+                out[j, r] *= s2[j]
+        _fwht(out, m)
+    for j in range(d):
+        for r in range(m):
+            out[j, r] *= post
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST, inline="always")
+def _rotate_back(v, m, kind, s1, s2, post, out):  # pragma: no cover - compiled
+    """out <- R^T v for the first m lanes of v [D, LANES] (the inverse rotation)."""
+    d = v.shape[0]
+    for j in range(d):
+        for r in range(m):
+            out[j, r] = v[j, r]
+    _fwht(out, m)
+    if kind == _HADAMARD2:
+        for j in range(d):
+            for r in range(m):
+                out[j, r] *= s2[j]
+        _fwht(out, m)
+    for j in range(d):
+        f = s1[j] * post
+        for r in range(m):
+            out[j, r] *= f
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST)
+def _encode_rows(x, kind, s1, s2, post, thr, cb, bits, correct, codes, scales):  # pragma: no cover
+    """Per row of x [n, D] float32 (preconditioned): codes [n, width] (tq layout v1) and the stored scale
+    (||x|| / <y, c> with the norm correction, else ||x||; NaN when the row holds NaN or Inf). Rows go
+    LANES at a time, transposed, so the rotation and the search run across rows."""
+    n, d = x.shape
+    n_thr = thr.shape[0]
+    u = np.empty((d, LANES), np.float32)
+    y = np.empty((d, LANES), np.float32)
+    idx = np.empty((d, LANES), np.int32)
+    amax = np.empty(LANES, np.float32)
+    ss = np.empty(LANES, np.float32)
+    norm = np.empty(LANES, np.float32)
+    dot = np.empty(LANES, np.float32)
+    for r0 in range(0, n, LANES):
+        m = min(LANES, n - r0)
+        for r in range(m):
+            row = x[r0 + r]
+            for j in range(d):
+                u[j, r] = row[j]
+        for r in range(m):
+            amax[r] = 0.0
+            ss[r] = 0.0
+        for j in range(d):
+            for r in range(m):
+                a = abs(u[j, r])
+                amax[r] = a if a > amax[r] else amax[r]  # a NaN is skipped here and caught by the sum below
+        for r in range(m):  # the divisor that keeps the squares in range (1 for a zero row: norm 0)
+            amax[r] = amax[r] if amax[r] > 0 else np.float32(1.0)
+        for j in range(d):
+            for r in range(m):
+                t = u[j, r] / amax[r]
+                ss[r] += t * t
+        for r in range(m):
+            nr = np.float32(math.sqrt(ss[r])) * amax[r]
+            norm[r] = nr
+            dot[r] = nr if nr > 0 else np.float32(1.0)  # the divisor
+        for j in range(d):
+            for r in range(m):
+                u[j, r] = u[j, r] / dot[r]
+        _rotate(u, m, kind, s1, s2, post, y)
+        if n_thr <= 31:  # a count over the thresholds
+            for j in range(d):
+                for r in range(m):
+                    idx[j, r] = 0
+                for i in range(n_thr):
+                    t = thr[i]
+                    for r in range(m):
+                        idx[j, r] += np.int32(y[j, r] > t)
+        else:
+            for j in range(d):
+                for r in range(m):
+                    lo, hi = 0, n_thr
+                    while lo < hi:
+                        mid = (lo + hi) >> 1
+                        if thr[mid] < y[j, r]:
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                    idx[j, r] = lo
+        for r in range(m):
+            dot[r] = 0.0
+        for j in range(d):
+            for r in range(m):
+                v = y[j, r]
+                if v != v:  # NaN sorts after every threshold, as in torch.bucketize
+                    idx[j, r] = n_thr
+                dot[r] += v * cb[idx[j, r]]
+        for r in range(m):
+            _pack(idx[:, r], bits, codes[r0 + r])
+            nr = norm[r]
+            scales[r0 + r] = nr / dot[r] if correct and dot[r] > 0 else nr
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _pack(idx, bits, out):  # pragma: no cover - compiled
+    """Code j's low ``bits`` bits at stream bits [j*bits, (j+1)*bits), little-endian (tq layout v1)."""
+    d = idx.shape[0]
+    if bits == 8:
+        for j in range(d):
+            out[j] = np.uint8(idx[j])
+    elif bits == 4 and d % 2 == 0:
+        for b in range(d // 2):
+            out[b] = np.uint8(idx[2 * b] | (idx[2 * b + 1] << 4))
+    elif bits == 2 and d % 4 == 0:
+        for b in range(d // 4):
+            out[b] = np.uint8(idx[4 * b] | (idx[4 * b + 1] << 2) | (idx[4 * b + 2] << 4) | (idx[4 * b + 3] << 6))
+    else:
+        mask = (1 << bits) - 1
+        for b in range(out.shape[0]):
+            out[b] = 0
+        pos = 0
+        for j in range(d):
+            code = np.int64(idx[j]) & mask
+            byte, shift = pos >> 3, pos & 7
+            out[byte] |= np.uint8((code << shift) & 0xFF)
+            if shift + bits > 8:
+                out[byte + 1] |= np.uint8(code >> (8 - shift))
+            pos += bits
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST)
+def _decode_rows(codes, norms, kind, s1, s2, post, cb, bits, out):  # pragma: no cover - compiled
+    """out [n, D] float32 <- R^T (cb[codes] * norm) per row, LANES rows at a time."""
+    n, d = out.shape
+    mask = (1 << bits) - 1
+    v = np.empty((d, LANES), np.float32)
+    w = np.empty((d, LANES), np.float32)
+    for r0 in range(0, n, LANES):
+        m = min(LANES, n - r0)
+        for r in range(m):
+            row = codes[r0 + r]
+            nr = norms[r0 + r]
+            if bits == 4 and d % 2 == 0:
+                for b in range(d // 2):
+                    c = row[b]
+                    v[2 * b, r] = cb[c & 15] * nr
+                    v[2 * b + 1, r] = cb[c >> 4] * nr
+            elif bits == 8:
+                for j in range(d):
+                    v[j, r] = cb[row[j]] * nr
+            else:
+                pos = 0
+                for j in range(d):
+                    byte, shift = pos >> 3, pos & 7
+                    c = np.int64(row[byte]) >> shift
+                    if shift + bits > 8:
+                        c |= np.int64(row[byte + 1]) << (8 - shift)
+                    v[j, r] = cb[c & mask] * nr
+                    pos += bits
+        _rotate_back(v, m, kind, s1, s2, post, w)
+        for r in range(m):
+            o = out[r0 + r]
+            for j in range(d):
+                o[j] = w[j, r]
+
+
+class _Plan:
+    """A quantizer's constants as the kernels take them (built once per quantizer)."""
+
+    def __init__(self, q: TurboQuantMSE):
+        d = q.dim
+        signs = hadamard_signs(d, q.seed, q.rotation_kind)
+        self.kind = _HADAMARD2 if q.rotation_kind == "hadamard2" else _HADAMARD
+        self.s1 = signs[0].astype(np.float32)
+        self.s2 = signs[-1].astype(np.float32)  # unused by "hadamard"
+        self.post = np.float32(1.0 / d if self.kind == _HADAMARD2 else 1.0 / math.sqrt(d))
+        self.cb = np.ascontiguousarray(q.codebook.numpy(), np.float32)
+        self.thr = np.ascontiguousarray(((q.codebook[1:] + q.codebook[:-1]) / 2).numpy(), np.float32)
+        self.bits = q.bits
+        self.width = packed_width(d, q.bits)
+
+    def args(self):
+        return self.kind, self.s1, self.s2, self.post
+
+
+_PLANS: dict[int, tuple] = {}
+
+
+def _plan(q: TurboQuantMSE) -> _Plan:
+    hit = _PLANS.get(id(q))
+    if hit is None or hit[0] is not q:
+        hit = _PLANS[id(q)] = (q, _Plan(q))
+    return hit[1]
+
+
+def applies(q, *tensors: torch.Tensor) -> bool:
+    """True where this module codes for ``q``: exactly TurboQuantMSE with a Hadamard rotation (power-of-two
+    head dims: the default), CPU tensors, compiled paths on (``turboquant_fast.disabled()`` turns it off)."""
+    return (type(q) is TurboQuantMSE and q.rotation_kind in ("hadamard", "hadamard2")
+            and turboquant_fast.usable(*tensors))
+
+
+def quantize(q, x: torch.Tensor, precond=None) -> QuantizedTensor:
+    """``q.quantize(x, precond)`` in one compiled pass per row where :func:`applies`, else ``q.quantize``."""
+    if not applies(q, x) or x.numel() == 0:
+        return q.quantize(x, precond)
+    base.check_input(x, q.dim, finite=False)
+    pre = resolve_precond(q, x, precond)
+    plan = _plan(q)
+    lead, n_tokens = tuple(x.shape[:-2]), x.shape[-2]
+    rows = turboquant_fast._rows(pre.apply(x.float()).float())
+    codes = np.empty((rows.shape[0], plan.width), np.uint8)
+    scales = np.empty(rows.shape[0], np.float32)
+    turboquant_fast._split_rows(
+        lambda a, c, s: _encode_rows(a, *plan.args(), plan.thr, plan.cb, plan.bits, q.norm_correction, c, s),
+        rows.shape[0], rows, codes, scales)
+    norms = torch.from_numpy(scales).reshape(*lead, n_tokens)
+    dt = base.settle_norms(x, norms)
+    token = {"codes": torch.from_numpy(codes).reshape(*lead, n_tokens, plan.width), "norms": norms.to(dt)}
+    return QuantizedTensor(config=q.config(), lead_shape=lead, num_tokens=n_tokens, dim=q.dim, token=token,
+                           side=pre.side_fields())
+
+
+def dequantize(c: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``c.dequantize(dtype)`` in one compiled pass per row where :func:`applies`, else ``c.dequantize``."""
+    q = c.quantizer
+    codes, norms = c.token.get("codes"), c.token.get("norms")
+    if (not applies(q, *c.token.values(), *c.side.values()) or codes is None or norms is None
+            or c.num_tokens == 0 or set(c.token) != {"codes", "norms"}):
+        return c.dequantize(dtype)
+    q._own(c)
+    plan = _plan(q)
+    rows = turboquant_fast._rows(codes)
+    nr = turboquant_fast._rows(norms.float().unsqueeze(-1))[:, 0].copy()
+    out = np.empty((rows.shape[0], q.dim), np.float32)
+    turboquant_fast._split_rows(
+        lambda a, n, o: _decode_rows(a, n, *plan.args(), plan.cb, plan.bits, o), rows.shape[0], rows, nr, out)
+    rec = torch.from_numpy(out).reshape(*c.lead_shape, c.num_tokens, q.dim)
+    return ChannelPreconditioner.from_side(c.side).invert(rec).to(dtype)

@@ -1,0 +1,136 @@
+"""kvcodec.quant.turboquant_rows (one compiled pass per row, Hadamard rotations as fast transforms)
+against the torch path of TurboQuantMSE on random inputs: the same format, codes equal except where a
+rotated coordinate lies within float32 rounding of a centroid boundary (then the neighbouring code),
+norms equal to their storage rounding, reconstructions equal to float32 rounding; bad input raises
+the torch path's error; every reader decodes what it writes."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcodec.quant import TurboQuantMSE, TurboQuantProd, turboquant_fast, turboquant_rows
+
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _rotated(q: TurboQuantMSE, x: torch.Tensor) -> torch.Tensor:
+    """The torch path's unit rotated rows (what the centroid search sees)."""
+    from kvcodec.quant.turboquant import resolve_precond
+
+    xp = resolve_precond(q, x, None).apply(x.float())
+    n = torch.linalg.vector_norm(xp, dim=-1, keepdim=True)
+    return (xp / torch.where(n > 0, n, torch.ones_like(n))) @ q.rotation.T
+
+
+def _codes(q: TurboQuantMSE, c) -> torch.Tensor:
+    from kvcodec.quant.packing import unpack_bits
+
+    return unpack_bits(c.token["codes"], q.bits, q.dim).long()
+
+
+def _compare(q: TurboQuantMSE, x: torch.Tensor) -> None:
+    ref = q.quantize(x)
+    got = turboquant_rows.quantize(q, x)
+    assert got.config == ref.config and got.lead_shape == ref.lead_shape and got.num_tokens == ref.num_tokens
+    assert set(got.token) == set(ref.token) == {"codes", "norms"}
+    assert got.token["codes"].shape == ref.token["codes"].shape and got.token["codes"].dtype == torch.uint8
+    assert got.token["norms"].dtype == ref.token["norms"].dtype
+    for k in ref.side:
+        assert torch.equal(got.side[k], ref.side[k])
+    a, b = _codes(q, ref), _codes(q, got)
+    differ = a != b
+    if differ.any():  # only next to a boundary, and only to the neighbouring centroid
+        assert ((a - b).abs()[differ] == 1).all()
+        y = _rotated(q, x)[differ]
+        thr = (q.codebook[1:] + q.codebook[:-1]) / 2
+        gap = (y.unsqueeze(-1) - thr).abs().amin(-1)
+        assert float(gap.max()) < 1e-5
+    rows_same = ~differ.any(-1)
+    na, nb = ref.token["norms"].float()[rows_same], got.token["norms"].float()[rows_same]
+    ulp = torch.finfo(ref.token["norms"].dtype).eps
+    assert torch.allclose(na, nb, rtol=2 * ulp, atol=0)
+    # either reader decodes either writer's output to the same floats (to float32 rounding)
+    for c in (ref, got):
+        d_ref, d_rows = c.dequantize(), turboquant_rows.dequantize(c)
+        scale = d_ref.abs().amax().clamp_min(1e-30)
+        assert float((d_ref - d_rows).abs().amax() / scale) < 1e-5
+
+
+@SETTINGS
+@given(dim=st.sampled_from([16, 32, 64, 128, 256]), bits=st.integers(1, 8), rotation=st.sampled_from(["hadamard", "hadamard2"]),
+       precondition=st.sampled_from(["none", "center", "scale"]), correct=st.booleans(), seed=st.integers(0, 5),
+       tokens=st.integers(1, 70), heads=st.integers(1, 3), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       data_seed=st.integers(0, 2**31 - 1))
+def test_rows_match_the_torch_path(dim, bits, rotation, precondition, correct, seed, tokens, heads, dtype, data_seed):
+    q = TurboQuantMSE(dim, bits, seed=seed, rotation=rotation, precondition=precondition, norm_correction=correct)
+    g = torch.Generator().manual_seed(data_seed)
+    x = (torch.randn(heads, tokens, dim, generator=g) * torch.rand(heads, 1, dim, generator=g) * 5).to(dtype)
+    _compare(q, x)
+
+
+@pytest.mark.parametrize("case", ["zeros", "tiny", "huge", "constant", "one_hot"])
+def test_rows_on_edge_values(case):
+    q = TurboQuantMSE(64, 3, precondition="none")
+    x = torch.zeros(2, 17, 64)
+    if case == "tiny":
+        x = torch.randn(2, 17, 64) * 1e-30
+    elif case == "huge":
+        x = torch.randn(2, 17, 64) * 1e30
+    elif case == "constant":
+        x = torch.full((2, 17, 64), 3.0)
+    elif case == "one_hot":
+        x[..., 5] = 2.0
+    _compare(q, x)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_rows_refuse_what_the_torch_path_refuses(bad):
+    q = TurboQuantMSE(64, 4)
+    x = torch.randn(1, 8, 64)
+    x[0, 3, 7] = bad
+    with pytest.raises(ValueError) as ref:
+        q.quantize(x)
+    with pytest.raises(ValueError) as got:
+        turboquant_rows.quantize(q, x)
+    assert str(got.value) == str(ref.value)
+
+
+def test_other_quantizers_and_devices_take_their_own_path():
+    for q in (TurboQuantMSE(64, 4, rotation="qr"), TurboQuantProd(64, 4), TurboQuantMSE(80, 4)):
+        x = torch.randn(2, 9, q.dim)
+        assert not turboquant_rows.applies(q, x)
+        got, ref = turboquant_rows.quantize(q, x), q.quantize(x)
+        assert all(torch.equal(got.token[k], ref.token[k]) for k in ref.token)
+        assert torch.equal(turboquant_rows.dequantize(ref), q.dequantize(ref))
+    q, x = TurboQuantMSE(64, 4), torch.randn(2, 9, 64)
+    assert turboquant_rows.applies(q, x)
+    with turboquant_fast.disabled():
+        assert not turboquant_rows.applies(q, x)
+
+
+def test_threads_split_rows_to_the_same_bytes():
+    q = TurboQuantMSE(128, 4, precondition="scale")
+    x = torch.randn(4, 600, 128)
+    with turboquant_fast.workers(1):
+        one = turboquant_rows.quantize(q, x)
+        d1 = turboquant_rows.dequantize(one)
+    with turboquant_fast.workers(2):
+        two = turboquant_rows.quantize(q, x)
+        d2 = turboquant_rows.dequantize(one)
+    assert all(torch.equal(one.token[k], two.token[k]) for k in one.token)
+    assert torch.equal(d1, d2)
+
+
+def test_hadamard_signs_give_the_rotation_matrix():
+    from kvcodec.quant.rotations import hadamard_signs, rotation_matrix, sylvester_hadamard
+
+    for kind in ("hadamard", "hadamard2"):
+        for dim in (4, 64, 256):
+            signs = hadamard_signs(dim, 7, kind)
+            h = sylvester_hadamard(dim)
+            r = h * signs[0] / np.sqrt(dim) if kind == "hadamard" else (h * signs[1]) @ (h * signs[0]) / dim
+            assert torch.equal(rotation_matrix(dim, 7, kind), torch.from_numpy(r.astype(np.float32)))
+    with pytest.raises(ValueError):
+        hadamard_signs(80, 0, "hadamard2")
