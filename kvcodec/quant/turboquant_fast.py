@@ -135,9 +135,14 @@ def _unpack_rows(packed, table, group, n, out):  # pragma: no cover - compiled
                         j += 1
 
 
+def thread_count() -> int:
+    """Threads a call in this thread splits its rows over: ``workers(n)``'s, else torch's."""
+    return getattr(_state, "workers", None) or torch.get_num_threads()
+
+
 def _split_rows(fn, n_rows: int, *arrays) -> None:
-    """Run ``fn(*row_slices)`` over row blocks on ``torch.get_num_threads()`` threads (GIL released)."""
-    want = getattr(_state, "workers", None) or torch.get_num_threads()
+    """Run ``fn(*row_slices)`` over row blocks on ``thread_count()`` threads (GIL released)."""
+    want = thread_count()
     n = max(1, min(want, n_rows // MIN_ROWS_PER_THREAD))
     if n == 1:
         fn(*arrays)

@@ -23,6 +23,7 @@ tensors; anything else goes to the quantizer's own methods.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -99,77 +100,71 @@ def _rotate_back(v, m, kind, s1, s2, post, out):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST)
-def _encode_rows(x, kind, s1, s2, post, thr, cb, bits, correct, codes, scales):  # pragma: no cover
-    """Per row of x [n, D] float32 (preconditioned): codes [n, width] (tq layout v1) and the stored scale
-    (||x|| / <y, c> with the norm correction, else ||x||; NaN when the row holds NaN or Inf). Rows go
-    LANES at a time, transposed, so the rotation and the search run across rows."""
+def _encode_rows(x, center, scale, per, kind, s1, s2, post, thr, cb, bits, correct, codes, scales):  # pragma: no cover
+    """Per row of x [n, D] float32: codes [n, width] (tq layout v1) and the stored scale (||x'|| / <y, c>
+    with the norm correction, else ||x'||; NaN when the row holds NaN or Inf), x' = (x - center) / scale
+    with the preconditioner row of the row's leading index (``per`` rows each; zeros and ones without
+    one: an exact no-op). Rows go LANES at a time, transposed, so the rotation and the search run
+    across rows."""
     n, d = x.shape
     n_thr = thr.shape[0]
     u = np.empty((d, LANES), np.float32)
     y = np.empty((d, LANES), np.float32)
-    idx = np.empty((d, LANES), np.int32)
-    amax = np.empty(LANES, np.float32)
-    ss = np.empty(LANES, np.float32)
+    xp = np.empty(d, np.float32)
+    yr = np.empty(d, np.float32)
+    idx = np.empty(d, np.int32)
     norm = np.empty(LANES, np.float32)
-    dot = np.empty(LANES, np.float32)
     for r0 in range(0, n, LANES):
         m = min(LANES, n - r0)
-        for r in range(m):
+        for r in range(m):  # row by row (vectorized along the row): precondition, norm, unit row
             row = x[r0 + r]
+            lead = (r0 + r) // per
+            c, sc = center[lead], scale[lead]
+            amax = np.float32(0.0)
             for j in range(d):
-                u[j, r] = row[j]
-        for r in range(m):
-            amax[r] = 0.0
-            ss[r] = 0.0
-        for j in range(d):
-            for r in range(m):
-                a = abs(u[j, r])
-                amax[r] = a if a > amax[r] else amax[r]  # a NaN is skipped here and caught by the sum below
-        for r in range(m):  # the divisor that keeps the squares in range (1 for a zero row: norm 0)
-            amax[r] = amax[r] if amax[r] > 0 else np.float32(1.0)
-        for j in range(d):
-            for r in range(m):
-                t = u[j, r] / amax[r]
-                ss[r] += t * t
-        for r in range(m):
-            nr = np.float32(math.sqrt(ss[r])) * amax[r]
+                xp[j] = (row[j] - c[j]) / sc[j]
+                a = abs(xp[j])
+                amax = a if a > amax else amax  # a NaN is skipped here and caught by the sum below
+            safe = amax if amax > 0 else np.float32(1.0)
+            ss = np.float32(0.0)
+            for j in range(d):
+                t = xp[j] / safe
+                ss += t * t
+            nr = np.float32(math.sqrt(ss)) * amax
             norm[r] = nr
-            dot[r] = nr if nr > 0 else np.float32(1.0)  # the divisor
-        for j in range(d):
-            for r in range(m):
-                u[j, r] = u[j, r] / dot[r]
-        _rotate(u, m, kind, s1, s2, post, y)
-        if n_thr <= 31:  # a count over the thresholds
+            inv = nr if nr > 0 else np.float32(1.0)
             for j in range(d):
-                for r in range(m):
-                    idx[j, r] = 0
+                u[j, r] = xp[j] / inv
+        _rotate(u, m, kind, s1, s2, post, y)  # across the block's rows
+        for r in range(m):  # row by row again: centroid search, norm correction, packing
+            for j in range(d):
+                yr[j] = y[j, r]
+            if n_thr <= 31:  # a count over the thresholds
+                for j in range(d):
+                    idx[j] = 0
                 for i in range(n_thr):
                     t = thr[i]
-                    for r in range(m):
-                        idx[j, r] += np.int32(y[j, r] > t)
-        else:
-            for j in range(d):
-                for r in range(m):
+                    for j in range(d):
+                        idx[j] += np.int32(yr[j] > t)
+            else:
+                for j in range(d):
                     lo, hi = 0, n_thr
                     while lo < hi:
                         mid = (lo + hi) >> 1
-                        if thr[mid] < y[j, r]:
+                        if thr[mid] < yr[j]:
                             lo = mid + 1
                         else:
                             hi = mid
-                    idx[j, r] = lo
-        for r in range(m):
-            dot[r] = 0.0
-        for j in range(d):
-            for r in range(m):
-                v = y[j, r]
+                    idx[j] = lo
+            dot = np.float32(0.0)
+            for j in range(d):
+                v = yr[j]
                 if v != v:  # NaN sorts after every threshold, as in torch.bucketize
-                    idx[j, r] = n_thr
-                dot[r] += v * cb[idx[j, r]]
-        for r in range(m):
-            _pack(idx[:, r], bits, codes[r0 + r])
+                    idx[j] = n_thr
+                dot += v * cb[idx[j]]
+            _pack(idx, bits, codes[r0 + r])
             nr = norm[r]
-            scales[r0 + r] = nr / dot[r] if correct and dot[r] > 0 else nr
+            scales[r0 + r] = nr / dot if correct and dot > 0 else nr
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -200,8 +195,8 @@ def _pack(idx, bits, out):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST)
-def _decode_rows(codes, norms, kind, s1, s2, post, cb, bits, out):  # pragma: no cover - compiled
-    """out [n, D] float32 <- R^T (cb[codes] * norm) per row, LANES rows at a time."""
+def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits, out):  # pragma: no cover
+    """out [n, D] float32 <- R^T (cb[codes] * norm) * scale + center per row, LANES rows at a time."""
     n, d = out.shape
     mask = (1 << bits) - 1
     v = np.empty((d, LANES), np.float32)
@@ -231,8 +226,10 @@ def _decode_rows(codes, norms, kind, s1, s2, post, cb, bits, out):  # pragma: no
         _rotate_back(v, m, kind, s1, s2, post, w)
         for r in range(m):
             o = out[r0 + r]
+            lead = (r0 + r) // per
+            c, sc = center[lead], scale[lead]
             for j in range(d):
-                o[j] = w[j, r]
+                o[j] = w[j, r] * sc[j] + c[j]
 
 
 class _Plan:
@@ -271,6 +268,18 @@ def applies(q, *tensors: torch.Tensor) -> bool:
             and turboquant_fast.usable(*tensors))
 
 
+def _side_rows(pre: ChannelPreconditioner, lead: tuple, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """center and scale [prod(lead), D] float32 as the kernels read them (zeros and ones where absent)."""
+    n_lead = math.prod(lead)
+    out = []
+    for t, fill in ((pre.center, 0.0), (pre.scale, 1.0)):
+        if t is None:
+            out.append(np.full((n_lead, dim), fill, np.float32))
+        else:
+            out.append(np.ascontiguousarray(t.float().expand(*lead, 1, dim).reshape(n_lead, dim).numpy()))
+    return out[0], out[1]
+
+
 def quantize(q, x: torch.Tensor, precond=None) -> QuantizedTensor:
     """``q.quantize(x, precond)`` in one compiled pass per row where :func:`applies`, else ``q.quantize``."""
     if not applies(q, x) or x.numel() == 0:
@@ -279,12 +288,16 @@ def quantize(q, x: torch.Tensor, precond=None) -> QuantizedTensor:
     pre = resolve_precond(q, x, precond)
     plan = _plan(q)
     lead, n_tokens = tuple(x.shape[:-2]), x.shape[-2]
-    rows = turboquant_fast._rows(pre.apply(x.float()).float())
+    center, scale = _side_rows(pre, lead, q.dim)
+    rows = turboquant_fast._rows(x.float())
     codes = np.empty((rows.shape[0], plan.width), np.uint8)
     scales = np.empty(rows.shape[0], np.float32)
-    turboquant_fast._split_rows(
-        lambda a, c, s: _encode_rows(a, *plan.args(), plan.thr, plan.cb, plan.bits, q.norm_correction, c, s),
-        rows.shape[0], rows, codes, scales)
+
+    def run(lo, hi):
+        _encode_rows(rows[lo:hi], center[lo // n_tokens:], scale[lo // n_tokens:], n_tokens, *plan.args(), plan.thr,
+                     plan.cb, plan.bits, q.norm_correction, codes[lo:hi], scales[lo:hi])
+
+    _split_leads(run, rows.shape[0], n_tokens)
     norms = torch.from_numpy(scales).reshape(*lead, n_tokens)
     dt = base.settle_norms(x, norms)
     token = {"codes": torch.from_numpy(codes).reshape(*lead, n_tokens, plan.width), "norms": norms.to(dt)}
@@ -301,10 +314,29 @@ def dequantize(c: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         return c.dequantize(dtype)
     q._own(c)
     plan = _plan(q)
+    n_tokens = c.num_tokens
+    center, scale = _side_rows(ChannelPreconditioner.from_side(c.side), tuple(c.lead_shape), q.dim)
     rows = turboquant_fast._rows(codes)
     nr = turboquant_fast._rows(norms.float().unsqueeze(-1))[:, 0].copy()
     out = np.empty((rows.shape[0], q.dim), np.float32)
-    turboquant_fast._split_rows(
-        lambda a, n, o: _decode_rows(a, n, *plan.args(), plan.cb, plan.bits, o), rows.shape[0], rows, nr, out)
-    rec = torch.from_numpy(out).reshape(*c.lead_shape, c.num_tokens, q.dim)
-    return ChannelPreconditioner.from_side(c.side).invert(rec).to(dtype)
+
+    def run(lo, hi):
+        _decode_rows(rows[lo:hi], nr[lo:hi], center[lo // n_tokens:], scale[lo // n_tokens:], n_tokens,
+                     *plan.args(), plan.cb, plan.bits, out[lo:hi])
+
+    _split_leads(run, rows.shape[0], n_tokens)
+    return torch.from_numpy(out).reshape(*c.lead_shape, n_tokens, q.dim).to(dtype)
+
+
+def _split_leads(run, n_rows: int, per: int) -> None:
+    """``run(lo, hi)`` over row ranges on the configured threads, each range starting at a multiple of
+    ``per`` (a leading index's first row, so its preconditioner row is the range's first)."""
+    want = turboquant_fast.thread_count()
+    n_leads = n_rows // per
+    n = max(1, min(want, n_rows // turboquant_fast.MIN_ROWS_PER_THREAD, n_leads))
+    if n == 1:
+        run(0, n_rows)
+        return
+    bounds = (np.linspace(0, n_leads, n + 1).astype(np.int64) * per).tolist()
+    with ThreadPoolExecutor(n) as ex:
+        list(ex.map(lambda b: run(*b), zip(bounds[:-1], bounds[1:])))
