@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcodec import container, magics
+from kvcodec import checksum, container, magics
 from kvcodec.errors import CorruptStreamError
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output
 
@@ -110,9 +110,9 @@ def _describe_kvc(path: Path, verify: bool, threads: int, max_output_bytes: int 
         return Report(table, "")
     with files.KvcFile(path) as kf:
         check_output(kf.meta["source_bytes"], max_output_bytes, path.name)
-        crc = container.crc32(kf.st_header)
+        crc = checksum.crc32(kf.st_header)
         for entry in kf.entries:  # record crc32, then every tensor decoded with its own checks
-            crc = container.crc32(kf.segment_bytes(entry, threads=threads, max_output_bytes=max_output_bytes), crc)
+            crc = checksum.crc32(kf.segment_bytes(entry, threads=threads, max_output_bytes=max_output_bytes), crc)
         if crc != kf.meta["source_crc32"]:
             raise CorruptStreamError("the restored safetensors bytes fail the source checksum")
         return Report(table, f"{len(kf.entries)} records decoded, the restored file's crc32 matches")

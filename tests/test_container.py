@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kvcodec import CorruptStreamError
+from kvcodec import CorruptStreamError, checksum
 from kvcodec import container
 
 TORCH_DTYPES = sorted(container.torch_dtypes())
@@ -192,10 +192,10 @@ def test_random_bytes_raise_corrupt_stream_error(junk, with_magic):
 @settings(max_examples=50, deadline=None)
 @given(st.binary(max_size=3000), st.binary(max_size=3000))
 def test_crc32_combine_matches_crc_of_concatenation(a, b):
-    assert container.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
 def test_crc32_parallel_matches_serial():
     data = np.random.default_rng(0).integers(0, 256, 9 << 20, dtype=np.uint8)
-    assert container.crc32_parallel(data, threads=3, min_piece=1 << 20) == zlib.crc32(data)
-    assert container.crc32_parallel(b"abc", threads=8) == zlib.crc32(b"abc")
+    assert checksum.crc32_parallel(data, threads=3, min_piece=1 << 20) == zlib.crc32(data)
+    assert checksum.crc32_parallel(b"abc", threads=8) == zlib.crc32(b"abc")

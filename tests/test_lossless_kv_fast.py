@@ -435,5 +435,5 @@ def test_bf16_float32_checksum_equals_zlib_of_the_widened_bits(n, seed, isal):
     want = zlib.crc32((bits.astype(np.uint32) << 16).view(np.uint8))
     with pytest.MonkeyPatch.context() as mp:
         if not isal:
-            mp.setattr(predictive.codec, "_isal_crc32", lambda: None)
+            mp.setattr(predictive.codec.checksum, "isal_crc32_fn", lambda: None)
         assert predictive.codec.bf16_as_f32_crc32(bits) == want

@@ -11,13 +11,12 @@ before anything of that size is allocated.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
 
-from kvcodec import magics
+from kvcodec import checksum, magics
 from kvcodec.kernel_inputs import readonly
 from kvcodec.errors import CorruptStreamError
 
@@ -131,8 +130,8 @@ def pack(coder: str, dtype, n: int, param: int, streams: int, freqs, payload) ->
         payload = np.ascontiguousarray(payload, dtype=np.uint8)
     payload = memoryview(payload).cast("B")
     _put_varint(head, len(payload))
-    head += zlib.crc32(head).to_bytes(4, "little")
-    head += zlib.crc32(payload).to_bytes(4, "little")
+    head += checksum.crc32(head).to_bytes(4, "little")
+    head += checksum.crc32(payload).to_bytes(4, "little")
     return b"".join((head, payload))  # one copy of the payload
 
 
@@ -248,7 +247,7 @@ def parse(blob, max_symbols: int | None = None) -> tuple[StreamHeader, memoryvie
     payload_len, pos = _get_varint(mv, pos, "payload length")
     if pos + 8 > len(mv):
         raise CorruptStreamError("stream header is truncated")
-    if zlib.crc32(mv[:pos]) != int.from_bytes(mv[pos : pos + 4], "little"):
+    if checksum.crc32(mv[:pos]) != int.from_bytes(mv[pos : pos + 4], "little"):
         raise CorruptStreamError("stream header checksum mismatch")
     payload_crc = int.from_bytes(mv[pos + 4 : pos + 8], "little")
     header_len = pos + 8
@@ -258,7 +257,7 @@ def parse(blob, max_symbols: int | None = None) -> tuple[StreamHeader, memoryvie
         )
     payload = mv[header_len:]
     _check_semantics(coder, n, param, streams, freqs, payload_len, max_symbols)
-    if zlib.crc32(payload) != payload_crc:
+    if checksum.crc32(payload) != payload_crc:
         raise CorruptStreamError("stream payload checksum mismatch")
     header = StreamHeader(coder, dtype, n, param, streams, freqs, header_len, payload_len)
     return header, payload

@@ -55,7 +55,7 @@ from lmcache.v1.distributed.serde import (
     register_serde_factory,
 )
 
-from kvcodec import container, magics
+from kvcodec import checksum, container, magics
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless.api import compress, decompress
 from kvcodec.quant import QuantizedTensor, TurboQuantMSE, TurboQuantOutlier, turboquant_fast, turboquant_rows
@@ -145,7 +145,7 @@ def write_frame(dst: torch.Tensor, kind: int, payload, digest: bytes = bytes(DIG
     if FRAME.size + body.size > slot:
         raise SlotOverflowError(f"payload of {body.size} bytes does not fit a {slot}-byte slot")
     head = FRAME.pack(MAGIC, VERSION, kind, 0, body.size, 0, digest)
-    crc = container.crc32(body, container.crc32(head[:16]))
+    crc = checksum.crc32(body, checksum.crc32(head[:16]))
     head = FRAME.pack(MAGIC, VERSION, kind, 0, body.size, crc, digest)
     host = _bytes_of(dst) if dst.device.type == "cpu" else np.empty(slot, np.uint8)
     host[:FRAME.size] = np.frombuffer(head, np.uint8)
@@ -170,7 +170,7 @@ def read_frame(src: torch.Tensor, kind: int, digest: bytes = bytes(DIGEST_BYTES)
     if n > data.size - FRAME.size:
         raise CorruptStreamError(f"stored object declares {n} payload bytes, holds {data.size - FRAME.size}")
     body = data[FRAME.size:FRAME.size + n]
-    if container.crc32(body, container.crc32(data[:16])) != crc:
+    if checksum.crc32(body, checksum.crc32(data[:16])) != crc:
         raise CorruptStreamError("stored object fails its crc32")
     if got_digest != digest:
         raise KeyMismatchError("stored object was written for another key or serde config")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcodec import container
+from kvcodec import checksum, container
 from kvcodec.device.transfer import bytes_to_device, device_to_bytes
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import device_container, kvctx_device, kvctx_device_encode, planes_device, registry
@@ -124,7 +124,7 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         "dtype": dtype_name,
         "shape": list(t.shape),
         "device": device,
-        "crc32": container.crc32_parallel(tensor_bytes(t), resolve_threads(threads)),
+        "crc32": checksum.crc32_parallel(tensor_bytes(t), resolve_threads(threads)),
         "uses_prediction": pred is not None,
         "codec_meta": codec_meta,
     }
@@ -499,7 +499,7 @@ def decompress(blob, prediction: torch.Tensor | None = None, threads: int = 0, d
     if not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape:
         raise CorruptStreamError("codec output does not match the stored dtype/shape")
     out = out.contiguous()
-    if container.crc32_parallel(tensor_bytes(out), resolve_threads(threads)) != meta["crc32"]:
+    if checksum.crc32_parallel(tensor_bytes(out), resolve_threads(threads)) != meta["crc32"]:
         raise CorruptStreamError(
             "decoded tensor fails its checksum: wrong prediction, or a corrupted stream"
         )

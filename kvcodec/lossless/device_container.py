@@ -21,13 +21,12 @@ device, so a decode costs one small synchronization at the end.
 from __future__ import annotations
 
 import weakref
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvcodec import container
+from kvcodec import checksum, container
 from kvcodec.device.transfer import download, upload
 from kvcodec.errors import CorruptStreamError
 
@@ -127,7 +126,7 @@ def read_front(blob: torch.Tensor, window: int | None = None) -> tuple[dict, int
             head = np.concatenate([head, _download(blob, container.PREFIX.size + hlen, len(head))])  # the rest
     header, mv = container.read_header(head)
     end = container.PREFIX.size + container.PREFIX.unpack_from(mv, 0)[3]
-    return header, end, zlib.crc32(head[:end]), head
+    return header, end, checksum.crc32(head[:end]), head
 
 
 def sections(blob: torch.Tensor, header: dict, header_end: int) -> tuple[dict[str, DeviceSection], list[tuple[int, int]]]:

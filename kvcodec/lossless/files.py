@@ -44,7 +44,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from kvcodec import container, magics, safe_write, validate
+from kvcodec import checksum, container, magics, safe_write, validate
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES as CAP
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import api, registry
@@ -249,7 +249,7 @@ def _compress_to(src: Path, out, size: int, entries: list, threads: int, progres
         segs = _segments(header, size - data_start)
         groups = _plan_groups(segs)
         group_data = [bytearray() for _ in groups]
-        running_crc = container.crc32(st_header)
+        running_crc = checksum.crc32(st_header)
         out.write(_HEAD.pack(FILE_MAGIC, FILE_VERSION, 0))
         pos = _HEAD.size
         bar = _progress(size, progress, f"compress {src.name}")
@@ -261,7 +261,7 @@ def _compress_to(src: Path, out, size: int, entries: list, threads: int, progres
             out.write(record)
             entry = {"name": seg["name"], "st_dtype": seg["st_dtype"], "shape": seg["shape"],
                      "start": seg["start"], "end": seg["end"], "mode": mode, "offset": pos,
-                     "length": len(record), "crc32": container.crc32(record)}
+                     "length": len(record), "crc32": checksum.crc32(record)}
             if mode == "grouped":
                 entry["group"], entry["group_start"] = seg["group"], seg["group_start"]
             entries.append(entry)
@@ -276,7 +276,7 @@ def _compress_to(src: Path, out, size: int, entries: list, threads: int, progres
                 f.seek(data_start + seg["start"])
                 if f.readinto(buf) != n:
                     raise CorruptStreamError("safetensors file is truncated")
-                running_crc = container.crc32(buf, running_crc)
+                running_crc = checksum.crc32(buf, running_crc)
                 if "group" in seg:  # its bytes go into the group's record, written after the entries
                     group_data[seg["group"]] += buf
                     pipe.submit(seg, False, lambda th: (b"", "grouped"), emit)
@@ -289,7 +289,7 @@ def _compress_to(src: Path, out, size: int, entries: list, threads: int, progres
         for group, data in zip(groups, group_data):
             record, mode = _compress_group(group["st_dtype"], data, codec, threads, opts)
             out.write(record)
-            group.update(mode=mode, offset=pos, length=len(record), crc32=container.crc32(record))
+            group.update(mode=mode, offset=pos, length=len(record), crc32=checksum.crc32(record))
             pos += len(record)
         if bar is not None:
             bar.close()
@@ -468,7 +468,7 @@ class KvcFile:
     def record(self, e: dict) -> bytes:
         self._f.seek(e["offset"])
         blob = self._f.read(e["length"])
-        if len(blob) != e["length"] or container.crc32(blob) != e["crc32"]:
+        if len(blob) != e["length"] or checksum.crc32(blob) != e["crc32"]:
             raise CorruptStreamError(f"record of {e.get('name', 'a group') or 'a gap'} is corrupt")
         return blob
 
@@ -562,12 +562,12 @@ def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, *, threads: 
             bar = _progress(total, progress, f"decompress {src.name}")
             try:
                 out.write(kf.st_header)
-                crc = container.crc32(kf.st_header)
+                crc = checksum.crc32(kf.st_header)
                 pipe = _OrderedPipeline(threads)
 
                 def emit(e, data):
                     nonlocal crc
-                    crc = container.crc32(data, crc)
+                    crc = checksum.crc32(data, crc)
                     out.write(data)
                     if bar is not None:
                         bar.update(e["end"] - e["start"])

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from kvcodec import container
+from kvcodec import checksum
 from kvcodec.entropy import rans_lanes
 from kvcodec.errors import CorruptStreamError
 from kvcodec.kernel_inputs import readonly
@@ -117,7 +117,7 @@ class HostWeight:
         if verify:
             out = np.empty(self.nbytes_decoded, np.uint8)
             self.decode_into(out)
-            if container.crc32(out) != self.crc32:
+            if checksum.crc32(out) != self.crc32:
                 raise CorruptStreamError("decoded weight fails its checksum")
 
     @property

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
 
 import numba
 import numpy as np
 import torch
 
-from kvcodec import container
+from kvcodec import checksum, container
 from kvcodec.errors import CorruptStreamError
 from kvcodec.kernel_inputs import readonly
 from kvcodec.lossless.predictive import format2
@@ -99,7 +98,7 @@ def _decode_prediction(prediction: torch.Tensor, g: int, t: int, d: int, bf16_bi
     if not (bf16_bits and isinstance(prediction, torch.Tensor) and prediction.dtype == torch.bfloat16):
         with np.errstate(invalid="ignore"):
             pred = _prediction_f32(prediction, g, t, d)
-        return pred, container.crc32(pred.reshape(-1).view(np.uint8))
+        return pred, checksum.crc32(pred.reshape(-1).view(np.uint8))
     bits = prediction.detach().to("cpu").contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16)
     return bits.reshape(g, t, d), bf16_as_f32_crc32(bits)
 
@@ -109,7 +108,7 @@ def bf16_as_f32_crc32(bits: np.ndarray) -> int:
     block at a time. With ISA-L's crc32 (the C function ``crc32_gzip_refl`` that python-isal's module
     exports) in one compiled loop of L1-sized blocks (42 us instead of 69 for the sample's 393K values:
     the per-block Python calls and the 256 KB blocks' L2 writes were as much as the crc itself)."""
-    fn = _isal_crc32()
+    fn = checksum.isal_crc32_fn()
     if fn is not None:
         return int(_widened_crc32(fn, readonly(bits), np.empty(min(max(bits.size, 1), _CRC_L1_BLOCK), np.uint32)))
     block = np.empty(min(max(bits.size, 1), _CRC_BLOCK), np.uint32)
@@ -117,26 +116,11 @@ def bf16_as_f32_crc32(bits: np.ndarray) -> int:
     for a in range(0, bits.size, block.size):
         n = min(block.size, bits.size - a)
         _widen_bf16(bits[a:a + n], block[:n])
-        crc = container.crc32(block[:n].view(np.uint8), crc)
+        crc = checksum.crc32(block[:n].view(np.uint8), crc)
     return crc
 
 
 _CRC_L1_BLOCK = 1 << 12  # values widened per ISA-L call (16 KB: stays in L1)
-
-
-@cache
-def _isal_crc32():
-    """ISA-L's ``crc32_gzip_refl(crc, buf, len)`` (zlib's crc32) as a ctypes function, or None."""
-    try:
-        import ctypes
-
-        from isal import isal_zlib
-
-        fn = ctypes.CDLL(isal_zlib.__file__).crc32_gzip_refl
-    except (ImportError, OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint64], ctypes.c_uint32
-    return fn
 
 
 @numba.njit(nogil=True, cache=True)
@@ -216,7 +200,7 @@ def encode_tensor(t: torch.Tensor, prediction, source: str, threads: int = 0,
     if source == "external":
         with np.errstate(invalid="ignore"):
             pred = _prediction_f32(prediction, g, tt, d)
-        meta["pred_crc"] = container.crc32(pred.reshape(-1).view(np.uint8))
+        meta["pred_crc"] = checksum.crc32(pred.reshape(-1).view(np.uint8))
     elif source == "neighbour_layer":
         per_layer = g // shape[0]
         pred = np.zeros((g, tt, d), np.float32)
