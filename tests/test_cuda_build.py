@@ -166,7 +166,7 @@ LANE_DEFINES = [("TQ_LANE_LUT=3",), ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", 
 
 
 @pytest.mark.parametrize("nvcc_build", [_lane_build(d) for d in LANE_DEFINES] + [_lane_build(("TQ_LANE_LUT=2",), ("sm_90",))],
-                         ids=["lut3", "lut3 rotate stages2", "lut3 rotate session6-tail", "lut3 rotate stages2 asm-laneid",
+                         ids=["lut3", "lut3 rotate stages2", "lut3 rotate plain-tail", "lut3 rotate stages2 asm-laneid",
                               "lut2 sm_90"])
 def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(nvcc_result):
     """The one-launch kernel with lane-private pair tables (TQ_LANE_LUT): the d128 narrow 4/4-bit
