@@ -96,8 +96,9 @@ class _Builds:
 
 def _build_emulator(name: str, workdir: Path) -> tuple[subprocess.CompletedProcess, Path]:
     lib_path = workdir / f"{name}.so"
+    # -I the checkout: the kernels' #include "kvcodec/..." lines (kvcodec.device.build.include_root)
     cmd = [shutil.which("g++") or "g++", "-O2", "-std=c++20", "-ffp-contract=off", "-pthread", "-shared", "-fPIC",
-           "-o", str(lib_path), str(EMULATORS / f"{name}.cpp")]
+           f"-I{EMULATORS.parents[1]}", "-o", str(lib_path), str(EMULATORS / f"{name}.cpp")]
     return subprocess.run(cmd, capture_output=True, text=True), lib_path
 
 

@@ -2,8 +2,11 @@
 
 Each owner ships its ``.cu`` / ``.cuh`` files beside its launchers (``kvcodec/quant/cuda``,
 ``kvcodec/lossless/cuda``, ``kvcodec/entropy/cuda``, ``kvcodec/device``) and names a source
-``"<package>/<file>"``. NVRTC gets no include path from us, so a local ``#include`` is inlined
-textually from the including file's package (``source_text``). Compiled modules are cached per
+``"<package>/<file>"``. An ``#include "file"`` names a file of the including file's package, an
+``#include "kvcodec/<folders>/file"`` a file of another package, by its path from the folder that holds
+``kvcodec`` (how the kernels share ``kvcodec/entropy/cuda/lane_rans.cuh``). NVRTC gets no include path
+from us, so ``source_text`` inlines both textually, each file once; nvcc finds the first kind beside
+the file and the second through ``-I`` of that folder (``nvcc_command``). Compiled modules are cached per
 (device, source, template instance): NVRTC compiles once per process per instance, CuPy's disk cache
 makes later processes fast.
 Importing this module needs neither CuPy nor a GPU; only ``get_function`` does.
@@ -46,14 +49,33 @@ def source_path(source: str) -> Path:
     return Path(str(resources.files(package).joinpath(name)))
 
 
+def include_root() -> Path:
+    """The folder that holds the ``kvcodec`` package: where an ``#include "kvcodec/..."`` starts."""
+    return Path(str(resources.files("kvcodec"))).parent
+
+
+def include_source(name: str, package: str) -> str:
+    """The ``"<package>/<file>"`` that ``#include "name"`` in a file of ``package`` reads: ``name`` itself in
+    ``package``, or with a folder (``"kvcodec/entropy/cuda/lane_rans.cuh"``) the file of the package that
+    path names."""
+    folder, _, file = name.rpartition("/")
+    if not folder:
+        return f"{package}/{file}"
+    parts = folder.split("/")
+    if parts[0] != "kvcodec" or not all(p.isidentifier() for p in parts):
+        raise ValueError(f"an #include with a folder is a path from the folder holding kvcodec, got {name!r}")
+    return f"{'.'.join(parts)}/{file}"
+
+
 def source_text(source: str) -> str:
-    """The source with local ``#include "..."`` lines replaced by the included file (once each); an
-    included file is found in the including file's package (as nvcc finds it in the file's folder)."""
+    """The source with local ``#include "..."`` lines replaced by the included file (once each, however
+    it is named); an included file is found by ``include_source``, as nvcc finds it in the file's folder
+    or under ``include_root``."""
     seen: set[str] = set()
 
     def expand(text: str, package: str) -> str:
         def sub(m: re.Match) -> str:
-            inc = f"{package}/{m.group(1)}"
+            inc = include_source(m.group(1), package)
             if inc in seen:
                 return ""
             seen.add(inc)
@@ -209,7 +231,8 @@ def nvcc_command(wrapper_path: str | Path, arch: str, out_path: str | Path, extr
     # arch-specific targets (sm_90a) in the -gencode form: the -arch=sm_90a shorthand of nvcc 13.0 can
     # also run a plain sm_90 pass, which rejects the sm_90a-only instructions
     target = f"-gencode=arch=compute_{arch[3:]},code={arch}" if arch[-1].isalpha() else f"-arch={arch}"
-    return [nvcc, target, "-std=c++17", "-cubin", *extra, "-o", str(out_path), str(wrapper_path)]
+    return [nvcc, target, "-std=c++17", "-cubin", f"-I{include_root()}", *extra, "-o", str(out_path),
+            str(wrapper_path)]
 
 
 def nvcc_compile(source: str, instances: list[str], arch: str, workdir: str | Path,

@@ -3,7 +3,7 @@
 // __match_any_sync, __syncwarp) exchange values through a barrier, so the lanes run the kernel's own code
 // in lockstep at every collective. A block's warps run one after the other (emu_run). Float64
 // arithmetic: compile with -ffp-contract=off (no FMA), as the kernels' __dmul_rn / __dadd_rn.
-// Included by kvctx_decode_emulator.cpp and kvctx_encode_emulator.cpp.
+// Included by kvctx_decode_emulator.cpp, kvctx_encode_emulator.cpp, kvctx_locate_check.cpp and lane_rans_check.cpp.
 #pragma once
 #include <barrier>
 #include <cmath>

@@ -1,18 +1,19 @@
 // Batched GPU decoder for kvcodec's 32-state interleaved rANS payloads (launcher: rans.py).
 //
-// Format (the spec is kvcodec/entropy/rans.py): a payload is 32 uint32 states (state 0 first)
-// then 16-bit words in the order the decoder reads them. Symbol i uses state i % 32, so one warp
-// decodes a group of 32 symbols per step: lane k holds state k. In a group, the lanes whose state
-// drops below L = 2^16 read consecutive words in lane order: ballot + popcount.
+// Format (the spec is kvcodec/entropy/rans.py; constants, entries and steps: lane_rans.cuh): a payload is
+// 32 uint32 states (state 0 first) then 16-bit words in the order the decoder reads them. Symbol i uses
+// state i % 32, so one warp decodes a group of 32 symbols per step: lane k holds state k. In a group, the
+// lanes whose state drops below L = 2^16 read consecutive words in lane order: ballot + popcount.
 //
 // One warp per payload; a block's warps all use one frequency table (the launcher groups payloads
 // by table), which the block first copies into shared memory (modes 0 and 1) or reads from global
-// memory through the read-only cache (mode 2). Table layouts (built by rans.build_table):
-//   mode 0 (precision <= 12, <= 256 used symbols lo..lo+255): u32 e[M],
+// memory through the read-only cache (mode 2). Table layouts (built by rans.build_table; the entries are
+// lane_rans.cuh's, packed or wide):
+//   mode 0 (precision <= 12, <= 256 used symbols lo..lo+255): u32 e[M], packed:
 //          e = (sym - lo) << 24 | (freq - 1) << 12 | (slot - cum)          one lookup
 //   mode 1 (M * sizeof(SymT) + 4 * span <= rans.SMEM_MAX): SymT idx[M] (sym - lo), then at byte
-//          offset aux u32 fc[span] = (freq - 1) << 16 | cum                   two dependent lookups
-//   mode 2 (global memory): u32 e[M] = (freq - 1) << 16 | (slot - cum), then at byte offset aux
+//          offset aux u32 fc[span] = (freq - 1) << 16 | cum (wide)            two dependent lookups
+//   mode 2 (global memory): u32 e[M] = (freq - 1) << 16 | (slot - cum) (wide), then at byte offset aux
 //          SymT sym[M]                                                        two independent loads
 //
 // Word reads: each warp streams its payload's words through a shared-memory ring of RD_RING_SEGS
@@ -32,12 +33,13 @@
 // Status per payload: 0 ok, 1 bad payload length, 2 initial state < L, 3 ran past the last word,
 // 4 words left over or a state != L at the end.
 
+#include "kvcodec/entropy/cuda/lane_rans.cuh"
+
 typedef unsigned char rd_u8;
 typedef unsigned short rd_u16;
 typedef unsigned int rd_u32;
 typedef unsigned long long rd_u64;
 
-#define RD_L 65536u
 #define RD_FULL 0xffffffffu
 #define RD_OK 0
 #define RD_ERR_LENGTH 1
@@ -83,31 +85,31 @@ __device__ __forceinline__ void rd_step(rd_u32& x, int& inseg, long long& seg, u
   rd_u32 sym, f, bias;
   if (MODE == 0) {
     const rd_u32 e = stab[slot];
-    sym = lo + (e >> 24);
-    f = ((e >> 12) & 0xFFFu) + 1u;
-    bias = e & 0xFFFu;
+    sym = lo + lr_entry_symbol(e);
+    f = lr_entry_freq<LR_PREC>(e);
+    bias = lr_entry_low<LR_PREC>(e);
   } else if (MODE == 1) {
     const rd_u32 idx = reinterpret_cast<const SymT*>(stab)[slot];
     const rd_u32 e = stab[(aux >> 2) + idx];
     sym = lo + idx;
-    f = (e >> 16) + 1u;
-    bias = slot - (e & 0xFFFFu);
+    f = lr_entry_freq<LR_WIDE_BITS>(e);
+    bias = slot - lr_entry_low<LR_WIDE_BITS>(e);
   } else {
     const rd_u32 e = __ldg(reinterpret_cast<const rd_u32*>(gtab) + slot);
     sym = __ldg(reinterpret_cast<const SymT*>(gtab + aux) + slot);
-    f = (e >> 16) + 1u;
-    bias = e & 0xFFFFu;
+    f = lr_entry_freq<LR_WIDE_BITS>(e);
+    bias = lr_entry_low<LR_WIDE_BITS>(e);
   }
-  const rd_u32 xn = f * (x >> prec) + bias;  // < 2^32 for any x: bias < f <= M
+  const rd_u32 xn = lr_decode_advance(x, f, bias, prec);
   if (!TAIL || active) x = xn;
-  const bool need = (!TAIL || active) && x < RD_L;
+  const bool need = (!TAIL || active) && lr_needs_word(x);
   const unsigned m = __ballot_sync(RD_FULL, need);
   // ring index of this lane's word: segment seg's slot, offset inseg + the needing lanes below
-  const int r = ((((int)seg & (RD_RING_SEGS - 1)) * RD_SEG_WORDS) + inseg + __popc(m & below)) & (RD_RING_WORDS - 1);
+  const int r = ((((int)seg & (RD_RING_SEGS - 1)) * RD_SEG_WORDS) + inseg + lr_rank(m, below)) & (RD_RING_WORDS - 1);
   // every lane reads a word and `need` selects: no divergent branch around the shared load (volatile keeps
   // the compiler from sinking the load into one; H200: fp8 kernel 0.378 -> 0.307 ms, bf16 0.265 -> 0.249)
   const rd_u32 word = *reinterpret_cast<volatile const rd_u16*>(ring + r);
-  x = need ? ((x << 16) | word) : x;
+  x = need ? lr_refill(x, word) : x;
   if (!TAIL || active) *op = (SymT)sym;
   inseg += __popc(m);
   if (inseg >= RD_SEG_WORDS) {  // warp-uniform: entered segment seg + 1
@@ -127,22 +129,22 @@ __device__ __forceinline__ void rd_decode_warp(const rd_u8* __restrict__ data, c
                                                int* __restrict__ status_p, rd_u16* ring) {
   const int lane = threadIdx.x & 31;
   const long long in_off = pd[0], in_len = pd[1], out_off = pd[2], n = pd[3];
-  if (in_len < 128 || ((in_len - 128) & 1)) {
+  if (in_len < LR_HEAD_BYTES || ((in_len - LR_HEAD_BYTES) & 1)) {
     if (lane == 0) *status_p = RD_ERR_LENGTH;
     return;
   }
   const rd_u8* base = data + in_off;  // 2-byte aligned (the launcher checks)
   const rd_u16* b16 = reinterpret_cast<const rd_u16*>(base);
   const bool odd = (reinterpret_cast<rd_u64>(base) & 3ull) != 0ull;
-  rd_u32 x = odd ? ((rd_u32)__ldg(b16 + 2 * lane) | ((rd_u32)__ldg(b16 + 2 * lane + 1) << 16))
+  rd_u32 x = odd ? lr_state(__ldg(b16 + 2 * lane), __ldg(b16 + 2 * lane + 1))
                  : __ldg(reinterpret_cast<const rd_u32*>(base) + lane);
-  if (__any_sync(RD_FULL, x < RD_L)) {
+  if (__any_sync(RD_FULL, x < LR_L)) {
     if (lane == 0) *status_p = RD_ERR_STATE;
     return;
   }
-  const long long nw = (in_len - 128) >> 1;
-  const int lead = (int)((reinterpret_cast<rd_u64>(base) + 128ull) & 15ull);  // word 0's bytes past a0
-  const rd_u8* a0 = base + 128 - lead;
+  const long long nw = (in_len - LR_HEAD_BYTES) >> 1;
+  const int lead = (int)((reinterpret_cast<rd_u64>(base) + (rd_u64)LR_HEAD_BYTES) & 15ull);  // word 0's bytes past a0
+  const rd_u8* a0 = base + LR_HEAD_BYTES - lead;
   const rd_u64 end = (rd_u64)lead + 2ull * (rd_u64)nw;  // the payload's end, from a0
   const int skew = lead >> 1;  // ring index of word 0
   const uint4 s0 = rd_load_seg(a0, end, 0, lane), s1 = rd_load_seg(a0, end, 1, lane);
@@ -168,7 +170,7 @@ __device__ __forceinline__ void rd_decode_warp(const rd_u8* __restrict__ data, c
     rd_step<MODE, SymT, true>(x, inseg, seg, pending, ring, a0, end, lane, below, lane < tail, mask, prec, lo,
                               stab, gtab, aux, op);
   const long long pos = (long long)RD_SEG_WORDS * seg + inseg - skew;  // words consumed
-  const bool states_ok = __all_sync(RD_FULL, x == RD_L);
+  const bool states_ok = __all_sync(RD_FULL, x == LR_L);
   if (lane == 0) *status_p = pos > nw ? RD_ERR_SHORT : (pos != nw || !states_ok) ? RD_ERR_END : RD_OK;
 }
 

@@ -33,6 +33,9 @@
 // BF16 (the bf16 grid as constants: a value is its float32 upper half), MAG (the stream's "mag" flag: symbols and
 // mu's place in its bin counted by magnitude, bins.magnitude_symbol; its own instances, so that streams without it
 // run the code they ran before).
+// The rANS (constants, table entries, steps) is lane_rans.cuh's.
+
+#include "kvcodec/entropy/cuda/lane_rans.cuh"
 
 typedef unsigned char kx_u8;
 typedef unsigned short kx_u16;
@@ -40,7 +43,6 @@ typedef unsigned int kx_u32;
 typedef unsigned long long kx_u64;
 
 #define KX_FULL 0xffffffffu
-#define KX_L 65536u
 #define KX_ESC 255
 #define KX_CENTRE 127
 #define KX_DEPTH_MAX 20
@@ -366,12 +368,12 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
   double* const dev = scratch ? scratch + (long long)ci * 5 * D
                               : reinterpret_cast<double*>(ring_b + (WARPS - warp) * (KX_RING_BITS + 32)) + warp * 5 * D;
   const double* const chan = dev + D;  // m, c, a, then es | level << 10 as ints
-  if (wlen < 64) {
+  if (wlen < LR_HEAD_WORDS) {
     if (lane == 0) status[ci] = 1;
     return;
   }
-  kx_u32 x = (kx_u32)w[2 * lane] | ((kx_u32)w[2 * lane + 1] << 16);
-  if (__any_sync(KX_FULL, x < KX_L)) {
+  kx_u32 x = lr_state(w[2 * lane], w[2 * lane + 1]);
+  if (__any_sync(KX_FULL, x < LR_L)) {
     if (lane == 0) status[ci] = 2;
     return;
   }
@@ -383,7 +385,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
   KxRing<kx_u32, KX_RING_BITS, true> rb;
   rw.init(ring_w, w, (kx_u32)wlen, lane);
   rb.init(ring_b, bits + cd[2], (kx_u32)nbw, lane);
-  kx_u32 ptr = 64;   // next rANS word
+  kx_u32 ptr = LR_HEAD_WORDS;  // next rANS word
   kx_u32 bpos = 0;   // next raw bit
   long long i = 0;   // values decoded in this chunk
   int bad = 0;  // a malformed value (this lane; an int: a bool costs byte masks and sign extensions a token)
@@ -502,15 +504,15 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
         for (int r = 0; r < NR; ++r) {
           sym[r] = 0;
           if (!ALIGNED && r0 + 32 * r >= D) continue;  // warp-uniform
-          const kx_u32 e = act[r] ? __ldg(tabs + ((kx_u32)cls[r] << 12 | (x & 4095u))) : 0u;
-          kx_u32 xn = (((e >> 12) & 0xFFFu) + 1u) * (x >> 12) + (e & 0xFFFu);
-          const bool need = act[r] && xn < KX_L;
+          const kx_u32 e = act[r] ? __ldg(tabs + ((kx_u32)cls[r] << LR_PREC | (x & (LR_M - 1u)))) : 0u;
+          kx_u32 xn = lr_decode_entry(x, e, LR_PREC);
+          const bool need = act[r] && lr_needs_word(xn);
           const kx_u32 bal = __ballot_sync(KX_FULL, need);
           const kx_u32 vo = ALIGNED ? bal : __funnelshift_r(bal, bal, s);  // value order
-          if (need) xn = (xn << 16) | (kx_u32)rw.get(ptr + __popc(vo & before));
+          if (need) xn = lr_refill(xn, (kx_u32)rw.get(ptr + lr_rank(vo, before)));
           if (act[r]) x = xn;
           ptr += __popc(bal);
-          sym[r] = (int)(e >> 24);
+          sym[r] = (int)lr_entry_symbol(e);
         }
         // 3. raw bits: every value's field from its symbol (unary values: depth 0 for now) and its bit count
 #pragma unroll
@@ -639,6 +641,6 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)  // 16 warps per SM: 2
     if (lane == 0) status[ci] = 5;
     return;
   }
-  const bool end_bad = x != KX_L || ptr != wlen || (bpos + 31) / 32 != nbw;
+  const bool end_bad = x != LR_L || ptr != wlen || (bpos + 31) / 32 != nbw;
   if (__any_sync(KX_FULL, end_bad) && lane == 0) status[ci] = 4;
 }

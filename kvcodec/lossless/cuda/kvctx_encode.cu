@@ -18,9 +18,10 @@
 //     chunk's total) through a per-warp ring of 32-bit words in shared memory straight into the bits section;
 //     it needs no table, so it runs while the host builds them;
 //   ke_encode: one warp per chunk, one pass backwards: the 32-lane rANS stream (rans_lanes.encode's word
-//     order, as planes_codec.cu's pc_rans_encode) into a scratch slot; the model's field parts ride along as
-//     more chunks.
+//     order, lane_rans.cuh's encode step, as planes_codec.cu's pc_rans_encode) into a scratch slot; the
+//     model's field parts ride along as more chunks.
 #include "kvctx_decode.cu"
+#include "kvcodec/entropy/cuda/lane_rans.cuh"
 
 #ifndef KE_SHARED
 #define KE_SHARED __shared__
@@ -607,7 +608,7 @@ struct KeValues {
 // 32-lane rANS stream (rans_lanes.encode's word order, as planes_codec.cu's pc_rans_encode) to the end of
 // scratch slot ci (cap words); lens[ci] = its length, or -1 if a value's symbol has no frequency (internal
 // error). Table entries are loaded a round ahead. ftab [n_keys]: freq | cum << 16 of class << 8 | symbol;
-// rcp [n_keys]: floor(2**32 / freq) (0xffffffff for freq <= 1).
+// rcp [n_keys]: floor(2**32 / freq) (0xffffffff for freq <= 1: lr_reciprocal, computed on the host).
 template <int WARPS>
 __global__ void __launch_bounds__(32 * WARPS)
     ke_encode(const kx_u16* __restrict__ keys, const long long* __restrict__ chunks, int n_chunks,
@@ -621,7 +622,7 @@ __global__ void __launch_bounds__(32 * WARPS)
   kx_u16* __restrict__ wb = scratch + (long long)ci * cap;
   const kx_u32 below = (1u << lane) - 1u;
   long long wp = cap;
-  kx_u32 x = KX_L;
+  kx_u32 x = LR_L;
   bool bad = false;
   KeValues<kx_u16, KE_RANS_AHEAD> val(keys, ck, lane);
   kx_u32 fc = __ldg(ftab + val.q[0]), rc = __ldg(rcp + val.q[0]);
@@ -632,29 +633,11 @@ __global__ void __launch_bounds__(32 * WARPS)
     // value 32 grp + lane on lane `lane`: emitted words land in ascending lane order
     const kx_u32 f = act ? fc & 0xFFFFu : 0u;
     bad |= act && f == 0u;
-    const bool need = act && (kx_u64)x >= ((kx_u64)f << (32 - 12));
-    const kx_u32 msk = __ballot_sync(KX_FULL, need);
-    const int cnt = __popc(msk);
-    if (need) {
-      wb[wp - cnt + __popc(msk & below)] = (kx_u16)(x & 0xFFFFu);
-      x >>= 16;
-    }
-    wp -= cnt;
-    if (act && f) {
-      kx_u32 q = __umulhi(x, rc);
-      kx_u32 r = x - q * f;
-      if (r >= f) {
-        ++q;
-        r -= f;
-      }
-      x = (q << 12) + r + (fc >> 16);
-    }
+    lr_encode_step<LR_PREC>(x, act, f, rc, fc >> 16, below, wb, wp);
     fc = fcn;
     rc = rcn;
   }
-  wb[wp - 64 + 2 * lane] = (kx_u16)(x & 0xFFFFu);
-  wb[wp - 64 + 2 * lane + 1] = (kx_u16)(x >> 16);
-  wp -= 64;
+  lr_encode_head(x, lane, wb, wp);
   const bool any_bad = __any_sync(KX_FULL, bad);
   if (lane == 0) lens[ci] = any_bad ? -1 : cap - wp;
 }

@@ -5,15 +5,17 @@
 // predictive/format2.py check_field_values. One launch does both (kp_plan): a first decode's host time
 // is counted in launches, not in device work.
 
+#include "kvcodec/entropy/cuda/lane_rans.cuh"
+
 typedef unsigned int kp_u32;
 typedef unsigned char kp_u8;
 
-#define KP_M 4096     // rans_lanes.M: slots per table
 #define KP_SYMS 256   // symbols per table, and threads per block (one each)
 #define KP_ESC 255u   // bins.ESC
 
-// tables.decode_tables of one class (one block of KP_SYMS threads): entry = sym << 24 | (freq - 1) << 12 |
-// (slot - cum) for every slot of the class's table; a class without frequencies decodes every slot as ESC.
+// tables.decode_tables of one class (one block of KP_SYMS threads): the packed entry (lane_rans.cuh)
+// lr_entry(sym, freq, slot - cum) = sym << 24 | (freq - 1) << 12 | (slot - cum) for every slot of the class's
+// table (LR_M slots); a class without frequencies decodes every slot as ESC.
 // ``freq``: the class's 256 u16 frequencies, summing to 4096 or all 0 (checked by the host).
 __device__ __forceinline__ void kp_table(const unsigned short* __restrict__ freq, kp_u32* __restrict__ row) {
   __shared__ kp_u32 cum[KP_SYMS];  // inclusive prefix sums of the row
@@ -27,8 +29,8 @@ __device__ __forceinline__ void kp_table(const unsigned short* __restrict__ freq
     __syncthreads();
   }
   const bool used = cum[KP_SYMS - 1] != 0u;
-  for (int slot = s; slot < KP_M; slot += KP_SYMS) {
-    kp_u32 e = KP_ESC << 24 | (KP_M - 1u) << 12 | (kp_u32)slot;
+  for (int slot = s; slot < LR_M; slot += KP_SYMS) {
+    kp_u32 e = lr_entry(KP_ESC, LR_M, (kp_u32)slot);
     if (used) {
       int lo = 0, hi = KP_SYMS - 1;  // the first symbol whose inclusive sum exceeds the slot
       while (lo < hi) {
@@ -37,7 +39,7 @@ __device__ __forceinline__ void kp_table(const unsigned short* __restrict__ freq
         else lo = mid + 1;
       }
       const kp_u32 start = lo ? cum[lo - 1] : 0u;
-      e = (kp_u32)lo << 24 | (cum[lo] - start - 1u) << 12 | ((kp_u32)slot - start);
+      e = lr_entry((kp_u32)lo, cum[lo] - start, (kp_u32)slot - start);
     }
     row[slot] = e;
   }
@@ -60,14 +62,14 @@ __device__ __forceinline__ void kp_check(const kp_u8* __restrict__ raw, long lon
 }
 
 // The plan in one launch of blocks of KP_SYMS threads: blocks 0 .. classes - 1 build the decode tables
-// ``tabs`` [classes, 4096] of ``freq`` [classes, 256]; the others check the field bytes (kp_check, grid-stride
+// ``tabs`` [classes, LR_M] of ``freq`` [classes, 256]; the others check the field bytes (kp_check, grid-stride
 // over them; none when n = 0). The two parts share no data.
 extern "C" __global__ void kp_plan(const unsigned short* __restrict__ freq, int classes, kp_u32* __restrict__ tabs,
                                    const kp_u8* __restrict__ raw, long long n, long long lv_off, int lv_width,
                                    int lv_limit, long long mq_off, int mq_width, int* __restrict__ flag) {
   const int c = blockIdx.x;
   if (c < classes) {
-    kp_table(freq + (long long)c * KP_SYMS, tabs + (long long)c * KP_M);
+    kp_table(freq + (long long)c * KP_SYMS, tabs + (long long)c * LR_M);
     return;
   }
   const long long step = (long long)(gridDim.x - classes) * blockDim.x;

@@ -3,12 +3,14 @@
 // The format is kvcodec/entropy/rans_lanes.py's (the CPU encoder there is the reference, byte for byte):
 // 12-bit probabilities, 32-bit states in [2^16, 2^32), 16-bit renormalisation words; element i of a
 // chunk uses lane i % 32; a stream is the 32 final states (low, high 16 bits each), then the words in
-// the order the decoder reads them.
+// the order the decoder reads them. The coder's constants, table entries and steps: lane_rans.cuh.
 //
 // Encoding runs backwards through a chunk, one warp per chunk (lane k owns state k). In a group of 32
 // elements the CPU encoder handles lane 31 first and pushes each emitted word to the FRONT of the
 // stream, so the emitting lanes' words land in ascending lane order: lane k writes at
 // wp - count + popcount(emit & lanes_below_k), then wp -= count (a ballot, as in the decoder).
+
+#include "kvcodec/entropy/cuda/lane_rans.cuh"
 
 typedef unsigned char pc_u8;
 typedef unsigned short pc_u16;
@@ -16,8 +18,6 @@ typedef unsigned int pc_u32;
 typedef unsigned long long pc_u64;
 
 #define PC_FULL 0xffffffffu
-#define PC_L 65536u
-#define PC_PREC 12
 
 // ---------------------------------------------------------------------------------------------- split
 // Layout 0 (f16: bf16/fp16 words u): plane 0 = (u >> 7) & 0xFF, plane 1 = (u >> 15) << 7 | (u & 0x7F).
@@ -205,7 +205,7 @@ __device__ __forceinline__ pc_u32 pc_load_block(const pc_u8* __restrict__ sp, in
 }
 
 // jobs [J, 4] int64: byte offset of the chunk's first symbol in src, symbol count (< 2^24), table id,
-// unused. tables [T, 256] u32 frequencies (summing to 4096). scratch: J x cap u16 (cap >= count + 64);
+// unused. tables [T, 256] u32 frequencies (summing to LR_M). scratch: J x cap u16 (cap >= count + 64);
 // the stream of job j is written to the END of its slot: words [cap - len, cap); lens[j] = len, or -1
 // if a symbol has frequency 0 (a wrong table: the caller raises).
 //
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(32 * WARPS) pc_rans_encode(const pc_u8* __rest
     }
     s_freq[warp][base + lane] = f;
     s_cum[warp][base + lane] = run + incl - f;
-    s_rcp[warp][base + lane] = f >= 2u ? (pc_u32)(0x100000000ull / f) : 0xffffffffu;
+    s_rcp[warp][base + lane] = lr_reciprocal(f);
     run += __shfl_sync(PC_FULL, incl, 31);
   }
   __syncwarp();
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(32 * WARPS) pc_rans_encode(const pc_u8* __rest
   const bool aligned = (reinterpret_cast<unsigned long long>(sp) & 3ull) == 0ull;
   pc_u16* wb = scratch + (long long)job * cap;
   int wp = (int)cap;
-  pc_u32 x = PC_L;
+  pc_u32 x = LR_L;
   pc_u32 bad = 0u;
   const pc_u32 below = (1u << lane) - 1u;
   const int G = (n + 31) >> 5;
@@ -268,31 +268,13 @@ __global__ void __launch_bounds__(32 * WARPS) pc_rans_encode(const pc_u8* __rest
       const bool active = 32 * g + lane < n;
       const pc_u32 f = fr[s], r_inv = rc[s], c = cm[s];
       bad |= (pc_u32)(active && f == 0u);
-      const bool need = active && (x >> (32 - PC_PREC)) >= f;  // x >= f * 2^20
-      const pc_u32 m = __ballot_sync(PC_FULL, need);
-      const int cnt = __popc(m);
-      if (need) {
-        wb[wp - cnt + __popc(m & below)] = (pc_u16)(x & 0xFFFFu);
-        x >>= 16;
-      }
-      wp -= cnt;
-      if (active && f) {
-        pc_u32 q = __umulhi(x, r_inv);
-        pc_u32 r = x - q * f;
-        if (r >= f) {
-          ++q;
-          r -= f;
-        }
-        x = (q << PC_PREC) + r + c;
-      }
+      lr_encode_step<LR_PREC>(x, active, f, r_inv, c, below, wb, wp);
     }
     cur = nx1;
     nx1 = nx2;
     nx2 = pc_load_block(sp, n, blk - 3, lane, aligned);
   }
-  wb[wp - 64 + 2 * lane] = (pc_u16)(x & 0xFFFFu);
-  wb[wp - 64 + 2 * lane + 1] = (pc_u16)(x >> 16);
-  wp -= 64;
+  lr_encode_head(x, lane, wb, wp);
   const bool any_bad = __any_sync(PC_FULL, bad != 0u);
   if (lane == 0) lens[job] = any_bad ? -1 : cap - wp;
 }
@@ -427,14 +409,15 @@ __device__ __forceinline__ long long pc_block_scan(long long v, long long* warp_
 // Format 3 keeps each coded plane's chunk stream lengths (uint32 words, one per chunk) in a section of the blob;
 // this kernel turns them into the rANS decoder's payload rows (kvcodec/entropy/cuda/rans_decode.cu: byte offset in data,
 // byte length, output byte offset, symbols) and checks them as the CPU decoder does: chunk c's stream is the
-// words [sum of the lengths before it, + its length) of the plane's stream section. A length under 2 * 32 words,
+// words [sum of the lengths before it, + its length) of the plane's stream section. A length under LR_HEAD_WORDS,
 // a stream reaching past the section, or a last stream not ending exactly at the section's end gets byte length
 // 0, which the decoder reports as a bad length (status 1): the error arrives with the stream statuses, and no
 // row ever points outside the section. One block per coded plane, a block-wide scan per 512 chunks.
 // It also writes the plane's decode table (rans_decode.cu mode 0, byte symbols: slot s of symbol lo + i holds
-// (i << 24) | ((f - 1) << 12) | (s - cum)), the words kvcodec.entropy.cuda.rans.build_table makes on the host, from the
-// plane's frequencies (checked on the host: >= 1 where used, summing to slots): no table built or uploaded per
-// decode. n_chunks 0: the table only (format 2: the rows come from the host).
+// lane_rans.cuh's packed entry lr_entry(i, f, s - cum) = (i << 24) | ((f - 1) << 12) | (s - cum)), the words
+// kvcodec.entropy.cuda.rans.build_table makes on the host, from the plane's frequencies (checked on the host:
+// >= 1 where used, summing to slots): no table built or uploaded per decode. n_chunks 0: the table only
+// (format 2: the rows come from the host).
 // jobs [J, 6] int64: byte offset of plane j's lengths in data, of its stream section, the section's words, the
 // byte offset of its decoded row in the output, the byte offset of its table in tables, its lowest used symbol;
 // freqs [J, 256] int32; pdesc [J * n_chunks, 4] int64; tables: the launch's table bytes.
@@ -458,7 +441,7 @@ __global__ void __launch_bounds__(512) pc_stream_desc(const pc_u8* __restrict__ 
     long long round_total;
     const long long before = carry + pc_block_scan(len, warp_sum, &round_total) - len;
     if (c < n_chunks) {
-      const bool ok = len >= 64 && before + len <= words && (c != n_chunks - 1 || before + len == words);
+      const bool ok = len >= LR_HEAD_WORDS && before + len <= words && (c != n_chunks - 1 || before + len == words);
       long long* pd = pdesc + 4 * ((long long)blockIdx.x * n_chunks + c);
       const long long a = c * chunk;
       pd[0] = soff + 2 * (ok ? before : 0);
@@ -484,6 +467,6 @@ __global__ void __launch_bounds__(512) pc_stream_desc(const pc_u8* __restrict__ 
       const int mid = (a + b) >> 1;
       if (cum[mid] <= s) a = mid; else b = mid;
     }
-    tab[s] = ((pc_u32)(a - lo) << 24) | ((pc_u32)(cum[a + 1] - cum[a] - 1) << 12) | (pc_u32)(s - cum[a]);
+    tab[s] = lr_entry((pc_u32)(a - lo), (pc_u32)(cum[a + 1] - cum[a]), (pc_u32)(s - cum[a]));
   }
 }
