@@ -1,8 +1,10 @@
 """The real LMCache server path: ``python -m kvcodec.integrations.lmcache server`` started as a process
 with an fs L2 that stores through ``kvcodec_lossless``, driven by LMCache's own client
 (``lmcache bench server --mode cpu``: it registers a KV cache, stores, looks up, retrieves and
-checksums the KV through the server). A second server on the same L2 folder, with an empty L1,
-serves the chunks from the kvcodec objects alone, bit for bit; a damaged object is never served.
+checksums the KV through the server). The server is then killed (SIGKILL) while a client stores more
+sequences. A second server on the same L2 folder, with an empty L1, serves the chunks from the kvcodec
+objects alone, bit for bit; a damaged object is never served, and what the killed server left is
+served as the KV that was stored or not at all.
 127.0.0.1 only; each process is stopped when the test ends."""
 
 from __future__ import annotations
@@ -59,13 +61,15 @@ class Server:
         self.stop()
         raise RuntimeError("the server did not come up in 120 s")
 
-    def client(self, start: int, end: int) -> str:
-        """LMCache's own client over sequences [start, end): its report."""
-        cmd = [sys.executable, "-m", "kvcodec.integrations.lmcache", "bench", "server", "--mode", "cpu",
+    def client_cmd(self, start: int, end: int) -> list[str]:
+        return [sys.executable, "-m", "kvcodec.integrations.lmcache", "bench", "server", "--mode", "cpu",
                "--rpc-url", f"tcp://127.0.0.1:{self.port}", "--url", f"http://127.0.0.1:{self.http}",
                "--start", str(start), "--end", str(end), "--interval", "0", "--num-tokens", "512",
                "--kvcache-shape-spec", SHAPE, "--num-blocks", "64"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+
+    def client(self, start: int, end: int) -> str:
+        """LMCache's own client over sequences [start, end): its report."""
+        proc = subprocess.run(self.client_cmd(start, end), capture_output=True, text=True, timeout=240, env=_env())
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc.stdout
 
@@ -95,11 +99,21 @@ def test_a_server_stores_through_kvcodec_and_a_fresh_one_serves_the_same_bytes(t
     first = Server(l2, tmp_path / "server1.log")
     try:
         report = first.client(0, 3)
+        objects = _objects(l2)
+        # then killed (SIGKILL) while a client stores sequences 3..5: no object it leaves loads as wrong KV
+        busy_log = tmp_path / "killed_client.log"
+        busy = subprocess.Popen(first.client_cmd(3, 6), stdout=busy_log.open("w"), stderr=subprocess.STDOUT, env=_env())
+        deadline = time.monotonic() + 60
+        while len(_objects(l2)) < len(objects) + 1 and time.monotonic() < deadline and busy.poll() is None:
+            time.sleep(0.05)
+        first.proc.kill()
+        first.proc.wait()
+        busy.kill()
+        busy.wait()
     finally:
         first.stop()
     assert report.count("CHECKSUM MATCH OK") == 3, report
     stored = _checksums(report, "cold")
-    objects = _objects(l2)
     assert len(objects) == 3 * CHUNKS_PER_SEQ
     assert all(p.read_bytes()[:4] == magics.LMCACHE_FRAME for p in objects)  # kvcodec's frames, not raw KV
     assert "Traceback" not in (tmp_path / "server1.log").read_text()
@@ -113,10 +127,17 @@ def test_a_server_stores_through_kvcodec_and_a_fresh_one_serves_the_same_bytes(t
     second = Server(l2, tmp_path / "server2.log")  # empty L1: every hit comes from the kvcodec objects
     try:
         report = second.client(0, 3)
+        after_kill = second.client(3, 6)  # what the killed server left: served right, or a miss stored again
     finally:
         second.stop()
     served = _checksums(report, "warm")
     assert set(served) == {0, 1, 2} and all(served[s] == stored[s] for s in served), report
+    # a sequence the killed server stored whole is served from L2 (no new store, so the client has no cold
+    # checksum of its own to match): its KV must be what the killed run's client computed before storing
+    computed = {**_checksums(busy_log.read_text(), "cold"), **_checksums(after_kill, "cold")}
+    served = _checksums(after_kill, "warm")
+    assert set(served) == {3, 4, 5} and all(served[s] == computed[s] for s in served), after_kill
+    assert "MISMATCH" not in after_kill, after_kill
     hits = [int(n) for n in re.findall(r"/cold\] LOOKUP: (\d+)/2 chunks hit", report)]
     # the sequences without the damaged object come from L2 whole; the damaged one's lookup stops at it
     # (a prefix match), and its KV was stored again by the client and served right
