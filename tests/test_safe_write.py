@@ -398,32 +398,40 @@ def test_kill_9_at_random_moments_leaves_the_old_or_the_new_file(tmp_path):
     """20 writer processes, each rewriting one path in a loop once warmed up, killed with SIGKILL at a
     random moment: the path always holds a whole file (none before the first write finished), the
     killed writer's temporary is the only leftover, and the next write removes it. The writers are
-    fresh interpreters (a fork of this multi-threaded test process can deadlock in the child)."""
+    fresh interpreters (a fork of this multi-threaded test process can deadlock in the child); four
+    start at a time, each with a folder of its own, so their start-up (importing torch) overlaps."""
     srcs = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
     originals = {_model(srcs[0], 0), _model(srcs[1], 1, n=40)}
-    dst = tmp_path / "out.kvc"
     rng = random.Random(1234)
-    seen, leftovers = [], []
-    for trial in range(20):
-        warm = tmp_path / f"warm{trial}.kvc"
-        proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, *map(str, srcs), str(dst), str(warm)],
-                                stdout=subprocess.PIPE, text=True)
-        one_write = float(proc.stdout.readline())
-        time.sleep(rng.uniform(0, 6 * one_write))  # before, during or after a write to the path
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        warm.unlink()
-        if dst.exists():
-            seen.append(dst.read_bytes())
-        leftovers.append(len(_temporaries(tmp_path)))
+    seen, leftovers, folders = [], [], []
+    for first in range(0, 20, 4):
+        procs = []
+        for trial in range(first, first + 4):
+            folder = tmp_path / f"trial{trial}"
+            folder.mkdir()
+            folders.append(folder)
+            procs.append((folder, subprocess.Popen(
+                [sys.executable, "-c", KILLED_WRITER, *map(str, srcs), str(folder / "out.kvc"), str(folder / "warm.kvc")],
+                stdout=subprocess.PIPE, text=True)))
+        for folder, proc in procs:  # each killed at its own random moment after it is ready
+            one_write = float(proc.stdout.readline())
+            time.sleep(rng.uniform(0, 6 * one_write))  # before, during or after a write to the path
+            proc.kill()
+        for folder, proc in procs:
+            proc.wait()
+            proc.stdout.close()
+            (folder / "warm.kvc").unlink()
+            if (folder / "out.kvc").exists():
+                seen.append((folder / "out.kvc").read_bytes())
+            leftovers.append(len(_temporaries(folder)))
     assert len(seen) >= 5, f"only {len(seen)} of 20 writers finished a write: the kill window is too short"
     assert max(leftovers) <= 1 and sum(leftovers) > 0, leftovers
     for blob in set(seen):
         (tmp_path / "seen.kvc").write_bytes(blob)
         assert _restores_to(tmp_path / "seen.kvc", originals, tmp_path)
-    files.compress_file(srcs[0], dst, threads=1, progress=False, overwrite=True)
-    assert _temporaries(tmp_path) == [] and _restores_to(dst, originals, tmp_path)
+    for folder in folders:  # the next write to a folder removes the killed writer's temporary
+        files.compress_file(srcs[0], folder / "out.kvc", threads=1, progress=False, overwrite=True)
+        assert _temporaries(folder) == [] and _restores_to(folder / "out.kvc", originals, tmp_path)
 
 
 # ------------------------------------------------------------------------------- a full disk

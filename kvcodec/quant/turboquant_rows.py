@@ -42,7 +42,7 @@ _HADAMARD, _HADAMARD2 = 1, 2
 
 # sums may be reassociated (vector lanes) and multiply-adds fused; NaN and Inf keep their meaning
 _FAST = {"reassoc", "contract"}
-LANES = 16  # rows rotated together: every butterfly is one vector operation over these rows
+LANES = 16  # rows rotated together: a butterfly is one vector operation over these rows
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST, inline="always")
@@ -104,8 +104,8 @@ def _encode_rows(x, center, scale, per, kind, s1, s2, post, thr, cb, bits, corre
     """Per row of x [n, D] float32: codes [n, width] (tq layout v1) and the stored scale (||x'|| / <y, c>
     with the norm correction, else ||x'||; NaN when the row holds NaN or Inf), x' = (x - center) / scale
     with the preconditioner row of the row's leading index (``per`` rows each; zeros and ones without
-    one: an exact no-op). Rows go LANES at a time, transposed, so the rotation and the search run
-    across rows."""
+    one: an exact no-op). Rows go LANES at a time: the rotation runs across the block's rows (transposed),
+    everything else along each row."""
     n, d = x.shape
     n_thr = thr.shape[0]
     u = np.empty((d, LANES), np.float32)
