@@ -214,3 +214,36 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path):
     other.intermediate_size = 192
     with pytest.raises(ValueError):
         load_model(path, other)
+
+
+# --------------------------------------------------------------------------- compress on load
+@pytest.mark.parametrize("tied,shards", [(True, False), (False, True)])
+def test_safetensors_checkpoint_loads_compressed(tmp_path, ids, tied, shards):
+    """A Hugging Face checkpoint folder (one file, or shards with an index) loads straight into the
+    compressed form, built on the meta device: the dense model's logits and greedy tokens, the tie kept,
+    the rotary frequencies (not in the checkpoint) made by the model itself."""
+    model = _model(tied=tied)
+    ref, ref_tokens = _logits(model, ids), _greedy(model, ids)
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder, max_shard_size="100KB" if shards else "10GB")
+    assert (folder / "model.safetensors.index.json").exists() == shards
+    loaded = load_model(folder)  # the config from config.json
+    report = model_report(loaded)
+    dense = compress_model(_model(tied=tied))
+    assert report.nbytes == dense.nbytes and report.original_nbytes == dense.original_nbytes
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+    assert torch.equal(_logits(loaded, ids), ref) and torch.equal(_greedy(loaded, ids), ref_tokens)
+    single = next(folder.glob("*.safetensors")) if not shards else None
+    if single is not None:  # a file alone, with the config given
+        assert torch.equal(_logits(load_model(single, _config(tied)), ids), ref)
+    with pytest.raises(ValueError):
+        load_model(folder, _model(tied=tied))  # a safetensors checkpoint builds its own model
+
+
+def test_safetensors_checkpoint_of_another_shape_is_refused(tmp_path):
+    folder = tmp_path / "ckpt"
+    _model().save_pretrained(folder)
+    other = _config()
+    other.intermediate_size = 192
+    with pytest.raises(ValueError):
+        load_model(folder, other)

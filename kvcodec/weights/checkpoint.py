@@ -18,6 +18,7 @@ from torch import nn
 
 from kvcodec import container, safe_write
 from kvcodec.errors import CorruptStreamError
+from kvcodec.weights import from_safetensors
 from kvcodec.weights.blob import encode
 from kvcodec.weights.runtime import ATTR, Held, attach, groups, holder_for
 
@@ -103,15 +104,24 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
         raise ValueError(f"checkpoint tensor {name!r} has no module in this model") from None
 
 
-def load_model(path: str | os.PathLike, model_or_config, device=None, threads: int = 0) -> nn.Module:
-    """A model whose Linear / Embedding weights are held compressed, from :func:`save_model`'s file.
+def load_model(path: str | os.PathLike, model_or_config=None, device=None, threads: int = 0) -> nn.Module:
+    """A model whose Linear / Embedding weights are held compressed, from :func:`save_model`'s file, or
+    compressed as it loads from a Hugging Face safetensors checkpoint (a ``.safetensors`` file or a folder
+    holding ``model.safetensors`` or a sharded index: ``kvcodec.weights.from_safetensors``).
 
     ``model_or_config``: a model to load into (its tensors are replaced; meta-device models welcome),
-    or a transformers config (the model is built on the meta device, so no dense weight is ever made).
+    or a transformers config (the model is built on the meta device, so no dense weight is ever made);
+    for a safetensors checkpoint, its config (default: the ``config.json`` beside it).
     ``device``: where everything goes (default CPU); CUDA holds the blobs on the device and decodes
     them there. The file's bytes are read once; the CPU holds the weight blobs as views of them. Each
     weight blob is checked by a full decode (one at a time); a damaged file raises CorruptStreamError.
     """
+    if from_safetensors.checkpoint_files(path) is not None:  # compress on load
+        if isinstance(model_or_config, nn.Module):
+            raise ValueError("a safetensors checkpoint loads into a model built from its config: pass the config")
+        return from_safetensors.load(path, model_or_config, device, threads)
+    if model_or_config is None:
+        raise ValueError("a kvcodec weights checkpoint needs the model, or its config, to load into")
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
