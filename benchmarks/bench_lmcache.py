@@ -1,6 +1,6 @@
 """LMCache L2 serdes on real SmolLM2 KV chunks: kvcodec's beside LMCache's own, in one run.
 
-Data: SmolLM2-135M-Instruct (bf16, CPU) reads ``prefix`` tokens of ``kvcodec.smollm2.real_text``;
+Data: SmolLM2-135M-Instruct (bf16, CPU) reads ``prefix`` tokens of ``smollm2.real_text``;
 its post-RoPE K/V of all 30 layers are cut into LMCache chunks of 256 tokens in LMCache's layout
 [2, layers, tokens, kv_heads * head_dim] (5.9 MB each). Every serde is built by LMCache's own
 ``create_serde_processor`` from the dict an L2 config would carry, and its sync serializer /
@@ -66,7 +66,8 @@ COLUMNS = ["serde", "config", "kind", "bytes_per_token", "vs_naive", "payload_vs
 def model_kv(prefix: int, n_eval: int, calib_tokens: int):
     """(keys, values, queries [layers, heads, T, d] bf16, model, ids, calibration (keys, values)) from
     SmolLM2 on real text; the calibration K/V come from the text after the evaluated tokens."""
-    from kvcodec import smollm2
+    import smollm2
+    from kvcodec.recording import record_qkv
 
     model = smollm2.load_model()
     tok = smollm2.load_tokenizer()
@@ -74,7 +75,7 @@ def model_kv(prefix: int, n_eval: int, calib_tokens: int):
     ids = all_ids[:, : prefix + n_eval]
 
     def kv(window):
-        rec = smollm2.record_qkv(model, window)
+        rec = record_qkv(model, window)
         stack = lambda part: torch.stack([rec[part][i][0] for i in sorted(rec[part])])  # noqa: E731
         return stack("k"), stack("v"), stack("q")
 

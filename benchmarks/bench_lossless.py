@@ -8,7 +8,7 @@ checked bit-exact. Speeds are MB/s of raw bf16 bytes, wall clock, best of a few 
 and "all cores" rows are separate. ``run()`` also appends the KV rows of
 ``bench_lossless_kv.run_rows(quick)`` when that module exists.
 
-Run: ``python benchmarks/bench_lossless.py [--quick]`` or ``kvcodec bench --suite lossless``.
+Run: ``python benchmarks/bench_lossless.py [--quick]`` or ``python benchmarks/run.py --suite lossless``.
 """
 
 from __future__ import annotations

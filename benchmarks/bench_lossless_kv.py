@@ -7,7 +7,7 @@ cache (30 layers x 2048 tokens, ``kvcodec.data.full_sample_location()``, made by
 always uses the shipped sample. Then held-out KV (unless ``--no-heldout`` or the real model is
 not installed): the same model over text kvcodec was never tuned on (the IDLE help page shipped
 with CPython, ``bench_quality.held_out_texts``), all 30 layers x ``--heldout-tokens`` tokens,
-computed once with ``kvcodec.smollm2`` and cached under ``benchmarks/results/cache/``. fp8 rows:
+computed once with ``smollm2.py`` and cached under ``benchmarks/results/cache/``. fp8 rows:
 keys/values cast to float8_e4m3fn with a per-(layer, head) scale (``kvcodec.lossless.fp8``); the
 ratio is over raw fp8 bytes and the predictor is given in the fp8 tensor's units; fp8 kvctx is coded
 in format 2 by default and fp8 with the predictor in format 1 (its better ratio); the other format of
@@ -21,7 +21,7 @@ time figure is the fair one (the load average at the start and the end is in the
 measured the same way in the same run.
 
 Run: ``python benchmarks/bench_lossless_kv.py [--quick] [--no-heldout] [--heldout-tokens N]``
-(``kvcodec bench --suite lossless`` also appends these rows).
+(``python benchmarks/run.py --suite lossless`` also appends these rows).
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def heldout_sample(n_tokens: int):
     """Real SmolLM2 KV of held-out text, all layers, with its fp8-weight predictor (cached)."""
     from types import SimpleNamespace
 
-    from kvcodec import smollm2
+    import smollm2
+    from kvcodec.recording import record_qkv
 
     cache_dir = Path(__file__).resolve().parent / "results" / "cache"
     cache = cache_dir / f"lossless_kv_heldout_{HELDOUT_TEXT}_{n_tokens}.pt"
@@ -87,8 +88,8 @@ def heldout_sample(n_tokens: int):
     if ids.shape[1] < n_tokens:
         raise ValueError(f"the held-out text has only {ids.shape[1]} tokens")
     layers = range(model.config.num_hidden_layers)
-    rec = smollm2.record_qkv(model, ids, layers)
-    pred = smollm2.record_qkv(smollm2.fp8_weight_copy(model), ids, layers)
+    rec = record_qkv(model, ids, layers)
+    pred = record_qkv(smollm2.fp8_weight_copy(model), ids, layers)
 
     def stack(r, kind):
         return torch.cat([r[kind][i] for i in layers]).contiguous()  # [L, heads, T, D]

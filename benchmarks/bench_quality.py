@@ -6,7 +6,7 @@ outlier split, the presets with fitted codebooks (``calibration=``), kvcodec's K
 ``QuantizedCache`` (quanto). Levers are chosen beforehand on calibration text (bench_quality_levers.py).
 
 Texts: held-out real text shipped with Python itself (no hub, no download), none of which the
-project ever tuned on (its calibration and earlier benchmarks use ``kvcodec.smollm2.real_text``,
+project ever tuned on (its calibration and earlier benchmarks use ``smollm2.real_text``,
 the language reference prose and a few stdlib modules): Python's LICENSE history, the IDLE manual
 (help.html, tags stripped), IDLE's release notes, docstrings of ten stdlib modules, and the source
 of five other stdlib modules.
@@ -316,7 +316,7 @@ def passkey_hits(model, cache, kv, queries: torch.Tensor, a_len: int) -> torch.T
 
 # ------------------------------------------------------------------------------------ run
 def run(quick: bool = False, out_dir: str = "benchmarks/results", only: str | None = None) -> dict:
-    from kvcodec import smollm2
+    import smollm2
     from kvcodec.hf import enable
 
     logging.getLogger("kvcodec").setLevel(logging.ERROR)  # the cache.update hand-off warns about fallback once
@@ -427,7 +427,7 @@ COLUMNS = ["cache", "bits_per_value", "vs_bf16", "ppl_delta_pct", "ci95_lo_pct",
 def _model_copy():
     import copy
 
-    from kvcodec import smollm2
+    import smollm2
 
     return copy.deepcopy(smollm2.load_model(torch.bfloat16))
 

@@ -3,9 +3,9 @@
 Each lever is applied to a preset (or, for the outlier split, to uniform TurboQuant) and scored
 with bench_quality's perplexity protocol (exact prefill handed to the cache, then tokens fed
 through it in chunks that never span a compaction point), on four segments of
-``kvcodec.smollm2.real_text("mixed")``: the text the presets' allocation was calibrated on, never
+``smollm2.real_text("mixed")``: the text the presets' allocation was calibrated on, never
 the benchmark's held-out texts, and segments other than the ones the allocation
-(``kvcodec.hf.calibrate``) and the fitted statistics (``kvcodec.hf.fitted``) were computed on.
+(``calibrate_smollm2.py``) and the fitted statistics (``kvcodec.hf.fitted``) were computed on.
 
 Reported per configuration: true bits per value (codes, norms, side data, sink), bytes held at the
 end (window included) vs DynamicCache, the perplexity change with a paired block-bootstrap 95%
@@ -71,7 +71,7 @@ def lever_configs(config) -> list[dict]:
 
 
 def run(out_dir: str = "benchmarks/results", only: str | None = None) -> dict:
-    from kvcodec import smollm2
+    import smollm2
     from kvcodec.hf import CompressedCache, enable
 
     logging.getLogger("kvcodec").setLevel(logging.ERROR)
@@ -114,7 +114,7 @@ def run(out_dir: str = "benchmarks/results", only: str | None = None) -> dict:
             "bits_per_value: (codes + norms + side data + sink) / (sink + compressed K/V scalars), window excluded; "
             "vs_bf16: bytes held at the end (window included) / DynamicCache's. kl_mean: mean per-token "
             "KL(DynamicCache || cache) of the next-token distribution, nats. ci95: paired block bootstrap.",
-            f"query-fitted key scales / fitted codebooks: kvcodec.hf.fitted '{FIT}' (python -m kvcodec.hf.calibrate "
+            f"query-fitted key scales / fitted codebooks: kvcodec.hf.fitted '{FIT}' (python benchmarks/calibrate_smollm2.py "
             "--fit), fitted on other segments of the same text.",
         ]
         save({"suite": SUITE, "rows": rows, "notes": notes}, out_dir, columns=COLUMNS)

@@ -13,9 +13,9 @@ counted in the bytes; this is cache configuration, like the recent-token window.
 Peers in the same run: PyPI ``turboquant`` 0.2.0 (its bytes as it holds them: uint8 indices +
 fp32 norms), Hugging Face's QuantizedCache quanto backend (optimum-quanto), if installed.
 
-Run: ``python benchmarks/bench_quant.py [--quick] [--out DIR]`` or ``kvcodec bench --suite quant``
-(results go to ``./kvcodec-bench-results`` unless ``--out`` names another folder; the committed
-results are refreshed with ``--out benchmarks/results``).
+Run: ``python benchmarks/bench_quant.py [--quick] [--out DIR]`` or
+``python benchmarks/run.py --suite quant`` (results go to ``./kvcodec-bench-results`` unless
+``--out`` names another folder; the committed results are refreshed with ``--out benchmarks/results``).
 """
 
 from __future__ import annotations

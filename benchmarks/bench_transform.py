@@ -1,7 +1,7 @@
 """Transform coding (kvcodec.transform, KVTC-class) on real SmolLM2-135M KV: true bits vs quality.
 
 Protocol. Calibration: KV of ``n_calib`` sequences of ``calib_len`` tokens taken from the *end* of
-``kvcodec.smollm2.real_text("mixed")``; evaluation: the first ``prefix + scored + 1`` tokens of each
+``smollm2.real_text("mixed")``; evaluation: the first ``prefix + scored + 1`` tokens of each
 of ``n_texts`` held-out texts shipped with CPython (``bench_quality.held_out_texts``), so the
 calibration never saw an evaluated token. Per window: prefill ``prefix`` tokens (bf16), store the
 prefix KV with each codec, reload it into a fresh DynamicCache and score the next ``scored``
@@ -69,7 +69,7 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def prepare(model, tok, prefix: int, scored: int, n_texts: int, n_calib: int, calib_len: int) -> dict:
     """Calibration KV, evaluation prefix KV, scored tokens' queries/KV and exact NLLs (cached on disk)."""
-    from kvcodec import smollm2
+    import smollm2
     from kvcodec.transform.hf import cache_tensors
 
     from bench_quality import held_out_texts
@@ -279,7 +279,7 @@ def settings(quick: bool) -> dict:
 
 
 def load(quick: bool):
-    from kvcodec import smollm2
+    import smollm2
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     model, tok = smollm2.load_model(), smollm2.load_tokenizer()
@@ -290,7 +290,8 @@ def load(quick: bool):
 @torch.no_grad()
 def calibration_queries(model, data: dict, cfg: dict) -> torch.Tensor:
     """Real queries [L, Hq, T, D] of the first calibration sequence (cached on disk)."""
-    from kvcodec import smollm2
+    import smollm2
+    from kvcodec.recording import record_qkv
 
     path = CACHE_DIR / f"transform_calib_queries_c{cfg['calib_len']}_at{data['calib_first_token']}.pt"
     if path.is_file():
@@ -298,7 +299,7 @@ def calibration_queries(model, data: dict, cfg: dict) -> torch.Tensor:
     tok = smollm2.load_tokenizer()
     ids = tok(smollm2.real_text("mixed"), return_tensors="pt").input_ids
     s0 = data["calib_first_token"]
-    rec = smollm2.record_qkv(model, ids[:, s0: s0 + cfg["calib_len"]])
+    rec = record_qkv(model, ids[:, s0: s0 + cfg["calib_len"]])
     q = torch.stack([rec["q"][i][0] for i in sorted(rec["q"])])
     torch.save(q, path)
     return q
@@ -326,7 +327,7 @@ SENSITIVITY_SEQUENCES = (0,)  # calibration sequences the KL measurement scores 
 def sensitivity_weights(data: dict, cfg: dict, calib) -> np.ndarray:
     """KL per unit squared error of every (layer, K/V), measured with the float32 model on the
     calibration text only (``kvcodec.transform.sensitivity``); cached on disk."""
-    from kvcodec import smollm2
+    import smollm2
     from kvcodec.transform import sensitivity
 
     path = CACHE_DIR / f"transform_sensitivity_{calib.fingerprint}.npy"

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # a source checkout without pip install
 from common import best_time, save_with_out  # noqa: E402
 
-from kvcodec import smollm2  # noqa: E402
+import smollm2  # noqa: E402
 from kvcodec.weights import HostWeight, compress_model, encode  # noqa: E402
 
 

@@ -15,8 +15,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kvcodec.benchrunner import DEFAULT_OUT  # noqa: F401  (re-exported for the suites)
 from kvcodec.demo import cpu_name
+
+DEFAULT_OUT = "kvcodec-bench-results"  # relative: a folder in the directory the command runs in
 
 
 def machine_record() -> dict:

@@ -368,12 +368,13 @@ def kernel_table(dev) -> list[dict]:
     import torch.nn.functional as F
 
     from benchmarks.gpu_kernels import copy_bandwidth, cuda_time_ms
-    from kvcodec.quant.cuda import decode_attention, reference
+    from benchmarks import cuda_cases
+    from kvcodec.quant.cuda import decode_attention
 
     bw = copy_bandwidth()
     rows = []
     for b, t in ((1, 32768), (8, 32768), (32, 32768), (1, 131072), (8, 131072)):
-        case, kw = reference.random_decode_case(b, 32, 8, 1, t, 128, 4, 4, [t] * b, device="cuda")
+        case, kw = cuda_cases.random_decode_case(b, 32, 8, 1, t, 128, 4, 4, [t] * b, device="cuda")
         nbytes = sum(case[k].numel() * case[k].element_size() for k in ("k_codes", "v_codes", "k_norms", "v_norms"))
         fused = lambda: decode_attention(**case, **kw)  # noqa: E731
         ms, mode = cuda_time_ms(fused)

@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine_record, save_with_out  # noqa: E402
-from kvcodec.quant.cuda import KernelVariant, reference  # noqa: E402
+from benchmarks import cuda_cases  # noqa: E402
+from kvcodec.quant.cuda import KernelVariant, fallback  # noqa: E402
 import kvcodec.quant.cuda as kc  # noqa: E402
 
 L2_ROTATE_BYTES = 512 << 20  # rotate among input sets until this many bytes: no timing out of L2
@@ -97,8 +98,8 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms * 1e-3) / 1e12
 
 
-codebook = reference.codebook_tensor
-make_case = reference.random_decode_case
+codebook = cuda_cases.codebook_tensor
+make_case = cuda_cases.random_decode_case
 
 
 def with_rotations(kw: dict, kind: str, d: int, seed: int = 0) -> dict:
@@ -112,7 +113,7 @@ def with_rotations(kw: dict, kind: str, d: int, seed: int = 0) -> dict:
             rot = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0]
         else:
             s1, s2 = (torch.randint(0, 2, (2, d), generator=g).to(torch.float64) * 2 - 1)
-            h = reference.hadamard_matrix(d)
+            h = fallback.hadamard_matrix(d)
             rot = (h * s2) @ (h * s1) / d
         kw[name] = rot.to(torch.float32).to(kw[name].device)
     return kw
@@ -191,10 +192,10 @@ def _run_checks(prefix: str, variant: KernelVariant, checks=CHECKS) -> list[dict
                 b, hq, hkv, ql, tcap, d = shape[:6]
                 extra["window_k"] = torch.randn(b, hkv, 8, d, device="cuda", dtype=torch.bfloat16)
                 extra["window_v"] = torch.randn(b, hkv, 8, d, device="cuda", dtype=torch.bfloat16)
-            reference.poison_allocator()
+            cuda_cases.poison_allocator()
             out, lse = kc.decode_attention(**case, **kw, **extra, variant=variant, return_lse=True)
             torch.cuda.synchronize()
-            ref, ref_lse = reference.decode_attention_reference(
+            ref, ref_lse = fallback.decode_attention_reference(
                 **case, **kw, **{k: v for k, v in extra.items() if k != "tokens_per_warp"})
             rel = ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
             fin = torch.isfinite(ref_lse)
@@ -229,7 +230,7 @@ def run_quant_checks(variant: KernelVariant) -> list[dict]:
             kq = (TurboQuantProd if prod else TurboQuantMSE)(d, 4, seed=1, precondition=pre)
             vq = TurboQuantMSE(d, 4, seed=2, precondition=pre)
             kt, vt = kq.quantize(k), vq.quantize(v)
-            reference.poison_allocator()
+            cuda_cases.poison_allocator()
             out = attend(q, kt, vt, kq, vq, variant=variant).float()
             s = kq.scores(kt, q.float().reshape(b, hkv, g, d)) / math.sqrt(d)
             want = vq.weighted_sum(vt, torch.softmax(s, -1)).reshape(b, hkv * g, 1, d)
@@ -255,13 +256,13 @@ def run_pack_checks() -> list[dict]:
         try:
             x = (torch.randn(1 << 16, d + strided, device="cuda") * 3).to(dtype)
             x = x[:, 1:] if strided else x  # a row stride of d + 1 elements: not 16-byte aligned
-            rot = reference.hadamard_rotation(d, 7).cuda()
+            rot = cuda_cases.hadamard_rotation(d, 7).cuda()
             cb = codebook(bits, d).cuda()
-            reference.poison_allocator()
+            cuda_cases.poison_allocator()
             codes, norms = kc.quantize_pack(x, rot, cb, bits)
-            rc, rn = reference.quantize_reference(x, rot, cb, bits)
-            got = reference.unpack_codes(codes, bits, d)
-            want = reference.unpack_codes(rc, bits, d)
+            rc, rn = fallback.quantize_reference(x, rot, cb, bits)
+            got = fallback.unpack_codes(codes, bits, d)
+            want = fallback.unpack_codes(rc, bits, d)
             row.update(code_mismatch_rate=(got != want).float().mean().item(),
                        max_code_diff=int((got - want).abs().max()),
                        norm_mismatch=int((norms != rn).sum()), ok=bool((got - want).abs().max() <= 1))
@@ -272,8 +273,8 @@ def run_pack_checks() -> list[dict]:
                 qt = qz.quantize(x)
                 codes2, norms2 = kc.quantize_pack(x, qz.rotation.cuda(), qz.codebook.cuda(), bits,
                                                   norm_dtype=qt.token["norms"].dtype, norm_correction=True)
-                g2 = reference.unpack_codes(codes2, bits, d)
-                w2 = reference.unpack_codes(qt.token["codes"].cuda(), bits, d)
+                g2 = fallback.unpack_codes(codes2, bits, d)
+                w2 = fallback.unpack_codes(qt.token["codes"].cuda(), bits, d)
                 row["vs_quant_mismatch_rate"] = (g2 != w2).float().mean().item()
                 row["vs_quant_max_diff"] = int((g2 - w2).abs().max())
                 row["vs_quant_norm_max_rel"] = ((norms2.float() - qt.token["norms"].float()).abs()
@@ -335,7 +336,7 @@ def time_decode(b, t, hq, hkv, d, kb, vb, *, variant: KernelVariant, tokens_per_
 def time_pack(n_rows, d, bits) -> dict:
     x = torch.randn(n_rows, d, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(x)
-    rot = reference.hadamard_rotation(d, 3).cuda()
+    rot = cuda_cases.hadamard_rotation(d, 3).cuda()
     cb = codebook(bits, d).cuda()
     ms, mode = cuda_time_ms(lambda: kc.quantize_pack(x, rot, cb, bits))
     ms_copy, _ = cuda_time_ms(lambda: dst.copy_(x))

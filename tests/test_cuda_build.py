@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cuda_cases
 from kvcodec.device import build
 from kvcodec.device.plans import PlanCache
-from kvcodec.quant.cuda import attention, decode_kernels, pack, reference, split_size
+from kvcodec.quant.cuda import attention, decode_kernels, fallback, pack, split_size
 from kvcodec.quant.cuda.attention import decode_attention
 from kvcodec.quant.cuda.decode_kernels import key_permutation
 
@@ -260,34 +261,34 @@ def test_key_permutation_matches_mma_fragment_layout():
 def test_pack_unpack_roundtrip(bits, dim, rows, seed):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (rows, dim), generator=g)
-    packed = reference.pack_codes(codes, bits)
+    packed = fallback.pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (rows, (dim * bits + 7) // 8)
-    assert torch.equal(reference.unpack_codes(packed, bits, dim), codes)
+    assert torch.equal(fallback.unpack_codes(packed, bits, dim), codes)
 
 
 def test_pack_bit_order_is_little_endian_stream():
     # coordinate j occupies bits [j*b, (j+1)*b); row bit i is bit i % 8 of byte i // 8
     codes = torch.tensor([[0b101, 0b011, 0b111]])
-    packed = reference.pack_codes(codes, 3)
+    packed = fallback.pack_codes(codes, 3)
     stream = 0b101 | (0b011 << 3) | (0b111 << 6)
     assert packed.tolist() == [[stream & 0xFF, stream >> 8]]
-    words = np.frombuffer(reference.pack_codes(torch.arange(16).view(1, 16) % 16, 4).numpy().tobytes(), "<u4")
+    words = np.frombuffer(fallback.pack_codes(torch.arange(16).view(1, 16) % 16, 4).numpy().tobytes(), "<u4")
     assert int(words[0]) & 0xF == 0 and (int(words[0]) >> 4) & 0xF == 1 and (int(words[1]) >> 28) == 15
 
 
 def test_unpack_rejects_bad_rows():
     with pytest.raises(ValueError):
-        reference.unpack_codes(torch.zeros(2, 5, dtype=torch.uint8), 4, 8)
+        fallback.unpack_codes(torch.zeros(2, 5, dtype=torch.uint8), 4, 8)
     with pytest.raises(ValueError):
-        reference.unpack_codes(torch.zeros(2, 4, dtype=torch.int32), 4, 8)
+        fallback.unpack_codes(torch.zeros(2, 4, dtype=torch.int32), 4, 8)
 
 
 def test_hadamard_signs_roundtrip_and_rejects_other_rotations():
-    rot = reference.hadamard_rotation(64, seed=3)
-    s = reference.hadamard_signs(rot)
-    assert s is not None and torch.allclose(rot, (reference.hadamard_matrix(64) * s / 8).float())
+    rot = cuda_cases.hadamard_rotation(64, seed=3)
+    s = fallback.hadamard_signs(rot)
+    assert s is not None and torch.allclose(rot, (fallback.hadamard_matrix(64) * s / 8).float())
     q, _ = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))
-    assert reference.hadamard_signs(q.float()) is None
+    assert fallback.hadamard_signs(q.float()) is None
     assert torch.allclose(rot @ rot.T, torch.eye(64), atol=1e-5)
 
 
@@ -296,13 +297,13 @@ def test_hadamard2_signs_recovers_quant_rotation():
 
     for d in (64, 128):
         rot = rotation_matrix(d, 3, "hadamard2")
-        s = reference.hadamard2_signs(rot)
+        s = fallback.hadamard2_signs(rot)
         assert s is not None and s.shape == (2, d)
-        h = reference.hadamard_matrix(d)
+        h = fallback.hadamard_matrix(d)
         rebuilt = (h * s[1].double()) @ (h * s[0].double()) / d
         assert torch.allclose(rebuilt.float(), rot, atol=1e-6)
-        assert reference.hadamard2_signs(rotation_matrix(d, 3, "qr")) is None
-        assert reference.hadamard_signs(rot) is None
+        assert fallback.hadamard2_signs(rotation_matrix(d, 3, "qr")) is None
+        assert fallback.hadamard_signs(rot) is None
 
 
 def test_reference_quantize_matches_quant_package_bytes():
@@ -312,7 +313,7 @@ def test_reference_quantize_matches_quant_package_bytes():
         qz = TurboQuantMSE(d, bits, seed=5, precondition="none", norm_correction=nc)
         x = torch.randn(2, 3, 40, d) * 2
         qt = qz.quantize(x)
-        codes, norms = reference.quantize_reference(x, qz.rotation, qz.codebook, bits, norm_correction=nc)
+        codes, norms = fallback.quantize_reference(x, qz.rotation, qz.codebook, bits, norm_correction=nc)
         assert torch.equal(codes, qt.token["codes"])
         assert torch.allclose(norms.float(), qt.token["norms"].float(), rtol=1e-3)
 
@@ -320,25 +321,25 @@ def test_reference_quantize_matches_quant_package_bytes():
 def test_quantize_reference_picks_nearest_centroid():
     d, bits = 64, 3
     cb = torch.linspace(-0.3, 0.3, 1 << bits)
-    rot = reference.hadamard_rotation(d, 1)
+    rot = cuda_cases.hadamard_rotation(d, 1)
     x = torch.randn(50, d) * 3
-    codes, norms = reference.quantize_reference(x, rot, cb, bits)
+    codes, norms = fallback.quantize_reference(x, rot, cb, bits)
     y = (x / x.norm(dim=-1, keepdim=True)) @ rot.T
     nearest = (y.unsqueeze(-1) - cb).abs().argmin(-1)
-    assert torch.equal(reference.unpack_codes(codes, bits, d), nearest)
+    assert torch.equal(fallback.unpack_codes(codes, bits, d), nearest)
     assert torch.allclose(norms.float(), x.norm(dim=-1), rtol=1e-3)
 
 
 def _random_cache(b, hkv, t, d, kb, vb, seed=0, qjl=False):
     g = torch.Generator().manual_seed(seed)
     out = {
-        "k_codes": reference.pack_codes(torch.randint(0, 1 << kb, (b, hkv, t, d), generator=g), kb),
-        "v_codes": reference.pack_codes(torch.randint(0, 1 << vb, (b, hkv, t, d), generator=g), vb),
+        "k_codes": fallback.pack_codes(torch.randint(0, 1 << kb, (b, hkv, t, d), generator=g), kb),
+        "v_codes": fallback.pack_codes(torch.randint(0, 1 << vb, (b, hkv, t, d), generator=g), vb),
         "k_norms": (torch.rand(b, hkv, t, generator=g) * 10 + 0.5).half(),
         "v_norms": (torch.rand(b, hkv, t, generator=g) * 10 + 0.5).half(),
     }
     if qjl:
-        out["k_qjl"] = reference.pack_codes(torch.randint(0, 2, (b, hkv, t, d), generator=g), 1)
+        out["k_qjl"] = fallback.pack_codes(torch.randint(0, 2, (b, hkv, t, d), generator=g), 1)
         out["k_rnorms"] = (torch.rand(b, hkv, t, generator=g)).half()
     return out
 
@@ -346,7 +347,7 @@ def _random_cache(b, hkv, t, d, kb, vb, seed=0, qjl=False):
 def test_cpu_fallback_matches_dense_attention_with_gqa_lengths_and_window():
     b, hq, hkv, ql, t, d, kb, vb = 2, 6, 2, 3, 20, 32, 3, 2
     cache = _random_cache(b, hkv, t, d, kb, vb, seed=1)
-    kr, vr = reference.hadamard_rotation(d, 5), reference.hadamard_rotation(d, 6)
+    kr, vr = cuda_cases.hadamard_rotation(d, 5), cuda_cases.hadamard_rotation(d, 6)
     kcb, vcb = torch.linspace(-0.4, 0.4, 1 << kb), torch.linspace(-0.3, 0.3, 1 << vb)
     q = torch.randn(b, hq, ql, d)
     lens = torch.tensor([20, 7])
@@ -356,8 +357,8 @@ def test_cpu_fallback_matches_dense_attention_with_gqa_lengths_and_window():
                                 k_rotation=kr, v_rotation=vr, k_codebook=kcb, v_codebook=vcb, k_bits=kb,
                                 v_bits=vb, window_k=wk, window_v=wv, window_lens=wl, return_lse=True)
     # independent dense computation, sequence by sequence, query by query
-    k_full = reference.dequantize_rotated(cache["k_codes"], cache["k_norms"], kcb, kb, d) @ kr.double()
-    v_full = reference.dequantize_rotated(cache["v_codes"], cache["v_norms"], vcb, vb, d) @ vr.double()
+    k_full = fallback.dequantize_rotated(cache["k_codes"], cache["k_norms"], kcb, kb, d) @ kr.double()
+    v_full = fallback.dequantize_rotated(cache["v_codes"], cache["v_norms"], vcb, vb, d) @ vr.double()
     for bi in range(b):
         for h in range(hq):
             kv = h // (hq // hkv)
@@ -375,7 +376,7 @@ def test_cpu_fallback_qjl_term_scale():
     """The QJL term is ||r|| sqrt(pi/2)/m <S q_rot, signs>: check against a direct evaluation."""
     b, hkv, t, d = 1, 1, 5, 32
     cache = _random_cache(b, hkv, t, d, 2, 2, seed=2, qjl=True)
-    kr = vr = reference.hadamard_rotation(d, 0)
+    kr = vr = cuda_cases.hadamard_rotation(d, 0)
     cb = torch.tensor([-0.2, -0.05, 0.05, 0.2])
     smat = torch.randn(d, d)
     q = torch.randn(b, 1, 1, d)
@@ -384,15 +385,15 @@ def test_cpu_fallback_qjl_term_scale():
                                 k_bits=2, v_bits=2, k_qjl=cache["k_qjl"], k_rnorms=cache["k_rnorms"],
                                 qjl_matrix=smat, return_lse=True)
     q_rot = q[0, 0, 0].double() @ kr.double().T
-    k_rot = reference.dequantize_rotated(cache["k_codes"], cache["k_norms"], cb, 2, d)[0, 0]
-    signs = reference.unpack_codes(cache["k_qjl"], 1, d)[0, 0].double() * 2 - 1
+    k_rot = fallback.dequantize_rotated(cache["k_codes"], cache["k_norms"], cb, 2, d)[0, 0]
+    signs = fallback.unpack_codes(cache["k_qjl"], 1, d)[0, 0].double() * 2 - 1
     score = k_rot @ q_rot + cache["k_rnorms"][0, 0].double() * math.sqrt(math.pi / 2) / d * (signs @ (smat.double() @ q_rot))
     assert torch.allclose(lse[0, 0, 0].double(), torch.logsumexp(score / math.sqrt(d), 0), atol=1e-5)
 
 
 def test_decode_attention_rejects_bad_arguments():
     cache = _random_cache(1, 2, 8, 32, 4, 4)
-    rot = reference.hadamard_rotation(32)
+    rot = cuda_cases.hadamard_rotation(32)
     cb = torch.linspace(-0.3, 0.3, 16)
     kw = dict(k_rotation=rot, v_rotation=rot, k_codebook=cb, v_codebook=cb, k_bits=4, v_bits=4)
     q = torch.randn(1, 4, 1, 32)
@@ -413,10 +414,10 @@ def test_decode_attention_rejects_bad_arguments():
 
 def test_quantize_pack_cpu_path_is_reference():
     x = torch.randn(10, 64)
-    rot = reference.hadamard_rotation(64, 2)
+    rot = cuda_cases.hadamard_rotation(64, 2)
     cb = torch.linspace(-0.3, 0.3, 8)
     c1, n1 = pack.quantize_pack(x, rot, cb, 3)
-    c2, n2 = reference.quantize_reference(x, rot, cb, 3)
+    c2, n2 = fallback.quantize_reference(x, rot, cb, 3)
     assert torch.equal(c1, c2) and torch.equal(n1, n2)
     with pytest.raises(ValueError):
         pack.quantize_pack(x, rot, cb, 4)
@@ -685,7 +686,7 @@ def _emulate_quant_pack(x, signs, codebook, bits, norm_dtype=torch.float16, norm
         return _f32fma(f, 8388607.0, 8388608.0).view(u32).astype(np.int64)
 
     # block prologue: the map, the mapped thresholds, the cell table (and whether a cell holds two)
-    thr = reference.thresholds_of(codebook.float()).numpy().astype(f32)
+    thr = fallback.thresholds_of(codebook.float()).numpy().astype(f32)
     span = max(f32(thr[NTH - 1] - thr[0]), f32(4.0) * f32(1 / math.sqrt(D)))
     a_map = f32(f32(M - 3) / f32(span * f32(M - 1)))
     b_map = f32(f32(0.5) - f32(f32(0.5) * f32(thr[0] + thr[NTH - 1])) * a_map)
@@ -881,13 +882,13 @@ def test_quant_pack_kernel_logic_matches_reference(dim, bits, dtype, rounds, nc)
     g = torch.Generator().manual_seed(dim * 10 + bits)
     x = (torch.randn(24 if dim >= 512 else 40, dim, generator=g) * 3).to(dtype)
     x[3] = 0  # a zero row: y = 0, codes = #{thresholds < 0}
-    h = reference.hadamard_matrix(dim)
+    h = fallback.hadamard_matrix(dim)
     s = (torch.randint(0, 2, (rounds, dim), generator=g) * 2 - 1).float()
     rot = (h * s[0].double() / math.sqrt(dim)) if rounds == 1 else (h * s[1].double()) @ (h * s[0].double()) / dim
-    cb = reference.codebook_tensor(bits, dim)
+    cb = cuda_cases.codebook_tensor(bits, dim)
     codes, norms, slow = _emulate_quant_pack(x, s, cb, bits, torch.float16, nc)
-    ref_codes, ref_norms = reference.quantize_reference(x, rot.float(), cb, bits, torch.float16, nc)
-    diff = (reference.unpack_codes(codes, bits, dim) - reference.unpack_codes(ref_codes, bits, dim)).abs()
+    ref_codes, ref_norms = fallback.quantize_reference(x, rot.float(), cb, bits, torch.float16, nc)
+    diff = (fallback.unpack_codes(codes, bits, dim) - fallback.unpack_codes(ref_codes, bits, dim)).abs()
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
     rel = (norms.float() - ref_norms.float()).abs() / ref_norms.float().abs().clamp_min(1e-30)
     assert float(rel.max()) < 2e-3  # fp16 rounding of the same float32 norm
@@ -900,11 +901,11 @@ def test_quant_pack_kernel_logic_binary_search_fallback():
     cb = torch.sort(torch.cat([torch.randn(12, generator=torch.Generator().manual_seed(0)) * 0.05,
                                torch.tensor([0.01, 0.01, 0.0101, 0.3])])).values
     x = torch.randn(32, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
-    rot = reference.hadamard_rotation(128, 4)
-    codes, norms, slow = _emulate_quant_pack(x, reference.hadamard_signs(rot)[None], cb, 4, torch.float16, True)
-    ref_codes, ref_norms = reference.quantize_reference(x, rot, cb, 4, torch.float16, True)
+    rot = cuda_cases.hadamard_rotation(128, 4)
+    codes, norms, slow = _emulate_quant_pack(x, fallback.hadamard_signs(rot)[None], cb, 4, torch.float16, True)
+    ref_codes, ref_norms = fallback.quantize_reference(x, rot, cb, 4, torch.float16, True)
     assert slow
-    diff = (reference.unpack_codes(codes, 4, 128) - reference.unpack_codes(ref_codes, 4, 128)).abs()
+    diff = (fallback.unpack_codes(codes, 4, 128) - fallback.unpack_codes(ref_codes, 4, 128)).abs()
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
     assert float(((norms.float() - ref_norms.float()).abs() / ref_norms.float()).max()) < 2e-3
 
@@ -926,7 +927,7 @@ def test_decode_plan_is_cached_on_the_call_invariants(monkeypatch):
     monkeypatch.setattr(split_size, "sm_count", lambda device: 132)
     monkeypatch.setattr(attention, "_plans", PlanCache("decode attention", attention.MAX_PLANS))
     cache = _random_cache(1, 2, 40, 32, 4, 4)
-    rot, cb = reference.hadamard_rotation(32), torch.linspace(-0.3, 0.3, 16)
+    rot, cb = cuda_cases.hadamard_rotation(32), torch.linspace(-0.3, 0.3, 16)
     q = torch.randn(1, 4, 1, 32)
 
     def plan(c=cache, norms=cache["k_norms"], lens=torch.tensor([40])):
@@ -954,7 +955,7 @@ def test_one_hadamard_for_one_seed():
     from kvcodec.quant.rotations import rotation_matrix
 
     for d, seed in ((32, 0), (128, 5)):
-        assert torch.equal(reference.hadamard_rotation(d, seed), rotation_matrix(d, seed, "hadamard"))
-        assert torch.equal(reference.hadamard_rotation(d, seed, rounds=2), rotation_matrix(d, seed, "hadamard2"))
-        assert reference.hadamard_signs(reference.hadamard_rotation(d, seed)) is not None
-        assert reference.hadamard2_signs(reference.hadamard_rotation(d, seed, rounds=2)) is not None
+        assert torch.equal(cuda_cases.hadamard_rotation(d, seed), rotation_matrix(d, seed, "hadamard"))
+        assert torch.equal(cuda_cases.hadamard_rotation(d, seed, rounds=2), rotation_matrix(d, seed, "hadamard2"))
+        assert fallback.hadamard_signs(cuda_cases.hadamard_rotation(d, seed)) is not None
+        assert fallback.hadamard2_signs(cuda_cases.hadamard_rotation(d, seed, rounds=2)) is not None

@@ -11,21 +11,22 @@ import math
 import pytest
 import torch
 
+import cuda_cases
 import kvcodec.quant.cuda as kc
-from kvcodec.quant.cuda import reference
+from kvcodec.quant.cuda import fallback
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kc.is_available(), reason="needs a CUDA GPU and CuPy")]
 
 
-poison_allocator = reference.poison_allocator
-codebook = reference.codebook_tensor
-make_case = reference.random_decode_case
+poison_allocator = cuda_cases.poison_allocator
+codebook = cuda_cases.codebook_tensor
+make_case = cuda_cases.random_decode_case
 
 def check(case, kw, tol=4e-3, **extra):
     poison_allocator()
     out, lse = kc.decode_attention(**case, **kw, **extra, return_lse=True)
     torch.cuda.synchronize()
-    ref, ref_lse = reference.decode_attention_reference(**case, **kw, **{k: v for k, v in extra.items()
+    ref, ref_lse = fallback.decode_attention_reference(**case, **kw, **{k: v for k, v in extra.items()
                                                                        if k not in ("tokens_per_warp", "variant")})
     assert torch.isfinite(out).all(), "kernel left NaN/inf in the output"
     err = (out.double() - ref).abs().max().item() / ref.abs().max().clamp_min(1e-6).item()
@@ -116,7 +117,7 @@ def test_fused_graph_replay_resets_its_counters():
                 case["seq_lens"][0] = 0
             graph.replay()
             torch.cuda.synchronize()
-            ref, ref_lse = reference.decode_attention_reference(**case, **kw)
+            ref, ref_lse = fallback.decode_attention_reference(**case, **kw)
             err = (out.double() - ref).abs().max().item() / ref.abs().max().clamp_min(1e-6).item()
             assert torch.isfinite(out).all() and err < 4e-3, (step, err)
             fin = torch.isfinite(ref_lse)
@@ -130,7 +131,7 @@ def test_fused_output_dtype_is_the_query_dtype():
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         case["query"] = case["query"].to(dt)
         out = kc.decode_attention(**case, **kw, variant=kc.KernelVariant(fused=True))
-        ref, _ = reference.decode_attention_reference(**case, **kw)
+        ref, _ = fallback.decode_attention_reference(**case, **kw)
         assert out.dtype == dt
         assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 6e-3
 
@@ -145,14 +146,14 @@ def test_decode_bf16_norms_qjl_and_window():
 def test_quantize_pack_matches_reference_bytes():
     for d, bits in ((128, 4), (128, 3), (64, 2)):
         x = torch.randn(4096, d, device="cuda", dtype=torch.bfloat16) * 3
-        rot = reference.hadamard_rotation(d, 7).cuda()
+        rot = cuda_cases.hadamard_rotation(d, 7).cuda()
         cb = codebook(bits, d).cuda()
         codes, norms = kc.quantize_pack(x, rot, cb, bits)
-        rc, rn = reference.quantize_reference(x, rot, cb, bits)
+        rc, rn = fallback.quantize_reference(x, rot, cb, bits)
         # the norm's float32 sum order differs: at most one fp16 ulp apart, on rare rows
         assert ((norms.float() - rn.float()).abs() <= rn.float().abs() * 2**-10).all()
-        got = reference.unpack_codes(codes, bits, d)
-        want = reference.unpack_codes(rc, bits, d)
+        got = fallback.unpack_codes(codes, bits, d)
+        want = fallback.unpack_codes(rc, bits, d)
         assert (got != want).float().mean().item() < 1e-3
         assert ((got - want).abs() <= 1).all()  # a mismatch is a neighbour at a float-rounding tie
 
@@ -184,7 +185,7 @@ def test_quantize_pack_matches_quant_package_hadamard2():
     x = torch.randn(4096, 128, device="cuda", dtype=torch.bfloat16)
     qt = qz.quantize(x)
     codes, norms = kc.quantize_pack(x, qz.rotation.cuda(), qz.codebook.cuda(), 4, norm_correction=True)
-    got, want = reference.unpack_codes(codes, 4, 128), reference.unpack_codes(qt.token["codes"], 4, 128)
+    got, want = fallback.unpack_codes(codes, 4, 128), fallback.unpack_codes(qt.token["codes"], 4, 128)
     assert (got != want).float().mean().item() < 1e-3 and ((got - want).abs() <= 1).all()
     # the corrected norm is ||x|| / <y, c>: rows with the same codes agree to fp16 rounding; a code one
     # level off at a float-rounding tie moves <y, c> (and the norm) by up to a few percent

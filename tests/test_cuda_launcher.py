@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+import cuda_cases
 from kvcodec.device import build
 from kvcodec.device.plans import PlanCache
-from kvcodec.quant.cuda import attention, decode_kernels, reference, split_size
+from kvcodec.quant.cuda import attention, decode_kernels, fallback, split_size
 from kvcodec.quant.cuda.decode_kernels import KernelVariant
 
 
@@ -50,8 +51,8 @@ def _case(b=1, hq=32, hkv=8, ql=1, t=4096, d=128, kb=4, vb=4, qjl=False):
                 v_codes=torch.randint(0, 256, (b, hkv, t, d * vb // 8), generator=g, dtype=torch.uint8),
                 k_norms=torch.rand(b, hkv, t, generator=g).half(), v_norms=torch.rand(b, hkv, t, generator=g).half(),
                 seq_lens=torch.full((b,), t, dtype=torch.int32))
-    kw = dict(k_rotation=reference.hadamard_rotation(d, 1), v_rotation=reference.hadamard_rotation(d, 2),
-              k_codebook=reference.codebook_tensor(kb, d), v_codebook=reference.codebook_tensor(vb, d))
+    kw = dict(k_rotation=cuda_cases.hadamard_rotation(d, 1), v_rotation=cuda_cases.hadamard_rotation(d, 2),
+              k_codebook=cuda_cases.codebook_tensor(kb, d), v_codebook=cuda_cases.codebook_tensor(vb, d))
     if qjl:
         case["k_qjl"] = torch.randint(0, 256, (b, hkv, t, d // 8), generator=g, dtype=torch.uint8)
         case["k_rnorms"] = torch.rand(b, hkv, t, generator=g).half()
@@ -173,7 +174,7 @@ def test_hadamard_butterflies_equal_the_rotation_matrix(rounds):
     """tq::hadamard_forward / hadamard_inverse (emulated) give R q and R^T y for the rotations the
     launcher recognises (signs from attention._hadamard)."""
     d = 64
-    h = reference.hadamard_matrix(d)
+    h = fallback.hadamard_matrix(d)
     g = torch.Generator().manual_seed(rounds)
     s1, s2 = torch.randint(0, 2, (2, d), generator=g).to(torch.float64) * 2 - 1
     rot = (h * s1 / math.sqrt(d)) if rounds == 1 else (h * s2) @ (h * s1) / d

@@ -1,4 +1,5 @@
-"""The shipped SmolLM2 KV sample: format, realness, the shared attention reference, bad files."""
+"""The shipped SmolLM2 KV sample (format, realness, the shared attention reference, bad files) and the
+SmolLM2 loader the tests and benchmarks share (benchmarks/smollm2.py)."""
 
 import copy
 import importlib.util
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec import smollm2
+import smollm2
 from kvcodec.data import (
     attention_error,
     attention_reference,
@@ -17,6 +18,7 @@ from kvcodec.data import (
     load_kv_sample,
 )
 from kvcodec.errors import CorruptStreamError
+from kvcodec.recording import record_qkv
 
 
 @pytest.fixture(scope="module")
@@ -205,9 +207,9 @@ def test_sample_is_what_the_model_computes(sample):
     ids = sample.token_ids.unsqueeze(0)
     first, last = 0, sample.n_layers - 1
     layers = [sample.layer_ids[first], sample.layer_ids[last]]
-    rec = smollm2.record_qkv(model, ids, layers)
+    rec = record_qkv(model, ids, layers)
     assert model.config._attn_implementation == "sdpa"  # restored after recording
-    exact = smollm2.record_qkv(_float32_copy(model), ids, layers)
+    exact = record_qkv(_float32_copy(model), ids, layers)
 
     def recorded(r: dict, name: str, layer: int) -> torch.Tensor:
         t = r[name][layer][0]
@@ -220,7 +222,7 @@ def test_sample_is_what_the_model_computes(sample):
         for name, stored in (("k", sample.keys[idx]), ("v", sample.values[idx]), ("q", sample.queries[idx])):
             err, tol = _relative(recorded(rec, name, layer), stored), tolerance(name, layer)
             assert err <= tol, f"layer {layer} {name}: {err:.4f} from the sample, tolerance {tol:.4f}"
-    pred = smollm2.record_qkv(smollm2.fp8_weight_copy(model), ids, layers[-1:])
+    pred = record_qkv(smollm2.fp8_weight_copy(model), ids, layers[-1:])
     for name, stored in (("k", sample.keys_fp8pred[last]), ("v", sample.values_fp8pred[last])):
         assert _relative(recorded(pred, name, layers[-1]), stored) <= tolerance(name, layers[-1])
     # The predictor is a different model: its KV is close to the real KV, but beyond the tolerance

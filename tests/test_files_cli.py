@@ -303,7 +303,7 @@ def test_cli_version_and_plain_help():
     assert version() == metadata.version("kvcodec")
     proc = _kvcodec("--help")
     assert proc.returncode == 0 and "``" not in proc.stdout
-    for command in ("demo", "bench", "compress", "decompress", "inspect"):
+    for command in ("demo", "compress", "decompress", "inspect"):
         assert command in proc.stdout
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvcodec import smollm2
+import smollm2
 from kvcodec.hf import CompressedCache, enable
 
 pytestmark = [

@@ -236,7 +236,7 @@ def test_smollm2_static_cache_follows_the_eager_greedy_tokens():
     move a logit by a few bf16 ulps, measured <= 0.63 at |logit| ~30) and its logits stay that close."""
     import copy
 
-    from kvcodec import smollm2
+    import smollm2
     from kvcodec.hf import enable
     from kvcodec.hf.static_cache import enable_static
 
@@ -279,9 +279,9 @@ def test_quantize_op_gives_the_quantizers_bytes():
 @pytest.mark.skipif(not ops.HAVE_CUSTOM_OPS, reason="torch.library.custom_op needs torch >= 2.4")
 def test_custom_ops_pass_opcheck():
     """Schema, fake (meta) implementation and dispatch of both ops agree with the real one (CPU)."""
-    from kvcodec.quant.cuda import reference
+    import cuda_cases
 
-    case, kw = reference.random_decode_case(1, 4, 2, 1, 24, 32, 4, 3, [17], device="cpu")
+    case, kw = cuda_cases.random_decode_case(1, 4, 2, 1, 24, 32, 4, 3, [17], device="cpu")
     args = (case["query"].float(), case["k_codes"], case["k_norms"], case["v_codes"], case["v_norms"],
             case["seq_lens"], kw["k_rotation"], kw["v_rotation"], kw["k_codebook"], kw["v_codebook"], 4, 3, 0.125)
     torch.library.opcheck(ops.tq_attention, args, test_utils=("test_schema", "test_faketensor"))

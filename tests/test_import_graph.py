@@ -2,7 +2,7 @@
 and not between packages either (collapsed to each package's members, a subpackage with everything
 inside it counts as one: ``lossless`` may import ``device`` or ``entropy``, never the reverse through
 any of their modules). ``kvcodec.device``, the device runtime every kernel owner shares, imports no
-other subpackage.
+other subpackage. No kvcodec module imports the lab code of ``benchmarks/`` or ``tests/``.
 
 A function-level import hides a cycle from the interpreter but not from a reader: the two modules
 still depend on each other. The graph is built statically from the AST of every module (an edge
@@ -185,3 +185,34 @@ def test_graph_skips_script_blocks(tmp_path):
     path.write_text("import kvcodec.errors\nif __name__ == '__main__':\n    import kvcodec.magics\n")
     known = {"kvcodec.errors", "kvcodec.magics", "kvcodec.probe"}
     assert imports_of("kvcodec.probe", path, known) == {"kvcodec.errors"}
+
+
+def lab_imports(path: Path, lab: set[str]) -> set[str]:
+    """The absolute imports in ``path`` (script blocks included) whose top-level name is ``lab``'s."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found.update(n for n in names if n.split(".")[0] in lab)
+    return found
+
+
+def test_lab_finder_sees_a_lab_import(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("import torch\nfrom . import report\ndef f():\n    import smollm2\n    from benchmarks.common import save\n")
+    assert lab_imports(path, {"smollm2", "report", "benchmarks"}) == {"smollm2", "benchmarks.common"}
+
+
+def test_the_package_imports_nothing_of_the_lab():
+    """benchmarks/ and tests/ hold the lab (the SmolLM2 loader, the suites and their runner, the CUDA
+    test cases); they are on sys.path while the tests run (tests/conftest.py) but not in a wheel, so a
+    kvcodec module that imported one would pass here and fail for every user."""
+    checkout = ROOT.parent
+    lab = {"benchmarks", "tests"} | {p.stem for folder in ("benchmarks", "tests") for p in (checkout / folder).glob("*.py")}
+    assert {"smollm2", "cuda_cases", "run", "common"} <= lab
+    found = {name: sorted(hits) for name, path in modules().items() if (hits := lab_imports(path, lab))}
+    assert not found, f"kvcodec modules importing lab code: {found}"

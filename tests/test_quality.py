@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from kvcodec import smollm2
+import smollm2
+from bench_quality import decode_chunks, prefill_kv, transplant
 from kvcodec.hf import CompressedCache
 from kvcodec.hf import presets
 from kvcodec.hf.calibrate import allocate, predicted_kl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_quality import decode_chunks, prefill_kv, transplant  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from kvcodec import smollm2
+import smollm2
 from kvcodec.weights import compress_model
 
 pytestmark = [

@@ -10,7 +10,7 @@ Where the bits go:
 * a calibration pass (``kvcodec.hf.calibrate``) measured on SmolLM2-135M what each layer's keys
   and values cost at 2, 3 and 4 bits (KL of the next-token distribution, on the project's own
   ``real_text("mixed")``, never on the held-out benchmark texts); the allocations below are its
-  output (``python -m kvcodec.hf.calibrate`` reproduces them);
+  output (``python benchmarks/calibrate_smollm2.py`` in a source checkout reproduces them);
 * for any other model shape no calibration is stored: a fixed prior (keys cost twice values, the
   first two and the last layer cost four times the others: boundary layers are where Qwen2-style
   key biases and attention sinks live) goes through the same budgeted allocation. For a better
@@ -41,7 +41,7 @@ COMMON = {"method": "turboquant", "key_mode": "mse", "outliers": 0, "sink": SINK
           "key_precondition": "scale", "value_precondition": "none"}
 
 # Calibrated allocations: model fingerprint -> preset -> (key_bits per layer, value_bits per layer).
-# SmolLM2-135M: `python -m kvcodec.hf.calibrate` (2 segments of real_text("mixed"), prefix 512, 64 scored
+# SmolLM2-135M: `python benchmarks/calibrate_smollm2.py` (2 segments of real_text("mixed"), prefix 512, 64 scored
 # tokens each; KL summed over the 128 scored tokens). Keys of layers 14-24 cost most at 2 bits (up to 0.9
 # vs a ~0.2 floor); values are nearly flat, so they get the fewer bits.
 CALIBRATED: dict[str, dict[str, tuple[tuple[int, ...], tuple[int, ...]]]] = {

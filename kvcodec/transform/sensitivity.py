@@ -104,7 +104,7 @@ def fit_model(model, sequences, *, layers_per_group: int = 5, joint_kv: bool = T
     keys weighted by the queries of the first sequence) -> ``measure`` on the last ``scored``
     tokens of each sequence (stored prefix = the rest) -> ``fit`` again with the measured weights.
     """
-    from kvcodec import smollm2
+    from kvcodec.recording import record_qkv
 
     rope = RoPE.from_model(model)
     ks, vs = [], []
@@ -114,7 +114,7 @@ def fit_model(model, sequences, *, layers_per_group: int = 5, joint_kv: bool = T
         vs.append(v.float())
     opts = {"layers_per_group": layers_per_group, "joint_kv": joint_kv}
     if query_weighted:
-        rec = smollm2.record_qkv(model, sequences[0])
+        rec = record_qkv(model, sequences[0])
         q = torch.stack([rec["q"][i][0] for i in sorted(rec["q"])]).float()
         opts["key_scales"] = query_key_scales(q, ks[0].shape[1])
     first = fit(ks, vs, rope, **opts)

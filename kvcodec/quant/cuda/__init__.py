@@ -1,9 +1,10 @@
 """Fused CUDA kernels for TurboQuant-compressed KV caches (tq layout v1), compiled with CuPy.
 
 - ``decode_attention``: attention of new queries over packed codes + norms (+ QJL bits), flash-
-  decoding with tensor cores; CPU tensors use the float64 torch reference.
+  decoding with tensor cores; CPU tensors use the float64 torch fallback.
 - ``quantize_pack``: quantize + bit-pack rows straight into the layout.
-- ``reference``: the torch oracle (packing, quantize, dequantize-then-attend).
+- ``fallback``: the torch path of both where the kernels do not run (packing, quantize,
+  dequantize-then-attend); the kernels are tested against it.
 Importing needs only torch and numpy; CuPy is loaded on the first CUDA launch. Compiling and caching
 the kernels is ``kvcodec.device``'s (``is_available`` is its check, kept importable from here).
 """

@@ -28,7 +28,7 @@ import torch
 
 from kvcodec.device import build
 from kvcodec.device.plans import PlanCache
-from kvcodec.quant.cuda import reference
+from kvcodec.quant.cuda import fallback
 from kvcodec.quant.cuda.decode_kernels import (
     DEFAULT_VARIANT,
     FUSED_MAX_BLOCKS,
@@ -186,7 +186,7 @@ def decode_attention(query, k_codes, k_norms, v_codes, v_norms, seq_lens, *, k_r
         if query.is_cuda:
             warnings.warn("kvcodec.quant.cuda: CuPy is not installed (pip install 'kvcodec[cuda]'); "
                           "using the slow torch reference on the GPU", RuntimeWarning, stacklevel=2)
-        out, lse = reference.decode_attention_reference(
+        out, lse = fallback.decode_attention_reference(
             query, k_codes, k_norms, v_codes, v_norms, seq_lens, k_rotation=k_rotation, v_rotation=v_rotation,
             k_codebook=k_codebook, v_codebook=v_codebook, k_bits=k_bits, v_bits=v_bits, scale=scale,
             k_qjl=k_qjl, k_rnorms=k_rnorms, qjl_matrix=qjl_matrix, window_k=window_k, window_v=window_v,

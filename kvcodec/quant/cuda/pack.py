@@ -1,7 +1,7 @@
 """TurboQuant-MSE quantize + pack on CUDA, writing tq layout v1 directly (``tq_pack.cu``).
 
 ``quantize_pack(x, rotation, codebook, bits)`` returns (codes uint8 [..., D*bits/8], norms [...]),
-the same bytes as ``reference.quantize_reference`` except where a coordinate lies within float
+the same bytes as ``fallback.quantize_reference`` except where a coordinate lies within float
 rounding of a decision threshold (the kernel rotates with tensor cores and butterflies, the reference
 with a float32 matmul; see docs/cuda.md, "How quantize + pack works"). The kernel takes the
 randomized Hadamard rotations ("hadamard": H diag(s)/sqrt(D); "hadamard2": H diag(s2) H diag(s1)/D,
@@ -19,7 +19,7 @@ import torch
 
 from kvcodec.device import build
 from kvcodec.device.plans import PlanCache
-from kvcodec.quant.cuda import reference
+from kvcodec.quant.cuda import fallback
 
 SOURCE = "kvcodec.quant.cuda/tq_pack.cu"
 WARPS_PER_BLOCK = 8  # tqp::WARPS in tq_pack.cu: blocks of 256 threads
@@ -69,9 +69,9 @@ def _signs_for(rotation: torch.Tensor, device) -> torch.Tensor | None:
     key = (id(rotation), rotation._version, str(device))
     hit = _signs_cache.get(key)
     if hit is None or hit[0] is not rotation:
-        s = reference.hadamard_signs(rotation)  # [D]: one round
+        s = fallback.hadamard_signs(rotation)  # [D]: one round
         if s is None:
-            s = reference.hadamard2_signs(rotation)  # [2, D]: two rounds
+            s = fallback.hadamard2_signs(rotation)  # [2, D]: two rounds
         hit = (rotation, None if s is None else s.to(device).contiguous())
         if len(_signs_cache) > 256:
             _signs_cache.clear()
@@ -110,7 +110,7 @@ def _quantize_plan(x, rotation, codebook, bits, norm_dtype, norm_correction) -> 
         fn = build.get_function(SOURCE, pack_name(d, bits, _IN_CODE[x.dtype], norm_dtype == torch.bfloat16, rounds,
                                                   norm_correction))
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return QuantizePlan(signs, reference.thresholds_of(codebook.to(torch.float32)).to(dev).contiguous(),
+        return QuantizePlan(signs, fallback.thresholds_of(codebook.to(torch.float32)).to(dev).contiguous(),
                             codebook.to(dev, torch.float32).contiguous(), fn, build.sm_count(index),
                             keep=(rotation, codebook))
 
@@ -140,7 +140,7 @@ def quantize_pack(x: torch.Tensor, rotation: torch.Tensor, codebook: torch.Tenso
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     plan = _quantize_plan(x, rotation, codebook, bits, norm_dtype, norm_correction) if x.is_cuda else None
     if plan is None or plan.signs is None:
-        return reference.quantize_reference(x, rotation, codebook, bits, norm_dtype, norm_correction)
+        return fallback.quantize_reference(x, rotation, codebook, bits, norm_dtype, norm_correction)
 
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:

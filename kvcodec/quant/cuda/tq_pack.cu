@@ -44,7 +44,7 @@
 //    contiguously); no atomics and no shared memory.
 //
 // tests/test_cuda_build.py emulates the kernel lane by lane (fragments, levels, table, packing) against
-// kvcodec.quant.cuda.reference.quantize_reference.
+// kvcodec.quant.cuda.fallback.quantize_reference.
 #include "tq_common.cuh"
 
 // Resident blocks of 256 threads per SM the register budget is cut for: 4 (64 registers) for 16-bit

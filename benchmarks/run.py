@@ -1,20 +1,21 @@
-"""``kvcodec bench``: run the benchmark suites that ship with kvcodec and say where the results went.
+"""Run benchmark suites of a kvcodec source checkout and say where the results went.
 
-A suite is a script ``benchmarks/<name>.py`` with ``run(quick: bool, out_dir: str) -> dict`` that
-writes ``<out_dir>/<name>.json`` and ``.md`` (see ``benchmarks/common.py``). The scripts live in
-the checkout's ``benchmarks/`` folder; a wheel ships the same files as ``kvcodec/_bench/benchmarks/``
-(``setup.py`` maps them there), so ``kvcodec bench`` works from a pip install too. The suites
-are scripts that import their neighbour ``common``, so the folder holding them goes on
-``sys.path`` while they run.
+    python benchmarks/run.py --suite quant --quick --out DIR   # entropy | lossless | quant | hf | gpu | all
 
-Results go to the folder the user names (``--out``), by default ``./kvcodec-bench-results``: never
-inside the package, never over the checkout's committed ``benchmarks/results`` unless asked. Every
-JSON file a run writes is stamped ``"quick": true|false``. GPU suites print a skip message on
-machines without CUDA.
+A suite is one or more scripts ``benchmarks/<name>.py`` with ``run(quick: bool, out_dir: str) -> dict``
+that write ``<out_dir>/<name>.json`` and ``.md`` (see ``common.py``). They import their neighbours
+(``common``, ``smollm2``) and the checkout's ``kvcodec``, so this folder and the checkout go first
+on ``sys.path``: the suites measure the code beside them, not another installed kvcodec.
+
+Results go to the folder ``--out`` names, by default ``./kvcodec-bench-results`` in the current
+folder: never over the checkout's committed ``benchmarks/results`` unless it is named. Every JSON
+file a run writes is stamped ``"quick": true|false``. GPU suites print a skip message on machines
+without CUDA. Exit code 0 when every suite ran, 1 when one failed (the others still run).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import sys
@@ -22,7 +23,12 @@ import time
 import traceback
 from pathlib import Path
 
-from kvcodec.safe_write import write_bytes
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # the checkout's kvcodec before any installed one
+
+from common import DEFAULT_OUT  # noqa: E402
+from kvcodec.safe_write import write_bytes  # noqa: E402
 
 SUITES: dict[str, list[str]] = {
     "entropy": ["bench_entropy", "bench_entropy_models"],
@@ -31,21 +37,6 @@ SUITES: dict[str, list[str]] = {
     "hf": ["bench_hf"],
     "gpu": ["gpu_kernels"],
 }
-DEFAULT_OUT = "kvcodec-bench-results"
-_SHIPPED = Path(__file__).resolve().parent / "_bench" / "benchmarks"  # where a wheel puts the suites
-_SOURCE_TREE = Path(__file__).resolve().parents[1] / "benchmarks"  # a checkout / editable install
-
-
-def suites_dir() -> Path:
-    """The folder holding the suite scripts: the copy inside an installed wheel, else the
-    ``benchmarks/`` folder of the source tree this kvcodec was imported from."""
-    for candidate in (_SHIPPED, _SOURCE_TREE):
-        if (candidate / "common.py").is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"kvcodec bench: the benchmark suites are missing (looked in {_SHIPPED} and {_SOURCE_TREE}); "
-        "reinstall kvcodec from a wheel or a source checkout"
-    )
 
 
 def _json_files(out: Path) -> dict[Path, int]:
@@ -69,12 +60,9 @@ def run_bench(suite: str = "all", quick: bool = False, out_dir: str | Path = DEF
     names = list(SUITES) if suite == "all" else [suite]
     unknown = [n for n in names if n not in SUITES]
     if unknown:
-        raise SystemExit(f"kvcodec bench: unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)} or all")
+        raise SystemExit(f"benchmarks/run.py: unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)} or all")
     out = Path(out_dir).resolve()
-    folder = str(suites_dir())
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    print(f"kvcodec bench: {'quick ' if quick else ''}suite {suite} from {folder}; results go to {out}", flush=True)
+    print(f"benchmarks/run.py: {'quick ' if quick else ''}suite {suite} from {HERE}; results go to {out}", flush=True)
     failed = 0
     written: list[Path] = []
     for name in names:
@@ -96,7 +84,25 @@ def run_bench(suite: str = "all", quick: bool = False, out_dir: str | Path = DEF
             print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
     if written:
         files = [q.name for p in written for q in (p, p.with_suffix(".md"), p.with_suffix(".png")) if q.is_file()]
-        print(f"kvcodec bench: wrote {', '.join(files)} in {out}", flush=True)
+        print(f"benchmarks/run.py: wrote {', '.join(files)} in {out}", flush=True)
     else:
-        print(f"kvcodec bench: no result files written in {out}", flush=True)
+        print(f"benchmarks/run.py: no result files written in {out}", flush=True)
     return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", default="all", choices=[*SUITES, "all"], help="which suite (default: all)")
+    ap.add_argument("--quick", action="store_true", help="small inputs, for a smoke run (marked in the JSON)")
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help=f"folder for the JSON, markdown and PNG results (default: ./{DEFAULT_OUT})")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_bench(suite=args.suite, quick=args.quick, out_dir=args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``kvcodec bench`` writes schema-valid JSON for every suite present; report.py renders it."""
+"""``python benchmarks/run.py`` writes schema-valid JSON for every suite present; report.py renders it."""
 
 import json
 import os
@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcodec import benchrunner
-
 ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "benchmarks" / "run.py"
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import report  # noqa: E402
+from benchmarks import run as runner  # noqa: E402
 from benchmarks.common import save  # noqa: E402
 
 
 def _present(suite: str) -> bool:
-    return all((ROOT / "benchmarks" / f"{m}.py").is_file() for m in benchrunner.SUITES[suite])
+    return all((ROOT / "benchmarks" / f"{m}.py").is_file() for m in runner.SUITES[suite])
 
 
 def _suite_files(root: Path) -> dict:
@@ -28,15 +28,14 @@ def _suite_files(root: Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in found if "tests" not in p.relative_to(root).parts}
 
 
-def test_bench_writes_only_where_told_and_marks_quick_runs(tmp_path):
-    """``kvcodec bench --out DIR`` from another folder: results land in DIR only (not in the cwd,
-    not in the package, not over the checkout's committed results), the JSON says quick, the
-    path is printed."""
+def test_run_writes_only_where_told_and_marks_quick_runs(tmp_path):
+    """``python benchmarks/run.py --out DIR`` from another folder: results land in DIR only (not in the
+    cwd, not over the checkout's committed results), the JSON says quick, the path is printed."""
     cwd, out = tmp_path / "cwd", tmp_path / "my results"
     cwd.mkdir()
     before = _suite_files(ROOT)
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcodec.cli", "bench", "--suite", "quant", "--quick", "--out", str(out)],
+        [sys.executable, str(RUNNER), "--suite", "quant", "--quick", "--out", str(out)],
         cwd=cwd, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -50,27 +49,35 @@ def test_bench_writes_only_where_told_and_marks_quick_runs(tmp_path):
     assert "quick run: small inputs" in (out / "REPORT.md").read_text()
 
 
-def test_bench_default_folder_is_in_the_cwd_outside_the_checkout():
-    from kvcodec.cli import build_parser
-
-    args = build_parser().parse_args(["bench", "--suite", "quant"])
-    assert args.out == benchrunner.DEFAULT_OUT == "kvcodec-bench-results"
+def test_default_folder_is_in_the_cwd_outside_the_checkout():
+    args = runner.build_parser().parse_args(["--suite", "quant"])
+    assert args.out == runner.DEFAULT_OUT == "kvcodec-bench-results"
     assert not Path(args.out).is_absolute()  # resolved against the user's working folder
 
 
-def test_suites_come_from_the_installed_copy_first(tmp_path, monkeypatch):
-    """A wheel ships the scripts as kvcodec/_bench/benchmarks; a checkout uses its benchmarks/."""
-    assert benchrunner.suites_dir() == ROOT / "benchmarks"
-    (tmp_path / "common.py").write_text("")
-    monkeypatch.setattr(benchrunner, "_SHIPPED", tmp_path)
-    assert benchrunner.suites_dir() == tmp_path
-    monkeypatch.setattr(benchrunner, "_SOURCE_TREE", tmp_path / "nowhere")
-    monkeypatch.setattr(benchrunner, "_SHIPPED", tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="suites are missing"):
-        benchrunner.suites_dir()
+def test_a_failing_suite_fails_the_run_and_the_others_still_write(tmp_path, monkeypatch, capsys):
+    """Exit code 1 when a suite raises; the next suite still runs, and only the files this run wrote
+    are stamped ``"quick"`` (a file already in the folder and left alone keeps what it says)."""
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    (suites / "bench_raises.py").write_text("def run(quick, out_dir):\n    raise RuntimeError('broken suite')\n")
+    (suites / "bench_writes.py").write_text(
+        "import json, pathlib\n"
+        "def run(quick, out_dir):\n"
+        "    pathlib.Path(out_dir, 'bench_writes.json').write_text(json.dumps({'suite': 'bench_writes', 'rows': []}))\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "older.json").write_text(json.dumps({"suite": "older", "rows": [], "quick": True}))
+    monkeypatch.syspath_prepend(str(suites))
+    monkeypatch.setitem(runner.SUITES, "pair", ["bench_raises", "bench_writes"])
+    assert runner.run_bench(suite="pair", quick=False, out_dir=out) == 1
+    text = capsys.readouterr().out
+    assert "bench_raises FAILED" in text and "wrote bench_writes.json in" in text
+    assert json.loads((out / "bench_writes.json").read_text())["quick"] is False
+    assert json.loads((out / "older.json").read_text())["quick"] is True
 
 
-CPU_SUITES = [s for s in benchrunner.SUITES if s not in ("gpu", "quant")]  # quant: the subprocess test above
+CPU_SUITES = [s for s in runner.SUITES if s not in ("gpu", "quant")]  # quant: the subprocess test above
 
 
 @pytest.mark.slow
@@ -80,9 +87,9 @@ def test_bench_suite_quick_writes_valid_json(suite, tmp_path, capsys):
     other tests load): valid result files, stamped quick, rendered by report.py."""
     if not _present(suite):
         pytest.skip(f"benchmarks for suite {suite!r} are not written yet")
-    assert benchrunner.run_bench(suite=suite, quick=True, out_dir=tmp_path) == 0, capsys.readouterr().out[-3000:]
+    assert runner.run_bench(suite=suite, quick=True, out_dir=tmp_path) == 0, capsys.readouterr().out[-3000:]
     files = sorted(tmp_path.glob("*.json"))
-    assert len(files) >= len(benchrunner.SUITES[suite])
+    assert len(files) >= len(runner.SUITES[suite])
     for f in files:
         data = report.validate(json.loads(f.read_text()), f.name)
         assert data["rows"], f"{f.name} has no rows"
@@ -101,7 +108,7 @@ def test_bench_suite_quick_writes_valid_json(suite, tmp_path, capsys):
 def test_bench_gpu_quick(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}  # $OUT would also receive the results
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcodec.cli", "bench", "--suite", "gpu", "--quick", "--out", str(tmp_path)],
+        [sys.executable, str(RUNNER), "--suite", "gpu", "--quick", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -111,7 +118,9 @@ def test_bench_gpu_quick(tmp_path):
 
 def test_bench_unknown_suite_fails():
     with pytest.raises(SystemExit):
-        benchrunner.run_bench(suite="nosuchsuite", quick=True, out_dir="unused")
+        runner.run_bench(suite="nosuchsuite", quick=True, out_dir="unused")
+    with pytest.raises(SystemExit):
+        runner.build_parser().parse_args(["--suite", "nosuchsuite"])
 
 
 # ---- report.py on hand-made result files (the renderer, not the numbers, is under test) ----
@@ -201,7 +210,7 @@ def test_rd_coordinates_read_the_kv_split_keys():
 
 def test_plots_are_skipped_with_a_hint_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
     """The tables and JSON never need matplotlib: without it a suite draws nothing, says why and
-    names the extra, and ``kvcodec bench`` lists only the files that exist."""
+    names the extra, and ``benchmarks/run.py`` lists only the files that exist."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_quant
