@@ -1,7 +1,7 @@
 """GPU benchmark of the fused TurboQuant kernels: correctness vs float64, decode latency vs bf16 SDPA,
 achieved bandwidth vs device copy bandwidth, quantize+pack vs the bf16 write it replaces.
 
-    PYTHONPATH=. python3 benchmarks/gpu_kernels.py [--quick] [--out DIR] [--no-variants] [--fused]
+    PYTHONPATH=. python3 benchmarks/gpu_kernels.py [--quick] [--out DIR] [--fused]
 
 ``--fused``: the one-launch kernel's study only (checks of every launch mode, graph replays, kernel
 table of the one-launch, three-launch and automatic paths against bf16 flash SDPA, split sizes,
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 import traceback
@@ -155,26 +154,18 @@ def _make_check_case(shape, opts):
     return case, (with_rotations(kw, rotation, shape[5]) if rotation else kw)
 
 
-def run_checks(best: str = "default") -> list[dict]:
+def run_checks() -> list[dict]:
     rows = []
-    modes = list(CHECK_MODES)
-    if best != "default":
-        modes.insert(0, (f"{best}: ", *variant_spec(best), None))
-    for prefix, defines, narrow, fused in modes:
+    for prefix, defines, narrow, fused in CHECK_MODES:
         rows += _run_checks(prefix, KernelVariant(defines, narrow, fused))
     return rows
 
 
-# prefix, macros, narrow kernel allowed, one-launch kernel (None: the launcher decides)
+# prefix, macros, narrow kernel allowed, one-launch kernel (None: the launcher decides); "no sign
+# symmetry": the builds the launcher makes for an asymmetric 4-bit codebook
 CHECK_MODES = [("", (), True, None), ("one-launch: ", (), True, True), ("three-launch: ", (), True, False),
                ("wide-only: ", (), False, False), ("wide-only one-launch: ", (), False, True),
-               ("scalar: ", ("TQ_REG_LUT=0", "TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0", "TQ_PTR_STEP=0",
-                             "TQ_NO_L1=0"), True, None),
-               ("shared-memory keys: ", ("TQ_REG_LUT=0",), True, None),
-               ("values in registers: ", ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1"), True, None),
-               ("register values only: ", ("TQ_REG_LUT=2",), True, None),
-               ("no sign symmetry: ", ("TQ_REG_LUT_SYM=0",), True, None),
-               ("2 stages, wide-only: ", ("TQ_STAGES=2",), False, None)]
+               ("no sign symmetry: ", ("TQ_REG_LUT_SYM=0",), True, None)]
 
 
 def _run_checks(prefix: str, variant: KernelVariant, checks=CHECKS) -> list[dict]:
@@ -371,81 +362,6 @@ def sweep(quick: bool, variant: KernelVariant):
     return rows
 
 
-VARIANTS = [  # label, split-kernel macros, narrow kernel allowed; "default" is the shipped build
-    ("default", (), True),
-    ("shared-memory keys", ("TQ_REG_LUT=0",), True),
-    ("values in registers", ("TQ_REG_LUT=3",), True),
-    ("2 stages", ("TQ_STAGES=2",), True),
-]
-# Tried on top of the best of VARIANTS, one at a time, kept when the score improves by > 1%.
-ADDONS: list[tuple[str, tuple[str, ...]]] = []
-TUNE_SHAPES = [(8, 32768, 32, 8, 128, 4, 4), (1, 32768, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4),
-               (8, 32768, 32, 8, 128, 3, 3)]
-_COMPOSED: dict[str, tuple[tuple[str, ...], bool]] = {}  # labels built by the greedy add-on pass
-
-
-def _with(defines: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
-    """defines + extra, a macro in extra replacing the same macro in defines."""
-    names = {e.split("=", 1)[0] for e in extra}
-    return tuple(d for d in defines if d.split("=", 1)[0] not in names) + tuple(extra)
-
-
-def variant_spec(label: str) -> tuple[tuple[str, ...], bool]:
-    for lab, defines, narrow in VARIANTS:
-        if lab == label:
-            return defines, narrow
-    if label in _COMPOSED:
-        return _COMPOSED[label]
-    head, *adds = label.split(" + ")  # e.g. TQ_VARIANT="reg lut KV sym + fast merge" for --profile-one
-    defines, narrow = variant_spec(head)
-    for a in adds:
-        defines = _with(defines, dict(ADDONS)[a])
-    return defines, narrow
-
-
-def kernel_variant(label: str) -> KernelVariant:
-    return KernelVariant(*variant_spec(label))
-
-
-def _score_variant(label, defines, narrow, rows, tpws=(None,)):
-    logs = []
-    for shp in TUNE_SHAPES:
-        for tpw in tpws:
-            try:
-                row = time_decode(*shp, variant=KernelVariant(defines, narrow), tokens_per_warp=tpw, sdpa=False)
-                row.update(variant=label, tpw=tpw or "auto", defines=" ".join(defines))
-                if tpw is None:
-                    logs.append(math.log(row["fused_ms"]))
-            except Exception as e:
-                row = dict(shape=str(shp), variant=label, tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
-                if tpw is None:
-                    logs.append(float("inf"))
-            log("variant", row)
-            rows.append(row)
-    return sum(logs) / max(1, len(logs))
-
-
-def variants():
-    """Tuning knobs on representative shapes: kernel form, lookups, add-ons, split size.
-    Returns (rows, label of the fastest variant by geometric mean over the shapes at auto split)."""
-    rows, score = [], {}
-    for label, defines, narrow in VARIANTS:
-        score[label] = _score_variant(label, defines, narrow, rows)
-    best = min(score, key=score.get)
-    base = best
-    defines, narrow = variant_spec(best)
-    for add_label, extra in ADDONS:  # greedy: keep an add-on when it wins by more than 1%
-        label = f"{best} + {add_label}"
-        cand = _with(defines, extra)
-        _COMPOSED[label] = (cand, narrow)
-        score[label] = _score_variant(label, cand, narrow, rows)
-        if score[label] < score[best] - 0.01:
-            best, defines = label, cand
-    log("variant scores (mean log ms, lower is better):", {k: round(v, 4) for k, v in score.items()}, "best:", best,
-        "macros:", defines)
-    return rows, best, base
-
-
 TPW_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (8, 32768, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4),
               (8, 131072, 32, 8, 128, 4, 4), (8, 32768, 9, 3, 64, 4, 4), (32, 131072, 9, 3, 64, 4, 4)]
 TPW_GRID = (256, 512, 1024, 2048)
@@ -472,10 +388,9 @@ def tpw_sweep(variant: KernelVariant, shapes=TPW_SHAPES, grid=TPW_GRID, max_warp
 
 def profile_one() -> None:
     """One decode call (b8 t32k 32/8 d128 4/4) for an external profiler (ncu) to look at."""
-    variant = kernel_variant(os.environ.get("TQ_VARIANT", "default"))
     case, kw = make_case(8, 32, 8, 1, 32768, 128, 4, 4, [32768] * 8)
     for _ in range(3):
-        kc.decode_attention(**case, **kw, variant=variant)
+        kc.decode_attention(**case, **kw)
     torch.cuda.synchronize()
 
 
@@ -510,41 +425,24 @@ def _breakdown(label: str, variant: KernelVariant,
 
 # ---------------------------------------------------------------- the one-launch kernel
 ONE, THREE = KernelVariant(fused=True), KernelVariant(fused=False)
-# the one-launch kernel's earlier block merge and publish: the plain [rows, D] layout for the warps'
-# merge (bank conflicts), __threadfence by every thread
-PLAIN_TAIL = ("TQ_FUSED_MERGE_PAD=0", "TQ_FUSED_SIGNAL=0")
-# automatic, one-launch, three-launch, wide-only (both), scalar; the one-launch kernel's other depths
-FUSED_CHECK_MODES = CHECK_MODES[:6] + [("one-launch 1 stage: ", ("TQ_FUSED_STAGES=1",), True, True),
-                                       ("one-launch 2 stages: ", ("TQ_FUSED_STAGES=2",), True, True),
-                                       ("one-launch values in registers: ", ("TQ_REG_LUT=3",), True, True),
-                                       ("one-launch no lane tables: ", ("TQ_LANE_LUT=0",), True, True),
-                                       ("one-launch lane tables for values only: ", ("TQ_LANE_LUT=2",), True, True),
-                                       ("one-launch shared-memory rotations, 3 stages: ",
-                                        ("TQ_FUSED_WARP_ROTATE=0", "TQ_FUSED_STAGES=3"), True, True),
-                                       ("one-launch %laneid: ", ("TQ_ASM_LANEID=1",), True, True),
-                                       ("one-launch plain tail: ", PLAIN_TAIL, True, True)]
+# automatic, one-launch, three-launch, wide-only (both), no sign symmetry; the one-launch kernel with 2
+# load stages everywhere, without the lane tables, and with them but the shared-memory rotations
+FUSED_CHECK_MODES = CHECK_MODES + [("one-launch 2 stages: ", ("TQ_FUSED_STAGES=2",), True, True),
+                                   ("one-launch no lane tables: ", ("TQ_LANE_LUT=0",), True, True),
+                                   ("one-launch shared-memory rotations, 3 stages: ",
+                                    ("TQ_FUSED_WARP_ROTATE=0", "TQ_FUSED_STAGES=3"), True, True)]
 TABLE_SHAPES = [(b, t, 32, 8, 128, 4, 4) for b in (1, 8, 32) for t in (4096, 32768, 131072)] + [
     (1, 32768, 32, 8, 128, 3, 3), (8, 32768, 32, 8, 128, 3, 3), (1, 32768, 32, 8, 128, 4, 2),
     (1, 32768, 9, 3, 64, 4, 4), (8, 32768, 9, 3, 64, 4, 4), (8, 131072, 9, 3, 64, 4, 4)]
 FUSED_TPW_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 4096, 32, 8, 128, 4, 4),
                     (8, 32768, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4)]
 FUSED_TPW_GRID = (32, 64, 128, 256, 512, 1024, 2048)
-# Builds of the one-launch kernel timed against the default (label, macros, split sizes to time
-# beside the automatic one); "timing only" builds skip a phase to measure what it costs (wrong
-# results, never checked or used).
-# (Builds measured away and no longer timed here: tail batch 8, values in registers, the L2 256B prefetch
-# hint, no query rotation, 1 stage and copy-engine L2 prefetches, no lane tables, lane
-# tables for values only, shared-memory rotations, 3 stages again, 192 tokens per warp, the
-# final merge staged in shared memory by cp.async, the four warps merged in parallel buffers:
-# CHANGELOG.md, 2026-11-24.)
-FUSED_VARIANTS = [
-    ("plain block merge and publish (plain layout, fences)", PLAIN_TAIL, ()),
-    ("plain merge layout (bank conflicts)", ("TQ_FUSED_MERGE_PAD=0",), ()),
-    ("__threadfence by every thread", ("TQ_FUSED_SIGNAL=0",), ()),
-    ("lane index from %laneid", ("TQ_ASM_LANEID=1",), ()),
-    ("no last-block merge (timing only)", ("TQ_FUSED_PROFILE=2",), ()),
-    ("last-block merge of half the partials (timing only)", ("TQ_FUSED_PROFILE=4",), ()),
-]
+# Shapes of the dense-rotation rows (what a rotation that is no Hadamard transform costs).
+# (Builds of the one-launch kernel measured away and no longer timed here: tail batch 8, values in
+# registers, the L2 256B prefetch hint, no query rotation, 1 stage and copy-engine L2 prefetches, lane
+# tables for values only, 192 tokens per warp, the final merge staged in shared memory by cp.async,
+# the four warps merged in parallel buffers: CHANGELOG.md, 2026-11-24; the plain [rows, D] warp merge
+# and __threadfence publish, the lane index from %laneid, the bulk-copy ring: docs/cuda.md.)
 FUSED_VARIANT_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 4096, 32, 8, 128, 4, 4),
                         (8, 32768, 32, 8, 128, 4, 4), (8, 131072, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4)]
 
@@ -617,14 +515,12 @@ def _table_calls() -> list:
     for b, t, hq, hkv, d, kb, vb in TABLE_SHAPES:
         case, kw = make_case(b, hq, hkv, 1, 64, d, kb, vb, [64] * b)
         calls += [(case, kw, {"variant": v}) for v in (ONE, THREE)]
-    case, kw = make_case(1, 32, 8, 1, 64, 128, 4, 4, [64])
-    calls += [(case, kw, {"variant": KernelVariant(defines, True, True)}) for _, defines, _ in FUSED_VARIANTS]
     return calls
 
 
 def fused_variants() -> list[dict]:
-    """FUSED_VARIANTS on FUSED_VARIANT_SHAPES (the default build's numbers: the table and split sweep),
-    and both paths with dense rotation matrices (what a rotation that is no Hadamard transform costs)."""
+    """Both paths with dense rotation matrices on FUSED_VARIANT_SHAPES (what a rotation that is no
+    Hadamard transform costs; the default build's numbers: the table and split sweep)."""
     rows = []
     for shp in FUSED_VARIANT_SHAPES:
         for label, v in (("dense rotations, one-launch", ONE), ("dense rotations, three-launch", THREE)):
@@ -635,16 +531,6 @@ def fused_variants() -> list[dict]:
                 row = dict(shape=str(shp), variant=label, error=f"{type(e).__name__}: {e}"[:200])
             log("fused variant", row)
             rows.append(row)
-    for label, defines, tpws in FUSED_VARIANTS:
-        for shp in FUSED_VARIANT_SHAPES:
-            for tpw in (None,) + (tpws if shp[0] == 1 else ()):
-                try:
-                    row = time_decode(*shp, variant=KernelVariant(defines, True, True), tokens_per_warp=tpw, sdpa=False)
-                    row.update(variant=label, tpw=tpw or "auto")
-                except Exception as e:
-                    row = dict(shape=str(shp), variant=label, tpw=tpw, error=f"{type(e).__name__}: {e}"[:200])
-                log("fused variant", row)
-                rows.append(row)
     return rows
 
 
@@ -690,44 +576,6 @@ def fused_tpw_sweep() -> list[dict]:
     from kvcodec.quant.cuda.decode_kernels import FUSED_MAX_BLOCKS, WARPS_PER_BLOCK
 
     return tpw_sweep(ONE, FUSED_TPW_SHAPES, FUSED_TPW_GRID, WARPS_PER_BLOCK * FUSED_MAX_BLOCKS, "fused tpw")
-
-
-# between the kernel's 10 stamps (a TQ_FUSED_WARP_ROTATE build stamps its whole final merge as the first of
-# the last five phases: warp 0 merges row 0 with no block barrier)
-TRACE_PHASES = ["prologue", "split", "block merge + partial write", "fences + atomic", "(m, l) + first partials",
-                "weights", "weighted sum", "inverse rotation", "output"]
-
-
-def trace_phases() -> list[dict]:
-    """``--trace``: where the one-launch kernel's time goes, from a ``TQ_FUSED_TRACE`` build: the last
-    block of every tile stamps (clock64, globaltimer) at each phase boundary into its output (timing
-    only: that output is never checked or used). Phase durations of the last block, in SM cycles and
-    ns, per tile; the median over tiles is logged."""
-    v = KernelVariant(("TQ_FUSED_TRACE=1",), True, True)
-    rows = []
-    for b, t in ((1, 32768), (1, 131072), (8, 32768)):
-        case, kw = make_case(b, 32, 8, 1, t, 128, 4, 4, [t] * b)
-        case["query"] = case["query"].float()
-        for _ in range(3):
-            out = kc.decode_attention(**case, **kw, variant=v)
-        torch.cuda.synchronize()
-        ms, _ = cuda_time_ms(lambda: kc.decode_attention(**case, **kw, variant=v), graphs=True)
-        out = kc.decode_attention(**case, **kw, variant=v)
-        torch.cuda.synchronize()
-        flat = out.reshape(-1, 128)
-        tiles = []
-        for bh in range(b * 8):
-            st = flat[bh * 4, :4 * (len(TRACE_PHASES) + 1)].contiguous().view(torch.int64).cpu().tolist()
-            clk, gt = st[0::2], st[1::2]
-            row = {"shape": f"b{b} t{t}", "tile": bh, "call_us": ms * 1e3, "block_total_ns": gt[-1] - gt[0]}
-            for i, name in enumerate(TRACE_PHASES):
-                row[f"{name} cycles"] = clk[i + 1] - clk[i]
-                row[f"{name} ns"] = gt[i + 1] - gt[i]
-            tiles.append(row)
-        rows += tiles
-        med = {k: sorted(r[k] for r in tiles)[len(tiles) // 2] for k in tiles[0] if k not in ("shape", "tile")}
-        log("trace", f"b{b} t{t}", {k: round(x, 1) for k, x in med.items()})
-    return rows
 
 
 def run_fused_study(out_dir: str) -> dict:
@@ -778,109 +626,7 @@ def run_fused_study(out_dir: str) -> dict:
     return result
 
 
-# ---------------------------------------------------------------- the bulk-copy ring (sm_90)
-# Builds of the one-launch kernel with the code stream through the copy engine (TQ_FUSED_BULK), timed
-# against the default in one run; one is built by the explicit-target route (an sm_90a cubin).
-BULK = ("TQ_FUSED_BULK=1",)  # 3 stages, no prefetch (the ring's defaults)
-BULK4 = BULK + ("TQ_FUSED_BULK_BLOCKS=4", "TQ_FUSED_TAIL_BATCH=8")
-BULK_PREFETCH = BULK + ("TQ_BULK_PREFETCH=1",)
-BULK_PREFETCH4 = BULK_PREFETCH + ("TQ_BULK_STAGES=4",)
-BULK_CHAINS = BULK + ("TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4")
-BULK_VARIANTS = [
-    ("default", KernelVariant(fused=True)),
-    ("bulk ring", KernelVariant(BULK, True, True)),
-    ("bulk ring, 4 blocks/SM", KernelVariant(BULK4, True, True)),
-    ("bulk ring, prefetch", KernelVariant(BULK_PREFETCH, True, True)),
-    ("bulk ring, prefetch, 4 stages", KernelVariant(BULK_PREFETCH4, True, True)),
-    ("bulk ring, 2 chains", KernelVariant(BULK_CHAINS, True, True)),
-    ("bulk ring, 2 chains, sm_90a cubin", KernelVariant(BULK_CHAINS, True, True, "sm_90a")),
-    ("default (again)", KernelVariant(fused=True)),
-]
-# Checks whose caches have Tcap % 16 == 0 (where the ring runs): lengths 0 / 1 / odd / full, one to
-# many steps per warp, both head dims, every bit pair the ring takes (word-aligned chunks) and two it
-# does not (register path in the same build), bf16 norms, windows, a wide tile, a Tcap % 16 != 0 cache.
-BULK_CHECKS = [
-    ("bulk d128 k4v4 g4 tpw16", (3, 8, 2, 1, 320, 128, 4, 4, [320, 17, 0]), {"tpw": 16}),
-    ("bulk d128 k4v4 g4 tpw48", (3, 8, 2, 1, 320, 128, 4, 4, [320, 33, 1]), {"tpw": 48}),
-    ("bulk d128 k4v2 g8", (2, 64, 8, 1, 1008, 128, 4, 2, [1008, 999]), {}),
-    ("bulk d128 k2v2 g4 tpw32", (2, 8, 2, 1, 304, 128, 2, 2, [250, 304]), {"tpw": 32}),
-    ("bulk d64 k4v4 g3", (2, 9, 3, 1, 512, 64, 4, 4, [512, 33]), {}),
-    ("bulk d64 k2v4 g3 q_len 2", (2, 9, 3, 2, 496, 64, 2, 4, [495, 250]), {}),
-    ("bulk d128 lens 0/1/odd", (4, 32, 8, 1, 1024, 128, 4, 4, [0, 1, 777, 1024]), {}),
-    ("bulk d128 long split b1", (1, 32, 8, 1, 32768, 128, 4, 4, [32767]), {}),
-    ("bulk d128 bf16 norms", (2, 8, 2, 1, 320, 128, 4, 4, [320, 150]), {"norm_dtype": torch.bfloat16}),
-    ("bulk d128 hadamard2 g8 window", (2, 64, 8, 1, 640, 128, 4, 4, [640, 77]), {"rotation": "hadamard2"}),
-    ("bulk d128 k3v3 g4 (register path)", (2, 8, 2, 1, 320, 128, 3, 3, [320, 150]), {}),
-    ("bulk d128 g5 q_len 2 (wide: register path)", (2, 10, 2, 2, 320, 128, 4, 4, [320, 100]), {}),
-    ("bulk d128 tcap 300 (ring dropped)", (2, 8, 2, 1, 300, 128, 4, 4, [300, 150]), {}),
-]
-BULK_SHAPES = [(1, 32768, 32, 8, 128, 4, 4), (1, 131072, 32, 8, 128, 4, 4), (8, 32768, 32, 8, 128, 4, 4), (32, 32768, 32, 8, 128, 4, 4), (32, 131072, 32, 8, 128, 4, 4),
-               (8, 32768, 9, 3, 64, 4, 4)]
-
-
-def run_bulk_study(out_dir: str) -> dict:
-    """``--bulk``: the bulk-copy builds checked (float64 reference, poisoned outputs: BULK_CHECKS for
-    every build, CHECKS too for the CuPy-built bulk builds) and timed against the default on
-    BULK_SHAPES, in one run."""
-    t0 = time.time()
-    rec = machine_record()
-    rec["gpu"] = torch.cuda.get_device_name(0)
-    log("device", rec["gpu"], "capability", torch.cuda.get_device_capability(0), "torch", torch.__version__)
-    # every build on BULK_CHECKS; the two bulk builds on CHECKS too
-    plan = [(label, v, BULK_CHECKS + (CHECKS if label.startswith("bulk ring") and v.arch is None else []))
-            for label, v in BULK_VARIANTS[:-1]]
-    calls = []
-    for label, v, checks in plan:
-        calls += _check_calls([(f"{label}: ", v.defines, v.narrow, v.fused, v.arch)], checks)
-    for b, t, hq, hkv, d, kb, vb in BULK_SHAPES:
-        case, kw = make_case(b, hq, hkv, 1, 64, d, kb, vb, [64] * b)
-        calls += [(case, kw, {"variant": v}) for _, v in BULK_VARIANTS]
-    n = precompile(calls)
-    log(f"precompiled {n} kernel instances in parallel: {time.time() - t0:.0f}s")
-    bw = copy_bandwidth()
-    log(f"copy bandwidth {bw:.3f} TB/s (read+write)")
-    checks = []
-    for label, v, cases in plan:
-        checks += _run_checks(f"{label}: ", v, cases)
-    ok = sum(bool(c.get("ok")) for c in checks)
-    log(f"checks done {time.time() - t0:.0f}s: {ok}/{len(checks)}")
-    rows = []
-    for shp in BULK_SHAPES:
-        for label, v in BULK_VARIANTS:
-            try:
-                row = time_decode(*shp, variant=v, sdpa=label == "default" and shp[4] == 128)
-                row["variant"] = label
-                row["pct_copy_bw"] = 100 * row["fused_TBps"] / bw
-            except Exception as e:
-                row = dict(shape=str(shp), variant=label, error=f"{type(e).__name__}: {e}"[:200])
-                traceback.print_exc()
-            log("bulk", row)
-            rows.append(row)
-    # split sizes: whether a bulk build wants other ones than the model (fitted to the default) picks
-    from kvcodec.quant.cuda.decode_kernels import FUSED_MAX_BLOCKS, WARPS_PER_BLOCK
-
-    sweep = []
-    for label, v in (BULK_VARIANTS[0], BULK_VARIANTS[2], BULK_VARIANTS[5]):
-        for r in tpw_sweep(v, BULK_SHAPES[:1] + BULK_SHAPES[2:3], FUSED_TPW_GRID, WARPS_PER_BLOCK * FUSED_MAX_BLOCKS,
-                           f"bulk tpw {label}"):
-            r["variant"] = label
-            sweep.append(r)
-    result = {
-        "suite": "gpu_kernels_bulk", "rows": rows, "checks": checks, "tpw_sweep": sweep, "copy_TBps": bw,
-        "machine": rec,
-        "notes": [f"GPU {rec['gpu']}, copy bandwidth {bw:.2f} TB/s (read+write); q_len 1 decode, one-launch kernel, "
-                  "CUDA-graph timed; bytes = packed codes + fp16 norms of K and V; sdpa = flash backend on bf16 K/V",
-                  f"checks ok: {ok}/{len(checks)} (float64 reference, poisoned outputs)",
-                  f"total {time.time() - t0:.0f}s"],
-    }
-    cols = ["batch", "ctx", "heads", "d", "bits", "variant", "fused_ms", "fused_TBps", "pct_copy_bw", "sdpa_ms",
-            "speedup"]
-    save_with_out(result, out_dir, columns=cols)
-    return result
-
-
-def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: bool = True,
-        fused_only: bool = False) -> dict:
+def run(quick: bool = False, out_dir: str = "benchmarks/results", fused_only: bool = False) -> dict:
     """The whole suite; on a machine without a CUDA GPU + CuPy it prints a skip message and returns
     an empty result without writing anything (the committed GPU results stay as they are)."""
     if not kc.is_available():
@@ -897,23 +643,8 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
     log("device", rec["gpu"], "SMs", rec["sms"], "torch", torch.__version__)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw:.3f} TB/s (read+write)")
-    var_rows, best, base = variants() if do_variants else ([], "default", "default")
-    log(f"variants done {time.time() - t0:.0f}s; checking variant {best!r}")
-    checks = run_checks(best)
-
-    def passed(label):
-        return all(c.get("ok") for c in checks if c["check"].startswith(label + ": "))
-
-    if best != "default" and not passed(best):
-        log(f"variant {best!r} failed a check")
-        if base not in ("default", best):  # the add-ons broke it: check the variant without them
-            checks += _run_checks(f"{base}: ", kernel_variant(base))
-        best = base if base not in ("default", best) and passed(base) else "default"
-        log(f"falling back to {best!r}")
-    log(f"everything below runs with variant {best!r}: macros {variant_spec(best)}")
-    chosen = kernel_variant(best)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "variant.txt").write_text(best)
+    checks = run_checks()
+    chosen = KernelVariant()
     packs = run_pack_checks()
     quant_checks = run_quant_checks(chosen)
     log(f"checks done {time.time() - t0:.0f}s")
@@ -939,14 +670,12 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
         "checks": checks,
         "pack_checks": packs,
         "quant_checks": quant_checks,
-        "variants": var_rows,
         "tpw_sweep": tpw_rows,
-        "variant_used": best,
         "breakdown": breakdown,
         "pack_timing": pack_rows,
         "copy_TBps": bw,
         "machine": rec,
-        "notes": [f"kernel variant used for checks/breakdown/sweep: {best}", f"GPU {rec['gpu']}, copy bandwidth {bw:.2f} TB/s (read+write); batch of q_len=1 decode; "
+        "notes": [f"GPU {rec['gpu']}, copy bandwidth {bw:.2f} TB/s (read+write); batch of q_len=1 decode; "
                   "fused = tq_decode_split + tq_decode_merge (incl. query rotation/permutation in torch); "
                   "bytes = packed codes + fp16 norms of K and V; sdpa = flash backend on bf16 K/V (4/4 rows)",
                   f"checks ok: {sum(bool(c.get('ok')) for c in checks)}/{len(checks)}; "
@@ -962,24 +691,11 @@ def run(quick: bool = False, out_dir: str = "benchmarks/results", do_variants: b
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--profile-one", action="store_true", help="one decode call, for ncu")
     ap.add_argument("--fused", action="store_true", help="the one-launch kernel's study only")
-    ap.add_argument("--trace", action="store_true", help="the one-launch kernel's phase times (TQ_FUSED_TRACE)")
-    ap.add_argument("--bulk", action="store_true", help="the bulk-copy (TQ_FUSED_BULK) builds: checks and timings")
     args = ap.parse_args()
-    if args.bulk and kc.is_available():
-        run_bulk_study(args.out)
-        sys.exit(0)
     if args.profile_one:
         profile_one()
         sys.exit(0)
-    if args.trace and kc.is_available():
-        import json
-
-        rows = trace_phases()
-        if os.environ.get("OUT"):
-            Path(os.environ["OUT"], "trace.json").write_text(json.dumps(rows, indent=1))
-        sys.exit(0)
-    run(quick=args.quick, out_dir=args.out, do_variants=not args.no_variants, fused_only=args.fused)
+    run(quick=args.quick, out_dir=args.out, fused_only=args.fused)

@@ -64,9 +64,10 @@ def test_kernels_compile_with_nvcc(nvcc_result):
         assert cubin(proc).name.endswith(f"_{arch}.cubin") and cubin(proc).stat().st_size > 1000
 
 
-# Tuning variants (benchmarks/gpu_kernels.py VARIANTS / ADDONS / CHECK_MODES): every macro set a GPU
-# run may time, check or pick must build for both targets without spills, on the instances it uses.
-VARIANT_CONFIGS = [
+# The split kernel with the symmetric register codebooks (TQ_REG_LUT_SYM=1: what the launcher builds for
+# the Lloyd-Max codebooks; the builds above are its asymmetric-codebook ones) builds for both targets
+# without spills, on the instances it uses.
+SYM_CONFIGS = [
     (128, 4, 4, False, False, False, True),
     (128, 4, 4, False, False, False, False),
     (128, 4, 4, False, True, False, True),
@@ -74,29 +75,17 @@ VARIANT_CONFIGS = [
     (128, 3, 3, False, False, False, True),
     (128, 3, 4, True, True, True, False),
 ]
-VARIANT_DEFINES = [
-    (),  # the defaults: register keys (symmetric when the launcher says so), running pointers, no-L1 loads
-    ("TQ_REG_LUT_SYM=1",),
-    ("TQ_REG_LUT_SYM=0",),
-    ("TQ_REG_LUT=0",),
-    ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1"),
-    ("TQ_REG_LUT=2",),
-    ("TQ_REG_LUT=0", "TQ_VEC_LOADS=0", "TQ_V4_INTERLEAVE=0", "TQ_PAIR4=0", "TQ_PTR_STEP=0", "TQ_NO_L1=0"),
-    ("TQ_STAGES=2",),
-    ("TQ_NO_L1=2", "TQ_NARROW128_BLOCKS=4"),
-    ("TQ_ASM_LANEID=1",),
-]
+SYM_DEFINES = ("TQ_REG_LUT_SYM=1",)
 
 
-def _variant_build(defines: tuple[str, ...]) -> tuple:
-    # the one-launch kernel shares the split kernel's code: its two d128 4/4 instances cover the macros
-    decls = decode_kernels.instance_declarations(VARIANT_CONFIGS, fused_configs=VARIANT_CONFIGS[:2])
-    return decode_kernels.SOURCE, tuple(decls), ARCHS, tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills")
+def _sym_build() -> tuple:
+    # the one-launch kernel shares the split kernel's code: its two d128 4/4 instances cover the macro
+    decls = decode_kernels.instance_declarations(SYM_CONFIGS, fused_configs=SYM_CONFIGS[:2])
+    return decode_kernels.SOURCE, tuple(decls), ARCHS, tuple(f"-D{d}" for d in SYM_DEFINES) + ("-Xptxas", "-v,-warn-spills")
 
 
-@pytest.mark.parametrize("nvcc_build", [_variant_build(d) for d in VARIANT_DEFINES],
-                         ids=["+".join(x.replace("TQ_", "") for x in d) for d in VARIANT_DEFINES])
-def test_tuning_variants_compile_without_spills(nvcc_result):
+@pytest.mark.parametrize("nvcc_build", [_sym_build()], ids=["REG_LUT_SYM=1"])
+def test_symmetric_codebook_builds_compile_without_spills(nvcc_result):
     for arch, proc in nvcc_result.items():
         assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
         assert not spill_lines(proc.stderr), f"{arch}: " + "\n".join(spill_lines(proc.stderr))
@@ -104,7 +93,7 @@ def test_tuning_variants_compile_without_spills(nvcc_result):
 
 
 def _gpu_kernels_benchmark():
-    """benchmarks/gpu_kernels.py as a module (its variant lists; nothing runs without a GPU)."""
+    """benchmarks/gpu_kernels.py as a module (its check modes; nothing runs without a GPU)."""
     import importlib.util
     from pathlib import Path
 
@@ -115,43 +104,14 @@ def _gpu_kernels_benchmark():
     return mod
 
 
-def test_benchmark_variant_macros_are_compiled_here():
-    """Every macro set of the benchmark's variants/add-ons is covered by the compile test above."""
+def test_benchmark_macros_are_compiled_here():
+    """Every macro the benchmark's check modes set is one whose builds the compile tests here cover."""
     mod = _gpu_kernels_benchmark()
-    covered = {d for ds in VARIANT_DEFINES for d in ds}
-    used = {d for _, ds, _ in mod.VARIANTS for d in ds} | {d for _, ds in mod.ADDONS for d in ds}
-    used |= {d for _, ds, _, _ in mod.CHECK_MODES for d in ds}
-    assert used <= covered
-    assert mod._with(("TQ_REG_LUT=3", "TQ_NO_L1=1"), ("TQ_NO_L1=2",)) == ("TQ_REG_LUT=3", "TQ_NO_L1=2")
-    assert mod.VARIANTS[0] == ("default", (), True)
-
-
-# The one-launch kernel's bulk-copy ring (TQ_FUSED_BULK, benchmarks/gpu_kernels.py BULK_VARIANTS): built
-# for Hopper's arch-specific target (the -gencode form the sm_90a route needs) and for Blackwell, no spills.
-BULK_DEFINES = [("TQ_FUSED_BULK=1",), ("TQ_FUSED_BULK=1", "TQ_FUSED_BULK_BLOCKS=4", "TQ_FUSED_TAIL_BATCH=8"),
-                ("TQ_FUSED_BULK=1", "TQ_BULK_PREFETCH=1"), ("TQ_FUSED_BULK=1", "TQ_BULK_PREFETCH=1", "TQ_BULK_STAGES=4"),
-                ("TQ_FUSED_BULK=1", "TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4")]
-
-
-def _bulk_build(defines: tuple[str, ...]) -> tuple:
-    decls = [f"__global__ void {decode_kernels.fused_name(d, 4, 4, False, False, True)}{decode_kernels.FUSED_SIGNATURE}"
-             for d in (128, 64)]
-    return (decode_kernels.SOURCE, tuple(decls), ("sm_90a", "sm_100"),
-            tuple(f"-D{d}" for d in defines) + ("-Xptxas", "-v,-warn-spills"))
-
-
-@pytest.mark.parametrize("nvcc_build", [_bulk_build(d) for d in BULK_DEFINES],
-                         ids=["3 blocks", "4 blocks", "prefetch", "prefetch 4 stages", "2 chains"])
-def test_bulk_ring_compiles_for_sm90a_and_sm100_without_spills(nvcc_result):
-    assert sorted(nvcc_result) == ["sm_100", "sm_90a"]
-    for arch, proc in nvcc_result.items():
-        assert proc.returncode == 0, f"{arch}: {proc.stderr[-4000:]}"
-        assert not spill_lines(proc.stderr), f"{arch}: " + "\n".join(spill_lines(proc.stderr))
-    assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_command("w.cu", "sm_90a", "o.cubin")
-
-
-# the one-launch kernel's earlier block merge and publish (benchmarks/gpu_kernels.py PLAIN_TAIL)
-PLAIN_TAIL = ("TQ_FUSED_MERGE_PAD=0", "TQ_FUSED_SIGNAL=0")
+    covered = set(SYM_DEFINES) | {d for ds in LANE_DEFINES for d in ds}
+    covered |= {"TQ_REG_LUT_SYM=0", "TQ_LANE_LUT=0", "TQ_FUSED_WARP_ROTATE=0", "TQ_FUSED_STAGES=3"}  # the defaults
+    used = {d for _, ds, _, _ in mod.CHECK_MODES + mod.FUSED_CHECK_MODES for d in ds}
+    assert used <= covered, used - covered
+    assert mod.CHECK_MODES[0] == ("", (), True, None)
 
 
 def _lane_build(defines: tuple[str, ...], archs=ARCHS) -> tuple:
@@ -161,14 +121,12 @@ def _lane_build(defines: tuple[str, ...], archs=ARCHS) -> tuple:
             tuple(f"-D{d}" for d in defines) + ("-DTQ_REG_LUT_SYM=1", "-Xptxas", "-v,-warn-spills"))
 
 
-LANE_DEFINES = [("TQ_LANE_LUT=3",), ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2"),
-                ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1") + PLAIN_TAIL,
-                ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2", "TQ_ASM_LANEID=1")]
+# the launcher's lane-table build (decode_kernels.fused_defines), and the tables with the shared-memory
+# rotations and 3 stages (TQ_FUSED_WARP_ROTATE=0: benchmarks/gpu_kernels.py FUSED_CHECK_MODES)
+LANE_DEFINES = [("TQ_LANE_LUT=1", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2"), ("TQ_LANE_LUT=1",)]
 
 
-@pytest.mark.parametrize("nvcc_build", [_lane_build(d) for d in LANE_DEFINES] + [_lane_build(("TQ_LANE_LUT=2",), ("sm_90",))],
-                         ids=["lut3", "lut3 rotate stages2", "lut3 rotate plain-tail", "lut3 rotate stages2 asm-laneid",
-                              "lut2 sm_90"])
+@pytest.mark.parametrize("nvcc_build", [_lane_build(d) for d in LANE_DEFINES], ids=["lut rotate stages2", "lut"])
 def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(nvcc_result):
     """The one-launch kernel with lane-private pair tables (TQ_LANE_LUT): the d128 narrow 4/4-bit
     instances build without spills and their static shared memory plus the tables' 64 KB (plus the 1 KB
@@ -184,50 +142,38 @@ def test_lane_tables_compile_without_spills_and_leave_room_for_three_blocks(nvcc
             assert int(regs) <= 168 and 3 * (int(smem) + decode_kernels.LANE_LUT_BYTES + 1024) <= 228 * 1024, arch
 
 
-def test_bulk_variants_of_the_benchmark_are_compiled_here():
-    mod = _gpu_kernels_benchmark()
-    assert {v.defines for _, v in mod.BULK_VARIANTS} <= set(BULK_DEFINES) | {()}
-    assert mod.BULK_VARIANTS[0] == ("default", decode_kernels.KernelVariant(fused=True))
-
-
-def test_fused_defines_drop_the_bulk_ring_when_tcap_is_not_a_multiple_of_16():
-    d = ("TQ_FUSED_BULK=1", "TQ_FUSED_BULK_BLOCKS=4", "TQ_REG_LUT_SYM=1")
-    assert decode_kernels.fused_defines(d, 4096) == d
-    assert decode_kernels.fused_defines(d, 4100) == ("TQ_REG_LUT_SYM=1",)
-
-
 def test_fused_defines_add_lane_tables_only_where_the_kernel_uses_them():
     fd = decode_kernels.fused_defines
-    lane = ("TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2")
-    assert fd((), 4096, 128, 4, 4, True) == fd((), 4100, 128, 4, 4, True) == lane
+    lane = ("TQ_LANE_LUT=1", "TQ_FUSED_WARP_ROTATE=1", "TQ_FUSED_STAGES=2")
+    assert fd((), 128, 4, 4, True) == lane
+    assert fd(("TQ_REG_LUT_SYM=1",), 128, 4, 4, True) == ("TQ_REG_LUT_SYM=1",) + lane
     # the companions come with the tables unless set: an explicit one stays as given
-    assert fd(("TQ_FUSED_STAGES=3",), 4096, 128, 4, 4, True) == ("TQ_FUSED_STAGES=3", "TQ_LANE_LUT=3",
-                                                                "TQ_FUSED_WARP_ROTATE=1")
+    assert fd(("TQ_FUSED_STAGES=3",), 128, 4, 4, True) == ("TQ_FUSED_STAGES=3", "TQ_LANE_LUT=1",
+                                                           "TQ_FUSED_WARP_ROTATE=1")
     # wide tiles, other bit widths, head_dim 64 or 256: none
-    assert fd((), 4096, 128, 4, 4, False) == fd((), 4096, 128, 4, 2, True) == fd((), 4096, 64, 4, 4, True) == ()
-    assert fd((), 4096, 256, 4, 4, True) == ()
-    # an explicit choice stays; the bulk ring takes the room (and drops an explicit choice)
-    assert fd(("TQ_LANE_LUT=0",), 4096, 128, 4, 4, True) == ("TQ_LANE_LUT=0",)
-    assert fd(("TQ_LANE_LUT=2",), 4096, 64, 4, 4, True) == ("TQ_LANE_LUT=2",)
-    assert fd(("TQ_FUSED_BULK=1", "TQ_LANE_LUT=3"), 4096, 128, 4, 4, True) == ("TQ_FUSED_BULK=1",)
-    assert fd(("TQ_FUSED_BULK=1",), 4100, 128, 4, 4, True) == lane  # no ring at tcap % 16 != 0
+    assert fd((), 128, 4, 4, False) == fd((), 128, 4, 2, True) == fd((), 64, 4, 4, True) == ()
+    assert fd((), 256, 4, 4, True) == ()
+    # an explicit choice stays
+    assert fd(("TQ_LANE_LUT=0",), 128, 4, 4, True) == ("TQ_LANE_LUT=0",)
     # the launcher passes the tables' memory exactly when the macro is on
     assert decode_kernels.fused_shared_bytes(lane) == decode_kernels.LANE_LUT_BYTES == 65536
     assert decode_kernels.fused_shared_bytes(("TQ_LANE_LUT=0",)) == decode_kernels.fused_shared_bytes(()) == 0
 
 
 def test_explicit_target_route_options_and_cache_key():
-    opts = build.nvrtc_arch_options("sm_90a", ("TQ_FUSED_BULK=1",))
-    assert "--gpu-architecture=sm_90a" in opts and "-DTQ_FUSED_BULK=1" in opts and "-std=c++17" in opts
+    opts = build.nvrtc_arch_options("sm_90a", ("TQ_REG_LUT_SYM=1",))
+    assert "--gpu-architecture=sm_90a" in opts and "-DTQ_REG_LUT_SYM=1" in opts and "-std=c++17" in opts
     with pytest.raises(ValueError):
         build.nvrtc_arch_options("compute_90; rm -rf /")
+    # nvcc takes an arch-specific target in the -gencode form
+    assert "-gencode=arch=compute_90a,code=sm_90a" in build.nvcc_command("w.cu", "sm_90a", "o.cubin")
     text = build.source_text(decode_kernels.SOURCE)
     name = decode_kernels.fused_name(128, 4, 4, False, False, True)
     key = build.cubin_key(text, name, opts, "nvrtc 13.0")
     assert key == build.cubin_key(text, name, opts, "nvrtc 13.0")
     others = {build.cubin_key(text + " ", name, opts, "nvrtc 13.0"),
               build.cubin_key(text, name.replace("128", "64"), opts, "nvrtc 13.0"),
-              build.cubin_key(text, name, build.nvrtc_arch_options("sm_100a", ("TQ_FUSED_BULK=1",)), "nvrtc 13.0"),
+              build.cubin_key(text, name, build.nvrtc_arch_options("sm_100a", ("TQ_REG_LUT_SYM=1",)), "nvrtc 13.0"),
               build.cubin_key(text, name, opts, "nvrtc 13.1")}
     assert key not in others and len(others) == 4
 
@@ -464,7 +410,7 @@ def test_gpu_benchmark_skips_cleanly_without_a_gpu(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written, committed GPU results untouched
 
 
-# ---- register-resident 4-bit codebooks (TQ_REG_LUT): bit-exact emulation of TqRegLut4 ----------
+# ---- register-resident 4-bit key codebooks: bit-exact emulation of TqRegLut4 ----------
 
 def _prmt(a, b, c):
     """prmt.b32 default mode, vectorised over numpy uint64 arrays holding 32-bit values."""
@@ -542,10 +488,9 @@ def test_register_lut_emulation_matches_table_lookup(bf16):
         assert np.array_equal(out[m], cb[c0] | (cb[c1] << np.uint64(16)))
 
 
-def test_register_lut_key_and_value_fragments():
-    """The kernel's use of lut4/lut8: key k-step s reads codes 4s..4s+3 of a thread's row chunk
-    (half s & 1 of word s >> 1); value m-tile 4i + k reads coordinate 8i + 2k (ev) / 8i + 2k + 1 (od)
-    of two tokens from the interleave4 words. Both against direct codebook indexing."""
+def test_register_lut_key_fragments():
+    """The kernel's use of lut4/lut8 for keys: k-step s reads codes 4s..4s+3 of a thread's row chunk
+    (half s & 1 of word s >> 1), against direct codebook indexing."""
     rng = np.random.default_rng(1)
     cb = _cb16(4, False, seed=5)
     lut = _RegLut4(cb)
@@ -560,19 +505,6 @@ def test_register_lut_key_and_value_fragments():
         b0, b1 = lut.lut4(a, s2)
         assert np.array_equal(b0, cb[codes[:, 4 * s]] | (cb[codes[:, 4 * s + 1]] << np.uint64(16)))
         assert np.array_equal(b1, cb[codes[:, 4 * s + 2]] | (cb[codes[:, 4 * s + 3]] << np.uint64(16)))
-    # values: two tokens a (lo) and b (hi), D/8 dims of 4 bits per thread = D/64 words
-    vw = D // 64
-    va = rng.integers(0, 1 << 32, size=(64, vw), dtype=np.uint64)
-    vb = rng.integers(0, 1 << 32, size=(64, vw), dtype=np.uint64)
-    ca = lambda w, c: (w[:, c // 8] >> np.uint64(4 * (c % 8))) & np.uint64(15)
-    for i in range(vw):
-        ev = (va[:, i] & np.uint64(0x0F0F0F0F)) | ((vb[:, i] << np.uint64(4)) & np.uint64(0xF0F0F0F0))
-        od = ((va[:, i] >> np.uint64(4)) & np.uint64(0x0F0F0F0F)) | (vb[:, i] & np.uint64(0xF0F0F0F0))
-        e, o = lut.lut8(ev), lut.lut8(od)
-        for k in range(4):
-            c = 8 * i + 2 * k
-            assert np.array_equal(e[k], cb[ca(va, c)] | (cb[ca(vb, c)] << np.uint64(16)))
-            assert np.array_equal(o[k], cb[ca(va, c + 1)] | (cb[ca(vb, c + 1)] << np.uint64(16)))
 
 
 def _lut8_sym(cb16, x):
@@ -621,11 +553,12 @@ def test_split_defines_drop_symmetric_lookups_for_asymmetric_codebooks():
 
     sym = torch.tensor(lloyd_max_codebook(128, 4), dtype=torch.float32)
     asym = torch.sort(torch.rand(16)).values
-    d = ("TQ_REG_LUT=3", "TQ_REG_LUT_SYM=1")
+    d = ("TQ_FUSED_STAGES=2", "TQ_REG_LUT_SYM=1")
     assert decode_kernels.split_defines(d, 4, 4, sym, sym, False) == d
-    assert decode_kernels.split_defines(d, 4, 4, sym, asym, True) == ("TQ_REG_LUT=3",)
+    assert decode_kernels.split_defines(d, 4, 4, sym, asym, True) == ("TQ_FUSED_STAGES=2",)
     assert decode_kernels.split_defines(d, 4, 2, sym, torch.rand(4), False) == d  # 2-bit side: tables as before
-    assert decode_kernels.split_defines(("TQ_REG_LUT=1",), 4, 4, asym, asym, False) == ("TQ_REG_LUT=1",)
+    assert decode_kernels.split_defines(("TQ_FUSED_STAGES=2",), 4, 4, asym, asym, False) == ("TQ_FUSED_STAGES=2",)
+    assert decode_kernels.split_defines((), 3, 3, asym, asym, False) == ("TQ_REG_LUT_SYM=1",)  # no 4-bit side
 
 
 # ---- quantize + pack (tq_pack.cu): the kernel's lane and fragment logic, emulated lane by lane ----------

@@ -194,44 +194,11 @@ def test_quantize_pack_matches_quant_package_hadamard2():
     assert (rel[same] <= 2e-3).all() and (rel <= 0.05).all()
 
 
-# ---- the bulk-copy ring of the one-launch kernel (TQ_FUSED_BULK, sm_90+) and the sm_90a build route
-BULK = ("TQ_FUSED_BULK=1",)
-BULK_CHAINS = BULK + ("TQ_BULK_CHAINS=2", "TQ_BULK_STAGES=4")
+# ---- the sm_90a build route
 
 
 def _capability():
     return torch.cuda.get_device_capability() if kc.is_available() else (0, 0)
-
-
-@pytest.mark.skipif(_capability() < (9, 0), reason="cp.async.bulk needs sm_90 or newer")
-@pytest.mark.parametrize("defines", [BULK, BULK_CHAINS], ids=["one chain", "two chains"])
-def test_fused_bulk_ring_random_shapes(defines):
-    """The bulk-copy build on random shapes whose caches take the ring (Tcap % 16 == 0): lengths
-    0 / 1 / odd / full, one to many 16-token steps per warp, both head dims and the bit pairs with
-    word-aligned chunks (the others, wide tiles and Tcap % 16 != 0 run the register path of the build).
-    Against the reference (bf16 norms: the P operand is bf16, 8 mantissa bits: twice the tolerance)
-    and, one chain with a fixed split size, bit for bit against the default build (same arithmetic)."""
-    rng = torch.Generator().manual_seed(23)
-
-    def pick(xs):
-        return xs[int(torch.randint(len(xs), (1,), generator=rng))]
-
-    for i in range(8):
-        b, hkv, grp, ql = pick([1, 2, 3]), pick([1, 2, 8]), pick([1, 3, 4, 8]), pick([1, 1, 2])
-        d, kb, vb = pick([64, 128]), pick([2, 4, 4, 3]), pick([2, 4, 4, 1])
-        tcap = 16 * int(torch.randint(1, 160, (1,), generator=rng)) + (3 if i == 7 else 0)
-        lens = [pick([0, 1, tcap, tcap - 1, max(1, tcap // 2 - 1) | 1]) for _ in range(b)]
-        norm = pick([torch.float16, torch.bfloat16])
-        tpw = pick([None, 16, 32, 48, 256])
-        case, kw = make_case(b, hkv * grp, hkv, ql, tcap, d, kb, vb, lens, norm_dtype=norm, seed=100 + i)
-        variant = kc.KernelVariant(defines, True, True)
-        check(case, kw, tol=8e-3 if norm == torch.bfloat16 else 4e-3, variant=variant, tokens_per_warp=tpw)
-        if defines == BULK and tpw:
-            got = kc.decode_attention(**case, **kw, variant=variant, tokens_per_warp=tpw)
-            # the default's rotations in shared memory, as the ring's (the lane tables' values are exact)
-            same = kc.KernelVariant(("TQ_FUSED_WARP_ROTATE=0",), True, True)
-            want = kc.decode_attention(**case, **kw, variant=same, tokens_per_warp=tpw)
-            assert torch.equal(got, want), i
 
 
 @pytest.mark.skipif(_capability() != (9, 0), reason="an sm_90a cubin runs on Hopper (compute capability 9.0) only")
@@ -243,10 +210,11 @@ def test_sm90a_route_compiles_caches_and_matches(tmp_path, monkeypatch):
 
     monkeypatch.setenv("KVCODEC_CUBIN_CACHE", str(tmp_path))
     name = decode_kernels.fused_name(128, 4, 4, False, False, True)
-    path, lowered = build.compile_cubin(decode_kernels.SOURCE, name, "sm_90a", BULK)
+    defines = decode_kernels.fused_defines(("TQ_REG_LUT_SYM=1",), 128, 4, 4, True)
+    path, lowered = build.compile_cubin(decode_kernels.SOURCE, name, "sm_90a", defines)
     assert path.parent == tmp_path and path.stat().st_size > 10000 and lowered.startswith("_Z15tq_decode_fused")
     stamp = path.stat().st_mtime_ns
-    assert build.compile_cubin(decode_kernels.SOURCE, name, "sm_90a", BULK) == (path, lowered)
+    assert build.compile_cubin(decode_kernels.SOURCE, name, "sm_90a", defines) == (path, lowered)
     assert path.stat().st_mtime_ns == stamp
     case, kw = make_case(2, 32, 8, 1, 1024, 128, 4, 4, [1024, 513])
-    check(case, kw, variant=kc.KernelVariant(BULK_CHAINS, True, True, "sm_90a"))
+    check(case, kw, variant=kc.KernelVariant((), True, True, "sm_90a"))

@@ -98,7 +98,7 @@ def test_small_batch_plans_use_the_one_launch_kernel(stub):
     # scratch: one partial [rows, D] fp32 and one (m, l) pair per row and block
     assert p.scratch[-1] >= 8 * nblk * 4 * 128 * 4 + 8 * nblk * 4 * 2 * 4
     # symmetric Lloyd-Max codebooks; narrow 4/4-bit d128 tiles: the lane tables with their 64 KB
-    assert stub[(p.fused_fn.name, ("TQ_REG_LUT_SYM=1", "TQ_LANE_LUT=3", "TQ_FUSED_WARP_ROTATE=1",
+    assert stub[(p.fused_fn.name, ("TQ_REG_LUT_SYM=1", "TQ_LANE_LUT=1", "TQ_FUSED_WARP_ROTATE=1",
                                    "TQ_FUSED_STAGES=2"))] is p.fused_fn
     assert smem == decode_kernels.LANE_LUT_BYTES == p.fused_fn.max_dynamic_shared_size_bytes
 

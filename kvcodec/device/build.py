@@ -89,7 +89,7 @@ def source_text(source: str) -> str:
 def get_function(source: str, name_expression: str, defines: tuple[str, ...] = (), arch: str | None = None):
     """The compiled ``cupy.RawKernel`` for one template instance, compiled once per device.
 
-    ``defines`` are extra ``NAME=value`` macros (tuning knobs such as ``TQ_MIN_BLOCKS=2``); ``arch``
+    ``defines`` are extra ``NAME=value`` macros (such as ``TQ_REG_LUT_SYM=1``); ``arch``
     an explicit target (``"sm_90a"``: ``compile_cubin``), None for CuPy's NVRTC route (the device's
     own ``sm_XX``).
     """

@@ -311,7 +311,7 @@ def _build_plan(query, k_codes, k_norms, v_norms, k_rotation, v_rotation, k_code
     fused_fn = split_fn = None
     fused_smem = 0
     if fused:
-        fdefines = fused_defines(defines, tcap, d, k_bits, v_bits, narrow)
+        fdefines = fused_defines(defines, d, k_bits, v_bits, narrow)
         kernel = fused_fn = build.get_function(SOURCE, fused_name(d, k_bits, v_bits, k_bf, v_bf, narrow), fdefines,
                                                variant.arch)
         fused_smem = fused_shared_bytes(fdefines)
@@ -423,8 +423,8 @@ def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k
     dev = query.device
     q_in = (query.to(torch.float32) if plan.q_cast else query).contiguous()
     kc, kn, vc, vn = k_codes.contiguous(), k_norms.contiguous(), v_codes.contiguous(), v_norms.contiguous()
-    # the kernel reads code chunks with 16-byte vector loads (and the bulk-copy variant norms with 16-byte
-    # copies): a misaligned view gets an aligned copy
+    # the kernel reads code chunks with 16-byte vector loads: a misaligned view gets an aligned copy (the
+    # norms likewise)
     kc, vc, kn, vn = (x if x.data_ptr() % 16 == 0 else x.clone() for x in (kc, vc, kn, vn))
     lens = plan.full_lens if seq_lens is None else seq_lens.to(dev, torch.int32).contiguous()
     o_q16, o_scale, o_part, o_ml, nbytes = plan.scratch

@@ -32,14 +32,15 @@ FUSED_SIGNATURE = (
     "int, int, int, int, int, int, float*, float*, unsigned int*, void*, int, float*)"
 )
 MAX_SPLITS = 4096  # the merge keeps one weight per split in shared memory
-FUSED_MAX_BLOCKS = 64  # TQ_FUSED_MAX_BLOCKS: blocks per tile the one-launch kernel's last block merges
+FUSED_MAX_BLOCKS = 64  # tq::FUSED_MAX_BLOCKS: blocks per tile the one-launch kernel's last block merges
 
 
 @dataclass(frozen=True)
 class KernelVariant:
     """A build of the decode kernels: the default is the shipped one; benchmarks compare others.
 
-    ``defines``: extra ``NAME=value`` macros for the kernels (tuning knobs such as ``TQ_REG_LUT=0``);
+    ``defines``: extra ``NAME=value`` macros for the kernels (the launcher's own, e.g. ``TQ_REG_LUT_SYM=0``
+    or ``TQ_FUSED_STAGES=2``, set explicitly);
     ``narrow``: let tiles of <= 8 query rows use the transposed-P.V split kernel (off: always the
     general one); ``fused``: the one-launch kernel ``tq_decode_fused`` (True: wherever it applies,
     False: always the three launches prep/split/merge, None: the launcher decides); ``arch``: an
@@ -86,8 +87,6 @@ LANE_LUT_BYTES = 65536
 LANE_LUT_DIMS = (128,)
 # Macros that come with the tables by default: rotations of the query and the output in warp registers
 # (TQ_FUSED_WARP_ROTATE: no block barrier in the prologue or the final merge) and a 2-step copy ring.
-# (TQ_ASM_LANEID=1, the split loop's lane index from %laneid, stays opt-in: mixed, within about 1.5% of
-# threadIdx.x on every shape in four H200 runs.)
 LANE_LUT_COMPANIONS = (("TQ_FUSED_WARP_ROTATE", "1"), ("TQ_FUSED_STAGES", "2"))
 
 
@@ -101,21 +100,13 @@ def _macro(defines, name: str) -> str | None:
     return value
 
 
-def fused_defines(defines, tcap: int, dim: int = 0, k_bits: int = 0, v_bits: int = 0,
-                  narrow: bool = False) -> tuple[str, ...]:
-    """The one-launch kernel's macros for one call: the bulk-copy ring (``TQ_FUSED_BULK``, and its
-    block count) copies whole 16-token steps, so it needs ``tcap % 16 == 0`` and is dropped otherwise
-    (the register path runs); narrow 4/4-bit tiles of a head_dim in LANE_LUT_DIMS get the lane-private
-    pair tables (``TQ_LANE_LUT=3``), with warp-register rotations and a 2-step ring
-    (``LANE_LUT_COMPANIONS``, each unless the caller set it), unless the caller set ``TQ_LANE_LUT`` itself
-    or asked for the bulk ring (which leaves no room for them: any ``TQ_LANE_LUT`` is dropped then)."""
+def fused_defines(defines, dim: int = 0, k_bits: int = 0, v_bits: int = 0, narrow: bool = False) -> tuple[str, ...]:
+    """The one-launch kernel's macros for one call: narrow 4/4-bit tiles of a head_dim in LANE_LUT_DIMS get
+    the lane-private pair tables (``TQ_LANE_LUT=1``), with warp-register rotations and a 2-step ring
+    (``LANE_LUT_COMPANIONS``, each unless the caller set it), unless the caller set ``TQ_LANE_LUT`` itself."""
     defines = tuple(defines)
-    if tcap % 16:
-        defines = tuple(d for d in defines if not d.startswith("TQ_FUSED_BULK"))
-    if _macro(defines, "TQ_FUSED_BULK") not in (None, "0"):
-        return tuple(d for d in defines if not d.startswith("TQ_LANE_LUT"))
     if _macro(defines, "TQ_LANE_LUT") is None and narrow and k_bits == 4 and v_bits == 4 and dim in LANE_LUT_DIMS:
-        defines += ("TQ_LANE_LUT=3",)
+        defines += ("TQ_LANE_LUT=1",)
         # with the tables: the query and output rotations in registers and a 2-step ring (H200,
         # `gpu_kernels.py --fused`: 1 x 32k 29.2 -> 25.6 us, every other timed shape equal or faster)
         defines += tuple(f"{m}={v}" for m, v in LANE_LUT_COMPANIONS if _macro(defines, m) is None)

@@ -21,104 +21,35 @@
 // (= lane / 4) owns dims [g*D/8, (g+1)*D/8); n-tile i column g is dim g*D/8 + i.
 #include "tq_common.cuh"
 
-// Blocks per SM the register allocation must allow (128 threads each); set with -DTQ_MIN_BLOCKS=n.
-// 0 = by configuration (narrow tiles need fewer registers: 3 blocks at head_dim 128, 4 at 64).
-#ifndef TQ_MIN_BLOCKS
-#define TQ_MIN_BLOCKS 0
-#endif
-// narrow tiles at head_dim 128: 3 blocks (<= 168 registers; no spills on sm_90 or sm_100 with
-// TQ_STAGES=1, a little on sm_100 with 2 stages)
-#ifndef TQ_NARROW128_BLOCKS
-#define TQ_NARROW128_BLOCKS 3
-#endif
-// 4 blocks (<= 128 registers) fits on sm_90 for every 4-bit configuration (the default kernel uses
-// 118, TQ_REG_LUT=3 128) but spills a little on sm_100: Blackwell builds stay at 3.
-// The running pointers of TQ_PTR_STEP (defined below) need ~8 more registers: they stay at 3 too.
-#if ((defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000) || (defined(TQ_PTR_STEP) && TQ_PTR_STEP)) && \
-    TQ_NARROW128_BLOCKS > 3
-#define TQ_NARROW128_BLOCKS_ARCH 3
-#else
-#define TQ_NARROW128_BLOCKS_ARCH TQ_NARROW128_BLOCKS
-#endif
-// 1: 4-bit codes are looked up two at a time too (256-entry table: fewer instructions, more bank
-// conflicts); -DTQ_PAIR4=1.
-#ifndef TQ_PAIR4
-#define TQ_PAIR4 1
-#endif
-// 1: 16/8-byte vector loads of code chunks where the layout keeps them aligned (the launcher makes
-// the code tensors 16-byte aligned); -DTQ_VEC_LOADS=0 for 4-byte loads only.
-#ifndef TQ_VEC_LOADS
-#define TQ_VEC_LOADS 1
-#endif
-// 1: for 4-bit values, build the pair-table offsets of a whole word pair with nibble masks.
-#ifndef TQ_V4_INTERLEAVE
-#define TQ_V4_INTERLEAVE 1
-#endif
-// Register-resident 4-bit codebooks (no shared-memory lookups in the inner loop; the measured
-// limit of the default kernel is the L1/shared pipe): bit 0 = keys, bit 1 = values (4-bit codes
-// only; values only in the narrow kernel with TQ_V4_INTERLEAVE). Each 16-entry table lives in 8
-// registers as two byte planes and is read with prmt (TqRegLut4: 2.6 ALU ops per code instead of
-// one shared-memory load per two codes). 1 or 2 balance the L1 and ALU pipes; 3 moves everything
-// to the ALU pipe. Default 1 (keys in registers, values in shared memory: fastest on an H200,
-// `benchmarks/gpu_kernels.py` variants); -DTQ_REG_LUT=n.
-#ifndef TQ_REG_LUT
-#define TQ_REG_LUT 1
-#endif
-// 1: the register tables use the codebook's sign symmetry (TqRegLut4Sym: 4 registers per table,
-// ~25% fewer ALU ops per code). Only valid for codebooks with cb16[15 - i] == -cb16[i] bitwise: the
-// launcher checks and drops the macro otherwise. -DTQ_REG_LUT_SYM=1 (with TQ_REG_LUT).
+// 1: the 4-bit key codebook in registers uses the codebook's sign symmetry (TqRegLut4Sym: 4 registers
+// per table, ~25% fewer ALU ops per code than TqRegLut4). Only valid for codebooks with
+// cb16[15 - i] == -cb16[i] bitwise: the launcher checks each codebook and sets -DTQ_REG_LUT_SYM=1
+// only then (decode_kernels.split_defines).
 #ifndef TQ_REG_LUT_SYM
 #define TQ_REG_LUT_SYM 0
-#endif
-// 1: running load pointers advanced 16 tokens per step instead of addresses rebuilt from the token
-// index in every step (-DTQ_PTR_STEP=0 to turn off; costs ~8 registers, measured +6%).
-#ifndef TQ_PTR_STEP
-#define TQ_PTR_STEP 1
-#endif
-// 16-token steps whose loads are issued before the first of them is consumed; -DTQ_STAGES=n.
-// 1 (loads at the top of each step, latency covered by the other warps) measured fastest on an H200:
-// the kernel is issue/dependency bound, not waiting on memory (deeper register rings, L2 prefetch
-// and a cp.async shared-memory ring all measured slower: CHANGELOG.md, 2026-11-22).
-// The one-launch kernel (tq_decode_fused) has its own depth, TQ_FUSED_STAGES (default 3: measured
-// 2-8% faster than 1 there, H200).
-#ifndef TQ_STAGES
-#define TQ_STAGES 1
-#endif
-// 1: the split loop takes its lane index from `mov %laneid` (volatile asm) instead of threadIdx.x & 31:
-// ptxas then keeps the lane-derived offsets in registers; with threadIdx.x it may re-read it in the
-// loop (6 S2R per 3 steps in the TQ_FUSED_WARP_ROTATE build). SASS of the d128 4/4 lane-table
-// one-launch loop (3 steps, sm_90): 1068 -> 1056 instructions (default), 1082 -> 1053 (warp
-// rotations; 2-step loop 720 -> 703). Timed in four H200 runs: mixed, within
-// about 1.5% of threadIdx.x on every shape. Default 0.
-#ifndef TQ_ASM_LANEID
-#define TQ_ASM_LANEID 0
 #endif
 
 namespace tq {
 
-// Codebook tables in shared memory. Codes of <= 3 bits are looked up two at a time (a 2^(2b)-entry
-// table of packed pairs: 64 words at most, cheap on banks); 4-bit codes one at a time.
+// Codebook tables in shared memory: codes are looked up two at a time in a 2^(2b)-entry table of
+// packed pairs (256 words at b = 4; 4-byte entries make a shifted and masked code pair the byte
+// offset). `single` holds the codes one at a time; it is filled but not read by the lookups below.
 template <int BITS, bool BF>
 struct CodeTable {
-  static constexpr bool PAIRED = BITS <= 3 || (BITS == 4 && TQ_PAIR4);
   static constexpr int N1 = 1 << BITS;
-  static constexpr int N2 = PAIRED ? (1 << (2 * BITS)) : 1;
-  tq_u32 single[N1];  // 16-bit value in the low half; 4-byte entries make the index a byte offset
+  static constexpr int N2 = 1 << (2 * BITS);
+  tq_u32 single[N1];  // 16-bit value in the low half
   tq_u32 pair[N2];    // (lo, hi) packed
 
   TQ_DEVI void fill(const float* __restrict__ cb, int tid, int nthreads) {
     for (int i = tid; i < N1; i += nthreads) single[i] = tq_f_to_16<BF>(cb[i]);
-    if constexpr (PAIRED) {
-      for (int i = tid; i < N2; i += nthreads)
-        pair[i] = tq_pack2(tq_f_to_16<BF>(cb[i & (N1 - 1)]), tq_f_to_16<BF>(cb[i >> BITS]));
-    }
+    for (int i = tid; i < N2; i += nthreads)
+      pair[i] = tq_pack2(tq_f_to_16<BF>(cb[i & (N1 - 1)]), tq_f_to_16<BF>(cb[i >> BITS]));
   }
   // Packed pair of dequantized codes at bit positions p (lo) and p + BITS (hi) of one row chunk.
   template <int NB>
   TQ_DEVI tq_u32 adjacent(const TqBits<NB>& b, int p) const {
-    if constexpr (PAIRED) return tq_lds_at(pair, tq_field_off<2 * BITS, 2>(b, p));
-    else return __byte_perm(tq_lds_at(single, tq_field_off<BITS, 2>(b, p)),
-                            tq_lds_at(single, tq_field_off<BITS, 2>(b, p + BITS)), 0x5410);
+    return tq_lds_at(pair, tq_field_off<2 * BITS, 2>(b, p));
   }
   // 4-bit codes of two rows a (lo) and b (hi) -> words whose byte k is the pair index of coordinate
   // 8i + 2k (ev[i]) or 8i + 2k + 1 (od[i]): two ops per word instead of per coordinate.
@@ -139,10 +70,7 @@ struct CodeTable {
   // Packed pair of the codes at bit position p of two different rows (lo from a, hi from b).
   template <int NB>
   TQ_DEVI tq_u32 across(const TqBits<NB>& a, const TqBits<NB>& b, int p) const {
-    if constexpr (PAIRED)
-      return tq_lds_at(pair, tq_field_off<BITS, 2>(a, p) | tq_field_off<BITS, 2 + BITS>(b, p));
-    else return __byte_perm(tq_lds_at(single, tq_field_off<BITS, 2>(a, p)),
-                            tq_lds_at(single, tq_field_off<BITS, 2>(b, p)), 0x5410);
+    return tq_lds_at(pair, tq_field_off<BITS, 2>(a, p) | tq_field_off<BITS, 2 + BITS>(b, p));
   }
 };
 
@@ -193,16 +121,18 @@ struct DecodeTraits {
   static constexpr int KROW_WORDS = D * BK / 32;    // packed row length in 32-bit words
   static constexpr int VROW_WORDS = D * BV / 32;
   static constexpr int QROW_WORDS = D / 32;
-  // vector load width (words) for a thread's chunk: needs aligned chunks and rows
-  static constexpr int KVEC = !TQ_VEC_LOADS || !KALIGN ? 1
+  // vector load width (words) for a thread's chunk, 16 or 8 bytes where the chunks and rows stay
+  // aligned (the launcher makes the code tensors 16-byte aligned)
+  static constexpr int KVEC = !KALIGN ? 1
                               : ((KBITS / 32) % 4 == 0 && KROW_WORDS % 4 == 0) ? 4
                               : ((KBITS / 32) % 2 == 0 && KROW_WORDS % 2 == 0) ? 2 : 1;
-  static constexpr int VVEC = !TQ_VEC_LOADS || !VALIGN ? 1
+  static constexpr int VVEC = !VALIGN ? 1
                               : ((VBITS / 32) % 4 == 0 && VROW_WORDS % 4 == 0) ? 4
                               : ((VBITS / 32) % 2 == 0 && VROW_WORDS % 2 == 0) ? 2 : 1;
-  static constexpr bool V4I = TQ_V4_INTERLEAVE && BV == 4 && VALIGN && (BV <= 3 || TQ_PAIR4);
-  static constexpr bool KREG = (TQ_REG_LUT & 1) && BK == 4 && KALIGN;   // keys: prmt lookups
-  static constexpr bool VREG = (TQ_REG_LUT & 2) && BV == 4 && VALIGN && TQ_V4_INTERLEAVE;  // values
+  // 4-bit values: the pair-table offsets of a whole word pair built with nibble masks (interleave4)
+  static constexpr bool V4I = BV == 4 && VALIGN;
+  // 4-bit keys: looked up in a register codebook with prmt (RegLut), no shared-memory load
+  static constexpr bool KREG = BK == 4 && KALIGN;
 };
 
 // Raw (not yet dequantized) bytes of one 16-token step, held by one thread.
@@ -265,7 +195,7 @@ TQ_DEVI void load_step(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) 
   }
 }
 
-// Move every pointer of L by n tokens (TQ_PTR_STEP running pointers).
+// Move every pointer of L by n tokens (the split loop's running pointers).
 template <class T, bool QJL>
 TQ_DEVI void advance(LanePtrs<T>& L, int n) {
   L.k += n * T::KROW_WORDS;
@@ -278,200 +208,14 @@ TQ_DEVI void advance(LanePtrs<T>& L, int n) {
   }
 }
 
-template <class T, bool QJL, bool KA>
-TQ_DEVI void load_any(StepRegs<T>& r, int base, int end, const LanePtrs<T>& L) {
-  if (base + 16 <= end) load_step<T, QJL, true, KA>(r, base, end, L);
-  else load_step<T, QJL, false, KA>(r, base, end, L);
-}
-
-
-// ---- TQ_FUSED_BULK: the code stream through the bulk copy engine (sm_90+, plain cp.async.bulk) ----
-// Measured on an H200 (`benchmarks/gpu_kernels.py --bulk`): every build of the ring was
-// 12-30% slower than the register path (b1 x 32k 39.2 vs 34.8 us, b8 x 32k 150 vs 134): the split
-// loop is issue/latency bound, and the ring moves the code loads from registers filled three steps
-// ahead to shared-memory reads on the critical path and adds a barrier wait per step.
-// 1: the one-launch kernel's narrow tiles (head_dim <= 128, word-aligned code chunks) copy each warp's
-// 16-token steps (key codes, value codes, key and value norms: four contiguous ranges) into a
-// per-warp shared-memory ring of TQ_BULK_STAGES steps with cp.async.bulk, each stage completed on its
-// own mbarrier; the warp then reads its fragments from shared memory. No global loads are held in
-// registers (the register ring of TQ_FUSED_STAGES steps goes), and the first steps' copies are issued
-// during the query prologue. Needs Tcap % 16 == 0 (the launcher drops the macro otherwise:
-// decode_kernels.fused_defines) and 16-byte aligned code and norm tensors (it copies misaligned
-// views). Default 0 (opt-in variant).
-#ifndef TQ_FUSED_BULK
-#define TQ_FUSED_BULK 0
-#endif
-#ifndef TQ_BULK_STAGES
-#define TQ_BULK_STAGES 3
-#endif
-// 1: the next step's fragments are read from its stage before the current step computes (two
-// register buffers); 0: read right before use. Default 0: prefetching was slower on an H200 (
-// b8 x 32k 174 vs 157 us; waiting for step n + 1 before computing step n stalls on copies in flight).
-#ifndef TQ_BULK_PREFETCH
-#define TQ_BULK_PREFETCH 0
-#endif
-// 2: two online-softmax chains per warp (even and odd steps, merged at the end): two independent
-// dependency chains for the scheduler to interleave; each iteration reads two steps (needs
-// TQ_BULK_STAGES >= 4: two steps read, two in flight). 1: one chain. Default 1.
-#ifndef TQ_BULK_CHAINS
-#define TQ_BULK_CHAINS 1
-#endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define TQ_BULK_ARCH 0  // no bulk copies before Hopper: the register path
-#else
-#define TQ_BULK_ARCH 1
-#endif
-
-// One 16-token step of a warp's stream as the copy engine lays it down: rows of packed codes as in
-// the cache, then the 16 key norms and the 16 value norms. Every part is a multiple of 16 bytes.
-template <class T>
-struct __align__(16) BulkStep {
-  tq_u32 k[16 * T::KROW_WORDS];
-  tq_u32 v[16 * T::VROW_WORDS];
-  tq_u16 kn[16], vn[16];
-  static constexpr tq_u32 BYTES = 4 * 16 * (T::KROW_WORDS + T::VROW_WORDS) + 64;
-};
-
-// Whether a split runs on the bulk ring (ON) and the ring's shared-memory type.
-template <class T, bool ON_>
-struct BulkSel {
-  static constexpr bool ON = ON_;
-  static constexpr int NS = TQ_BULK_STAGES;
-  static constexpr int CHAINS = TQ_BULK_CHAINS;
-  static constexpr int LOOK = NS - CHAINS;  // steps in flight ahead of the ones being read
-  // the steps an iteration reads were issued an iteration earlier (LOOK >= CHAINS); a prefetching
-  // single chain reads step n + 1 while step n + NS - 1 is issued (NS >= 3)
-  static_assert((CHAINS == 1 || CHAINS == 2) && LOOK >= CHAINS && NS <= 8 &&
-                    (CHAINS == 2 || !TQ_BULK_PREFETCH || NS >= 3),
-                "bulk ring: 1 chain with >= 2 stages (3 prefetching), 2 chains with >= 4");
-  struct Ring {
-    BulkStep<T> st[NS];
-    unsigned long long bar[NS];
-  };
-};
-template <class T>
-struct BulkSel<T, false> {
-  static constexpr bool ON = false;
-  static constexpr int NS = 1, CHAINS = 1, LOOK = 0;
-  struct Ring {
-    int unused;
-  };
-};
-
-// shared-memory address of a generic pointer (inline PTX: no header needed under NVRTC)
-TQ_DEVI tq_u32 smem_u32(const void* p) {
-  tq_u32 a;
-  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
-  return a;
-}
-
-TQ_DEVI void mbar_init(unsigned long long* bar) {
-#if TQ_BULK_ARCH
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-#endif
-}
-
-// makes the initialized barriers visible to the copy engine (the async proxy)
-TQ_DEVI void mbar_init_fence() {
-#if TQ_BULK_ARCH
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-
-TQ_DEVI void mbar_wait(unsigned long long* bar, tq_u32 parity) {
-#if TQ_BULK_ARCH
-  asm volatile(
-      "{\n\t.reg .pred P1;\n\tTQ_WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n\t"
-      "@P1 bra TQ_DONE;\n\tbra TQ_WAIT;\n\tTQ_DONE:\n\t}" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-#endif
-}
-
-// this thread's earlier shared-memory accesses ordered before its later bulk copies
-TQ_DEVI void fence_proxy_async() {
-#if TQ_BULK_ARCH
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-
-TQ_DEVI void bulk_copy(void* dst, const void* src, tq_u32 bytes, unsigned long long* bar) {
-#if TQ_BULK_ARCH
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-#endif
-}
-
-// One lane: the copies of the 16 tokens from row-major token index `tok` (= bh * Tcap + token) into
-// stage `st`, completing on `bar` (which expects the step's bytes). Always 16 whole tokens: the
-// launcher guarantees Tcap % 16 == 0, so they stay inside the kv row; slots past the sequence are
-// masked by the reader.
-template <class T>
-TQ_DEVI void bulk_issue(BulkStep<T>& st, unsigned long long* bar, const tq_u8* kcodes, const tq_u16* knorms,
-                        const tq_u8* vcodes, const tq_u16* vnorms, long long tok) {
-#if TQ_BULK_ARCH
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(BulkStep<T>::BYTES)
-               : "memory");
-#endif
-  bulk_copy(st.k, kcodes + tok * (4 * T::KROW_WORDS), sizeof(st.k), bar);
-  bulk_copy(st.v, vcodes + tok * (4 * T::VROW_WORDS), sizeof(st.v), bar);
-  bulk_copy(st.kn, knorms + tok, sizeof(st.kn), bar);
-  bulk_copy(st.vn, vnorms + tok, sizeof(st.vn), bar);
-}
-
-// words [0, N) of a thread's chunk from shared memory, 16/8-byte reads where aligned (VEC)
-template <int N, int VEC>
-TQ_DEVI void lds_words(tq_u32* w, const tq_u32* p) {
-#pragma unroll
-  for (int i = 0; i < N; i += VEC) {
-    if constexpr (VEC == 4) {
-      const uint4 x = *reinterpret_cast<const uint4*>(p + i);
-      w[i] = x.x, w[i + 1] = x.y, w[i + 2] = x.z, w[i + 3] = x.w;
-    } else if constexpr (VEC == 2) {
-      const uint2 x = *reinterpret_cast<const uint2*>(p + i);
-      w[i] = x.x, w[i + 1] = x.y;
-    } else {
-      w[i] = p[i];
-    }
-  }
-}
-
-// A narrow tile's step registers (load_step<.., KA = true> layout) read from a bulk stage: key rows
-// g, 8 + g (chunk of thread t), value rows 2t, 2t+1, 2t+8, 2t+9 (chunk of g), norms of tokens g,
-// 8 + g; value norms of tokens at or past `end` are 0, so those slots never reach the output.
-template <class T>
-TQ_DEVI void load_step_shared(StepRegs<T>& r, const BulkStep<T>& st, int base, int end, int g, int t) {
-  constexpr int KW = T::KBITS / 32, VW = T::VBITS / 32;
-  static_assert(T::KALIGN && T::VALIGN, "bulk steps need word-aligned chunks");
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    lds_words<KW, T::KVEC>(r.k[j].w, st.k + (8 * j + g) * T::KROW_WORDS + t * KW);
-    r.k[j].w[KW] = 0u;
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int row = (j & 1) + 8 * (j >> 1) + 2 * t;
-    lds_words<VW, T::VVEC>(r.v[j].w, st.v + row * T::VROW_WORDS + g * VW);
-    r.v[j].w[VW] = 0u;
-  }
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    r.kn[j] = st.kn[8 * j + g];
-    r.vn[j] = (base + 8 * j + g < end) ? st.vn[8 * j + g] : (tq_u16)0;
-  }
-}
-
 #if TQ_REG_LUT_SYM
 typedef TqRegLut4Sym RegLut;
 #else
 typedef TqRegLut4 RegLut;
 #endif
 
-// The one-launch kernel's dynamic shared memory: the lane-private pair tables (TQ_LANE_LUT_BYTES when
-// the build uses them, else none).
+// The one-launch kernel's dynamic shared memory: the lane-private pair tables (64 KB in the builds
+// with TQ_LANE_LUT, else none).
 extern __shared__ __align__(16) char tq_lane_tab[];
 
 // What one warp's split leaves in registers: the unnormalized partial output (mma accumulator
@@ -487,22 +231,23 @@ struct WarpResult {
 // against a 16-row query tile. q16t [16, D] fp16 (rotated, key-permuted, divided by each row's max
 // |.|; pad rows 0), rst [16] the row scales; qs16t / qsst the QJL analogues (prod keys only). The
 // block's shared and register codebook tables must be filled. Empty ranges (begin >= end) give
-// m = -inf, l = 0 and zero accumulators. DEPTH: steps of loads in flight (see TQ_STAGES).
-// LANE (bits): 4-bit keys (bit 0) and values (bit 1) are looked up in the lane-private pair tables
-// tq_lane_tab (keys: table A, values: table B; see tq_lane_pair) instead of ktab / kreg and vtab / vreg,
-// which are then unused (KTab / VTab may be empty types).
-template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW, int DEPTH = TQ_STAGES,
-          class BulkT = BulkSel<void, false>, int LANE = 0, class KTab, class VTab>
-TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab& vtab,
-                        const RegLut& kreg, const RegLut& vreg, const tq_u16* q16t, const float* rst,
-                        const tq_u16* qs16t, const float* qsst, const tq_u8* __restrict__ kcodes,
-                        const tq_u16* __restrict__ knorms, const tq_u8* __restrict__ vcodes,
-                        const tq_u16* __restrict__ vnorms, const tq_u8* __restrict__ qjl,
-                        const tq_u16* __restrict__ rnorms, long long tok0, int begin, int end,
-                        typename BulkT::Ring* bring = nullptr) {
+// m = -inf, l = 0 and zero accumulators. DEPTH: 16-token steps whose loads are issued before the
+// first of them is consumed (a register ring; prod keys take 2). The split kernel takes 1 (loads at
+// the top of each step, latency covered by the other warps: measured fastest on an H200, where the
+// loop is issue and dependency bound; deeper rings were slower), the one-launch kernel TQ_FUSED_STAGES.
+// LANE: 4-bit keys and values are looked up in the lane-private pair tables tq_lane_tab (keys: table
+// A, values: table B; see tq_lane_pair) instead of ktab / kreg and vtab, which are then unused (KTab /
+// VTab may be empty types).
+template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW, int DEPTH = 1, bool LANE = false,
+          class KTab, class VTab>
+TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab& vtab, const RegLut& kreg,
+                        const tq_u16* q16t, const float* rst, const tq_u16* qs16t, const float* qsst,
+                        const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
+                        const tq_u8* __restrict__ vcodes, const tq_u16* __restrict__ vnorms,
+                        const tq_u8* __restrict__ qjl, const tq_u16* __restrict__ rnorms, long long tok0, int begin,
+                        int end) {
   using T = DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
-  int lane = threadIdx.x & 31;
-  if (TQ_ASM_LANEID) asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   static_assert(!LANE || (NARROW && !QJL && BK == 4 && BV == 4 && T::KALIGN && T::VALIGN),
                 "lane tables: narrow tiles of 4-bit MSE keys and values with word-aligned chunks");
@@ -565,13 +310,13 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab
   m0 = m1 = NEG_INF;
   l0 = l1 = 0.f;
 
-  constexpr int STAGES = BulkT::ON ? (TQ_BULK_PREFETCH || TQ_BULK_CHAINS == 2 ? 2 : 1) : QJL ? 2 : DEPTH;  // prod keys: more regs
+  constexpr int STAGES = QJL ? 2 : DEPTH;  // prod keys: more regs
   StepRegs<T> ring[STAGES];
   // O^T += V^T P^T for narrow tiles: A = values (dims x the 16 tokens), B = P^T fragments pb0 (row g |
   // tokens 2t, 2t+1) and pb1 (tokens 8 + 2t, 8 + 2t + 1), value norms already applied
   auto pv_narrow = [&](float (&acc)[NACC][4], const StepRegs<T>& cur, tq_u32 pb0, tq_u32 pb1) {
     if constexpr (NARROW) {
-      if constexpr (LANE & 2) {
+      if constexpr (LANE) {
         // interleaved words as for T::V4I: byte k of ev[i] / od[i] is the pair index of coordinate
         // 8i + 2k / 8i + 2k + 1 of the two tokens; looked up in table B (byte 128 of each row)
         constexpr int NW = TqBits<T::VBITS>::NW;
@@ -585,28 +330,6 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab
           for (int k = 0; k < 4; ++k) {
             const tq_u32 va[4] = {tq_lane_pair(vt, ev01[i], lanec, k), tq_lane_pair(vt, od01[i], lanec, k),
                                   tq_lane_pair(vt, ev23[i], lanec, k), tq_lane_pair(vt, od23[i], lanec, k)};
-            tq_mma16816<VBF>(acc[4 * i + k], va, pb0, pb1);
-          }
-        }
-      } else if constexpr (T::VREG) {
-        // word i of the interleaved codes holds coordinates 8i + 2k (ev) / 8i + 2k + 1 (od) of
-        // two tokens in byte k: the prmt lookup of its 8 nibbles gives the A registers of m-tiles
-        // 4i .. 4i + 3 directly
-        constexpr int NW = TqBits<T::VBITS>::NW;
-        static_assert(4 * NW == NACC, "value words per m-tile");
-        tq_u32 ev01[NW], od01[NW], ev23[NW], od23[NW];
-        CodeTable<BV, VBF>::interleave4(cur.v[0], cur.v[1], ev01, od01);
-        CodeTable<BV, VBF>::interleave4(cur.v[2], cur.v[3], ev23, od23);
-#pragma unroll
-        for (int i = 0; i < NW; ++i) {
-          tq_u32 e01[4], o01[4], e23[4], o23[4];
-          vreg.lut8(ev01[i], e01);
-          vreg.lut8(od01[i], o01);
-          vreg.lut8(ev23[i], e23);
-          vreg.lut8(od23[i], o23);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const tq_u32 va[4] = {e01[k], o01[k], e23[k], o23[k]};
             tq_mma16816<VBF>(acc[4 * i + k], va, pb0, pb1);
           }
         }
@@ -633,7 +356,7 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab
       }
     }
   };
-  // one 16-token step into the online-softmax state st (res; a second chain's state with TQ_BULK_CHAINS)
+  // one 16-token step into the online-softmax state st (called with res)
   auto step_on = [&](WarpResult<D, NARROW>& st, const StepRegs<T>& cur, int base) {
     float (&acc)[NACC][4] = st.acc;
     float &m0 = st.m0, &m1 = st.m1, &l0 = st.l0, &l1 = st.l1;
@@ -646,7 +369,7 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab
 #pragma unroll
       for (int s = 0; s < T::KS; ++s) {
         tq_u32 ka[4];
-        if constexpr (LANE & 1) {  // table A: word s / 2 of both key rows, byte k = pair (4s' + 2k, + 1)
+        if constexpr (LANE) {  // table A: word s / 2 of both key rows, byte k = pair (4s' + 2k, + 1)
           if ((s & 1) == 0) {
             const tq_u32 w0 = cur.k[0].w[s >> 1], w1 = cur.k[1].w[s >> 1];
             kw0[0] = tq_lane_pair(tq_lane_tab, w0, lanec, 0), kw1[0] = tq_lane_pair(tq_lane_tab, w1, lanec, 0);
@@ -799,98 +522,12 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab
     }
   };
   auto step = [&](const StepRegs<T>& cur, int base) { step_on(res, cur, base); };
-  if constexpr (BulkT::ON) {
-    // the bulk ring: step n lives in stage n % NS; the copies of steps 0 .. LOOK - 1 were issued by
-    // the caller; before computing steps n .. n + CHAINS - 1 the warp issues steps n + LOOK ..
-    // n + LOOK + CHAINS - 1 into the stages steps n - CHAINS .. n - 1 used (every lane is past its
-    // reads of them: __syncwarp). TQ_BULK_PREFETCH (one chain): step n + 1's registers are read from
-    // its stage before step n computes (two register buffers; the loop is unrolled by 2)
-    static_assert(KA && !QJL, "bulk steps: narrow MSE-key tiles only");
-    constexpr int NS = BulkT::NS, CH = BulkT::CHAINS, LOOK = BulkT::LOOK;
-    tq_u32 phases = 0u;
-    int sc = 0;  // stage of the step computed next
-    auto next = [](int x) { return x + 1 == NS ? 0 : x + 1; };
-    auto wait = [&](int stage) {
-      mbar_wait(&bring->bar[stage], (phases >> stage) & 1u);
-      phases ^= 1u << stage;
-    };
-    auto read = [&](StepRegs<T>& r, int stage, int at) {
-      wait(stage);
-      load_step_shared<T>(r, bring->st[stage], at, end, g, t);
-    };
-    auto refill = [&](int at) {
-      __syncwarp();
-      if (lane == 0) {
-        fence_proxy_async();
-#pragma unroll
-        for (int c = 0; c < CH; ++c) {
-          const int ahead = at + 16 * (LOOK + c);
-          const int sn = sc + LOOK + c >= NS ? sc + LOOK + c - NS : sc + LOOK + c;
-          if (ahead < end)
-            bulk_issue<T>(bring->st[sn], &bring->bar[sn], kcodes, knorms, vcodes, vnorms, tok0 + ahead);
-        }
-      }
-    };
-    if constexpr (CH == 2) {
-      // chain B (odd steps) in res2, merged into res at the end; a last odd step count runs B on a
-      // stale stage with every token masked (no effect on B's state)
-      WarpResult<D, NARROW> res2;
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) res2.acc[i][0] = res2.acc[i][1] = res2.acc[i][2] = res2.acc[i][3] = 0.f;
-      res2.m0 = res2.m1 = NEG_INF;
-      res2.l0 = res2.l1 = 0.f;
-      for (int base = begin; base < end; base += 32) {
-        const int s1 = next(sc);
-        read(ring[0], sc, base);
-        if (base + 16 < end) wait(s1);
-        load_step_shared<T>(ring[1], bring->st[s1], base + 16, end, g, t);
-        refill(base);
-        step_on(res, ring[0], base);
-        step_on(res2, ring[1], base + 16);
-        sc = next(s1);
-      }
-      const float n0 = fmaxf(m0, res2.m0), n1 = fmaxf(m1, res2.m1);
-      const float a0 = m0 == NEG_INF ? 0.f : tq_exp2(m0 - n0), b0 = res2.m0 == NEG_INF ? 0.f : tq_exp2(res2.m0 - n0);
-      const float a1 = m1 == NEG_INF ? 0.f : tq_exp2(m1 - n1), b1 = res2.m1 == NEG_INF ? 0.f : tq_exp2(res2.m1 - n1);
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) {  // narrow accumulators: elements 0, 2 row 2t; 1, 3 row 2t + 1
-        acc[i][0] = acc[i][0] * a0 + res2.acc[i][0] * b0;
-        acc[i][1] = acc[i][1] * a1 + res2.acc[i][1] * b1;
-        acc[i][2] = acc[i][2] * a0 + res2.acc[i][2] * b0;
-        acc[i][3] = acc[i][3] * a1 + res2.acc[i][3] * b1;
-      }
-      l0 = l0 * a0 + res2.l0 * b0;
-      l1 = l1 * a1 + res2.l1 * b1;
-      m0 = n0;
-      m1 = n1;
-    } else if constexpr (TQ_BULK_PREFETCH) {
-      if (begin < end) read(ring[0], 0, begin);
-      for (int base = begin; base < end; base += 32) {
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const int here = base + 16 * k;
-          if (here < end) {
-            if (here + 16 < end) read(ring[k ^ 1], next(sc), here + 16);
-            refill(here);
-            step(ring[k], here);
-            sc = next(sc);
-          }
-        }
-      }
-    } else {
-      for (int at = begin; at < end; at += 16) {
-        read(ring[0], sc, at);
-        refill(at);
-        step(ring[0], at);
-        sc = next(sc);
-      }
-    }
-  } else {
-  // A ring of STAGES (TQ_STAGES) register buffers: the loads of the next STAGES - 1 steps are in flight
-  // while one step computes (the loop is unrolled by the ring size so every index is static).
-#if TQ_PTR_STEP
-  // loads go strictly forward 16 tokens at a time: running pointers, so a full step's addresses are
-  // a register plus compile-time offsets (SASS without it rebuilds ~12 64-bit addresses per step)
+  // A ring of STAGES register buffers: the loads of the next STAGES - 1 steps are in flight while one
+  // step computes (the loop is unrolled by the ring size so every index is static).
+  // Loads go strictly forward 16 tokens at a time: running pointers, so a full step's addresses are
+  // a register plus compile-time offsets (against addresses rebuilt from the token index in every
+  // step: ~12 fewer 64-bit address computations per step, ~8 more registers, measured 6% faster on an
+  // H200).
   LanePtrs<T> Lrun = L;
   advance<T, QJL>(Lrun, begin);
   auto load_next = [&](StepRegs<T>& r, int at) {
@@ -898,9 +535,6 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab
     else load_step<T, QJL, false, KA>(r, 0, end - at, Lrun);  // Lrun is at token `at`
     advance<T, QJL>(Lrun, 16);
   };
-#else
-  auto load_next = [&](StepRegs<T>& r, int at) { load_any<T, QJL, KA>(r, at, end, L); };
-#endif
 #pragma unroll
   for (int k = 0; k < STAGES - 1; ++k)
     if (begin + 16 * k < end) load_next(ring[k], begin + 16 * k);
@@ -915,7 +549,6 @@ TQ_DEVI void split_warp(WarpResult<D, NARROW>& res, const KTab& ktab, const VTab
         step(ring[k], here);
       }
     }
-  }
   }
 
   // l: sum over the lanes holding the other tokens of the same rows (t for S = Q K^T, g for KA)
@@ -985,15 +618,14 @@ struct GlobalSink {
   }
 };
 
-// Fill a block's codebook tables (shared always, registers where the traits use them); SYNC: then
-// wait for the whole block (otherwise the caller's next barrier must come before the first lookup).
+// Fill a block's codebook tables (shared always, the key register table where the traits use it); SYNC:
+// then wait for the whole block (otherwise the caller's next barrier must come before the first lookup).
 template <class T, int BK, int BV, bool VBF, bool SYNC = true>
-TQ_DEVI void fill_tables(CodeTable<BK, false>& ktab, CodeTable<BV, VBF>& vtab, RegLut& kreg, RegLut& vreg,
+TQ_DEVI void fill_tables(CodeTable<BK, false>& ktab, CodeTable<BV, VBF>& vtab, RegLut& kreg,
                          const float* __restrict__ k_codebook, const float* __restrict__ v_codebook) {
   ktab.fill(k_codebook, threadIdx.x, blockDim.x);
   vtab.fill(v_codebook, threadIdx.x, blockDim.x);
   if constexpr (T::KREG) kreg.template fill<false>(k_codebook);
-  if constexpr (T::VREG) vreg.template fill<VBF>(v_codebook);
   if constexpr (SYNC) __syncthreads();
 }
 
@@ -1010,8 +642,11 @@ TQ_DEVI void fill_tables(CodeTable<BK, false>& ktab, CodeTable<BV, VBF>& vtab, R
 // NARROW (at most 8 used rows in the tile, e.g. GQA group <= 8 at q_len 1): rows g+8 are skipped
 // and P V runs transposed, O^T = V^T P^T (values are the A operand, M = 16 dims; P^T the B operand,
 // N = 8 rows): half the mma count and half the accumulator registers.
+// Blocks per SM the register allocation must allow (128 threads each): 2 for wide tiles and prod keys;
+// narrow tiles need fewer registers: 4 at head_dim <= 64, else 3 (<= 168 registers; 4 would fit the
+// 4-bit builds on sm_90 but spill a little on sm_100).
 template <int D, int BK, int BV, bool KBF, bool VBF, bool QJL, bool NARROW>
-__global__ void __launch_bounds__(128, (TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS : (QJL || !NARROW) ? 2 : D <= 64 ? 4 : TQ_NARROW128_BLOCKS_ARCH))
+__global__ void __launch_bounds__(128, ((QJL || !NARROW) ? 2 : D <= 64 ? 4 : 3))
 tq_decode_split(
     const tq_u16* __restrict__ q16, const float* __restrict__ row_scale,
     const tq_u8* __restrict__ kcodes, const tq_u16* __restrict__ knorms,
@@ -1024,8 +659,8 @@ tq_decode_split(
   using T = tq::DecodeTraits<D, BK, BV, KBF, VBF, QJL>;
   __shared__ tq::CodeTable<BK, false> ktab;
   __shared__ tq::CodeTable<BV, VBF> vtab;
-  tq::RegLut kreg, vreg;  // register tables (TQ_REG_LUT), filled only where used
-  tq::fill_tables<T>(ktab, vtab, kreg, vreg, k_codebook, v_codebook);
+  tq::RegLut kreg;  // register table of 4-bit keys, filled only where used
+  tq::fill_tables<T>(ktab, vtab, kreg, k_codebook, v_codebook);
 
   const int split = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int bh = blockIdx.y, rt = blockIdx.z;
@@ -1035,7 +670,7 @@ tq_decode_split(
   const int end = min(begin + tokens_per_warp, len);
   const long long tile = (long long)bh * RT * 16 + rt * 16;  // first row of the tile in q16 / row_scale
   tq::WarpResult<D, NARROW> res;
-  tq::split_warp<D, BK, BV, KBF, VBF, QJL, NARROW>(res, ktab, vtab, kreg, vreg, q16 + tile * D, row_scale + tile,
+  tq::split_warp<D, BK, BV, KBF, VBF, QJL, NARROW>(res, ktab, vtab, kreg, q16 + tile * D, row_scale + tile,
                                                    qs16 + tile * D, qs_scale + tile, kcodes, knorms, vcodes,
                                                    vnorms, qjl, rnorms, (long long)bh * Tcap, begin, end);
   tq::GlobalSink<D> sink{part_o + ((long long)bh * nsplit + split) * R * D,
@@ -1195,109 +830,47 @@ __global__ void __launch_bounds__(D) tq_decode_merge(
 // Launch and memory round trips saved against the three launches: the q16/row-scale round trip,
 // two launches, and 4x fewer partials to merge. Concurrent launches sharing one counter buffer
 // (the same plan on two streams at once) are not allowed.
-#ifndef TQ_FUSED_MAX_BLOCKS
-#define TQ_FUSED_MAX_BLOCKS 64  // blocks per tile the last block merges (shared weights per row)
-#endif
+// 16-token steps of loads in flight per warp (split_warp's DEPTH): 3 (measured 2-8% faster than 1,
+// H200); the launcher sets 2 with the lane tables (decode_kernels.LANE_LUT_COMPANIONS).
 #ifndef TQ_FUSED_STAGES
 #define TQ_FUSED_STAGES 3
 #endif
-#ifndef TQ_FUSED_COL_BATCH
-#define TQ_FUSED_COL_BATCH 32  // dense rotation-column loads in flight per thread (query prep, output)
-#endif
-// Partial loads in flight per thread in the last block's merge; 0: 16, or 8 for narrow tiles of
-// head_dim <= 64 (their 128-register bound would spill).
-#ifndef TQ_FUSED_TAIL_BATCH
-#define TQ_FUSED_TAIL_BATCH 0
-#endif
-// Timing only, results wrong: bit 0 skips the query rotation, bit 1 the last block's merge, bit 2 makes
-// the last block's merge (warp-rotation builds) read only the first half of the blocks' partials
-// (benchmarks/gpu_kernels.py measures what each phase costs with them). Default 0.
-#ifndef TQ_FUSED_PROFILE
-#define TQ_FUSED_PROFILE 0
-#endif
-// Timing only, results wrong: 1 = the last block of each tile writes (clock64, globaltimer) pairs at
-// TQ_TRACE_POINTS phase boundaries over the start of its tile's first output row (float32 output
-// only; benchmarks/gpu_kernels.py --trace reads them). Default 0.
-#ifndef TQ_FUSED_TRACE
-#define TQ_FUSED_TRACE 0
-#endif
-#define TQ_TRACE_POINTS 10
-#if TQ_FUSED_TRACE
-#define TQ_STAMP(k)                                                                      \
-  do {                                                                                   \
-    if (threadIdx.x == 0) {                                                              \
-      unsigned long long g_;                                                             \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_));                             \
-      tstamp[2 * (k)] = (unsigned long long)clock64();                                   \
-      tstamp[2 * (k) + 1] = g_;                                                          \
-    }                                                                                    \
-  } while (0)
-#else
-#define TQ_STAMP(k) \
-  do {          \
-  } while (0)
-#endif
-
-#ifndef TQ_FUSED_BULK_BLOCKS
-#define TQ_FUSED_BULK_BLOCKS 3
-#endif
-// Bits (1 keys, 2 values; 3 both): the one-launch kernel's narrow 4/4-bit tiles look those codes up
-// in lane-private pair tables (tq_lane_pair: 64 KB of dynamic shared memory per block; per two codes
-// one prmt, one add and one conflict-free shared load, instead of register prmt tables for keys (~2
-// ALU ops per code) and a shared pair table for values with ~3.5-way bank conflicts). Set by the
-// launcher together with the dynamic shared memory (decode_kernels.fused_defines); never set it
-// without that memory. Default 0.
+// Nonzero: the narrow 4/4-bit tiles with word-aligned chunks look their key and value codes up in
+// lane-private pair tables (tq_lane_pair: 64 KB of dynamic shared memory per block; per two codes one
+// prmt, one add and one conflict-free shared load, instead of register prmt tables for keys (~2 ALU ops
+// per code) and a shared pair table for values with ~3.5-way bank conflicts). Set by the launcher
+// together with the dynamic shared memory (decode_kernels.fused_defines); never set it without that
+// memory. Default 0.
 #ifndef TQ_LANE_LUT
 #define TQ_LANE_LUT 0
 #endif
-#define TQ_LANE_LUT_BYTES 65536
 // 1: lane-table builds rotate the query in registers in the prologue and merge one row per warp in the
 // last block, Hadamard rotations as warp butterflies (tq::rotate_query_rows, tq::merge_row: no block
-// barrier in either). Measured on an H200: the prologue 4.1 -> 2.0 us and
-// the final merge 4.3 -> 2.4 us at b1 x 32k (call 29.2 -> 27.6 us), but the split loop 1-3% slower
-// (ptxas re-reads threadIdx.x in it) and b8 x 128k 12% slower: not the default until that is understood.
+// barrier in either; H200, b1 x 32k: the prologue 4.1 -> 2.0 us, the final merge 4.3 -> 2.4 us). Set by
+// the launcher with the lane tables (decode_kernels.LANE_LUT_COMPANIONS); no effect without them.
 #ifndef TQ_FUSED_WARP_ROTATE
 #define TQ_FUSED_WARP_ROTATE 0
 #endif
-// 1: the four warps of a block accumulate their partials into a padded shared layout (tq::MergeLayout)
-// in which every store of a warp hits 32 different banks; 0: the plain [ROWS, D] layout, where a narrow
-// tile's stores are 16-way and a wide tile's 32-way bank conflicts (H200, b1 x 32k: the last block's
-// warp merge 2.8 -> 1.2 us). Same arithmetic, same results either way. Default 1.
-#ifndef TQ_FUSED_MERGE_PAD
-#define TQ_FUSED_MERGE_PAD 1
-#endif
-// 1: a block publishes its partial with one acquire-release atomic of thread 0 after a block barrier
-// (the CTA-wide release pattern of cooperative groups' grid sync); 0: every thread runs __threadfence
-// (fence.sc.gpu: MEMBAR.SC + an L1 invalidate) before the atomic and again after it in the last block
-// (H200, b1 x 32k: the publish 1.1 -> 0.7 us). Default 1.
-#ifndef TQ_FUSED_SIGNAL
-#define TQ_FUSED_SIGNAL 1
-#endif
 
 namespace tq {
-// A one-launch instance's build choices. BULK: its splits run on the bulk ring (TQ_FUSED_BULK): narrow
-// tiles of head_dim <= 128 whose code chunks are whole words (else the register path of the same
-// build). MIN_BLOCKS: blocks per SM its registers must allow: 3 for narrow head_dim-128 tiles (3 load
-// stages need ~167 registers), TQ_FUSED_BULK_BLOCKS on the bulk ring (no loads held in registers).
+// Blocks per tile the last block merges (its shared weights per row); decode_kernels.FUSED_MAX_BLOCKS.
+constexpr int FUSED_MAX_BLOCKS = 64;
+
+// A one-launch instance's build choices. LANE: the lane-private pair tables (TQ_LANE_LUT; 64 KB of
+// dynamic shared memory, passed by the launcher exactly when it sets the macro). MIN_BLOCKS: blocks per
+// SM its registers must allow: 2 for wide tiles, 4 for narrow ones of head_dim <= 64, else 3 (3 load
+// stages need ~167 registers).
 template <int D, int BK, int BV, bool NARROW>
 struct FusedBuild {
   using T = DecodeTraits<D, BK, BV, false, false, false>;
-  static constexpr bool BULK = TQ_FUSED_BULK && TQ_BULK_ARCH && NARROW && D <= 128 && T::KALIGN && T::VALIGN;
-  // lane-private pair tables (TQ_LANE_LUT bits: 1 keys, 2 values): 64 KB of dynamic shared memory,
-  // passed by the launcher exactly when it sets the macro (decode_kernels.fused_defines)
-  static constexpr int LANE =
-      (!BULK && NARROW && BK == 4 && BV == 4 && T::KALIGN && T::VALIGN) ? (TQ_LANE_LUT & 3) : 0;
-  static constexpr int MIN_BLOCKS = TQ_MIN_BLOCKS > 0 ? TQ_MIN_BLOCKS
-                                    : !NARROW         ? 2
-                                    : D <= 64         ? 4
-                                    : BULK            ? TQ_FUSED_BULK_BLOCKS
-                                                      : 3;
+  static constexpr bool LANE = TQ_LANE_LUT && NARROW && BK == 4 && BV == 4 && T::KALIGN && T::VALIGN;
+  static constexpr int MIN_BLOCKS = !NARROW ? 2 : D <= 64 ? 4 : 3;
 };
 
 // acc[k] = sum_i v[k][i] * M[i][j] for N rows v (shared, row stride D) and column j of a row-major
 // [D, D] matrix in global memory (coalesced across j; the column loaded in batches of NB loads: one
 // L2 round trip per batch, NB registers).
-template <int D, int N, int NB = (D >= TQ_FUSED_COL_BATCH ? TQ_FUSED_COL_BATCH : 32)>
+template <int D, int N, int NB = 32>
 TQ_DEVI void col_dot_rows(const float* v, const float* __restrict__ M, int j, float (&acc)[N]) {
 #pragma unroll
   for (int k = 0; k < N; ++k) acc[k] = 0.f;
@@ -1493,7 +1066,7 @@ TQ_DEVI void rotate_query_rows(const void* __restrict__ q, int qin, int q0, int 
   for (int j = 0; j < NJ; ++j) {
     const int r = warp + 4 * j;
     if (r < nr) {
-      if (!(TQ_FUSED_PROFILE & 1)) hadamard_warp<E, false>(x[j], ks, k_rounds);
+      hadamard_warp<E, false>(x[j], ks, k_rounds);
 #pragma unroll
       for (int k = 0; k < E; ++k) ybuf[r * D + E * lane + k] = x[j][k];
     }
@@ -1555,16 +1128,15 @@ TQ_DEVI void merge_row(const float* __restrict__ po, const float* __restrict__ m
   float a[E];
 #pragma unroll
   for (int k = 0; k < E; ++k) a[k] = 0.f;
-  const int nsum = (TQ_FUSED_PROFILE & 4) ? (nblk + 1) / 2 : nblk;  // timing only: half the partials
-  for (int b = 0; b < nsum; b += TB) {
+  for (int b = 0; b < nblk; b += TB) {
     if (b > 0) {
 #pragma unroll
       for (int k = 0; k < TB; ++k)
-        if (b + k < nsum) ldcg_vec<E>(v[k], p + (b + k) * bstride);
+        if (b + k < nblk) ldcg_vec<E>(v[k], p + (b + k) * bstride);
     }
 #pragma unroll
     for (int k = 0; k < TB; ++k) {
-      const float wk = (b + k < nsum) ? w[b + k] : 0.f;
+      const float wk = (b + k < nblk) ? w[b + k] : 0.f;
       if (wk != 0.f) {
 #pragma unroll
         for (int e = 0; e < E; ++e) a[e] += wk * v[k][e];
@@ -1590,7 +1162,7 @@ TQ_DEVI void merge_row(const float* __restrict__ po, const float* __restrict__ m
   }
 }
 
-// Fill the lane-private pair tables at tab (tq_lane_pair's layout, TQ_LANE_LUT_BYTES): table A from
+// Fill the lane-private pair tables at tab (tq_lane_pair's layout, 64 KB): table A from
 // the key codebook (fp16), table B from the value codebook (fp16 or bf16: VBF). 128 threads: thread
 // tid writes 16-byte column tid % 16 (0-7: table A, 8-15: table B) of rows tid / 16 + 8 i.
 template <bool VBF>
@@ -1628,12 +1200,14 @@ template <class A, class B> struct Pick<false, A, B> { typedef B type; };
 // CV a + b (CV = D / 8, b < CV) of row r at r RS + a AS + b. A warp's sink stores vary (a = g, row 2t + e)
 // in narrow tiles and (row g, a = 2t + e) in wide ones (emit_warp); the padding spreads each store over 32
 // banks: narrow AS odd (g AS distinct mod 8) and RS = 12 mod 16 (2t RS = 24t mod 32); wide AS = 4 mod 8
-// (2t AS = 8t mod 32) and RS odd. TQ_FUSED_MERGE_PAD 0: the plain layout (AS = CV, RS = D).
+// (2t AS = 8t mod 32) and RS odd. (The plain layout, AS = CV and RS = D, makes a narrow tile's stores
+// 16-way and a wide tile's 32-way bank conflicts: H200, b1 x 32k, the last block's warp merge 2.8 us
+// against 1.2; same arithmetic, same results.)
 template <int D, bool NARROW>
 struct MergeLayout {
   static constexpr int CV = D / 8;
-  static constexpr int AS = !TQ_FUSED_MERGE_PAD ? CV : NARROW ? CV + 1 : CV + (12 - CV % 8) % 8;
-  static constexpr int RS = !TQ_FUSED_MERGE_PAD ? D : NARROW ? 8 * AS + 4 : 8 * AS + 1;
+  static constexpr int AS = NARROW ? CV + 1 : CV + (12 - CV % 8) % 8;
+  static constexpr int RS = NARROW ? 8 * AS + 4 : 8 * AS + 1;
   static constexpr int ROWS = NARROW ? 8 : 16;
   static constexpr int FLOATS = ROWS * RS;
   static_assert(CV % 4 == 0, "four dims of a float4 stay in one chunk");
@@ -1677,13 +1251,12 @@ tq_decode_fused(
     unsigned int* __restrict__ counters, void* __restrict__ out, int out_kind, float* __restrict__ lse) {
   using T = tq::DecodeTraits<D, BK, BV, KBF, VBF, false>;
   constexpr int ROWS = NARROW ? 8 : 16;  // query rows of a tile that can be used
-  constexpr int MAXB = TQ_FUSED_MAX_BLOCKS;
+  constexpr int MAXB = tq::FUSED_MAX_BLOCKS;
   constexpr int XQ = (ROWS * D > 2 * ROWS * MAXB) ? ROWS * D : 2 * ROWS * MAXB;
-  constexpr bool BULK = tq::FusedBuild<D, BK, BV, NARROW>::BULK;
-  constexpr int LANE = tq::FusedBuild<D, BK, BV, NARROW>::LANE;
+  constexpr bool LANE = tq::FusedBuild<D, BK, BV, NARROW>::LANE;
   constexpr bool WROT = LANE && TQ_FUSED_WARP_ROTATE;  // rotations in registers (TQ_FUSED_WARP_ROTATE)
-  __shared__ typename tq::Pick<(LANE & 1) || (LANE && T::KREG), tq::NoTable, tq::CodeTable<BK, false>>::type ktab;
-  __shared__ typename tq::Pick<(LANE & 2) != 0, tq::NoTable, tq::CodeTable<BV, VBF>>::type vtab;
+  __shared__ typename tq::Pick<LANE, tq::NoTable, tq::CodeTable<BK, false>>::type ktab;
+  __shared__ typename tq::Pick<LANE, tq::NoTable, tq::CodeTable<BV, VBF>>::type vtab;
   constexpr int QROWS = NARROW ? 8 : 16;           // query rows the split reads
   static_assert(QROWS * D * 2 <= XQ * 4, "the query tile fits the xq buffer");
   // prologue: query rows, then (aliased: the rows are dead by then) the fp16 query tile the splits read;
@@ -1701,22 +1274,10 @@ tq_decode_fused(
   __shared__ float wm[4][ROWS], wl[4][ROWS];      // per warp (m, l) of each row
   __shared__ float rowm[ROWS], rowl[ROWS];        // block max and sum per row
   __shared__ int is_last;
-  // the bulk ring of each warp (TQ_FUSED_BULK; an unused int otherwise)
-  using Bulk = tq::BulkSel<T, BULK>;
-  __shared__ typename Bulk::Ring bring[BULK ? 4 : 1];
-#if TQ_FUSED_TRACE
-  __shared__ unsigned long long tstamp[2 * TQ_TRACE_POINTS];
-#endif
-  TQ_STAMP(0);
-  tq::RegLut kreg, vreg;
+  tq::RegLut kreg;
   // the tables' loads overlap the query's: one barrier for both (below)
-  if constexpr (LANE) {
-    tq::fill_lane_tables<VBF>(tq::tq_lane_tab, k_codebook, v_codebook);
-    if constexpr (!(LANE & 1) && T::KREG) kreg.template fill<false>(k_codebook);
-    if constexpr (!(LANE & 1) && !T::KREG) ktab.fill(k_codebook, threadIdx.x, blockDim.x);
-    if constexpr (!(LANE & 2)) vtab.fill(v_codebook, threadIdx.x, blockDim.x);
-    if constexpr (!(LANE & 2) && T::VREG) vreg.template fill<VBF>(v_codebook);
-  } else tq::fill_tables<T, BK, BV, VBF, false>(ktab, vtab, kreg, vreg, k_codebook, v_codebook);
+  if constexpr (LANE) tq::fill_lane_tables<VBF>(tq::tq_lane_tab, k_codebook, v_codebook);
+  else tq::fill_tables<T, BK, BV, VBF, false>(ktab, vtab, kreg, k_codebook, v_codebook);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int bh = blockIdx.y, rt = blockIdx.z, nblk = gridDim.x;
@@ -1729,9 +1290,6 @@ tq_decode_fused(
   constexpr int E = D / 32;
   constexpr bool HAD = (D & (D - 1)) == 0;
 
-  // bulk ring: this warp's split is known before the prologue (its first copies are issued in it)
-  int blen = 0;
-  if constexpr (BULK) blen = min(max(seq_lens[bh / Hkv], 0), Tcap);
   // ---- 1. query prep for this tile: y = q @ R_k^T, then fp16(y[perm] / max|y|)
   int pk[D / 32];  // this lane's permutation entries, loaded early (used after two barriers)
 #pragma unroll
@@ -1742,52 +1300,30 @@ tq_decode_fused(
   if (WROT && HAD && k_rounds > 0) {
     tq::rotate_query_rows<D, QROWS / 4>(q, qin, (bh * R + R0) * D, nr, k_signs, k_rounds, ybuf);
   } else {
-  for (int i = tid; i < ROWS * D; i += blockDim.x) {
-    const int r = i / D;
-    xq[i] = (r < nr) ? tq::load_query(q, ((long long)bh * R + R0 + r) * D + (i - r * D), qin) : 0.f;
-  }
-  // the signs come with the query (the last block's value signs too: one round trip less in its tail)
-  if constexpr (!WROT) {
-    for (int i = tid; i < k_rounds * D; i += blockDim.x) ksg[i] = __ldg(k_signs + i);
-    for (int i = tid; i < v_rounds * D; i += blockDim.x) vsg[i] = __ldg(v_signs + i);
-  }
-  __syncthreads();
-  if constexpr (BULK) {
-    // lane 0 of each warp: barriers, then the copies of its split's first LOOK steps, which land
-    // while the block rotates the query
-    const int split = blockIdx.x * 4 + warp;
-    const int begin = split < nsplit ? split * tokens_per_warp : 0;
-    const int end = split < nsplit ? min(begin + tokens_per_warp, blen) : 0;
-    if (lane == 0) {
-#pragma unroll
-      for (int k = 0; k < Bulk::NS; ++k) tq::mbar_init(&bring[warp].bar[k]);
-      tq::mbar_init_fence();
-#pragma unroll
-      for (int k = 0; k < Bulk::LOOK; ++k)
-        if (begin + 16 * k < end)
-          tq::bulk_issue<T>(bring[warp].st[k], &bring[warp].bar[k], kcodes, knorms, vcodes, vnorms,
-                            (long long)bh * Tcap + begin + 16 * k);
+    for (int i = tid; i < ROWS * D; i += blockDim.x) {
+      const int r = i / D;
+      xq[i] = (r < nr) ? tq::load_query(q, ((long long)bh * R + R0 + r) * D + (i - r * D), qin) : 0.f;
     }
-  }
-  if (!WROT && k_rounds > 0 && !(TQ_FUSED_PROFILE & 1)) {
-    if constexpr ((D & (D - 1)) == 0) tq::hadamard_forward<D>(xq, ybuf, nr, ksg, k_rounds);
-  } else {
-  for (int j = tid; j < D; j += blockDim.x) {
-    for (int r0 = 0; r0 < nr; r0 += 4) {
-      float a[4];
-      if (TQ_FUSED_PROFILE & 1) {
+    // the signs come with the query (the last block's value signs too: one round trip less in its tail)
+    if constexpr (!WROT) {
+      for (int i = tid; i < k_rounds * D; i += blockDim.x) ksg[i] = __ldg(k_signs + i);
+      for (int i = tid; i < v_rounds * D; i += blockDim.x) vsg[i] = __ldg(v_signs + i);
+    }
+    __syncthreads();
+    if (!WROT && k_rounds > 0) {
+      if constexpr ((D & (D - 1)) == 0) tq::hadamard_forward<D>(xq, ybuf, nr, ksg, k_rounds);
+    } else {
+      for (int j = tid; j < D; j += blockDim.x) {
+        for (int r0 = 0; r0 < nr; r0 += 4) {
+          float a[4];
+          tq::col_dot_rows<D, 4>(xq + r0 * D, kr_t, j, a);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) a[k] = xq[(r0 + k) * D + j];
-      } else {
-        tq::col_dot_rows<D, 4>(xq + r0 * D, kr_t, j, a);
+          for (int k = 0; k < 4; ++k)
+            if (r0 + k < ROWS) ybuf[(r0 + k) * D + j] = a[k];
+        }
       }
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (r0 + k < ROWS) ybuf[(r0 + k) * D + j] = a[k];
+      __syncthreads();
     }
-  }
-  __syncthreads();
-  }
   }
   for (int r = warp; r < QROWS; r += 4) {
     float m = 0.f;
@@ -1803,16 +1339,15 @@ tq_decode_fused(
   }
   __syncthreads();
 
-  TQ_STAMP(1);
   // ---- 2. this warp's split
   const int split = blockIdx.x * 4 + warp;
-  const int len = BULK ? blen : min(max(seq_lens[bh / Hkv], 0), Tcap);
+  const int len = min(max(seq_lens[bh / Hkv], 0), Tcap);
   const int begin = split < nsplit ? split * tokens_per_warp : 0;
   const int end = split < nsplit ? min(begin + tokens_per_warp, len) : 0;
   tq::WarpResult<D, NARROW> res;
-  tq::split_warp<D, BK, BV, KBF, VBF, false, NARROW, TQ_FUSED_STAGES, Bulk, LANE>(
-      res, ktab, vtab, kreg, vreg, q16s, rss, q16s, rss, kcodes, knorms, vcodes, vnorms, nullptr, nullptr,
-      (long long)bh * Tcap, begin, end, &bring[warp]);
+  tq::split_warp<D, BK, BV, KBF, VBF, false, NARROW, TQ_FUSED_STAGES, LANE>(
+      res, ktab, vtab, kreg, q16s, rss, q16s, rss, kcodes, knorms, vcodes, vnorms, nullptr, nullptr,
+      (long long)bh * Tcap, begin, end);
 
   // ---- 3. merge the four warps in shared memory
   int ra, rb;
@@ -1824,7 +1359,6 @@ tq_decode_fused(
     wl[warp][rb] = res.l1;
   }
   __syncthreads();
-  TQ_STAMP(2);
   float ma = NEG_INF, mb = NEG_INF;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
@@ -1862,150 +1396,129 @@ tq_decode_fused(
   }
 
   // ---- 4. the last block of the tile merges every block's partial
-  TQ_STAMP(3);
   unsigned int* counter = counters + (long long)bh * RT + rt;
-  if constexpr (TQ_FUSED_SIGNAL) {
-    // the barrier orders every thread's partial stores before thread 0's release; its acquire and the
-    // next barrier order the last block's partial loads (ld.cg, L2) after every other block's release
-    __syncthreads();
-    if (tid == 0) is_last = tq::atomic_inc_acq_rel(counter, (unsigned)nblk - 1u) == (unsigned)nblk - 1u;
-    __syncthreads();
-    if (!is_last || (TQ_FUSED_PROFILE & 2)) return;
-  } else {
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) is_last = atomicInc(counter, (unsigned)nblk - 1u) == (unsigned)nblk - 1u;
-    __syncthreads();
-    if (!is_last || (TQ_FUSED_PROFILE & 2)) return;
-    __threadfence();
-  }
+  // the barrier orders every thread's partial stores before thread 0's release; its acquire and the
+  // next barrier order the last block's partial loads (ld.cg, L2) after every other block's release
+  // (the CTA-wide release pattern of cooperative groups' grid sync; __threadfence by every thread before
+  // and after instead: H200, b1 x 32k, the publish 1.1 us against 0.7)
+  __syncthreads();
+  if (tid == 0) is_last = tq::atomic_inc_acq_rel(counter, (unsigned)nblk - 1u) == (unsigned)nblk - 1u;
+  __syncthreads();
+  if (!is_last) return;
   if constexpr (WROT) {
-  TQ_STAMP(4);
-  // warp w merges rows w, w + 4, ... (tq::merge_row: no block barrier in this tail)
-  constexpr int TB = TQ_FUSED_TAIL_BATCH > 0 ? TQ_FUSED_TAIL_BATCH : ((NARROW && D <= 64) || E > 4) ? 8 : 16;
-  const bool vhad = HAD && v_rounds > 0;
-  for (int r = warp; r < nr; r += 4) {
-    const long long row = (long long)bh * R + R0 + r;  // output row
-    tq::merge_row<D, TB, MAXB, HAD>(part_o + ((long long)bh * nblk * R + R0 + r) * D,
-                                    part_ml + ((long long)bh * nblk * R + R0 + r) * 2, nblk, R, xq + r * MAXB,
-                                    vhad ? v_signs : nullptr, v_rounds, out, out_kind, row * D, lse + row,
-                                    ybuf + r * D);
-  }
-  TQ_STAMP(5);
-  TQ_STAMP(6);
-  TQ_STAMP(7);
-  TQ_STAMP(8);
-  if (!vhad) {
-    // out = y @ R_v with a dense rotation (read from L2), in the output dtype
-    __syncthreads();
-  tq::dense_rotate_out<D>(ybuf, nr, v_rotation, out, out_kind, (long long)bh * R + R0);
-  }
+    // warp w merges rows w, w + 4, ... (tq::merge_row: no block barrier in this tail); partial loads in
+    // flight per lane: 8 for narrow tiles of head_dim <= 64 (their 128-register bound) and above
+    // head_dim 128, else 16
+    constexpr int TB = ((NARROW && D <= 64) || E > 4) ? 8 : 16;
+    const bool vhad = HAD && v_rounds > 0;
+    for (int r = warp; r < nr; r += 4) {
+      const long long row = (long long)bh * R + R0 + r;  // output row
+      tq::merge_row<D, TB, MAXB, HAD>(part_o + ((long long)bh * nblk * R + R0 + r) * D,
+                                      part_ml + ((long long)bh * nblk * R + R0 + r) * 2, nblk, R, xq + r * MAXB,
+                                      vhad ? v_signs : nullptr, v_rounds, out, out_kind, row * D, lse + row,
+                                      ybuf + r * D);
+    }
+    if (!vhad) {
+      // out = y @ R_v with a dense rotation (read from L2), in the output dtype
+      __syncthreads();
+      tq::dense_rotate_out<D>(ybuf, nr, v_rotation, out, out_kind, (long long)bh * R + R0);
+    }
   } else {
-  TQ_STAMP(4);
-  constexpr int TPR = D / 4;  // threads per row in the weighted sum (one float4 each)
-  constexpr int TB = TQ_FUSED_TAIL_BATCH > 0 ? TQ_FUSED_TAIL_BATCH : (NARROW && D <= 64) ? 8 : 16;
-  const float* pbase = part_o + (long long)bh * nblk * R * D + (long long)R0 * D;
-  const long long bstride = (long long)R * D;
-  // the first batch of this thread's first (row, float4) does not depend on the weights: in flight
-  // while they are computed
-  float4 pre[TB];
-  if (tid < nr * TPR) {
-    const float* p = pbase + (long long)(tid / TPR) * D + 4 * (tid % TPR);
+    constexpr int TPR = D / 4;  // threads per row in the weighted sum (one float4 each)
+    // partial loads in flight per thread: 8 for narrow tiles of head_dim <= 64 (their 128-register
+    // bound), else 16
+    constexpr int TB = (NARROW && D <= 64) ? 8 : 16;
+    const float* pbase = part_o + (long long)bh * nblk * R * D + (long long)R0 * D;
+    const long long bstride = (long long)R * D;
+    // the first batch of this thread's first (row, float4) does not depend on the weights: in flight
+    // while they are computed
+    float4 pre[TB];
+    if (tid < nr * TPR) {
+      const float* p = pbase + (long long)(tid / TPR) * D + 4 * (tid % TPR);
 #pragma unroll
-    for (int k = 0; k < TB; ++k)
-      pre[k] = k < nblk ? __ldcg(reinterpret_cast<const float4*>(p + k * bstride)) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  float* sm = xq;                // [ROWS][MAXB] maxima, then weights
-  float* sl = xq + ROWS * MAXB;  // [ROWS][MAXB] sums
-  for (int i = tid; i < nr * nblk; i += blockDim.x) {
-    const int r = i / nblk, b = i - r * nblk;
-    const float2 v = __ldcg(reinterpret_cast<const float2*>(part_ml + (((long long)bh * nblk + b) * R + R0 + r) * 2));
-    sm[r * MAXB + b] = v.x;
-    sl[r * MAXB + b] = v.y;
-  }
-  __syncthreads();
-  TQ_STAMP(5);
-  for (int r = warp; r < nr; r += 4) {
-    float M = NEG_INF;
-    for (int b = lane; b < nblk; b += 32) M = fmaxf(M, sm[r * MAXB + b]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    const float Mu = (M == NEG_INF) ? 0.f : M;
-    float Ls = 0.f;
-    for (int b = lane; b < nblk; b += 32) {
-      const float l = sl[r * MAXB + b];
-      const float w = (l > 0.f) ? tq_exp2(sm[r * MAXB + b] - Mu) : 0.f;
-      sm[r * MAXB + b] = w;
-      Ls += w * l;
+      for (int k = 0; k < TB; ++k)
+        pre[k] = k < nblk ? __ldcg(reinterpret_cast<const float4*>(p + k * bstride)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) Ls += __shfl_xor_sync(0xffffffffu, Ls, o);
-    if (lane == 0) {
-      rowm[r] = M;
-      rowl[r] = Ls;
+    float* sm = xq;                // [ROWS][MAXB] maxima, then weights
+    float* sl = xq + ROWS * MAXB;  // [ROWS][MAXB] sums
+    for (int i = tid; i < nr * nblk; i += blockDim.x) {
+      const int r = i / nblk, b = i - r * nblk;
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(part_ml + (((long long)bh * nblk + b) * R + R0 + r) * 2));
+      sm[r * MAXB + b] = v.x;
+      sl[r * MAXB + b] = v.y;
     }
-  }
-  __syncthreads();
-  TQ_STAMP(6);
-  // weighted sum of the block partials: one float4 of one row per thread, TB loads in flight
-  {
-    for (int i = tid; i < nr * TPR; i += blockDim.x) {
-      const int r = i / TPR, c = 4 * (i - r * TPR);
-      const float* p = pbase + (long long)r * D + c;
-      const float* w = sm + r * MAXB;
-      float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int b = 0; b < nblk; b += TB) {
-        float4 v[TB];
+    __syncthreads();
+    for (int r = warp; r < nr; r += 4) {
+      float M = NEG_INF;
+      for (int b = lane; b < nblk; b += 32) M = fmaxf(M, sm[r * MAXB + b]);
 #pragma unroll
-        for (int k = 0; k < TB; ++k)
-          v[k] = (i == tid && b == 0) ? pre[k]
-                 : (b + k < nblk) ? __ldcg(reinterpret_cast<const float4*>(p + (b + k) * bstride))
-                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+      const float Mu = (M == NEG_INF) ? 0.f : M;
+      float Ls = 0.f;
+      for (int b = lane; b < nblk; b += 32) {
+        const float l = sl[r * MAXB + b];
+        const float w = (l > 0.f) ? tq_exp2(sm[r * MAXB + b] - Mu) : 0.f;
+        sm[r * MAXB + b] = w;
+        Ls += w * l;
+      }
 #pragma unroll
-        for (int k = 0; k < TB; ++k) {
-          const float wk = (b + k < nblk) ? w[b + k] : 0.f;
-          if (wk != 0.f) {
-            a.x += wk * v[k].x;
-            a.y += wk * v[k].y;
-            a.z += wk * v[k].z;
-            a.w += wk * v[k].w;
+      for (int o = 16; o > 0; o >>= 1) Ls += __shfl_xor_sync(0xffffffffu, Ls, o);
+      if (lane == 0) {
+        rowm[r] = M;
+        rowl[r] = Ls;
+      }
+    }
+    __syncthreads();
+    // weighted sum of the block partials: one float4 of one row per thread, TB loads in flight
+    {
+      for (int i = tid; i < nr * TPR; i += blockDim.x) {
+        const int r = i / TPR, c = 4 * (i - r * TPR);
+        const float* p = pbase + (long long)r * D + c;
+        const float* w = sm + r * MAXB;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int b = 0; b < nblk; b += TB) {
+          float4 v[TB];
+#pragma unroll
+          for (int k = 0; k < TB; ++k)
+            v[k] = (i == tid && b == 0) ? pre[k]
+                   : (b + k < nblk) ? __ldcg(reinterpret_cast<const float4*>(p + (b + k) * bstride))
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int k = 0; k < TB; ++k) {
+            const float wk = (b + k < nblk) ? w[b + k] : 0.f;
+            if (wk != 0.f) {
+              a.x += wk * v[k].x;
+              a.y += wk * v[k].y;
+              a.z += wk * v[k].z;
+              a.w += wk * v[k].w;
+            }
           }
         }
+        const float L = rowl[r];
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        float* y = ybuf + r * D + c;
+        y[0] = a.x * inv;
+        y[1] = a.y * inv;
+        y[2] = a.z * inv;
+        y[3] = a.w * inv;
       }
-      const float L = rowl[r];
-      const float inv = L > 0.f ? 1.f / L : 0.f;
-      float* y = ybuf + r * D + c;
-      y[0] = a.x * inv;
-      y[1] = a.y * inv;
-      y[2] = a.z * inv;
-      y[3] = a.w * inv;
+    }
+    __syncthreads();
+    // out = y @ R_v, in the output dtype; lse in natural log
+    if (v_rounds > 0) {
+      if constexpr ((D & (D - 1)) == 0) tq::hadamard_inverse<D>(ybuf, nr, vsg, v_rounds);
+      for (int i = tid; i < nr * D; i += blockDim.x) {
+        const long long o = ((long long)bh * R + R0) * D + i;
+        if (out_kind == 0) reinterpret_cast<float*>(out)[o] = ybuf[i];
+        else if (out_kind == 1) reinterpret_cast<tq_u16*>(out)[o] = tq_f2h(ybuf[i]);
+        else reinterpret_cast<tq_u16*>(out)[o] = tq_f2bf(ybuf[i]);
+      }
+    } else {
+      tq::dense_rotate_out<D>(ybuf, nr, v_rotation, out, out_kind, (long long)bh * R + R0);
+    }
+    if (tid < nr) {
+      const float L = rowl[tid];
+      lse[(long long)bh * R + R0 + tid] = (L > 0.f) ? (rowm[tid] + __log2f(L)) * 0.69314718055994531f : NEG_INF;
     }
   }
-  __syncthreads();
-  TQ_STAMP(7);
-  // out = y @ R_v, in the output dtype; lse in natural log
-  if (v_rounds > 0) {
-    if constexpr ((D & (D - 1)) == 0) tq::hadamard_inverse<D>(ybuf, nr, vsg, v_rounds);
-    TQ_STAMP(8);
-    for (int i = tid; i < nr * D; i += blockDim.x) {
-      const long long o = ((long long)bh * R + R0) * D + i;
-      if (out_kind == 0) reinterpret_cast<float*>(out)[o] = ybuf[i];
-      else if (out_kind == 1) reinterpret_cast<tq_u16*>(out)[o] = tq_f2h(ybuf[i]);
-      else reinterpret_cast<tq_u16*>(out)[o] = tq_f2bf(ybuf[i]);
-    }
-  } else {
-  tq::dense_rotate_out<D>(ybuf, nr, v_rotation, out, out_kind, (long long)bh * R + R0);
-  }
-  if (tid < nr) {
-    const float L = rowl[tid];
-    lse[(long long)bh * R + R0 + tid] = (L > 0.f) ? (rowm[tid] + __log2f(L)) * 0.69314718055994531f : NEG_INF;
-  }
-  }
-#if TQ_FUSED_TRACE
-  __syncthreads();
-  TQ_STAMP(9);
-  __syncthreads();
-  if (tid < 2 * TQ_TRACE_POINTS && out_kind == 0)
-    reinterpret_cast<unsigned long long*>(out)[((long long)bh * R + R0) * D / 2 + tid] = tstamp[tid];
-#endif
 }

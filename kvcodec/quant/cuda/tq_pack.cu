@@ -47,17 +47,15 @@
 // kvcodec.quant.cuda.fallback.quantize_reference.
 #include "tq_common.cuh"
 
+namespace tqp {
 // Resident blocks of 256 threads per SM the register budget is cut for: 4 (64 registers) for 16-bit
 // inputs, one round, no norm correction, B <= 4; 3 (80) for the other 16-bit instances; 2 (128) for
 // fp32 inputs (three bf16 parts per value). The largest counts that keep every instance free of
-// spills on sm_90 and sm_100. -DTQ_PACK_MIN_BLOCKS_N=n overrides (tuning).
-#ifdef TQ_PACK_MIN_BLOCKS_N
-#define TQ_PACK_MIN_BLOCKS(in, b, rounds, nc) TQ_PACK_MIN_BLOCKS_N
-#else
-#define TQ_PACK_MIN_BLOCKS(in, b, rounds, nc) ((in) == 0 ? 2 : ((rounds) == 1 && !(nc) && (b) <= 4 ? 4 : 3))
-#endif
+// spills on sm_90 and sm_100.
+constexpr int min_blocks(int in, int b, int rounds, bool nc) {
+  return in == 0 ? 2 : (rounds == 1 && !nc && b <= 4 ? 4 : 3);
+}
 
-namespace tqp {
 constexpr int WARPS = 8;  // warps per block; the launcher's rows per block = WARPS * Geo<D>::R
 
 struct alignas(16) V4 {
@@ -261,7 +259,7 @@ TQ_DEVI void quantize_piece(const float (&v)[N], float a_row, float b_map, tq_u3
 // Launch: blocks of exactly 32 * tqp::WARPS = 256 threads, any grid: each warp strides over groups of
 // Geo<D>::R rows.
 template <int D, int B, int IN, bool NBF, int ROUNDS, bool NC>
-__global__ void __launch_bounds__(256, TQ_PACK_MIN_BLOCKS(IN, B, ROUNDS, NC)) tq_quant_pack(
+__global__ void __launch_bounds__(256, tqp::min_blocks(IN, B, ROUNDS, NC)) tq_quant_pack(
     const void* __restrict__ x, long long x_stride, const float* __restrict__ signs,
     const float* __restrict__ thresholds, const float* __restrict__ codebook, int N, tq_u8* __restrict__ codes,
     tq_u16* __restrict__ norms) {
