@@ -134,3 +134,41 @@ def test_hadamard_signs_give_the_rotation_matrix():
             assert torch.equal(rotation_matrix(dim, 7, kind), torch.from_numpy(r.astype(np.float32)))
     with pytest.raises(ValueError):
         hadamard_signs(80, 0, "hadamard2")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("first", [0, 3])
+def test_decode_into_an_lmcache_chunk_part(dtype, first):
+    """Codes of [layers, heads, T, D] written straight into tokens [first, first + T) of a chunk part
+    [layers, tokens, heads * D]: the same values as dequantize, transposed and rounded by torch."""
+    layers, heads, d, tokens = 3, 2, 64, 40
+    q = TurboQuantMSE(d, 4, precondition="scale")
+    x = torch.randn(layers, heads, tokens - first, d)
+    x[1, 0] *= 1000.0  # another scale in one head
+    c = q.quantize(x)
+    want = turboquant_rows.dequantize(c).transpose(1, 2).reshape(layers, tokens - first, heads * d).to(dtype)
+    out = torch.full((layers, tokens, heads * d), float("nan"), dtype=dtype)
+    with turboquant_fast.workers(2):
+        assert turboquant_rows.dequantize_into_chunk(c, out, first)
+    assert torch.equal(out[:, first:].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert out[:, :first].isnan().all()  # the tokens before stay as they were
+    assert not turboquant_rows.dequantize_into_chunk(c, torch.empty(layers, tokens, heads * d, dtype=torch.float16), 0)
+    assert not turboquant_rows.dequantize_into_chunk(c, out, tokens - first + 1)  # past the end: not written
+
+
+def test_bf16_rounding_is_torchs():
+    """The kernel's float32 -> bfloat16 rounding against torch's on edge bit patterns (ties to even,
+    the largest finite values, infinities, subnormals); a NaN stays a NaN (torch's own NaN bits depend on
+    its code path: its scalar and vector conversions differ)."""
+    import numpy as np
+
+    bits = np.array([0, 0x80000000, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F800000, 0xFF800000,
+                     0x7FC00001, 0xFFFFFFFF, 0x00000001, 0x807FFFFF, 0x3F7FFFFF], np.uint32)
+    vals = torch.from_numpy(bits.view(np.float32).copy())
+    with np.errstate(over="ignore"):  # the Python form wraps in uint32 as the compiled one does (NaN patterns)
+        got = [turboquant_rows._bf16_bits.py_func(np.float32(v), np.uint32(b)) for v, b in zip(vals.numpy(), bits)]
+    want = vals.to(torch.bfloat16)
+    got = torch.from_numpy(np.array(got, np.uint16).view(np.int16)).view(torch.bfloat16)
+    nan = vals.isnan()
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)) and got[nan].isnan().all()

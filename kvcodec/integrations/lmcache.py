@@ -589,6 +589,8 @@ class TurboQuantDeserializer(Deserializer):
                 raise CorruptStreamError(f"turboquant {name} codes do not fit the chunk {tuple(out.shape)}")
             if self.stage is None:
                 with turboquant_fast.workers(self.threads):
+                    if turboquant_rows.dequantize_into_chunk(q, out[part], e):  # bf16 / f32: straight in
+                        continue
                     rec = turboquant_rows.dequantize(q, torch.float32)  # [layers, heads, tokens, d]
                 out[part, :, e:] = _narrow(rec.transpose(1, 2).reshape(out.shape[1], n_tokens - e, out.shape[3]),
                                            out.dtype)

@@ -194,13 +194,28 @@ def _pack(idx, bits, out):  # pragma: no cover - compiled
             pos += bits
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _bf16_bits(x, u):  # pragma: no cover - compiled
+    """The bfloat16 bits of float32 ``x`` (``u``: its bits) rounded as torch rounds, to nearest even (a NaN
+    gives 0x7FC0)."""
+    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.uint16(0x7FC0) if x != x else np.uint16(r)
+
+
 @njit(nogil=True, cache=True, fastmath=_FAST)
-def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits, out):  # pragma: no cover
-    """out [n, D] float32 <- R^T (cb[codes] * norm) * scale + center per row, LANES rows at a time."""
-    n, d = out.shape
+def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits, out, bf16, heads, t_total, first,
+                 lead0):  # pragma: no cover
+    """R^T (cb[codes] * norm) * scale + center per row, LANES rows at a time, into ``out``: row i itself
+    (heads == 0; out [n, D] float32), or, for rows of leading index lead0 + i // per = (layer, head) and
+    token t = i % per, out[layer * t_total + first + t, head * D : (head + 1) * D] of an LMCache chunk part
+    [layers * t_total, heads * D] (float32, or with ``bf16`` uint16 holding bfloat16 bits)."""
+    n = codes.shape[0]
+    d = center.shape[1]
     mask = (1 << bits) - 1
     v = np.empty((d, LANES), np.float32)
     w = np.empty((d, LANES), np.float32)
+    row_f = np.empty(d, np.float32)
+    row_u = row_f.view(np.uint32)
     for r0 in range(0, n, LANES):
         m = min(LANES, n - r0)
         for r in range(m):
@@ -225,11 +240,23 @@ def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits,
                     pos += bits
         _rotate_back(v, m, kind, s1, s2, post, w)
         for r in range(m):
-            o = out[r0 + r]
-            lead = (r0 + r) // per
+            i = r0 + r
+            lead = i // per
             c, sc = center[lead], scale[lead]
+            if heads == 0:
+                dst, col = i, 0
+            else:
+                g = lead0 + lead
+                dst, col = (g // heads) * t_total + first + i % per, (g % heads) * d
+            o = out[dst]
             for j in range(d):
-                o[j] = w[j, r] * sc[j] + c[j]
+                row_f[j] = w[j, r] * sc[j] + c[j]
+            if bf16:
+                for j in range(d):
+                    o[col + j] = _bf16_bits(row_f[j], row_u[j])
+            else:
+                for j in range(d):
+                    o[col + j] = row_f[j]
 
 
 class _Plan:
@@ -305,27 +332,60 @@ def quantize(q, x: torch.Tensor, precond=None) -> QuantizedTensor:
                            side=pre.side_fields())
 
 
-def dequantize(c: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``c.dequantize(dtype)`` in one compiled pass per row where :func:`applies`, else ``c.dequantize``."""
+def _decode_plan(c: QuantizedTensor):
+    """(quantizer, plan, codes rows, norms, center, scale) for the kernels, or None where they do not apply."""
     q = c.quantizer
     codes, norms = c.token.get("codes"), c.token.get("norms")
     if (not applies(q, *c.token.values(), *c.side.values()) or codes is None or norms is None
             or c.num_tokens == 0 or set(c.token) != {"codes", "norms"}):
-        return c.dequantize(dtype)
+        return None
     q._own(c)
-    plan = _plan(q)
-    n_tokens = c.num_tokens
     center, scale = _side_rows(ChannelPreconditioner.from_side(c.side), tuple(c.lead_shape), q.dim)
-    rows = turboquant_fast._rows(codes)
     nr = turboquant_fast._rows(norms.float().unsqueeze(-1))[:, 0].copy()
+    return q, _plan(q), turboquant_fast._rows(codes), nr, center, scale
+
+
+def dequantize(c: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``c.dequantize(dtype)`` in one compiled pass per row where :func:`applies`, else ``c.dequantize``."""
+    found = _decode_plan(c)
+    if found is None:
+        return c.dequantize(dtype)
+    q, plan, rows, nr, center, scale = found
+    n_tokens = c.num_tokens
     out = np.empty((rows.shape[0], q.dim), np.float32)
 
     def run(lo, hi):
         _decode_rows(rows[lo:hi], nr[lo:hi], center[lo // n_tokens:], scale[lo // n_tokens:], n_tokens,
-                     *plan.args(), plan.cb, plan.bits, out[lo:hi])
+                     *plan.args(), plan.cb, plan.bits, out[lo:hi], False, 0, 0, 0, 0)
 
     _split_leads(run, rows.shape[0], n_tokens)
     return torch.from_numpy(out).reshape(*c.lead_shape, n_tokens, q.dim).to(dtype)
+
+
+def dequantize_into_chunk(c: QuantizedTensor, out: torch.Tensor, first: int) -> bool:
+    """Write ``c`` ([layers, heads, T, D] codes) into tokens [first, first + T) of ``out``, an LMCache chunk
+    part [layers, tokens, heads * D] (contiguous CPU bfloat16 or float32; bfloat16 rounded as torch
+    rounds), without the float32 [layers, heads, T, D] intermediate. False (nothing written) where the
+    kernels do not apply: the caller takes ``dequantize``."""
+    found = _decode_plan(c) if out.dtype in (torch.bfloat16, torch.float32) else None
+    if found is None or out.device.type != "cpu" or not out.is_contiguous() or out.dim() != 3:
+        return False
+    q, plan, rows, nr, center, scale = found
+    layers, t_total, hidden = out.shape
+    if len(c.lead_shape) != 2 or c.lead_shape[0] != layers or c.lead_shape[1] * q.dim != hidden \
+            or not 0 <= first <= t_total - c.num_tokens:
+        return False
+    heads, n_tokens = c.lead_shape[1], c.num_tokens
+    flat = out.view(torch.int16).numpy().view(np.uint16) if out.dtype == torch.bfloat16 else out.numpy()
+    flat = flat.reshape(layers * t_total, hidden)
+
+    def run(lo, hi):
+        _decode_rows(rows[lo:hi], nr[lo:hi], center[lo // n_tokens:], scale[lo // n_tokens:], n_tokens,
+                     *plan.args(), plan.cb, plan.bits, flat, out.dtype == torch.bfloat16, heads, t_total, first,
+                     lo // n_tokens)
+
+    _split_leads(run, rows.shape[0], n_tokens)
+    return True
 
 
 def _split_leads(run, n_rows: int, per: int) -> None:
