@@ -58,56 +58,81 @@ def usable(*tensors: torch.Tensor) -> bool:
     return enabled() and all(t.device.type == "cpu" for t in tensors)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def bucketize_row(row, thr, cb, count, idx, vals):  # pragma: no cover - compiled
+    """One row: idx = number of thresholds < row (torch.bucketize, right=False; NaN -> len(thr)); vals =
+    cb[idx]; ``count`` is scratch of the row's length. Up to 31 thresholds (<= 5 bits): a branch-free
+    count the compiler vectorizes; more: binary search."""
+    n_thr = thr.shape[0]
+    d = row.shape[0]
+    if n_thr <= 31:
+        for j in range(d):
+            count[j] = 0
+        for i in range(n_thr):
+            t = thr[i]
+            for j in range(d):
+                count[j] += row[j] > t
+    else:
+        for j in range(d):
+            v = row[j]
+            lo, hi = 0, n_thr
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if thr[mid] < v:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            count[j] = lo
+    for j in range(d):
+        c = count[j]
+        if row[j] != row[j]:  # NaN sorts after every threshold, as in torch.bucketize
+            c = n_thr
+        idx[j] = c
+        vals[j] = cb[c]
+
+
 @njit(nogil=True, cache=True)
 def _bucketize_rows(y, thr, cb, idx, vals):  # pragma: no cover - compiled
-    """idx = number of thresholds < y (torch.bucketize, right=False; NaN -> len(thr)); vals = cb[idx].
-    Up to 31 thresholds (<= 5 bits): a branch-free count the compiler vectorizes; more: binary search."""
-    n_thr = thr.shape[0]
-    d = y.shape[1]
-    count = np.empty(d, np.int64)
+    """:func:`bucketize_row` of every row of y."""
+    count = np.empty(y.shape[1], np.int64)
     for r in range(y.shape[0]):
-        row = y[r]
-        if n_thr <= 31:
-            for j in range(d):
-                count[j] = 0
-            for i in range(n_thr):
-                t = thr[i]
-                for j in range(d):
-                    count[j] += row[j] > t
-        else:
-            for j in range(d):
-                v = row[j]
-                lo, hi = 0, n_thr
-                while lo < hi:
-                    mid = (lo + hi) >> 1
-                    if thr[mid] < v:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                count[j] = lo
+        bucketize_row(y[r], thr, cb, count, idx[r], vals[r])
+
+
+@njit(nogil=True, cache=True, inline="always")
+def pack_row(values, bits, out):  # pragma: no cover - compiled
+    """Coordinate j's low ``bits`` bits at stream bits [j*bits, (j+1)*bits), little-endian (tq layout v1);
+    whole bytes of 2, 4 or 8 bits at a time where the row fills them."""
+    d = values.shape[0]
+    mask = (1 << bits) - 1
+    if bits == 8:
         for j in range(d):
-            c = count[j]
-            if row[j] != row[j]:  # NaN sorts after every threshold, as in torch.bucketize
-                c = n_thr
-            idx[r, j] = c
-            vals[r, j] = cb[c]
+            out[j] = np.uint8(np.int64(values[j]) & mask)
+    elif bits == 4 and d % 2 == 0:
+        for b in range(d // 2):
+            out[b] = np.uint8((np.int64(values[2 * b]) & mask) | ((np.int64(values[2 * b + 1]) & mask) << 4))
+    elif bits == 2 and d % 4 == 0:
+        for b in range(d // 4):
+            out[b] = np.uint8((np.int64(values[4 * b]) & mask) | ((np.int64(values[4 * b + 1]) & mask) << 2)
+                              | ((np.int64(values[4 * b + 2]) & mask) << 4) | ((np.int64(values[4 * b + 3]) & mask) << 6))
+    else:
+        for b in range(out.shape[0]):
+            out[b] = 0
+        pos = 0
+        for j in range(d):
+            v = np.int64(values[j]) & mask
+            byte, shift = pos >> 3, pos & 7
+            out[byte] |= np.uint8((v << shift) & 0xFF)
+            if shift + bits > 8:
+                out[byte + 1] |= np.uint8(v >> (8 - shift))
+            pos += bits
 
 
 @njit(nogil=True, cache=True)
 def _pack_rows(values, bits, out):  # pragma: no cover - compiled
-    """Coordinate j's low ``bits`` bits at stream bits [j*bits, (j+1)*bits), little-endian (tq layout v1)."""
-    mask = (1 << bits) - 1
+    """:func:`pack_row` of every row of values."""
     for r in range(values.shape[0]):
-        for b in range(out.shape[1]):
-            out[r, b] = 0
-        pos = 0
-        for j in range(values.shape[1]):
-            v = np.int64(values[r, j]) & mask
-            byte, shift = pos >> 3, pos & 7
-            out[r, byte] |= np.uint8((v << shift) & 0xFF)
-            if shift + bits > 8:
-                out[r, byte + 1] |= np.uint8(v >> (8 - shift))
-            pos += bits
+        pack_row(values[r], bits, out[r])
 
 
 @njit(nogil=True, cache=True)
@@ -140,17 +165,23 @@ def thread_count() -> int:
     return getattr(_state, "workers", None) or torch.get_num_threads()
 
 
+def split_ranges(run, n_rows: int, align: int = 1) -> None:
+    """``run(lo, hi)`` over row ranges on ``thread_count()`` threads (the kernels release the GIL), each
+    range starting at a multiple of ``align`` (at least MIN_ROWS_PER_THREAD rows a thread)."""
+    units = n_rows // align
+    n = max(1, min(thread_count(), n_rows // MIN_ROWS_PER_THREAD, units))
+    if n == 1:
+        run(0, n_rows)
+        return
+    bounds = (np.linspace(0, units, n + 1).astype(np.int64) * align).tolist()
+    bounds[-1] = n_rows
+    with ThreadPoolExecutor(n) as ex:
+        list(ex.map(lambda b: run(*b), zip(bounds[:-1], bounds[1:])))
+
+
 def _split_rows(fn, n_rows: int, *arrays) -> None:
     """Run ``fn(*row_slices)`` over row blocks on ``thread_count()`` threads (GIL released)."""
-    want = thread_count()
-    n = max(1, min(want, n_rows // MIN_ROWS_PER_THREAD))
-    if n == 1:
-        fn(*arrays)
-        return
-    bounds = np.linspace(0, n_rows, n + 1).astype(np.int64)
-    parts = [[a[lo:hi] for a in arrays] for lo, hi in zip(bounds[:-1], bounds[1:])]
-    with ThreadPoolExecutor(n) as ex:
-        list(ex.map(lambda p: fn(*p), parts))
+    split_ranges(lambda lo, hi: fn(*[a[lo:hi] for a in arrays]), n_rows)
 
 
 def _rows(t: torch.Tensor) -> np.ndarray:

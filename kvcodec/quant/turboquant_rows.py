@@ -23,7 +23,6 @@ tensors; anything else goes to the quantizer's own methods.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -62,6 +61,17 @@ def _fwht(v, m):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST, inline="always")
+def _hadamard_rounds(out, m, kind, s2):  # pragma: no cover - compiled
+    """out <- H out, or H diag(s2) H out ("hadamard2"), on the first m lanes: the part R and R^T share."""
+    _fwht(out, m)
+    if kind == _HADAMARD2:
+        for j in range(out.shape[0]):
+            for r in range(m):
+                out[j, r] *= s2[j]
+        _fwht(out, m)
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST, inline="always")
 def _rotate(u, m, kind, s1, s2, post, out):  # pragma: no cover - compiled
     """out <- R u for the first m lanes of u [D, LANES]: H diag(s2) H diag(s1) u / D ("hadamard2") or
     H diag(s1) u / sqrt(D) ("hadamard")."""
@@ -69,12 +79,7 @@ def _rotate(u, m, kind, s1, s2, post, out):  # pragma: no cover - compiled
     for j in range(d):
         for r in range(m):
             out[j, r] = u[j, r] * s1[j]
-    _fwht(out, m)
-    if kind == _HADAMARD2:
-        for j in range(d):
-            for r in range(m):
-                out[j, r] *= s2[j]
-        _fwht(out, m)
+    _hadamard_rounds(out, m, kind, s2)
     for j in range(d):
         for r in range(m):
             out[j, r] *= post
@@ -87,12 +92,7 @@ def _rotate_back(v, m, kind, s1, s2, post, out):  # pragma: no cover - compiled
     for j in range(d):
         for r in range(m):
             out[j, r] = v[j, r]
-    _fwht(out, m)
-    if kind == _HADAMARD2:
-        for j in range(d):
-            for r in range(m):
-                out[j, r] *= s2[j]
-        _fwht(out, m)
+    _hadamard_rounds(out, m, kind, s2)
     for j in range(d):
         f = s1[j] * post
         for r in range(m):
@@ -107,12 +107,13 @@ def _encode_rows(x, center, scale, per, kind, s1, s2, post, thr, cb, bits, corre
     one: an exact no-op). Rows go LANES at a time: the rotation runs across the block's rows (transposed),
     everything else along each row."""
     n, d = x.shape
-    n_thr = thr.shape[0]
     u = np.empty((d, LANES), np.float32)
     y = np.empty((d, LANES), np.float32)
     xp = np.empty(d, np.float32)
     yr = np.empty(d, np.float32)
-    idx = np.empty(d, np.int32)
+    count = np.empty(d, np.int64)
+    idx = np.empty(d, np.int64)
+    vals = np.empty(d, np.float32)
     norm = np.empty(LANES, np.float32)
     for r0 in range(0, n, LANES):
         m = min(LANES, n - r0)
@@ -139,59 +140,13 @@ def _encode_rows(x, center, scale, per, kind, s1, s2, post, thr, cb, bits, corre
         for r in range(m):  # row by row again: centroid search, norm correction, packing
             for j in range(d):
                 yr[j] = y[j, r]
-            if n_thr <= 31:  # a count over the thresholds
-                for j in range(d):
-                    idx[j] = 0
-                for i in range(n_thr):
-                    t = thr[i]
-                    for j in range(d):
-                        idx[j] += np.int32(yr[j] > t)
-            else:
-                for j in range(d):
-                    lo, hi = 0, n_thr
-                    while lo < hi:
-                        mid = (lo + hi) >> 1
-                        if thr[mid] < yr[j]:
-                            lo = mid + 1
-                        else:
-                            hi = mid
-                    idx[j] = lo
+            turboquant_fast.bucketize_row(yr, thr, cb, count, idx, vals)
             dot = np.float32(0.0)
             for j in range(d):
-                v = yr[j]
-                if v != v:  # NaN sorts after every threshold, as in torch.bucketize
-                    idx[j] = n_thr
-                dot += v * cb[idx[j]]
-            _pack(idx, bits, codes[r0 + r])
+                dot += yr[j] * vals[j]
+            turboquant_fast.pack_row(idx, bits, codes[r0 + r])
             nr = norm[r]
             scales[r0 + r] = nr / dot if correct and dot > 0 else nr
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _pack(idx, bits, out):  # pragma: no cover - compiled
-    """Code j's low ``bits`` bits at stream bits [j*bits, (j+1)*bits), little-endian (tq layout v1)."""
-    d = idx.shape[0]
-    if bits == 8:
-        for j in range(d):
-            out[j] = np.uint8(idx[j])
-    elif bits == 4 and d % 2 == 0:
-        for b in range(d // 2):
-            out[b] = np.uint8(idx[2 * b] | (idx[2 * b + 1] << 4))
-    elif bits == 2 and d % 4 == 0:
-        for b in range(d // 4):
-            out[b] = np.uint8(idx[4 * b] | (idx[4 * b + 1] << 2) | (idx[4 * b + 2] << 4) | (idx[4 * b + 3] << 6))
-    else:
-        mask = (1 << bits) - 1
-        for b in range(out.shape[0]):
-            out[b] = 0
-        pos = 0
-        for j in range(d):
-            code = np.int64(idx[j]) & mask
-            byte, shift = pos >> 3, pos & 7
-            out[byte] |= np.uint8((code << shift) & 0xFF)
-            if shift + bits > 8:
-                out[byte + 1] |= np.uint8(code >> (8 - shift))
-            pos += bits
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -324,7 +279,7 @@ def quantize(q, x: torch.Tensor, precond=None) -> QuantizedTensor:
         _encode_rows(rows[lo:hi], center[lo // n_tokens:], scale[lo // n_tokens:], n_tokens, *plan.args(), plan.thr,
                      plan.cb, plan.bits, q.norm_correction, codes[lo:hi], scales[lo:hi])
 
-    _split_leads(run, rows.shape[0], n_tokens)
+    turboquant_fast.split_ranges(run, rows.shape[0], n_tokens)  # ranges of whole leading indices
     norms = torch.from_numpy(scales).reshape(*lead, n_tokens)
     dt = base.settle_norms(x, norms)
     token = {"codes": torch.from_numpy(codes).reshape(*lead, n_tokens, plan.width), "norms": norms.to(dt)}
@@ -358,7 +313,7 @@ def dequantize(c: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         _decode_rows(rows[lo:hi], nr[lo:hi], center[lo // n_tokens:], scale[lo // n_tokens:], n_tokens,
                      *plan.args(), plan.cb, plan.bits, out[lo:hi], False, 0, 0, 0, 0)
 
-    _split_leads(run, rows.shape[0], n_tokens)
+    turboquant_fast.split_ranges(run, rows.shape[0], n_tokens)  # ranges of whole leading indices
     return torch.from_numpy(out).reshape(*c.lead_shape, n_tokens, q.dim).to(dtype)
 
 
@@ -384,19 +339,5 @@ def dequantize_into_chunk(c: QuantizedTensor, out: torch.Tensor, first: int) -> 
                      *plan.args(), plan.cb, plan.bits, flat, out.dtype == torch.bfloat16, heads, t_total, first,
                      lo // n_tokens)
 
-    _split_leads(run, rows.shape[0], n_tokens)
+    turboquant_fast.split_ranges(run, rows.shape[0], n_tokens)  # ranges of whole leading indices
     return True
-
-
-def _split_leads(run, n_rows: int, per: int) -> None:
-    """``run(lo, hi)`` over row ranges on the configured threads, each range starting at a multiple of
-    ``per`` (a leading index's first row, so its preconditioner row is the range's first)."""
-    want = turboquant_fast.thread_count()
-    n_leads = n_rows // per
-    n = max(1, min(want, n_rows // turboquant_fast.MIN_ROWS_PER_THREAD, n_leads))
-    if n == 1:
-        run(0, n_rows)
-        return
-    bounds = (np.linspace(0, n_leads, n + 1).astype(np.int64) * per).tolist()
-    with ThreadPoolExecutor(n) as ex:
-        list(ex.map(lambda b: run(*b), zip(bounds[:-1], bounds[1:])))
