@@ -20,7 +20,7 @@ from kvcodec import container, safe_write
 from kvcodec.errors import CorruptStreamError
 from kvcodec.weights import from_safetensors
 from kvcodec.weights.blob import encode
-from kvcodec.weights.runtime import ATTR, Held, attach, groups, holder_for
+from kvcodec.weights.runtime import ATTR, Held, attach, groups, holder_for, target_device
 
 KIND = "kvcodec.weights"
 VERSION = 1
@@ -88,14 +88,6 @@ def _entries(meta, key: str, fields: set[str]) -> list[dict]:
     return entries
 
 
-def _empty_model(config) -> nn.Module:
-    """The model of a transformers config on the meta device (no weight memory)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     mod, _, attr = name.rpartition(".")
     try:
@@ -122,9 +114,7 @@ def load_model(path: str | os.PathLike, model_or_config=None, device=None, threa
         return from_safetensors.load(path, model_or_config, device, threads)
     if model_or_config is None:
         raise ValueError("a kvcodec weights checkpoint needs the model, or its config, to load into")
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = target_device(device)
     data = Path(path).read_bytes()
     _, meta, secs = container.loads(data, expect_kind=KIND)
     if not isinstance(meta, dict) or meta.get("v") != VERSION or set(meta) != {"v", "weights", "params", "buffers"}:
@@ -137,7 +127,7 @@ def load_model(path: str | os.PathLike, model_or_config=None, device=None, threa
     if set(secs) != expected or not all(isinstance(secs[k], torch.Tensor) for k in expected if k[0] != "w") \
             or not all(isinstance(secs[k], memoryview) for k in expected if k[0] == "w"):
         raise CorruptStreamError("weights checkpoint: sections do not match the meta")
-    model = model_or_config if isinstance(model_or_config, nn.Module) else _empty_model(model_or_config)
+    model = model_or_config if isinstance(model_or_config, nn.Module) else from_safetensors.meta_model(model_or_config)
     if getattr(model, ATTR, None) is not None:
         raise ValueError("the model's weights are already compressed")
     for i, e in enumerate(params):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kvcodec.weights.blob import DTYPES, encode
-from kvcodec.weights.runtime import Held, attach, holder_for
+from kvcodec.weights.runtime import Held, attach, groups, holder_for, target_device
 
 
 def checkpoint_files(path: str | os.PathLike) -> list[Path] | None:
@@ -42,7 +42,8 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path] | None:
     return None
 
 
-def _meta_model(config) -> nn.Module:
+def meta_model(config) -> nn.Module:
+    """The model of a transformers config on the meta device (no weight memory), in eval mode."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -85,10 +86,8 @@ def load(path: str | os.PathLike, config=None, device=None, threads: int = 0) ->
 
         folder = Path(path) if Path(path).is_dir() else Path(path).parent
         config = AutoConfig.from_pretrained(folder)
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    model = _meta_model(config)
+    dev = target_device(device)
+    model = meta_model(config)
     where = {}
     for f in files:
         with safe_open(f, framework="pt") as sf:
@@ -98,17 +97,8 @@ def load(path: str | os.PathLike, config=None, device=None, threads: int = 0) ->
         with safe_open(where[name], framework="pt", device="cpu") as sf:
             return sf.get_tensor(name)
 
-    # the compressible weights: each distinct (tied once) Linear / Embedding weight, named as stored
-    weights: dict[int, tuple[list[str], list[nn.Module], torch.Tensor]] = {}
-    for name, m in model.named_modules(remove_duplicate=False):
-        p = m._parameters.get("weight") if isinstance(m, (nn.Linear, nn.Embedding)) else None
-        if isinstance(p, torch.Tensor) and p.dtype in DTYPES and p.numel():
-            names, mods, _ = weights.setdefault(id(p), ([], [], p))
-            names.append(f"{name}.weight" if name else "weight")
-            if all(x is not m for x in mods):
-                mods.append(m)
     held, done = [], set()
-    for names, mods, p in weights.values():
+    for names, mods, p in groups(model, on_meta=True):  # each distinct (tied once) weight, its names
         stored = [n for n in names if n in where]
         if not stored:
             raise ValueError(f"the checkpoint does not hold {names[0]!r}")

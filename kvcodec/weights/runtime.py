@@ -27,10 +27,12 @@ from kvcodec.weights.report import WeightReport, WeightRow
 ATTR = "_kvcodec_weights"
 
 
-def compressible(module: nn.Module) -> bool:
-    """A Linear or Embedding whose weight is a parameter of a dtype the format takes."""
+def compressible(module: nn.Module, on_meta: bool = False) -> bool:
+    """A Linear or Embedding whose weight is a parameter of a dtype the format takes (with data, or with
+    ``on_meta`` a meta-device placeholder of a model about to be loaded)."""
     p = module._parameters.get("weight") if isinstance(module, (nn.Linear, nn.Embedding)) else None
-    return isinstance(p, torch.Tensor) and p.dtype in DTYPES and p.numel() > 0 and p.device.type != "meta"
+    return (isinstance(p, torch.Tensor) and p.dtype in DTYPES and p.numel() > 0
+            and (p.device.type == "meta") == on_meta)
 
 
 class Held:
@@ -141,11 +143,11 @@ class Runtime:
         self.held, self.by_module, self.scratch = [], {}, None
 
 
-def groups(model: nn.Module) -> list[tuple[list[str], list[nn.Module], torch.Tensor]]:
+def groups(model: nn.Module, on_meta: bool = False) -> list[tuple[list[str], list[nn.Module], torch.Tensor]]:
     """(parameter names, modules, the parameter) of each distinct compressible weight, model order."""
     found: dict[int, tuple[list[str], list[nn.Module], torch.Tensor]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
-        if compressible(m):
+        if compressible(m, on_meta):
             p = m._parameters["weight"]
             names, mods, _ = found.setdefault(id(p), ([], [], p))
             names.append(f"{name}.weight" if name else "weight")
@@ -166,6 +168,14 @@ def holder_for(blob, device: torch.device, verify: bool = True):
     if device.type != "cpu":
         raise ValueError(f"compressed weights live on a CPU or CUDA device, not {device}")
     return HostWeight(blob, verify)
+
+
+def target_device(device) -> torch.device:
+    """Where a loaded model goes: ``device`` (default CPU), a CUDA device with its index."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def attach(model: nn.Module, held: list[Held], device: torch.device, threads: int = 0) -> WeightReport:
