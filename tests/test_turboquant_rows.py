@@ -110,6 +110,55 @@ def test_other_quantizers_and_devices_take_their_own_path():
         assert not turboquant_rows.applies(q, x)
 
 
+def _same_f16_or_next(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """float16 tensors equal, or one rounding step apart (a statistic on a rounding boundary)."""
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return bool(((ai - bi).abs() <= 1).all())
+
+
+@SETTINGS
+@given(dim=st.sampled_from([32, 64, 128]), bits=st.integers(1, 8), rotation=st.sampled_from(["hadamard", "hadamard2"]),
+       precondition=st.sampled_from(["none", "center", "scale"]), layers=st.integers(1, 3), heads=st.integers(1, 3),
+       tokens=st.integers(1, 40), first=st.integers(0, 3), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       threads=st.sampled_from([1, 2]), data_seed=st.integers(0, 2**31 - 1))
+def test_a_chunk_part_read_in_place(dim, bits, rotation, precondition, layers, heads, tokens, first, dtype, threads,
+                                    data_seed):
+    """quantize_chunk of an LMCache chunk part [layers, T, heads * D] is quantize of its tokens [first, T) as
+    [layers, heads, T - first, D]: the preconditioner to float16 rounding, and with that preconditioner the
+    same codes and norms, bit for bit."""
+    from kvcodec.quant.precondition import ChannelPreconditioner, calibrate
+
+    first = min(first, tokens - 1)
+    q = TurboQuantMSE(dim, bits, rotation=rotation, precondition=precondition)
+    g = torch.Generator().manual_seed(data_seed)
+    part = (torch.randn(layers, tokens, heads * dim, generator=g) * torch.rand(1, 1, heads * dim, generator=g) * 4
+            + torch.randn(1, 1, heads * dim, generator=g)).to(dtype)
+    x = part[:, first:].reshape(layers, tokens - first, heads, dim).transpose(1, 2).float()
+    with turboquant_fast.workers(threads):
+        got = turboquant_rows.quantize_chunk(q, part, first, heads)
+        ref_pre = calibrate(x, precondition)
+        ref = turboquant_rows.quantize(q, x, ChannelPreconditioner.from_side(got.side) if got.side else None)
+    assert set(got.side) == set(ref_pre.side_fields())
+    for k, t in ref_pre.side_fields().items():
+        assert got.side[k].shape == t.shape and _same_f16_or_next(got.side[k], t), k
+    assert got.lead_shape == (layers, heads) and got.num_tokens == tokens - first
+    for k in ("codes", "norms"):
+        assert torch.equal(got.token[k], ref.token[k]), k
+
+
+def test_a_chunk_part_the_kernels_do_not_read_is_left_to_the_caller():
+    q = TurboQuantMSE(64, 4)
+    part = torch.randn(2, 8, 128)
+    assert turboquant_rows.quantize_chunk(q, part.half(), 0, 2) is None  # float16: through the float32 copy
+    assert turboquant_rows.quantize_chunk(q, part.transpose(0, 1), 0, 2) is None  # not contiguous
+    assert turboquant_rows.quantize_chunk(q, part, 0, 3) is None  # heads * D is not the hidden size
+    assert turboquant_rows.quantize_chunk(q, part, 8, 2) is None  # no token left
+    assert turboquant_rows.quantize_chunk(TurboQuantMSE(64, 4, rotation="qr"), part, 0, 2) is None
+    part[1, 5, 70] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        turboquant_rows.quantize_chunk(q, part, 0, 2)
+
+
 def test_threads_split_rows_to_the_same_bytes():
     q = TurboQuantMSE(128, 4, precondition="scale")
     x = torch.randn(4, 600, 128)

@@ -531,8 +531,11 @@ class TurboQuantSerializer(Serializer):
         if n_tokens > e:
             for part, name in zip(range(kv.shape[0]), "kv"):
                 with turboquant_fast.workers(self.threads):
-                    x = _part_heads(kv[part, :, e:], n_heads)
-                    q = turboquant_rows.quantize(self.quantizers[part], x).to_dict()
+                    # read in place where the compiled path takes the chunk, else through a float32 copy
+                    q = turboquant_rows.quantize_chunk(self.quantizers[part], kv[part], e, n_heads)
+                    if q is None:
+                        q = turboquant_rows.quantize(self.quantizers[part], _part_heads(kv[part, :, e:], n_heads))
+                    q = q.to_dict()
                 meta[name] = q["meta"]
                 tensors.update({f"{name}.{k}": t.cpu() for k, t in q["tensors"].items()})
         return container.dumps(TQ_KIND, meta, {k: t.cpu() for k, t in tensors.items()})

@@ -110,10 +110,19 @@ def calibrate(x: torch.Tensor, mode: str = "scale", queries: torch.Tensor | None
     if mode == "center":
         return ChannelPreconditioner(center=center)
     sigma = (x - center.float()).pow(2).mean(dim=dims, keepdim=True).sqrt()
+    qrms = None
     if queries is not None:
         if queries.shape[:-2] != x.shape[:-2] or queries.shape[-1] != x.shape[-1]:
             raise ValueError(f"queries {tuple(queries.shape)} must match keys {tuple(x.shape)} in leading dims and D")
         qrms = queries.float().pow(2).mean(dim=dims, keepdim=True).sqrt()
+    return scaled(center, sigma, qrms)
+
+
+def scaled(center: torch.Tensor, sigma: torch.Tensor, qrms: torch.Tensor | None = None) -> ChannelPreconditioner:
+    """The "scale" preconditioner from its float16 ``center`` and ``sigma`` (float32), each channel's RMS
+    about that center (and ``qrms``, the queries' RMS, where known): w = sqrt(sigma [/ rms(q)]) with a
+    floor, at geometric mean 1. Callers that measure the statistics their own way share this recipe."""
+    if qrms is not None:
         floor = qrms.amax(dim=-1, keepdim=True) * 1e-3 + 1e-30
         sigma = sigma / torch.maximum(qrms, floor)
     floor = sigma.amax(dim=-1, keepdim=True) * 1e-4 + 1e-30

@@ -17,7 +17,9 @@ its last bits before it is rounded to its storage dtype; tests/test_turboquant_r
 against the torch path.
 
 Applies to ``TurboQuantMSE`` itself (not its QJL or outlier variants) with a Hadamard rotation, on CPU
-tensors; anything else goes to the quantizer's own methods.
+tensors; anything else goes to the quantizer's own methods. :func:`quantize_chunk` reads an LMCache chunk
+part (bfloat16 or float32) in place, its preconditioner statistics included, so the stored-chunk serde makes
+no transposed float32 copy of the chunk.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from numba import njit
 from kvcodec.quant import base, turboquant_fast
 from kvcodec.quant.compressed import QuantizedTensor
 from kvcodec.quant.packing import packed_width
-from kvcodec.quant.precondition import ChannelPreconditioner
+from kvcodec.quant.precondition import ChannelPreconditioner, scaled
 from kvcodec.quant.rotations import hadamard_signs
 from kvcodec.quant.turboquant import TurboQuantMSE, resolve_precond
 
@@ -45,107 +47,187 @@ LANES = 16  # rows rotated together: a butterfly is one vector operation over th
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST, inline="always")
-def _fwht(v, m):  # pragma: no cover - compiled
-    """In place, unnormalised, on the first m lanes of v [D, LANES]: v <- H v (Sylvester order)."""
-    n = v.shape[0]
+def _fwht(y):  # pragma: no cover - compiled
+    """In place, unnormalised, on y [D, LANES]: y <- H y (Sylvester order). Two butterfly rounds (h, 2h) a
+    pass over the block: the same sums in the same order as one round a pass, with half the loads and
+    stores (the rounds are bound by them, not by the adds)."""
+    d = y.shape[0]
     h = 1
-    while h < n:
-        for i in range(0, n, 2 * h):
+    while 2 * h < d:
+        for i in range(0, d, 4 * h):
             for j in range(i, i + h):
-                for r in range(m):
-                    a = v[j, r]
-                    b = v[j + h, r]
-                    v[j, r] = a + b
-                    v[j + h, r] = a - b
-        h *= 2
+                for r in range(LANES):
+                    a, b, c, e = y[j, r], y[j + h, r], y[j + 2 * h, r], y[j + 3 * h, r]
+                    s0, s1, t0, t1 = a + b, a - b, c + e, c - e
+                    y[j, r] = s0 + t0
+                    y[j + h, r] = s1 + t1
+                    y[j + 2 * h, r] = s0 - t0
+                    y[j + 3 * h, r] = s1 - t1
+        h *= 4
+    if h < d:  # an odd number of rounds: the last one alone
+        for j in range(h):
+            for r in range(LANES):
+                a, b = y[j, r], y[j + h, r]
+                y[j, r] = a + b
+                y[j + h, r] = a - b
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST, inline="always")
-def _hadamard_rounds(out, m, kind, s2):  # pragma: no cover - compiled
-    """out <- H out, or H diag(s2) H out ("hadamard2"), on the first m lanes: the part R and R^T share."""
-    _fwht(out, m)
+def _hadamard_rounds(y, kind, s2):  # pragma: no cover - compiled
+    """y <- H y, or H diag(s2) H y ("hadamard2"): the part R and R^T share."""
+    _fwht(y)
     if kind == _HADAMARD2:
-        for j in range(out.shape[0]):
-            for r in range(m):
-                out[j, r] *= s2[j]
-        _fwht(out, m)
+        for j in range(y.shape[0]):
+            f = s2[j]
+            for r in range(LANES):
+                y[j, r] *= f
+        _fwht(y)
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST, inline="always")
-def _rotate(u, m, kind, s1, s2, post, out):  # pragma: no cover - compiled
-    """out <- R u for the first m lanes of u [D, LANES]: H diag(s2) H diag(s1) u / D ("hadamard2") or
-    H diag(s1) u / sqrt(D) ("hadamard")."""
-    d = u.shape[0]
+def _unit_row(row, center, inv_scale, u):  # pragma: no cover - compiled
+    """u <- x' / ||x'|| with x' = (row - center) * inv_scale; returns ||x'|| (NaN for a NaN or Inf in the
+    row). The plain sum of squares where it neither overflows nor underflows; else that of x' / max|x'|,
+    scaled back."""
+    d = row.shape[0]
+    ss = np.float32(0.0)
     for j in range(d):
-        for r in range(m):
-            out[j, r] = u[j, r] * s1[j]
-    _hadamard_rounds(out, m, kind, s2)
+        v = (row[j] - center[j]) * inv_scale[j]
+        u[j] = v
+        ss += v * v
+    if ss >= np.float32(1e-30) and ss <= np.float32(1e38):
+        nr = np.float32(math.sqrt(ss))
+    else:
+        amax = np.float32(0.0)
+        for j in range(d):
+            a = abs(u[j])
+            amax = a if a > amax else amax  # a NaN is skipped here and caught by the sum below
+        safe = amax if amax > 0 else np.float32(1.0)
+        ss = np.float32(0.0)
+        for j in range(d):
+            t = u[j] / safe
+            ss += t * t
+        nr = np.float32(math.sqrt(ss)) * amax
+    inv = np.float32(1.0) / nr if nr > 0 else np.float32(1.0)
     for j in range(d):
-        for r in range(m):
-            out[j, r] *= post
+        u[j] *= inv
+    return nr
 
 
-@njit(nogil=True, cache=True, fastmath=_FAST, inline="always")
-def _rotate_back(v, m, kind, s1, s2, post, out):  # pragma: no cover - compiled
-    """out <- R^T v for the first m lanes of v [D, LANES] (the inverse rotation)."""
-    d = v.shape[0]
-    for j in range(d):
-        for r in range(m):
-            out[j, r] = v[j, r]
-    _hadamard_rounds(out, m, kind, s2)
-    for j in range(d):
-        f = s1[j] * post
-        for r in range(m):
-            out[j, r] *= f
+@njit(nogil=True, cache=True, inline="always")
+def _chunk_row(i, per, heads, t_total, first, lead0, d):  # pragma: no cover - compiled
+    """Where row i lives: (row, column) of x [n, D] itself (heads == 0), or, for rows of leading index
+    g = lead0 + i // per = (layer, head) and token t = i % per, of an LMCache chunk part flattened to
+    [layers * t_total, heads * D]: (layer * t_total + first + t, head * D)."""
+    if heads == 0:
+        return i, 0
+    g = lead0 + i // per
+    return (g // heads) * t_total + first + i % per, (g % heads) * d
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _load_row(src, bf16, dst, col, row_u, row_f):  # pragma: no cover - compiled
+    """row_f <- src[dst, col : col + D] as float32 (``bf16``: src holds bfloat16 bits; row_u views row_f)."""
+    d = row_f.shape[0]
+    if bf16:
+        for j in range(d):
+            row_u[j] = np.uint32(src[dst, col + j]) << np.uint32(16)
+    else:
+        for j in range(d):
+            row_f[j] = src[dst, col + j]
+
+
+@njit(nogil=True, cache=True)
+def _channel_moments(src, bf16, heads, t_total, first, lead0, per, n, center, deviation, out):  # pragma: no cover
+    """Per leading index of rows [0, n) (``per`` rows each, addressed as :func:`_chunk_row`): out[lead] =
+    the mean over its rows of x, or with ``deviation`` of (x - center[lead])^2, summed in float64."""
+    d = out.shape[1]
+    row_f = np.empty(d, np.float32)
+    row_u = row_f.view(np.uint32)
+    acc = np.empty(d, np.float64)
+    for lead in range(n // per):
+        for j in range(d):
+            acc[j] = 0.0
+        c = center[lead]
+        for t in range(per):
+            dst, col = _chunk_row(lead * per + t, per, heads, t_total, first, lead0, d)
+            _load_row(src, bf16, dst, col, row_u, row_f)
+            if deviation:
+                for j in range(d):
+                    e = np.float64(row_f[j]) - np.float64(c[j])
+                    acc[j] += e * e
+            else:
+                for j in range(d):
+                    acc[j] += row_f[j]
+        for j in range(d):
+            out[lead, j] = acc[j] / per
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST)
-def _encode_rows(x, center, scale, per, kind, s1, s2, post, thr, cb, bits, correct, codes, scales):  # pragma: no cover
-    """Per row of x [n, D] float32: codes [n, width] (tq layout v1) and the stored scale (||x'|| / <y, c>
-    with the norm correction, else ||x'||; NaN when the row holds NaN or Inf), x' = (x - center) / scale
-    with the preconditioner row of the row's leading index (``per`` rows each; zeros and ones without
-    one: an exact no-op). Rows go LANES at a time: the rotation runs across the block's rows (transposed),
+def _encode_rows(src, bf16, heads, t_total, first, lead0, n, center, inv_scale, per, kind, s1, s2, post, thr, cb,
+                 bits, correct, codes, scales):  # pragma: no cover - compiled
+    """Per row i < n of the source (addressed as :func:`_chunk_row`; float32, or ``bf16`` bits): codes [n,
+    width] (tq layout v1) and the stored scale (||x'|| / <y, c> with the norm correction, else ||x'||; NaN
+    when the row holds NaN or Inf), x' = (x - center) * inv_scale with the preconditioner row of the row's
+    leading index (``per`` rows each; zeros and ones without one: an exact no-op). Rows go LANES at a time:
+    the rotation runs across the block's rows (transposed, so every butterfly is a vector operation),
     everything else along each row."""
-    n, d = x.shape
-    u = np.empty((d, LANES), np.float32)
+    d = center.shape[1]
+    n_thr = thr.shape[0]
+    block = np.zeros((LANES, d), np.float32)  # the block's rows: unit rows in, rotated rows out
     y = np.empty((d, LANES), np.float32)
-    xp = np.empty(d, np.float32)
-    yr = np.empty(d, np.float32)
-    count = np.empty(d, np.int64)
-    idx = np.empty(d, np.int64)
-    vals = np.empty(d, np.float32)
+    count = np.empty(d, np.int32)
     norm = np.empty(LANES, np.float32)
+    row_f = np.empty(d, np.float32)
+    row_u = row_f.view(np.uint32)
     for r0 in range(0, n, LANES):
         m = min(LANES, n - r0)
-        for r in range(m):  # row by row (vectorized along the row): precondition, norm, unit row
-            row = x[r0 + r]
-            lead = (r0 + r) // per
-            c, sc = center[lead], scale[lead]
-            amax = np.float32(0.0)
+        for r in range(m):
+            i = r0 + r
+            lead = i // per
+            dst, col = _chunk_row(i, per, heads, t_total, first, lead0, d)
+            _load_row(src, bf16, dst, col, row_u, row_f)
+            norm[r] = _unit_row(row_f, center[lead], inv_scale[lead], block[r])
+        for r in range(m, LANES):  # a last, short block: zeros in the unused lanes
             for j in range(d):
-                xp[j] = (row[j] - c[j]) / sc[j]
-                a = abs(xp[j])
-                amax = a if a > amax else amax  # a NaN is skipped here and caught by the sum below
-            safe = amax if amax > 0 else np.float32(1.0)
-            ss = np.float32(0.0)
-            for j in range(d):
-                t = xp[j] / safe
-                ss += t * t
-            nr = np.float32(math.sqrt(ss)) * amax
-            norm[r] = nr
-            inv = nr if nr > 0 else np.float32(1.0)
-            for j in range(d):
-                u[j, r] = xp[j] / inv
-        _rotate(u, m, kind, s1, s2, post, y)  # across the block's rows
-        for r in range(m):  # row by row again: centroid search, norm correction, packing
-            for j in range(d):
-                yr[j] = y[j, r]
-            turboquant_fast.bucketize_row(yr, thr, cb, count, idx, vals)
+                block[r, j] = 0
+        for j in range(d):
+            f = s1[j]
+            for r in range(LANES):
+                y[j, r] = block[r, j] * f
+        _hadamard_rounds(y, kind, s2)
+        for j in range(d):
+            for r in range(LANES):
+                block[r, j] = y[j, r] * post
+        for r in range(m):  # centroid search (the count of thresholds below), norm correction, packing
+            row = block[r]
+            if n_thr <= 31:  # a branch-free count the compiler vectorizes
+                for j in range(d):
+                    count[j] = 0
+                for i in range(n_thr):
+                    t = thr[i]
+                    for j in range(d):
+                        count[j] += np.int32(row[j] > t)
+            else:  # 8 bits: binary search
+                for j in range(d):
+                    v = row[j]
+                    lo, hi = 0, n_thr
+                    while lo < hi:
+                        mid = (lo + hi) >> 1
+                        if thr[mid] < v:
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                    count[j] = lo
+            nr = norm[r]
+            if not abs(nr) < np.inf:  # NaN coordinates sort after every threshold, as in torch.bucketize
+                for j in range(d):
+                    if row[j] != row[j]:
+                        count[j] = n_thr
             dot = np.float32(0.0)
             for j in range(d):
-                dot += yr[j] * vals[j]
-            turboquant_fast.pack_row(idx, bits, codes[r0 + r])
-            nr = norm[r]
+                dot += row[j] * cb[count[j]]
+            turboquant_fast.pack_row(count, bits, codes[r0 + r])
             scales[r0 + r] = nr / dot if correct and dot > 0 else nr
 
 
@@ -167,8 +249,8 @@ def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits,
     n = codes.shape[0]
     d = center.shape[1]
     mask = (1 << bits) - 1
-    v = np.empty((d, LANES), np.float32)
-    w = np.empty((d, LANES), np.float32)
+    block = np.zeros((LANES, d), np.float32)  # the block's rows: scaled centroids in, rotated rows out
+    y = np.empty((d, LANES), np.float32)
     row_f = np.empty(d, np.float32)
     row_u = row_f.view(np.uint32)
     for r0 in range(0, n, LANES):
@@ -176,14 +258,15 @@ def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits,
         for r in range(m):
             row = codes[r0 + r]
             nr = norms[r0 + r]
+            v = block[r]
             if bits == 4 and d % 2 == 0:
                 for b in range(d // 2):
                     c = row[b]
-                    v[2 * b, r] = cb[c & 15] * nr
-                    v[2 * b + 1, r] = cb[c >> 4] * nr
+                    v[2 * b] = cb[c & 15] * nr
+                    v[2 * b + 1] = cb[c >> 4] * nr
             elif bits == 8:
                 for j in range(d):
-                    v[j, r] = cb[row[j]] * nr
+                    v[j] = cb[row[j]] * nr
             else:
                 pos = 0
                 for j in range(d):
@@ -191,21 +274,28 @@ def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits,
                     c = np.int64(row[byte]) >> shift
                     if shift + bits > 8:
                         c |= np.int64(row[byte + 1]) << (8 - shift)
-                    v[j, r] = cb[c & mask] * nr
+                    v[j] = cb[c & mask] * nr
                     pos += bits
-        _rotate_back(v, m, kind, s1, s2, post, w)
+        for r in range(m, LANES):  # a last, short block: zeros in the unused lanes
+            for j in range(d):
+                block[r, j] = 0
+        for j in range(d):
+            for r in range(LANES):
+                y[j, r] = block[r, j]
+        _hadamard_rounds(y, kind, s2)  # R^T = diag(s1) (H diag(s2)) H * post
+        for j in range(d):
+            f = s1[j] * post
+            for r in range(LANES):
+                block[r, j] = y[j, r] * f
         for r in range(m):
             i = r0 + r
             lead = i // per
             c, sc = center[lead], scale[lead]
-            if heads == 0:
-                dst, col = i, 0
-            else:
-                g = lead0 + lead
-                dst, col = (g // heads) * t_total + first + i % per, (g % heads) * d
+            dst, col = _chunk_row(i, per, heads, t_total, first, lead0, d)
             o = out[dst]
+            w = block[r]
             for j in range(d):
-                row_f[j] = w[j, r] * sc[j] + c[j]
+                row_f[j] = w[j] * sc[j] + c[j]
             if bf16:
                 for j in range(d):
                     o[col + j] = _bf16_bits(row_f[j], row_u[j])
@@ -262,29 +352,91 @@ def _side_rows(pre: ChannelPreconditioner, lead: tuple, dim: int) -> tuple[np.nd
     return out[0], out[1]
 
 
+def _encode(q, plan: _Plan, pre: ChannelPreconditioner, x: torch.Tensor, src: np.ndarray, bf16: bool, heads: int,
+            first: int, lead: tuple, n_tokens: int) -> QuantizedTensor:
+    """The codes and norms of every row of the source (see :func:`_encode_rows`) as ``q.quantize`` stores them;
+    ``x``: the tensor the rows are, for the error a NaN or Inf in it raises."""
+    center, scale = _side_rows(pre, lead, q.dim)
+    inv_scale = np.float32(1.0) / scale
+    n = math.prod(lead) * n_tokens
+    t_total = src.shape[0] // lead[0] if heads else 0
+    codes = np.empty((n, plan.width), np.uint8)
+    scales = np.empty(n, np.float32)
+
+    def run(lo, hi):
+        _encode_rows(src[lo:hi] if not heads else src, bf16, heads, t_total, first, lo // n_tokens, hi - lo,
+                     center[lo // n_tokens:], inv_scale[lo // n_tokens:], n_tokens, *plan.args(), plan.thr, plan.cb,
+                     plan.bits, q.norm_correction, codes[lo:hi], scales[lo:hi])
+
+    turboquant_fast.split_ranges(run, n, n_tokens)  # ranges of whole leading indices
+    norms = torch.from_numpy(scales).reshape(*lead, n_tokens)
+    dt = base.settle_norms(x, norms)
+    token = {"codes": torch.from_numpy(codes).reshape(*lead, n_tokens, plan.width), "norms": norms.to(dt)}
+    return QuantizedTensor(config=q.config(), lead_shape=lead, num_tokens=n_tokens, dim=q.dim, token=token,
+                           side=pre.side_fields())
+
+
 def quantize(q, x: torch.Tensor, precond=None) -> QuantizedTensor:
     """``q.quantize(x, precond)`` in one compiled pass per row where :func:`applies`, else ``q.quantize``."""
     if not applies(q, x) or x.numel() == 0:
         return q.quantize(x, precond)
     base.check_input(x, q.dim, finite=False)
     pre = resolve_precond(q, x, precond)
-    plan = _plan(q)
-    lead, n_tokens = tuple(x.shape[:-2]), x.shape[-2]
-    center, scale = _side_rows(pre, lead, q.dim)
     rows = turboquant_fast._rows(x.float())
-    codes = np.empty((rows.shape[0], plan.width), np.uint8)
-    scales = np.empty(rows.shape[0], np.float32)
+    return _encode(q, _plan(q), pre, x, rows, False, 0, 0, tuple(x.shape[:-2]), x.shape[-2])
 
-    def run(lo, hi):
-        _encode_rows(rows[lo:hi], center[lo // n_tokens:], scale[lo // n_tokens:], n_tokens, *plan.args(), plan.thr,
-                     plan.cb, plan.bits, q.norm_correction, codes[lo:hi], scales[lo:hi])
 
-    turboquant_fast.split_ranges(run, rows.shape[0], n_tokens)  # ranges of whole leading indices
-    norms = torch.from_numpy(scales).reshape(*lead, n_tokens)
-    dt = base.settle_norms(x, norms)
-    token = {"codes": torch.from_numpy(codes).reshape(*lead, n_tokens, plan.width), "norms": norms.to(dt)}
-    return QuantizedTensor(config=q.config(), lead_shape=lead, num_tokens=n_tokens, dim=q.dim, token=token,
-                           side=pre.side_fields())
+def _chunk_source(part: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """An LMCache chunk part [layers, tokens, hidden] as the kernels read it: [layers * tokens, hidden] float32
+    or bfloat16 bits (uint16), no copy."""
+    layers, tokens, hidden = part.shape
+    if part.dtype == torch.bfloat16:
+        return part.view(torch.int16).numpy().view(np.uint16).reshape(layers * tokens, hidden), True
+    return part.numpy().reshape(layers * tokens, hidden), False
+
+
+def _chunk_precond(q, src: np.ndarray, bf16: bool, heads: int, first: int, lead: tuple,
+                   n_tokens: int) -> ChannelPreconditioner:
+    """``calibrate(x, q.precondition)`` of the chunk's rows: the means (and the RMS about the float16 center)
+    measured by :func:`_channel_moments` in float64, the recipe of ``precondition.scaled``."""
+    if q.precondition == "none":
+        return ChannelPreconditioner()
+    n_lead, d = math.prod(lead), q.dim
+    t_total = src.shape[0] // lead[0]
+
+    def moments(center, deviation):
+        out = np.empty((n_lead, d), np.float64)
+
+        def run(lo, hi):
+            _channel_moments(src, bf16, heads, t_total, first, lo // n_tokens, n_tokens, hi - lo,
+                             center[lo // n_tokens:], deviation, out[lo // n_tokens:])
+
+        turboquant_fast.split_ranges(run, n_lead * n_tokens, n_tokens)
+        return torch.from_numpy(out).reshape(*lead, 1, d)
+
+    center = moments(np.zeros((n_lead, d), np.float32), False).to(torch.float16)
+    if q.precondition == "center":
+        return ChannelPreconditioner(center=center)
+    c32 = np.ascontiguousarray(center.float().reshape(n_lead, d).numpy())
+    return scaled(center, moments(c32, True).sqrt().float())
+
+
+def quantize_chunk(q, part: torch.Tensor, first: int, heads: int) -> QuantizedTensor | None:
+    """``q.quantize(x)`` of x = tokens [first, T) of ``part``, an LMCache chunk part [layers, T, heads * D]
+    seen as [layers, heads, T - first, D], read in place (bfloat16 or float32, contiguous, CPU): no
+    transposed float32 copy, and the preconditioner's statistics measured in the same compiled code. The
+    means are summed in float64 (torch sums float32), so a stored float16 center or scale can be the
+    neighbouring value where the exact statistic lies on a rounding boundary. None (nothing done) where
+    this does not apply: the caller quantizes the tensor itself."""
+    if (part.dtype not in (torch.bfloat16, torch.float32) or part.dim() != 3 or not part.is_contiguous()
+            or not applies(q, part) or type(heads) is not int or heads < 1 or part.shape[2] != heads * q.dim
+            or not 0 <= first < part.shape[1] or part.shape[0] == 0):
+        return None
+    src, bf16 = _chunk_source(part)
+    lead, n_tokens = (part.shape[0], heads), part.shape[1] - first
+    pre = _chunk_precond(q, src, bf16, heads, first, lead, n_tokens)
+    x = part[:, first:]  # what a NaN or Inf is looked for in
+    return _encode(q, _plan(q), pre, x, src, bf16, heads, first, lead, n_tokens)
 
 
 def _decode_plan(c: QuantizedTensor):
