@@ -77,7 +77,7 @@ def step_breakdown(label: str, t, pred, opts, reps: int = 7) -> tuple[str, dict]
         torch.cuda.synchronize()
         steps: dict = {}
         t0 = time.perf_counter()
-        kde.compress(t, pred, *routed, api.KIND, steps=steps)
+        kde.compress(t, pred, *routed, steps=steps)
         torch.cuda.synchronize()
         steps["total (synchronized)"] = (time.perf_counter() - t0) * 1e3
         runs.append(steps)

@@ -467,7 +467,7 @@ def test_emulated_api_reads_the_front_once(emulated_api, monkeypatch):
     real = device_container.download
     monkeypatch.setattr(device_container, "download", lambda t: reads.append(t.numel()) or real(t))
     monkeypatch.setattr(kvctx_device, "download", lambda t: reads.append(-t.numel()) or real(t))
-    monkeypatch.setattr(device_container, "_front_share", [1 / 128])
+    monkeypatch.setattr(api, "_blob_plans", device_container.BlobCache())  # nothing learned yet
     x = kv_like((2, 128, 64))
     blob = torch.frombuffer(bytearray(kvcodec.compress(x, layout="kv")), dtype=torch.uint8)
     assert same_bits(api._decompress_on_device(blob, torch.device("cpu"), None), x)
@@ -478,10 +478,11 @@ def test_emulated_api_reads_the_front_once(emulated_api, monkeypatch):
     ps, _ = kvctx_device.plan(header["meta"]["codec_meta"], secs, blob[:end].numpy())
     assert reads == [-secs["model"].nbytes] and ps.v2.lanes == 32  # past the front: its own copy
     n = 170 << 20
-    assert device_container.front_window(n) == n // 128
-    device_container.note_front(n, 1 << 20)
-    assert device_container.front_window(n) == int(n * (1 << 20) * 1.02 / n)
-    device_container.note_front(1000, 900)  # a small blob teaches nothing
-    device_container.note_front(n, n)  # at most 1/16 of a blob, and at most _FRONT_MAX bytes
-    assert device_container.front_window(n) == min(n // 16, device_container._FRONT_MAX)
-    assert device_container.front_window(1 << 40) == device_container._FRONT_MAX
+    plans = device_container.BlobCache()
+    assert plans.front_window(n) == n // 128
+    plans.note_front(n, 1 << 20)
+    assert plans.front_window(n) == int(n * (1 << 20) * 1.02 / n)
+    plans.note_front(1000, 900)  # a small blob teaches nothing
+    plans.note_front(n, n)  # at most 1/16 of a blob, and at most _FRONT_MAX bytes
+    assert plans.front_window(n) == min(n // 16, device_container._FRONT_MAX)
+    assert plans.front_window(1 << 40) == device_container._FRONT_MAX

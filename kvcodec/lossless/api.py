@@ -18,12 +18,10 @@ from kvcodec import checksum, container
 from kvcodec.device.transfer import bytes_to_device, device_to_bytes
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import device_container, kvctx_device, kvctx_device_encode, planes_device, registry
-from kvcodec.lossless.tensor_meta import checked_shape, dtype_from_name
+from kvcodec.lossless.tensor_meta import KIND, blob_meta, checked_meta, dtype_from_name
 from kvcodec.threads import resolve_threads
 from kvcodec.validate import DEFAULT_MAX_OUTPUT_BYTES, check_output, numel, resolve_max_output
 
-KIND = "kvcodec.tensor"
-_META_KEYS = {"codec", "dtype", "shape", "device", "crc32", "uses_prediction", "codec_meta"}
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
@@ -93,7 +91,7 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         raise ValueError(f"compress() takes a torch.Tensor, got {type(tensor).__name__}")
     routed = _gpu_kv_route(tensor, prediction, codec, opts, gpu)
     if routed is not None:  # kvctx / predictive format 2, encoded on the GPU
-        return device_to_bytes(kvctx_device_encode.compress(tensor, prediction, *routed, KIND), threads)
+        return device_to_bytes(kvctx_device_encode.compress(tensor, prediction, *routed), threads)
     gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)
     if gpu_opts is not None:
         return device_to_bytes(_compress_on_gpu(tensor, gpu_opts), threads)  # one pinned, pipelined copy
@@ -101,7 +99,7 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
     if layout not in (None, "kv"):
         raise ValueError(f"layout must be None or 'kv', got {layout!r}")
     resolve_threads(threads)
-    dtype_name = container.torch_dtype_name(tensor.dtype)
+    container.torch_dtype_name(tensor.dtype)  # a dtype no blob can name is refused before any work
     device = str(tensor.device)
     t = _as_cpu(tensor)
     pred = None
@@ -119,15 +117,8 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
     except TypeError as exc:
         raise ValueError(f"codec {name!r} does not take these options: {exc}") from None
     codec_meta, sections = impl.encode(t, pred, threads, **opts)
-    meta = {
-        "codec": name,
-        "dtype": dtype_name,
-        "shape": list(t.shape),
-        "device": device,
-        "crc32": checksum.crc32_parallel(tensor_bytes(t), resolve_threads(threads)),
-        "uses_prediction": pred is not None,
-        "codec_meta": codec_meta,
-    }
+    meta = blob_meta(name, t.dtype, t.shape, device, checksum.crc32_parallel(tensor_bytes(t), resolve_threads(threads)),
+                     pred is not None, codec_meta)
     blob = container.dumps(KIND, meta, sections)
     if codec == "auto" and name != "raw" and len(blob) > t.numel() * t.element_size():
         # the codec expanded the tensor (tiny or incompressible ones: a model's parameters and tables
@@ -149,7 +140,7 @@ def compress_device(tensor: torch.Tensor, prediction: torch.Tensor | None = None
     """
     routed = _gpu_kv_route(tensor, prediction, codec, opts, gpu)
     if routed is not None:
-        return kvctx_device_encode.compress(tensor, prediction, *routed, KIND)
+        return kvctx_device_encode.compress(tensor, prediction, *routed)
     gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)
     if gpu_opts is not None:
         return _compress_on_gpu(tensor, gpu_opts)
@@ -199,35 +190,8 @@ def _compress_on_gpu(tensor: torch.Tensor, opts: dict) -> torch.Tensor:
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
     codec_meta, sections = planes_device.encode(t, **opts)
     crcs = crc32_many([t.reshape(-1).view(torch.uint8), *sections.values()]).cpu().tolist()
-    meta = {
-        "codec": "planes",
-        "dtype": container.torch_dtype_name(t.dtype),
-        "shape": list(t.shape),
-        "device": str(tensor.device),
-        "crc32": crcs[0],
-        "uses_prediction": False,
-        "codec_meta": codec_meta,
-    }
+    meta = blob_meta("planes", t.dtype, t.shape, tensor.device, crcs[0], False, codec_meta)
     return device_container.assemble(KIND, meta, sections, crcs[1:], t.device)
-
-
-def _checked_meta(meta: dict) -> dict:
-    if not isinstance(meta, dict) or set(meta) != _META_KEYS:
-        raise CorruptStreamError("tensor blob meta has the wrong keys")
-    dtype_from_name(meta["dtype"])
-    checked_shape(meta["shape"])
-    if type(meta["crc32"]) is not int or not isinstance(meta["device"], str):
-        raise CorruptStreamError("tensor blob has a bad crc32 or device")
-    if not isinstance(meta["uses_prediction"], bool) or not isinstance(meta["codec_meta"], dict):
-        raise CorruptStreamError("tensor blob has bad codec fields")
-    if not isinstance(meta["codec"], str):
-        raise CorruptStreamError("tensor blob has a bad codec name")
-    # The codec's own dtype/shape drive its allocations: they must be the ones checked above.
-    inner = meta["codec_meta"]
-    for key in ("dtype", "shape"):
-        if key in inner and inner[key] != meta[key]:
-            raise CorruptStreamError(f"tensor blob's codec meta declares another {key}")
-    return meta
 
 
 def _host_bytes(blob):
@@ -252,7 +216,7 @@ def describe(blob) -> dict[str, Any]:
         nbytes = mv.nbytes
     if header["kind"] != KIND:
         raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
-    meta = _checked_meta(header["meta"])
+    meta = checked_meta(header["meta"])
     dtype = dtype_from_name(meta["dtype"])
     return {
         "codec": meta["codec"],
@@ -268,7 +232,7 @@ def _load(blob, max_output_bytes) -> tuple[dict, dict]:
     """Parse a tensor blob and check its meta and declared size (nothing decoded yet)."""
     resolve_max_output(max_output_bytes)  # a bad argument is a ValueError before the blob is read
     _, meta, sections = container.loads(blob, expect_kind=KIND)
-    meta = _checked_meta(meta)
+    meta = checked_meta(meta)
     check_output(numel(meta["shape"]) * dtype_from_name(meta["dtype"]).itemsize, max_output_bytes, "tensor blob")
     return meta, sections
 
@@ -298,7 +262,7 @@ def decode_blob_chunk(blob, c: int) -> torch.Tensor:
     _, meta, sections = container.loads(_host_bytes(blob), expect_kind=KIND)
     if not isinstance(meta, dict) or meta.get("codec") != "planes" or not isinstance(meta.get("codec_meta"), dict):
         raise ValueError("not a blob of the planes codec")
-    meta = _checked_meta(meta)
+    meta = checked_meta(meta)
     return registry.get("planes").decode_chunk(meta["codec_meta"], sections, c)
 
 
@@ -359,11 +323,12 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     elif header is not None:
         (header, header_end), header_crc = header, None
     else:
-        header, header_end, header_crc, front = device_container.read_front(blob)
+        window = _blob_plans.front_window(blob.numel())
+        header, header_end, header_crc, front = device_container.read_front(blob, window)
     if entry is None:
         if header["kind"] != KIND:
             raise CorruptStreamError(f"expected a {KIND!r} container, got {header['kind']!r}")
-        meta = _checked_meta(header["meta"])
+        meta = checked_meta(header["meta"])
     else:  # header, meta and sections as the decode that stored the entry checked them
         meta = header["meta"]
     dtype = dtype_from_name(meta["dtype"])
@@ -391,7 +356,7 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
                 reuse["kvctx plan"] = planned
     if front is not None and header_crc is not None:  # read back here (read_front): the next blobs' window
         model = secs.get("model") if planned is not None else None
-        device_container.note_front(blob.numel(), model.offset + model.nbytes if model is not None else header_end)
+        _blob_plans.note_front(blob.numel(), model.offset + model.nbytes if model is not None else header_end)
     # section crc32s on a side stream (with an entry, the header's crc32 too), queued once the decode kernel
     # is: for kvctx / predictive waiting on the device only for an event recorded before the kernel's
     # launch (they run beside the kernel); for planes after the kernel, in one pass with the decoded

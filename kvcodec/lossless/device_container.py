@@ -90,36 +90,18 @@ def read_header(blob: torch.Tensor) -> tuple[dict, int]:
     return header, end
 
 
-_front_share = [1 / 128]  # of a blob's bytes, the first read-back's: what the previous decode needed
 _FRONT_MAX = 8 << 20  # bytes: a bigger model section is read on its own (the front is kept with a cached plan)
 
 
-def front_window(n: int) -> int:
-    """Bytes of an ``n``-byte blob that :func:`read_front` copies by default: at least ``_HEAD_GUESS``, else
-    the share of its blob the previous device decode needed (:func:`note_front`; first 1/128: a kvctx blob's
-    header and model section at 256 tokens a row take ~0.65%), at most ``_FRONT_MAX``."""
-    return min(n, max(_HEAD_GUESS, min(_FRONT_MAX, int(n * _front_share[0]))))
-
-
-def note_front(n: int, needed: int) -> None:
-    """Remember that a decode of an ``n``-byte blob needed its first ``needed`` bytes on the host (the
-    header, and a kvctx / predictive blob's model section): the next blobs' :func:`front_window`. Why:
-    the blobs a process decodes are mostly alike (one cache's blocks), and one read-back of 1 MB costs
-    ~0.04 ms where a second read-back and sync cost more. Blobs under 16 x ``_HEAD_GUESS`` teach nothing
-    (their header is most of them), and the share stays at most 1/16."""
-    if n >= 16 * _HEAD_GUESS:
-        _front_share[0] = min(1 / 16, needed * 1.02 / n)
-
-
-def read_front(blob: torch.Tensor, window: int | None = None) -> tuple[dict, int, int, np.ndarray]:
-    """:func:`read_header`, from one read-back of the blob's first ``window`` bytes (default
-    :func:`front_window`; more when the header is longer): (header, header end, zlib crc32 of the bytes up
+def read_front(blob: torch.Tensor, window: int = _HEAD_GUESS) -> tuple[dict, int, int, np.ndarray]:
+    """:func:`read_header`, from one read-back of the blob's first ``window`` bytes (a decoder passes
+    ``BlobCache.front_window``; more when the header is longer): (header, header end, zlib crc32 of the bytes up
     to the header's end, the bytes read, uint8 in pinned memory). A decoder takes what else it needs from
     the front bytes (a kvctx blob's model section) without a second read-back and sync."""
     if blob.dtype != torch.uint8 or blob.dim() != 1:
         raise CorruptStreamError("a device blob must be a 1-D uint8 tensor")
     n = blob.numel()
-    head = _download(blob, min(n, window if window is not None else front_window(n)))
+    head = _download(blob, min(n, window))
     if len(head) >= container.PREFIX.size:
         hlen = container.PREFIX.unpack_from(head, 0)[3]
         if len(head) < container.PREFIX.size + hlen <= min(n, container.PREFIX.size + container.MAX_HEADER_BYTES):
@@ -248,9 +230,10 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 
 class BlobCache:
-    """What a decode learned from a device blob's header and host-side plan (the parsed header, the
-    codec's plan and device inputs), kept for the next decode of the same blob tensor: a KV cache
-    block decoded again (a reused prefix) skips the header read-back, JSON parse and plan.
+    """What decodes learned from device blobs: per blob, its header and host-side plan (the parsed header,
+    the codec's plan and device inputs), kept for the next decode of the same blob tensor: a KV cache
+    block decoded again (a reused prefix) skips the header read-back, JSON parse and plan; across blobs,
+    how much of a blob's front a first decode copies (:meth:`front_window`).
 
     An entry belongs to one tensor object (weakly referenced: dropped when the tensor dies) at one
     ``_version`` (torch's in-place writes bump it), address and size. Writes that torch does not see
@@ -264,6 +247,23 @@ class BlobCache:
 
     def __init__(self):
         self._entries: dict[int, tuple] = {}
+        self.front_share = 1 / 128  # of a blob's bytes, the first read-back's: what the previous decode needed
+
+    def front_window(self, n: int) -> int:
+        """Bytes of an ``n``-byte blob a first decode copies in its one read-back (:func:`read_front`): at
+        least ``_HEAD_GUESS``, else the share of its blob the previous decode needed (:meth:`note_front`;
+        first 1/128: a kvctx blob's header and model section at 256 tokens a row take ~0.65%), at most
+        ``_FRONT_MAX``."""
+        return min(n, max(_HEAD_GUESS, min(_FRONT_MAX, int(n * self.front_share))))
+
+    def note_front(self, n: int, needed: int) -> None:
+        """Remember that a decode of an ``n``-byte blob needed its first ``needed`` bytes on the host (the
+        header, and a kvctx / predictive blob's model section): the next blobs' :meth:`front_window`.
+        Why: the blobs a process decodes are mostly alike (one cache's blocks), and one read-back of 1 MB
+        costs ~0.04 ms where a second read-back and sync cost more. Blobs under 16 x ``_HEAD_GUESS`` teach
+        nothing (their header is most of them), and the share stays at most 1/16."""
+        if n >= 16 * _HEAD_GUESS:
+            self.front_share = min(1 / 16, needed * 1.02 / n)
 
     @staticmethod
     def _state(blob: torch.Tensor) -> tuple:

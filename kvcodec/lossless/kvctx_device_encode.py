@@ -49,6 +49,7 @@ from kvcodec.lossless.predictive.format2 import CHUNK_VALUES, WIDE_LANES_FROM, c
 from kvcodec.lossless.predictive.grid import grid_for, value_table
 from kvcodec.lossless.predictive.params import stored_fields
 from kvcodec.lossless.predictive.tables import fit_tables, table_bytes
+from kvcodec.lossless.tensor_meta import KIND, blob_meta
 
 SOURCES = ("none", "external", "previous_token", "neighbour_layer")
 MODEL_CLASS = N_CLASSES  # the payload kernel's table of the model's field parts (:class:`_FieldParts`)
@@ -441,8 +442,7 @@ class _FieldParts:
                                parts_head])
 
 
-def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: str,
-             steps: dict | None = None) -> torch.Tensor:
+def compress(tensor: torch.Tensor, prediction, codec: str, source: str, steps: dict | None = None) -> torch.Tensor:
     """The tensor blob (``kvcodec.compress``'s container, a uint8 tensor on the device) of a CUDA tensor
     coded with codec ``codec`` ("kvctx" / "predictive") and predictor ``source``; ``steps``: as
     :func:`encode`'s, with the container's steps."""
@@ -466,10 +466,8 @@ def compress(tensor: torch.Tensor, prediction, codec: str, source: str, kind: st
         early.update(zip(late, crc32_many([sections[k].view(torch.uint8) for k in late])))
     crcs = torch.stack([early[k] for k in ("tensor", *sections)]).cpu().tolist()
     clock.mark("wait: checksums (sync 3)")
-    meta = {"codec": codec, "dtype": container.torch_dtype_name(t.dtype), "shape": list(t.shape),
-            "device": str(tensor.device), "crc32": crcs[0], "uses_prediction": source == "external",
-            "codec_meta": codec_meta}
-    out = device_container.assemble(kind, meta, sections, crcs[1:], t.device)
+    meta = blob_meta(codec, t.dtype, t.shape, tensor.device, crcs[0], source == "external", codec_meta)
+    out = device_container.assemble(KIND, meta, sections, crcs[1:], t.device)
     clock.mark("container")
     return out
 

@@ -1,4 +1,8 @@
-"""The dtype and shape a tensor blob declares, read one way by every lossless decoder.
+"""A tensor blob's metadata, written and read one way by every lossless encoder and decoder.
+
+A blob of ``kvcodec.compress`` is a container of kind :data:`KIND` whose meta records the codec name,
+the dtype, shape and original device, the crc32 of the tensor's bytes, whether a prediction was used,
+and the codec's own metadata (:func:`blob_meta`: the CPU and both GPU encoders build it here).
 
 Every lossless decoder reads a dtype name and a shape from metadata that anyone can forge (a
 checksum is not a signature). The dtype comes from the container's allow-list (never
@@ -14,6 +18,37 @@ import torch
 
 from kvcodec import container, validate
 from kvcodec.errors import CorruptStreamError
+
+KIND = "kvcodec.tensor"
+META_KEYS = frozenset({"codec", "dtype", "shape", "device", "crc32", "uses_prediction", "codec_meta"})
+
+
+def blob_meta(codec: str, dtype: torch.dtype, shape, device, crc32: int, uses_prediction: bool,
+              codec_meta: dict) -> dict:
+    """The meta of a tensor blob (plain JSON): what :func:`checked_meta` reads back."""
+    return {"codec": codec, "dtype": container.torch_dtype_name(dtype), "shape": list(shape), "device": str(device),
+            "crc32": int(crc32), "uses_prediction": bool(uses_prediction), "codec_meta": codec_meta}
+
+
+def checked_meta(meta) -> dict:
+    """A tensor blob's meta with every field checked (types, dtype allow-list, shape, the codec's own
+    dtype and shape equal to the outer ones); CorruptStreamError otherwise."""
+    if not isinstance(meta, dict) or set(meta) != META_KEYS:
+        raise CorruptStreamError("tensor blob meta has the wrong keys")
+    dtype_from_name(meta["dtype"])
+    checked_shape(meta["shape"])
+    if type(meta["crc32"]) is not int or not isinstance(meta["device"], str):
+        raise CorruptStreamError("tensor blob has a bad crc32 or device")
+    if not isinstance(meta["uses_prediction"], bool) or not isinstance(meta["codec_meta"], dict):
+        raise CorruptStreamError("tensor blob has bad codec fields")
+    if not isinstance(meta["codec"], str):
+        raise CorruptStreamError("tensor blob has a bad codec name")
+    # The codec's own dtype/shape drive its allocations: they must be the ones checked above.
+    inner = meta["codec_meta"]
+    for key in ("dtype", "shape"):
+        if key in inner and inner[key] != meta[key]:
+            raise CorruptStreamError(f"tensor blob's codec meta declares another {key}")
+    return meta
 
 
 def dtype_from_name(name, what: str = "tensor blob") -> torch.dtype:

@@ -15,6 +15,7 @@ import torch
 
 from kvcodec.errors import CorruptStreamError
 from kvcodec.lossless import api, device_container, planes_device
+from kvcodec.lossless import tensor_meta
 from kvcodec.lossless.tensor_meta import dtype_from_name
 
 
@@ -28,7 +29,7 @@ class DeviceWeight:
         if verify:
             api.decompress(self.blob, max_output_bytes=None)  # every check, on the device
         header, end = device_container.read_header(self.blob)
-        meta = api._checked_meta(header["meta"])
+        meta = tensor_meta.checked_meta(header["meta"])
         if meta["codec"] != "planes" or meta["uses_prediction"] or not planes_device.gpu_decodable(meta["codec_meta"]):
             raise CorruptStreamError("a device weight blob must be a planes blob the GPU decodes")
         self.dtype = dtype_from_name(meta["dtype"])
