@@ -2,7 +2,8 @@
 
 Measured for the working tree, or with ``--rev`` for a revision extracted with ``git archive REV
 kvcodec README.md docs`` into a temporary folder. Lines are ``len(text.splitlines())``. A room is a
-first-level folder of ``kvcodec/`` with an ``__init__.py``; every other file is in the room ``kvcodec``.
+first-level folder of ``kvcodec/`` with an ``__init__.py``; a top-level module is in the room ``base`` when it
+imports no subpackage, else in ``kvcodec`` (the front door).
 
 - rooms: per room, its .py files and their lines, its .cu/.cuh files and their lines.
 - arrows: one per name imported from a kvcodec module (``import kvcodec.x``, ``from kvcodec.x import y``, relative imports resolved), read from each module's AST, counted from the importer's room to the imported module's room, ``module_level`` or ``in_function`` (inside a def or lambda); ``if __name__ == "__main__":`` blocks are scripts and not counted.
@@ -37,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = "kvcodec-bench-results"  # common.DEFAULT_OUT; common itself is imported late (see common())
 TOP = "kvcodec"
+BASE = "base"
 CUDA_SUFFIXES = (".cu", ".cuh")
 MIN_BODY_NODES = 20
 WALK_TIMEOUT_S = 1800
@@ -48,14 +50,26 @@ def line_count(path: Path) -> int:
     return len(path.read_text(errors="replace").splitlines())
 
 
-def room_names(pkg: Path) -> set[str]:
-    """The subpackages of ``pkg`` (first-level folders with an ``__init__.py``)."""
-    return {d.name for d in pkg.iterdir() if d.is_dir() and (d / "__init__.py").is_file()}
+def room_names(pkg: Path) -> dict[str, str]:
+    """The room of each first-level entry of ``pkg`` by its name: a subpackage (a folder with an
+    ``__init__.py``) is its own room; a top-level module (by its stem) is in ``base`` when it imports no
+    subpackage (errors, container, checksum...), else in ``kvcodec`` (the front door: the package's
+    ``__init__``, the CLI, the demo)."""
+    subs = {d.name for d in pkg.iterdir() if d.is_dir() and (d / "__init__.py").is_file()}
+    out = {name: name for name in subs}
+    known = set(modules(pkg))
+    for path in sorted(pkg.glob("*.py")):
+        name = module_name(path, pkg)
+        tree = ast.parse(path.read_text(), str(path))
+        targets = [t for node, _ in import_nodes(tree) for t in imported_modules(node, name, path.name == "__init__.py", known)]
+        front = any(t.split(".")[0] == pkg.name and len(t.split(".")) > 1 and t.split(".")[1] in subs for t in targets)
+        out[path.stem] = TOP if front else BASE
+    return out
 
 
-def room_of_file(path: Path, pkg: Path, rooms: set[str]) -> str:
+def room_of_file(path: Path, pkg: Path, rooms: dict[str, str]) -> str:
     parts = path.relative_to(pkg).parts
-    return parts[0] if len(parts) > 1 and parts[0] in rooms else TOP
+    return rooms.get(parts[0] if len(parts) > 1 else Path(parts[0]).stem, TOP)
 
 
 def source_files(pkg: Path) -> list[Path]:
@@ -66,7 +80,7 @@ def source_files(pkg: Path) -> list[Path]:
 def rooms(pkg: Path) -> dict[str, dict]:
     """Per room: .py files and lines, .cu/.cuh files and lines."""
     names = room_names(pkg)
-    out = {r: {"py_files": 0, "py_lines": 0, "cu_files": 0, "cu_lines": 0} for r in sorted(names | {TOP})}
+    out = {r: {"py_files": 0, "py_lines": 0, "cu_files": 0, "cu_lines": 0} for r in sorted({*names.values(), TOP})}
     for p in source_files(pkg):
         kind = "py" if p.suffix == ".py" else "cu"
         room = out[room_of_file(p, pkg, names)]
@@ -125,9 +139,9 @@ def imported_modules(node, name: str, is_pkg: bool, known: set[str]) -> list[str
     return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
 
 
-def room_of_module(mod: str, rooms_: set[str]) -> str:
+def room_of_module(mod: str, rooms_: dict[str, str]) -> str:
     parts = mod.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in rooms_ else TOP
+    return rooms_.get(parts[1] if len(parts) > 1 else "__init__", TOP)
 
 
 def arrows(pkg: Path) -> dict[tuple[str, str], Counter]:

@@ -87,7 +87,7 @@ def encode(keys, values, calib: Calibration, bits: float | None = None, *, disto
     if head + tail:
         idx = torch.cat([torch.arange(head), torch.arange(T - tail, T)]).to(keys.device)
         ex = torch.stack([keys.index_select(2, idx), values.index_select(2, idx)]).cpu()
-        from kvcodec import compress
+        from kvcodec.lossless.api import compress
 
         exact = compress(ex, layout="kv")
     builder = _Builder(calib, dtype, (L, H, T, D), positions_start, sinks, window, chunk, exact)
@@ -210,7 +210,7 @@ class Decoder:
         self.dtype = container.torch_dtypes()[h.dtype]
         self.exact = None
         if h.n_exact:
-            from kvcodec import decompress
+            from kvcodec.lossless.api import decompress
 
             ex = decompress(exact)
             if tuple(ex.shape) != (2, L, H, h.n_exact, D) or ex.dtype != self.dtype:
@@ -282,7 +282,7 @@ def verify(blob, max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES) -> int
             n += sym.size
             k += 1
     if exact is not None:
-        from kvcodec import decompress
+        from kvcodec.lossless.api import decompress
 
         decompress(exact, max_output_bytes=max_output_bytes)
     return n
