@@ -104,11 +104,12 @@ def _cache_files(cache_dir: Path) -> int:
     return sum(1 for p in cache_dir.rglob("*") if p.is_file())
 
 
-def run_case(case: str, work: Path, processes: int = 3, shape: tuple = SHAPE, preloaded: bool = False) -> list[dict]:
-    """``processes`` fresh processes on one empty cache folder, then (``preloaded``) one more that
-    runs the setup before its timed call and one without scipy."""
-    cache = work / f"cache-{case}"
-    cache.mkdir()
+def run_case(case: str, work: Path, processes: int = 3, shape: tuple = SHAPE, preloaded: bool = False,
+             cache: Path | None = None) -> list[dict]:
+    """``processes`` fresh processes on one cache folder (``cache``, default an empty one of the case's
+    own), then (``preloaded``) one more that runs the setup before its timed call and one without scipy."""
+    cache = work / f"cache-{case}" if cache is None else cache
+    cache.mkdir(exist_ok=True)
     _child(["--write", case, str(work), ",".join(map(str, shape))], None)
     rows = []
     for k in range(1, processes + 1 + 2 * preloaded):
