@@ -223,6 +223,26 @@ def test_emulated_kernel_flags_damaged_streams(emulator):
         assert (not status.any() and same_bits(out, x)) == cpu_accepts(forged, x)
 
 
+def test_checks_name_what_failed():
+    """device_container.Checks.read (CPU tensors: checked on the host) says which check failed by name: a
+    damaged section, an extra or early (tensor, crc32) pair, a decode status, the header of a cached plan."""
+    x = kv_like((2, 128, 64))
+    blob = torch.frombuffer(bytearray(kvcodec.compress(x, layout="kv")), dtype=torch.uint8)
+    header, end = device_container.read_header(blob)
+    crc = header["meta"]["crc32"]
+    secs, gaps = device_container.sections(blob, header, end)
+    head_crc = zlib.crc32(blob[:end].numpy().tobytes())
+    clean = device_container.Checks(blob, secs, gaps, (end, head_crc), [(x, crc)]).read([(x, crc)], torch.zeros(2))
+    assert clean == device_container.Failed([], [False], [False], False, False, False)
+    name = list(secs)[-1]
+    bad = blob.clone()
+    bad[secs[name].offset] ^= 1
+    secs, gaps = device_container.sections(bad, header, end)
+    got = device_container.Checks(bad, secs, gaps, (end, head_crc ^ 1), [(x, crc)]).read([(x, crc ^ 1)],
+                                                                                     torch.tensor([0, 3]))
+    assert got == device_container.Failed([name], [True], [False], False, True, True)
+
+
 def test_emulated_api_path_decodes_and_checks(emulated_api):
     """api._decompress_on_device's kvctx branch: decoded, prediction and damage checked on the device."""
     x = kv_like((2, 128, 64))

@@ -375,30 +375,27 @@ def _decompress_on_device(blob: torch.Tensor, target: torch.device, max_output_b
     if res is None:
         return None
     out, status, checks = res
-    if meta["codec"] == "planes":  # the tensor's flag lands at the same place (n) as an extra's
+    if meta["codec"] == "planes":  # the tensor's crc32 in the same pass as the sections' (see above)
         integrity, extra = device_container.Checks(blob, secs, gaps, header_check, [(out, meta["crc32"])]), []
     else:
         integrity = device_container.Checks(blob, secs, gaps, header_check, [(t, c) for t, c, _ in checks],
                                             getattr(res, "ready", None))
         extra = [(out, meta["crc32"])]
-    errors = integrity.read(extra, status)  # the one sync; then the checks' flags (read's order)
-    if errors[-1]:  # the header changed under the entry (a write torch did not count): decode afresh
+    failed = integrity.read(extra, status)  # the one sync
+    if failed.header_changed:  # the header changed under the entry (a write torch did not count): decode afresh
         _blob_plans.drop(blob)
         return _decompress_on_device(blob, target, max_output_bytes, prediction)
-    names = list(secs)
-    n = len(names)
-    for i, name in enumerate(names):
-        if errors[i]:
-            raise CorruptStreamError(f"section {name!r}: checksum mismatch")
-    m = n + 1 + len(checks)
-    if errors[m]:
+    tensor_failed, input_failed = (failed.early[0], []) if meta["codec"] == "planes" else (failed.extra[0], failed.early)
+    if failed.sections:
+        raise CorruptStreamError(f"section {failed.sections[0]!r}: checksum mismatch")
+    if failed.padding:
         raise CorruptStreamError("nonzero padding in container")
-    for i, (_, _, message) in enumerate(checks):
-        if errors[n + 1 + i]:
+    for (_, _, message), bad in zip(checks, input_failed):
+        if bad:
             raise CorruptStreamError(message)
-    if errors[m + 1]:
+    if failed.stream:
         raise CorruptStreamError(stream_error)
-    if errors[n]:
+    if tensor_failed:
         raise CorruptStreamError("decoded tensor fails its checksum: wrong prediction, or a corrupted stream")
     if reuse is not None and entry is None:  # every check passed: kept for the next decode of this tensor
         reuse["header"] = (header, header_end, header_crc)

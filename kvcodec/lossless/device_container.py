@@ -145,6 +145,21 @@ def bound(kept: tuple, blob: torch.Tensor) -> tuple[dict[str, DeviceSection], li
     return {name: DeviceSection(blob, *rest) for name, *rest in secs}, list(gaps)
 
 
+@dataclass
+class Failed:
+    """Which checks of a device decode failed (:meth:`Checks.read`), by name: ``sections`` the names of
+    sections whose crc32 differs; ``extra`` / ``early`` one flag per pair given (in order); ``padding``
+    nonzero bytes between sections; ``stream`` a decode kernel's nonzero status; ``header_changed`` the
+    header is not the one a cached plan was built from."""
+
+    sections: list[str]
+    extra: list[bool]
+    early: list[bool]
+    padding: bool
+    stream: bool
+    header_changed: bool
+
+
 class Checks:
     """The checks of a device blob that need its payloads, launched in two parts: the section crc32s
     and the zero padding when made, on a side stream (``side_stream``: beside torch's stream, where the
@@ -165,6 +180,7 @@ class Checks:
 
         early = list(early)
         n = len(secs)
+        self._names = list(secs)
         self.sections = slice(0, n)
         self.padding = n
         self.header = n + 1 if header is not None else None
@@ -195,10 +211,10 @@ class Checks:
         else:
             self.flags = check_many(bufs, expected, where, slots)
 
-    def read(self, extra=(), status: torch.Tensor | None = None) -> np.ndarray:
-        """int32 flags on the host, 1 = failed: [section crc32s..., ``extra`` (tensor, crc32) pairs' crc32s...,
-        ``early`` pairs' crc32s..., nonzero padding, any nonzero entry of ``status`` (the decode kernels'
-        stream statuses), the header differs from the one given]. The one synchronization of a device decode."""
+    def read(self, extra=(), status: torch.Tensor | None = None) -> Failed:
+        """What failed (:class:`Failed`) among the sections' crc32s, the ``extra`` (tensor, crc32) pairs' crc32s
+        (computed here), the ``early`` pairs', the padding, ``status`` (the decode kernels' stream statuses,
+        any nonzero entry) and the header given. The one synchronization of a device decode."""
         from kvcodec.device.crc32 import check_many
 
         if self._done is not None:
@@ -210,11 +226,12 @@ class Checks:
                                     range(k), k))
         if status is not None:
             parts.append(status.reshape(-1).to(torch.int32))
-        got = torch.cat(parts).cpu().numpy()
+        got = torch.cat(parts).cpu().numpy() != 0
         slots = self.early.stop
-        header = got[self.header] if self.header is not None else 0
-        return np.concatenate([got[self.sections], got[slots: slots + k], got[self.early], [got[self.padding]],
-                               [int(got[slots + k:].any())], [header]]).astype(np.int32)
+        return Failed(sections=[name for name, bad in zip(self._names, got[self.sections]) if bad],
+                      extra=got[slots: slots + k].tolist(), early=got[self.early].tolist(),
+                      padding=bool(got[self.padding]), stream=bool(got[slots + k:].any()),
+                      header_changed=self.header is not None and bool(got[self.header]))
 
 
 _side_streams: dict = {}
