@@ -231,11 +231,11 @@ def _encode_rows(src, bf16, heads, t_total, first, lead0, n, center, inv_scale, 
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _bf16_bits(x, u):  # pragma: no cover - compiled
-    """The bfloat16 bits of float32 ``x`` (``u``: its bits) rounded as torch rounds, to nearest even (a NaN
-    gives 0x7FC0)."""
+def _bf16_bits(u):  # pragma: no cover - compiled
+    """The bfloat16 bits of the float32 whose bits are ``u``, rounded as torch rounds, to nearest even (a NaN
+    gives 0x7FC0). Integer operations only, so a loop of them vectorises."""
     r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    return np.uint16(0x7FC0) if x != x else np.uint16(r)
+    return np.uint16(0x7FC0) if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else np.uint16(r)
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST)
@@ -297,7 +297,7 @@ def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits,
                 row_f[j] = w[j] * sc[j] + c[j]
             if bf16:
                 for j in range(d):
-                    o[col + j] = _bf16_bits(row_f[j], row_u[j])
+                    o[col + j] = _bf16_bits(row_u[j])
             else:
                 for j in range(d):
                     o[col + j] = row_f[j]
