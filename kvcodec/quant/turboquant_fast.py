@@ -59,10 +59,9 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 @njit(nogil=True, cache=True, inline="always")
-def bucketize_row(row, thr, cb, count, idx, vals):  # pragma: no cover - compiled
-    """One row: idx = number of thresholds < row (torch.bucketize, right=False; NaN -> len(thr)); vals =
-    cb[idx]; ``count`` is scratch of the row's length. Up to 31 thresholds (<= 5 bits): a branch-free
-    count the compiler vectorizes; more: binary search."""
+def count_below(row, thr, count):  # pragma: no cover - compiled
+    """count[j] = the number of thresholds (ascending) below row[j], 0 for a NaN. Up to 31 thresholds
+    (<= 5 bits): a branch-free count the compiler vectorizes; more: binary search."""
     n_thr = thr.shape[0]
     d = row.shape[0]
     if n_thr <= 31:
@@ -83,7 +82,15 @@ def bucketize_row(row, thr, cb, count, idx, vals):  # pragma: no cover - compile
                 else:
                     hi = mid
             count[j] = lo
-    for j in range(d):
+
+
+@njit(nogil=True, cache=True, inline="always")
+def bucketize_row(row, thr, cb, count, idx, vals):  # pragma: no cover - compiled
+    """One row: idx = number of thresholds < row (torch.bucketize, right=False; NaN -> len(thr)); vals =
+    cb[idx]; ``count`` is scratch of the row's length (:func:`count_below`)."""
+    n_thr = thr.shape[0]
+    count_below(row, thr, count)
+    for j in range(row.shape[0]):
         c = count[j]
         if row[j] != row[j]:  # NaN sorts after every threshold, as in torch.bucketize
             c = n_thr

@@ -200,24 +200,7 @@ def _encode_rows(src, bf16, heads, t_total, first, lead0, n, center, inv_scale, 
                 block[r, j] = y[j, r] * post
         for r in range(m):  # centroid search (the count of thresholds below), norm correction, packing
             row = block[r]
-            if n_thr <= 31:  # a branch-free count the compiler vectorizes
-                for j in range(d):
-                    count[j] = 0
-                for i in range(n_thr):
-                    t = thr[i]
-                    for j in range(d):
-                        count[j] += np.int32(row[j] > t)
-            else:  # 8 bits: binary search
-                for j in range(d):
-                    v = row[j]
-                    lo, hi = 0, n_thr
-                    while lo < hi:
-                        mid = (lo + hi) >> 1
-                        if thr[mid] < v:
-                            lo = mid + 1
-                        else:
-                            hi = mid
-                    count[j] = lo
+            turboquant_fast.count_below(row, thr, count)
             nr = norm[r]
             if not abs(nr) < np.inf:  # NaN coordinates sort after every threshold, as in torch.bucketize
                 for j in range(d):
