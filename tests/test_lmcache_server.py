@@ -19,19 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-from redis_service import redis_server  # noqa: F401  (a fixture)
+from redis_service import free_port, redis_server  # noqa: F401  (redis_server: a fixture)
 
 pytest.importorskip("lmcache")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LMCache's server: Linux")]
 
 SHAPE = "(2,64,16,2,64):bfloat16:4"  # kv, blocks, tokens a block, heads, head size: dtype: layers
 CHUNKS_PER_SEQ = 2  # 512 tokens of LMCache's 256-token chunks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -50,7 +44,7 @@ class Server:
     :func:`fs_adapter`; or a RESP server)."""
 
     def __init__(self, adapter: dict, log: Path):
-        self.port, self.http = _free_port(), _free_port()
+        self.port, self.http = free_port(), free_port()
         cmd = [sys.executable, "-m", "kvcodec.integrations.lmcache", "server", "--host", "127.0.0.1",
                "--port", str(self.port), "--http-host", "127.0.0.1", "--http-port", str(self.http),
                "--l1-size-gb", "0.25", "--eviction-policy", "LRU", "--supported-transfer-mode", "engine_driven",
