@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_OUT, save, pyplot  # noqa: E402
+from kvcodec.cache_argument import cache_kwargs  # noqa: E402
 
 SUITE = "bench_hf"
 
@@ -177,14 +178,14 @@ def teacher_forced(model, ids: torch.Tensor, prefix: int, cache, bytes_fn, steps
     steps are timed (tokens/s)."""
     total = ids.shape[1] - 1
     steps = total - prefix if steps is None else min(steps, total - prefix)
-    out = model(ids[:, :prefix], past_key_values=cache, use_cache=True)
+    out = model(ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True)
     logits = [out.logits[:, -1]]
     for t in range(prefix, prefix + steps, chunk):
         n = min(chunk, prefix + steps - t)
-        out = model(ids[:, t : t + n], past_key_values=cache, use_cache=True)
+        out = model(ids[:, t : t + n], **cache_kwargs(model, cache), use_cache=True)
         logits.extend(out.logits[:, i] for i in range(n))
     if prefix + steps < total:
-        model(ids[:, prefix + steps : total], past_key_values=cache, use_cache=True)
+        model(ids[:, prefix + steps : total], **cache_kwargs(model, cache), use_cache=True)
     logits = torch.cat(logits).float()  # [steps + 1, vocab]
     targets = ids[0, prefix : prefix + steps + 1]
     nll = -torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
@@ -193,7 +194,7 @@ def teacher_forced(model, ids: torch.Tensor, prefix: int, cache, bytes_fn, steps
     if speed_steps:
         t0 = time.perf_counter()
         for t in range(speed_steps):
-            model(ids[:, total : total + 1], past_key_values=cache, use_cache=True)
+            model(ids[:, total : total + 1], **cache_kwargs(model, cache), use_cache=True)
         tok_per_s = speed_steps / (time.perf_counter() - t0)
     return {"nll": nll, "argmax": logits.argmax(-1), "tok_per_s": tok_per_s, "bytes": held}
 

@@ -53,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
+from kvcodec.cache_argument import cache_kwargs  # noqa: E402
 
 SUITE = "bench_lmcache"
 CHUNK_TOKENS = 256
@@ -114,7 +115,7 @@ def perplexity(model, ids, prefix: int, keys, values) -> float:
     cache = DynamicCache()
     for layer in range(keys.shape[0]):
         cache.update(keys[layer][None], values[layer][None], layer)
-    logits = model(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).logits[0, :-1].float()
+    logits = model(input_ids=ids[:, prefix:], **cache_kwargs(model, cache), use_cache=True).logits[0, :-1].float()
     return math.exp(float(torch.nn.functional.cross_entropy(logits, ids[0, prefix + 1:])))
 
 

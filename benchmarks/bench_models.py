@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "tests"))
 
 from common import save_with_out  # noqa: E402
+from kvcodec.cache_argument import cache_kwargs  # noqa: E402
 
 METHODS = {
     "lossless": dict(method="lossless"),
@@ -47,12 +48,12 @@ def cache_bytes(cache) -> int:
 def decode_ms(model, cache, ids, steps: int) -> float:
     """Prefill ``ids`` into ``cache``, then the median ms of ``steps`` one-token forwards."""
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **cache_kwargs(model, cache), use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            out = model(tok, past_key_values=cache, use_cache=True)
+            out = model(tok, **cache_kwargs(model, cache), use_cache=True)
             times.append(time.perf_counter() - t0)
             tok = out.logits[:, -1:].argmax(-1)
     return 1e3 * sorted(times)[len(times) // 2]
@@ -77,16 +78,16 @@ def bench_entry(name: str, entry, context: int, steps: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, VOCAB, (1, n), generator=g)
     short = ids[:, :48]
-    ref_tokens = model.generate(short, past_key_values=DynamicCache(config=config), max_new_tokens=8, do_sample=False)
+    ref_tokens = model.generate(short, **cache_kwargs(model, DynamicCache(config=config)), max_new_tokens=8, do_sample=False)
     dyn = DynamicCache(config=config)
     with torch.no_grad():
-        model(ids, past_key_values=dyn, use_cache=True)
+        model(ids, **cache_kwargs(model, dyn), use_cache=True)
     dyn_bytes = cache_bytes(dyn)
     rows = []
     for label, kw in METHODS.items():
         row = {"architecture": name, "method": label, "features": " ".join(sorted(entry.features)), "tokens": n}
         try:
-            tokens = model.generate(short, past_key_values=CompressedCache(model, **kw), max_new_tokens=8,
+            tokens = model.generate(short, **cache_kwargs(model, CompressedCache(model, **kw)), max_new_tokens=8,
                                     do_sample=False)
             row["supported"] = True
             if label == "lossless":

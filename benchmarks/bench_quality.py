@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hf import dynamic_bytes, quanto_report  # noqa: E402
 from common import save  # noqa: E402
+from kvcodec.cache_argument import cache_kwargs  # noqa: E402
 
 SUITE = "bench_quality"
 RESIDUAL = 128  # full-precision window of every cache (kvcodec, KIVI, quanto), as in the quality targets' table (docs/quality.md)
@@ -177,7 +178,7 @@ def prefill_kv(model, ids: torch.Tensor):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(ids, past_key_values=cache, use_cache=True)
+    out = model(ids, **cache_kwargs(model, cache), use_cache=True)
     return out.logits[:, -1].float(), [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -222,7 +223,7 @@ def teacher_forced(model, ids: torch.Tensor, prefix: int, chunks: list[int], cac
     transplant(cache, kv)
     logits, t = [first_logits[:, None]], prefix
     for n in chunks:
-        logits.append(model(ids[:, t:t + n], past_key_values=cache, use_cache=True).logits.float())
+        logits.append(model(ids[:, t:t + n], **cache_kwargs(model, cache), use_cache=True).logits.float())
         t += n
     logp = torch.log_softmax(torch.cat(logits, dim=1), -1)  # [B, 1 + sum(chunks), vocab]
     targets = ids[:, prefix:t + 1]
@@ -309,7 +310,7 @@ def passkey_hits(model, cache, kv, queries: torch.Tensor, a_len: int) -> torch.T
     else:  # quantize each haystack once, then repeat the rows (packed form) for the questions
         transplant(cache, kv)
         cache.batch_repeat_interleave(len(NAMES))
-    logits = model(queries[:, :-1], past_key_values=cache, use_cache=True).logits
+    logits = model(queries[:, :-1], **cache_kwargs(model, cache), use_cache=True).logits
     pred = logits[:, -a_len:].argmax(-1)
     return (pred == queries[:, -a_len:]).all(-1)
 

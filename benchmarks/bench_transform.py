@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, pyplot  # noqa: E402
+from kvcodec.cache_argument import cache_kwargs, output_cache  # noqa: E402
 
 SUITE = "bench_transform"
 CACHE_DIR = Path("benchmarks/results/cache")
@@ -85,7 +86,7 @@ def prepare(model, tok, prefix: int, scored: int, n_texts: int, n_calib: int, ca
     for c in range(n_calib):
         s0 = ids.shape[1] - (n_calib - c) * calib_len
         out = model(ids[:, s0: s0 + calib_len], use_cache=True)
-        k, v = cache_tensors(out.past_key_values)
+        k, v = cache_tensors(output_cache(out))
         data["calib_keys"].append(k.clone())
         data["calib_values"].append(v.clone())
     _register_capture()
@@ -94,13 +95,13 @@ def prepare(model, tok, prefix: int, scored: int, n_texts: int, n_calib: int, ca
         if w.shape[1] < span:
             raise ValueError(f"held-out text {name!r} is shorter than {span} tokens")
         out = model(w[:, :prefix], use_cache=True)
-        k, v = cache_tensors(out.past_key_values)
+        k, v = cache_tensors(output_cache(out))
         previous = model.config._attn_implementation
         model.set_attn_implementation(CAPTURE)
         _CAPTURED.clear()
         _CAPTURED["on"] = True
         try:
-            logits = model(w[:, prefix: prefix + scored], past_key_values=out.past_key_values, use_cache=True).logits
+            logits = model(w[:, prefix: prefix + scored], **cache_kwargs(model, output_cache(out)), use_cache=True).logits
         finally:
             _CAPTURED["on"] = False
             model.set_attn_implementation(previous)
@@ -127,7 +128,7 @@ def score(model, window: dict, keys: torch.Tensor, values: torch.Tensor, prefix:
     for i in range(keys.shape[0]):
         cache.update(keys[i][None].to(torch.bfloat16), values[i][None].to(torch.bfloat16), i)
     w = window["ids"]
-    logits = model(w[:, prefix: prefix + scored], past_key_values=cache, use_cache=True).logits
+    logits = model(w[:, prefix: prefix + scored], **cache_kwargs(model, cache), use_cache=True).logits
     return _nll(logits, w[0, prefix + 1: prefix + scored + 1])
 
 

@@ -54,6 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvcodec.cache_argument import cache_kwargs, output_cache  # noqa: E402
 from benchmarks.common import machine_record, save_with_out  # noqa: E402
 from benchmarks.gpu_hf_decode import GiB, MiB, MODELS, TINY_MODELS, build_model  # noqa: E402
 from benchmarks.gpu_kernels import log  # noqa: E402
@@ -117,7 +118,7 @@ def step_fn(model, cache, batch: int):
 
     def step(forward=model.forward):
         logits = forward(input_ids=tok, position_ids=pos.view(1, 1).expand(batch, 1), cache_position=pos,
-                         past_key_values=cache, use_cache=True).logits
+                         **cache_kwargs(model, cache), use_cache=True).logits
         tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
         pos.add_(1)
 
@@ -459,14 +460,14 @@ def generate_call(kind: str, model, ids, new: int, max_len: int, **extra):
     if kind.startswith("kvc"):
         size = {"kvc eager": {"max_cache_len": None}, "kvc fixed": {"max_cache_len": max_len}}.get(kind, {})
         cache = khf.CompressedCache(model, **KVC_OPTIONS, **size)
-        return model.generate(ids, past_key_values=cache, **kw), cache
+        return model.generate(ids, **cache_kwargs(model, cache), **kw), cache
     if kind == "static":
         kw.update(cache_implementation="static", max_cache_len=max_len)
     elif kind == "quanto":
         kw.update(cache_implementation="quantized", cache_config={"backend": "quanto", "nbits": 4,
                                                                   "residual_length": RESIDUAL})
     out = model.generate(ids, return_dict_in_generate=True, **kw)
-    return out.sequences, out.past_key_values
+    return out.sequences, output_cache(out)
 
 
 class _StepClock:

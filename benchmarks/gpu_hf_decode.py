@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvcodec.cache_argument import cache_kwargs  # noqa: E402
 from benchmarks.bench_hf import dynamic_bytes  # noqa: E402
 from benchmarks.common import machine_record, markdown_table, save_with_out  # noqa: E402
 from benchmarks.gpu_kernels import log  # noqa: E402
@@ -175,7 +176,7 @@ def prefill(model, cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:
     """Feed ``ids`` into ``cache`` (one forward, or chunks of ``chunk`` tokens); returns the greedy next token."""
     step = chunk if chunk > 0 else ids.shape[1]
     for a in range(0, ids.shape[1], step):
-        logits = model(input_ids=ids[:, a:a + step], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=ids[:, a:a + step], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits
     return logits[:, -1].argmax(-1, keepdim=True)
 
 
@@ -183,7 +184,7 @@ def decode(model, cache, tok: torch.Tensor, steps: int) -> tuple[torch.Tensor, l
     """``steps`` greedy one-token decode steps; returns (last token, tokens produced)."""
     out = []
     for _ in range(steps):
-        logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=tok, **cache_kwargs(model, cache), use_cache=True).logits
         tok = logits[:, -1].argmax(-1, keepdim=True)
         out.append(tok)
     return tok, out

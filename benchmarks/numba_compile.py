@@ -81,7 +81,7 @@ def run(pytest_args: list[str]) -> dict:
     rows = sorted(({"kernel": k, "compiles": n, "seconds": s} for k, (n, s) in found.items()),
                   key=lambda r: -r["seconds"])
     return {"suite": "numba_compile", "rows": rows, "pytest": summary, "wall_s": round(wall, 1),
-            "compile_s": round(sum(r["seconds"] for r in rows), 1),
+            "compile_s": round(sum(r["seconds"] for r in rows), 3),
             "command": "python benchmarks/numba_compile.py " + " ".join(pytest_args)}
 
 

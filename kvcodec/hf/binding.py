@@ -169,7 +169,7 @@ def bound_to(model: torch.nn.Module, cache):
     compiled copy of it) directly, which skips the hooks::
 
         with kvcodec.hf.use(model, cache):
-            logits = compiled_forward(input_ids=ids, past_key_values=cache).logits
+            logits = compiled_forward(input_ids=ids, cache=cache).logits  # past_key_values= before 5.24
     """
     attachment = getattr(attach(model), _ATTACH_ATTR)  # kvcodec.hf.use registers the attention first
     if attachment.depth:

@@ -3,7 +3,7 @@
 Usage, one line once the model is enabled::
 
     cache = CompressedCache(model, method="turboquant", key_bits=4, value_bits=3)
-    model.generate(ids, past_key_values=cache)
+    model.generate(ids, cache=cache)  # past_key_values=cache before transformers 5.24
 
 Passing the model (not only its config) lets forwards that receive this cache attend on its
 compressed form (``kvcodec.hf.binding``: the model itself is left as it was). Built from a config

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from kvcodec.cache_argument import cache_kwargs
+
 DEFAULT_LEVELS = (2, 3, 4)
 
 
@@ -61,9 +63,9 @@ def layer_sensitivity(model, ids: torch.Tensor, *, prefix: int, levels=DEFAULT_L
     n_layers = config.num_hidden_layers
     B, E = ids.shape[0], ids.shape[1] - prefix
     base = _dynamic_cache(config, [])
-    out = model(ids[:, :prefix], past_key_values=base, use_cache=True)
+    out = model(ids[:, :prefix], **cache_kwargs(model, base), use_cache=True)
     kv = [(layer.keys, layer.values) for layer in base.layers]
-    ref = model(ids[:, prefix:], past_key_values=_dynamic_cache(config, kv), use_cache=True).logits.float()
+    ref = model(ids[:, prefix:], **cache_kwargs(model, _dynamic_cache(config, kv)), use_cache=True).logits.float()
     ref_logp = torch.log_softmax(ref, dim=-1)
     specs = {b: build_spec(config, key_bits=b, value_bits=b, **opts) for b in levels}
     jobs = [(part, layer, b) for part in (0, 1) for layer in range(n_layers) for b in levels]
@@ -76,7 +78,7 @@ def layer_sensitivity(model, ids: torch.Tensor, *, prefix: int, levels=DEFAULT_L
             mod[layer][part] = _roundtrip(specs[b], layer, part, kv[layer][part], sink, residual)
             rows.append(mod)
         batched = [tuple(torch.cat([r[i][p] for r in rows], dim=0) for p in (0, 1)) for i in range(n_layers)]
-        logits = model(ids[:, prefix:].repeat(len(group), 1), past_key_values=_dynamic_cache(config, batched),
+        logits = model(ids[:, prefix:].repeat(len(group), 1), **cache_kwargs(model, _dynamic_cache(config, batched)),
                        use_cache=True).logits.float()
         logp = torch.log_softmax(logits, dim=-1).view(len(group), B, E, -1)
         div = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [G, B, E]
@@ -165,7 +167,7 @@ def capture_prefill(model, ids: torch.Tensor):
     model.set_attn_implementation(CAPTURE)
     try:
         cache = _dynamic_cache(model.config, [])
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
     finally:
         model.set_attn_implementation(old)
     kv = [(layer.keys, layer.values) for layer in cache.layers]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvcodec.cache_argument import cache_kwargs, output_cache
 from kvcodec.transform.calibration import Calibration, fit, query_key_scales
 from kvcodec.transform.codec import decode, encode
 from kvcodec.transform.rope import RoPE
@@ -40,7 +41,7 @@ def _prefix_kv(model, ids: torch.Tensor):
     from kvcodec.transform.hf import cache_tensors
 
     out = model(ids, use_cache=True)
-    return cache_tensors(out.past_key_values)
+    return cache_tensors(output_cache(out))
 
 
 @torch.no_grad()
@@ -60,7 +61,7 @@ def measure(model, ids: torch.Tensor, calib: Calibration, *, prefix: int, distor
     hat = decode(encode(keys, values, calib, distortion=distortion, sinks=sinks, window=window), calib)
     exact = (keys, values)
     scored = ids[:, prefix:]
-    ref = torch.log_softmax(model(scored, past_key_values=_cache(model.config, keys[None], values[None]),
+    ref = torch.log_softmax(model(scored, **cache_kwargs(model, _cache(model.config, keys[None], values[None])),
                                   use_cache=True).logits.double(), dim=-1)
     L = keys.shape[0]
     scales = torch.from_numpy(calib.scales).double()  # [L, 2, H, D]
@@ -76,7 +77,7 @@ def measure(model, ids: torch.Tensor, calib: Calibration, *, prefix: int, distor
         for p, (layer, kind) in zip(parts, group):
             p[kind, layer] = hat[kind][layer].to(p.dtype)
         kv = torch.stack(parts, dim=1)  # [2, B, L, H, T, D]
-        logits = model(scored.repeat(len(group), 1), past_key_values=_cache(model.config, kv[0], kv[1]),
+        logits = model(scored.repeat(len(group), 1), **cache_kwargs(model, _cache(model.config, kv[0], kv[1])),
                        use_cache=True).logits.double()
         logp = torch.log_softmax(logits, dim=-1)
         div = (ref.exp() * (ref - logp)).sum(-1).sum(-1)  # [B]
