@@ -37,6 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kvcodec.device as kcuda
 from kvcodec.quant.cuda import quantized as packed_attention
+from kvcodec.quant.cuda.attention import join_exact
 from kvcodec.hf.binding import EAGER_NAME, NAME, attach, bound, bound_to, detach, implementation_for  # noqa: F401
 from kvcodec.hf.layer import CompressedLayer
 from kvcodec.hf.storage import Block, Segment
@@ -368,8 +369,8 @@ def _attend_with_compressed(store, mask, part: CompressedPart, G: int, Tq: int, 
         s = _query_rows(part.q, G, Tq, q0, n) @ keys.transpose(-1, -2)
         if mask is None and Tq > 1:  # exact index order is token order: the queries are the last Tq
             s = _apply_mask(s, 0, E, None, q0, n, E - Tq, G, Hkv)
-        p = torch.softmax(torch.cat([_query_rows(part.lse, G, Tq, q0, n), s], dim=-1), dim=-1)
-        chunks.append(torch.addcmul(p[..., 1:] @ values, p[..., :1], _query_rows(part.out, G, Tq, q0, n)))
+        joined, _ = join_exact(_query_rows(part.lse, G, Tq, q0, n), _query_rows(part.out, G, Tq, q0, n), s, values)
+        chunks.append(joined)
     if len(chunks) == 1:
         return chunks[0]
     return torch.cat([ch.view(B, Hkv, G, -1, D) for ch in chunks], dim=3).view(B, Hkv, G * Tq, D)

@@ -67,6 +67,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvcodec.device.plans import pinned_by
 from kvcodec.quant.cuda import ops
+from kvcodec.quant.cuda.attention import join_exact
 from kvcodec.quant.cuda.quantized import PackedConsts, attend_packed
 from kvcodec.hf.binding import BOUND_ATTR, attach, bound
 from kvcodec.hf.cache import KvcodecCache, register_static_mode
@@ -642,13 +643,6 @@ class StaticCompressedLayer(CacheLayerMixin):
             sink = sink - scaling * (q * consts.k_center).sum(-1, keepdim=True)
         return sink
 
-    @staticmethod
-    def _merge(lse, s, sink, values_part, out_c):
-        """One softmax over [compressed pseudo-key | exact keys | sink]; the sink has no value."""
-        logits = [lse, s] if sink is None else [lse, s, sink]
-        p = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
-        n = s.shape[-1]
-        return torch.addcmul(_product(p[..., 1:1 + n], values_part), p[..., :1], out_c)
 
     def _store_long(self) -> None:
         """After ``attend`` of a forward of more than ``block_size`` tokens: the tokens that leave the window (as the eager store compacts after
@@ -700,8 +694,8 @@ class StaticCompressedLayer(CacheLayerMixin):
         q, out_c, lse = attend_packed(query, self.packed["k"], self.packed["v"], consts, lens)
         keys = torch.addcmul(consts.k_add, exact_k, consts.k_mul)  # scaling * (k - center) / scale
         s = _product(q, keys.transpose(-1, -2)).view(B, H, G, Tq, E) + bias
-        out = self._merge(lse, s.view(B, H, G * Tq, E), self._sink_logits(query, consts, sinks, scaling), exact_v,
-                          out_c)
+        out, _ = join_exact(lse, out_c, s.view(B, H, G * Tq, E), exact_v,
+                            self._sink_logits(query, consts, sinks, scaling), _product)
         if self.long_kv is not None:
             self._store_long()
         return out.view(B, H, G, Tq, D).reshape(B, Hq, Tq, D).transpose(1, 2).to(query.dtype).contiguous()

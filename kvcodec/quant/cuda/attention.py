@@ -465,8 +465,23 @@ def run(plan: DecodePlan, query, k_codes, k_norms, v_codes, v_norms, seq_lens, k
     return out.to(out_dtype), lse
 
 
+def join_exact(lse, out, scores, values, sink=None, product=torch.matmul):
+    """Attention over compressed tokens joined with exact ones: one softmax over [compressed | exact |
+    sink] in which the compressed tokens are a single pseudo-key with score ``lse`` (their log-sum-exp,
+    [.., 1]) and value ``out`` (their normalized output), which is exactly the log-sum-exp merge of the
+    two parts. ``scores`` [.., E] / ``values`` [.., E, Dv]: the exact tokens (masked scores -inf);
+    ``sink`` [.., 1]: logits with no value (attention sinks); ``product``: the matmul (a compiled step
+    passes its own). Returns (output, logits); a row whose logits are all -inf comes out NaN. The eager
+    and static caches and :func:`merge_window` all merge here."""
+    logits = torch.cat([lse, scores] if sink is None else [lse, scores, sink], dim=-1)
+    p = torch.softmax(logits, dim=-1)
+    n = scores.shape[-1]
+    return torch.addcmul(product(p[..., 1:1 + n], values), p[..., :1], out), logits
+
+
 def merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal):
-    """Attend the full-precision window with torch and merge it with the compressed part by lse."""
+    """Attend the full-precision window with torch and merge it with the compressed part
+    (:func:`join_exact`); a row with neither compressed tokens nor window tokens gives zeros, lse -inf."""
     b, hq, ql, d = query.shape
     hkv, w = window_k.shape[1], window_k.shape[2]
     g = hq // hkv
@@ -480,10 +495,6 @@ def merge_window(query, out, lse, window_k, window_v, window_lens, scale, causal
     if causal and ql > 1:
         limit = limit - (ql - 1) + torch.arange(ql, device=dev).view(1, 1, ql, 1)
     s = s.masked_fill(torch.arange(w, device=dev).view(1, 1, 1, w) >= limit, float("-inf"))
-    wlse = torch.logsumexp(s, -1)
-    wout = torch.softmax(s, -1).nan_to_num(0.0) @ wv
-    total = torch.logaddexp(lse, wlse)
-    safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-    a = torch.exp(lse - safe).nan_to_num(0.0).unsqueeze(-1)
-    c = torch.exp(wlse - safe).nan_to_num(0.0).unsqueeze(-1)
-    return a * out + c * wout, total
+    joined, logits = join_exact(lse.unsqueeze(-1), out, s, wv)
+    total = torch.logsumexp(logits, -1)
+    return torch.where(torch.isfinite(total).unsqueeze(-1), joined, torch.zeros_like(joined)), total
