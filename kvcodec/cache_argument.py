@@ -30,10 +30,9 @@ def cache_kwargs(model, cache) -> dict:
 
 
 def output_cache(out):
-    """The cache a forward or ``generate`` returned (``out.cache``; ``out.past_key_values`` before 5.24)."""
-    if isinstance(out, dict) and NEW in out:
-        return out[NEW]
-    return getattr(out, OLD)
+    """The cache a forward or ``generate`` returned (``out.cache``; ``out.past_key_values`` before 5.24): by
+    the output class's own field, so a missing cache is None and the deprecated alias is never read."""
+    return getattr(out, NEW if NEW in getattr(type(out), "__dataclass_fields__", ()) else OLD)
 
 
 def _decoders_take_cache() -> bool:

@@ -643,7 +643,6 @@ class StaticCompressedLayer(CacheLayerMixin):
             sink = sink - scaling * (q * consts.k_center).sum(-1, keepdim=True)
         return sink
 
-
     def _store_long(self) -> None:
         """After ``attend`` of a forward of more than ``block_size`` tokens: the tokens that leave the window (as the eager store compacts after
         the forward) go to compressed slots, the others to the ring."""
