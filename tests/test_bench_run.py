@@ -101,6 +101,10 @@ def test_bench_suite_quick_writes_valid_json(suite, tmp_path, capsys):
     text = (tmp_path / "REPORT.md").read_text()
     for f in files:
         assert f"## {json.loads(f.read_text())['suite']}" in text
+    if suite == "hf":  # the lossless cache scores exactly what the bf16 cache scores, quick or not
+        lossless = [r for r in json.loads((tmp_path / "bench_hf.json").read_text())["rows"]
+                    if r["cache"] == "kvcodec/lossless"]
+        assert lossless and all(r["ppl_delta_pct"] == 0 and r["top1_agree"] == 1 for r in lossless), lossless
 
 
 @pytest.mark.gpu

@@ -227,12 +227,16 @@ def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits,
     """R^T (cb[codes] * norm) * scale + center per row, LANES rows at a time, into ``out``: row i itself
     (heads == 0; out [n, D] float32), or, for rows of leading index lead0 + i // per = (layer, head) and
     token t = i % per, out[layer * t_total + first + t, head * D : (head + 1) * D] of an LMCache chunk part
-    [layers * t_total, heads * D] (float32, or with ``bf16`` uint16 holding bfloat16 bits)."""
+    [layers * t_total, heads * D] (float32, or with ``bf16`` uint16 holding bfloat16 bits). The scaled
+    centroids go straight into the transposed block the rotation works on, and the rows come straight out
+    of it (no row-major copy of the block either way)."""
     n = codes.shape[0]
     d = center.shape[1]
     mask = (1 << bits) - 1
-    block = np.zeros((LANES, d), np.float32)  # the block's rows: scaled centroids in, rotated rows out
-    y = np.empty((d, LANES), np.float32)
+    y = np.empty((d, LANES), np.float32)  # the block, transposed: scaled centroids in, rotated rows out
+    f = np.empty(d, np.float32)
+    for j in range(d):
+        f[j] = s1[j] * post
     row_f = np.empty(d, np.float32)
     row_u = row_f.view(np.uint32)
     for r0 in range(0, n, LANES):
@@ -240,15 +244,14 @@ def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits,
         for r in range(m):
             row = codes[r0 + r]
             nr = norms[r0 + r]
-            v = block[r]
             if bits == 4 and d % 2 == 0:
                 for b in range(d // 2):
                     c = row[b]
-                    v[2 * b] = cb[c & 15] * nr
-                    v[2 * b + 1] = cb[c >> 4] * nr
+                    y[2 * b, r] = cb[c & 15] * nr
+                    y[2 * b + 1, r] = cb[c >> 4] * nr
             elif bits == 8:
                 for j in range(d):
-                    v[j] = cb[row[j]] * nr
+                    y[j, r] = cb[row[j]] * nr
             else:
                 pos = 0
                 for j in range(d):
@@ -256,28 +259,20 @@ def _decode_rows(codes, norms, center, scale, per, kind, s1, s2, post, cb, bits,
                     c = np.int64(row[byte]) >> shift
                     if shift + bits > 8:
                         c |= np.int64(row[byte + 1]) << (8 - shift)
-                    v[j] = cb[c & mask] * nr
+                    y[j, r] = cb[c & mask] * nr
                     pos += bits
         for r in range(m, LANES):  # a last, short block: zeros in the unused lanes
             for j in range(d):
-                block[r, j] = 0
-        for j in range(d):
-            for r in range(LANES):
-                y[j, r] = block[r, j]
+                y[j, r] = 0
         _hadamard_rounds(y, kind, s2)  # R^T = diag(s1) (H diag(s2)) H * post
-        for j in range(d):
-            f = s1[j] * post
-            for r in range(LANES):
-                block[r, j] = y[j, r] * f
         for r in range(m):
             i = r0 + r
             lead = i // per
             c, sc = center[lead], scale[lead]
             dst, col = _chunk_row(i, per, heads, t_total, first, lead0, d)
             o = out[dst]
-            w = block[r]
             for j in range(d):
-                row_f[j] = w[j] * sc[j] + c[j]
+                row_f[j] = (y[j, r] * f[j]) * sc[j] + c[j]
             if bf16:
                 for j in range(d):
                     o[col + j] = _bf16_bits(row_u[j])
