@@ -27,6 +27,8 @@ import time
 import torch
 import transformers
 
+from kvcodec.cache_argument import cache_kwargs
+
 VOCAB = 160
 HIDDEN = 64
 SEED = 0
@@ -404,7 +406,7 @@ def cache_layer_classes(model, tokens=40) -> list[str]:
     cache = transformers.DynamicCache(config=model.config)
     ids = torch.randint(3, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(model, cache), use_cache=True)
     layers = getattr(cache, "layers", [])
     return [type(layer).__name__ for layer in layers]
 

@@ -339,6 +339,7 @@ def test_inspect_and_decompress_recognise_every_format(tmp_path, capsys):
 def test_cli_recognises_a_saved_compressed_cache(tmp_path, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from kvcodec.cache_argument import cache_kwargs
     from kvcodec.hf import CompressedCache
 
     torch.manual_seed(0)
@@ -347,7 +348,7 @@ def test_cli_recognises_a_saved_compressed_cache(tmp_path, capsys):
     model = LlamaForCausalLM(config).eval()
     cache = CompressedCache(model, method="turboquant", key_bits=4, residual=4, block_size=4)
     with torch.no_grad():
-        model(torch.randint(0, 64, (1, 21)), past_key_values=cache, use_cache=True)
+        model(torch.randint(0, 64, (1, 21)), **cache_kwargs(model, cache), use_cache=True)
     saved = tmp_path / "prefix.kvc"
     cache.save(saved)
     proc = _kvcodec("inspect", saved, "--verify")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.hf import CompressedCache
 from kvcodec.hf.encodings import ExactEncoding
 
@@ -48,7 +49,7 @@ SHAPES = [("llama", 4, 4, 64), ("llama", 9, 3, 64), ("qwen2", 8, 2, 128), ("qwen
 def _gen(model, ids, cache, **kw):
     kw.setdefault("max_new_tokens", 12)
     kw.setdefault("do_sample", False)
-    return model.generate(ids, past_key_values=cache, return_dict_in_generate=True, output_scores=True, **kw)
+    return model.generate(ids, **cache_kwargs(model, cache), return_dict_in_generate=True, output_scores=True, **kw)
 
 
 def _cache(model, **kw):
@@ -84,9 +85,9 @@ def test_sampling_matches_dynamic_cache(compressed_path):
 def test_beam_search_matches_dynamic_cache(compressed_path):
     model = tiny_model("llama", 9, 3, 64)
     ids = prompt(2, 9, seed=3)
-    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), num_beams=3, max_new_tokens=10,
+    ref = model.generate(ids, **cache_kwargs(model, DynamicCache(config=model.config)), num_beams=3, max_new_tokens=10,
                          do_sample=False, num_return_sequences=2)
-    out = model.generate(ids, past_key_values=_cache(model), num_beams=3, max_new_tokens=10, do_sample=False,
+    out = model.generate(ids, **cache_kwargs(model, _cache(model)), num_beams=3, max_new_tokens=10, do_sample=False,
                          num_return_sequences=2)
     assert torch.equal(ref, out)
 
@@ -109,7 +110,7 @@ def test_padded_batch_matches_dynamic_cache(compressed_path):
 
 @torch.no_grad()
 def _logits(model, ids, cache):
-    return model(ids, past_key_values=cache, use_cache=True).logits
+    return model(ids, **cache_kwargs(model, cache), use_cache=True).logits
 
 
 @pytest.mark.parametrize("crop_arg", [-7, 16])

@@ -17,6 +17,7 @@ import torch
 from model_zoo import VOCAB, build, supports_dynamic_cache, zoo
 from transformers import DynamicCache
 
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.hf import CompressedCache
 
 PROMPT, NEW = 40, 6
@@ -30,7 +31,7 @@ def _ids(batch=1, length=PROMPT, seed=0):
 
 def _generate(model, ids, cache, **kw):
     kw.setdefault("max_new_tokens", NEW)
-    out = model.generate(ids, past_key_values=cache, do_sample=False, return_dict_in_generate=True,
+    out = model.generate(ids, **cache_kwargs(model, cache), do_sample=False, return_dict_in_generate=True,
                          output_scores=True, **kw)
     return out.sequences, torch.stack(out.scores)
 
@@ -88,10 +89,10 @@ def test_turboquant_compresses_and_attends_on_the_compressed_form(name):
     bound, dense = CompressedCache(model, **kw), CompressedCache(model.config, **kw)
     step = _ids(1, 1, seed=5)
     with torch.no_grad():
-        model(ids, past_key_values=bound, use_cache=True)
-        model(ids, past_key_values=dense, use_cache=True)
-        a = model(step, past_key_values=bound, use_cache=True).logits
-        b = model(step, past_key_values=dense, use_cache=True).logits
+        model(ids, **cache_kwargs(model, bound), use_cache=True)
+        model(ids, **cache_kwargs(model, dense), use_cache=True)
+        a = model(step, **cache_kwargs(model, bound), use_cache=True).logits
+        b = model(step, **cache_kwargs(model, dense), use_cache=True).logits
     torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
@@ -113,9 +114,9 @@ def test_padded_batch_beams_and_reuse(name):
     got, _ = _generate(model, ids, CompressedCache(model, method="lossless"), attention_mask=mask)
     assert torch.equal(got, ref)
     one = _ids()
-    ref_b = model.generate(one, past_key_values=DynamicCache(config=model.config), num_beams=2,
+    ref_b = model.generate(one, **cache_kwargs(model, DynamicCache(config=model.config)), num_beams=2,
                            max_new_tokens=4, do_sample=False)
-    got_b = model.generate(one, past_key_values=CompressedCache(model, method="lossless"), num_beams=2,
+    got_b = model.generate(one, **cache_kwargs(model, CompressedCache(model, method="lossless")), num_beams=2,
                            max_new_tokens=4, do_sample=False)
     assert torch.equal(got_b, ref_b)
     # a cache reused to continue a conversation: the second turn sees the first

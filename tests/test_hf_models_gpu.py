@@ -8,6 +8,7 @@ from model_zoo import VOCAB, build
 from transformers import DynamicCache
 
 import kvcodec.device as kcuda
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.hf import CompressedCache
 
 pytestmark = [pytest.mark.gpu,
@@ -46,14 +47,14 @@ def test_generate_on_cuda_twice_and_padded(name, overrides, monkeypatch):
     monkeypatch.setattr(attn, "fused_compressed", counting)
     for length, new in ((100, 12), (70, 20)):  # fresh caches, other prompt and output lengths
         ids = _ids(1, length, seed=length)
-        ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=new,
+        ref = model.generate(ids, **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=new,
                              do_sample=False)
-        got = model.generate(ids, past_key_values=CompressedCache(model, method="lossless"), max_new_tokens=new,
+        got = model.generate(ids, **cache_kwargs(model, CompressedCache(model, method="lossless")), max_new_tokens=new,
                              do_sample=False)
         assert torch.equal(got, ref)
         cache = CompressedCache(model, method="turboquant", key_bits=4, value_bits=4, residual=16, block_size=16,
                                 max_cache_len=None)  # the eager cache (its fused path is counted)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False,
+        out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=new, do_sample=False,
                              return_dict_in_generate=True, output_scores=True)
         assert torch.isfinite(torch.stack(out.scores)).all()
         assert cache.nbytes() > 0
@@ -64,8 +65,8 @@ def test_generate_on_cuda_twice_and_padded(name, overrides, monkeypatch):
     for row, pad in enumerate((0, 9, 21)):
         ids[row, :pad] = 0
         mask[row, :pad] = 0
-    ref = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+    ref = model.generate(ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config)),
                          max_new_tokens=8, do_sample=False)
-    got = model.generate(ids, attention_mask=mask, past_key_values=CompressedCache(model, method="lossless"),
+    got = model.generate(ids, attention_mask=mask, **cache_kwargs(model, CompressedCache(model, method="lossless")),
                          max_new_tokens=8, do_sample=False)
     assert torch.equal(got, ref)

@@ -9,6 +9,7 @@ import torch
 from test_hf_cache import _logits, prompt, tiny_model
 from transformers import DynamicCache
 
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.hf import CompressedCache, disable
 from kvcodec.hf.attention import attend_store
 from kvcodec.hf.persist import cache_from_bytes, cache_to_bytes
@@ -84,11 +85,11 @@ def test_beam_search_crop_and_padding_run(method, kw):
     mask[1, :6] = 0
     ids[1, :6] = 0
     cache = CompressedCache(model, method=method, key_bits=4, residual=4, block_size=4, **kw)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, num_beams=3, max_new_tokens=8,
+    out = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), num_beams=3, max_new_tokens=8,
                          do_sample=False)
     assert out.shape == (2, 28)
-    ref = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), num_beams=3,
-                         max_new_tokens=8, do_sample=False)
+    ref = model.generate(ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config)),
+                         num_beams=3, max_new_tokens=8, do_sample=False)
     assert (out[:, 20:] == ref[:, 20:]).float().mean() > 0.5  # 4-bit keys: mostly the same beams
     n = cache.get_seq_length()
     cache.crop(-5)

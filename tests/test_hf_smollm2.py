@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import smollm2
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.hf import CompressedCache, enable
 
 pytestmark = [
@@ -27,7 +28,7 @@ def ids():
 
 
 def _greedy(model, ids, cache, n=5):
-    return model.generate(ids, past_key_values=cache, max_new_tokens=n, do_sample=False)
+    return model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=n, do_sample=False)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.hf import CompressedCache
 from kvcodec.hf.static_cache import StaticCompressedCache
 from kvcodec.quant.cuda import ops
@@ -23,7 +24,7 @@ def _tokens(batch, length, seed):
 
 
 def _step(model, cache, tok):
-    return model(tok, past_key_values=cache, use_cache=True).logits[:, -1].float()
+    return model(tok, **cache_kwargs(model, cache), use_cache=True).logits[:, -1].float()
 
 
 def _decode(model, cache, tok, n):
@@ -41,9 +42,9 @@ def _pair(model, ids, max_len=64, **kw):
     its own implementation, so the two are always stepped through ``_both``)."""
     opts = {**KW, **kw}
     eager = CompressedCache(model, **opts)
-    e0 = model(ids, past_key_values=eager).logits[:, -1].float()
+    e0 = model(ids, **cache_kwargs(model, eager)).logits[:, -1].float()
     static = CompressedCache(model, **opts, max_cache_len=max_len)
-    s0 = model(ids, past_key_values=static).logits[:, -1].float()
+    s0 = model(ids, **cache_kwargs(model, static)).logits[:, -1].float()
     assert isinstance(static, StaticCompressedCache)
     torch.testing.assert_close(s0, e0, rtol=0, atol=1e-5)
     return eager, static, e0.argmax(-1, keepdim=True)
@@ -121,12 +122,12 @@ def test_max_cache_len_is_a_hard_limit(model):
     with torch.no_grad():
         cache = CompressedCache(model, **KW, max_cache_len=12)
         with pytest.raises(ValueError, match="max_cache_len"):
-            model(_tokens(1, 13, 0), past_key_values=cache)
+            model(_tokens(1, 13, 0), **cache_kwargs(model, cache))
         cache = CompressedCache(model, **KW, max_cache_len=12)
-        model(_tokens(1, 10, 0), past_key_values=cache)
-        model(_tokens(1, 2, 1), past_key_values=cache)
+        model(_tokens(1, 10, 0), **cache_kwargs(model, cache))
+        model(_tokens(1, 2, 1), **cache_kwargs(model, cache))
         with pytest.raises(ValueError, match="max_cache_len"):
-            model(_tokens(1, 1, 2), past_key_values=cache)
+            model(_tokens(1, 1, 2), **cache_kwargs(model, cache))
 
 
 def test_static_mode_rejects_what_it_cannot_hold(model):
@@ -140,14 +141,15 @@ def test_static_mode_rejects_what_it_cannot_hold(model):
         CompressedCache(model, max_cache_len=0)
     with torch.no_grad(), pytest.raises(ValueError, match="left-padded"):
         cache = CompressedCache(model, **KW, max_cache_len=32)
-        model(_tokens(2, 6, 0), attention_mask=torch.tensor([[1, 1, 1, 1, 1, 0], [1] * 6]), past_key_values=cache)
+        model(_tokens(2, 6, 0), attention_mask=torch.tensor([[1, 1, 1, 1, 1, 0], [1] * 6]),
+              **cache_kwargs(model, cache))
 
 
 def test_generate_with_the_static_cache_matches_eager(model):
     ids = _tokens(1, 9, 3)
-    eager = model.generate(ids, past_key_values=CompressedCache(model, **KW), max_new_tokens=8, do_sample=False)
-    static = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=32), max_new_tokens=8,
-                            do_sample=False)
+    eager = model.generate(ids, **cache_kwargs(model, CompressedCache(model, **KW)), max_new_tokens=8, do_sample=False)
+    static = model.generate(ids, **cache_kwargs(model, CompressedCache(model, **KW, max_cache_len=32)),
+                            max_new_tokens=8, do_sample=False)
     assert torch.equal(eager, static)
 
 
@@ -166,15 +168,16 @@ def test_decode_step_compiles_with_fullgraph(model):
     torch._dynamo.utils.counters.clear()
     with torch.no_grad():
         cache = CompressedCache(model, **KW, max_cache_len=40)
-        tok = model(_tokens(1, 10, 5), past_key_values=cache).logits[:, -1:].argmax(-1)
-        step = torch.compile(lambda t: model(t, past_key_values=cache).logits, fullgraph=True, backend="eager")
+        tok = model(_tokens(1, 10, 5), **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
+        cache_kw = cache_kwargs(model, cache)  # outside the traced step: dynamo need not trace inspect.signature
+        step = torch.compile(lambda t: model(t, **cache_kw).logits, fullgraph=True, backend="eager")
         ref = CompressedCache(model, **KW, max_cache_len=40)
-        model(_tokens(1, 10, 5), past_key_values=ref)
+        model(_tokens(1, 10, 5), **cache_kwargs(model, ref))
         compiled, plain = [], []
         t1 = t2 = tok
         for _ in range(6):  # crosses a block boundary
             compiled.append(step(t1)[:, -1])
-            plain.append(model(t2, past_key_values=ref).logits[:, -1])
+            plain.append(model(t2, **cache_kwargs(model, ref)).logits[:, -1])
             t1, t2 = compiled[-1].argmax(-1, keepdim=True), plain[-1].argmax(-1, keepdim=True)
     torch.testing.assert_close(torch.stack(compiled), torch.stack(plain), rtol=0, atol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # first step + steady state at most
@@ -247,14 +250,14 @@ def test_smollm2_static_cache_follows_the_eager_greedy_tokens():
     kw = dict(method="turboquant", key_bits=4, value_bits=4, residual=8, block_size=16)
     with torch.no_grad():
         eager = CompressedCache(model, **kw)
-        out = model.generate(ids, past_key_values=eager, max_new_tokens=8, do_sample=False, output_logits=True,
+        out = model.generate(ids, **cache_kwargs(model, eager), max_new_tokens=8, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
         e_logits = torch.stack([x[0].float() for x in out.logits])
         static = CompressedCache(model, **kw, max_cache_len=64)
         enable_static(model)
-        s_logits = [model(ids, past_key_values=static).logits[0, -1].float()]
+        s_logits = [model(ids, **cache_kwargs(model, static)).logits[0, -1].float()]
         for t in out.sequences[0, ids.shape[1]:-1]:
-            s_logits.append(model(t.view(1, 1), past_key_values=static).logits[0, -1].float())
+            s_logits.append(model(t.view(1, 1), **cache_kwargs(model, static)).logits[0, -1].float())
         enable(model)
     s_logits = torch.stack(s_logits)
     assert float((s_logits - e_logits).abs().max()) <= 0.03 * float(e_logits.abs().max())
@@ -389,12 +392,12 @@ not once per layer (it was ~60 per layer before)."""
     monkeypatch.setattr(StaticCompressedLayer, "on_append", property(lambda self: not self.device_fit))
     with torch.no_grad():
         cache = CompressedCache(model, **KW, max_cache_len=64)
-        model(_tokens(2, 11, 9), past_key_values=cache)
-        model(_tokens(2, 1, 10), past_key_values=cache)
+        model(_tokens(2, 11, 9), **cache_kwargs(model, cache))
+        model(_tokens(2, 1, 10), **cache_kwargs(model, cache))
         for cls, name in ((StaticCompressedLayer, "update"), (StaticCompressedLayer, "attend"),
                           (SharedLengths, "begin_step")):
             counted(cls, name)
-        model(_tokens(2, 1, 11), past_key_values=cache)
+        model(_tokens(2, 1, 11), **cache_kwargs(model, cache))
     layers = len(cache.layers)
     assert counts["begin_step"] <= 36  # once per forward
     per_layer = (counts["update"] - counts["begin_step"] + counts["attend"]) / layers

@@ -11,6 +11,7 @@ reference, so this is the route ``tests/test_hf_static_gpu.py`` runs on CUDA.
 import pytest
 import torch
 
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.hf import CompressedCache
 from kvcodec.quant.cuda import ops
 
@@ -42,7 +43,7 @@ def _left_padded(lengths, seed):
 def _generate(model, ids, static, new, options=KW, **kw):
     size = ids.shape[1] + new if static else None
     cache = CompressedCache(model, **options, max_cache_len=size)
-    return model.generate(ids, past_key_values=cache, max_new_tokens=new, disable_compile=True, **kw)
+    return model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=new, disable_compile=True, **kw)
 
 
 @pytest.mark.parametrize("options", [
@@ -80,9 +81,9 @@ def test_padding_is_masked_not_attended(model):
     kw = dict(KW, key_bits=4, value_bits=4, residual=64, block_size=16)  # nothing is compressed: exact
     ids, mask = _left_padded([12, 5], 8)
     batch = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, disable_compile=True,
-                           past_key_values=CompressedCache(model, **kw, max_cache_len=40))
+                           **cache_kwargs(model, CompressedCache(model, **kw, max_cache_len=40)))
     alone = model.generate(ids[1:, -5:], max_new_tokens=6, do_sample=False, disable_compile=True,
-                           past_key_values=CompressedCache(model, **kw, max_cache_len=40))
+                           **cache_kwargs(model, CompressedCache(model, **kw, max_cache_len=40)))
     assert torch.equal(batch[1, -6:], alone[0, -6:])
 
 
@@ -108,10 +109,10 @@ def test_a_reused_cache_continues_the_conversation(model):
     runs = []
     for static in (False, True):
         cache = CompressedCache(model, **KW, max_cache_len=64) if static else CompressedCache(model, **KW)
-        first = model.generate(_ids(1, 10, 7), past_key_values=cache, max_new_tokens=7, do_sample=False,
+        first = model.generate(_ids(1, 10, 7), **cache_kwargs(model, cache), max_new_tokens=7, do_sample=False,
                                disable_compile=True)
         ids = torch.cat([first, turn2], dim=1)
-        runs.append(model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False,
+        runs.append(model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=6, do_sample=False,
                                    disable_compile=True))
     assert torch.equal(runs[1], runs[0])
 
@@ -129,9 +130,9 @@ def test_generate_compile_route_traces_the_whole_step(model):
     try:
         for ids, mask, new in ((_ids(1, 9, 1), None, 10), (*_left_padded([13, 6], 2), 7)):
             kw = dict(max_new_tokens=new, do_sample=False, attention_mask=mask)
-            eager = model.generate(ids, past_key_values=CompressedCache(model, **KW), disable_compile=True, **kw)
+            eager = model.generate(ids, **cache_kwargs(model, CompressedCache(model, **KW)), disable_compile=True, **kw)
             cache = CompressedCache(model, **KW, max_cache_len=ids.shape[1] + new)
-            compiled = model.generate(ids, past_key_values=cache, compile_config=config, **kw)
+            compiled = model.generate(ids, **cache_kwargs(model, cache), compile_config=config, **kw)
             assert torch.equal(compiled, eager)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the compiled route ran
     finally:
@@ -154,7 +155,7 @@ def test_a_long_continuation_stores_what_eager_stores(model, monkeypatch, first_
     with torch.no_grad():
         caches = (CompressedCache(model, **KW), CompressedCache(model, **KW, max_cache_len=64))
         for cache in caches:
-            out = [model(ids, past_key_values=cache).logits[:, -1] for ids in (first, second, third)]
+            out = [model(ids, **cache_kwargs(model, cache)).logits[:, -1] for ids in (first, second, third)]
             logits.append(torch.stack(out))
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
     _assert_same_bytes(*caches)
@@ -186,8 +187,8 @@ def test_a_growable_cache_gives_the_eager_tokens_across_growths(model, small_pag
     for kw in ({}, {"num_beams": 2}):
         eager = _generate(model, ids, False, 30, attention_mask=mask, do_sample=False, **kw)
         cache = StaticCompressedCache(model, **KW, max_cache_len=None)
-        grown = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30, do_sample=False,
-                               disable_compile=True, **kw)
+        grown = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=30,
+                               do_sample=False, disable_compile=True, **kw)
         assert torch.equal(grown, eager)
         assert cache.layers[0].max_cache_len == 64  # 9 + 4 -> 16, then 32, then 64 for 39 tokens
 
@@ -208,7 +209,8 @@ def test_a_growable_cache_compiles_with_a_bounded_number_of_graphs(model, small_
         ids = _ids(1, 7, 2)
         eager = _generate(model, ids, False, 40, do_sample=False)
         cache = StaticCompressedCache(model, **KW, max_cache_len=None)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False, compile_config=config)
+        out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=40, do_sample=False,
+                             compile_config=config)
         assert torch.equal(out, eager)
         assert cache.layers[0].max_cache_len == 64  # grew 16 -> 32 -> 64
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 8
@@ -259,9 +261,9 @@ def test_sliding_window_models_give_the_eager_tokens(arch):
     runs = []
     for static in (False, True):
         cache = CompressedCache(model, **KW, max_cache_len=96) if static else CompressedCache(model, **KW)
-        first = model.generate(_ids(1, 20, 7), past_key_values=cache, max_new_tokens=6, do_sample=False,
+        first = model.generate(_ids(1, 20, 7), **cache_kwargs(model, cache), max_new_tokens=6, do_sample=False,
                                disable_compile=True)
-        runs.append(model.generate(torch.cat([first, _ids(1, 9, 8)], dim=1), past_key_values=cache,
+        runs.append(model.generate(torch.cat([first, _ids(1, 9, 8)], dim=1), **cache_kwargs(model, cache),
                                    max_new_tokens=6, do_sample=False, disable_compile=True))
     assert torch.equal(runs[1], runs[0])
 
@@ -279,8 +281,8 @@ def test_a_growable_cache_of_a_sliding_window_model_gives_the_eager_tokens(arch,
     ids, mask = _left_padded([21, 13], 6)
     for kw in ({}, {"num_beams": 2}):
         cache = StaticCompressedCache(model, **KW, max_cache_len=None)
-        static = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30, do_sample=False,
-                                disable_compile=True, **kw)
+        static = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=30,
+                                do_sample=False, disable_compile=True, **kw)
         eager = _generate(model, ids, False, 30, attention_mask=mask, do_sample=False, **kw)
         assert torch.equal(static, eager), kw
         assert cache.first_layer.max_cache_len >= 51 > 32  # grew past its first size (21 + 4 -> 32)
@@ -291,8 +293,8 @@ def test_prompt_lookup_decoding_gives_the_eager_tokens(model):
     (several tokens per forward, then crop); the static cache gives the eager cache's tokens."""
     ids = torch.tensor([[5, 6, 7, 8, 9] * 3 + [10, 11]])
     kw = dict(max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3, disable_compile=True)
-    eager = model.generate(ids, past_key_values=CompressedCache(model, **KW), **kw)
-    static = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=64), **kw)
+    eager = model.generate(ids, **cache_kwargs(model, CompressedCache(model, **KW)), **kw)
+    static = model.generate(ids, **cache_kwargs(model, CompressedCache(model, **KW, max_cache_len=64)), **kw)
     assert torch.equal(static, eager)
 
 
@@ -302,8 +304,8 @@ def test_a_long_continuation_after_the_preconditioner_was_fitted_in_decode(model
     with torch.no_grad():
         runs = []
         for cache in (CompressedCache(model, **KW), CompressedCache(model, **KW, max_cache_len=64)):
-            out = [model(_ids(2, 5, 1), past_key_values=cache).logits[:, -1]]
-            out += [model(_ids(2, 1, 10 + i), past_key_values=cache).logits[:, -1] for i in range(9)]
-            out += [model(ids, past_key_values=cache).logits[:, -1] for ids in (_ids(2, 9, 3), _ids(2, 1, 4))]
+            out = [model(_ids(2, 5, 1), **cache_kwargs(model, cache)).logits[:, -1]]
+            out += [model(_ids(2, 1, 10 + i), **cache_kwargs(model, cache)).logits[:, -1] for i in range(9)]
+            out += [model(ids, **cache_kwargs(model, cache)).logits[:, -1] for ids in (_ids(2, 9, 3), _ids(2, 1, 4))]
             runs.append(torch.stack(out))
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=1e-5)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.quant.cuda import is_available, ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not is_available(), reason="needs CUDA and CuPy")]
@@ -31,7 +32,7 @@ def _stepper(model, cache, batch):
     def step(forward=model.forward):
         with use(model, cache):  # model.forward skips the binding hooks: bind by hand
             out = forward(input_ids=tok, position_ids=pos.view(1, 1).expand(batch, 1), cache_position=pos,
-                          past_key_values=cache, use_cache=True).logits
+                          **cache_kwargs(model, cache), use_cache=True).logits
         logits.copy_(out[:, -1].float())
         tok.copy_(out[:, -1].argmax(-1, keepdim=True))
         pos.add_(1)
@@ -43,7 +44,7 @@ def _prefilled(model, ids, max_len):
     from kvcodec.hf import CompressedCache
 
     cache = CompressedCache(model, **KW, max_cache_len=max_len)
-    first = model(ids, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+    first = model(ids, **cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
     return cache, first
 
 
@@ -92,15 +93,15 @@ def test_static_step_matches_the_eager_compressed_cache():
     ids = torch.randint(2, 256, (2, 70), generator=torch.Generator().manual_seed(5)).cuda()
     with torch.no_grad():
         eager = CompressedCache(model, **KW, max_cache_len=None)
-        e = [model(ids, past_key_values=eager).logits[:, -1].float()]
+        e = [model(ids, **cache_kwargs(model, eager)).logits[:, -1].float()]
         static, _ = _prefilled(model, ids, 128)
         s = []
         toks = torch.randint(2, 256, (2, 30), generator=torch.Generator().manual_seed(6)).cuda()
         for i in range(30):
             enable(model)
-            e.append(model(toks[:, i:i + 1], past_key_values=eager).logits[:, -1].float())
+            e.append(model(toks[:, i:i + 1], **cache_kwargs(model, eager)).logits[:, -1].float())
             enable_static(model)
-            s.append(model(toks[:, i:i + 1], past_key_values=static).logits[:, -1].float())
+            s.append(model(toks[:, i:i + 1], **cache_kwargs(model, static)).logits[:, -1].float())
     e, s = torch.stack(e[1:]), torch.stack(s)
     assert float((e - s).abs().max() / e.abs().max()) < 2e-2
 
@@ -143,10 +144,10 @@ def test_generate_compiles_the_static_cache_through_compile_config():
 
     model = _model(8, 2, 128)
     ids = torch.randint(2, 256, (1, 40), generator=torch.Generator().manual_seed(8)).cuda()
-    plain = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=80), max_new_tokens=20,
-                           do_sample=False, disable_compile=True)
-    compiled = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=80), max_new_tokens=20,
-                              do_sample=False, compile_config=CompileConfig(fullgraph=True))
+    plain = model.generate(ids, **cache_kwargs(model, CompressedCache(model, **KW, max_cache_len=80)),
+                           max_new_tokens=20, do_sample=False, disable_compile=True)
+    compiled = model.generate(ids, **cache_kwargs(model, CompressedCache(model, **KW, max_cache_len=80)),
+                              max_new_tokens=20, do_sample=False, compile_config=CompileConfig(fullgraph=True))
     assert (plain == compiled).float().mean() > 0.9  # greedy on random weights: near-ties may flip late tokens
 
 
@@ -162,12 +163,12 @@ def test_static_cache_saved_on_cuda_loads_and_continues_identically(tmp_path):
     with torch.no_grad():
         cache, _ = _prefilled(model, ids, 128)
         for i in range(10):
-            model(feed[:, i:i + 1], past_key_values=cache)
+            model(feed[:, i:i + 1], **cache_kwargs(model, cache))
         cache.save(tmp_path / "c.kvc")
         loaded = CompressedCache.load(tmp_path / "c.kvc", model, device="cuda", max_cache_len=128)
         runs = []
         for c in (cache, loaded):
-            runs.append(torch.stack([model(feed[:, i:i + 1], past_key_values=c).logits[:, -1].float()
+            runs.append(torch.stack([model(feed[:, i:i + 1], **cache_kwargs(model, c)).logits[:, -1].float()
                                      for i in range(10, 20)]))
         assert type(CompressedCache.load(tmp_path / "c.kvc", model.config, device="cuda")) is CompressedCache
     assert torch.equal(runs[0], runs[1])
@@ -224,7 +225,7 @@ def test_generate_fast_path_the_way_users_call_it():
         for compiled in (False, True):
             torch.manual_seed(5)
             cache = CompressedCache(model, **KW, max_cache_len=ids.shape[1] + new)
-            runs.append(model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+            runs.append(model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=new,
                                        disable_compile=not compiled, output_logits=True,
                                        return_dict_in_generate=True, **{"do_sample": False, **kw}))
         _same_run(*runs)
@@ -253,11 +254,11 @@ def test_a_padded_batch_matches_the_eager_compressed_cache():
         for cache in (CompressedCache(model, **KW, max_cache_len=None), CompressedCache(model, **KW, max_cache_len=128)):
             m = mask
             pos = (mask.cumsum(-1) - 1).clamp_min(0)
-            steps = [model(ids, attention_mask=m, position_ids=pos, past_key_values=cache).logits[:, -1].float()]
+            steps = [model(ids, attention_mask=m, position_ids=pos, **cache_kwargs(model, cache)).logits[:, -1].float()]
             for i in range(feed.shape[1]):
                 m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
                 steps.append(model(feed[:, i:i + 1], attention_mask=m, position_ids=pos0 + i,
-                                   past_key_values=cache).logits[:, -1].float())
+                                   **cache_kwargs(model, cache)).logits[:, -1].float())
             out.append(torch.stack(steps))
     e, s = out
     assert float((e - s).abs().max() / e.abs().max()) < 2e-2
@@ -281,7 +282,7 @@ def test_the_default_cache_on_cuda_is_the_compiled_static_mode():
     try:
         cache = CompressedCache(model, preset="3.5bit")
         assert isinstance(cache, static_cache.StaticCompressedCache) and cache.growable
-        runs = [model.generate(ids, past_key_values=c, max_new_tokens=60, do_sample=False, output_logits=True,
+        runs = [model.generate(ids, **cache_kwargs(model, c), max_new_tokens=60, do_sample=False, output_logits=True,
                                return_dict_in_generate=True, disable_compile=not compiled)
                 for c, compiled in ((CompressedCache(model, preset="3.5bit", max_cache_len=96), False), (cache, True))]
         assert cache.layers[0].max_cache_len == 96  # 30 + 8 -> 48, then 96
@@ -308,10 +309,10 @@ def test_sliding_and_sink_models_on_the_compiled_static_mode(arch):
     runs = []
     for compiled in (False, True):
         cache = CompressedCache(model, **KW, max_cache_len=96)
-        runs.append(model.generate(ids, past_key_values=cache, max_new_tokens=24, do_sample=False,
+        runs.append(model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=24, do_sample=False,
                                    output_logits=True, return_dict_in_generate=True, disable_compile=not compiled))
-    eager = model.generate(ids, past_key_values=CompressedCache(model, **KW, max_cache_len=None), max_new_tokens=1,
-                           do_sample=False, output_logits=True, return_dict_in_generate=True)
+    eager = model.generate(ids, **cache_kwargs(model, CompressedCache(model, **KW, max_cache_len=None)),
+                           max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True)
     torch._dynamo.reset()
     _same_run(*runs)
     first, ref = runs[0].logits[0].float(), eager.logits[0].float()
@@ -337,7 +338,7 @@ def test_the_configurations_users_pick_on_the_compiled_fast_path(options):
     ids = torch.randint(2, 256, (2, 45), generator=torch.Generator().manual_seed(8)).cuda()
     mask = torch.ones_like(ids)
     mask[1, :17] = 0
-    runs = [model.generate(ids, attention_mask=mask, past_key_values=CompressedCache(model, **options),
+    runs = [model.generate(ids, attention_mask=mask, **cache_kwargs(model, CompressedCache(model, **options)),
                            max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True,
                            disable_compile=not compiled) for compiled in (False, True)]
     torch._dynamo.reset()
@@ -362,7 +363,7 @@ def test_a_growable_cache_of_a_sliding_window_model_compiles_and_grows(arch):
     static_cache.PAGE, static_cache.HEADROOM = 16, 8  # 30 + 8 -> 48, then 96
     try:
         caches = [StaticCompressedCache(model, **KW, max_cache_len=None) for _ in range(2)]
-        runs = [model.generate(ids, past_key_values=c, max_new_tokens=60, do_sample=False, output_logits=True,
+        runs = [model.generate(ids, **cache_kwargs(model, c), max_new_tokens=60, do_sample=False, output_logits=True,
                                return_dict_in_generate=True, disable_compile=not compiled)
                 for c, compiled in zip(caches, (False, True))]
         assert caches[1].first_layer.max_cache_len == 96

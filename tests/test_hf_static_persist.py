@@ -4,6 +4,7 @@ the same K/V), so either cache loads the other's and continues as the saved one 
 import pytest
 import torch
 
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.errors import CorruptStreamError
 from kvcodec.hf import CompressedCache, enable
 from kvcodec.hf.static_cache import StaticCompressedCache, enable_static
@@ -16,14 +17,14 @@ def _feed(model, cache, toks, static):
     """Teacher-forced one-token steps (the model switched to the cache's attention); their logits."""
     (enable_static if static else enable)(model)
     with torch.no_grad():
-        return torch.stack([model(toks[:, i:i + 1], past_key_values=cache).logits[:, -1].float()
+        return torch.stack([model(toks[:, i:i + 1], **cache_kwargs(model, cache)).logits[:, -1].float()
                             for i in range(toks.shape[1])])
 
 
 def _prefilled(model, ids, static, max_len=64):
     cache = CompressedCache(model, **KW, max_cache_len=max_len) if static else CompressedCache(model, **KW)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(model, cache))
     return cache
 
 

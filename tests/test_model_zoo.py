@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import model_zoo
+from kvcodec.cache_argument import cache_kwargs
 
 PROMPT = 40
 NEW = 24
@@ -70,7 +71,7 @@ def test_generate_dynamic_cache_matches_default(name):
         assert _generate(model, ids).shape == (1, PROMPT + NEW)
         return
     cache = transformers.DynamicCache(config=model.config)
-    with_cache = _generate(model, ids, past_key_values=cache)
+    with_cache = _generate(model, ids, **cache_kwargs(model, cache))
     default = _generate(model, ids)
     assert with_cache.shape == (1, PROMPT + NEW)
     assert torch.equal(with_cache, default), (with_cache[0, PROMPT:].tolist(), default[0, PROMPT:].tolist())

@@ -15,6 +15,7 @@ import torch
 
 import smollm2
 from bench_quality import decode_chunks, prefill_kv, transplant
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.hf import CompressedCache
 from kvcodec.hf import presets
 from kvcodec.hf.calibrate import allocate, predicted_kl
@@ -136,10 +137,10 @@ def test_chunked_scoring_equals_one_token_steps():
 
         def run(chunks):
             cache = CompressedCache(model, key_bits=[3, 2, 4], value_bits=[2, 3, 3], residual=res)
-            out = [model(ids[:, :prefix], past_key_values=cache).logits[:, -1:]]
+            out = [model(ids[:, :prefix], **cache_kwargs(model, cache)).logits[:, -1:]]
             t = prefix
             for c in chunks:
-                out.append(model(ids[:, t:t + c], past_key_values=cache).logits)
+                out.append(model(ids[:, t:t + c], **cache_kwargs(model, cache)).logits)
                 t += c
             return torch.cat(out, dim=1)
 
@@ -186,7 +187,7 @@ def test_large_key_bias_does_not_collapse_3bit_keys():
 
     def nll(cache):
         transplant(cache, kv)
-        logits = model(ids[:, prefix:256], past_key_values=cache).logits.float()
+        logits = model(ids[:, prefix:256], **cache_kwargs(model, cache)).logits.float()
         return -torch.log_softmax(logits, -1).gather(-1, ids[:, prefix + 1:257, None]).mean().item()
 
     ref = nll(DynamicCache(config=model.config))
@@ -272,7 +273,7 @@ def test_capture_prefill_records_post_rope_query_rms():
     kv, qrms = capture_prefill(model, ids)
     assert model.config._attn_implementation == impl
     ref = DynamicCache(config=model.config)
-    model(ids, past_key_values=ref)
+    model(ids, **cache_kwargs(model, ref))
     assert all(torch.equal(k, r.keys) and torch.equal(v, r.values) for (k, v), r in zip(kv, ref.layers))
     # layer 1 by hand: q_proj of its input, RoPE, then RMS over batch, tokens and the query heads of each KV head
     seen = {}

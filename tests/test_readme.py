@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kvcodec.cache_argument import cache_kwargs
 from kvcodec.hf import CompressedCache
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -29,7 +30,7 @@ def test_a_prompt_shorter_than_the_window_compresses_nothing(prompt, compressed)
     model = _tiny_model(layers=1)
     cache = CompressedCache(model, method="turboquant", key_bits=4)
     with torch.no_grad():
-        model(torch.randint(1, 64, (1, prompt)), past_key_values=cache, use_cache=True)
+        model(torch.randint(1, 64, (1, prompt)), **cache_kwargs(model, cache), use_cache=True)
     report = cache.memory_report()[0]
     assert report["tokens"] == prompt
     assert (report["compressed_keys"] > 0) == compressed

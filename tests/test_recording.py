@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from kvcodec.cache_argument import cache_kwargs  # noqa: E402
 from kvcodec.recording import record_qkv  # noqa: E402
 
 
@@ -24,7 +25,7 @@ def test_recorded_kv_is_what_the_cache_holds_and_logits_are_unchanged(arch):
     ids = torch.randint(0, 64, (1, 21), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         cache = transformers.DynamicCache(config=model.config)
-        want = model(ids, past_key_values=cache, use_cache=True).logits
+        want = model(ids, **cache_kwargs(model, cache), use_cache=True).logits
     logits = []
     hook = model.register_forward_hook(lambda mod, args, out: logits.append(out.logits))
     try:

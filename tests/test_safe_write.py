@@ -174,12 +174,13 @@ def tiny_model(layers=2):
 
 
 def tiny_cache(model, tokens, method="none"):
+    from kvcodec.cache_argument import cache_kwargs
     from kvcodec.hf import CompressedCache
 
     cache = CompressedCache(model, method=method, residual=2, block_size=2)
     with torch.no_grad():
         model(torch.randint(0, 64, (1, tokens), generator=torch.Generator().manual_seed(tokens)),
-              past_key_values=cache, use_cache=True)
+              **cache_kwargs(model, cache), use_cache=True)
     return cache
 
 
