@@ -10,6 +10,7 @@ and which test pays for a kernel depends on the order the tests run in; this nam
 Writes ``numba_compile.json`` (and prints the table): per kernel (module.qualname), the number of
 compiles (one per signature; factories make one kernel per configuration) and their seconds; only
 outermost compiles count (a kernel compiled inside another's compile is part of that one's time).
+Also writes ``pytest.log`` (pytest's whole output) and lists failed tests in the JSON and on stdout.
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ def run(pytest_args: list[str]) -> dict:
         wall = time.perf_counter() - t0
         found = json.loads(report.read_text()) if report.is_file() else {}
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+    failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     rows = sorted(({"kernel": k, "compiles": n, "seconds": s} for k, (n, s) in found.items()),
                   key=lambda r: -r["seconds"])
-    return {"suite": "numba_compile", "rows": rows, "pytest": summary, "wall_s": round(wall, 1),
+    return {"suite": "numba_compile", "rows": rows, "pytest": summary, "failed": failed, "output": proc.stdout,
+            "wall_s": round(wall, 1),
             "compile_s": round(sum(r["seconds"] for r in rows), 3),
             "command": "python benchmarks/numba_compile.py " + " ".join(pytest_args)}
 
@@ -92,7 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         out, argv = argv[1], argv[2:]
     result = run(argv or ["tests/"])
     Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "pytest.log").write_text(result.pop("output"))  # the whole pytest output: failures in full
     (Path(out) / "numba_compile.json").write_text(json.dumps(result, indent=1))
+    for line in result["failed"]:
+        print(line)
     print(f"{result['command']}: {result['compile_s']} s compiling in {result['wall_s']} s ({result['pytest']})")
     print("| seconds | compiles | kernel |\n|---|---|---|")
     for r in result["rows"][:25]:
