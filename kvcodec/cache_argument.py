@@ -6,15 +6,32 @@ forward declares, so they work on every transformers the package allows without 
 from __future__ import annotations
 
 import inspect
+import weakref
 
 NEW, OLD = "cache", "past_key_values"
+_KEYWORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward function -> its keyword
 
 
 def cache_keyword(model) -> str:
     """The keyword ``model``'s forward takes its cache by: ``cache`` or ``past_key_values`` (a forward that
     declares neither, e.g. one taking ``**kwargs`` only: ``cache`` where transformers' decoders do)."""
+    forward = model.forward
+    fn = getattr(forward, "__func__", forward)  # a bound method: its class's function, the same every call
     try:
-        params = inspect.signature(model.forward).parameters  # follows transformers' deprecation wrappers
+        return _KEYWORDS[fn]  # inspect.signature costs ~36 us: too much for a decode loop to pay each step
+    except (KeyError, TypeError):
+        pass
+    keyword = _keyword_of(forward)
+    try:
+        _KEYWORDS[fn] = keyword
+    except TypeError:  # not weakly referenceable: looked up each call
+        pass
+    return keyword
+
+
+def _keyword_of(forward) -> str:
+    try:
+        params = inspect.signature(forward).parameters  # follows transformers' deprecation wrappers
     except (TypeError, ValueError):
         params = {}
     if NEW in params:

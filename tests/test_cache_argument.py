@@ -59,3 +59,26 @@ def test_calibration_and_sensitivity_forwards_raise_no_deprecation():
     assert len(found) and all(v == v for v in found.values())
     keys, values = sensitivity._prefix_kv(model, ids[:, :32])
     assert keys.shape[-2] == 32 and values.shape == keys.shape
+
+
+def test_the_keyword_is_remembered_per_forward_function_not_per_call_site():
+    """cache_keyword memoizes by the forward's function: each class, and an instance whose forward was
+    replaced (as accelerate's hooks do), keeps its own keyword."""
+    import functools
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None):
+            return cache
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return past_key_values
+
+    def old_style(module, input_ids, past_key_values=None):
+        return past_key_values
+
+    replaced = New()
+    replaced.forward = functools.partial(old_style, replaced)
+    for _ in range(2):  # the second round reads the memo
+        assert cache_keyword(New()) == NEW and cache_keyword(Old()) == OLD and cache_keyword(replaced) == OLD
+        assert cache_kwargs(New(), 7) == {NEW: 7}
