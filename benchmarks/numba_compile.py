@@ -8,7 +8,9 @@ and which test pays for a kernel depends on the order the tests run in; this nam
     python benchmarks/numba_compile.py [--out DIR] [pytest arguments, default: tests/]
 
 Writes ``numba_compile.json`` (and prints the table): per kernel (module.qualname), the number of
-compiles (one per signature; factories make one kernel per configuration) and their seconds; only
+compiles (one per signature; factories make one kernel per configuration), their seconds and the
+argument types of each compile (two compiles of one kernel for arguments that could have been one type
+are time a user pays too); only
 outermost compiles count (a kernel compiled inside another's compile is part of that one's time).
 Also writes ``pytest.log`` (pytest's whole output) and lists failed tests in the JSON and on stdout.
 """
@@ -31,6 +33,7 @@ REPORT = "KVCODEC_NUMBA_COMPILE_REPORT"  # where the plugin (in the pytest proce
 # ----------------------------------------------------------------- the pytest plugin (-p numba_compile)
 _seconds: Counter = Counter()
 _counts: Counter = Counter()
+_signatures: dict = {}
 
 
 def _listener():
@@ -51,6 +54,7 @@ def _listener():
             name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
             _seconds[name] += time.perf_counter() - t0
             _counts[name] += 1
+            _signatures.setdefault(name, []).append(str(ev.data.get("args", "?")))
 
     return Timer()
 
@@ -64,7 +68,8 @@ def pytest_configure(config):
 def pytest_sessionfinish(session):
     path = os.environ.get(REPORT)
     if path:
-        Path(path).write_text(json.dumps({k: [_counts[k], round(v, 3)] for k, v in _seconds.items()}))
+        Path(path).write_text(json.dumps({k: [_counts[k], round(v, 3), _signatures.get(k, [])]
+                                          for k, v in _seconds.items()}))
 
 
 # ------------------------------------------------------------------------------------------ the runner
@@ -80,7 +85,7 @@ def run(pytest_args: list[str]) -> dict:
         found = json.loads(report.read_text()) if report.is_file() else {}
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
     failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
-    rows = sorted(({"kernel": k, "compiles": n, "seconds": s} for k, (n, s) in found.items()),
+    rows = sorted(({"kernel": k, "compiles": n, "seconds": s, "signatures": sig} for k, (n, s, sig) in found.items()),
                   key=lambda r: -r["seconds"])
     return {"suite": "numba_compile", "rows": rows, "pytest": summary, "failed": failed, "output": proc.stdout,
             "wall_s": round(wall, 1),

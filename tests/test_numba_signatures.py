@@ -81,3 +81,43 @@ def test_decoders_compile_once_for_bytes_bytearray_and_arrays():
     twice = [f"{d.__module__}.{d.__name__}" for d in _decoders()
              if len({_writable(s) for s in d.signatures}) < len(d.signatures)]
     assert not twice, f"compiled for read-only and writable inputs alike: {twice}"
+
+
+def test_one_chunk_decoder_signature_with_or_without_a_bf16_prediction():
+    """A stream without a prediction and one with a bf16 prediction run the same compiled chunk decoder
+    (the absent prediction is typed as a bf16 one's bit patterns): a process that decodes both compiles once."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 16, 64).to(torch.bfloat16)
+    pred = (x.float() + 0.01 * torch.randn_like(x.float())).to(torch.bfloat16)
+    kernel = binned._decoder(*binned_args(torch.bfloat16), 0)[0]
+    before = set(kernel.signatures)
+    for p in (None, pred):
+        blob = kvcodec.compress(x, p, layout="kv") if p is None else kvcodec.compress(x, p)
+        assert torch.equal(kvcodec.decompress(blob, prediction=p).view(torch.int16), x.view(torch.int16))
+    new = set(kernel.signatures) - before
+    assert len(new) <= 1 and all(s[10].dtype == types.uint16 for s in new), new
+
+
+def binned_args(dtype) -> tuple:
+    """``binned._decoder``'s layout arguments for ``dtype`` (as ``format2`` passes them)."""
+    from kvcodec.lossless.predictive.bins import bin_grid
+
+    g = bin_grid(dtype)
+    return g.width, g.sign, g.mb, g.maxmag, 2.0 ** -g.eoff
+
+
+def test_the_range_coder_compiles_one_encoder_for_every_integer_type():
+    laplace = models.Laplace(np.zeros(300), 2.0, -50, 50)
+    cat = models.Categorical(np.ones(5))
+    values = np.arange(300) % 101 - 50
+    before = set(range_coder_fast._encode_quant.signatures), set(range_coder_fast._encode_cum.signatures)
+    for dtype in (np.int8, np.int16, np.int32, np.int64):
+        payload = range_coder_fast.encode(values.astype(dtype), laplace)
+        assert np.array_equal(range_coder_fast.decode(payload, laplace, 300), values)
+    for dtype in (np.uint8, np.uint16, np.int64):
+        sym = (np.arange(100) % 5).astype(dtype)
+        assert np.array_equal(range_coder_fast.decode(range_coder_fast.encode(sym, cat), cat, 100), sym)
+    # an empty list (float64 to numpy) compiles nothing new
+    assert range_coder_fast.encode([], models.Gaussian(0.0, 1.0, -5, 5)) == b""
+    after = set(range_coder_fast._encode_quant.signatures), set(range_coder_fast._encode_cum.signatures)
+    assert all(len(a - b) <= 1 for a, b in zip(after, before)), (before, after)

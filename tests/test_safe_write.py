@@ -382,25 +382,28 @@ def test_concurrent_processes_compress_file_and_save(tmp_path, model):
     assert _temporaries(tmp_path) == []
 
 
-KILLED_WRITER = """
-import sys, time
-from kvcodec.lossless import files
-srcs, dst, warm = sys.argv[1:3], sys.argv[3], sys.argv[4]
-files.compress_file(srcs[1], warm, threads=1, progress=False, overwrite=True)  # compile or load the codec
-t0 = time.perf_counter()
-files.compress_file(srcs[1], warm, threads=1, progress=False, overwrite=True)
-print(time.perf_counter() - t0, flush=True)  # ready: the cost of one write
-for i in range(10**9):
-    files.compress_file(srcs[i % 2], dst, threads=1, progress=False, overwrite=True)
-"""
+def _killed_writer(srcs, dst, warm, ready):
+    """A writer process: two writes to ``warm`` (the first loads or compiles the codec), then it sends the
+    second's time (the cost of one write) and rewrites ``dst`` from ``srcs`` in turn until it is killed."""
+    files.compress_file(srcs[1], warm, threads=1, progress=False, overwrite=True)
+    t0 = time.perf_counter()
+    files.compress_file(srcs[1], warm, threads=1, progress=False, overwrite=True)
+    ready.send(time.perf_counter() - t0)
+    for i in range(10**9):
+        files.compress_file(srcs[i % 2], dst, threads=1, progress=False, overwrite=True)
 
 
 def test_kill_9_at_random_moments_leaves_the_old_or_the_new_file(tmp_path):
     """20 writer processes, each rewriting one path in a loop once warmed up, killed with SIGKILL at a
     random moment: the path always holds a whole file (none before the first write finished), the
-    killed writer's temporary is the only leftover, and the next write removes it. The writers are
-    fresh interpreters (a fork of this multi-threaded test process can deadlock in the child); four
-    start at a time, each with a folder of its own, so their start-up (importing torch) overlaps."""
+    killed writer's temporary is the only leftover, and the next write removes it. The writers fork from
+    a fresh single-threaded server that has imported kvcodec (multiprocessing's forkserver: a fork of this
+    multi-threaded test process could deadlock in the child, and a fresh interpreter per writer spends
+    seconds importing torch); four run at a time, each with a folder of its own."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "safetensors.torch", "kvcodec.cli", "kvcodec.lossless.files", "pytest"])
     srcs = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
     originals = {_model(srcs[0], 0), _model(srcs[1], 1, n=40)}
     rng = random.Random(1234)
@@ -411,16 +414,20 @@ def test_kill_9_at_random_moments_leaves_the_old_or_the_new_file(tmp_path):
             folder = tmp_path / f"trial{trial}"
             folder.mkdir()
             folders.append(folder)
-            procs.append((folder, subprocess.Popen(
-                [sys.executable, "-c", KILLED_WRITER, *map(str, srcs), str(folder / "out.kvc"), str(folder / "warm.kvc")],
-                stdout=subprocess.PIPE, text=True)))
-        for folder, proc in procs:  # each killed at its own random moment after it is ready
-            one_write = float(proc.stdout.readline())
+            ours, theirs = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_killed_writer, args=(srcs, folder / "out.kvc", folder / "warm.kvc", theirs))
+            proc.start()
+            theirs.close()
+            procs.append((folder, proc, ours))
+        for folder, proc, ready in procs:  # each killed at its own random moment after it is ready
+            assert ready.poll(120), "a writer sent no ready message"
+            one_write = ready.recv()
             time.sleep(rng.uniform(0, 6 * one_write))  # before, during or after a write to the path
             proc.kill()
-        for folder, proc in procs:
-            proc.wait()
-            proc.stdout.close()
+        for folder, proc, ready in procs:
+            proc.join()
+            ready.close()
+            assert proc.exitcode == -signal.SIGKILL
             (folder / "warm.kvc").unlink()
             if (folder / "out.kvc").exists():
                 seen.append((folder / "out.kvc").read_bytes())

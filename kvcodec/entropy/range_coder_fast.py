@@ -401,11 +401,18 @@ def _check_symbols(sym: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return sym
 
 
+def _as_int64(sym: np.ndarray) -> np.ndarray:
+    """Checked integer symbols as int64: one compiled encoder whatever the caller's integer type (each
+    type would compile its own, seconds each; the copy is small next to the coding). A uint64 symbol past
+    int64's range wraps negative, which the encoders reject as outside the alphabet."""
+    return sym.astype(np.int64, copy=False)
+
+
 def _encode_tables(sym: np.ndarray, model: CumulativeTables) -> bytes:
     if sym.size and not np.issubdtype(sym.dtype, np.integer):
         raise ValueError(f"symbols must be integers, got {sym.dtype}")
     out = np.empty(_capacity(sym.shape[0], model.precision + 1), dtype=np.uint8)
-    pos = _encode_cum(sym, model.cum, model.precision, out)
+    pos = _encode_cum(_as_int64(sym), model.cum, model.precision, out)
     if pos < 0:
         raise ValueError(f"a symbol is outside [0, {model.alphabet}) or has zero probability under the model")
     return out[1:pos].tobytes()
@@ -431,7 +438,7 @@ def _encode_quantized(sym: np.ndarray, model: QuantizedFamily) -> bytes:
     _check_symbols(sym, model.lo, model.hi)
     # a step of total T shrinks the range by less than 2*T: token <= 17 bits, uniform index <= 15 + 17
     out = np.empty(_capacity(sym.shape[0], 17 + 32), dtype=np.uint8)
-    pos = _encode_quant(sym, *_quant_args(model), out)
+    pos = _encode_quant(_as_int64(sym), *_quant_args(model), out)
     return out[1:pos].tobytes()
 
 

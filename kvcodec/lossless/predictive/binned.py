@@ -458,7 +458,8 @@ def _chunk_decoder(consts, mag: int):
                     skip = (pos >> 3) << 3
                     src = tail
                     src[:] = 0
-                    src[:n8 - first] = bits8[first:]
+                    for k in range(n8 - first):  # a loop: a slice copy compiles numba's shape-error text (~3 s)
+                        src[k] = bits8[first + k]
                     pos -= skip
                 for d in range(d_n):
                     di = np.uint64(d)
@@ -527,7 +528,10 @@ def _chunk_decoder(consts, mag: int):
     return stable_closure_cache(decode_chunks)
 
 
-_SPECIALISED = tuple(t for t in (torch.bfloat16, torch.float16, getattr(torch, "float8_e4m3fn", None)) if t)
+# (dtype, "mag" flag) of the streams the encoder writes by default: 16-bit without the flag, fp8 e4m3 with it
+# (external prediction) and without; each has a kernel of its own (~13 s to compile), other layouts the generic one
+_SPECIALISED = tuple((t, mag) for t, mags in ((torch.bfloat16, (0,)), (torch.float16, (0,)),
+                                              (getattr(torch, "float8_e4m3fn", None), (0, 1))) if t for mag in mags)
 _DECODERS: dict = {}
 
 
@@ -567,11 +571,11 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
 @lru_cache(maxsize=None)
 def _decoder(width: int, sign: int, mb: int, maxmag: int, inv_unit: float, mag: int = 0) -> tuple:
     """(chunk decoder, its grid argument) of a dtype's bit layout and "mag" flag: its own kernel for the
-    specialised dtypes, else the generic one (looked up once per layout: the lookups were ~2 us of a
+    layouts the encoder writes by default (``_SPECIALISED``), else the generic one (looked up once per layout: the lookups were ~2 us of a
     small chunk's call)."""
     eoff = 1 - math.frexp(inv_unit)[1]  # inv_unit = 2**-eoff
     consts = (int(width), int(sign), int(mb), int(maxmag), eoff)
-    key = (consts if consts in _specialised_consts() else None, mag)
+    key = (consts if (consts, mag) in _specialised_consts() else None, mag)
     if key not in _DECODERS:
         _DECODERS[key] = _chunk_decoder(*key)
     return _DECODERS[key], readonly(np.array(consts, np.int64))
@@ -579,8 +583,10 @@ def _decoder(width: int, sign: int, mb: int, maxmag: int, inv_unit: float, mag: 
 
 @lru_cache(maxsize=None)
 def _specialised_consts() -> frozenset:
-    """The dtypes with a kernel of their own: bf16 (also float32's upper halves), fp16, fp8 e4m3."""
-    return frozenset((g.width, g.sign, g.mb, g.maxmag, g.eoff) for g in map(bin_grid, _SPECIALISED))
+    """(bit layout, "mag" flag) pairs with a kernel of their own: bf16 (also float32's upper halves) and
+    fp16 without the flag, fp8 e4m3 with and without it."""
+    return frozenset(((g.width, g.sign, g.mb, g.maxmag, g.eoff), mag)
+                     for g, mag in ((bin_grid(t), mag) for t, mag in _SPECIALISED))
 
 
 _ = N_CLASSES  # tables are [N_CLASSES * 4096]: one per class of ``bins.locate``

@@ -695,4 +695,6 @@ def decode(ps: Parsed2, grid: BinGrid, select, out: np.ndarray, out_t0: int, pre
     return err
 
 
-_NO_PRED = np.zeros((1, 1, 1), np.float32)  # (writable: the kernels' type for a float32 prediction)
+# never read; uint16 (writable), the type of a bf16 prediction's bit patterns, so a decoder compiled for streams
+# without a prediction also serves those with a bf16 one (each kernel signature costs seconds to compile)
+_NO_PRED = np.zeros((1, 1, 1), np.uint16)
