@@ -45,7 +45,7 @@ def _sample(dtype_name: str, with_prediction: bool, shape: tuple):
 
 
 def _write_blob(case: str, folder: Path, shape: tuple) -> None:
-    """Child: compress the case's tensor into ``folder`` (with the caller's numba cache, not the measured one)."""
+    """Compress the case's tensor into ``folder``, in this process (its numba cache, not the measured one)."""
     import torch
 
     import kvcodec
@@ -110,7 +110,7 @@ def run_case(case: str, work: Path, processes: int = 3, shape: tuple = SHAPE, pr
     own), then (``preloaded``) one more that runs the setup before its timed call and one without scipy."""
     cache = work / f"cache-{case}" if cache is None else cache
     cache.mkdir(exist_ok=True)
-    _child(["--write", case, str(work), ",".join(map(str, shape))], None)
+    _write_blob(case, work, shape)
     rows = []
     for k in range(1, processes + 1 + 2 * preloaded):
         before = _cache_files(cache)
@@ -148,9 +148,6 @@ def run(cases: list[str], processes: int = 3) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--write":
-        _write_blob(argv[1], Path(argv[2]), tuple(int(n) for n in argv[3].split(",")))
-        return
     if argv and argv[0] == "--decode":
         _time_decode(argv[1], Path(argv[2]), preload="--preload" in argv[3:])
         return
