@@ -335,3 +335,25 @@ def test_planes_streams_are_the_spec_rans_with_32_lanes():
         ctx = rans_lanes.row_contexts(a, b - a, D, rowctx)
         ref = rans.encode_ctx(exp[a:b], ctx, tables, rans_lanes.PRECISION, 32)
         assert words[off[c]:off[c + 1]].tobytes() == ref
+
+
+@pytest.mark.parametrize("dtype,n", [(torch.bfloat16, 1), (torch.float32, 33), (torch.int8, 70_001),
+                                     (torch.bfloat16, 70_001)])
+def test_a_gpu_encoders_blob_gives_way_to_raw_as_the_cpu_path_does(dtype, n):
+    """``api._raw_if_smaller``, what the GPU encode routes apply to their blob (as bytes, or as a uint8
+    tensor on the device): with codec "auto" an expanded blob becomes the "raw" blob the CPU path writes,
+    byte for byte; a blob that saves bytes, or a codec named by the caller, stays as it is."""
+    g = torch.Generator().manual_seed(n)
+    if dtype.is_floating_point:
+        t = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    else:
+        t = torch.randint(-128, 128, (n,), generator=g, dtype=torch.int8)
+    coded = compress(t, codec="planes", max_classes=1, chunk_bytes=4096)  # as the GPU encoder writes it
+    want = compress(t, max_classes=1, chunk_bytes=4096)
+    assert api._raw_if_smaller(coded, t, "auto", 1) == want
+    on_device = api._raw_if_smaller(torch.from_numpy(np.frombuffer(coded, np.uint8).copy()), t, "auto", 1)
+    assert isinstance(on_device, torch.Tensor) and on_device.numpy().tobytes() == want
+    assert api._raw_if_smaller(coded, t, "planes", 1) == coded
+    expanded = len(coded) > t.numel() * t.element_size()
+    assert (container.read_header(want)[0]["meta"]["codec"] == "raw") == expanded
+    assert torch.equal(decompress(want).view(torch.uint8), t.view(torch.uint8))

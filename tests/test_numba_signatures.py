@@ -121,3 +121,20 @@ def test_the_range_coder_compiles_one_encoder_for_every_integer_type():
     assert range_coder_fast.encode([], models.Gaussian(0.0, 1.0, -5, 5)) == b""
     after = set(range_coder_fast._encode_quant.signatures), set(range_coder_fast._encode_cum.signatures)
     assert all(len(a - b) <= 1 for a, b in zip(after, before)), (before, after)
+
+
+def test_one_fp8_chunk_decoder_signature_for_every_prediction_source():
+    """An fp8 tensor coded without a prediction and from its neighbour layer (fp8 values are bfloat16s: the
+    layer before is handed over as bf16 bit patterns, the type of a stream without a prediction): one
+    compiled signature of the fp8 decoder, whichever the process decodes first."""
+    torch.manual_seed(2)
+    x = (torch.randn(2, 2, 40, 64) * 3).to(torch.float8_e4m3fn)
+    pred = (x.float() + 0.1 * torch.randn(x.shape)).to(torch.bfloat16)
+    kernel = binned._decoder(*binned_args(torch.float8_e4m3fn), 0)[0]
+    before = set(kernel.signatures)
+    blobs = [(kvcodec.compress(x, layout="kv"), None),
+             (kvcodec.compress(x, codec="predictive", predictor="neighbour_layer"), None)]
+    for blob, p in blobs:
+        assert torch.equal(kvcodec.decompress(blob, prediction=p).view(torch.uint8), x.view(torch.uint8))
+    new = set(kernel.signatures) - before
+    assert len(new) <= 1 and all(s[10].dtype == types.uint16 for s in new), new

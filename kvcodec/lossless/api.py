@@ -91,10 +91,11 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         raise ValueError(f"compress() takes a torch.Tensor, got {type(tensor).__name__}")
     routed = _gpu_kv_route(tensor, prediction, codec, opts, gpu)
     if routed is not None:  # kvctx / predictive format 2, encoded on the GPU
-        return device_to_bytes(kvctx_device_encode.compress(tensor, prediction, *routed), threads)
+        blob = device_to_bytes(kvctx_device_encode.compress(tensor, prediction, *routed), threads)
+        return _raw_if_smaller(blob, tensor, codec, threads)
     gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)
-    if gpu_opts is not None:
-        return device_to_bytes(_compress_on_gpu(tensor, gpu_opts), threads)  # one pinned, pipelined copy
+    if gpu_opts is not None:  # one pinned, pipelined copy of the finished blob
+        return _raw_if_smaller(device_to_bytes(_compress_on_gpu(tensor, gpu_opts), threads), tensor, codec, threads)
     layout = opts.pop("layout", None)
     if layout not in (None, "kv"):
         raise ValueError(f"layout must be None or 'kv', got {layout!r}")
@@ -124,10 +125,30 @@ def compress(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec
         # the codec expanded the tensor (tiny or incompressible ones: a model's parameters and tables
         # outweigh its gain): the smaller of it and the "raw" codec's blob (the bytes verbatim, a
         # header of a few hundred bytes; decoded without the prediction)
-        codec_meta, sections = registry.get("raw").encode(t, None, threads)
-        meta.update(codec="raw", uses_prediction=False, codec_meta=codec_meta)
-        blob = min(blob, container.dumps(KIND, meta, sections), key=len)
+        blob = min(blob, _raw_blob(meta, t, threads), key=len)
     return blob
+
+
+def _raw_blob(meta: dict, t: torch.Tensor, threads: int) -> bytes:
+    """The "raw" codec's blob of the CPU tensor ``t`` whose coded blob has ``meta`` (same crc32 and device)."""
+    codec_meta, sections = registry.get("raw").encode(t, None, threads)
+    return container.dumps(KIND, dict(meta, codec="raw", uses_prediction=False, codec_meta=codec_meta), sections)
+
+
+def _raw_if_smaller(blob, tensor: torch.Tensor, codec: str, threads: int):
+    """A GPU encoder's blob (host bytes, or a uint8 tensor on the device), or where ``codec`` is "auto" and it
+    is bigger than the tensor's bytes the "raw" codec's blob if that is smaller, as :func:`compress` chooses
+    on the CPU: a GPU and a CPU encode of one tensor give the same bytes. The rare expanded blob's header
+    is read on the host."""
+    size = blob.numel() if isinstance(blob, torch.Tensor) else len(blob)
+    if codec != "auto" or size <= tensor.numel() * tensor.element_size():
+        return blob
+    host = _host_bytes(blob)
+    header, _ = container.read_header(host)
+    raw = _raw_blob(header["meta"], _as_cpu(tensor), threads)
+    if len(raw) >= len(host):
+        return blob
+    return bytes_to_device(raw, blob.device, threads) if isinstance(blob, torch.Tensor) else raw
 
 
 def compress_device(tensor: torch.Tensor, prediction: torch.Tensor | None = None, codec: str = "auto",
@@ -140,10 +161,10 @@ def compress_device(tensor: torch.Tensor, prediction: torch.Tensor | None = None
     """
     routed = _gpu_kv_route(tensor, prediction, codec, opts, gpu)
     if routed is not None:
-        return kvctx_device_encode.compress(tensor, prediction, *routed)
+        return _raw_if_smaller(kvctx_device_encode.compress(tensor, prediction, *routed), tensor, codec, threads)
     gpu_opts = _gpu_encode_options(tensor, prediction, codec, opts, gpu)
     if gpu_opts is not None:
-        return _compress_on_gpu(tensor, gpu_opts)
+        return _raw_if_smaller(_compress_on_gpu(tensor, gpu_opts), tensor, codec, threads)
     blob = compress(tensor, prediction, codec, threads, gpu=False, **opts)
     return bytes_to_device(blob, tensor.device, threads)
 
