@@ -349,7 +349,13 @@ def test_the_configurations_users_pick_on_the_compiled_fast_path(options):
 @pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
 def test_a_growable_cache_of_a_sliding_window_model_compiles_and_grows(arch):
     """The growable static mode of a model with sliding-window layers (and sinks: gpt_oss), compiled by
-    generate while its compressed layers grow twice: the run agrees with the same cache uncompiled."""
+    generate while its compressed layers grow twice: the run agrees with the same cache uncompiled.
+
+    gpt_oss routes each token to 2 of 2 experts here: with 2 of 4, a router near-tie that bf16 rounding
+    flips between the compiled and the eager run sends a token to another expert (a 13x-tolerance
+    logit jump at one step on an H100; on the CPU in bf16 too, and none with every expert routed).
+    gemma3_text's bf16 logits differ compiled vs eager by up to 2.3% of the largest with transformers'
+    own StaticCache (CPU, 25 steps; 2.3% at step 4 with this cache on an H100): 5% here."""
     import torch._dynamo
     from model_zoo import build
 
@@ -357,7 +363,8 @@ def test_a_growable_cache_of_a_sliding_window_model_compiles_and_grows(arch):
     from kvcodec.hf.static_cache import StaticCompressedCache
 
     torch._dynamo.reset()
-    model = build(arch, head_dim=64)[0].to("cuda", torch.bfloat16)
+    routing = dict(num_local_experts=2, num_experts_per_tok=2) if arch == "gpt_oss" else {}
+    model = build(arch, head_dim=64, **routing)[0].to("cuda", torch.bfloat16)
     ids = torch.randint(3, 160, (2, 30), generator=torch.Generator().manual_seed(6)).cuda()
     old = static_cache.PAGE, static_cache.HEADROOM
     static_cache.PAGE, static_cache.HEADROOM = 16, 8  # 30 + 8 -> 48, then 96
@@ -370,4 +377,4 @@ def test_a_growable_cache_of_a_sliding_window_model_compiles_and_grows(arch):
     finally:
         static_cache.PAGE, static_cache.HEADROOM = old
         torch._dynamo.reset()
-    _same_run(*runs)
+    _same_run(*runs, rtol=5e-2 if arch == "gemma3_text" else 2e-2)
