@@ -571,8 +571,8 @@ def decode_chunks(words, wstart, wlen, bits, bstart, blen, cg0, cng, ct0, cnt, p
 @lru_cache(maxsize=None)
 def _decoder(width: int, sign: int, mb: int, maxmag: int, inv_unit: float, mag: int = 0) -> tuple:
     """(chunk decoder, its grid argument) of a dtype's bit layout and "mag" flag: its own kernel for the
-    layouts the encoder writes by default (``_SPECIALISED``), else the generic one (looked up once per layout: the lookups were ~2 us of a
-    small chunk's call)."""
+    layouts the encoder writes by default (``_SPECIALISED``), else the generic one (looked up once per
+    layout: the lookups were ~2 us of a small chunk's call)."""
     eoff = 1 - math.frexp(inv_unit)[1]  # inv_unit = 2**-eoff
     consts = (int(width), int(sign), int(mb), int(maxmag), eoff)
     key = (consts if (consts, mag) in _specialised_consts() else None, mag)
