@@ -11,6 +11,14 @@ own behaviour.
 function, find its disk cache in a new process: numba keys a cached closure on the pickle of its
 cells, and a dispatcher's pickle carries a random per-process id, so such a kernel missed the cache
 and wrote one more cache file in every process.
+
+:func:`lock_saves` serialises numba's cache writes between processes. Numba saves an entry by reading
+the function's index, picking the first free data-file number and writing the index, then the data
+file; two processes saving different signatures of one function at the same moment can both pick
+number 1, and the index can end up naming one signature's data file for the other's. A later process
+then loads the wrong machine code: a kernel compiled for float64 arrays ran on int64 ones and returned
+3e-323 for 6 (tests/test_numba_cache_lock.py forces that interleaving). Several processes starting
+on a fresh cache (a server's workers, a server and the CLI) are the case.
 """
 
 from __future__ import annotations
@@ -103,3 +111,35 @@ def stable_closure_cache(dispatcher):
     except Exception:  # numba's internals moved: its own (per-process) cache key, still correct
         pass
     return dispatcher
+
+
+def lock_saves() -> bool:
+    """Make numba's cache ``save`` (every function's, in this process) hold an exclusive ``flock`` on
+    ``<index file>.lock`` while it reads the index, picks a data file and writes both, so concurrent
+    processes each see the others' entries (module doc). Loads need no lock: the index and data files
+    are replaced whole. Returns whether saves are locked (False where ``fcntl`` or numba's cache class
+    is missing: numba's own behaviour)."""
+    try:
+        import fcntl
+
+        from numba.core.caching import IndexDataCacheFile
+    except ImportError:
+        return False
+    save = IndexDataCacheFile.save
+    if getattr(save, "kvcodec_locked", False):
+        return True
+
+    def locked_save(self, key, data):
+        try:
+            fd = os.open(self._index_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:  # numba's own save raises or warns as it would
+            return save(self, key, data)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return save(self, key, data)
+        finally:
+            os.close(fd)  # releases the lock
+
+    locked_save.kvcodec_locked = True
+    IndexDataCacheFile.save = locked_save
+    return True

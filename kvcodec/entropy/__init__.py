@@ -18,6 +18,10 @@ producing the same bytes): ``rans`` / ``rans_fast`` (static interleaved and cont
 
 from __future__ import annotations
 
+from kvcodec import _numba_cache
+
+_numba_cache.lock_saves()  # before this package's kernels can compile: see kvcodec._numba_cache
+
 import importlib
 
 import numpy as np

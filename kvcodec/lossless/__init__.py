@@ -7,6 +7,10 @@ rANS, any dtype), ``"raw"``, and the KV codecs ``"kvctx"`` / ``"predictive"``.
 Files: ``kvcodec.lossless.files`` (safetensors <-> ``.kvc``).
 """
 
+from kvcodec import _numba_cache
+
+_numba_cache.lock_saves()  # before this package's kernels can compile: see kvcodec._numba_cache
+
 from kvcodec.lossless.api import compress, compress_device, decode_blob_chunk, decompress, describe, validate
 
 # The built-in codecs register themselves on import; importing them here (the package runs before

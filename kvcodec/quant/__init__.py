@@ -6,6 +6,10 @@ has quantize -> QuantizedTensor, dequantize, scores (q @ k.T) and weighted_sum (
 materializing the whole reconstruction. See docs/quant.md.
 """
 
+from kvcodec import _numba_cache
+
+_numba_cache.lock_saves()  # before this package's kernels can compile: see kvcodec._numba_cache
+
 from kvcodec.quant.codebooks import expected_distortion, lloyd_max_codebook, lloyd_max_thresholds
 from kvcodec.quant.compressed import QuantizedTensor
 from kvcodec.quant.kivi import KIVI

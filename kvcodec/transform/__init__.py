@@ -15,6 +15,10 @@ kvcodec's rANS; sinks and the recent window stay exact.
 See docs/transform.md.
 """
 
+from kvcodec import _numba_cache
+
+_numba_cache.lock_saves()  # before this package's kernels can compile: see kvcodec._numba_cache
+
 from kvcodec.transform.calibration import Calibration, fit
 from kvcodec.transform.codec import decode, encode, inspect, verify
 from kvcodec.transform.hf import decode_cache, encode_cache

@@ -6,6 +6,10 @@ coded byte. ``compress_model`` / ``decompress_model`` (``runtime``), ``save_mode
 (``checkpoint``). See docs/weights.md.
 """
 
+from kvcodec import _numba_cache
+
+_numba_cache.lock_saves()  # before this package's kernels can compile: see kvcodec._numba_cache
+
 from kvcodec.weights.blob import HostWeight, encode
 from kvcodec.weights.checkpoint import load_model, save_model
 from kvcodec.weights.report import WeightReport, WeightRow
