@@ -530,8 +530,7 @@ def _chunk_decoder(consts, mag: int):
 
 # (dtype, "mag" flag) of the streams the encoder writes by default: 16-bit without the flag, fp8 e4m3 with it
 # (external prediction) and without; each has a kernel of its own (~13 s to compile), other layouts the generic one
-_SPECIALISED = tuple((t, mag) for t, mags in ((torch.bfloat16, (0,)), (torch.float16, (0,)),
-                                              (getattr(torch, "float8_e4m3fn", None), (0, 1))) if t for mag in mags)
+_SPECIALISED = ((torch.bfloat16, 0), (torch.float16, 0), (torch.float8_e4m3fn, 0), (torch.float8_e4m3fn, 1))
 _DECODERS: dict = {}
 
 
@@ -586,7 +585,7 @@ def _specialised_consts() -> frozenset:
     """(bit layout, "mag" flag) pairs with a kernel of their own: bf16 (also float32's upper halves) and
     fp16 without the flag, fp8 e4m3 with and without it."""
     return frozenset(((g.width, g.sign, g.mb, g.maxmag, g.eoff), mag)
-                     for g, mag in ((bin_grid(t), mag) for t, mag in _SPECIALISED))
+                     for t, mag in _SPECIALISED for g in [bin_grid(t)])
 
 
 _ = N_CLASSES  # tables are [N_CLASSES * 4096]: one per class of ``bins.locate``

@@ -436,10 +436,11 @@ def _decode_v2(ps: ParsedStream, pred, threads: int, start: int, stop: int) -> n
                     raise CorruptStreamError("predictive stream payload is corrupted (rANS state check failed)")
                 return out[:, start - t0:stop - t0]
             values = value_table(grid)
-            if not (values.view(np.uint32) & 0xFFFF).any():  # every value a bfloat16 (fp8): the layer's
-                # prediction as bf16 bit patterns (the same values), the type of every other fp8 decode's
-                # prediction, so one compiled kernel serves them all
-                values = (values.view(np.uint32) >> 16).astype(np.uint16)
+            bits = values.view(np.uint32)
+            if not (bits & 0xFFFF).any():  # every value a bfloat16 (fp8): the layer's prediction as bf16 bit
+                # patterns (the same values), the type of every other fp8 decode's prediction, so one
+                # compiled kernel serves them all
+                values = (bits >> 16).astype(np.uint16)
             p_layer = np.zeros((per_layer, out.shape[1], d), values.dtype)
             bounds = np.searchsorted(cg0, np.arange(ps.shape[0] + 1) * per_layer)  # chunks are layer-major
             for layer in range(ps.shape[0]):
